@@ -1,0 +1,55 @@
+// CPU reference for page encoding and mixed-format decode attention. The
+// worker's CPU backend runs these directly; CUDA kernels are tested against
+// them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/layout.h"
+
+namespace triax::kernels {
+
+// Encodes tokens [0, num_tokens) of one page from BF16 K and V given
+// token-major ([num_tokens][H][D]) into `page` (PageBytes(f, shape) bytes).
+// 1 <= num_tokens <= shape.tokens; slots past num_tokens are zeroed.
+void EncodePage(Format f, const PageShape& shape, const uint16_t* k_bf16,
+                const uint16_t* v_bf16, int num_tokens, uint8_t* page);
+
+// Decodes tokens [0, num_tokens) of a page into float32, token-major
+// ([num_tokens][H][D]). Either output may be null.
+void DecodePage(Format f, const PageShape& shape, const uint8_t* page,
+                int num_tokens, float* k_out, float* v_out);
+
+// Writes token `t` (H*D BF16 values each for K and V, [H][D]) into a BF16
+// page in place; used for the recent window, which is BF16 pages.
+void WriteBf16Token(const PageShape& shape, const uint16_t* k_bf16,
+                    const uint16_t* v_bf16, int t, uint8_t* page);
+
+// One page of a sequence as attention sees it, in sequence order.
+struct PageRef {
+  Format format = Format::kBF16;
+  const uint8_t* data = nullptr;
+  int num_tokens = 0;  // valid tokens in this page, 1..shape.tokens
+};
+
+// Decode attention for one query vector set over a list of pages of mixed
+// formats (the BF16 recent window is simply BF16 pages at the end).
+//   q:   float32 [n_q_heads][D]; query head h uses KV head h / (Hq / H)
+//   out: float32 [n_q_heads][D]
+//   Tokens attended: the first `attend_tokens` tokens of the concatenated
+//   pages (causal limit); 1 <= attend_tokens <= sum of num_tokens.
+// Softmax in float32 with max subtraction; scores use `scale`.
+struct DecodeParams {
+  const float* q = nullptr;
+  float* out = nullptr;
+  int n_q_heads = 0;
+  PageShape shape;  // heads = KV heads
+  float scale = 0.f;
+  const PageRef* pages = nullptr;
+  int num_pages = 0;
+  long attend_tokens = 0;
+};
+void DecodeAttentionRef(const DecodeParams& p);
+
+}  // namespace triax::kernels
