@@ -1,0 +1,1 @@
+#include "client/kv_client.h"

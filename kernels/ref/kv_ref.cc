@@ -1,0 +1,1 @@
+#include "kernels/ref/kv_ref.h"
