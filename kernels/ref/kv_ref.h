@@ -1,6 +1,16 @@
 // CPU reference for page encoding and mixed-format decode attention. The
 // worker's CPU backend runs these directly; CUDA kernels are tested against
 // them.
+//
+// Preconditions (callers validate; nothing is checked here): shape.heads >= 1,
+// 1 <= shape.tokens, head_dim even, and for INT4/INT2 head_dim * bits % 8 ==
+// 0 (INT2: head_dim % 4 == 0) and the value group divides head_dim (the
+// default min(32, D) does for D <= 32 or D % 32 == 0). With valid
+// parameters no function reads or writes outside the buffers described.
+//
+// Thread contract: all functions are thread-safe; each thread keeps its own
+// float scratch (thread_local, grown on demand, never shrunk: about
+// 8 * T * D bytes), so repeated attention calls do not allocate.
 #pragma once
 
 #include <cstddef>
@@ -39,7 +49,9 @@ struct PageRef {
 //   out: float32 [n_q_heads][D]
 //   Tokens attended: the first `attend_tokens` tokens of the concatenated
 //   pages (causal limit); 1 <= attend_tokens <= sum of num_tokens.
-// Softmax in float32 with max subtraction; scores use `scale`.
+// Softmax in float32 with max subtraction; scores use `scale`. Each page is
+// decoded once per KV head into scratch and shared by the head's query
+// group; a per-page online softmax keeps a single pass over the pages.
 struct DecodeParams {
   const float* q = nullptr;
   float* out = nullptr;

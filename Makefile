@@ -1,0 +1,44 @@
+# The two commands:
+#   make demo   install what is missing, build, run manager + CPU worker + reference frontend
+#   make test   install what is missing, build everything, run the whole suite with ctest
+#
+# Variables: BUILD_DIR (build), BUILD_TYPE (Release), JOBS (nproc),
+# TRIAX_DATA_DIR (../shared/data), CMAKE_ARGS (extra configure flags).
+
+BUILD_DIR  ?= build
+BUILD_TYPE ?= Release
+JOBS       ?= $(shell nproc)
+TRIAX_DATA_DIR ?= $(abspath $(CURDIR)/../shared/data)
+CMAKE_ARGS ?=
+
+.PHONY: all deps configure build demo test clean format
+
+all: build
+
+deps:
+	@bash scripts/install_deps.sh
+
+$(BUILD_DIR)/CMakeCache.txt: CMakeLists.txt
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	  -DTRIAX_DATA_DIR=$(TRIAX_DATA_DIR) $(CMAKE_ARGS)
+
+configure: deps $(BUILD_DIR)/CMakeCache.txt
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+# The demo needs only the three programs it runs.
+demo: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target kvmanager kvworker kvdemo
+	TRIAX_DATA_DIR=$(TRIAX_DATA_DIR) bash scripts/demo.sh $(BUILD_DIR)/bin
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
+
+format:
+	find common kernels kvmanager worker client tests bench \
+	  \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) \
+	  -exec clang-format -i --style=file {} +
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Starts a kvmanager and a CPU kvworker as separate processes on loopback,
+# runs the reference frontend's demo (kvdemo) against them, and stops them.
+#   scripts/demo.sh BIN_DIR [extra kvdemo flags]
+set -euo pipefail
+
+bin=${1:?usage: scripts/demo.sh BIN_DIR [kvdemo flags]}
+shift
+data=${TRIAX_DATA_DIR:-$(cd "$(dirname "$0")/.." && pwd)/../shared/data}
+run=$(mktemp -d /tmp/triaxkv-demo.XXXXXX)
+pids=()
+
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$run"
+}
+trap cleanup EXIT
+
+wait_port() {  # file, name, pid
+  for _ in $(seq 1 100); do
+    if [ -s "$1" ]; then return 0; fi
+    if ! kill -0 "$3" 2>/dev/null; then
+      echo "demo: $2 exited during start-up; its log:" >&2
+      cat "$run/$2.log" >&2
+      exit 1
+    fi
+    sleep 0.1
+  done
+  echo "demo: $2 did not start within 10 s" >&2
+  exit 1
+}
+
+"$bin/kvmanager" --listen 127.0.0.1:0 --port_file "$run/manager.port" \
+  >"$run/kvmanager.log" 2>&1 &
+pids+=($!)
+wait_port "$run/manager.port" kvmanager "${pids[-1]}"
+manager="127.0.0.1:$(cat "$run/manager.port")"
+
+"$bin/kvworker" --listen 127.0.0.1:0 --port_file "$run/worker.port" \
+  --manager "$manager" --worker_id demo-cpu-0 --pool_mb 1024 \
+  >"$run/kvworker.log" 2>&1 &
+pids+=($!)
+wait_port "$run/worker.port" kvworker "${pids[-1]}"
+
+echo "demo: kvmanager on $manager (pid ${pids[0]}), kvworker on 127.0.0.1:$(cat "$run/worker.port") (pid ${pids[1]})"
+echo "demo: data directory $data"
+status=0
+"$bin/kvdemo" --manager "$manager" --data_dir "$data" "$@" || status=$?
+if [ $status -ne 0 ]; then
+  echo "demo: kvdemo failed with exit code $status; last lines of the service logs:" >&2
+  tail -n 20 "$run/kvmanager.log" "$run/kvworker.log" >&2
+fi
+exit $status
