@@ -1,0 +1,367 @@
+// manager_bench: control-plane throughput and latency of a real kvmanager
+// process over gRPC on loopback.
+//
+// Starts the kvmanager binary (--kvmanager) on a free port (--port_file),
+// registers one fake worker with a huge capacity (heartbeating every 500 ms),
+// creates --tenants tenants, then for each N in --clients runs N client
+// threads for --seconds. Each client has its OWN channel (a separate TCP
+// connection) and loops over one session:
+//   OpenSequence   5 spans, 600 tokens (system 200, tool_schema 150, user 100,
+//                  assistant 100, user 50) -> 41 blocks at T = 16
+//   ExtendSequence new turn, 2 spans (assistant 60, user 40) -> 7 blocks
+//   CloseSequence
+// Model shape: 32 layers, 8 KV heads, 32 query heads, head_dim 128.
+// Prints a markdown table: RPCs/s, blocks planned/s (blocks of Open plus new
+// blocks of Extend), and p50/p99 latency per RPC. The subprocess is
+// terminated at the end (SIGTERM, then SIGKILL after 5 s).
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "triax/v1/manager.grpc.pb.h"
+
+extern char** environ;
+
+ABSL_FLAG(std::string, kvmanager, "",
+          "path of the kvmanager binary; default: next to this binary");
+ABSL_FLAG(std::string, clients, "1,16,64", "comma-separated client counts");
+ABSL_FLAG(int, seconds, 5, "seconds per client count");
+ABSL_FLAG(int, tenants, 4, "tenants the clients spread over");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace v1 = triax::v1;
+
+std::string SelfDir() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  std::string path(buf, n);
+  return path.substr(0, path.rfind('/'));
+}
+
+// The kvmanager subprocess; terminated by the destructor.
+class Manager {
+ public:
+  bool Start(const std::string& binary, const std::string& dir) {
+    port_file_ = dir + "/port";
+    log_file_ = dir + "/kvmanager.log";
+    std::vector<std::string> args = {binary, "--listen=127.0.0.1:0",
+                                     "--port_file=" + port_file_,
+                                     "--worker_timeout_ms=10000"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, log_file_.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    const int rc = posix_spawn(&pid_, binary.c_str(), &actions, nullptr,
+                               argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) {
+      std::cerr << "cannot start " << binary << ": " << strerror(rc) << "\n";
+      pid_ = -1;
+      return false;
+    }
+    for (int i = 0; i < 200; ++i) {
+      std::ifstream in(port_file_);
+      int port = 0;
+      if (in >> port && port > 0) {
+        port_ = port;
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    std::cerr << "kvmanager did not write " << port_file_
+              << " within 10 s; see " << log_file_ << "\n";
+    return false;
+  }
+
+  ~Manager() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGTERM);
+    for (int i = 0; i < 100; ++i) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+
+  int port() const { return port_; }
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string port_file_, log_file_;
+};
+
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& target,
+                                          int index) {
+  grpc::ChannelArguments args;
+  // A distinct argument per client keeps channels from sharing a connection.
+  args.SetInt("triax.bench.client", index);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(),
+                                   args);
+}
+
+struct ClientStats {
+  std::vector<double> open_ms, extend_ms, close_ms;
+  uint64_t blocks = 0;
+  uint64_t errors = 0;
+  std::string first_error;
+};
+
+void AddSpan(google::protobuf::RepeatedPtrField<v1::Span>* spans, v1::Role role,
+             uint32_t n) {
+  auto* s = spans->Add();
+  s->set_role(role);
+  s->set_modality(v1::MODALITY_TEXT);
+  s->set_num_tokens(n);
+}
+
+void RunClient(const std::string& target, int index, const std::string& tenant,
+               Clock::time_point deadline, ClientStats* stats) {
+  auto stub = v1::Manager::NewStub(NewChannel(target, index));
+  v1::OpenSequenceRequest open;
+  open.set_tenant_id(tenant);
+  auto* m = open.mutable_model();
+  m->set_name("bench-8b");
+  m->set_n_layers(32);
+  m->set_n_kv_heads(8);
+  m->set_n_q_heads(32);
+  m->set_head_dim(128);
+  AddSpan(open.mutable_spans(), v1::ROLE_SYSTEM, 200);
+  AddSpan(open.mutable_spans(), v1::ROLE_TOOL_SCHEMA, 150);
+  AddSpan(open.mutable_spans(), v1::ROLE_USER, 100);
+  AddSpan(open.mutable_spans(), v1::ROLE_ASSISTANT, 100);
+  AddSpan(open.mutable_spans(), v1::ROLE_USER, 50);
+  v1::ExtendSequenceRequest extend;
+  extend.set_tenant_id(tenant);
+  extend.set_new_turn(true);
+  AddSpan(extend.mutable_spans(), v1::ROLE_ASSISTANT, 60);
+  AddSpan(extend.mutable_spans(), v1::ROLE_USER, 40);
+  v1::CloseSequenceRequest close;
+  close.set_tenant_id(tenant);
+
+  auto fail = [&](const char* what, const grpc::Status& s) {
+    if (stats->errors++ == 0) {
+      stats->first_error =
+          absl::StrCat(what, ": ", s.error_code(), " ", s.error_message());
+    }
+  };
+  uint64_t n = 0;
+  while (Clock::now() < deadline) {
+    const std::string rid = absl::StrCat("c", index, "-", n++);
+    open.set_request_id("o" + rid);
+    v1::OpenSequenceResponse open_resp;
+    auto t0 = Clock::now();
+    grpc::Status s;
+    {
+      grpc::ClientContext ctx;
+      s = stub->OpenSequence(&ctx, open, &open_resp);
+    }
+    auto t1 = Clock::now();
+    if (!s.ok()) {
+      fail("OpenSequence", s);
+      continue;
+    }
+    stats->open_ms.push_back(
+        std::chrono::duration<double, std::milli>(t1 - t0).count());
+    stats->blocks += open_resp.sequence().blocks_size();
+    const std::string& seq = open_resp.sequence().sequence_id();
+
+    extend.set_request_id("e" + rid);
+    extend.set_sequence_id(seq);
+    v1::ExtendSequenceResponse ext_resp;
+    t0 = Clock::now();
+    {
+      grpc::ClientContext ctx;
+      s = stub->ExtendSequence(&ctx, extend, &ext_resp);
+    }
+    t1 = Clock::now();
+    if (s.ok()) {
+      stats->extend_ms.push_back(
+          std::chrono::duration<double, std::milli>(t1 - t0).count());
+      stats->blocks += ext_resp.new_blocks_size();
+    } else {
+      fail("ExtendSequence", s);
+    }
+
+    close.set_request_id("x" + rid);
+    close.set_sequence_id(seq);
+    v1::CloseSequenceResponse close_resp;
+    t0 = Clock::now();
+    {
+      grpc::ClientContext ctx;
+      s = stub->CloseSequence(&ctx, close, &close_resp);
+    }
+    t1 = Clock::now();
+    if (s.ok()) {
+      stats->close_ms.push_back(
+          std::chrono::duration<double, std::milli>(t1 - t0).count());
+    } else {
+      fail("CloseSequence", s);
+    }
+  }
+}
+
+double Percentile(std::vector<double>* v, double p) {
+  if (v->empty()) return 0;
+  std::sort(v->begin(), v->end());
+  const size_t i = std::min(v->size() - 1, static_cast<size_t>(p * v->size()));
+  return (*v)[i];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  std::string binary = absl::GetFlag(FLAGS_kvmanager);
+  if (binary.empty()) binary = SelfDir() + "/kvmanager";
+  std::vector<int> levels;
+  for (absl::string_view part :
+       absl::StrSplit(absl::GetFlag(FLAGS_clients), ',')) {
+    int n = 0;
+    if (!absl::SimpleAtoi(part, &n) || n < 1) {
+      std::cerr << "--clients: bad count \"" << part << "\"\n";
+      return 2;
+    }
+    levels.push_back(n);
+  }
+  const int seconds = absl::GetFlag(FLAGS_seconds);
+  const int tenants = std::max(1, absl::GetFlag(FLAGS_tenants));
+
+  char dir_template[] = "/tmp/manager_bench.XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  if (dir == nullptr) {
+    std::cerr << "mkdtemp failed\n";
+    return 1;
+  }
+  Manager manager;
+  if (!manager.Start(binary, dir)) return 1;
+  const std::string target = absl::StrCat("127.0.0.1:", manager.port());
+
+  auto admin = v1::Manager::NewStub(NewChannel(target, -1));
+  {
+    v1::RegisterWorkerRequest req;
+    req.set_request_id("bench-register");
+    req.set_worker_id("bench-worker");
+    req.set_address("127.0.0.1:1");
+    req.set_backend("cpu");
+    req.set_capacity_bytes(uint64_t{1} << 62);
+    v1::RegisterWorkerResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(10));
+    grpc::Status s = admin->RegisterWorker(&ctx, req, &resp);
+    if (!s.ok()) {
+      std::cerr << "RegisterWorker: " << s.error_message() << "\n";
+      return 1;
+    }
+  }
+  for (int t = 0; t < tenants; ++t) {
+    v1::CreateTenantRequest req;
+    req.set_tenant_id(absl::StrCat("bench-t", t));
+    v1::CreateTenantResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = admin->CreateTenant(&ctx, req, &resp);
+    if (!s.ok()) {
+      std::cerr << "CreateTenant: " << s.error_message() << "\n";
+      return 1;
+    }
+  }
+  absl::Notification stop_heartbeat;
+  std::thread heartbeat([&] {
+    while (!stop_heartbeat.WaitForNotificationWithTimeout(
+        absl::Milliseconds(500))) {
+      v1::HeartbeatRequest req;
+      req.set_worker_id("bench-worker");
+      v1::HeartbeatResponse resp;
+      grpc::ClientContext ctx;
+      admin->Heartbeat(&ctx, req, &resp);
+    }
+  });
+
+  const unsigned cores = std::thread::hardware_concurrency();
+  std::printf(
+      "kvmanager at %s, %u cores (nproc), %d s per level, one channel per "
+      "client\n\n",
+      target.c_str(), cores, seconds);
+  std::printf(
+      "| clients | RPCs/s | sessions/s | blocks planned/s | open p50/p99 ms | "
+      "extend p50/p99 ms | close p50/p99 ms | errors |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  int failures = 0;
+  for (int n : levels) {
+    std::vector<ClientStats> stats(n);
+    std::vector<std::thread> threads;
+    const auto start = Clock::now();
+    const auto deadline = start + std::chrono::seconds(seconds);
+    for (int i = 0; i < n; ++i) {
+      threads.emplace_back(RunClient, target, i,
+                           absl::StrCat("bench-t", i % tenants), deadline,
+                           &stats[i]);
+    }
+    for (auto& t : threads) t.join();
+    const double elapsed =
+        std::chrono::duration<double>(Clock::now() - start).count();
+    ClientStats all;
+    for (auto& s : stats) {
+      all.open_ms.insert(all.open_ms.end(), s.open_ms.begin(), s.open_ms.end());
+      all.extend_ms.insert(all.extend_ms.end(), s.extend_ms.begin(),
+                           s.extend_ms.end());
+      all.close_ms.insert(all.close_ms.end(), s.close_ms.begin(),
+                          s.close_ms.end());
+      all.blocks += s.blocks;
+      all.errors += s.errors;
+      if (all.first_error.empty()) all.first_error = s.first_error;
+    }
+    const double rpcs =
+        all.open_ms.size() + all.extend_ms.size() + all.close_ms.size();
+    std::printf(
+        "| %d | %.0f | %.0f | %.0f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f | "
+        "%llu |\n",
+        n, rpcs / elapsed, all.close_ms.size() / elapsed, all.blocks / elapsed,
+        Percentile(&all.open_ms, 0.5), Percentile(&all.open_ms, 0.99),
+        Percentile(&all.extend_ms, 0.5), Percentile(&all.extend_ms, 0.99),
+        Percentile(&all.close_ms, 0.5), Percentile(&all.close_ms, 0.99),
+        static_cast<unsigned long long>(all.errors));
+    std::fflush(stdout);
+    if (all.errors > 0) {
+      std::fprintf(stderr, "first error at %d clients: %s\n", n,
+                   all.first_error.c_str());
+      ++failures;
+    }
+  }
+  stop_heartbeat.Notify();
+  heartbeat.join();
+  return failures == 0 ? 0 : 1;
+}

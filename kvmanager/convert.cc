@@ -1,0 +1,239 @@
+#include "kvmanager/convert.h"
+
+namespace triax::manager {
+
+RegisterWorkerRequest FromProto(const v1::RegisterWorkerRequest& p) {
+  RegisterWorkerRequest d;
+  d.request_id = p.request_id();
+  d.worker_id = p.worker_id();
+  d.address = p.address();
+  d.backend = p.backend();
+  d.capacity_bytes = p.capacity_bytes();
+  return d;
+}
+
+Inventory FromProto(const v1::Inventory& p) {
+  Inventory d;
+  d.capacity_bytes = p.capacity_bytes();
+  d.used_bytes = p.used_bytes();
+  d.window_bytes = p.window_bytes();
+  d.formats.reserve(p.formats_size());
+  for (const auto& f : p.formats()) {
+    d.formats.push_back(FormatInventory{static_cast<Format>(f.format()),
+                                        f.pages_used(), f.bytes_used()});
+  }
+  d.sequence_ids.assign(p.sequence_ids().begin(), p.sequence_ids().end());
+  return d;
+}
+
+Budget FromProto(const v1::Budget& p) {
+  return Budget{static_cast<Tier>(p.tier()), p.floor_bytes(),
+                p.ceiling_bytes()};
+}
+
+CreateTenantRequest FromProto(const v1::CreateTenantRequest& p) {
+  CreateTenantRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  for (const auto& b : p.budgets()) d.budgets.push_back(FromProto(b));
+  d.default_policy = p.default_policy();
+  return d;
+}
+
+SetBudgetRequest FromProto(const v1::SetBudgetRequest& p) {
+  SetBudgetRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.budget = FromProto(p.budget());
+  return d;
+}
+
+ModelShape FromProto(const v1::ModelShape& p) {
+  ModelShape d;
+  d.name = p.name();
+  d.n_layers = p.n_layers();
+  d.n_kv_heads = p.n_kv_heads();
+  d.n_q_heads = p.n_q_heads();
+  d.head_dim = p.head_dim();
+  return d;
+}
+
+Span FromProto(const v1::Span& p) {
+  return Span{static_cast<Role>(p.role()), static_cast<Modality>(p.modality()),
+              p.num_tokens()};
+}
+
+OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p) {
+  OpenSequenceRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.model = FromProto(p.model());
+  d.spans.reserve(p.spans_size());
+  for (const auto& s : p.spans()) d.spans.push_back(FromProto(s));
+  d.block_tokens = p.block_tokens();
+  d.policy = p.policy();
+  return d;
+}
+
+ExtendSequenceRequest FromProto(const v1::ExtendSequenceRequest& p) {
+  ExtendSequenceRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.spans.reserve(p.spans_size());
+  for (const auto& s : p.spans()) d.spans.push_back(FromProto(s));
+  d.new_turn = p.new_turn();
+  d.continue_last_span = p.continue_last_span();
+  return d;
+}
+
+ForkSequenceRequest FromProto(const v1::ForkSequenceRequest& p) {
+  ForkSequenceRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.parent_sequence_id = p.parent_sequence_id();
+  d.num_tokens = p.num_tokens();
+  return d;
+}
+
+CloseSequenceRequest FromProto(const v1::CloseSequenceRequest& p) {
+  CloseSequenceRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  return d;
+}
+
+EventFilter FromProto(const v1::WatchEventsRequest& p) {
+  EventFilter f;
+  f.tenant_id = p.tenant_id();
+  f.sequence_id = p.sequence_id();
+  f.lineage_id = p.lineage_id();
+  return f;
+}
+
+void ToProto(const Tag& d, v1::Tag* p) {
+  p->set_temporal(static_cast<v1::Temporal>(d.temporal));
+  p->set_modality(static_cast<v1::Modality>(d.modality));
+  p->set_role(static_cast<v1::Role>(d.role));
+}
+
+void ToProto(const ModelShape& d, v1::ModelShape* p) {
+  p->set_name(d.name);
+  p->set_n_layers(d.n_layers);
+  p->set_n_kv_heads(d.n_kv_heads);
+  p->set_n_q_heads(d.n_q_heads);
+  p->set_head_dim(d.head_dim);
+}
+
+void ToProto(const BlockPlan& d, v1::BlockPlan* p) {
+  p->set_index(d.index);
+  p->set_lineage_id(d.lineage_id);
+  p->set_first_token(d.first_token);
+  p->set_num_tokens(d.num_tokens);
+  p->set_capacity(d.capacity);
+  ToProto(d.tag, p->mutable_tag());
+  p->set_format(static_cast<v1::Format>(d.format));
+  p->set_refcount(d.refcount);
+}
+
+void ToProto(const Budget& d, v1::Budget* p) {
+  p->set_tier(static_cast<v1::Tier>(d.tier));
+  p->set_floor_bytes(d.floor_bytes);
+  p->set_ceiling_bytes(d.ceiling_bytes);
+}
+
+void ToProto(const TenantInfo& d, v1::TenantInfo* p) {
+  p->set_tenant_id(d.tenant_id);
+  for (const Budget& b : d.budgets) ToProto(b, p->add_budgets());
+  for (const TierUsage& u : d.usage) {
+    auto* pu = p->add_usage();
+    pu->set_tier(static_cast<v1::Tier>(u.tier));
+    pu->set_used_bytes(u.used_bytes);
+  }
+  p->set_open_sequences(d.open_sequences);
+}
+
+void ToProto(const Inventory& d, v1::Inventory* p) {
+  p->set_capacity_bytes(d.capacity_bytes);
+  p->set_used_bytes(d.used_bytes);
+  p->set_window_bytes(d.window_bytes);
+  for (const FormatInventory& f : d.formats) {
+    auto* pf = p->add_formats();
+    pf->set_format(static_cast<v1::Format>(f.format));
+    pf->set_pages_used(f.pages_used);
+    pf->set_bytes_used(f.bytes_used);
+  }
+  for (const std::string& s : d.sequence_ids) p->add_sequence_ids(s);
+}
+
+void ToProto(const WorkerInfo& d, v1::WorkerInfo* p) {
+  p->set_worker_id(d.worker_id);
+  p->set_address(d.address);
+  p->set_backend(d.backend);
+  p->set_state(static_cast<v1::WorkerState>(d.state));
+  p->set_capacity_bytes(d.capacity_bytes);
+  p->set_reserved_bytes(d.reserved_bytes);
+  ToProto(d.inventory, p->mutable_inventory());
+  p->set_last_heartbeat_unix_ms(d.last_heartbeat_unix_ms);
+  p->set_sequences(d.sequences);
+}
+
+void ToProto(const SequenceInfo& d, v1::SequenceInfo* p) {
+  p->set_sequence_id(d.sequence_id);
+  p->set_tenant_id(d.tenant_id);
+  ToProto(d.model, p->mutable_model());
+  p->set_worker_id(d.worker_id);
+  p->set_worker_address(d.worker_address);
+  p->set_state(static_cast<v1::SequenceState>(d.state));
+  p->set_block_tokens(d.block_tokens);
+  p->set_num_tokens(d.num_tokens);
+  p->set_turns(d.turns);
+  p->set_policy(d.policy);
+  p->set_parent_sequence_id(d.parent_sequence_id);
+  p->mutable_blocks()->Reserve(static_cast<int>(d.blocks.size()));
+  for (const BlockPlan& b : d.blocks) ToProto(b, p->add_blocks());
+  p->set_bytes(d.bytes);
+  for (uint64_t id : d.lost_lineage_ids) p->add_lost_lineage_ids(id);
+}
+
+void ToProto(const Event& d, v1::Event* p) {
+  p->set_id(d.id);
+  p->set_unix_ms(d.unix_ms);
+  p->set_kind(static_cast<v1::EventKind>(d.kind));
+  p->set_lineage_id(d.lineage_id);
+  p->set_sequence_id(d.sequence_id);
+  p->set_tenant_id(d.tenant_id);
+  p->set_worker_id(d.worker_id);
+  if (d.lineage_id != 0) {
+    ToProto(d.tag, p->mutable_tag());
+    p->set_format(static_cast<v1::Format>(d.format));
+  }
+  p->set_detail(d.detail);
+  for (uint64_t id : d.lineage_ids) p->add_lineage_ids(id);
+}
+
+void ToProto(const RegisterWorkerResult& d, v1::RegisterWorkerResponse* p) {
+  p->set_heartbeat_interval_ms(d.heartbeat_interval_ms);
+  for (const std::string& s : d.lost_sequence_ids) p->add_lost_sequence_ids(s);
+}
+
+void ToProto(const ExtendSequenceResult& d, v1::ExtendSequenceResponse* p) {
+  ToProto(d.sequence, p->mutable_sequence());
+  for (const BlockPlan& b : d.new_blocks) ToProto(b, p->add_new_blocks());
+  for (const BlockPlan& b : d.grown_blocks) ToProto(b, p->add_grown_blocks());
+  for (const BlockPlan& b : d.retagged_blocks)
+    ToProto(b, p->add_retagged_blocks());
+}
+
+void ToProto(const CloseSequenceResult& d, v1::CloseSequenceResponse* p) {
+  for (uint64_t id : d.freed_lineage_ids) p->add_freed_lineage_ids(id);
+}
+
+void ToProto(const TraceResult& d, v1::QueryTraceResponse* p) {
+  ToProto(d.block, p->mutable_block());
+  p->set_sequence_id(d.sequence_id);
+  for (const Event& e : d.events) ToProto(e, p->add_events());
+}
+
+}  // namespace triax::manager

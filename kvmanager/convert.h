@@ -1,0 +1,41 @@
+// proto <-> domain conversion for the manager service, in one place. Enum
+// values are cast (both sides share numbers); range checks happen in the
+// core, so an out-of-range wire value is rejected there with the field name.
+#pragma once
+
+#include "kvmanager/types.h"
+#include "triax/v1/manager.pb.h"
+#include "triax/v1/types.pb.h"
+
+namespace triax::manager {
+
+// Requests.
+RegisterWorkerRequest FromProto(const v1::RegisterWorkerRequest& p);
+Inventory FromProto(const v1::Inventory& p);
+CreateTenantRequest FromProto(const v1::CreateTenantRequest& p);
+SetBudgetRequest FromProto(const v1::SetBudgetRequest& p);
+OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p);
+ExtendSequenceRequest FromProto(const v1::ExtendSequenceRequest& p);
+ForkSequenceRequest FromProto(const v1::ForkSequenceRequest& p);
+CloseSequenceRequest FromProto(const v1::CloseSequenceRequest& p);
+EventFilter FromProto(const v1::WatchEventsRequest& p);
+Budget FromProto(const v1::Budget& p);
+ModelShape FromProto(const v1::ModelShape& p);
+Span FromProto(const v1::Span& p);
+
+// Replies and infos.
+void ToProto(const Tag& d, v1::Tag* p);
+void ToProto(const ModelShape& d, v1::ModelShape* p);
+void ToProto(const BlockPlan& d, v1::BlockPlan* p);
+void ToProto(const Budget& d, v1::Budget* p);
+void ToProto(const TenantInfo& d, v1::TenantInfo* p);
+void ToProto(const Inventory& d, v1::Inventory* p);
+void ToProto(const WorkerInfo& d, v1::WorkerInfo* p);
+void ToProto(const SequenceInfo& d, v1::SequenceInfo* p);
+void ToProto(const Event& d, v1::Event* p);
+void ToProto(const RegisterWorkerResult& d, v1::RegisterWorkerResponse* p);
+void ToProto(const ExtendSequenceResult& d, v1::ExtendSequenceResponse* p);
+void ToProto(const CloseSequenceResult& d, v1::CloseSequenceResponse* p);
+void ToProto(const TraceResult& d, v1::QueryTraceResponse* p);
+
+}  // namespace triax::manager

@@ -1,0 +1,123 @@
+// kvmanager: the triaxkv control-plane server. Flags and the server builder
+// only; the logic lives in manager_core (kvmanager/manager_core.h) and its
+// gRPC adapter (kvmanager/manager_service.h).
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "kvmanager/manager_core.h"
+#include "kvmanager/manager_service.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
+          "host:port to listen on; port 0 picks a free port");
+ABSL_FLAG(
+    std::string, port_file, "",
+    "if set, the bound port is written here as decimal text (atomically)");
+ABSL_FLAG(int64_t, worker_timeout_ms, 3000,
+          "a worker without a heartbeat for this long is marked down");
+ABSL_FLAG(uint32_t, heartbeat_interval_ms, 1000,
+          "heartbeat interval told to workers at registration");
+ABSL_FLAG(uint32_t, default_block_tokens, 16,
+          "tokens per block when a request says 0 (1..4096)");
+ABSL_FLAG(uint32_t, recent_turns, 2,
+          "turns before the newest whose blocks are tagged RECENT_TURNS");
+ABSL_FLAG(uint64_t, event_retention, 1000000,
+          "lifecycle events kept for WatchEvents replay and QueryTrace");
+ABSL_FLAG(std::string, default_policy, "triaxial-static",
+          "policy table for tenants without their own: triaxial-static, bf16, "
+          "int4, int2");
+
+namespace {
+
+bool WritePortFile(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << port << "\n";
+    if (!out.good()) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  using triax::Kv;
+  using triax::Log;
+  using triax::LogLevel;
+
+  // Block the shutdown signals before gRPC starts threads, so that only
+  // sigwait below receives them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  triax::manager::ManagerOptions options;
+  options.worker_timeout_ms = absl::GetFlag(FLAGS_worker_timeout_ms);
+  options.heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
+  options.default_block_tokens = absl::GetFlag(FLAGS_default_block_tokens);
+  options.recent_turns = absl::GetFlag(FLAGS_recent_turns);
+  options.event_retention = absl::GetFlag(FLAGS_event_retention);
+  options.default_policy = absl::GetFlag(FLAGS_default_policy);
+  auto core =
+      triax::manager::ManagerCore::Create(options, triax::RealClock::Get());
+  if (!core.ok()) {
+    Log(LogLevel::kError, "manager", "bad flags",
+        Kv("error", core.status().ToString()));
+    return 2;
+  }
+  // Check often enough that a silent worker is noticed within ~1/4 of the
+  // timeout past it.
+  const int64_t check_ms = std::max<int64_t>(
+      10, std::min<int64_t>(1000, options.worker_timeout_ms / 4));
+  triax::manager::ManagerService service(core->get(), check_ms);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    Log(LogLevel::kError, "manager", "cannot listen", Kv("listen", listen));
+    return 1;
+  }
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if (!port_file.empty() && !WritePortFile(port_file, port)) {
+    Log(LogLevel::kError, "manager", "cannot write port file",
+        Kv("path", port_file));
+    server->Shutdown();
+    return 1;
+  }
+  std::cout << "kvmanager listening on " << host << ":" << port << std::endl;
+  Log(LogLevel::kInfo, "manager", "listening",
+      absl::StrCat(Kv("address", absl::StrCat(host, ":", port)), " ",
+                   Kv("default_policy", options.default_policy), " ",
+                   Kv("worker_timeout_ms", options.worker_timeout_ms)));
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  Log(LogLevel::kInfo, "manager", "shutting down", Kv("signal", sig));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  service.Stop();
+  server->Wait();
+  return 0;
+}

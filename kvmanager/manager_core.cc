@@ -1,0 +1,1057 @@
+#include "kvmanager/manager_core.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/ids.h"
+#include "common/status_macros.h"
+
+namespace triax::manager {
+
+struct ManagerCore::Tenant {
+  std::string id;
+  std::array<std::optional<Budget>, kNumTiers> budgets;
+  std::array<uint64_t, kNumTiers> used{};
+  uint32_t open_sequences = 0;
+  std::string default_policy;
+};
+
+struct ManagerCore::Worker {
+  WorkerInfo info;  // reserved_bytes and sequences are kept below
+  uint64_t reserved = 0;
+  absl::flat_hash_set<Sequence*> open;
+};
+
+struct ManagerCore::Block {
+  uint32_t index = 0;
+  uint64_t lineage_id = 0;
+  uint64_t first_token = 0;
+  uint32_t num_tokens = 0;
+  uint32_t capacity = 0;
+  Tag tag;
+  Format format = Format::kBF16;
+  uint32_t refcount = 0;
+  uint32_t turn = 0;
+  uint64_t bytes = 0;
+  Tenant* charged = nullptr;
+  Worker* worker = nullptr;
+  std::string creator;
+};
+
+struct ManagerCore::Sequence {
+  std::string id;
+  Tenant* tenant = nullptr;
+  Worker* worker = nullptr;
+  ModelShape model;
+  SequenceState state = SequenceState::kOpen;
+  uint32_t block_tokens = 0;
+  uint64_t num_tokens = 0;
+  uint32_t current_turn = 0;
+  const PolicyTable* policy = nullptr;
+  std::string parent;
+  std::vector<Block*> blocks;
+  std::vector<uint32_t> turn_start;        // first block index of each turn
+  uint64_t bytes = 0;                      // sum of its blocks' bytes
+  std::array<uint64_t, 4> format_bytes{};  // per block, by Format value
+  std::vector<uint64_t> lost_lineage_ids;
+};
+
+namespace {
+
+absl::Status ValidateModel(const ModelShape& m) {
+  if (m.n_layers < 1 || m.n_layers > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.n_layers ", m.n_layers, " is outside 1..1024"));
+  }
+  if (m.n_kv_heads < 1 || m.n_kv_heads > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.n_kv_heads ", m.n_kv_heads, " is outside 1..1024"));
+  }
+  if (m.n_q_heads == 0 || m.n_q_heads % m.n_kv_heads != 0 ||
+      m.n_q_heads / m.n_kv_heads > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.n_q_heads ", m.n_q_heads,
+        " is not a positive multiple (at most 1024x) of n_kv_heads ",
+        m.n_kv_heads));
+  }
+  if (m.head_dim < 2 || m.head_dim > 512 || m.head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.head_dim ", m.head_dim, " is not an even number in 2..512"));
+  }
+  if (m.name.size() > 256) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.name is ", m.name.size(), " bytes long; the limit is 256"));
+  }
+  return absl::OkStatus();
+}
+
+// Validates spans and returns their total token count.
+absl::StatusOr<uint64_t> ValidateSpans(const std::vector<Span>& spans) {
+  if (spans.empty()) return absl::InvalidArgumentError("spans is empty");
+  uint64_t total = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const Span& s = spans[i];
+    if (!IsValid(s.role)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spans[", i, "].role is ", RoleName(s.role), "; a role is required"));
+    }
+    if (!IsValid(s.modality)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spans[", i, "].modality is ", ModalityName(s.modality)));
+    }
+    if (s.num_tokens < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spans[", i, "].num_tokens is 0; it must be >= 1"));
+    }
+    total += s.num_tokens;
+  }
+  return total;
+}
+
+Modality Normalize(Modality m) {
+  return m == Modality::kUnspecified ? Modality::kText : m;
+}
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+ManagerCore::ManagerCore(const ManagerOptions& options, const Clock* clock)
+    : options_(options),
+      clock_(clock),
+      events_(EventLog::Options{options.event_retention,
+                                options.watcher_queue_limit}),
+      register_cache_(options.idempotency_capacity),
+      tenant_cache_(options.idempotency_capacity),
+      open_cache_(options.idempotency_capacity),
+      extend_cache_(options.idempotency_capacity),
+      close_cache_(options.idempotency_capacity) {}
+
+ManagerCore::~ManagerCore() = default;
+
+absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
+    const ManagerOptions& options, const Clock* clock) {
+  if (clock == nullptr) return absl::InvalidArgumentError("clock is null");
+  TRIAX_RETURN_IF_ERROR(
+      FindPolicy("default_policy", options.default_policy).status());
+  if (options.default_block_tokens < 1 ||
+      options.default_block_tokens > kMaxBlockTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("default_block_tokens ", options.default_block_tokens,
+                     " is outside 1..", kMaxBlockTokens));
+  }
+  if (options.worker_timeout_ms <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker_timeout_ms ", options.worker_timeout_ms, " must be > 0"));
+  }
+  if (options.event_retention == 0 || options.watcher_queue_limit == 0) {
+    return absl::InvalidArgumentError(
+        "event_retention and watcher_queue_limit must be > 0");
+  }
+  return std::unique_ptr<ManagerCore>(new ManagerCore(options, clock));
+}
+
+// --- Helpers
+// -------------------------------------------------------------------
+
+Temporal ManagerCore::TemporalFor(uint32_t index, uint32_t turn,
+                                  uint32_t current) const {
+  if (index == 0) return Temporal::kSink;
+  if (turn >= current) return Temporal::kCurrentTurn;
+  if (current - turn <= options_.recent_turns) return Temporal::kRecentTurns;
+  return Temporal::kOlder;
+}
+
+Event ManagerCore::MakeEvent(EventKind kind, const Sequence* s,
+                             const Block* b) const {
+  Event e;
+  e.unix_ms = clock_->NowMs();
+  e.kind = kind;
+  if (s != nullptr) {
+    e.sequence_id = s->id;
+    e.tenant_id = s->tenant->id;
+    e.worker_id = s->worker->info.worker_id;
+  }
+  if (b != nullptr) {
+    e.lineage_id = b->lineage_id;
+    e.tag = b->tag;
+    e.format = b->format;
+  }
+  return e;
+}
+
+BlockPlan ManagerCore::PlanOf(const Block& b) const {
+  BlockPlan p;
+  p.index = b.index;
+  p.lineage_id = b.lineage_id;
+  p.first_token = b.first_token;
+  p.num_tokens = b.num_tokens;
+  p.capacity = b.capacity;
+  p.tag = b.tag;
+  p.format = b.format;
+  p.refcount = b.refcount;
+  return p;
+}
+
+SequenceInfo ManagerCore::InfoLocked(const Sequence& s,
+                                     bool with_blocks) const {
+  SequenceInfo info;
+  info.sequence_id = s.id;
+  info.tenant_id = s.tenant->id;
+  info.model = s.model;
+  info.worker_id = s.worker->info.worker_id;
+  info.worker_address = s.worker->info.address;
+  info.state = s.state;
+  info.block_tokens = s.block_tokens;
+  info.num_tokens = s.num_tokens;
+  info.turns = s.current_turn + 1;
+  info.policy = s.policy->name;
+  info.parent_sequence_id = s.parent;
+  info.bytes = s.bytes;
+  info.lost_lineage_ids = s.lost_lineage_ids;
+  if (with_blocks) {
+    info.blocks.reserve(s.blocks.size());
+    for (const Block* b : s.blocks) info.blocks.push_back(PlanOf(*b));
+  }
+  return info;
+}
+
+TenantInfo ManagerCore::TenantInfoLocked(const Tenant& t) const {
+  TenantInfo info;
+  info.tenant_id = t.id;
+  for (int tier = 1; tier < kNumTiers; ++tier) {
+    if (t.budgets[tier]) info.budgets.push_back(*t.budgets[tier]);
+    info.usage.push_back(TierUsage{static_cast<Tier>(tier), t.used[tier]});
+  }
+  info.open_sequences = t.open_sequences;
+  info.default_policy = t.default_policy;
+  return info;
+}
+
+WorkerInfo ManagerCore::WorkerInfoLocked(const Worker& w) const {
+  WorkerInfo info = w.info;
+  info.reserved_bytes = w.reserved;
+  info.sequences = static_cast<uint32_t>(w.open.size());
+  return info;
+}
+
+absl::StatusOr<ManagerCore::Tenant*> ManagerCore::FindTenantLocked(
+    const std::string& tenant_id) const {
+  TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", tenant_id));
+  auto it = tenants_.find(tenant_id);
+  if (it == tenants_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("tenant_id ", Quote(tenant_id), " is not a known tenant"));
+  }
+  return it->second.get();
+}
+
+absl::StatusOr<ManagerCore::Sequence*> ManagerCore::FindOpenSequenceLocked(
+    const std::string& tenant_id, const std::string& field,
+    const std::string& sequence_id) const {
+  TRIAX_ASSIGN_OR_RETURN(Tenant * tenant, FindTenantLocked(tenant_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId(field, sequence_id));
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat(field, " ", Quote(sequence_id),
+                                            " is not a known sequence"));
+  }
+  Sequence* s = it->second.get();
+  if (s->tenant != tenant) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, " ", Quote(sequence_id),
+                     " belongs to another tenant, not ", Quote(tenant_id)));
+  }
+  if (s->state != SequenceState::kOpen) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, " ", Quote(sequence_id), " is ",
+        s->state == SequenceState::kClosed ? "closed"
+                                           : "lost (its worker went down)"));
+  }
+  return s;
+}
+
+absl::Status ManagerCore::AdmitLocked(const Tenant& t, uint64_t bytes) const {
+  const int tier = static_cast<int>(Tier::kDevice);
+  if (!t.budgets[tier]) return absl::OkStatus();
+  const uint64_t ceiling = t.budgets[tier]->ceiling_bytes;
+  const uint64_t used = t.used[tier];
+  if (used + bytes <= ceiling) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("tenant ", Quote(t.id), " tier TIER_DEVICE: request needs ",
+                   bytes, " bytes, ", used, " of ceiling ", ceiling,
+                   " in use; over by ", used + bytes - ceiling, " bytes"));
+}
+
+absl::Status ManagerCore::FitsWorkerLocked(const Worker& w,
+                                           uint64_t bytes) const {
+  const uint64_t free =
+      w.info.capacity_bytes - std::min(w.reserved, w.info.capacity_bytes);
+  if (bytes <= free) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("worker ", Quote(w.info.worker_id), " has ", free,
+                   " free bytes; the request needs ", bytes, " bytes; over by ",
+                   bytes - free, " bytes"));
+}
+
+absl::StatusOr<ManagerCore::Worker*> ManagerCore::PlaceLocked(
+    uint64_t bytes) const {
+  Worker* best = nullptr;
+  uint64_t best_free = 0;
+  for (const auto& [id, w] : workers_) {
+    if (w->info.state != WorkerState::kUp) continue;
+    const uint64_t free =
+        w->info.capacity_bytes - std::min(w->reserved, w->info.capacity_bytes);
+    // Ties go to the smaller id so placement is deterministic.
+    if (best == nullptr || free > best_free ||
+        (free == best_free && id < best->info.worker_id)) {
+      best = w.get();
+      best_free = free;
+    }
+  }
+  if (best == nullptr) return absl::UnavailableError("no worker is up");
+  if (best_free < bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("no worker has room: the request needs ", bytes,
+                     " bytes; the largest free space is ", best_free,
+                     " bytes (worker ", Quote(best->info.worker_id),
+                     "); over by ", bytes - best_free, " bytes"));
+  }
+  return best;
+}
+
+ManagerCore::Block* ManagerCore::NewBlockLocked(Sequence* s,
+                                                const PlannedBlock& pb,
+                                                uint32_t turn,
+                                                std::vector<Event>* ev) {
+  auto block = std::make_unique<Block>();
+  Block* b = block.get();
+  b->index = static_cast<uint32_t>(s->blocks.size());
+  b->lineage_id = next_lineage_++;
+  b->first_token = pb.first_token;
+  b->num_tokens = pb.num_tokens;
+  b->capacity = s->block_tokens;
+  b->tag =
+      Tag{TemporalFor(b->index, turn, s->current_turn), pb.modality, pb.role};
+  b->format = s->policy->FormatFor(b->tag);
+  b->refcount = 1;
+  b->turn = turn;
+  b->bytes = s->format_bytes[static_cast<int>(b->format)];
+  b->charged = s->tenant;
+  b->worker = s->worker;
+  b->creator = s->id;
+  s->blocks.push_back(b);
+  s->bytes += b->bytes;
+  s->tenant->used[static_cast<int>(Tier::kDevice)] += b->bytes;
+  s->worker->reserved += b->bytes;
+  Event e = MakeEvent(EventKind::kBlockCreated, s, b);
+  e.detail = absl::StrCat("index=", b->index, " first_token=", b->first_token,
+                          " num_tokens=", b->num_tokens, " bytes=", b->bytes);
+  ev->push_back(std::move(e));
+  blocks_.emplace(b->lineage_id, std::move(block));
+  return b;
+}
+
+void ManagerCore::ReleaseBlockLocked(
+    Sequence* s, Block* b, bool lost, std::vector<uint64_t>* freed,
+    std::vector<Event>* ev, std::vector<EventLog::LastPlan>* forgotten) {
+  --b->refcount;
+  ev->push_back(MakeEvent(
+      lost ? EventKind::kBlockLost : EventKind::kBlockReleased, s, b));
+  if (b->refcount > 0) return;
+  b->charged->used[static_cast<int>(Tier::kDevice)] -= b->bytes;
+  b->worker->reserved -= b->bytes;
+  if (!lost) {
+    Event e = MakeEvent(EventKind::kBlockFreed, s, b);
+    e.detail = absl::StrCat("bytes=", b->bytes);
+    ev->push_back(std::move(e));
+  }
+  if (freed != nullptr) freed->push_back(b->lineage_id);
+  forgotten->push_back(EventLog::LastPlan{PlanOf(*b), b->creator});
+  blocks_.erase(b->lineage_id);
+}
+
+void ManagerCore::RetireLocked(Sequence* s) {
+  s->tenant->open_sequences--;
+  s->worker->open.erase(s);
+  s->blocks.clear();
+  s->blocks.shrink_to_fit();
+  s->turn_start.clear();
+  s->turn_start.shrink_to_fit();
+  s->bytes = 0;
+  retired_.push_back(s->id);
+  while (retired_.size() > options_.closed_retention) {
+    sequences_.erase(retired_.front());
+    retired_.pop_front();
+  }
+}
+
+void ManagerCore::MarkLostLocked(Sequence* s, const std::string& reason,
+                                 std::vector<Event>* ev,
+                                 std::vector<EventLog::LastPlan>* forgotten) {
+  s->lost_lineage_ids.reserve(s->blocks.size());
+  for (Block* b : s->blocks) {
+    s->lost_lineage_ids.push_back(b->lineage_id);
+    ReleaseBlockLocked(s, b, /*lost=*/true, nullptr, ev, forgotten);
+  }
+  s->state = SequenceState::kLost;
+  Event e = MakeEvent(EventKind::kSequenceLost, s, nullptr);
+  e.lineage_ids = s->lost_lineage_ids;
+  e.detail =
+      absl::StrCat("reason=", reason, " blocks=", s->lost_lineage_ids.size());
+  ev->push_back(std::move(e));
+  RetireLocked(s);
+}
+
+// --- Workers
+// -------------------------------------------------------------------
+
+absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
+    const RegisterWorkerRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId("worker_id", req.worker_id));
+  if (req.address.empty() || req.address.size() > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("address ", Quote(req.address),
+                     " must be a host:port of 1..256 bytes"));
+  }
+  if (req.backend.empty())
+    return absl::InvalidArgumentError("backend is empty");
+  if (req.capacity_bytes == 0) {
+    return absl::InvalidArgumentError("capacity_bytes is 0; it must be > 0");
+  }
+  absl::MutexLock lock(&mu_);
+  if (auto hit = register_cache_.Find(req.worker_id, req.request_id)) {
+    return hit->reply;
+  }
+  std::vector<Event> ev;
+  std::vector<EventLog::LastPlan> forgotten;
+  RegisterWorkerResult result;
+  result.heartbeat_interval_ms = options_.heartbeat_interval_ms;
+  auto it = workers_.find(req.worker_id);
+  Worker* w;
+  if (it != workers_.end()) {
+    w = it->second.get();
+    if (w->info.state == WorkerState::kUp && w->info.address != req.address) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("worker_id ", Quote(req.worker_id), " is up at address ",
+                       Quote(w->info.address), "; a worker at address ",
+                       Quote(req.address), " cannot take it"));
+    }
+    // It restarted: whatever it held is gone.
+    std::vector<Sequence*> lost(w->open.begin(), w->open.end());
+    std::sort(
+        lost.begin(), lost.end(),
+        [](const Sequence* a, const Sequence* b) { return a->id < b->id; });
+    for (Sequence* s : lost) {
+      result.lost_sequence_ids.push_back(s->id);
+      MarkLostLocked(s, "worker_restarted", &ev, &forgotten);
+    }
+  } else {
+    auto fresh = std::make_unique<Worker>();
+    w = fresh.get();
+    workers_.emplace(req.worker_id, std::move(fresh));
+  }
+  w->info.worker_id = req.worker_id;
+  w->info.address = req.address;
+  w->info.backend = req.backend;
+  w->info.capacity_bytes = req.capacity_bytes;
+  w->info.state = WorkerState::kUp;
+  w->info.last_heartbeat_unix_ms = clock_->NowMs();
+  w->info.inventory = Inventory{};
+  Event e;
+  e.unix_ms = clock_->NowMs();
+  e.kind = EventKind::kWorkerUp;
+  e.worker_id = req.worker_id;
+  e.detail = absl::StrCat("address=", req.address, " backend=", req.backend,
+                          " capacity_bytes=", req.capacity_bytes,
+                          " lost_sequences=", result.lost_sequence_ids.size());
+  ev.push_back(std::move(e));
+  events_.Append(&ev, &forgotten);
+  register_cache_.Put(req.worker_id, req.request_id, absl::OkStatus(), result);
+  return result;
+}
+
+absl::Status ManagerCore::Heartbeat(const std::string& worker_id,
+                                    const Inventory& inventory) {
+  TRIAX_RETURN_IF_ERROR(ValidateId("worker_id", worker_id));
+  for (size_t i = 0; i < inventory.formats.size(); ++i) {
+    if (!IsValidFormat(inventory.formats[i].format)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inventory.formats[", i, "].format is ",
+                       FormatProtoName(inventory.formats[i].format)));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) {
+    return absl::NotFoundError(absl::StrCat("worker_id ", Quote(worker_id),
+                                            " is not registered; re-register"));
+  }
+  Worker* w = it->second.get();
+  if (w->info.state != WorkerState::kUp) {
+    return absl::NotFoundError(
+        absl::StrCat("worker_id ", Quote(worker_id),
+                     " was marked down (missed heartbeats); re-register"));
+  }
+  w->info.last_heartbeat_unix_ms = clock_->NowMs();
+  w->info.inventory = inventory;
+  return absl::OkStatus();
+}
+
+std::vector<WorkerInfo> ManagerCore::ListWorkers() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<WorkerInfo> out;
+  out.reserve(workers_.size());
+  for (const auto& [id, w] : workers_) out.push_back(WorkerInfoLocked(*w));
+  std::sort(out.begin(), out.end(),
+            [](const WorkerInfo& a, const WorkerInfo& b) {
+              return a.worker_id < b.worker_id;
+            });
+  return out;
+}
+
+std::vector<std::string> ManagerCore::CheckWorkers() {
+  absl::MutexLock lock(&mu_);
+  const int64_t now = clock_->NowMs();
+  std::vector<Worker*> down;
+  for (const auto& [id, w] : workers_) {
+    if (w->info.state == WorkerState::kUp &&
+        now - w->info.last_heartbeat_unix_ms > options_.worker_timeout_ms) {
+      down.push_back(w.get());
+    }
+  }
+  std::sort(down.begin(), down.end(), [](const Worker* a, const Worker* b) {
+    return a->info.worker_id < b->info.worker_id;
+  });
+  std::vector<std::string> ids;
+  std::vector<Event> ev;
+  std::vector<EventLog::LastPlan> forgotten;
+  for (Worker* w : down) {
+    ids.push_back(w->info.worker_id);
+    std::vector<Sequence*> lost(w->open.begin(), w->open.end());
+    std::sort(
+        lost.begin(), lost.end(),
+        [](const Sequence* a, const Sequence* b) { return a->id < b->id; });
+    for (Sequence* s : lost) MarkLostLocked(s, "worker_down", &ev, &forgotten);
+    w->info.state = WorkerState::kDown;
+    Event e;
+    e.unix_ms = now;
+    e.kind = EventKind::kWorkerDown;
+    e.worker_id = w->info.worker_id;
+    e.detail = absl::StrCat("silent_ms=", now - w->info.last_heartbeat_unix_ms,
+                            " lost_sequences=", lost.size());
+    ev.push_back(std::move(e));
+  }
+  if (!ev.empty()) events_.Append(&ev, &forgotten);
+  return ids;
+}
+
+// --- Tenants
+// -------------------------------------------------------------------
+
+namespace {
+
+absl::Status ValidateBudget(const std::string& field, const Budget& b) {
+  if (!IsValid(b.tier)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".tier is ", TierName(b.tier)));
+  }
+  if (b.ceiling_bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".ceiling_bytes is 0; it must be > 0"));
+  }
+  if (b.floor_bytes > b.ceiling_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".floor_bytes ", b.floor_bytes,
+                     " exceeds ceiling_bytes ", b.ceiling_bytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<TenantInfo> ManagerCore::CreateTenant(
+    const CreateTenantRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", req.tenant_id));
+  std::array<std::optional<Budget>, kNumTiers> budgets;
+  for (size_t i = 0; i < req.budgets.size(); ++i) {
+    const std::string field = absl::StrCat("budgets[", i, "]");
+    TRIAX_RETURN_IF_ERROR(ValidateBudget(field, req.budgets[i]));
+    const int tier = static_cast<int>(req.budgets[i].tier);
+    if (budgets[tier]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".tier ", TierName(req.budgets[i].tier), " appears twice"));
+    }
+    budgets[tier] = req.budgets[i];
+  }
+  const std::string policy =
+      req.default_policy.empty() ? options_.default_policy : req.default_policy;
+  TRIAX_RETURN_IF_ERROR(FindPolicy("default_policy", policy).status());
+  absl::MutexLock lock(&mu_);
+  if (auto hit = tenant_cache_.Find("CreateTenant", req.request_id)) {
+    return hit->reply;
+  }
+  if (tenants_.contains(req.tenant_id)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("tenant_id ", Quote(req.tenant_id), " already exists"));
+  }
+  auto t = std::make_unique<Tenant>();
+  t->id = req.tenant_id;
+  t->budgets = budgets;
+  t->default_policy = policy;
+  TenantInfo info = TenantInfoLocked(*t);
+  tenants_.emplace(req.tenant_id, std::move(t));
+  std::vector<Event> ev(1);
+  ev[0].unix_ms = clock_->NowMs();
+  ev[0].kind = EventKind::kTenantChanged;
+  ev[0].tenant_id = req.tenant_id;
+  ev[0].detail = absl::StrCat("created=true default_policy=", policy);
+  events_.Append(&ev);
+  tenant_cache_.Put("CreateTenant", req.request_id, absl::OkStatus(), info);
+  return info;
+}
+
+absl::StatusOr<TenantInfo> ManagerCore::SetBudget(const SetBudgetRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", req.tenant_id));
+  TRIAX_RETURN_IF_ERROR(ValidateBudget("budget", req.budget));
+  absl::MutexLock lock(&mu_);
+  const std::string key = absl::StrCat("SetBudget/", req.tenant_id);
+  if (auto hit = tenant_cache_.Find(key, req.request_id)) return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(Tenant * t, FindTenantLocked(req.tenant_id));
+  t->budgets[static_cast<int>(req.budget.tier)] = req.budget;
+  TenantInfo info = TenantInfoLocked(*t);
+  std::vector<Event> ev(1);
+  ev[0].unix_ms = clock_->NowMs();
+  ev[0].kind = EventKind::kTenantChanged;
+  ev[0].tenant_id = req.tenant_id;
+  ev[0].detail = absl::StrCat("tier=", TierName(req.budget.tier),
+                              " floor_bytes=", req.budget.floor_bytes,
+                              " ceiling_bytes=", req.budget.ceiling_bytes);
+  events_.Append(&ev);
+  tenant_cache_.Put(key, req.request_id, absl::OkStatus(), info);
+  return info;
+}
+
+absl::StatusOr<TenantInfo> ManagerCore::GetTenant(
+    const std::string& tenant_id) const {
+  absl::MutexLock lock(&mu_);
+  TRIAX_ASSIGN_OR_RETURN(Tenant * t, FindTenantLocked(tenant_id));
+  return TenantInfoLocked(*t);
+}
+
+std::vector<TenantInfo> ManagerCore::ListTenants() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<TenantInfo> out;
+  out.reserve(tenants_.size());
+  for (const auto& [id, t] : tenants_) out.push_back(TenantInfoLocked(*t));
+  std::sort(out.begin(), out.end(),
+            [](const TenantInfo& a, const TenantInfo& b) {
+              return a.tenant_id < b.tenant_id;
+            });
+  return out;
+}
+
+// --- Sequences
+// -----------------------------------------------------------------
+
+absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
+    const OpenSequenceRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", req.tenant_id));
+  TRIAX_RETURN_IF_ERROR(ValidateModel(req.model));
+  TRIAX_ASSIGN_OR_RETURN(const uint64_t total, ValidateSpans(req.spans));
+  const uint32_t T =
+      req.block_tokens == 0 ? options_.default_block_tokens : req.block_tokens;
+  if (T > kMaxBlockTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block_tokens ", req.block_tokens, " is outside 1..", kMaxBlockTokens));
+  }
+  if (total > kMaxSequenceTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spans hold ", total, " tokens; the limit is ", kMaxSequenceTokens));
+  }
+  uint64_t num_blocks = 0;
+  for (const Span& s : req.spans) num_blocks += CeilDiv(s.num_tokens, T);
+  if (num_blocks > kMaxSequenceBlocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spans need ", num_blocks, " blocks of ", T,
+                     " tokens; the limit is ", kMaxSequenceBlocks));
+  }
+
+  absl::MutexLock lock(&mu_);
+  const std::string cache_key = absl::StrCat("OpenSequence/", req.tenant_id);
+  if (auto hit = open_cache_.Find(cache_key, req.request_id)) return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(Tenant * tenant, FindTenantLocked(req.tenant_id));
+  const std::string& policy_name =
+      req.policy.empty() ? tenant->default_policy : req.policy;
+  TRIAX_ASSIGN_OR_RETURN(const PolicyTable* policy,
+                         FindPolicy("policy", policy_name));
+
+  auto seq = std::make_unique<Sequence>();
+  Sequence* s = seq.get();
+  s->tenant = tenant;
+  s->model = req.model;
+  s->block_tokens = T;
+  s->policy = policy;
+  for (Format f : {Format::kBF16, Format::kINT4, Format::kINT2}) {
+    s->format_bytes[static_cast<int>(f)] =
+        uint64_t{req.model.n_layers} *
+        kernels::PageBytes(
+            f, kernels::PageShape{static_cast<int>(T),
+                                  static_cast<int>(req.model.n_kv_heads),
+                                  static_cast<int>(req.model.head_dim)});
+  }
+  // Plan first (no state touched), then admit and place, then commit.
+  std::vector<PlannedBlock> planned;
+  planned.reserve(num_blocks);
+  uint64_t bytes = 0;
+  uint64_t pos = 0;
+  for (const Span& sp : req.spans) {
+    for (uint32_t done = 0; done < sp.num_tokens;) {
+      const uint32_t n = std::min(T, sp.num_tokens - done);
+      planned.push_back(PlannedBlock{pos, n, sp.role, Normalize(sp.modality)});
+      const Tag tag{
+          TemporalFor(static_cast<uint32_t>(planned.size() - 1), 0, 0),
+          Normalize(sp.modality), sp.role};
+      bytes += s->format_bytes[static_cast<int>(policy->FormatFor(tag))];
+      pos += n;
+      done += n;
+    }
+  }
+  TRIAX_RETURN_IF_ERROR(AdmitLocked(*tenant, bytes));
+  TRIAX_ASSIGN_OR_RETURN(Worker * worker, PlaceLocked(bytes));
+
+  s->id = absl::StrCat("seq-", next_sequence_++);
+  s->worker = worker;
+  s->turn_start.push_back(0);
+  s->blocks.reserve(planned.size());
+  std::vector<Event> ev;
+  ev.reserve(planned.size() + 1);
+  for (const PlannedBlock& pb : planned) NewBlockLocked(s, pb, 0, &ev);
+  s->num_tokens = total;
+  tenant->open_sequences++;
+  worker->open.insert(s);
+  Event e = MakeEvent(EventKind::kSequenceOpened, s, nullptr);
+  e.detail = absl::StrCat("blocks=", s->blocks.size(), " tokens=", total,
+                          " bytes=", s->bytes, " policy=", policy->name,
+                          " block_tokens=", T);
+  ev.push_back(std::move(e));
+  SequenceInfo info = InfoLocked(*s, /*with_blocks=*/true);
+  sequences_.emplace(s->id, std::move(seq));
+  events_.Append(&ev);
+  open_cache_.Put(cache_key, req.request_id, absl::OkStatus(), info);
+  return info;
+}
+
+absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
+    const ExtendSequenceRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  TRIAX_ASSIGN_OR_RETURN(const uint64_t total, ValidateSpans(req.spans));
+  absl::MutexLock lock(&mu_);
+  const std::string cache_key = absl::StrCat("ExtendSequence/", req.tenant_id);
+  if (auto hit = extend_cache_.Find(cache_key, req.request_id))
+    return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      Sequence * s,
+      FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id));
+  const uint32_t T = s->block_tokens;
+  const uint32_t turn = req.new_turn ? s->current_turn + 1 : s->current_turn;
+
+  // How many of the first span's tokens fill the last block's free slots.
+  Block* last = s->blocks.back();
+  uint32_t fill = 0;
+  if (req.continue_last_span && last->refcount == 1 &&
+      last->tag.role == req.spans[0].role &&
+      last->tag.modality == Normalize(req.spans[0].modality)) {
+    fill = std::min(last->capacity - last->num_tokens, req.spans[0].num_tokens);
+  }
+  if (s->num_tokens + total > kMaxSequenceTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spans bring sequence_id ", Quote(s->id), " to ", s->num_tokens + total,
+        " tokens; the limit is ", kMaxSequenceTokens));
+  }
+  // Plan the new blocks; temporal of a new block is CURRENT_TURN (never the
+  // sink: the sequence already has its first block).
+  std::vector<PlannedBlock> planned;
+  uint64_t pos = s->num_tokens;
+  uint64_t bytes = 0;
+  pos += fill;
+  for (size_t i = 0; i < req.spans.size(); ++i) {
+    const Span& sp = req.spans[i];
+    uint32_t done = i == 0 ? fill : 0;
+    while (done < sp.num_tokens) {
+      const uint32_t n = std::min(T, sp.num_tokens - done);
+      planned.push_back(PlannedBlock{pos, n, sp.role, Normalize(sp.modality)});
+      const Tag tag{Temporal::kCurrentTurn, Normalize(sp.modality), sp.role};
+      bytes += s->format_bytes[static_cast<int>(s->policy->FormatFor(tag))];
+      pos += n;
+      done += n;
+    }
+    if (s->blocks.size() + planned.size() > kMaxSequenceBlocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spans bring sequence_id ", Quote(s->id), " past ",
+                       kMaxSequenceBlocks, " blocks"));
+    }
+  }
+  TRIAX_RETURN_IF_ERROR(AdmitLocked(*s->tenant, bytes));
+  TRIAX_RETURN_IF_ERROR(FitsWorkerLocked(*s->worker, bytes));
+
+  // Commit.
+  ExtendSequenceResult result;
+  std::vector<Event> ev;
+  ev.reserve(planned.size() + 8);
+  if (req.new_turn) {
+    s->current_turn = turn;
+    s->turn_start.push_back(static_cast<uint32_t>(s->blocks.size()));
+  }
+  if (fill > 0) {
+    last->num_tokens += fill;
+    last->turn = turn;
+  }
+  if (req.new_turn) {
+    // Only turns turn-1 and turn-1-recent_turns change class.
+    std::vector<uint32_t> aged = {turn - 1};
+    if (turn >= options_.recent_turns + 1 && options_.recent_turns > 0) {
+      aged.push_back(turn - 1 - options_.recent_turns);
+    }
+    for (uint32_t t : aged) {
+      uint32_t begin = s->turn_start[t];
+      if (begin > 0) --begin;  // a block grown into turn t sits just before it
+      const uint32_t end = s->turn_start[t + 1];
+      for (uint32_t i = begin; i < end; ++i) {
+        Block* b = s->blocks[i];
+        if (b->turn != t) continue;
+        const Temporal next = TemporalFor(b->index, b->turn, turn);
+        if (next == b->tag.temporal) continue;
+        Event e = MakeEvent(EventKind::kBlockRetagged, s, b);
+        e.detail = absl::StrCat("from=", TemporalName(b->tag.temporal),
+                                " to=", TemporalName(next), " turn=", turn);
+        b->tag.temporal = next;
+        e.tag = b->tag;
+        ev.push_back(std::move(e));
+        result.retagged_blocks.push_back(PlanOf(*b));
+      }
+    }
+  }
+  if (fill > 0) {
+    const Temporal next = TemporalFor(last->index, last->turn, turn);
+    if (next != last->tag.temporal) {
+      Event e = MakeEvent(EventKind::kBlockRetagged, s, last);
+      e.detail = absl::StrCat("from=", TemporalName(last->tag.temporal),
+                              " to=", TemporalName(next), " turn=", turn,
+                              " grown=true");
+      last->tag.temporal = next;
+      e.tag = last->tag;
+      ev.push_back(std::move(e));
+      result.retagged_blocks.push_back(PlanOf(*last));
+    }
+    result.grown_blocks.push_back(PlanOf(*last));
+  }
+  for (const PlannedBlock& pb : planned) {
+    result.new_blocks.push_back(PlanOf(*NewBlockLocked(s, pb, turn, &ev)));
+  }
+  s->num_tokens += total;
+  Event e = MakeEvent(EventKind::kSequenceExtended, s, nullptr);
+  e.detail = absl::StrCat(
+      "new_blocks=", planned.size(), " filled_tokens=", fill, " tokens=", total,
+      " new_turn=", req.new_turn ? "true" : "false", " turn=", s->current_turn);
+  ev.push_back(std::move(e));
+  result.sequence = InfoLocked(*s, /*with_blocks=*/true);
+  events_.Append(&ev);
+  extend_cache_.Put(cache_key, req.request_id, absl::OkStatus(), result);
+  return result;
+}
+
+absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
+    const ForkSequenceRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  absl::MutexLock lock(&mu_);
+  const std::string cache_key = absl::StrCat("ForkSequence/", req.tenant_id);
+  if (auto hit = open_cache_.Find(cache_key, req.request_id)) return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      Sequence * parent,
+      FindOpenSequenceLocked(req.tenant_id, "parent_sequence_id",
+                             req.parent_sequence_id));
+  const uint64_t n = req.num_tokens == 0 ? parent->num_tokens : req.num_tokens;
+  if (n > parent->num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_tokens ", req.num_tokens, " exceeds the ", parent->num_tokens,
+        " tokens of parent_sequence_id ", Quote(parent->id)));
+  }
+  // Whole blocks below n are shared; the block holding token n-1 is copied
+  // when n cuts it.
+  size_t shared = 0;
+  while (shared < parent->blocks.size() &&
+         parent->blocks[shared]->first_token +
+                 parent->blocks[shared]->num_tokens <=
+             n) {
+    ++shared;
+  }
+  Block* cut = nullptr;
+  if (shared < parent->blocks.size() &&
+      parent->blocks[shared]->first_token < n) {
+    cut = parent->blocks[shared];
+  }
+  const uint64_t bytes = cut != nullptr ? cut->bytes : 0;
+  TRIAX_RETURN_IF_ERROR(AdmitLocked(*parent->tenant, bytes));
+  TRIAX_RETURN_IF_ERROR(FitsWorkerLocked(*parent->worker, bytes));
+
+  auto seq = std::make_unique<Sequence>();
+  Sequence* s = seq.get();
+  s->id = absl::StrCat("seq-", next_sequence_++);
+  s->tenant = parent->tenant;
+  s->worker = parent->worker;
+  s->model = parent->model;
+  s->block_tokens = parent->block_tokens;
+  s->current_turn = parent->current_turn;
+  s->policy = parent->policy;
+  s->parent = parent->id;
+  s->format_bytes = parent->format_bytes;
+  const uint32_t kept =
+      static_cast<uint32_t>(shared + (cut != nullptr ? 1 : 0));
+  for (uint32_t start : parent->turn_start)
+    s->turn_start.push_back(std::min(start, kept));
+  std::vector<Event> ev;
+  ev.reserve(kept + 2);
+  s->blocks.reserve(kept);
+  for (size_t i = 0; i < shared; ++i) {
+    Block* b = parent->blocks[i];
+    ++b->refcount;
+    s->blocks.push_back(b);
+    s->bytes += b->bytes;
+    Event e = MakeEvent(EventKind::kBlockShared, s, b);
+    e.detail = absl::StrCat("parent=", parent->id, " refcount=", b->refcount);
+    ev.push_back(std::move(e));
+  }
+  if (cut != nullptr) {
+    // The copy has the cut block's turn, role and modality, hence its tag and
+    // format; the worker copies the bytes.
+    NewBlockLocked(s,
+                   PlannedBlock{cut->first_token,
+                                static_cast<uint32_t>(n - cut->first_token),
+                                cut->tag.role, cut->tag.modality},
+                   cut->turn, &ev);
+    ev.back().detail += absl::StrCat(" copied_from=", cut->lineage_id);
+  }
+  s->num_tokens = n;
+  s->tenant->open_sequences++;
+  s->worker->open.insert(s);
+  Event e = MakeEvent(EventKind::kSequenceForked, s, nullptr);
+  e.detail = absl::StrCat("parent=", parent->id, " tokens=", n,
+                          " shared_blocks=", shared,
+                          " copied_blocks=", cut != nullptr ? 1 : 0);
+  ev.push_back(std::move(e));
+  SequenceInfo info = InfoLocked(*s, /*with_blocks=*/true);
+  sequences_.emplace(s->id, std::move(seq));
+  events_.Append(&ev);
+  open_cache_.Put(cache_key, req.request_id, absl::OkStatus(), info);
+  return info;
+}
+
+absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
+    const CloseSequenceRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  absl::MutexLock lock(&mu_);
+  const std::string cache_key = absl::StrCat("CloseSequence/", req.tenant_id);
+  if (auto hit = close_cache_.Find(cache_key, req.request_id))
+    return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      Sequence * s,
+      FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id));
+  CloseSequenceResult result;
+  std::vector<Event> ev;
+  ev.reserve(2 * s->blocks.size() + 1);
+  std::vector<EventLog::LastPlan> forgotten;
+  forgotten.reserve(s->blocks.size());
+  for (Block* b : s->blocks) {
+    ReleaseBlockLocked(s, b, /*lost=*/false, &result.freed_lineage_ids, &ev,
+                       &forgotten);
+  }
+  s->state = SequenceState::kClosed;
+  Event e = MakeEvent(EventKind::kSequenceClosed, s, nullptr);
+  e.detail = absl::StrCat("blocks=", s->blocks.size(),
+                          " freed=", result.freed_lineage_ids.size());
+  ev.push_back(std::move(e));
+  RetireLocked(s);
+  events_.Append(&ev, &forgotten);
+  close_cache_.Put(cache_key, req.request_id, absl::OkStatus(), result);
+  return result;
+}
+
+absl::StatusOr<SequenceInfo> ManagerCore::GetSequence(
+    const std::string& tenant_id, const std::string& sequence_id) const {
+  TRIAX_RETURN_IF_ERROR(ValidateId("sequence_id", sequence_id));
+  absl::MutexLock lock(&mu_);
+  const Tenant* tenant = nullptr;
+  if (!tenant_id.empty()) {
+    TRIAX_ASSIGN_OR_RETURN(tenant, FindTenantLocked(tenant_id));
+  }
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("sequence_id ", Quote(sequence_id),
+                                            " is not a known sequence"));
+  }
+  if (tenant != nullptr && it->second->tenant != tenant) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("sequence_id ", Quote(sequence_id),
+                     " belongs to another tenant, not ", Quote(tenant_id)));
+  }
+  return InfoLocked(*it->second, /*with_blocks=*/true);
+}
+
+absl::StatusOr<std::vector<SequenceInfo>> ManagerCore::ListSequences(
+    const std::string& tenant_id, bool include_closed) const {
+  absl::MutexLock lock(&mu_);
+  const Tenant* tenant = nullptr;
+  if (!tenant_id.empty()) {
+    TRIAX_ASSIGN_OR_RETURN(tenant, FindTenantLocked(tenant_id));
+  }
+  std::vector<SequenceInfo> out;
+  for (const auto& [id, s] : sequences_) {
+    if (tenant != nullptr && s->tenant != tenant) continue;
+    if (!include_closed && s->state != SequenceState::kOpen) continue;
+    out.push_back(InfoLocked(*s, /*with_blocks=*/false));
+  }
+  // Ids are "seq-<n>": order by n, the creation order.
+  std::sort(out.begin(), out.end(),
+            [](const SequenceInfo& a, const SequenceInfo& b) {
+              if (a.sequence_id.size() != b.sequence_id.size()) {
+                return a.sequence_id.size() < b.sequence_id.size();
+              }
+              return a.sequence_id < b.sequence_id;
+            });
+  return out;
+}
+
+absl::StatusOr<TraceResult> ManagerCore::QueryTrace(uint64_t lineage_id) const {
+  if (lineage_id == 0) {
+    return absl::InvalidArgumentError(
+        "lineage_id is 0; lineage ids start at 1");
+  }
+  TraceResult result;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = blocks_.find(lineage_id);
+    if (it != blocks_.end()) {
+      result.block = PlanOf(*it->second);
+      result.sequence_id = it->second->creator;
+      result.events = events_.EventsForLineage(lineage_id);
+      return result;
+    }
+  }
+  auto last = events_.FindLastPlan(lineage_id);
+  if (!last) {
+    return absl::NotFoundError(absl::StrCat(
+        "lineage_id ", lineage_id, " is neither live nor in retained events"));
+  }
+  result.block = last->plan;
+  result.sequence_id = last->creator;
+  result.events = events_.EventsForLineage(lineage_id);
+  return result;
+}
+
+}  // namespace triax::manager

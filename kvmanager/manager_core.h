@@ -1,0 +1,219 @@
+// The manager core: worker registry and placement, tenants and budgets,
+// sequences and their block plans, lifecycle events. No gRPC or protobuf:
+// domain structs in (kvmanager/types.h), absl::Status / StatusOr out.
+//
+// Planning. A sequence of block_tokens = T splits each span into ceil(n/T)
+// blocks; a span's last block may be partial and a block never mixes spans
+// (the free slots are the measured "partial-block waste"), except that
+// ExtendSequence with continue_last_span puts the first span's tokens into
+// the last block's free slots when role and modality match and the block is
+// not shared with a fork (shared blocks are immutable). Every block gets a
+// lineage id (dense from 1, unique per manager), a tag and a format:
+//   temporal: the sequence's first block is SINK; blocks of the newest turn
+//   are CURRENT_TURN; blocks of the previous `recent_turns` turns are
+//   RECENT_TURNS; the rest OLDER. Open is turn 0; Extend with new_turn starts
+//   the next turn and re-tags the blocks whose class changed (only the turns
+//   new-1 and new-1-recent_turns are visited, so the cost is O(changed)). A
+//   block grown by continue_last_span joins the turn that grew it.
+//   format: from the policy table (kvmanager/policy.h) by the tag at
+//   creation; fixed for the block's life here (retagging changes only tags).
+// Bytes: a block costs n_layers * PageBytes(format, {T, n_kv_heads,
+// head_dim}) (kernels/layout.h), whatever its num_tokens. The tenant's
+// TIER_DEVICE usage and the worker's reservation count each block once, when
+// it is created; both are released when its last reference goes (Close or
+// LOST). Forks share the parent's whole blocks (refcount) on the same worker;
+// a block cut in the middle is copied into a new lineage; only new blocks are
+// charged. A shared block has one tag: the last sequence that re-tagged it
+// decides its temporal class.
+//
+// Error codes: INVALID_ARGUMENT (bad field; the message names it and the
+// value), NOT_FOUND (unknown tenant/sequence/worker/lineage), ALREADY_EXISTS
+// (tenant id taken; worker id held by a different UP worker),
+// PERMISSION_DENIED (another tenant's sequence), FAILED_PRECONDITION (closed
+// or lost sequence), RESOURCE_EXHAUSTED (tenant ceiling or worker capacity:
+// the message says what is over and by how many bytes), UNAVAILABLE (no
+// worker up). A failed call changes no state.
+//
+// Idempotency: mutating calls with a non-empty request_id remember their
+// successful reply (per method, per tenant or worker, the newest
+// `idempotency_capacity`); the same request_id again returns that reply
+// without applying anything. Failed calls are not remembered (they changed
+// nothing, so a retry is safe).
+//
+// Thread contract: thread-safe; one mutex guards all state, and no call does
+// work proportional to the total number of blocks (List* calls are
+// proportional to what they return). Lock order: ManagerCore::mu_ ->
+// EventLog (its own mutex; subscriber notify callbacks run under mu_ and must
+// not call back into the core).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "common/idempotency.h"
+#include "kvmanager/event_log.h"
+#include "kvmanager/policy.h"
+#include "kvmanager/types.h"
+
+namespace triax::manager {
+
+// Limits on one sequence (INVALID_ARGUMENT past them).
+inline constexpr uint64_t kMaxSequenceTokens = uint64_t{1} << 24;
+inline constexpr uint64_t kMaxSequenceBlocks = 65536;
+inline constexpr uint32_t kMaxBlockTokens = 4096;
+
+struct ManagerOptions {
+  int64_t worker_timeout_ms = 3000;       // no heartbeat this long -> DOWN
+  uint32_t heartbeat_interval_ms = 1000;  // told to workers at registration
+  uint32_t default_block_tokens = 16;     // 1..4096
+  uint32_t recent_turns = 2;  // turns before the newest that are "recent"
+  size_t event_retention = 1'000'000;   // events kept for replay and trace
+  size_t watcher_queue_limit = 65'536;  // live events a watcher may lag
+  std::string default_policy = kDefaultPolicy;
+  size_t closed_retention = 100'000;  // closed/lost sequences still queryable
+  size_t idempotency_capacity = 16'384;  // remembered replies per method
+};
+
+class ManagerCore {
+ public:
+  // INVALID_ARGUMENT for bad options (unknown default_policy, block tokens out
+  // of range, zero timeout/retention). `clock` must outlive the core.
+  static absl::StatusOr<std::unique_ptr<ManagerCore>> Create(
+      const ManagerOptions& options, const Clock* clock);
+  ~ManagerCore();
+
+  const ManagerOptions& options() const { return options_; }
+
+  // --- Workers ---------------------------------------------------------------
+  // Registers (or re-registers) a worker as UP. A known id re-registering
+  // means the worker restarted: its open sequences become LOST and are
+  // returned. ALREADY_EXISTS when a worker at a different address is UP under
+  // the id.
+  absl::StatusOr<RegisterWorkerResult> RegisterWorker(
+      const RegisterWorkerRequest& req);
+  // NOT_FOUND ("re-register") for an unknown or DOWN worker.
+  absl::Status Heartbeat(const std::string& worker_id,
+                         const Inventory& inventory);
+  std::vector<WorkerInfo> ListWorkers() const;
+  // Marks DOWN every UP worker without a heartbeat for more than
+  // worker_timeout_ms; their open sequences become LOST (BLOCK_LOST per
+  // block, SEQUENCE_LOST with all lineage ids, WORKER_DOWN). Returns the ids
+  // marked down.
+  std::vector<std::string> CheckWorkers();
+
+  // --- Tenants ---------------------------------------------------------------
+  absl::StatusOr<TenantInfo> CreateTenant(const CreateTenantRequest& req);
+  absl::StatusOr<TenantInfo> SetBudget(const SetBudgetRequest& req);
+  absl::StatusOr<TenantInfo> GetTenant(const std::string& tenant_id) const;
+  std::vector<TenantInfo> ListTenants() const;
+
+  // --- Sequences -------------------------------------------------------------
+  absl::StatusOr<SequenceInfo> OpenSequence(const OpenSequenceRequest& req);
+  absl::StatusOr<ExtendSequenceResult> ExtendSequence(
+      const ExtendSequenceRequest& req);
+  absl::StatusOr<SequenceInfo> ForkSequence(const ForkSequenceRequest& req);
+  absl::StatusOr<CloseSequenceResult> CloseSequence(
+      const CloseSequenceRequest& req);
+  // tenant_id empty: operator view (any tenant). Closed and lost sequences
+  // are returned (without blocks) while retained.
+  absl::StatusOr<SequenceInfo> GetSequence(
+      const std::string& tenant_id, const std::string& sequence_id) const;
+  // Without blocks, ordered by sequence id. tenant_id empty: all tenants.
+  absl::StatusOr<std::vector<SequenceInfo>> ListSequences(
+      const std::string& tenant_id, bool include_closed) const;
+
+  // --- Events ----------------------------------------------------------------
+  // NOT_FOUND when the lineage is neither live nor in retained events.
+  absl::StatusOr<TraceResult> QueryTrace(uint64_t lineage_id) const;
+  EventLog& events() { return events_; }
+
+ private:
+  struct Tenant;
+  struct Worker;
+  struct Sequence;
+  struct Block;
+  struct PlannedBlock {
+    uint64_t first_token;
+    uint32_t num_tokens;
+    Role role;
+    Modality modality;
+  };
+
+  ManagerCore(const ManagerOptions& options, const Clock* clock);
+
+  absl::StatusOr<Tenant*> FindTenantLocked(const std::string& tenant_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Looks up a sequence the tenant may mutate: NOT_FOUND, PERMISSION_DENIED,
+  // FAILED_PRECONDITION unless open.
+  absl::StatusOr<Sequence*> FindOpenSequenceLocked(
+      const std::string& tenant_id, const std::string& field,
+      const std::string& sequence_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AdmitLocked(const Tenant& t, uint64_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status FitsWorkerLocked(const Worker& w, uint64_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Worker*> PlaceLocked(uint64_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Temporal TemporalFor(uint32_t index, uint32_t turn, uint32_t current) const;
+  Block* NewBlockLocked(Sequence* s, const PlannedBlock& pb, uint32_t turn,
+                        std::vector<Event>* ev)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops one reference of `b` held by `s`; frees it at zero.
+  void ReleaseBlockLocked(Sequence* s, Block* b, bool lost,
+                          std::vector<uint64_t>* freed, std::vector<Event>* ev,
+                          std::vector<EventLog::LastPlan>* forgotten)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkLostLocked(Sequence* s, const std::string& reason,
+                      std::vector<Event>* ev,
+                      std::vector<EventLog::LastPlan>* forgotten)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RetireLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Event MakeEvent(EventKind kind, const Sequence* s, const Block* b) const;
+  BlockPlan PlanOf(const Block& b) const;
+  SequenceInfo InfoLocked(const Sequence& s, bool with_blocks) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  TenantInfo TenantInfoLocked(const Tenant& t) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  WorkerInfo WorkerInfoLocked(const Worker& w) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const ManagerOptions options_;
+  const Clock* const clock_;
+  EventLog events_;
+
+  IdempotencyCache<RegisterWorkerResult> register_cache_;
+  IdempotencyCache<TenantInfo> tenant_cache_;  // CreateTenant and SetBudget
+  IdempotencyCache<SequenceInfo> open_cache_;  // OpenSequence and ForkSequence
+  IdempotencyCache<ExtendSequenceResult> extend_cache_;
+  IdempotencyCache<CloseSequenceResult> close_cache_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<Worker>> workers_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::unique_ptr<Tenant>> tenants_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences_
+      ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> retired_
+      ABSL_GUARDED_BY(mu_);  // closed/lost, oldest first
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Block>> blocks_
+      ABSL_GUARDED_BY(mu_);  // live blocks by lineage id
+  uint64_t next_lineage_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace triax::manager

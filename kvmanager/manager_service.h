@@ -1,0 +1,90 @@
+// gRPC adapter of the manager (triax.v1.Manager) over ManagerCore, on the
+// callback API. Every unary RPC converts the request (convert.h), calls the
+// core, converts the reply and maps the status one to one
+// (common/grpc_status.h). Core calls hold the core mutex briefly and never
+// block on I/O, so they run on the callback thread.
+//
+// WatchEvents is a ServerWriteReactor fed by an EventLog subscription: it
+// writes one event at a time and, when the subscription is empty, waits for
+// its notify callback; nothing blocks a callback thread. A watcher that falls
+// behind by more than the log's watcher_queue_limit is finished with
+// RESOURCE_EXHAUSTED; max_events > 0 finishes with OK after that many.
+//
+// A background thread calls ManagerCore::CheckWorkers every
+// check_interval_ms (failure detection) until Stop() or destruction.
+//
+// Thread contract: thread-safe. Destroy after the grpc::Server that uses it
+// has been shut down (which ends all watch streams).
+#pragma once
+
+#include <cstdint>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "kvmanager/manager_core.h"
+#include "triax/v1/manager.grpc.pb.h"
+
+namespace triax::manager {
+
+class ManagerService final : public v1::Manager::CallbackService {
+ public:
+  // `core` must outlive the service. check_interval_ms <= 0 disables the
+  // background failure detector (tests drive CheckWorkers themselves).
+  ManagerService(ManagerCore* core, int64_t check_interval_ms);
+  ~ManagerService() override;
+
+  // Stops the failure detector; idempotent.
+  void Stop();
+
+  grpc::ServerUnaryReactor* RegisterWorker(
+      grpc::CallbackServerContext* ctx, const v1::RegisterWorkerRequest* req,
+      v1::RegisterWorkerResponse* resp) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
+                                      const v1::HeartbeatRequest* req,
+                                      v1::HeartbeatResponse* resp) override;
+  grpc::ServerUnaryReactor* ListWorkers(grpc::CallbackServerContext* ctx,
+                                        const v1::ListWorkersRequest* req,
+                                        v1::ListWorkersResponse* resp) override;
+  grpc::ServerUnaryReactor* CreateTenant(
+      grpc::CallbackServerContext* ctx, const v1::CreateTenantRequest* req,
+      v1::CreateTenantResponse* resp) override;
+  grpc::ServerUnaryReactor* SetBudget(grpc::CallbackServerContext* ctx,
+                                      const v1::SetBudgetRequest* req,
+                                      v1::SetBudgetResponse* resp) override;
+  grpc::ServerUnaryReactor* ListTenants(grpc::CallbackServerContext* ctx,
+                                        const v1::ListTenantsRequest* req,
+                                        v1::ListTenantsResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenSequence(
+      grpc::CallbackServerContext* ctx, const v1::OpenSequenceRequest* req,
+      v1::OpenSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* ExtendSequence(
+      grpc::CallbackServerContext* ctx, const v1::ExtendSequenceRequest* req,
+      v1::ExtendSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* ForkSequence(
+      grpc::CallbackServerContext* ctx, const v1::ForkSequenceRequest* req,
+      v1::ForkSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseSequence(
+      grpc::CallbackServerContext* ctx, const v1::CloseSequenceRequest* req,
+      v1::CloseSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx,
+                                        const v1::GetSequenceRequest* req,
+                                        v1::GetSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* ListSequences(
+      grpc::CallbackServerContext* ctx, const v1::ListSequencesRequest* req,
+      v1::ListSequencesResponse* resp) override;
+  grpc::ServerUnaryReactor* QueryTrace(grpc::CallbackServerContext* ctx,
+                                       const v1::QueryTraceRequest* req,
+                                       v1::QueryTraceResponse* resp) override;
+  grpc::ServerWriteReactor<v1::Event>* WatchEvents(
+      grpc::CallbackServerContext* ctx,
+      const v1::WatchEventsRequest* req) override;
+
+ private:
+  void CheckLoop(int64_t interval_ms);
+
+  ManagerCore* const core_;
+  absl::Notification stop_;
+  std::thread checker_;
+};
+
+}  // namespace triax::manager

@@ -1,0 +1,285 @@
+// Domain types of the manager core. They mirror triax.v1 (types.proto,
+// manager.proto) field for field, but carry no protobuf dependency: the core
+// takes and returns these, and manager_service converts at the edge. Enum
+// values equal the proto enum values, so conversion is a cast; the core
+// validates the range (a value outside the enum is rejected like an
+// unspecified one).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/layout.h"
+
+namespace triax::manager {
+
+using Format = kernels::Format;  // kBF16 = 1, kINT4 = 2, kINT2 = 3
+
+enum class Role : int {
+  kUnspecified = 0,
+  kSystem = 1,
+  kToolSchema = 2,
+  kUser = 3,
+  kAssistant = 4,
+  kReasoning = 5,
+  kToolCall = 6,
+  kToolResult = 7,
+  kDelimiter = 8,
+};
+inline constexpr int kNumRoles = 9;
+
+enum class Modality : int {
+  kUnspecified = 0,
+  kText = 1,
+  kImage = 2,
+  kAudio = 3
+};
+
+enum class Temporal : int {
+  kUnspecified = 0,
+  kSink = 1,
+  kCurrentTurn = 2,
+  kRecentTurns = 3,
+  kOlder = 4,
+};
+
+enum class Tier : int { kUnspecified = 0, kDevice = 1, kHost = 2, kDisk = 3 };
+inline constexpr int kNumTiers = 4;
+
+enum class WorkerState : int { kUnspecified = 0, kUp = 1, kDown = 2 };
+enum class SequenceState : int {
+  kUnspecified = 0,
+  kOpen = 1,
+  kClosed = 2,
+  kLost = 3
+};
+
+enum class EventKind : int {
+  kUnspecified = 0,
+  kBlockCreated = 1,
+  kBlockRetagged = 2,
+  kBlockShared = 3,
+  kBlockReleased = 4,
+  kBlockFreed = 5,
+  kBlockLost = 6,
+  kSequenceOpened = 7,
+  kSequenceExtended = 8,
+  kSequenceForked = 9,
+  kSequenceClosed = 10,
+  kSequenceLost = 11,
+  kWorkerUp = 12,
+  kWorkerDown = 13,
+  kTenantChanged = 14,
+};
+
+// Proto-style names ("ROLE_SYSTEM", "TIER_DEVICE", ...) for error messages and
+// event details; "<NAME>(<int>)" style fallback for out-of-range values.
+std::string RoleName(Role r);
+std::string ModalityName(Modality m);
+std::string TemporalName(Temporal t);
+std::string TierName(Tier t);
+std::string FormatProtoName(Format f);  // "FORMAT_BF16", ...
+std::string EventKindName(EventKind k);
+
+bool IsValid(Role r);          // kSystem..kDelimiter
+bool IsValid(Modality m);      // kUnspecified (= text) .. kAudio
+bool IsValid(Tier t);          // kDevice..kDisk
+bool IsValidFormat(Format f);  // kBF16..kINT2
+
+struct Tag {
+  Temporal temporal = Temporal::kUnspecified;
+  Modality modality = Modality::kText;
+  Role role = Role::kUnspecified;
+  bool operator==(const Tag& o) const {
+    return temporal == o.temporal && modality == o.modality && role == o.role;
+  }
+};
+
+struct ModelShape {
+  std::string name;
+  uint32_t n_layers = 0;    // 1..1024
+  uint32_t n_kv_heads = 0;  // 1..1024
+  uint32_t n_q_heads = 0;   // positive multiple of n_kv_heads
+  uint32_t head_dim = 0;    // even, 2..512
+};
+
+// A run of tokens that share role and modality.
+struct Span {
+  Role role = Role::kUnspecified;
+  Modality modality = Modality::kText;  // kUnspecified means text
+  uint32_t num_tokens = 0;              // >= 1
+};
+
+struct BlockPlan {
+  uint32_t index = 0;        // position in the sequence
+  uint64_t lineage_id = 0;   // dense from 1, unique per manager
+  uint64_t first_token = 0;  // absolute token position of the block's start
+  uint32_t num_tokens = 0;   // 1..capacity
+  uint32_t capacity = 0;     // the sequence's block_tokens
+  Tag tag;
+  Format format = Format::kBF16;
+  uint32_t refcount = 0;  // sequences sharing the block
+};
+
+struct Budget {
+  Tier tier = Tier::kUnspecified;
+  uint64_t floor_bytes = 0;    // guaranteed
+  uint64_t ceiling_bytes = 0;  // admission limit; > 0 and >= floor_bytes
+};
+
+struct TierUsage {
+  Tier tier = Tier::kUnspecified;
+  uint64_t used_bytes = 0;
+};
+
+struct TenantInfo {
+  std::string tenant_id;
+  std::vector<Budget> budgets;   // ordered by tier
+  std::vector<TierUsage> usage;  // every tier, ordered by tier
+  uint32_t open_sequences = 0;
+  std::string default_policy;
+};
+
+struct FormatInventory {
+  Format format = Format::kBF16;
+  uint64_t pages_used = 0;
+  uint64_t bytes_used = 0;
+};
+
+struct Inventory {
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  std::vector<FormatInventory> formats;
+  std::vector<std::string> sequence_ids;
+  uint64_t window_bytes = 0;
+};
+
+struct WorkerInfo {
+  std::string worker_id;
+  std::string address;
+  std::string backend;
+  WorkerState state = WorkerState::kUnspecified;
+  uint64_t capacity_bytes = 0;
+  uint64_t reserved_bytes = 0;
+  Inventory inventory;
+  int64_t last_heartbeat_unix_ms = 0;
+  uint32_t sequences = 0;  // open sequences placed on it
+};
+
+struct SequenceInfo {
+  std::string sequence_id;
+  std::string tenant_id;
+  ModelShape model;
+  std::string worker_id;
+  std::string worker_address;
+  SequenceState state = SequenceState::kUnspecified;
+  uint32_t block_tokens = 0;
+  uint64_t num_tokens = 0;
+  uint32_t turns = 0;  // number of turns so far (Open is turn 0, so >= 1)
+  std::string policy;
+  std::string parent_sequence_id;
+  std::vector<BlockPlan> blocks;  // empty once closed or lost
+  // Device bytes of the sequence's blocks: sum over blocks of
+  // n_layers * PageBytes(format). Blocks shared with a fork count in both
+  // sequences here, but are charged to the tenant once.
+  uint64_t bytes = 0;
+  std::vector<uint64_t> lost_lineage_ids;  // set when state is kLost
+};
+
+struct Event {
+  uint64_t id = 0;  // dense, increasing; assigned by the EventLog
+  int64_t unix_ms = 0;
+  EventKind kind = EventKind::kUnspecified;
+  uint64_t lineage_id = 0;  // block events
+  std::string sequence_id;
+  std::string tenant_id;
+  std::string worker_id;
+  Tag tag;
+  Format format = static_cast<Format>(0);  // 0: none (non-block events)
+  std::string detail;                      // key=value
+  std::vector<uint64_t> lineage_ids;       // SEQUENCE_LOST: every lost block
+};
+
+// --- Requests and results of the mutating calls ------------------------------
+
+struct RegisterWorkerRequest {
+  std::string request_id;
+  std::string worker_id;        // [A-Za-z0-9._:-]{1,128}
+  std::string address;          // host:port, non-empty
+  std::string backend;          // non-empty, e.g. "cpu" or "cuda"
+  uint64_t capacity_bytes = 0;  // > 0
+};
+struct RegisterWorkerResult {
+  uint32_t heartbeat_interval_ms = 0;
+  std::vector<std::string> lost_sequence_ids;
+};
+
+struct CreateTenantRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::vector<Budget> budgets;  // at most one per tier; others unlimited
+  std::string default_policy;   // empty: the manager's default
+};
+
+struct SetBudgetRequest {
+  std::string request_id;
+  std::string tenant_id;
+  Budget budget;
+};
+
+struct OpenSequenceRequest {
+  std::string request_id;
+  std::string tenant_id;
+  ModelShape model;
+  std::vector<Span> spans;
+  uint32_t block_tokens = 0;  // 0: the manager's default
+  std::string policy;         // empty: the tenant's default
+};
+
+struct ExtendSequenceRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  std::vector<Span> spans;
+  bool new_turn = false;
+  bool continue_last_span = false;
+};
+struct ExtendSequenceResult {
+  SequenceInfo sequence;
+  std::vector<BlockPlan> new_blocks;
+  std::vector<BlockPlan> grown_blocks;
+  std::vector<BlockPlan> retagged_blocks;
+};
+
+struct ForkSequenceRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string parent_sequence_id;
+  uint64_t num_tokens = 0;  // 0: all
+};
+
+struct CloseSequenceRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+};
+struct CloseSequenceResult {
+  std::vector<uint64_t> freed_lineage_ids;
+};
+
+struct TraceResult {
+  BlockPlan block;  // current state, or the last known one if freed/lost
+  std::string sequence_id;    // the sequence that created the block
+  std::vector<Event> events;  // retained events of the lineage, by id
+};
+
+// Which events a watcher sees; empty / zero fields match everything.
+struct EventFilter {
+  std::string tenant_id;
+  std::string sequence_id;
+  uint64_t lineage_id = 0;  // matches lineage_id or any of lineage_ids
+  bool Matches(const Event& e) const;
+};
+
+}  // namespace triax::manager
