@@ -1,0 +1,17 @@
+// Where the shared test data lives (models, text, BFCL). Never copied into
+// the repository.
+#pragma once
+
+#include <string>
+
+namespace triax::frontend {
+
+// `flag_value` when non-empty, else $TRIAX_DATA_DIR when set and non-empty,
+// else "../shared/data" (relative to the working directory).
+std::string ResolveDataDir(const std::string& flag_value);
+
+// True when `dir` holds the files the frontend uses (both models, the
+// TinyStories text and the BFCL base file).
+bool DataDirComplete(const std::string& dir);
+
+}  // namespace triax::frontend
