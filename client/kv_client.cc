@@ -1,1 +1,523 @@
 #include "client/kv_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/grpc_status.h"
+#include "common/ids.h"
+#include "common/status_macros.h"
+#include "kernels/numeric.h"
+
+namespace triax::client {
+namespace {
+
+using triax::v1::BlockPlan;
+using triax::v1::SequenceInfo;
+
+// WriteKV chunks carry at most this many tokens, and at most about this many
+// bytes, so that big models stay under gRPC's default 4 MiB message limit.
+constexpr uint32_t kMaxChunkTokens = 256;
+constexpr size_t kMaxChunkBytes = 1 << 20;
+
+// Same code, the failing call named in front of the server's message.
+absl::Status Prefixed(absl::string_view what, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                   args);
+}
+
+std::string Bf16Bytes(const float* src, size_t n) {
+  std::string out(n * sizeof(uint16_t), '\0');
+  char* dst = out.data();
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t h = triax::kernels::FloatToBf16(src[i]);
+    std::memcpy(dst + i * sizeof(uint16_t), &h, sizeof(h));
+  }
+  return out;
+}
+
+// Elements per token of K (or V) for `model`.
+absl::StatusOr<size_t> TokenElems(const triax::v1::ModelShape& model) {
+  if (model.n_kv_heads() == 0 || model.head_dim() == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model shape has n_kv_heads=", model.n_kv_heads(),
+                     " head_dim=", model.head_dim(), "; both must be >= 1"));
+  }
+  return static_cast<size_t>(model.n_kv_heads()) * model.head_dim();
+}
+
+// Appends `bytes` (float32 or BF16 by `dtype`) as floats to `out`.
+absl::Status AppendAsFloat(triax::v1::KvDtype dtype, const std::string& bytes,
+                           std::vector<float>* out) {
+  if (dtype == triax::v1::KV_DTYPE_F32) {
+    if (bytes.size() % sizeof(float) != 0) {
+      return absl::InternalError(absl::StrCat("F32 chunk of ", bytes.size(),
+                                              " bytes is not a multiple of 4"));
+    }
+    const size_t n = bytes.size() / sizeof(float);
+    const size_t old = out->size();
+    out->resize(old + n);
+    std::memcpy(out->data() + old, bytes.data(), bytes.size());
+    return absl::OkStatus();
+  }
+  if (dtype == triax::v1::KV_DTYPE_BF16) {
+    if (bytes.size() % sizeof(uint16_t) != 0) {
+      return absl::InternalError(absl::StrCat("BF16 chunk of ", bytes.size(),
+                                              " bytes is not a multiple of 2"));
+    }
+    const size_t n = bytes.size() / sizeof(uint16_t);
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, bytes.data() + i * sizeof(uint16_t), sizeof(h));
+      out->push_back(triax::kernels::Bf16ToFloat(h));
+    }
+    return absl::OkStatus();
+  }
+  return absl::InternalError(
+      absl::StrCat("chunk has unsupported dtype ", static_cast<int>(dtype)));
+}
+
+void FillHandle(const SequenceInfo& info, SequenceHandle* h) {
+  h->sequence_id = info.sequence_id();
+  h->worker_address = info.worker_address();
+  h->model = info.model();
+  h->block_tokens = info.block_tokens();
+  h->blocks.assign(info.blocks().begin(), info.blocks().end());
+  h->num_tokens = info.num_tokens();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
+    const ClientOptions& options) {
+  if (options.manager_address.empty()) {
+    return absl::InvalidArgumentError(
+        "Connect: manager_address is empty; want host:port");
+  }
+  if (!options.tenant_id.empty()) {
+    TRIAX_RETURN_IF_ERROR(
+        Prefixed("Connect", ValidateId("tenant_id", options.tenant_id)));
+  }
+  if (options.rpc_timeout_ms <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Connect: rpc_timeout_ms=", options.rpc_timeout_ms, " must be > 0"));
+  }
+  std::unique_ptr<Client> c(new Client());
+  c->options_ = options;
+  c->manager_ =
+      triax::v1::Manager::NewStub(MakeChannel(options.manager_address));
+  std::random_device rd;
+  const uint64_t r =
+      (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+      static_cast<uint64_t>(
+          std::chrono::steady_clock::now().time_since_epoch().count());
+  c->request_prefix_ = absl::StrFormat("c%016x", r);
+  return c;
+}
+
+std::string Client::NewRequestId() {
+  return absl::StrCat(request_prefix_, "-", next_request_.fetch_add(1) + 1);
+}
+
+void Client::SetDeadline(grpc::ClientContext* ctx) const {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(options_.rpc_timeout_ms));
+}
+
+absl::Status Client::CallWithRetry(
+    absl::string_view what, bool retry,
+    const std::function<grpc::Status(grpc::ClientContext*)>& call) {
+  absl::Status s;
+  for (int attempt = 0; attempt < (retry ? 2 : 1); ++attempt) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    s = FromGrpcStatus(call(&ctx));
+    if (s.code() != absl::StatusCode::kUnavailable) break;
+  }
+  return Prefixed(what, s);
+}
+
+absl::StatusOr<triax::v1::Worker::Stub*> Client::worker(
+    const std::string& address) {
+  if (address.empty()) {
+    return absl::FailedPreconditionError(
+        "worker: the sequence has no worker address");
+  }
+  absl::MutexLock lock(&workers_mu_);
+  auto it = workers_.find(address);
+  if (it != workers_.end()) return it->second.get();
+  auto stub = triax::v1::Worker::NewStub(MakeChannel(address));
+  triax::v1::Worker::Stub* raw = stub.get();
+  workers_.emplace(address, std::move(stub));
+  return raw;
+}
+
+absl::StatusOr<SequenceInfo> Client::GetSequence(
+    const std::string& sequence_id) {
+  triax::v1::GetSequenceRequest req;
+  req.set_tenant_id(options_.tenant_id);
+  req.set_sequence_id(sequence_id);
+  triax::v1::GetSequenceResponse resp;
+  TRIAX_RETURN_IF_ERROR(CallWithRetry(
+      "GetSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
+        return manager_->GetSequence(ctx, req, &resp);
+      }));
+  return resp.sequence();
+}
+
+absl::Status Client::AllocateOnWorker(const SequenceInfo& info) {
+  TRIAX_ASSIGN_OR_RETURN(triax::v1::Worker::Stub * w,
+                         worker(info.worker_address()));
+  triax::v1::AllocatePagesRequest req;
+  req.set_request_id(NewRequestId());
+  req.set_tenant_id(options_.tenant_id);
+  req.set_sequence_id(info.sequence_id());
+  *req.mutable_model() = info.model();
+  req.set_block_tokens(info.block_tokens());
+  *req.mutable_blocks() = info.blocks();
+  triax::v1::AllocatePagesResponse resp;
+  return CallWithRetry("AllocatePages", /*retry=*/true,
+                       [&](grpc::ClientContext* ctx) {
+                         return w->AllocatePages(ctx, req, &resp);
+                       });
+}
+
+void Client::CloseOnManagerQuietly(const std::string& sequence_id) {
+  triax::v1::CloseSequenceRequest req;
+  req.set_request_id(NewRequestId());
+  req.set_tenant_id(options_.tenant_id);
+  req.set_sequence_id(sequence_id);
+  triax::v1::CloseSequenceResponse resp;
+  // Best effort: the caller reports the error that made it undo the open.
+  CallWithRetry("CloseSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
+    return manager_->CloseSequence(ctx, req, &resp);
+  }).IgnoreError();
+}
+
+absl::StatusOr<SequenceHandle> Client::Open(
+    const triax::v1::ModelShape& model,
+    const std::vector<triax::v1::Span>& spans, const std::string& policy,
+    uint32_t block_tokens) {
+  triax::v1::OpenSequenceRequest req;
+  req.set_request_id(NewRequestId());
+  req.set_tenant_id(options_.tenant_id);
+  *req.mutable_model() = model;
+  for (const auto& s : spans) *req.add_spans() = s;
+  req.set_block_tokens(block_tokens);
+  req.set_policy(policy);
+  triax::v1::OpenSequenceResponse resp;
+  TRIAX_RETURN_IF_ERROR(CallWithRetry(
+      "OpenSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
+        return manager_->OpenSequence(ctx, req, &resp);
+      }));
+  const SequenceInfo& info = resp.sequence();
+  absl::Status alloc = AllocateOnWorker(info);
+  if (!alloc.ok()) {
+    // Undo the plan so the tenant is not charged for pages that do not exist.
+    CloseOnManagerQuietly(info.sequence_id());
+    return alloc;
+  }
+  SequenceHandle h;
+  FillHandle(info, &h);
+  return h;
+}
+
+absl::Status Client::Extend(SequenceHandle* seq,
+                            const std::vector<triax::v1::Span>& spans,
+                            bool new_turn, bool continue_last_span) {
+  if (seq == nullptr) {
+    return absl::InvalidArgumentError("ExtendSequence: seq is null");
+  }
+  triax::v1::ExtendSequenceRequest req;
+  req.set_request_id(NewRequestId());
+  req.set_tenant_id(options_.tenant_id);
+  req.set_sequence_id(seq->sequence_id);
+  for (const auto& s : spans) *req.add_spans() = s;
+  req.set_new_turn(new_turn);
+  req.set_continue_last_span(continue_last_span);
+  triax::v1::ExtendSequenceResponse resp;
+  TRIAX_RETURN_IF_ERROR(CallWithRetry(
+      "ExtendSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
+        return manager_->ExtendSequence(ctx, req, &resp);
+      }));
+  TRIAX_RETURN_IF_ERROR(AllocateOnWorker(resp.sequence()));
+  FillHandle(resp.sequence(), seq);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceHandle> Client::Fork(const SequenceHandle& parent,
+                                            uint64_t num_tokens) {
+  triax::v1::ForkSequenceRequest req;
+  req.set_request_id(NewRequestId());
+  req.set_tenant_id(options_.tenant_id);
+  req.set_parent_sequence_id(parent.sequence_id);
+  req.set_num_tokens(num_tokens);
+  triax::v1::ForkSequenceResponse resp;
+  TRIAX_RETURN_IF_ERROR(CallWithRetry(
+      "ForkSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
+        return manager_->ForkSequence(ctx, req, &resp);
+      }));
+  const SequenceInfo& child = resp.sequence();
+  if (!child.worker_address().empty() &&
+      child.worker_address() != parent.worker_address) {
+    CloseOnManagerQuietly(child.sequence_id());
+    return absl::InternalError(absl::StrCat(
+        "ForkSequence: manager placed child ", Quote(child.sequence_id()),
+        " on ", Quote(child.worker_address()), " but the parent lives on ",
+        Quote(parent.worker_address)));
+  }
+  TRIAX_ASSIGN_OR_RETURN(triax::v1::Worker::Stub * w,
+                         worker(parent.worker_address));
+  triax::v1::WorkerForkRequest wreq;
+  wreq.set_request_id(NewRequestId());
+  wreq.set_tenant_id(options_.tenant_id);
+  wreq.set_parent_sequence_id(parent.sequence_id);
+  wreq.set_child_sequence_id(child.sequence_id());
+  wreq.set_num_tokens(child.num_tokens());
+  *wreq.mutable_blocks() = child.blocks();
+  triax::v1::WorkerForkResponse wresp;
+  absl::Status s = CallWithRetry("Worker.ForkSequence", /*retry=*/true,
+                                 [&](grpc::ClientContext* ctx) {
+                                   return w->ForkSequence(ctx, wreq, &wresp);
+                                 });
+  if (!s.ok()) {
+    CloseOnManagerQuietly(child.sequence_id());
+    return s;
+  }
+  SequenceHandle h;
+  FillHandle(child, &h);
+  if (h.worker_address.empty()) h.worker_address = parent.worker_address;
+  return h;
+}
+
+absl::Status Client::Close(const SequenceHandle& seq) {
+  absl::Status worker_status;
+  auto w = worker(seq.worker_address);
+  if (!w.ok()) {
+    worker_status = w.status();
+  } else {
+    triax::v1::FreePagesRequest req;
+    req.set_request_id(NewRequestId());
+    req.set_tenant_id(options_.tenant_id);
+    req.set_sequence_id(seq.sequence_id);
+    triax::v1::FreePagesResponse resp;
+    worker_status = CallWithRetry("FreePages", /*retry=*/true,
+                                  [&](grpc::ClientContext* ctx) {
+                                    return (*w)->FreePages(ctx, req, &resp);
+                                  });
+  }
+  // A worker that is gone (UNAVAILABLE) or already forgot the sequence
+  // (NOT_FOUND, e.g. after a restart) holds nothing: the manager still has to
+  // release the plan and the budget. Any other worker error is real.
+  const bool worker_gone =
+      worker_status.code() == absl::StatusCode::kUnavailable ||
+      worker_status.code() == absl::StatusCode::kNotFound;
+  if (!worker_status.ok() && !worker_gone) return worker_status;
+
+  triax::v1::CloseSequenceRequest req;
+  req.set_request_id(NewRequestId());
+  req.set_tenant_id(options_.tenant_id);
+  req.set_sequence_id(seq.sequence_id);
+  triax::v1::CloseSequenceResponse resp;
+  return CallWithRetry("CloseSequence", /*retry=*/true,
+                       [&](grpc::ClientContext* ctx) {
+                         return manager_->CloseSequence(ctx, req, &resp);
+                       });
+}
+
+absl::Status Client::WriteKV(const SequenceHandle& seq, uint32_t layer,
+                             uint64_t first_token, uint32_t num_tokens,
+                             const float* k, const float* v) {
+  if (num_tokens == 0) {
+    return absl::InvalidArgumentError("WriteKV: num_tokens=0; want >= 1");
+  }
+  if (k == nullptr || v == nullptr) {
+    return absl::InvalidArgumentError("WriteKV: k and v must be non-null");
+  }
+  auto elems_or = TokenElems(seq.model);
+  if (!elems_or.ok()) return Prefixed("WriteKV", elems_or.status());
+  const size_t elems = *elems_or;
+  TRIAX_ASSIGN_OR_RETURN(triax::v1::Worker::Stub * w,
+                         worker(seq.worker_address));
+  const size_t token_bytes = elems * sizeof(uint16_t) * 2;
+  const uint32_t chunk_tokens = static_cast<uint32_t>(
+      std::clamp<size_t>(kMaxChunkBytes / token_bytes, 1, kMaxChunkTokens));
+
+  // Converted once, so a retry resends the same bytes.
+  std::vector<triax::v1::WriteKVRequest> msgs;
+  for (uint32_t done = 0; done < num_tokens; done += chunk_tokens) {
+    const uint32_t n = std::min(chunk_tokens, num_tokens - done);
+    triax::v1::WriteKVRequest m;
+    m.set_tenant_id(options_.tenant_id);
+    m.set_sequence_id(seq.sequence_id);
+    triax::v1::KvChunk* c = m.mutable_chunk();
+    c->set_layer(layer);
+    c->set_first_token(first_token + done);
+    c->set_num_tokens(n);
+    c->set_dtype(triax::v1::KV_DTYPE_BF16);
+    c->set_k(Bf16Bytes(k + static_cast<size_t>(done) * elems, n * elems));
+    c->set_v(Bf16Bytes(v + static_cast<size_t>(done) * elems, n * elems));
+    msgs.push_back(std::move(m));
+  }
+  msgs.front().set_request_id(NewRequestId());
+
+  return CallWithRetry("WriteKV", /*retry=*/true,
+                       [&](grpc::ClientContext* ctx) {
+                         triax::v1::WriteKVResponse resp;
+                         auto writer = w->WriteKV(ctx, &resp);
+                         for (const auto& m : msgs) {
+                           // A false Write means the stream is broken; Finish
+                           // says why.
+                           if (!writer->Write(m)) break;
+                         }
+                         writer->WritesDone();
+                         return writer->Finish();
+                       });
+}
+
+absl::Status Client::Attend(const SequenceHandle& seq, const AttendArgs& args) {
+  if (args.num_queries == 0) {
+    return absl::InvalidArgumentError("Attend: num_queries=0; want >= 1");
+  }
+  if (args.q == nullptr || args.out == nullptr) {
+    return absl::InvalidArgumentError("Attend: q and out must be non-null");
+  }
+  const bool append = args.append_k != nullptr || args.append_v != nullptr;
+  if (append && (args.append_k == nullptr || args.append_v == nullptr ||
+                 args.append_tokens == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Attend: an append needs append_k, append_v and append_tokens >= 1 "
+        "(append_tokens=",
+        args.append_tokens, ")"));
+  }
+  const size_t q_elems = static_cast<size_t>(args.num_queries) *
+                         seq.model.n_q_heads() * seq.model.head_dim();
+  if (q_elems == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Attend: model shape has n_q_heads=", seq.model.n_q_heads(),
+        " head_dim=", seq.model.head_dim(), "; both must be >= 1"));
+  }
+  TRIAX_ASSIGN_OR_RETURN(triax::v1::Worker::Stub * w,
+                         worker(seq.worker_address));
+
+  triax::v1::AttendRequest req;
+  req.set_tenant_id(options_.tenant_id);
+  triax::v1::AttendItem* item = req.add_items();
+  item->set_sequence_id(seq.sequence_id);
+  item->set_layer(args.layer);
+  item->set_num_queries(args.num_queries);
+  if (args.positions != nullptr) {
+    for (uint32_t i = 0; i < args.num_queries; ++i) {
+      item->add_positions(args.positions[i]);
+    }
+  }
+  item->set_queries(std::string(reinterpret_cast<const char*>(args.q),
+                                q_elems * sizeof(float)));
+  if (append) {
+    const size_t kv_elems = static_cast<size_t>(args.append_tokens) *
+                            seq.model.n_kv_heads() * seq.model.head_dim();
+    triax::v1::KvChunk* c = item->mutable_append();
+    c->set_layer(args.layer);
+    c->set_first_token(args.append_first);
+    c->set_num_tokens(args.append_tokens);
+    c->set_dtype(triax::v1::KV_DTYPE_BF16);
+    c->set_k(Bf16Bytes(args.append_k, kv_elems));
+    c->set_v(Bf16Bytes(args.append_v, kv_elems));
+  }
+  triax::v1::AttendResponse resp;
+  // Attend carries no request id; without an append it only reads and may
+  // be retried. With one, a retry could land after the first attempt's write
+  // left the BF16 window, so it is not retried.
+  TRIAX_RETURN_IF_ERROR(CallWithRetry(
+      "Attend", /*retry=*/!append,
+      [&](grpc::ClientContext* ctx) { return w->Attend(ctx, req, &resp); }));
+  if (resp.results_size() != 1) {
+    return absl::InternalError(absl::StrCat("Attend: worker returned ",
+                                            resp.results_size(),
+                                            " results for 1 item"));
+  }
+  const triax::v1::AttendResult& r = resp.results(0);
+  if (r.status().code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(r.status().code()),
+                        absl::StrCat("Attend: ", r.status().message()));
+  }
+  if (r.output().size() != q_elems * sizeof(float)) {
+    return absl::InternalError(absl::StrCat("Attend: output has ",
+                                            r.output().size(), " bytes; want ",
+                                            q_elems * sizeof(float)));
+  }
+  std::memcpy(args.out, r.output().data(), r.output().size());
+  return absl::OkStatus();
+}
+
+absl::Status Client::ReadKV(const SequenceHandle& seq, uint32_t layer,
+                            uint64_t first_token, uint32_t num_tokens,
+                            std::vector<float>* k, std::vector<float>* v) {
+  if (k == nullptr || v == nullptr) {
+    return absl::InvalidArgumentError("ReadKV: k and v must be non-null");
+  }
+  auto elems_or = TokenElems(seq.model);
+  if (!elems_or.ok()) return Prefixed("ReadKV", elems_or.status());
+  const size_t elems = *elems_or;
+  TRIAX_ASSIGN_OR_RETURN(triax::v1::Worker::Stub * w,
+                         worker(seq.worker_address));
+  triax::v1::ReadKVRequest req;
+  req.set_tenant_id(options_.tenant_id);
+  req.set_sequence_id(seq.sequence_id);
+  req.set_layer(layer);
+  req.set_first_token(first_token);
+  req.set_num_tokens(num_tokens);
+  req.set_dtype(triax::v1::KV_DTYPE_F32);
+
+  absl::Status content;  // a malformed stream, found while reading it
+  TRIAX_RETURN_IF_ERROR(
+      CallWithRetry("ReadKV", /*retry=*/true, [&](grpc::ClientContext* ctx) {
+        k->clear();
+        v->clear();
+        content = absl::OkStatus();
+        uint64_t next = first_token;
+        auto reader = w->ReadKV(ctx, req);
+        triax::v1::KvChunk c;
+        while (reader->Read(&c)) {
+          if (!content.ok()) continue;  // drain so Finish is clean
+          if (c.first_token() != next) {
+            content = absl::InternalError(
+                absl::StrCat("ReadKV: chunk starts at token ", c.first_token(),
+                             "; want ", next));
+            continue;
+          }
+          next += c.num_tokens();
+          content = AppendAsFloat(c.dtype(), c.k(), k);
+          if (content.ok()) content = AppendAsFloat(c.dtype(), c.v(), v);
+        }
+        return reader->Finish();
+      }));
+  TRIAX_RETURN_IF_ERROR(content);
+  if (k->size() != v->size() || k->size() % elems != 0) {
+    return absl::InternalError(
+        absl::StrCat("ReadKV: got ", k->size(), " K and ", v->size(),
+                     " V values; want equal multiples of ", elems));
+  }
+  if (num_tokens != 0 && k->size() != static_cast<size_t>(num_tokens) * elems) {
+    return absl::InternalError(absl::StrCat("ReadKV: got ", k->size() / elems,
+                                            " tokens; want ", num_tokens));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace triax::client

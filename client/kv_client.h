@@ -1,19 +1,47 @@
 // C++ client library for inference frontends: one object that talks to the
 // manager (plans, budgets) and to the worker a sequence is placed on (KV
-// bytes, attention). Thread-compatible: use one Client per thread, or guard it.
+// bytes, attention). Thread-safe: methods may run concurrently (the worker
+// stub cache is locked; request ids come from an atomic counter), but one
+// SequenceHandle must not be passed to Extend while another thread uses it.
 //
 // Every method returns absl::Status / StatusOr with the server's canonical
-// code and message. Mutating calls get a fresh request id per call and are
-// retried once on UNAVAILABLE with the same id (safe: servers are idempotent).
+// code and message, prefixed with the call that failed, e.g.
+// "OpenSequence: tenant budget ..." or "AllocatePages: ...". Every RPC has a
+// deadline of rpc_timeout_ms (DEADLINE_EXCEEDED past it). Mutating calls get a
+// fresh request id per call and are retried once on UNAVAILABLE with the same
+// id (safe: servers are idempotent). Reads are retried once too; an Attend
+// that appends K/V is not (it carries no request id).
+//
+// Connect does not dial: channels connect lazily, so an unreachable manager
+// or worker surfaces as UNAVAILABLE on the first call that needs it.
+//
+// Compound calls and their partial failures:
+//   Open   = manager OpenSequence + worker AllocatePages; when the worker
+//            fails, the manager sequence is closed again (best effort).
+//   Extend = manager ExtendSequence + worker AllocatePages of the full plan;
+//            the handle is updated only when both succeed (on a worker
+//            failure the manager's plan is ahead; Close the sequence).
+//   Fork   = manager ForkSequence + worker ForkSequence on the parent's
+//            worker; on a worker failure the child is closed again.
+//   Close  = worker FreePages + manager CloseSequence; the manager is told
+//            even when the worker answers NOT_FOUND or UNAVAILABLE (a gone
+//            worker holds nothing); any other worker error is returned
+//            without closing on the manager.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "triax/v1/manager.grpc.pb.h"
 #include "triax/v1/worker.grpc.pb.h"
 
@@ -37,7 +65,8 @@ struct SequenceHandle {
 
 class Client {
  public:
-  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      const ClientOptions& options);
 
   // Manager-side plan + worker-side page allocation, in one call.
   absl::StatusOr<SequenceHandle> Open(const triax::v1::ModelShape& model,
@@ -45,15 +74,18 @@ class Client {
                                       const std::string& policy = "",
                                       uint32_t block_tokens = 0);
   // Plans more tokens (a new turn, or decoded tokens) and allocates them.
-  absl::Status Extend(SequenceHandle* seq, const std::vector<triax::v1::Span>& spans,
-                      bool new_turn, bool continue_last_span);
-  absl::StatusOr<SequenceHandle> Fork(const SequenceHandle& parent, uint64_t num_tokens);
+  absl::Status Extend(SequenceHandle* seq,
+                      const std::vector<triax::v1::Span>& spans, bool new_turn,
+                      bool continue_last_span);
+  absl::StatusOr<SequenceHandle> Fork(const SequenceHandle& parent,
+                                      uint64_t num_tokens);
   absl::Status Close(const SequenceHandle& seq);
 
   // Writes K/V for tokens [first_token, first_token + num_tokens) of `layer`.
   // k, v: float32 [num_tokens][n_kv_heads][head_dim]; sent as BF16.
-  absl::Status WriteKV(const SequenceHandle& seq, uint32_t layer, uint64_t first_token,
-                       uint32_t num_tokens, const float* k, const float* v);
+  absl::Status WriteKV(const SequenceHandle& seq, uint32_t layer,
+                       uint64_t first_token, uint32_t num_tokens,
+                       const float* k, const float* v);
   // Attention for `num_queries` queries of `layer`; query i attends to tokens
   // [0, positions[i]]. q, out: float32 [num_queries][n_q_heads][head_dim].
   // When append_k/append_v are given, tokens [append_first, append_first +
@@ -71,18 +103,44 @@ class Client {
   };
   absl::Status Attend(const SequenceHandle& seq, const AttendArgs& args);
   // Reads back K/V as float32 [num_tokens][n_kv_heads][head_dim].
-  absl::Status ReadKV(const SequenceHandle& seq, uint32_t layer, uint64_t first_token,
-                      uint32_t num_tokens, std::vector<float>* k, std::vector<float>* v);
+  absl::Status ReadKV(const SequenceHandle& seq, uint32_t layer,
+                      uint64_t first_token, uint32_t num_tokens,
+                      std::vector<float>* k, std::vector<float>* v);
+
+  // The manager's view of a sequence of this tenant (plan, state, lost
+  // lineage ids).
+  absl::StatusOr<triax::v1::SequenceInfo> GetSequence(
+      const std::string& sequence_id);
 
   triax::v1::Manager::Stub* manager() { return manager_.get(); }
-  // Stub for a worker address (cached).
+  // Stub for a worker address (cached). FAILED_PRECONDITION for "".
   absl::StatusOr<triax::v1::Worker::Stub*> worker(const std::string& address);
   const ClientOptions& options() const { return options_; }
 
+  // A fresh request id, unique across clients: "c<16 hex>-<counter>".
+  std::string NewRequestId();
+
  private:
-  // ... implementation-defined members
+  Client() = default;
+
+  void SetDeadline(grpc::ClientContext* ctx) const;
+  // Runs `call` with a fresh context and deadline; once more when it fails
+  // with UNAVAILABLE and `retry` is set. The status is prefixed with `what`.
+  absl::Status CallWithRetry(
+      absl::string_view what, bool retry,
+      const std::function<grpc::Status(grpc::ClientContext*)>& call);
+  // AllocatePages of the full plan in `info` on its worker.
+  absl::Status AllocateOnWorker(const triax::v1::SequenceInfo& info);
+  // Undoes a manager-side open/fork after a worker failure; errors dropped.
+  void CloseOnManagerQuietly(const std::string& sequence_id);
+
   ClientOptions options_;
   std::unique_ptr<triax::v1::Manager::Stub> manager_;
+  std::string request_prefix_;
+  std::atomic<uint64_t> next_request_{0};
+  absl::Mutex workers_mu_;
+  std::map<std::string, std::unique_ptr<triax::v1::Worker::Stub>> workers_
+      ABSL_GUARDED_BY(workers_mu_);
 };
 
 }  // namespace triax::client

@@ -1,0 +1,295 @@
+// kvctl: the operator CLI of triaxkv. Talks to the manager only.
+//
+//   kvctl [--manager host:port] <command> [args] [flags]
+//
+// Errors print "kvctl: <CODE>: <message>" to stderr and exit 1; bad usage
+// prints the usage text and exits 2.
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "client/kv_client.h"
+#include "client/kvctl_format.h"
+#include "common/grpc_status.h"
+
+ABSL_FLAG(std::string, manager, "127.0.0.1:7070", "manager address host:port");
+ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each unary RPC");
+ABSL_FLAG(std::string, tenant, "", "tenant filter (sequences, events)");
+ABSL_FLAG(bool, all, false, "sequences: include closed sequences");
+ABSL_FLAG(uint64_t, device_floor_bytes, 0, "tenant-create: device floor");
+ABSL_FLAG(uint64_t, device_ceiling_bytes, 0,
+          "tenant-create: device ceiling (no device budget when both are 0)");
+ABSL_FLAG(std::string, policy, "", "tenant-create: default policy");
+ABSL_FLAG(std::string, tier, "", "budget-set: device|host|disk");
+ABSL_FLAG(uint64_t, floor_bytes, 0, "budget-set: guaranteed bytes");
+ABSL_FLAG(uint64_t, ceiling_bytes, 0, "budget-set: admission limit in bytes");
+ABSL_FLAG(uint64_t, from, 0,
+          "events: replay retained events with id >= from (0: live only)");
+ABSL_FLAG(uint32_t, max, 0, "events: stop after this many (0: until ^C)");
+ABSL_FLAG(std::string, sequence, "", "events: sequence filter");
+ABSL_FLAG(uint64_t, lineage, 0, "events: lineage filter");
+ABSL_FLAG(int64_t, wait_ms, 0,
+          "events: stop quietly after this long (0: no limit)");
+ABSL_FLAG(bool, json, false, "events: print JSON lines");
+
+namespace {
+
+constexpr char kUsage[] =
+    R"(kvctl: operator CLI of the triaxkv manager.
+
+usage: kvctl [--manager host:port] [--timeout_ms N] <command> [args] [flags]
+
+commands:
+  workers                       registered workers, state, capacity, pages
+  tenants                       tenants, usage and budgets
+  tenant-create ID [--device_floor_bytes N --device_ceiling_bytes N]
+                   [--policy P]
+  budget-set ID --tier device|host|disk --floor_bytes N --ceiling_bytes N
+  sequences [--tenant T] [--all]
+  sequence ID                   plan, state and lost lineage ids
+  trace LINEAGE_ID              a block and its lifecycle events
+  events [--from N] [--max N] [--tenant T] [--sequence S] [--lineage L]
+         [--wait_ms N] [--json]  one event per line (key=value or JSON)
+)";
+
+int Usage(const std::string& why) {
+  if (!why.empty()) std::cerr << "kvctl: " << why << "\n\n";
+  std::cerr << kUsage;
+  return 2;
+}
+
+int Fail(const absl::Status& s) {
+  std::cerr << "kvctl: " << absl::StatusCodeToString(s.code()) << ": "
+            << s.message() << "\n";
+  return 1;
+}
+
+// Flags not known to kvctl are usage errors (exit 2), found before absl's
+// parser, which would exit 1 for them.
+bool CheckFlagNames(int argc, char** argv, std::string* bad) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view a = argv[i];
+    if (a == "--") break;
+    if (a.size() < 2 || a[0] != '-') continue;
+    a.remove_prefix(a[1] == '-' ? 2 : 1);
+    absl::string_view name = a.substr(0, a.find('='));
+    if (name == "help" || name == "helpfull" || name == "version") continue;
+    if (absl::FindCommandLineFlag(name) != nullptr) continue;
+    if (absl::StartsWith(name, "no") &&
+        absl::FindCommandLineFlag(name.substr(2)) != nullptr) {
+      continue;
+    }
+    *bad = std::string(argv[i]);
+    return false;
+  }
+  return true;
+}
+
+class Kvctl {
+ public:
+  explicit Kvctl(triax::client::Client* client) : client_(client) {}
+
+  void Deadline(grpc::ClientContext* ctx) const {
+    ctx->set_deadline(
+        std::chrono::system_clock::now() +
+        std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+  }
+
+  int Workers() {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::ListWorkersResponse resp;
+    auto s = m()->ListWorkers(&ctx, {}, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << triax::kvctl::WorkersTable(resp);
+    return 0;
+  }
+
+  int Tenants() {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::ListTenantsResponse resp;
+    auto s = m()->ListTenants(&ctx, {}, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << triax::kvctl::TenantsTable(resp);
+    return 0;
+  }
+
+  int TenantCreate(const std::string& id) {
+    triax::v1::CreateTenantRequest req;
+    req.set_request_id(client_->NewRequestId());
+    req.set_tenant_id(id);
+    req.set_default_policy(absl::GetFlag(FLAGS_policy));
+    const uint64_t floor = absl::GetFlag(FLAGS_device_floor_bytes);
+    const uint64_t ceiling = absl::GetFlag(FLAGS_device_ceiling_bytes);
+    if (floor != 0 || ceiling != 0) {
+      triax::v1::Budget* b = req.add_budgets();
+      b->set_tier(triax::v1::TIER_DEVICE);
+      b->set_floor_bytes(floor);
+      b->set_ceiling_bytes(ceiling);
+    }
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::CreateTenantResponse resp;
+    auto s = m()->CreateTenant(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    triax::v1::ListTenantsResponse one;
+    *one.add_tenants() = resp.tenant();
+    std::cout << triax::kvctl::TenantsTable(one);
+    return 0;
+  }
+
+  int BudgetSet(const std::string& id) {
+    const std::string tier = absl::GetFlag(FLAGS_tier);
+    triax::v1::Tier t;
+    if (tier == "device") {
+      t = triax::v1::TIER_DEVICE;
+    } else if (tier == "host") {
+      t = triax::v1::TIER_HOST;
+    } else if (tier == "disk") {
+      t = triax::v1::TIER_DISK;
+    } else {
+      return Usage(absl::StrCat("budget-set: --tier=\"", tier,
+                                "\"; want device, host or disk"));
+    }
+    triax::v1::SetBudgetRequest req;
+    req.set_request_id(client_->NewRequestId());
+    req.set_tenant_id(id);
+    req.mutable_budget()->set_tier(t);
+    req.mutable_budget()->set_floor_bytes(absl::GetFlag(FLAGS_floor_bytes));
+    req.mutable_budget()->set_ceiling_bytes(absl::GetFlag(FLAGS_ceiling_bytes));
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::SetBudgetResponse resp;
+    auto s = m()->SetBudget(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    triax::v1::ListTenantsResponse one;
+    *one.add_tenants() = resp.tenant();
+    std::cout << triax::kvctl::TenantsTable(one);
+    return 0;
+  }
+
+  int Sequences() {
+    triax::v1::ListSequencesRequest req;
+    req.set_tenant_id(absl::GetFlag(FLAGS_tenant));
+    req.set_include_closed(absl::GetFlag(FLAGS_all));
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::ListSequencesResponse resp;
+    auto s = m()->ListSequences(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << triax::kvctl::SequencesTable(resp);
+    return 0;
+  }
+
+  int Sequence(const std::string& id) {
+    triax::v1::GetSequenceRequest req;
+    req.set_sequence_id(id);  // no tenant: operator view
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::GetSequenceResponse resp;
+    auto s = m()->GetSequence(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << triax::kvctl::SequenceDetail(resp.sequence());
+    return 0;
+  }
+
+  int Trace(uint64_t lineage) {
+    triax::v1::QueryTraceRequest req;
+    req.set_lineage_id(lineage);
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::QueryTraceResponse resp;
+    auto s = m()->QueryTrace(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << triax::kvctl::TraceDetail(lineage, resp);
+    return 0;
+  }
+
+  int Events() {
+    triax::v1::WatchEventsRequest req;
+    req.set_from_id(absl::GetFlag(FLAGS_from));
+    req.set_max_events(absl::GetFlag(FLAGS_max));
+    req.set_tenant_id(absl::GetFlag(FLAGS_tenant));
+    req.set_sequence_id(absl::GetFlag(FLAGS_sequence));
+    req.set_lineage_id(absl::GetFlag(FLAGS_lineage));
+    const bool json = absl::GetFlag(FLAGS_json);
+    const int64_t wait_ms = absl::GetFlag(FLAGS_wait_ms);
+    grpc::ClientContext ctx;
+    if (wait_ms > 0) {
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::milliseconds(wait_ms));
+    }
+    auto reader = m()->WatchEvents(&ctx, req);
+    triax::v1::Event e;
+    while (reader->Read(&e)) {
+      std::cout << (json ? triax::kvctl::EventJson(e)
+                         : triax::kvctl::EventLine(e))
+                << std::endl;  // flushed: the stream may be live
+    }
+    grpc::Status s = reader->Finish();
+    if (wait_ms > 0 && s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return 0;  // --wait_ms ran out: a normal end
+    }
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    return 0;
+  }
+
+ private:
+  triax::v1::Manager::Stub* m() { return client_->manager(); }
+  triax::client::Client* client_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  std::string bad;
+  if (!CheckFlagNames(argc, argv, &bad)) {
+    return Usage(absl::StrCat("unknown flag ", bad));
+  }
+  std::vector<char*> pos = absl::ParseCommandLine(argc, argv);
+  if (pos.size() < 2) return Usage("missing command");
+  const std::string cmd = pos[1];
+  const std::vector<std::string> args(pos.begin() + 2, pos.end());
+  auto want_args = [&](size_t n) { return args.size() == n; };
+
+  triax::client::ClientOptions opts;
+  opts.manager_address = absl::GetFlag(FLAGS_manager);
+  opts.rpc_timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
+  auto client = triax::client::Client::Connect(opts);
+  if (!client.ok()) return Fail(client.status());
+  Kvctl k(client->get());
+
+  if (cmd == "workers" && want_args(0)) return k.Workers();
+  if (cmd == "tenants" && want_args(0)) return k.Tenants();
+  if (cmd == "tenant-create" && want_args(1)) return k.TenantCreate(args[0]);
+  if (cmd == "budget-set" && want_args(1)) return k.BudgetSet(args[0]);
+  if (cmd == "sequences" && want_args(0)) return k.Sequences();
+  if (cmd == "sequence" && want_args(1)) return k.Sequence(args[0]);
+  if (cmd == "trace" && want_args(1)) {
+    uint64_t lineage = 0;
+    if (!absl::SimpleAtoi(args[0], &lineage) || lineage == 0) {
+      return Usage(absl::StrCat("trace: LINEAGE_ID \"", args[0],
+                                "\" is not a positive integer"));
+    }
+    return k.Trace(lineage);
+  }
+  if (cmd == "events" && want_args(0)) return k.Events();
+  return Usage(absl::StrCat("bad command or arguments: ", cmd, " (",
+                            args.size(), " arguments)"));
+}

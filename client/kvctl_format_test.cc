@@ -1,0 +1,131 @@
+#include "client/kvctl_format.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace triax::kvctl {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+TEST(EnumNames, StripPrefixAndLowerCase) {
+  EXPECT_EQ(RoleName(triax::v1::ROLE_TOOL_CALL), "tool_call");
+  EXPECT_EQ(FormatName(triax::v1::FORMAT_INT2), "int2");
+  EXPECT_EQ(TierName(triax::v1::TIER_HOST), "host");
+  EXPECT_EQ(WorkerStateName(triax::v1::WORKER_STATE_DOWN), "down");
+  EXPECT_EQ(SequenceStateName(triax::v1::SEQUENCE_STATE_LOST), "lost");
+  EXPECT_EQ(EventKindName(triax::v1::EVENT_SEQUENCE_LOST), "SEQUENCE_LOST");
+  EXPECT_EQ(FormatName(triax::v1::FORMAT_UNSPECIFIED), "-");
+  EXPECT_EQ(RoleName(static_cast<triax::v1::Role>(77)), "?77");
+}
+
+TEST(TagString, JoinsThreeAxes) {
+  triax::v1::Tag tag;
+  tag.set_temporal(triax::v1::TEMPORAL_SINK);
+  tag.set_modality(triax::v1::MODALITY_TEXT);
+  tag.set_role(triax::v1::ROLE_SYSTEM);
+  EXPECT_EQ(TagString(tag), "sink/text/system");
+}
+
+TEST(HumanBytes, Units) {
+  EXPECT_EQ(HumanBytes(0), "0 B");
+  EXPECT_EQ(HumanBytes(1023), "1023 B");
+  EXPECT_EQ(HumanBytes(1536), "1.50 KiB");
+  EXPECT_EQ(HumanBytes(12ull << 20), "12.00 MiB");
+  EXPECT_EQ(HumanBytes(3ull << 30), "3.00 GiB");
+}
+
+TEST(UnixMsString, Rfc3339Utc) {
+  EXPECT_EQ(UnixMsString(0), "-");
+  EXPECT_EQ(UnixMsString(1700000000123), "2023-11-14T22:13:20.123Z");
+}
+
+TEST(Table, AlignsColumnsWithoutTrailingBlanks) {
+  Table t({"A", "LONGER"});
+  t.AddRow({"xyz", "1"});
+  t.AddRow({"q"});
+  EXPECT_EQ(t.Render(),
+            "A    LONGER\n"
+            "xyz  1\n"
+            "q\n");
+}
+
+TEST(EventLine, KeyValueSkipsEmptyFields) {
+  triax::v1::Event e;
+  e.set_id(7);
+  e.set_kind(triax::v1::EVENT_SEQUENCE_LOST);
+  e.set_sequence_id("s-1");
+  e.set_worker_id("w1");
+  e.add_lineage_ids(4);
+  e.add_lineage_ids(5);
+  e.set_detail("reason=\"worker down\"");
+  const std::string line = EventLine(e);
+  EXPECT_THAT(line, HasSubstr("id=7 "));
+  EXPECT_THAT(line, HasSubstr("kind=SEQUENCE_LOST"));
+  EXPECT_THAT(line, HasSubstr("sequence=s-1"));
+  EXPECT_THAT(line, HasSubstr("worker=w1"));
+  EXPECT_THAT(line, HasSubstr("lineages=4,5"));
+  EXPECT_THAT(line, HasSubstr(R"(detail="reason=\"worker down\"")"));
+  EXPECT_THAT(line, Not(HasSubstr("tenant=")));
+  EXPECT_THAT(line, Not(HasSubstr("lineage=")));
+  EXPECT_THAT(line, Not(HasSubstr("format=")));
+}
+
+TEST(EventJson, EveryFieldEscaped) {
+  triax::v1::Event e;
+  e.set_id(3);
+  e.set_unix_ms(42);
+  e.set_kind(triax::v1::EVENT_BLOCK_CREATED);
+  e.set_lineage_id(9);
+  e.set_tenant_id("t\"1");
+  e.mutable_tag()->set_temporal(triax::v1::TEMPORAL_CURRENT_TURN);
+  e.mutable_tag()->set_modality(triax::v1::MODALITY_TEXT);
+  e.mutable_tag()->set_role(triax::v1::ROLE_USER);
+  e.set_format(triax::v1::FORMAT_INT4);
+  e.set_detail("a\nb");
+  EXPECT_EQ(EventJson(e),
+            R"({"id":3,"unix_ms":42,"kind":"BLOCK_CREATED","lineage_id":9,)"
+            R"("sequence_id":"","tenant_id":"t\"1","worker_id":"",)"
+            R"("tag":{"temporal":"current_turn","modality":"text",)"
+            R"("role":"user"},"format":"int4","lineage_ids":[],)"
+            R"("detail":"a\nb"})");
+}
+
+TEST(JsonString, ControlCharacters) {
+  EXPECT_EQ(JsonString(std::string("x\x01y\\", 4)), R"("x\u0001y\\")");
+}
+
+TEST(SequenceDetail, ShowsPlanAndLostLineages) {
+  triax::v1::SequenceInfo s;
+  s.set_sequence_id("seq-9");
+  s.set_tenant_id("acme");
+  s.set_state(triax::v1::SEQUENCE_STATE_LOST);
+  s.set_block_tokens(16);
+  s.set_num_tokens(20);
+  for (int i = 0; i < 2; ++i) {
+    auto* b = s.add_blocks();
+    b->set_index(i);
+    b->set_lineage_id(100 + i);
+    b->set_first_token(16 * i);
+    b->set_num_tokens(i == 0 ? 16 : 4);
+    b->set_capacity(16);
+    b->set_format(triax::v1::FORMAT_BF16);
+    b->set_refcount(1);
+    s.add_lost_lineage_ids(100 + i);
+  }
+  const std::string out = SequenceDetail(s);
+  EXPECT_THAT(out, HasSubstr("seq-9"));
+  EXPECT_THAT(out, HasSubstr("lost lineages:  100,101"));
+  EXPECT_THAT(out, HasSubstr("20 in 2 blocks of 16"));
+  EXPECT_THAT(out, HasSubstr("1      101      16     4/16"));
+}
+
+TEST(SequenceDetail, NoLostLineagesWhenOpen) {
+  triax::v1::SequenceInfo s;
+  s.set_state(triax::v1::SEQUENCE_STATE_OPEN);
+  EXPECT_THAT(SequenceDetail(s), Not(HasSubstr("lost")));
+}
+
+}  // namespace
+}  // namespace triax::kvctl
