@@ -1,0 +1,82 @@
+#include "worker/device.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "absl/strings/str_cat.h"
+#include "common/ids.h"
+
+namespace triax::worker {
+
+absl::StatusOr<uint8_t*> CpuDevice::AllocateArena(size_t bytes) {
+  if (bytes == 0) {
+    return absl::InvalidArgumentError("arena bytes must be > 0");
+  }
+  const size_t rounded = (bytes + 255) & ~size_t{255};
+  void* p = std::aligned_alloc(256, rounded);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu backend: cannot allocate an arena of ", bytes,
+                     " bytes from host memory"));
+  }
+  return static_cast<uint8_t*>(p);
+}
+
+void CpuDevice::FreeArena(uint8_t* base, size_t /*bytes*/) { std::free(base); }
+
+absl::Status CpuDevice::EncodePage(kernels::Format f,
+                                   const kernels::PageShape& shape,
+                                   const uint16_t* k_bf16,
+                                   const uint16_t* v_bf16, int num_tokens,
+                                   uint8_t* page) {
+  kernels::EncodePage(f, shape, k_bf16, v_bf16, num_tokens, page);
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::DecodePage(kernels::Format f,
+                                   const kernels::PageShape& shape,
+                                   const uint8_t* page, int num_tokens,
+                                   float* k_out, float* v_out) {
+  kernels::DecodePage(f, shape, page, num_tokens, k_out, v_out);
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::WriteBf16Tokens(const kernels::PageShape& shape,
+                                        const uint16_t* k_bf16,
+                                        const uint16_t* v_bf16, int first_slot,
+                                        int num_tokens, uint8_t* page) {
+  const size_t stride = static_cast<size_t>(shape.heads) * shape.head_dim;
+  for (int i = 0; i < num_tokens; ++i) {
+    kernels::WriteBf16Token(shape, k_bf16 + i * stride, v_bf16 + i * stride,
+                            first_slot + i, page);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::CopyPage(uint8_t* dst, const uint8_t* src,
+                                 size_t bytes) {
+  std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::DecodeAttention(const kernels::DecodeParams& p) {
+  kernels::DecodeAttentionRef(p);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Device>> CreateDevice(
+    absl::string_view backend) {
+  if (backend == "auto" || backend == "cpu") {
+    return std::unique_ptr<Device>(new CpuDevice());
+  }
+  if (backend == "cuda") {
+    return absl::FailedPreconditionError(
+        "backend=\"cuda\": the CUDA backend is not built into this kvworker "
+        "(not available yet); use --backend=cpu or --backend=auto");
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "backend=", Quote(backend), " is not one of auto, cpu, cuda"));
+}
+
+}  // namespace triax::worker

@@ -1,0 +1,96 @@
+// The compute and memory backend of a kvworker, chosen once at startup
+// (CreateDevice). Service and store logic talk only to this interface, so a
+// CUDA backend slots in without #ifdefs in business code.
+//
+// Pointer spaces: "device" pointers are inside an arena returned by
+// AllocateArena (host memory on the CPU backend, HBM on CUDA); "host" pointers
+// are ordinary process memory. Page bytes follow kernels/layout.h exactly.
+//
+// Thread contract: implementations are thread-safe; calls on disjoint pages
+// may run concurrently.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/layout.h"
+#include "kernels/ref/kv_ref.h"
+
+namespace triax::worker {
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  // "cpu" or "cuda": what the worker reports to the manager as its backend.
+  virtual const char* Name() const = 0;
+
+  // One contiguous arena of `bytes` device bytes, 256-byte aligned.
+  // RESOURCE_EXHAUSTED when the backend cannot provide it.
+  virtual absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) = 0;
+  virtual void FreeArena(uint8_t* base, size_t bytes) = 0;
+
+  // Encodes tokens [0, num_tokens) from host BF16 K/V, token-major
+  // [num_tokens][H][D], into the device page (PageBytes(f, shape) bytes).
+  virtual absl::Status EncodePage(kernels::Format f,
+                                  const kernels::PageShape& shape,
+                                  const uint16_t* k_bf16,
+                                  const uint16_t* v_bf16, int num_tokens,
+                                  uint8_t* page) = 0;
+
+  // Decodes tokens [0, num_tokens) of a device page into host float32,
+  // token-major [num_tokens][H][D]. Either output may be null.
+  virtual absl::Status DecodePage(kernels::Format f,
+                                  const kernels::PageShape& shape,
+                                  const uint8_t* page, int num_tokens,
+                                  float* k_out, float* v_out) = 0;
+
+  // Writes `num_tokens` host BF16 tokens ([num_tokens][H][D] each for K and V)
+  // into slots [first_slot, first_slot + num_tokens) of a BF16 device page.
+  virtual absl::Status WriteBf16Tokens(const kernels::PageShape& shape,
+                                       const uint16_t* k_bf16,
+                                       const uint16_t* v_bf16, int first_slot,
+                                       int num_tokens, uint8_t* page) = 0;
+
+  // Copies `bytes` between two device pages.
+  virtual absl::Status CopyPage(uint8_t* dst, const uint8_t* src,
+                                size_t bytes) = 0;
+
+  // Mixed-format decode attention (kernels/ref/kv_ref.h DecodeParams): q and
+  // out are host pointers, pages[i].data device pointers.
+  virtual absl::Status DecodeAttention(const kernels::DecodeParams& p) = 0;
+};
+
+// The CPU backend: the arena is host memory and compute is kernels/ref.
+class CpuDevice final : public Device {
+ public:
+  const char* Name() const override { return "cpu"; }
+  absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override;
+  void FreeArena(uint8_t* base, size_t bytes) override;
+  absl::Status EncodePage(kernels::Format f, const kernels::PageShape& shape,
+                          const uint16_t* k_bf16, const uint16_t* v_bf16,
+                          int num_tokens, uint8_t* page) override;
+  absl::Status DecodePage(kernels::Format f, const kernels::PageShape& shape,
+                          const uint8_t* page, int num_tokens, float* k_out,
+                          float* v_out) override;
+  absl::Status WriteBf16Tokens(const kernels::PageShape& shape,
+                               const uint16_t* k_bf16, const uint16_t* v_bf16,
+                               int first_slot, int num_tokens,
+                               uint8_t* page) override;
+  absl::Status CopyPage(uint8_t* dst, const uint8_t* src,
+                        size_t bytes) override;
+  absl::Status DecodeAttention(const kernels::DecodeParams& p) override;
+};
+
+// Picks the backend named by the --backend flag:
+//   "auto", "cpu" -> CpuDevice
+//   "cuda"        -> FAILED_PRECONDITION (the CUDA backend is not built into
+//                    this kvworker yet)
+//   anything else -> INVALID_ARGUMENT naming the value.
+absl::StatusOr<std::unique_ptr<Device>> CreateDevice(absl::string_view backend);
+
+}  // namespace triax::worker

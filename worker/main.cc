@@ -1,0 +1,167 @@
+// kvworker: flags and the gRPC server; everything else lives in
+// worker_core / worker_service.
+//
+// Prints "kvworker listening on HOST:PORT" (HOST as given in --listen, PORT
+// the bound one) on stdout once serving; exits 0 on SIGTERM/SIGINT after a
+// graceful shutdown, 1 on startup errors.
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "common/ids.h"
+#include "common/log.h"
+#include "worker/device.h"
+#include "worker/manager_link.h"
+#include "worker/page_allocator.h"
+#include "worker/sequence_store.h"
+#include "worker/worker_service.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7071",
+          "host:port to serve on; port 0 picks a free port");
+ABSL_FLAG(std::string, port_file, "",
+          "if set, the bound port is written here (atomically)");
+ABSL_FLAG(std::string, manager, "",
+          "kvmanager host:port to register with; empty runs standalone");
+ABSL_FLAG(std::string, worker_id, "",
+          "worker id; default worker-<hostname>-<port>");
+ABSL_FLAG(std::string, advertise, "",
+          "host:port frontends dial; default the bound listen address");
+ABSL_FLAG(int64_t, pool_mb, 1024, "KV page arena size in MiB");
+ABSL_FLAG(int32_t, window_tokens, 32,
+          "BF16 recent-window tokens per sequence and layer (0: seal blocks "
+          "as soon as they are full)");
+ABSL_FLAG(std::string, backend, "auto", "auto | cpu | cuda");
+
+namespace {
+
+int Fail(const std::string& what) {
+  std::fprintf(stderr, "kvworker: %s\n", what.c_str());
+  return 1;
+}
+
+std::string HostOf(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+bool WritePortFile(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << port << "\n";
+    if (!out.good()) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  using namespace triax::worker;  // NOLINT
+
+  // Signals are taken synchronously by sigwait below; block them before any
+  // thread starts so every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  const int64_t pool_mb = absl::GetFlag(FLAGS_pool_mb);
+  if (pool_mb <= 0) {
+    return Fail(absl::StrCat("--pool_mb=", pool_mb, " must be > 0"));
+  }
+  const int32_t window = absl::GetFlag(FLAGS_window_tokens);
+  if (window < 0) {
+    return Fail(absl::StrCat("--window_tokens=", window, " must be >= 0"));
+  }
+  auto device = CreateDevice(absl::GetFlag(FLAGS_backend));
+  if (!device.ok()) return Fail(std::string(device.status().message()));
+  auto allocator =
+      PageAllocator::Create(device->get(), static_cast<size_t>(pool_mb) << 20);
+  if (!allocator.ok()) return Fail(std::string(allocator.status().message()));
+  SequenceStore store(device->get(), allocator->get(),
+                      StoreOptions{static_cast<uint32_t>(window)});
+  WorkerService service(&store);
+
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(256 << 20);
+  builder.SetMaxSendMessageSize(256 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    return Fail(absl::StrCat("cannot listen on --listen=", listen));
+  }
+  const std::string bound = absl::StrCat(HostOf(listen), ":", port);
+
+  const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if (!port_file.empty() && !WritePortFile(port_file, port)) {
+    server->Shutdown();
+    return Fail(absl::StrCat("cannot write --port_file=", port_file));
+  }
+
+  std::unique_ptr<ManagerLink> link;
+  const std::string manager = absl::GetFlag(FLAGS_manager);
+  std::string worker_id = absl::GetFlag(FLAGS_worker_id);
+  if (worker_id.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    worker_id = absl::StrCat("worker-", host, "-", port);
+  }
+  if (!manager.empty()) {
+    if (absl::Status s = triax::ValidateId("worker_id", worker_id); !s.ok()) {
+      server->Shutdown();
+      return Fail(std::string(s.message()));
+    }
+    ManagerLinkOptions opts;
+    opts.manager_address = manager;
+    opts.worker_id = worker_id;
+    opts.advertise_address = absl::GetFlag(FLAGS_advertise).empty()
+                                 ? bound
+                                 : absl::GetFlag(FLAGS_advertise);
+    opts.backend = (*device)->Name();
+    opts.capacity_bytes = (*allocator)->capacity();
+    link = std::make_unique<ManagerLink>(
+        opts,
+        [&store] {
+          triax::v1::Inventory inv;
+          InventoryToProto(store.Inventory(), &inv);
+          return inv;
+        },
+        [&store](const std::vector<std::string>& lost) {
+          for (const std::string& id : lost) (void)store.Drop(id);
+        });
+    link->Start();
+  }
+
+  std::printf("kvworker listening on %s\n", bound.c_str());
+  std::fflush(stdout);
+  triax::Log(triax::LogLevel::kInfo, "worker", "serving",
+             absl::StrCat(triax::Kv("address", bound), " ",
+                          triax::Kv("worker_id", worker_id), " ",
+                          triax::Kv("backend", (*device)->Name()), " ",
+                          triax::Kv("pool_mb", pool_mb), " ",
+                          triax::Kv("window_tokens", window), " ",
+                          triax::Kv("manager", manager)));
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  triax::Log(triax::LogLevel::kInfo, "worker", "shutting down",
+             triax::Kv("signal", sig));
+  if (link) link->Stop();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server->Wait();
+  return 0;
+}

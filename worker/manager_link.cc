@@ -1,0 +1,130 @@
+#include "worker/manager_link.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "common/log.h"
+
+namespace triax::worker {
+
+ManagerLink::ManagerLink(ManagerLinkOptions options, InventoryFn inventory,
+                         LostFn on_lost)
+    : options_(std::move(options)),
+      inventory_(std::move(inventory)),
+      on_lost_(std::move(on_lost)) {
+  stub_ = v1::Manager::NewStub(grpc::CreateChannel(
+      options_.manager_address, grpc::InsecureChannelCredentials()));
+}
+
+ManagerLink::~ManagerLink() { Stop(); }
+
+void ManagerLink::Start() {
+  thread_ = std::thread([this] { Run(); });
+}
+
+void ManagerLink::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+int ManagerLink::registrations() const {
+  absl::MutexLock lock(&mu_);
+  return registrations_;
+}
+
+int ManagerLink::heartbeats() const {
+  absl::MutexLock lock(&mu_);
+  return heartbeats_;
+}
+
+bool ManagerLink::WaitStop(int ms) {
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(ms));
+  return stop_;
+}
+
+void ManagerLink::Run() {
+  const std::string kvs =
+      absl::StrCat(Kv("manager", options_.manager_address), " ",
+                   Kv("worker_id", options_.worker_id));
+  int interval_ms = 0;
+  bool registered = false;
+  int failures = 0;
+  while (true) {
+    if (!registered) {
+      v1::RegisterWorkerRequest req;
+      req.set_request_id(absl::StrCat(options_.worker_id, "-register-",
+                                      absl::ToUnixMicros(absl::Now())));
+      req.set_worker_id(options_.worker_id);
+      req.set_address(options_.advertise_address);
+      req.set_backend(options_.backend);
+      req.set_capacity_bytes(options_.capacity_bytes);
+      v1::RegisterWorkerResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::milliseconds(options_.rpc_deadline_ms));
+      const grpc::Status s = stub_->RegisterWorker(&ctx, req, &resp);
+      if (s.ok()) {
+        registered = true;
+        failures = 0;
+        interval_ms = resp.heartbeat_interval_ms() > 0
+                          ? static_cast<int>(resp.heartbeat_interval_ms())
+                          : options_.default_heartbeat_ms;
+        {
+          absl::MutexLock lock(&mu_);
+          ++registrations_;
+        }
+        Log(LogLevel::kInfo, "worker", "registered with manager",
+            absl::StrCat(kvs, " ", Kv("heartbeat_ms", interval_ms), " ",
+                         Kv("lost_sequences", resp.lost_sequence_ids_size())));
+        if (resp.lost_sequence_ids_size() > 0 && on_lost_) {
+          on_lost_(std::vector<std::string>(resp.lost_sequence_ids().begin(),
+                                            resp.lost_sequence_ids().end()));
+        }
+      } else {
+        // Log the first failure and then every 25th (~5 s), not every retry.
+        if (failures++ % 25 == 0) {
+          Log(LogLevel::kWarn, "worker", "RegisterWorker failed; retrying",
+              absl::StrCat(kvs, " ",
+                           Kv("code", static_cast<int>(s.error_code())), " ",
+                           Kv("error", s.error_message())));
+        }
+        if (WaitStop(options_.retry_ms)) return;
+        continue;
+      }
+    }
+    if (WaitStop(interval_ms)) return;
+    v1::HeartbeatRequest req;
+    req.set_worker_id(options_.worker_id);
+    *req.mutable_inventory() = inventory_();
+    v1::HeartbeatResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(options_.rpc_deadline_ms));
+    const grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+    if (s.ok()) {
+      absl::MutexLock lock(&mu_);
+      ++heartbeats_;
+    } else if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+      Log(LogLevel::kWarn, "worker",
+          "manager does not know this worker; "
+          "registering again",
+          kvs);
+      registered = false;
+    } else {
+      Log(LogLevel::kWarn, "worker", "Heartbeat failed",
+          absl::StrCat(kvs, " ", Kv("code", static_cast<int>(s.error_code())),
+                       " ", Kv("error", s.error_message())));
+    }
+  }
+}
+
+}  // namespace triax::worker

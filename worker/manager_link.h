@@ -1,0 +1,69 @@
+// The worker's link to the kvmanager: registers (RegisterWorker, retried
+// every `retry_ms` until the manager answers OK), then heartbeats the
+// inventory every heartbeat_interval_ms the manager asked for; a heartbeat
+// answered NOT_FOUND (the manager forgot us, e.g. it restarted) registers
+// again. Sequences the manager reports lost on registration are dropped
+// through `on_lost`.
+//
+// Thread contract: Start/Stop from one owner thread; the link runs on its
+// own thread; the counters are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "triax/v1/manager.grpc.pb.h"
+
+namespace triax::worker {
+
+struct ManagerLinkOptions {
+  std::string manager_address;  // host:port of the kvmanager
+  std::string worker_id;
+  std::string advertise_address;  // host:port frontends dial
+  std::string backend;            // "cpu" | "cuda"
+  uint64_t capacity_bytes = 0;
+  int retry_ms = 200;               // between registration attempts
+  int default_heartbeat_ms = 1000;  // when the manager says 0
+  int rpc_deadline_ms = 2000;
+};
+
+class ManagerLink {
+ public:
+  using InventoryFn = std::function<v1::Inventory()>;
+  using LostFn = std::function<void(const std::vector<std::string>&)>;
+
+  ManagerLink(ManagerLinkOptions options, InventoryFn inventory,
+              LostFn on_lost);
+  ~ManagerLink();  // Stops.
+
+  void Start();
+  // Returns once the link thread has exited; idempotent.
+  void Stop();
+
+  int registrations() const;  // successful RegisterWorker calls
+  int heartbeats() const;     // successful Heartbeat calls
+
+ private:
+  void Run();
+  // Waits up to `ms`; returns true when stopping.
+  bool WaitStop(int ms);
+
+  const ManagerLinkOptions options_;
+  const InventoryFn inventory_;
+  const LostFn on_lost_;
+  std::unique_ptr<v1::Manager::Stub> stub_;
+  std::thread thread_;
+
+  mutable absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  int registrations_ ABSL_GUARDED_BY(mu_) = 0;
+  int heartbeats_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace triax::worker

@@ -1,0 +1,1073 @@
+#include "worker/sequence_store.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/ids.h"
+#include "common/status_macros.h"
+#include "kernels/numeric.h"
+
+namespace triax::worker {
+
+using kernels::Format;
+using kernels::PageShape;
+
+struct SequenceStore::Block {
+  BlockSpec spec;
+  Format format = Format::kBF16;
+  std::vector<Page*> target;  // per layer; null only while being built
+  std::vector<Page*> window;  // per layer; BF16 staging, null when none
+  uint64_t end() const { return spec.first_token + spec.num_tokens; }
+};
+
+// Every field but `id` is guarded by `mu`; helpers taking a Sequence& run
+// with its mutex held.
+struct SequenceStore::Sequence {
+  absl::Mutex mu;
+  std::string id;
+  std::string tenant ABSL_GUARDED_BY(mu);
+  ModelShape model ABSL_GUARDED_BY(mu);
+  uint32_t block_tokens ABSL_GUARDED_BY(mu) = 0;
+  PageShape shape ABSL_GUARDED_BY(mu);
+  std::vector<Block> blocks ABSL_GUARDED_BY(mu);
+  std::vector<uint64_t> written ABSL_GUARDED_BY(mu);  // per layer
+  std::vector<uint32_t> sealed ABSL_GUARDED_BY(mu);   // per layer
+  uint64_t planned ABSL_GUARDED_BY(mu) = 0;
+  bool freed ABSL_GUARDED_BY(mu) = false;
+};
+
+namespace {
+
+absl::Status ValidateShape(const ModelShape& m) {
+  if (m.n_layers < 1 || m.n_layers > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.n_layers=", m.n_layers, " is outside 1..1024"));
+  }
+  if (m.n_kv_heads < 1 || m.n_kv_heads > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.n_kv_heads=", m.n_kv_heads, " is outside 1..1024"));
+  }
+  if (m.n_q_heads < m.n_kv_heads || m.n_q_heads % m.n_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.n_q_heads=", m.n_q_heads,
+        " is not a positive multiple of model.n_kv_heads=", m.n_kv_heads));
+  }
+  if (m.head_dim < 2 || m.head_dim > 512 || m.head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.head_dim=", m.head_dim, " is not an even value in 2..512"));
+  }
+  const uint32_t group = std::min<uint32_t>(32, m.head_dim);
+  if (m.head_dim % group != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.head_dim=", m.head_dim,
+                     " is not divisible by its value group of ", group));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePlan(absl::Span<const BlockSpec> blocks,
+                          uint32_t block_tokens, uint32_t head_dim) {
+  if (blocks.empty()) {
+    return absl::InvalidArgumentError("blocks is empty");
+  }
+  uint64_t next = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const BlockSpec& b = blocks[i];
+    if (b.index != i) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("blocks[", i, "].index=", b.index, " must be ", i));
+    }
+    if (b.first_token != next) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("blocks[", i, "].first_token=", b.first_token,
+                       " must be ", next, " (blocks are contiguous)"));
+    }
+    if (b.num_tokens < 1 || b.num_tokens > block_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("blocks[", i, "].num_tokens=", b.num_tokens,
+                       " is outside 1..block_tokens=", block_tokens));
+    }
+    if (b.format < 1 || b.format > 3) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("blocks[", i, "].format=", b.format,
+                       " is not one of bf16 (1), int4 (2), int2 (3)"));
+    }
+    if (static_cast<Format>(b.format) == Format::kINT2 && head_dim % 4 != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("blocks[", i,
+                       "].format=int2 needs head_dim divisible "
+                       "by 4; model.head_dim=",
+                       head_dim));
+    }
+    next += b.num_tokens;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateBlockTokens(uint32_t block_tokens) {
+  if (block_tokens < 1 || block_tokens > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_tokens=", block_tokens, " is outside 1..4096"));
+  }
+  return absl::OkStatus();
+}
+
+std::string ShapeMismatch(const ModelShape& want, const ModelShape& have) {
+  if (want.n_layers != have.n_layers) {
+    return absl::StrCat("model.n_layers=", want.n_layers,
+                        " differs from the installed ", have.n_layers);
+  }
+  if (want.n_kv_heads != have.n_kv_heads) {
+    return absl::StrCat("model.n_kv_heads=", want.n_kv_heads,
+                        " differs from the installed ", have.n_kv_heads);
+  }
+  if (want.n_q_heads != have.n_q_heads) {
+    return absl::StrCat("model.n_q_heads=", want.n_q_heads,
+                        " differs from the installed ", have.n_q_heads);
+  }
+  if (want.head_dim != have.head_dim) {
+    return absl::StrCat("model.head_dim=", want.head_dim,
+                        " differs from the installed ", have.head_dim);
+  }
+  return "";
+}
+
+void FloatsToBf16(const std::vector<float>& in, std::vector<uint16_t>* out) {
+  out->resize(in.size());
+  for (size_t i = 0; i < in.size(); ++i)
+    (*out)[i] = kernels::FloatToBf16(in[i]);
+}
+
+// Index of the block holding token `t` (blocks are contiguous and sorted).
+template <typename Blocks>
+size_t BlockOf(const Blocks& blocks, uint64_t t) {
+  auto it = std::partition_point(blocks.begin(), blocks.end(),
+                                 [t](const auto& b) { return b.end() <= t; });
+  return static_cast<size_t>(it - blocks.begin());
+}
+
+}  // namespace
+
+SequenceStore::SequenceStore(Device* device, PageAllocator* allocator,
+                             StoreOptions options)
+    : device_(device), allocator_(allocator), options_(options) {}
+
+SequenceStore::~SequenceStore() {
+  absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    all.swap(sequences_);
+  }
+  for (auto& [id, seq] : all) {
+    absl::MutexLock seq_lock(&seq->mu);
+    ReleaseAll(*seq);
+  }
+}
+
+absl::StatusOr<std::shared_ptr<SequenceStore::Sequence>> SequenceStore::Lookup(
+    absl::string_view sequence_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("sequence_id=", Quote(sequence_id),
+                                            " is not on this worker"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<SequenceStore::Sequence>>
+SequenceStore::LookupOwned(absl::string_view tenant_id,
+                           absl::string_view sequence_id) const {
+  TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", tenant_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId("sequence_id", sequence_id));
+  return Lookup(sequence_id);
+}
+
+namespace {
+// Checks, with seq.mu held, that the sequence is still live and the caller's.
+template <typename Seq>
+absl::Status CheckOwner(const Seq& seq, absl::string_view tenant_id) {
+  if (seq.freed) {
+    return absl::NotFoundError(
+        absl::StrCat("sequence_id=", Quote(seq.id), " is not on this worker"));
+  }
+  if (seq.tenant != tenant_id) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "sequence_id=", Quote(seq.id),
+        " belongs to another tenant than tenant_id=", Quote(tenant_id)));
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// AllocatePages
+
+absl::StatusOr<AllocateResult> SequenceStore::AllocatePages(
+    absl::string_view tenant_id, absl::string_view sequence_id,
+    const ModelShape& model, uint32_t block_tokens,
+    absl::Span<const BlockSpec> blocks) {
+  TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", tenant_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId("sequence_id", sequence_id));
+  TRIAX_RETURN_IF_ERROR(ValidateShape(model));
+  TRIAX_RETURN_IF_ERROR(ValidateBlockTokens(block_tokens));
+  TRIAX_RETURN_IF_ERROR(ValidatePlan(blocks, block_tokens, model.head_dim));
+
+  for (;;) {
+    absl::StatusOr<std::shared_ptr<Sequence>> existing = Lookup(sequence_id);
+    if (existing.ok()) {
+      Sequence& seq = **existing;
+      absl::MutexLock lock(&seq.mu);
+      if (seq.freed) continue;  // freed meanwhile: install it afresh
+      return Extend(seq, tenant_id, model, block_tokens, blocks);
+    }
+    auto fresh = std::make_shared<Sequence>();
+    fresh->id = std::string(sequence_id);
+    absl::StatusOr<AllocateResult> result;
+    {
+      absl::MutexLock lock(&fresh->mu);
+      fresh->tenant = std::string(tenant_id);
+      fresh->model = model;
+      fresh->block_tokens = block_tokens;
+      fresh->shape.tokens = static_cast<int>(block_tokens);
+      fresh->shape.heads = static_cast<int>(model.n_kv_heads);
+      fresh->shape.head_dim = static_cast<int>(model.head_dim);
+      fresh->written.assign(model.n_layers, 0);
+      fresh->sealed.assign(model.n_layers, 0);
+      result = Extend(*fresh, tenant_id, model, block_tokens, blocks);
+    }
+    if (!result.ok()) return result.status();
+    {
+      absl::MutexLock lock(&mu_);
+      if (!sequences_.contains(sequence_id)) {
+        sequences_.emplace(std::string(sequence_id), fresh);
+        return result;
+      }
+    }
+    // Another call installed the same id first: undo ours and extend theirs.
+    absl::MutexLock lock(&fresh->mu);
+    ReleaseAll(*fresh);
+  }
+}
+
+absl::StatusOr<AllocateResult> SequenceStore::Extend(
+    Sequence& seq, absl::string_view tenant_id, const ModelShape& model,
+    uint32_t block_tokens, absl::Span<const BlockSpec> blocks) {
+  TRIAX_RETURN_IF_ERROR(CheckOwner(seq, tenant_id));
+  if (std::string m = ShapeMismatch(model, seq.model); !m.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence_id=", Quote(seq.id), ": ", m));
+  }
+  if (block_tokens != seq.block_tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence_id=", Quote(seq.id), ": block_tokens=", block_tokens,
+        " differs from the installed ", seq.block_tokens));
+  }
+  const size_t old = seq.blocks.size();
+  if (blocks.size() < old) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence_id=", Quote(seq.id), ": the plan has ", blocks.size(),
+        " blocks but ", old, " are installed; plans only grow"));
+  }
+  for (size_t i = 0; i < old; ++i) {
+    const BlockSpec& have = seq.blocks[i].spec;
+    const BlockSpec& want = blocks[i];
+    if (want.lineage_id != have.lineage_id || want.format != have.format) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence_id=", Quote(seq.id), ": blocks[", i,
+          "] (lineage_id=", want.lineage_id, " format=", want.format,
+          ") mismatches the installed block (lineage_id=", have.lineage_id,
+          " format=", have.format, ")"));
+    }
+    const bool last = i + 1 == old;
+    if (want.num_tokens < have.num_tokens ||
+        (!last && want.num_tokens != have.num_tokens)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence_id=", Quote(seq.id), ": blocks[", i,
+          "].num_tokens=", want.num_tokens, " mismatches the installed ",
+          have.num_tokens, last ? " (the last block may only grow)" : ""));
+    }
+  }
+  bool grow = false;  // the last installed block's num_tokens grows
+  Format grow_format = Format::kBF16;
+  if (old > 0 &&
+      blocks[old - 1].num_tokens > seq.blocks[old - 1].spec.num_tokens) {
+    Block& last = seq.blocks[old - 1];
+    for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
+      const int refs = allocator_->RefCount(last.target[l]);
+      if (refs > 1) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "sequence_id=", Quote(seq.id), ": blocks[", old - 1,
+            "] (lineage_id=", last.spec.lineage_id, ") is shared by ", refs,
+            " sequences and cannot grow to num_tokens=",
+            blocks[old - 1].num_tokens));
+      }
+    }
+    grow = true;
+    grow_format = last.format;
+  }
+
+  // Reserve everything first so a shortage changes nothing.
+  std::vector<Page*> reserved;
+  uint64_t new_bytes = 0;
+  uint64_t needed_pages = 0, needed_bytes = 0;
+  for (size_t i = old; i < blocks.size(); ++i) {
+    needed_pages += seq.model.n_layers;
+    needed_bytes +=
+        seq.model.n_layers *
+        kernels::PageBytes(static_cast<Format>(blocks[i].format), seq.shape);
+  }
+  auto undo = [&] {
+    for (Page* p : reserved) allocator_->Unref(p);
+  };
+  std::vector<std::vector<Page*>> new_targets;
+  for (size_t i = old; i < blocks.size(); ++i) {
+    const Format f = static_cast<Format>(blocks[i].format);
+    const size_t bytes = kernels::PageBytes(f, seq.shape);
+    std::vector<Page*> pages;
+    for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
+      absl::StatusOr<Page*> p =
+          allocator_->Allocate(f, bytes, PageUse::kTarget);
+      if (!p.ok()) {
+        undo();
+        return absl::Status(
+            p.status().code(),
+            absl::StrCat("AllocatePages sequence_id=", Quote(seq.id), " needs ",
+                         needed_pages, " new pages (", needed_bytes,
+                         " bytes) for blocks ", old, "..", blocks.size() - 1,
+                         " x ", seq.model.n_layers, " layers; ",
+                         p.status().message()));
+      }
+      reserved.push_back(*p);
+      pages.push_back(*p);
+      new_bytes += bytes;
+    }
+    new_targets.push_back(std::move(pages));
+  }
+  // A sealed last block that grows goes back to the window (non-BF16 blocks
+  // need a window page for that).
+  std::vector<Page*> unseal_windows(seq.model.n_layers, nullptr);
+  if (grow && grow_format != Format::kBF16) {
+    const size_t wbytes = kernels::PageBytes(Format::kBF16, seq.shape);
+    for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
+      if (seq.sealed[l] != old) continue;
+      absl::StatusOr<Page*> p =
+          allocator_->Allocate(Format::kBF16, wbytes, PageUse::kWindow);
+      if (!p.ok()) {
+        undo();
+        return absl::Status(
+            p.status().code(),
+            absl::StrCat("AllocatePages sequence_id=", Quote(seq.id),
+                         " growing blocks[", old - 1, "] needs a window page; ",
+                         p.status().message()));
+      }
+      reserved.push_back(*p);
+      unseal_windows[l] = *p;
+    }
+  }
+
+  // Commit.
+  if (grow) {
+    Block& last = seq.blocks[old - 1];
+    for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
+      if (seq.sealed[l] != old) continue;
+      Page* t = last.target[l];
+      if (unseal_windows[l] != nullptr) {
+        std::vector<uint16_t> k, v;
+        TRIAX_RETURN_IF_ERROR(PageToBf16(last.format, seq.shape, t->data,
+                                         last.spec.num_tokens, &k, &v));
+        TRIAX_RETURN_IF_ERROR(device_->WriteBf16Tokens(
+            seq.shape, k.data(), v.data(), 0, last.spec.num_tokens,
+            unseal_windows[l]->data));
+        last.window[l] = unseal_windows[l];
+      }
+      {
+        absl::MutexLock seal_lock(&t->seal_mu);
+        t->encoded = false;
+      }
+      seq.sealed[l] -= 1;
+    }
+    seq.planned += blocks[old - 1].num_tokens - last.spec.num_tokens;
+    last.spec.num_tokens = blocks[old - 1].num_tokens;
+  }
+  for (size_t i = old; i < blocks.size(); ++i) {
+    Block b;
+    b.spec = blocks[i];
+    b.format = static_cast<Format>(blocks[i].format);
+    b.target = std::move(new_targets[i - old]);
+    b.window.assign(seq.model.n_layers, nullptr);
+    seq.planned += b.spec.num_tokens;
+    seq.blocks.push_back(std::move(b));
+  }
+  return AllocateResult{needed_pages, new_bytes};
+}
+
+// ---------------------------------------------------------------------------
+// Writes and sealing
+
+absl::Status SequenceStore::PageToBf16(Format format, const PageShape& shape,
+                                       const uint8_t* page, uint32_t tokens,
+                                       std::vector<uint16_t>* k,
+                                       std::vector<uint16_t>* v) {
+  const size_t n = static_cast<size_t>(tokens) * shape.heads * shape.head_dim;
+  std::vector<float> kf(n), vf(n);
+  TRIAX_RETURN_IF_ERROR(device_->DecodePage(
+      format, shape, page, static_cast<int>(tokens), kf.data(), vf.data()));
+  FloatsToBf16(kf, k);
+  FloatsToBf16(vf, v);
+  return absl::OkStatus();
+}
+
+absl::Status SequenceStore::WriteLocked(Sequence& seq, const KvWrite& c,
+                                        absl::string_view p) {
+  if (c.layer >= seq.model.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        p, "layer=", c.layer, " is >= model.n_layers=", seq.model.n_layers));
+  }
+  if (c.num_tokens == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(p, "num_tokens=0"));
+  }
+  if (c.dtype != static_cast<int>(KvDtype::kF32) &&
+      c.dtype != static_cast<int>(KvDtype::kBF16)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(p, "dtype=", c.dtype, " is not F32 (1) or BF16 (2)"));
+  }
+  const size_t elt = c.dtype == static_cast<int>(KvDtype::kF32) ? 4 : 2;
+  const size_t values = static_cast<size_t>(c.num_tokens) *
+                        seq.model.n_kv_heads * seq.model.head_dim;
+  for (const auto& [name, bytes] :
+       {std::pair<const char*, size_t>{"k", c.k.size()}, {"v", c.v.size()}}) {
+    if (bytes != values * elt) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, name, " has ", bytes, " bytes; expected ", values * elt,
+          " (num_tokens=", c.num_tokens, " x n_kv_heads=", seq.model.n_kv_heads,
+          " x head_dim=", seq.model.head_dim, " x ", elt, " bytes)"));
+    }
+  }
+  const uint64_t written = seq.written[c.layer];
+  if (c.first_token != written) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(p, "first_token=", c.first_token, " but layer ", c.layer,
+                     " has ", written,
+                     " written tokens; writes must continue at the written "
+                     "length (rewrites are not supported)"));
+  }
+  const uint64_t end = c.first_token + c.num_tokens;
+  if (end > seq.planned) {
+    return absl::OutOfRangeError(
+        absl::StrCat(p, "first_token=", c.first_token,
+                     " num_tokens=", c.num_tokens, " ends at ", end,
+                     ", past the planned total of ", seq.planned, " tokens"));
+  }
+
+  std::vector<uint16_t> k(values), v(values);
+  if (elt == 2) {
+    std::memcpy(k.data(), c.k.data(), values * 2);
+    std::memcpy(v.data(), c.v.data(), values * 2);
+  } else {
+    for (size_t i = 0; i < values; ++i) {
+      float fk, fv;
+      std::memcpy(&fk, c.k.data() + 4 * i, 4);
+      std::memcpy(&fv, c.v.data() + 4 * i, 4);
+      k[i] = kernels::FloatToBf16(fk);
+      v[i] = kernels::FloatToBf16(fv);
+    }
+  }
+
+  // Window pages first, so a shortage writes nothing.
+  const size_t first_block = BlockOf(seq.blocks, c.first_token);
+  const size_t last_block = BlockOf(seq.blocks, end - 1);
+  std::vector<Page*> fresh;
+  for (size_t b = first_block; b <= last_block; ++b) {
+    Block& blk = seq.blocks[b];
+    if (blk.format == Format::kBF16 || blk.window[c.layer] != nullptr) continue;
+    absl::StatusOr<Page*> page = allocator_->Allocate(
+        Format::kBF16, kernels::PageBytes(Format::kBF16, seq.shape),
+        PageUse::kWindow);
+    if (!page.ok()) {
+      for (Page* q : fresh) allocator_->Unref(q);
+      for (size_t j = first_block; j < b; ++j) {
+        Page*& w = seq.blocks[j].window[c.layer];
+        if (std::find(fresh.begin(), fresh.end(), w) != fresh.end())
+          w = nullptr;
+      }
+      return absl::Status(
+          page.status().code(),
+          absl::StrCat("sequence_id=", Quote(seq.id), " ", p, "layer=", c.layer,
+                       " window page: ", page.status().message()));
+    }
+    fresh.push_back(*page);
+    blk.window[c.layer] = *page;
+  }
+
+  const size_t stride =
+      static_cast<size_t>(seq.shape.heads) * seq.shape.head_dim;
+  for (size_t b = first_block; b <= last_block; ++b) {
+    Block& blk = seq.blocks[b];
+    const uint64_t from = std::max(c.first_token, blk.spec.first_token);
+    const uint64_t to = std::min(end, blk.end());
+    Page* page =
+        blk.format == Format::kBF16 ? blk.target[c.layer] : blk.window[c.layer];
+    const size_t off = (from - c.first_token) * stride;
+    TRIAX_RETURN_IF_ERROR(
+        device_->WriteBf16Tokens(seq.shape, k.data() + off, v.data() + off,
+                                 static_cast<int>(from - blk.spec.first_token),
+                                 static_cast<int>(to - from), page->data));
+  }
+  seq.written[c.layer] = end;
+  return SealReady(seq, c.layer);
+}
+
+absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
+  while (seq.sealed[layer] < seq.blocks.size()) {
+    Block& b = seq.blocks[seq.sealed[layer]];
+    if (seq.written[layer] < b.end() + options_.window_tokens) break;
+    Page* t = b.target[layer];
+    {
+      absl::MutexLock seal_lock(&t->seal_mu);
+      if (!t->encoded && b.format != Format::kBF16) {
+        Page* w = b.window[layer];
+        if (w == nullptr) {
+          return absl::InternalError(
+              absl::StrCat("sequence_id=", Quote(seq.id), " block ",
+                           b.spec.index, " layer ", layer,
+                           " has neither a window page nor an encoded "
+                           "target page"));
+        }
+        std::vector<uint16_t> k, v;
+        TRIAX_RETURN_IF_ERROR(PageToBf16(Format::kBF16, seq.shape, w->data,
+                                         b.spec.num_tokens, &k, &v));
+        TRIAX_RETURN_IF_ERROR(
+            device_->EncodePage(b.format, seq.shape, k.data(), v.data(),
+                                static_cast<int>(b.spec.num_tokens), t->data));
+      }
+      t->encoded = true;
+    }
+    if (b.window[layer] != nullptr) {
+      allocator_->Unref(b.window[layer]);
+      b.window[layer] = nullptr;
+    }
+    seq.sealed[layer] += 1;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> SequenceStore::Write(absl::string_view tenant_id,
+                                              absl::string_view sequence_id,
+                                              const KvWrite& chunk) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq,
+                         LookupOwned(tenant_id, sequence_id));
+  absl::MutexLock lock(&seq->mu);
+  TRIAX_RETURN_IF_ERROR(CheckOwner(*seq, tenant_id));
+  TRIAX_RETURN_IF_ERROR(WriteLocked(*seq, chunk, ""));
+  return chunk.num_tokens;
+}
+
+// ---------------------------------------------------------------------------
+// Attention and reads
+
+absl::StatusOr<std::vector<float>> SequenceStore::Attend(
+    absl::string_view tenant_id, absl::string_view sequence_id,
+    const AttendSpec& spec) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq_ptr,
+                         LookupOwned(tenant_id, sequence_id));
+  Sequence& seq = *seq_ptr;
+  absl::MutexLock lock(&seq.mu);
+  TRIAX_RETURN_IF_ERROR(CheckOwner(seq, tenant_id));
+  const ModelShape& m = seq.model;
+  if (spec.layer >= m.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer=", spec.layer, " is >= model.n_layers=", m.n_layers));
+  }
+  if (spec.num_queries == 0) {
+    return absl::InvalidArgumentError("num_queries=0; must be >= 1");
+  }
+  const size_t qvalues =
+      static_cast<size_t>(spec.num_queries) * m.n_q_heads * m.head_dim;
+  if (spec.queries.size() != qvalues * 4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "queries has ", spec.queries.size(), " bytes; expected ", qvalues * 4,
+        " (num_queries=", spec.num_queries, " x n_q_heads=", m.n_q_heads,
+        " x head_dim=", m.head_dim, " x 4 bytes float32)"));
+  }
+  if (!spec.positions.empty() && spec.positions.size() != spec.num_queries) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("positions has ", spec.positions.size(),
+                     " entries; expected 0 or num_queries=", spec.num_queries));
+  }
+  if (!std::isfinite(spec.scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scale=", spec.scale, " is not finite"));
+  }
+  uint64_t after = seq.written[spec.layer];
+  if (spec.append != nullptr) {
+    if (spec.append->layer != spec.layer) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("append.layer=", spec.append->layer,
+                       " differs from layer=", spec.layer));
+    }
+    after += spec.append->num_tokens;
+  }
+  if (after == 0) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "layer ", spec.layer, " has no written tokens to attend to"));
+  }
+  for (size_t i = 0; i < spec.positions.size(); ++i) {
+    if (spec.positions[i] >= after) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "positions[", i, "]=", spec.positions[i], " is not written: layer ",
+          spec.layer, " has ", after, " tokens"));
+    }
+  }
+  if (spec.append != nullptr) {
+    TRIAX_RETURN_IF_ERROR(WriteLocked(seq, *spec.append, "append."));
+  }
+
+  const uint32_t layer = spec.layer;
+  const uint64_t written = seq.written[layer];
+  std::vector<kernels::PageRef> refs;
+  for (size_t b = 0; b < seq.blocks.size(); ++b) {
+    const Block& blk = seq.blocks[b];
+    if (blk.spec.first_token >= written) break;
+    kernels::PageRef r;
+    r.num_tokens = static_cast<int>(std::min<uint64_t>(
+        blk.spec.num_tokens, written - blk.spec.first_token));
+    if (b < seq.sealed[layer] || blk.format == Format::kBF16) {
+      r.format = blk.format;
+      r.data = blk.target[layer]->data;
+    } else {
+      r.format = Format::kBF16;
+      r.data = blk.window[layer]->data;
+    }
+    refs.push_back(r);
+  }
+  const size_t per_query = static_cast<size_t>(m.n_q_heads) * m.head_dim;
+  std::vector<float> q(qvalues);
+  std::memcpy(q.data(), spec.queries.data(), qvalues * 4);
+  std::vector<float> out(qvalues);
+  const float scale = spec.scale != 0.f
+                          ? spec.scale
+                          : 1.f / std::sqrt(static_cast<float>(m.head_dim));
+  for (uint32_t i = 0; i < spec.num_queries; ++i) {
+    kernels::DecodeParams params;
+    params.q = q.data() + i * per_query;
+    params.out = out.data() + i * per_query;
+    params.n_q_heads = static_cast<int>(m.n_q_heads);
+    params.shape = seq.shape;
+    params.scale = scale;
+    params.pages = refs.data();
+    params.num_pages = static_cast<int>(refs.size());
+    params.attend_tokens = static_cast<long>(
+        spec.positions.empty() ? written : spec.positions[i] + 1);
+    TRIAX_RETURN_IF_ERROR(device_->DecodeAttention(params));
+  }
+  return out;
+}
+
+absl::StatusOr<ReadResult> SequenceStore::Read(absl::string_view tenant_id,
+                                               absl::string_view sequence_id,
+                                               uint32_t layer,
+                                               uint64_t first_token,
+                                               uint32_t num_tokens) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq_ptr,
+                         LookupOwned(tenant_id, sequence_id));
+  Sequence& seq = *seq_ptr;
+  absl::MutexLock lock(&seq.mu);
+  TRIAX_RETURN_IF_ERROR(CheckOwner(seq, tenant_id));
+  if (layer >= seq.model.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer=", layer, " is >= model.n_layers=", seq.model.n_layers));
+  }
+  const uint64_t written = seq.written[layer];
+  if (first_token > written) {
+    return absl::OutOfRangeError(
+        absl::StrCat("first_token=", first_token, " is past the ", written,
+                     " written tokens of layer ", layer));
+  }
+  const uint64_t n = num_tokens != 0 ? num_tokens : written - first_token;
+  if (first_token + n > written) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "first_token=", first_token, " num_tokens=", num_tokens,
+        " reads past the ", written, " written tokens of layer ", layer));
+  }
+  ReadResult r;
+  r.first_token = first_token;
+  r.num_tokens = static_cast<uint32_t>(n);
+  r.token_values = seq.model.n_kv_heads * seq.model.head_dim;
+  r.k.resize(n * r.token_values);
+  r.v.resize(n * r.token_values);
+  if (n == 0) return r;
+  const uint64_t end = first_token + n;
+  std::vector<float> kb, vb;
+  for (size_t b = BlockOf(seq.blocks, first_token);
+       b < seq.blocks.size() && seq.blocks[b].spec.first_token < end; ++b) {
+    const Block& blk = seq.blocks[b];
+    const uint32_t valid = static_cast<uint32_t>(std::min<uint64_t>(
+        blk.spec.num_tokens, written - blk.spec.first_token));
+    const bool in_target = b < seq.sealed[layer] || blk.format == Format::kBF16;
+    const Page* page = in_target ? blk.target[layer] : blk.window[layer];
+    kb.resize(static_cast<size_t>(valid) * r.token_values);
+    vb.resize(kb.size());
+    TRIAX_RETURN_IF_ERROR(device_->DecodePage(
+        in_target ? blk.format : Format::kBF16, seq.shape, page->data,
+        static_cast<int>(valid), kb.data(), vb.data()));
+    const uint64_t from = std::max(first_token, blk.spec.first_token);
+    const uint64_t to = std::min(end, blk.spec.first_token + valid);
+    const size_t src = (from - blk.spec.first_token) * r.token_values;
+    const size_t dst = (from - first_token) * r.token_values;
+    const size_t len = (to - from) * r.token_values;
+    std::copy_n(kb.begin() + src, len, r.k.begin() + dst);
+    std::copy_n(vb.begin() + src, len, r.v.begin() + dst);
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// Fork
+
+absl::Status SequenceStore::CopyTokensAsBf16(
+    const Sequence& src, uint32_t block, uint32_t layer, uint32_t tokens,
+    uint8_t* dst) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const Block& b = src.blocks[block];
+  const bool in_target = block < src.sealed[layer] || b.format == Format::kBF16;
+  const Page* page = in_target ? b.target[layer] : b.window[layer];
+  const Format f = in_target ? b.format : Format::kBF16;
+  if (f == Format::kBF16) {
+    return device_->CopyPage(dst, page->data,
+                             kernels::PageBytes(Format::kBF16, src.shape));
+  }
+  std::vector<uint16_t> k, v;
+  TRIAX_RETURN_IF_ERROR(PageToBf16(f, src.shape, page->data, tokens, &k, &v));
+  return device_->WriteBf16Tokens(src.shape, k.data(), v.data(), 0,
+                                  static_cast<int>(tokens), dst);
+}
+
+absl::StatusOr<ForkResult> SequenceStore::Fork(
+    absl::string_view tenant_id, absl::string_view parent_id,
+    absl::string_view child_id, uint64_t num_tokens,
+    absl::Span<const BlockSpec> blocks) {
+  TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", tenant_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId("parent_sequence_id", parent_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId("child_sequence_id", child_id));
+  if (parent_id == child_id) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "child_sequence_id=", Quote(child_id), " equals parent_sequence_id"));
+  }
+  if (num_tokens == 0) {
+    return absl::InvalidArgumentError("num_tokens=0; a fork needs >= 1 token");
+  }
+  absl::StatusOr<std::shared_ptr<Sequence>> found = Lookup(parent_id);
+  if (!found.ok()) {
+    return absl::NotFoundError(absl::StrCat(
+        "parent_sequence_id=", Quote(parent_id), " is not on this worker"));
+  }
+  std::shared_ptr<Sequence> parent_ptr = *std::move(found);
+  if (Lookup(child_id).ok()) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("child_sequence_id=", Quote(child_id), " already exists"));
+  }
+  Sequence& parent = *parent_ptr;
+  absl::MutexLock parent_lock(&parent.mu);
+  TRIAX_RETURN_IF_ERROR(CheckOwner(parent, tenant_id));
+  TRIAX_RETURN_IF_ERROR(
+      ValidatePlan(blocks, parent.block_tokens, parent.model.head_dim));
+  if (num_tokens > parent.planned) {
+    return absl::OutOfRangeError(absl::StrCat("num_tokens=", num_tokens,
+                                              " is past the parent's planned ",
+                                              parent.planned, " tokens"));
+  }
+  const uint64_t child_planned =
+      blocks.back().first_token + blocks.back().num_tokens;
+  if (child_planned < num_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("blocks cover ", child_planned,
+                     " tokens, fewer than num_tokens=", num_tokens));
+  }
+  const uint32_t layers = parent.model.n_layers;
+  std::vector<bool> shared(blocks.size(), false);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const BlockSpec& want = blocks[i];
+    size_t j = parent.blocks.size();
+    for (size_t k = 0; k < parent.blocks.size(); ++k) {
+      if (parent.blocks[k].spec.lineage_id == want.lineage_id) j = k;
+    }
+    if (j == parent.blocks.size()) {
+      // A copied block takes its tokens from the parent's block at the same
+      // index, so the tokens it inherits must all lie in that block.
+      if (want.first_token < num_tokens) {
+        const uint64_t inherit_end =
+            std::min<uint64_t>(want.first_token + want.num_tokens, num_tokens);
+        if (i >= parent.blocks.size() ||
+            parent.blocks[i].spec.first_token != want.first_token ||
+            inherit_end > parent.blocks[i].end()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "blocks[", i, "] (first_token=", want.first_token, " num_tokens=",
+              want.num_tokens, ") does not line up with the parent's block ", i,
+              " within num_tokens=", num_tokens));
+        }
+      }
+      continue;
+    }
+    const BlockSpec& have = parent.blocks[j].spec;
+    if (j != i || have.first_token != want.first_token ||
+        have.num_tokens != want.num_tokens || have.format != want.format) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "blocks[", i, "] (lineage_id=", want.lineage_id,
+          ") mismatches the parent's block ", j,
+          " (first_token=", have.first_token, " num_tokens=", have.num_tokens,
+          " format=", have.format, ")"));
+    }
+    if (have.first_token + have.num_tokens > num_tokens) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "blocks[", i, "] (lineage_id=", want.lineage_id, ") ends at token ",
+          have.first_token + have.num_tokens, ", past num_tokens=", num_tokens,
+          "; only whole blocks are shared"));
+    }
+    for (uint32_t l = 0; l < layers; ++l) {
+      if (parent.written[l] < have.first_token + have.num_tokens) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("blocks[", i, "] (lineage_id=", want.lineage_id,
+                         ") is not fully written in the parent on layer ", l,
+                         " (", parent.written[l],
+                         " tokens written); only written blocks are "
+                         "shared"));
+      }
+    }
+    shared[i] = true;
+  }
+
+  auto child = std::make_shared<Sequence>();
+  child->id = std::string(child_id);
+  ForkResult result;
+  {
+    absl::MutexLock child_lock(&child->mu);
+    Sequence& c = *child;
+    c.tenant = parent.tenant;
+    c.model = parent.model;
+    c.block_tokens = parent.block_tokens;
+    c.shape = parent.shape;
+    c.sealed.assign(layers, 0);
+    c.written.resize(layers);
+    for (uint32_t l = 0; l < layers; ++l) {
+      c.written[l] = std::min(parent.written[l], num_tokens);
+    }
+    c.planned = child_planned;
+    auto fail = [&](const absl::Status& s) {
+      ReleaseAll(c);
+      return s;
+    };
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      Block b;
+      b.spec = blocks[i];
+      b.format = static_cast<Format>(blocks[i].format);
+      b.window.assign(layers, nullptr);
+      b.target.assign(layers, nullptr);
+      c.blocks.push_back(std::move(b));
+      Block& cb = c.blocks.back();
+      for (uint32_t l = 0; l < layers; ++l) {
+        if (shared[i]) {
+          cb.target[l] = parent.blocks[i].target[l];
+          allocator_->Ref(cb.target[l]);
+          ++result.pages_shared;
+          continue;
+        }
+        absl::StatusOr<Page*> p = allocator_->Allocate(
+            cb.format, kernels::PageBytes(cb.format, c.shape),
+            PageUse::kTarget);
+        if (!p.ok()) {
+          return fail(absl::Status(
+              p.status().code(),
+              absl::StrCat("ForkSequence child_sequence_id=", Quote(child_id),
+                           " blocks[", i, "] layer ", l, ": ",
+                           p.status().message())));
+        }
+        cb.target[l] = *p;
+      }
+    }
+    // Fill each layer: a leading run of already-encoded pages stays sealed;
+    // the rest is staged through BF16 (the window, or the BF16 target page).
+    for (uint32_t l = 0; l < layers; ++l) {
+      bool prefix = true;
+      for (size_t i = 0; i < c.blocks.size(); ++i) {
+        Block& cb = c.blocks[i];
+        if (c.written[l] <= cb.spec.first_token) break;
+        const uint32_t tokens = static_cast<uint32_t>(std::min<uint64_t>(
+            cb.spec.num_tokens, c.written[l] - cb.spec.first_token));
+        const Block& pb = parent.blocks[i];
+        Page* t = cb.target[l];
+        bool encoded = false;
+        if (shared[i]) {
+          absl::MutexLock seal_lock(&t->seal_mu);
+          encoded = t->encoded;
+        } else {
+          ++result.pages_copied;
+          if (i < parent.sealed[l] && pb.format == cb.format &&
+              tokens == cb.spec.num_tokens && tokens == pb.spec.num_tokens) {
+            if (absl::Status s =
+                    device_->CopyPage(t->data, pb.target[l]->data, t->bytes);
+                !s.ok()) {
+              return fail(s);
+            }
+            absl::MutexLock seal_lock(&t->seal_mu);
+            t->encoded = encoded = true;
+          }
+        }
+        if (encoded && prefix) {
+          c.sealed[l] += 1;
+          continue;
+        }
+        prefix = false;
+        if (cb.format == Format::kBF16) {
+          if (shared[i]) continue;  // the shared page already holds the data
+          if (absl::Status s = CopyTokensAsBf16(
+                  parent, static_cast<uint32_t>(i), l, tokens, t->data);
+              !s.ok()) {
+            return fail(s);
+          }
+          continue;
+        }
+        absl::StatusOr<Page*> w = allocator_->Allocate(
+            Format::kBF16, kernels::PageBytes(Format::kBF16, c.shape),
+            PageUse::kWindow);
+        if (!w.ok()) {
+          return fail(absl::Status(
+              w.status().code(),
+              absl::StrCat("ForkSequence child_sequence_id=", Quote(child_id),
+                           " window page for blocks[", i, "] layer ", l, ": ",
+                           w.status().message())));
+        }
+        cb.window[l] = *w;
+        if (absl::Status s = CopyTokensAsBf16(parent, static_cast<uint32_t>(i),
+                                              l, tokens, (*w)->data);
+            !s.ok()) {
+          return fail(s);
+        }
+      }
+      if (absl::Status s = SealReady(c, l); !s.ok()) return fail(s);
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (!sequences_.contains(child_id)) {
+      sequences_.emplace(std::string(child_id), child);
+      return result;
+    }
+  }
+  absl::MutexLock child_lock(&child->mu);
+  ReleaseAll(*child);
+  return absl::AlreadyExistsError(
+      absl::StrCat("child_sequence_id=", Quote(child_id), " already exists"));
+}
+
+// ---------------------------------------------------------------------------
+// Free, inventory, introspection
+
+FreeResult SequenceStore::ReleaseAll(Sequence& seq)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  FreeResult r;
+  for (Block& b : seq.blocks) {
+    for (std::vector<Page*>* pages : {&b.target, &b.window}) {
+      for (Page*& p : *pages) {
+        if (p == nullptr) continue;
+        const size_t bytes = p->bytes;
+        if (allocator_->Unref(p)) {
+          r.pages_freed += 1;
+          r.bytes_freed += bytes;
+        }
+        p = nullptr;
+      }
+    }
+  }
+  seq.blocks.clear();
+  return r;
+}
+
+absl::StatusOr<FreeResult> SequenceStore::Free(absl::string_view tenant_id,
+                                               absl::string_view sequence_id) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq,
+                         LookupOwned(tenant_id, sequence_id));
+  {
+    absl::MutexLock lock(&seq->mu);
+    TRIAX_RETURN_IF_ERROR(CheckOwner(*seq, tenant_id));
+    seq->freed = true;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sequences_.find(sequence_id);
+    if (it != sequences_.end() && it->second == seq) sequences_.erase(it);
+  }
+  absl::MutexLock lock(&seq->mu);
+  return ReleaseAll(*seq);
+}
+
+absl::StatusOr<FreeResult> SequenceStore::Drop(absl::string_view sequence_id) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Lookup(sequence_id));
+  {
+    absl::MutexLock lock(&seq->mu);
+    if (seq->freed) {
+      return absl::NotFoundError(absl::StrCat(
+          "sequence_id=", Quote(sequence_id), " is not on this worker"));
+    }
+    seq->freed = true;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sequences_.find(sequence_id);
+    if (it != sequences_.end() && it->second == seq) sequences_.erase(it);
+  }
+  absl::MutexLock lock(&seq->mu);
+  return ReleaseAll(*seq);
+}
+
+InventorySnapshot SequenceStore::Inventory() const {
+  InventorySnapshot inv;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, seq] : sequences_) inv.sequence_ids.push_back(id);
+  }
+  std::sort(inv.sequence_ids.begin(), inv.sequence_ids.end());
+  const AllocatorStats s = allocator_->Stats();
+  inv.capacity_bytes = s.capacity_bytes;
+  inv.used_bytes = s.used_bytes;
+  inv.window_bytes = s.window.bytes;
+  inv.formats = s.target;
+  return inv;
+}
+
+absl::StatusOr<SequenceSnapshot> SequenceStore::Describe(
+    absl::string_view sequence_id) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Lookup(sequence_id));
+  absl::MutexLock lock(&seq->mu);
+  SequenceSnapshot s;
+  s.tenant_id = seq->tenant;
+  s.model = seq->model;
+  s.block_tokens = seq->block_tokens;
+  for (const Block& b : seq->blocks) s.blocks.push_back(b.spec);
+  s.written = seq->written;
+  s.sealed = seq->sealed;
+  s.window_pages.assign(seq->model.n_layers, 0);
+  for (const Block& b : seq->blocks) {
+    for (uint32_t l = 0; l < seq->model.n_layers; ++l) {
+      if (b.window[l] != nullptr) s.window_pages[l] += 1;
+    }
+  }
+  s.planned_tokens = seq->planned;
+  return s;
+}
+
+absl::StatusOr<Page*> SequenceStore::TargetPage(absl::string_view sequence_id,
+                                                uint32_t block,
+                                                uint32_t layer) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Lookup(sequence_id));
+  absl::MutexLock lock(&seq->mu);
+  if (block >= seq->blocks.size() || layer >= seq->model.n_layers) {
+    return absl::OutOfRangeError(absl::StrCat("block=", block, " layer=", layer,
+                                              " is outside the sequence"));
+  }
+  return seq->blocks[block].target[layer];
+}
+
+}  // namespace triax::worker

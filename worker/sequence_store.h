@@ -1,0 +1,239 @@
+// The worker's sequences: block plans, written lengths, the BF16 recent
+// window, sealing into target formats, forks, reads and decode attention.
+// Core logic only: no gRPC or protobuf; numeric enum values equal the proto's
+// (Format: 1 bf16, 2 int4, 3 int2; KvDtype: 1 f32, 2 bf16).
+//
+// Layouts (little-endian, token-major as on the wire):
+//   K, V input/output:  [num_tokens][n_kv_heads][head_dim], f32 or bf16
+//   queries, outputs:   float32 [num_queries][n_q_heads][head_dim]
+//
+// Storage. AllocatePages reserves, for every block and every layer, one page
+// in the block's target format (all or nothing). Tokens are written in order
+// per layer into BF16 window pages (BF16-format blocks are written straight
+// into their target page). A block is sealed for a layer - encoded into its
+// target page and its window page released - once all its tokens are written
+// and its end <= written_length - window_tokens (window_tokens 0 seals as soon
+// as a block is full). Sealed blocks are always a prefix of the sequence.
+// Attention for a query at position p reads tokens [0, p] over the sealed
+// pages (in their formats) and the window pages (BF16).
+//
+// Forks. A child block whose lineage id is the parent's block at the same
+// index shares the parent's pages (refcount); such blocks must lie within
+// num_tokens and be fully written on every layer. A block with a new lineage
+// id gets its own pages, filled from the parent's block at the same index
+// (byte copy of a sealed page of the same format, else through the BF16
+// window). The child's written length per layer is min(parent's, num_tokens).
+// Pages a child got already sealed stay sealed.
+//
+// Error codes (messages name the field and the value):
+//   INVALID_ARGUMENT    malformed ids, shapes, plans, byte sizes, zero sizes,
+//                       unspecified dtype or format, layer >= n_layers
+//   NOT_FOUND           unknown sequence
+//   ALREADY_EXISTS      fork child id taken
+//   PERMISSION_DENIED   the sequence belongs to another tenant
+//   RESOURCE_EXHAUSTED  the arena cannot hold the pages (nothing changes)
+//   FAILED_PRECONDITION plan mismatch (lineage/format/shape), out-of-order
+//                       write, shared block that cannot be shared or grown
+//   OUT_OF_RANGE        tokens past the plan, positions/reads past what is
+//                       written
+//
+// Thread contract: thread-safe. Operations on one sequence are serialized by
+// its mutex; different sequences run in parallel. Lock order: a sequence's
+// mutex -> the store's mutex -> page seal mutex -> allocator mutex. The store
+// mutex only guards the id map and is never held while taking a sequence's.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "kernels/layout.h"
+#include "worker/device.h"
+#include "worker/page_allocator.h"
+
+namespace triax::worker {
+
+enum class KvDtype : int { kUnspecified = 0, kF32 = 1, kBF16 = 2 };
+
+struct ModelShape {
+  std::string name;
+  uint32_t n_layers = 0;    // 1..1024
+  uint32_t n_kv_heads = 0;  // 1..1024
+  uint32_t n_q_heads = 0;   // a multiple of n_kv_heads
+  uint32_t head_dim = 0;    // even, 2..512, divisible by min(32, head_dim)
+};
+
+struct BlockSpec {
+  uint32_t index = 0;  // == position in the plan
+  uint64_t lineage_id = 0;
+  uint64_t first_token = 0;  // == sum of the previous blocks' num_tokens
+  uint32_t num_tokens = 0;   // 1..block_tokens
+  int format = 0;            // kernels::Format value (1..3)
+};
+
+// One chunk of K/V for one layer. k and v hold num_tokens * n_kv_heads *
+// head_dim values of `dtype`; F32 is rounded to BF16 on write.
+struct KvWrite {
+  uint32_t layer = 0;
+  uint64_t first_token = 0;
+  uint32_t num_tokens = 0;
+  int dtype = 0;  // KvDtype value
+  absl::string_view k;
+  absl::string_view v;
+};
+
+struct AttendSpec {
+  uint32_t layer = 0;
+  uint32_t num_queries = 0;              // >= 1
+  absl::Span<const uint64_t> positions;  // empty, or one per query
+  absl::string_view queries;             // float32 [nq][n_q_heads][head_dim]
+  float scale = 0.f;                     // 0: 1/sqrt(head_dim)
+  const KvWrite* append = nullptr;       // written first when set
+};
+
+struct AllocateResult {
+  uint64_t pages_allocated = 0;
+  uint64_t bytes_allocated = 0;
+};
+struct ForkResult {
+  uint64_t pages_shared = 0;
+  uint64_t pages_copied = 0;
+};
+struct FreeResult {
+  uint64_t pages_freed = 0;  // pages whose last reference went away
+  uint64_t bytes_freed = 0;
+};
+struct ReadResult {
+  uint64_t first_token = 0;
+  uint32_t num_tokens = 0;
+  uint32_t token_values = 0;  // n_kv_heads * head_dim
+  std::vector<float> k, v;    // [num_tokens][n_kv_heads][head_dim]
+};
+struct InventorySnapshot {
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;    // target + window pages in use
+  uint64_t window_bytes = 0;  // BF16 window pages in use
+  std::map<kernels::Format, FormatUsage> formats;  // target pages in use
+  std::vector<std::string> sequence_ids;           // sorted
+};
+
+// What the store knows about one sequence (for tests and diagnostics).
+struct SequenceSnapshot {
+  std::string tenant_id;
+  ModelShape model;
+  uint32_t block_tokens = 0;
+  std::vector<BlockSpec> blocks;
+  std::vector<uint64_t> written;       // per layer
+  std::vector<uint32_t> sealed;        // sealed prefix blocks per layer
+  std::vector<uint32_t> window_pages;  // window pages held per layer
+  uint64_t planned_tokens = 0;
+};
+
+struct StoreOptions {
+  uint32_t window_tokens = 32;
+};
+
+class SequenceStore {
+ public:
+  // `device` and `allocator` must outlive the store.
+  SequenceStore(Device* device, PageAllocator* allocator,
+                StoreOptions options = {});
+  ~SequenceStore();
+
+  SequenceStore(const SequenceStore&) = delete;
+  SequenceStore& operator=(const SequenceStore&) = delete;
+
+  // Installs a new sequence's plan, or extends an existing one (more blocks,
+  // or the last installed block's num_tokens grown). Reserves every new
+  // block's target page on every layer, all or nothing.
+  absl::StatusOr<AllocateResult> AllocatePages(
+      absl::string_view tenant_id, absl::string_view sequence_id,
+      const ModelShape& model, uint32_t block_tokens,
+      absl::Span<const BlockSpec> blocks);
+
+  absl::StatusOr<ForkResult> Fork(absl::string_view tenant_id,
+                                  absl::string_view parent_id,
+                                  absl::string_view child_id,
+                                  uint64_t num_tokens,
+                                  absl::Span<const BlockSpec> blocks);
+
+  // Writes one chunk atomically (all its tokens or none); returns the
+  // number of tokens written.
+  absl::StatusOr<uint64_t> Write(absl::string_view tenant_id,
+                                 absl::string_view sequence_id,
+                                 const KvWrite& chunk);
+
+  // Returns float32 [num_queries][n_q_heads][head_dim]. Query i attends to
+  // tokens [0, positions[i]] (all written tokens when positions is empty);
+  // KV head of query head h is h / (n_q_heads / n_kv_heads).
+  absl::StatusOr<std::vector<float>> Attend(absl::string_view tenant_id,
+                                            absl::string_view sequence_id,
+                                            const AttendSpec& spec);
+
+  // Dequantized tokens [first_token, first_token + num_tokens) of a layer;
+  // num_tokens 0 reads to the end of what is written.
+  absl::StatusOr<ReadResult> Read(absl::string_view tenant_id,
+                                  absl::string_view sequence_id, uint32_t layer,
+                                  uint64_t first_token, uint32_t num_tokens);
+
+  absl::StatusOr<FreeResult> Free(absl::string_view tenant_id,
+                                  absl::string_view sequence_id);
+
+  // Drops a sequence whatever its tenant (the manager declared it lost);
+  // NOT_FOUND when absent.
+  absl::StatusOr<FreeResult> Drop(absl::string_view sequence_id);
+
+  absl::StatusOr<SequenceSnapshot> Describe(absl::string_view sequence_id);
+  InventorySnapshot Inventory() const;
+
+  // Target page of (block, layer), for tests that build PageRefs directly.
+  absl::StatusOr<Page*> TargetPage(absl::string_view sequence_id,
+                                   uint32_t block, uint32_t layer);
+
+ private:
+  struct Sequence;
+  struct Block;
+
+  absl::StatusOr<std::shared_ptr<Sequence>> Lookup(
+      absl::string_view sequence_id) const;
+  absl::StatusOr<std::shared_ptr<Sequence>> LookupOwned(
+      absl::string_view tenant_id, absl::string_view sequence_id) const;
+
+  absl::StatusOr<AllocateResult> Extend(Sequence& seq,
+                                        absl::string_view tenant_id,
+                                        const ModelShape& model,
+                                        uint32_t block_tokens,
+                                        absl::Span<const BlockSpec> blocks);
+  absl::Status WriteLocked(Sequence& seq, const KvWrite& chunk,
+                           absl::string_view prefix);
+  absl::Status SealReady(Sequence& seq, uint32_t layer);
+  // Writes the first `tokens` tokens of src's block `block` on `layer` into
+  // the BF16 page `dst` (slots from 0).
+  absl::Status CopyTokensAsBf16(const Sequence& src, uint32_t block,
+                                uint32_t layer, uint32_t tokens, uint8_t* dst);
+  // BF16 copies of the first `tokens` tokens of a page.
+  absl::Status PageToBf16(kernels::Format format,
+                          const kernels::PageShape& shape, const uint8_t* page,
+                          uint32_t tokens, std::vector<uint16_t>* k,
+                          std::vector<uint16_t>* v);
+  FreeResult ReleaseAll(Sequence& seq);
+
+  Device* const device_;
+  PageAllocator* const allocator_;
+  const StoreOptions options_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace triax::worker

@@ -1,0 +1,277 @@
+#include "worker/worker_service.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/ids.h"
+#include "kernels/numeric.h"
+
+namespace triax::worker {
+namespace {
+
+ModelShape ShapeFromProto(const v1::ModelShape& m) {
+  ModelShape s;
+  s.name = m.name();
+  s.n_layers = m.n_layers();
+  s.n_kv_heads = m.n_kv_heads();
+  s.n_q_heads = m.n_q_heads();
+  s.head_dim = m.head_dim();
+  return s;
+}
+
+std::vector<BlockSpec> PlanFromProto(
+    const google::protobuf::RepeatedPtrField<v1::BlockPlan>& blocks) {
+  std::vector<BlockSpec> plan;
+  plan.reserve(blocks.size());
+  for (const v1::BlockPlan& b : blocks) {
+    BlockSpec s;
+    s.index = b.index();
+    s.lineage_id = b.lineage_id();
+    s.first_token = b.first_token();
+    s.num_tokens = b.num_tokens();
+    s.format = static_cast<int>(b.format());
+    plan.push_back(s);
+  }
+  return plan;
+}
+
+// The returned view points into `c`.
+KvWrite WriteFromProto(const v1::KvChunk& c) {
+  KvWrite w;
+  w.layer = c.layer();
+  w.first_token = c.first_token();
+  w.num_tokens = c.num_tokens();
+  w.dtype = static_cast<int>(c.dtype());
+  w.k = c.k();
+  w.v = c.v();
+  return w;
+}
+
+absl::Status Prefixed(const absl::Status& s, absl::string_view prefix) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+}
+
+}  // namespace
+
+void InventoryToProto(const InventorySnapshot& inv, v1::Inventory* out) {
+  out->set_capacity_bytes(inv.capacity_bytes);
+  out->set_used_bytes(inv.used_bytes);
+  out->set_window_bytes(inv.window_bytes);
+  for (const auto& [format, usage] : inv.formats) {
+    v1::FormatInventory* f = out->add_formats();
+    f->set_format(static_cast<v1::Format>(format));
+    f->set_pages_used(usage.pages);
+    f->set_bytes_used(usage.bytes);
+  }
+  for (const std::string& id : inv.sequence_ids) out->add_sequence_ids(id);
+}
+
+WorkerService::WorkerService(SequenceStore* store) : store_(store) {}
+
+grpc::Status WorkerService::AllocatePages(grpc::ServerContext*,
+                                          const v1::AllocatePagesRequest* req,
+                                          v1::AllocatePagesResponse* resp) {
+  if (absl::Status s = ValidateRequestId(req->request_id()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  if (auto hit =
+          allocate_cache_.Find(absl::StrCat("AllocatePages/", req->tenant_id()),
+                               req->request_id())) {
+    *resp = hit->reply;
+    return ToGrpcStatus(hit->status);
+  }
+  const std::vector<BlockSpec> plan = PlanFromProto(req->blocks());
+  absl::StatusOr<AllocateResult> r = store_->AllocatePages(
+      req->tenant_id(), req->sequence_id(), ShapeFromProto(req->model()),
+      req->block_tokens(), plan);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_pages_allocated(r->pages_allocated);
+  resp->set_bytes_allocated(r->bytes_allocated);
+  allocate_cache_.Put(absl::StrCat("AllocatePages/", req->tenant_id()),
+                      req->request_id(), absl::OkStatus(), *resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::ForkSequence(grpc::ServerContext*,
+                                         const v1::WorkerForkRequest* req,
+                                         v1::WorkerForkResponse* resp) {
+  if (absl::Status s = ValidateRequestId(req->request_id()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  if (auto hit = fork_cache_.Find(
+          absl::StrCat("ForkSequence/", req->tenant_id()), req->request_id())) {
+    *resp = hit->reply;
+    return ToGrpcStatus(hit->status);
+  }
+  const std::vector<BlockSpec> plan = PlanFromProto(req->blocks());
+  absl::StatusOr<ForkResult> r =
+      store_->Fork(req->tenant_id(), req->parent_sequence_id(),
+                   req->child_sequence_id(), req->num_tokens(), plan);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_pages_shared(r->pages_shared);
+  resp->set_pages_copied(r->pages_copied);
+  fork_cache_.Put(absl::StrCat("ForkSequence/", req->tenant_id()),
+                  req->request_id(), absl::OkStatus(), *resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::WriteKV(
+    grpc::ServerContext*, grpc::ServerReader<v1::WriteKVRequest>* reader,
+    v1::WriteKVResponse* resp) {
+  v1::WriteKVRequest msg;
+  std::string request_id, tenant_id;
+  bool replay = false;
+  uint64_t tokens = 0, bytes = 0;
+  for (uint64_t index = 0; reader->Read(&msg); ++index) {
+    if (index == 0) {
+      request_id = msg.request_id();
+      tenant_id = msg.tenant_id();
+      if (absl::Status s = ValidateRequestId(request_id); !s.ok()) {
+        return ToGrpcStatus(s);
+      }
+      if (auto hit = write_cache_.Find(
+              absl::StrCat("WriteKV/", msg.tenant_id()), request_id)) {
+        *resp = hit->reply;
+        replay = true;
+      }
+    }
+    if (replay) continue;  // drain the stream; it was applied before
+    if (!msg.has_chunk()) {
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("message ", index, ": chunk is missing")));
+    }
+    absl::StatusOr<uint64_t> n = store_->Write(
+        msg.tenant_id(), msg.sequence_id(), WriteFromProto(msg.chunk()));
+    if (!n.ok()) {
+      return ToGrpcStatus(Prefixed(
+          n.status(),
+          absl::StrCat("message ", index, " (", tokens,
+                       " tokens of earlier messages were written): ")));
+    }
+    tokens += *n;
+    bytes += msg.chunk().k().size() + msg.chunk().v().size();
+  }
+  if (replay) return grpc::Status::OK;
+  resp->set_tokens_written(tokens);
+  resp->set_bytes_received(bytes);
+  write_cache_.Put(absl::StrCat("WriteKV/", tenant_id), request_id,
+                   absl::OkStatus(), *resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::ReadKV(grpc::ServerContext* ctx,
+                                   const v1::ReadKVRequest* req,
+                                   grpc::ServerWriter<v1::KvChunk>* writer) {
+  const v1::KvDtype dtype = req->dtype();
+  if (dtype != v1::KV_DTYPE_F32 && dtype != v1::KV_DTYPE_BF16) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "dtype=", static_cast<int>(dtype), " is not F32 (1) or BF16 (2)")));
+  }
+  absl::StatusOr<ReadResult> r =
+      store_->Read(req->tenant_id(), req->sequence_id(), req->layer(),
+                   req->first_token(), req->num_tokens());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  const size_t per = r->token_values;
+  for (uint32_t done = 0; done < r->num_tokens;) {
+    if (ctx->IsCancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "ReadKV cancelled");
+    }
+    const uint32_t n = std::min(kMaxReadChunkTokens, r->num_tokens - done);
+    v1::KvChunk chunk;
+    chunk.set_layer(req->layer());
+    chunk.set_first_token(r->first_token + done);
+    chunk.set_num_tokens(n);
+    chunk.set_dtype(dtype);
+    const float* k = r->k.data() + done * per;
+    const float* v = r->v.data() + done * per;
+    const size_t values = n * per;
+    if (dtype == v1::KV_DTYPE_F32) {
+      chunk.set_k(reinterpret_cast<const char*>(k), values * 4);
+      chunk.set_v(reinterpret_cast<const char*>(v), values * 4);
+    } else {
+      std::vector<uint16_t> kb(values), vb(values);
+      for (size_t i = 0; i < values; ++i) {
+        kb[i] = kernels::FloatToBf16(k[i]);
+        vb[i] = kernels::FloatToBf16(v[i]);
+      }
+      chunk.set_k(reinterpret_cast<const char*>(kb.data()), values * 2);
+      chunk.set_v(reinterpret_cast<const char*>(vb.data()), values * 2);
+    }
+    if (!writer->Write(chunk)) {
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          "ReadKV client went away");
+    }
+    done += n;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::Attend(grpc::ServerContext*,
+                                   const v1::AttendRequest* req,
+                                   v1::AttendResponse* resp) {
+  if (absl::Status s = ValidateId("tenant_id", req->tenant_id()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  for (int i = 0; i < req->items_size(); ++i) {
+    const v1::AttendItem& item = req->items(i);
+    v1::AttendResult* result = resp->add_results();
+    AttendSpec spec;
+    spec.layer = item.layer();
+    spec.num_queries = item.num_queries();
+    spec.positions =
+        absl::MakeConstSpan(item.positions().data(), item.positions().size());
+    spec.queries = item.queries();
+    spec.scale = item.scale();
+    KvWrite append;
+    if (item.has_append()) {
+      append = WriteFromProto(item.append());
+      spec.append = &append;
+    }
+    absl::StatusOr<std::vector<float>> out =
+        store_->Attend(req->tenant_id(), item.sequence_id(), spec);
+    if (!out.ok()) {
+      result->mutable_status()->set_code(static_cast<int>(out.status().code()));
+      result->mutable_status()->set_message(
+          absl::StrCat("items[", i, "]: ", out.status().message()));
+      continue;
+    }
+    result->mutable_status()->set_code(0);
+    result->set_output(reinterpret_cast<const char*>(out->data()),
+                       out->size() * sizeof(float));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::FreePages(grpc::ServerContext*,
+                                      const v1::FreePagesRequest* req,
+                                      v1::FreePagesResponse* resp) {
+  if (absl::Status s = ValidateRequestId(req->request_id()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  if (auto hit = free_cache_.Find(absl::StrCat("FreePages/", req->tenant_id()),
+                                  req->request_id())) {
+    *resp = hit->reply;
+    return ToGrpcStatus(hit->status);
+  }
+  absl::StatusOr<FreeResult> r =
+      store_->Free(req->tenant_id(), req->sequence_id());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_pages_freed(r->pages_freed);
+  resp->set_bytes_freed(r->bytes_freed);
+  free_cache_.Put(absl::StrCat("FreePages/", req->tenant_id()),
+                  req->request_id(), absl::OkStatus(), *resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::GetInventory(grpc::ServerContext*,
+                                         const v1::GetInventoryRequest*,
+                                         v1::Inventory* resp) {
+  InventoryToProto(store_->Inventory(), resp);
+  return grpc::Status::OK;
+}
+
+}  // namespace triax::worker

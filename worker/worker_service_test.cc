@@ -1,0 +1,699 @@
+#include "worker/worker_service.h"
+
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "kernels/numeric.h"
+#include "triax/v1/manager.grpc.pb.h"
+#include "worker/manager_link.h"
+
+namespace triax::worker {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kTenant[] = "tenant-a";
+
+// Expects `s` to have `code` and a message containing `field`.
+#define EXPECT_CODE(s, code, field)                         \
+  do {                                                      \
+    const grpc::Status _s = (s);                            \
+    EXPECT_EQ(_s.error_code(), code) << _s.error_message(); \
+    EXPECT_THAT(_s.error_message(), HasSubstr(field));      \
+  } while (0)
+
+v1::ModelShape Model(uint32_t layers = 2, uint32_t kv = 2, uint32_t q = 4,
+                     uint32_t d = 32) {
+  v1::ModelShape m;
+  m.set_name("test");
+  m.set_n_layers(layers);
+  m.set_n_kv_heads(kv);
+  m.set_n_q_heads(q);
+  m.set_head_dim(d);
+  return m;
+}
+
+v1::AllocatePagesRequest AllocRequest(const std::string& seq, uint32_t tokens,
+                                      v1::Format format = v1::FORMAT_INT4,
+                                      const std::string& request_id = "") {
+  v1::AllocatePagesRequest r;
+  r.set_request_id(request_id);
+  r.set_tenant_id(kTenant);
+  r.set_sequence_id(seq);
+  *r.mutable_model() = Model();
+  r.set_block_tokens(16);
+  uint32_t i = 0;
+  for (uint32_t first = 0; first < tokens; first += 16, ++i) {
+    v1::BlockPlan* b = r.add_blocks();
+    b->set_index(i);
+    b->set_lineage_id(1000 + i);
+    b->set_first_token(first);
+    b->set_num_tokens(std::min(16u, tokens - first));
+    b->set_capacity(16);
+    b->set_format(format);
+  }
+  return r;
+}
+
+std::vector<float> Random(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<float> x(n);
+  for (float& f : x) f = dist(rng);
+  return x;
+}
+
+std::string F32Bytes(const float* p, size_t n) {
+  return std::string(reinterpret_cast<const char*>(p), n * 4);
+}
+
+v1::KvChunk F32Chunk(uint32_t layer, uint64_t first, uint32_t n,
+                     const std::vector<float>& k, const std::vector<float>& v,
+                     size_t per_token = 64) {
+  v1::KvChunk c;
+  c.set_layer(layer);
+  c.set_first_token(first);
+  c.set_num_tokens(n);
+  c.set_dtype(v1::KV_DTYPE_F32);
+  c.set_k(F32Bytes(k.data() + first * per_token, n * per_token));
+  c.set_v(F32Bytes(v.data() + first * per_token, n * per_token));
+  return c;
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto a = PageAllocator::Create(&device_, 4 << 20);
+    ASSERT_TRUE(a.ok());
+    alloc_ = *std::move(a);
+    store_ = std::make_unique<SequenceStore>(&device_, alloc_.get(),
+                                             StoreOptions{4});
+    service_ = std::make_unique<WorkerService>(store_.get());
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    stub_ = v1::Worker::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                            grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    server_->Shutdown();
+    server_.reset();
+    service_.reset();
+    store_.reset();
+    alloc_.reset();
+  }
+
+  grpc::Status Allocate(const v1::AllocatePagesRequest& r,
+                        v1::AllocatePagesResponse* resp = nullptr) {
+    grpc::ClientContext ctx;
+    v1::AllocatePagesResponse local;
+    return stub_->AllocatePages(&ctx, r, resp ? resp : &local);
+  }
+  std::string Inventory() {
+    grpc::ClientContext ctx;
+    v1::Inventory inv;
+    EXPECT_TRUE(
+        stub_->GetInventory(&ctx, v1::GetInventoryRequest(), &inv).ok());
+    return inv.SerializeAsString();
+  }
+  grpc::Status Write(const std::vector<v1::WriteKVRequest>& msgs,
+                     v1::WriteKVResponse* resp = nullptr) {
+    grpc::ClientContext ctx;
+    v1::WriteKVResponse local;
+    auto writer = stub_->WriteKV(&ctx, resp ? resp : &local);
+    for (const auto& m : msgs) {
+      if (!writer->Write(m)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+  v1::WriteKVRequest WriteMsg(const std::string& seq, v1::KvChunk chunk,
+                              const std::string& request_id = "",
+                              const std::string& tenant = kTenant) {
+    v1::WriteKVRequest m;
+    m.set_request_id(request_id);
+    m.set_tenant_id(tenant);
+    m.set_sequence_id(seq);
+    *m.mutable_chunk() = std::move(chunk);
+    return m;
+  }
+  grpc::Status Read(const v1::ReadKVRequest& r, std::vector<v1::KvChunk>* out) {
+    grpc::ClientContext ctx;
+    auto reader = stub_->ReadKV(&ctx, r);
+    v1::KvChunk c;
+    while (reader->Read(&c)) out->push_back(c);
+    return reader->Finish();
+  }
+  grpc::Status Free(const std::string& seq, const std::string& request_id = "",
+                    const std::string& tenant = kTenant,
+                    v1::FreePagesResponse* resp = nullptr) {
+    grpc::ClientContext ctx;
+    v1::FreePagesRequest r;
+    r.set_request_id(request_id);
+    r.set_tenant_id(tenant);
+    r.set_sequence_id(seq);
+    v1::FreePagesResponse local;
+    return stub_->FreePages(&ctx, r, resp ? resp : &local);
+  }
+  grpc::Status Fork(const v1::WorkerForkRequest& r,
+                    v1::WorkerForkResponse* resp = nullptr) {
+    grpc::ClientContext ctx;
+    v1::WorkerForkResponse local;
+    return stub_->ForkSequence(&ctx, r, resp ? resp : &local);
+  }
+
+  // A sequence "s" of 40 int4 tokens with the first `written` written.
+  void MakeWritten(uint64_t written, std::vector<float>* k,
+                   std::vector<float>* v) {
+    ASSERT_TRUE(Allocate(AllocRequest("s", 40)).ok());
+    *k = Random(40 * 64, 1);
+    *v = Random(40 * 64, 2);
+    for (uint32_t l = 0; l < 2; ++l) {
+      ASSERT_TRUE(Write({WriteMsg("s", F32Chunk(l, 0, written, *k, *v))}).ok());
+    }
+  }
+
+  CpuDevice device_;
+  std::unique_ptr<PageAllocator> alloc_;
+  std::unique_ptr<SequenceStore> store_;
+  std::unique_ptr<WorkerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::Worker::Stub> stub_;
+};
+
+TEST_F(ServiceTest, AllocatePagesRejectsBadInputWithoutStateChange) {
+  ASSERT_TRUE(Allocate(AllocRequest("s", 20)).ok());
+  const std::string before = Inventory();
+
+  auto r = AllocRequest("t", 20);
+  r.set_tenant_id("");
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::INVALID_ARGUMENT, "tenant_id");
+  r = AllocRequest("t", 20);
+  r.set_sequence_id("bad id");
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::INVALID_ARGUMENT, "sequence_id");
+  r = AllocRequest("t", 20, v1::FORMAT_INT4, "bad request id");
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::INVALID_ARGUMENT, "request_id");
+  r = AllocRequest("t", 20);
+  r.mutable_model()->set_n_layers(0);
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::INVALID_ARGUMENT,
+              "model.n_layers=0");
+  r = AllocRequest("t", 20);
+  r.mutable_model()->set_head_dim(0);
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::INVALID_ARGUMENT,
+              "model.head_dim=0");
+  r = AllocRequest("t", 20);
+  r.set_block_tokens(0);
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::INVALID_ARGUMENT,
+              "block_tokens=0");
+  r = AllocRequest("t", 20);
+  r.mutable_blocks(1)->set_num_tokens(0);
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::INVALID_ARGUMENT,
+              "blocks[1].num_tokens=0");
+  r = AllocRequest("t", 20, v1::FORMAT_UNSPECIFIED);
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::INVALID_ARGUMENT,
+              "blocks[0].format=0");
+  r = AllocRequest("t", 20);
+  r.mutable_blocks(1)->set_first_token(15);
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::INVALID_ARGUMENT,
+              "blocks[1].first_token=15");
+  // The 4 MiB arena cannot hold 12800 bf16 tokens x 2 layers (6.25 MiB).
+  r = AllocRequest("t", 12800, v1::FORMAT_BF16);
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::RESOURCE_EXHAUSTED, "bytes free");
+  // Existing sequence: other tenant, other lineage.
+  r = AllocRequest("s", 20);
+  r.set_tenant_id("tenant-b");
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::PERMISSION_DENIED, "tenant_id");
+  r = AllocRequest("s", 20);
+  r.mutable_blocks(0)->set_lineage_id(7);
+  EXPECT_CODE(Allocate(r), grpc::StatusCode::FAILED_PRECONDITION,
+              "lineage_id=7");
+  EXPECT_EQ(Inventory(), before);
+}
+
+TEST_F(ServiceTest, AllocatePagesIsIdempotentByRequestId) {
+  v1::AllocatePagesResponse first, second, third;
+  ASSERT_TRUE(
+      Allocate(AllocRequest("s", 20, v1::FORMAT_INT4, "req-1"), &first).ok());
+  EXPECT_EQ(first.pages_allocated(), 4u);  // 2 blocks x 2 layers
+  EXPECT_GT(first.bytes_allocated(), 0u);
+  const std::string after_first = Inventory();
+  ASSERT_TRUE(
+      Allocate(AllocRequest("s", 20, v1::FORMAT_INT4, "req-1"), &second).ok());
+  EXPECT_EQ(second.SerializeAsString(), first.SerializeAsString());
+  EXPECT_EQ(Inventory(), after_first);
+  // Same id, even with another plan: the first reply, nothing applied.
+  ASSERT_TRUE(
+      Allocate(AllocRequest("s", 40, v1::FORMAT_INT4, "req-1"), &third).ok());
+  EXPECT_EQ(third.pages_allocated(), 4u);
+  EXPECT_EQ(Inventory(), after_first);
+}
+
+TEST_F(ServiceTest, WriteKVRejectsBadInputWithoutStateChange) {
+  std::vector<float> k, v;
+  MakeWritten(5, &k, &v);
+  const std::string before = Inventory();
+  std::vector<v1::KvChunk> read_before;
+  v1::ReadKVRequest rr;
+  rr.set_tenant_id(kTenant);
+  rr.set_sequence_id("s");
+  rr.set_dtype(v1::KV_DTYPE_F32);
+  ASSERT_TRUE(Read(rr, &read_before).ok());
+
+  EXPECT_CODE(Write({WriteMsg("nope", F32Chunk(0, 5, 2, k, v))}),
+              grpc::StatusCode::NOT_FOUND, "sequence_id=\"nope\"");
+  EXPECT_CODE(Write({WriteMsg("s", F32Chunk(0, 5, 2, k, v), "", "tenant-b")}),
+              grpc::StatusCode::PERMISSION_DENIED, "tenant_id=\"tenant-b\"");
+  EXPECT_CODE(Write({WriteMsg("s", F32Chunk(0, 7, 2, k, v))}),
+              grpc::StatusCode::FAILED_PRECONDITION, "first_token=7");
+  EXPECT_CODE(Write({WriteMsg("s", F32Chunk(0, 5, 36, k, v))}),
+              grpc::StatusCode::OUT_OF_RANGE, "planned total of 40");
+  auto c = F32Chunk(0, 5, 2, k, v);
+  c.set_layer(2);
+  EXPECT_CODE(Write({WriteMsg("s", c)}), grpc::StatusCode::INVALID_ARGUMENT,
+              "layer=2");
+  c = F32Chunk(0, 5, 2, k, v);
+  c.mutable_v()->pop_back();
+  EXPECT_CODE(Write({WriteMsg("s", c)}), grpc::StatusCode::INVALID_ARGUMENT,
+              "v has 511 bytes");
+  c = F32Chunk(0, 5, 2, k, v);
+  c.set_num_tokens(0);
+  EXPECT_CODE(Write({WriteMsg("s", c)}), grpc::StatusCode::INVALID_ARGUMENT,
+              "num_tokens=0");
+  c = F32Chunk(0, 5, 2, k, v);
+  c.set_dtype(v1::KV_DTYPE_UNSPECIFIED);
+  EXPECT_CODE(Write({WriteMsg("s", c)}), grpc::StatusCode::INVALID_ARGUMENT,
+              "dtype=0");
+  c = F32Chunk(0, 5, 2, k, v);
+  c.set_dtype(v1::KV_DTYPE_BF16);  // f32-sized bytes for bf16
+  EXPECT_CODE(Write({WriteMsg("s", c)}), grpc::StatusCode::INVALID_ARGUMENT,
+              "k has 512 bytes; expected 256");
+  v1::WriteKVRequest empty;
+  empty.set_tenant_id(kTenant);
+  empty.set_sequence_id("s");
+  EXPECT_CODE(Write({empty}), grpc::StatusCode::INVALID_ARGUMENT,
+              "chunk is missing");
+
+  EXPECT_EQ(Inventory(), before);
+  std::vector<v1::KvChunk> read_after;
+  ASSERT_TRUE(Read(rr, &read_after).ok());
+  ASSERT_EQ(read_after.size(), 1u);
+  EXPECT_EQ(read_after[0].SerializeAsString(),
+            read_before[0].SerializeAsString());
+}
+
+TEST_F(ServiceTest, WriteKVIsIdempotentPerStream) {
+  ASSERT_TRUE(Allocate(AllocRequest("s", 40)).ok());
+  auto k = Random(40 * 64, 3), v = Random(40 * 64, 4);
+  std::vector<v1::WriteKVRequest> msgs = {
+      WriteMsg("s", F32Chunk(0, 0, 10, k, v), "w-1"),
+      WriteMsg("s", F32Chunk(0, 10, 10, k, v))};
+  v1::WriteKVResponse first, second;
+  ASSERT_TRUE(Write(msgs, &first).ok());
+  EXPECT_EQ(first.tokens_written(), 20u);
+  EXPECT_EQ(first.bytes_received(), 2u * 20 * 64 * 4);
+  // A retry of the same stream is not applied again (it would otherwise be
+  // an out-of-order write).
+  ASSERT_TRUE(Write(msgs, &second).ok());
+  EXPECT_EQ(second.SerializeAsString(), first.SerializeAsString());
+  auto d = store_->Describe("s");
+  EXPECT_EQ(d->written[0], 20u);
+}
+
+TEST_F(ServiceTest, StreamedWriteAttendReadRoundTrip) {
+  // 300 bf16 tokens: ReadKV must split into chunks of <= 256 tokens.
+  auto req = AllocRequest("s", 300, v1::FORMAT_BF16);
+  ASSERT_TRUE(Allocate(req).ok());
+  auto k = Random(300 * 64, 5), v = Random(300 * 64, 6);
+  std::vector<v1::WriteKVRequest> msgs;
+  for (uint32_t l = 0; l < 2; ++l) {
+    for (uint32_t t = 0; t < 299; t += 23) {
+      msgs.push_back(
+          WriteMsg("s", F32Chunk(l, t, std::min(23u, 299 - t), k, v)));
+    }
+  }
+  v1::WriteKVResponse wr;
+  ASSERT_TRUE(Write(msgs, &wr).ok());
+  EXPECT_EQ(wr.tokens_written(), 2u * 299);
+
+  // Decode step for layer 1: append token 299 and attend in one RPC, plus a
+  // second item on layer 0 at position 100 and a bad third item.
+  const size_t per_q = 4 * 32;
+  auto q = Random(2 * per_q, 7);
+  v1::AttendRequest ar;
+  ar.set_tenant_id(kTenant);
+  v1::AttendItem* a = ar.add_items();
+  a->set_sequence_id("s");
+  a->set_layer(1);
+  a->set_num_queries(1);
+  a->set_queries(F32Bytes(q.data(), per_q));
+  *a->mutable_append() = F32Chunk(1, 299, 1, k, v);
+  v1::AttendItem* b = ar.add_items();
+  b->set_sequence_id("s");
+  b->set_layer(0);
+  b->set_num_queries(2);
+  b->add_positions(100);
+  b->add_positions(0);
+  b->set_queries(F32Bytes(q.data(), 2 * per_q));
+  b->set_scale(0.5f);
+  v1::AttendItem* bad = ar.add_items();
+  bad->set_sequence_id("s");
+  bad->set_layer(0);
+  bad->set_num_queries(1);
+  bad->set_queries("abc");
+  v1::AttendResponse resp;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->Attend(&ctx, ar, &resp).ok());
+  }
+  ASSERT_EQ(resp.results_size(), 3);
+  ASSERT_EQ(resp.results(0).status().code(), 0)
+      << resp.results(0).status().message();
+  ASSERT_EQ(resp.results(1).status().code(), 0)
+      << resp.results(1).status().message();
+  EXPECT_EQ(resp.results(2).status().code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(resp.results(2).status().message(),
+              HasSubstr("items[2]: queries has 3 bytes"));
+  ASSERT_EQ(resp.results(0).output().size(), per_q * 4);
+  ASSERT_EQ(resp.results(1).output().size(), 2 * per_q * 4);
+  // Query at position 0 attends to token 0 only: output = V[0] per KV head.
+  std::vector<float> out(2 * per_q);
+  std::memcpy(out.data(), resp.results(1).output().data(), out.size() * 4);
+  for (uint32_t h = 0; h < 4; ++h) {
+    for (uint32_t d = 0; d < 32; ++d) {
+      const float want =
+          kernels::Bf16ToFloat(kernels::FloatToBf16(v[(h / 2) * 32 + d]));
+      EXPECT_NEAR(out[per_q + h * 32 + d], want, 1e-6);
+    }
+  }
+  // And the layer-1 item equals the store's own answer after the append.
+  std::vector<float> out0(per_q);
+  std::memcpy(out0.data(), resp.results(0).output().data(), per_q * 4);
+  double norm = 0;
+  for (float x : out0) norm += x * x;
+  EXPECT_GT(norm, 0.0);
+  EXPECT_EQ(store_->Describe("s")->written[1], 300u);
+
+  // Read back all 300 tokens of layer 1 as BF16: chunks of 256 + 44.
+  v1::ReadKVRequest rr;
+  rr.set_tenant_id(kTenant);
+  rr.set_sequence_id("s");
+  rr.set_layer(1);
+  rr.set_dtype(v1::KV_DTYPE_BF16);
+  std::vector<v1::KvChunk> chunks;
+  ASSERT_TRUE(Read(rr, &chunks).ok());
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[0].num_tokens(), 256u);
+  EXPECT_EQ(chunks[1].first_token(), 256u);
+  EXPECT_EQ(chunks[1].num_tokens(), 44u);
+  for (const auto& c : chunks) {
+    ASSERT_EQ(c.k().size(), c.num_tokens() * 64 * 2u);
+    for (size_t i = 0; i < c.num_tokens() * 64; ++i) {
+      uint16_t kb, vb;
+      std::memcpy(&kb, c.k().data() + 2 * i, 2);
+      std::memcpy(&vb, c.v().data() + 2 * i, 2);
+      const size_t at = c.first_token() * 64 + i;
+      ASSERT_EQ(kb, kernels::FloatToBf16(k[at])) << at;
+      ASSERT_EQ(vb, kernels::FloatToBf16(v[at])) << at;
+    }
+  }
+  // F32 of a sub-range.
+  rr.set_dtype(v1::KV_DTYPE_F32);
+  rr.set_first_token(10);
+  rr.set_num_tokens(5);
+  chunks.clear();
+  ASSERT_TRUE(Read(rr, &chunks).ok());
+  ASSERT_EQ(chunks.size(), 1u);
+  ASSERT_EQ(chunks[0].k().size(), 5 * 64 * 4u);
+  float first;
+  std::memcpy(&first, chunks[0].k().data(), 4);
+  EXPECT_EQ(first, kernels::Bf16ToFloat(kernels::FloatToBf16(k[10 * 64])));
+}
+
+TEST_F(ServiceTest, ReadKVRejectsBadInput) {
+  std::vector<float> k, v;
+  MakeWritten(5, &k, &v);
+  auto base = [] {
+    v1::ReadKVRequest r;
+    r.set_tenant_id(kTenant);
+    r.set_sequence_id("s");
+    r.set_dtype(v1::KV_DTYPE_F32);
+    return r;
+  };
+  std::vector<v1::KvChunk> out;
+  auto r = base();
+  r.set_dtype(v1::KV_DTYPE_UNSPECIFIED);
+  EXPECT_CODE(Read(r, &out), grpc::StatusCode::INVALID_ARGUMENT, "dtype=0");
+  r = base();
+  r.set_sequence_id("nope");
+  EXPECT_CODE(Read(r, &out), grpc::StatusCode::NOT_FOUND, "sequence_id");
+  r = base();
+  r.set_tenant_id("tenant-b");
+  EXPECT_CODE(Read(r, &out), grpc::StatusCode::PERMISSION_DENIED, "tenant_id");
+  r = base();
+  r.set_layer(5);
+  EXPECT_CODE(Read(r, &out), grpc::StatusCode::INVALID_ARGUMENT, "layer=5");
+  r = base();
+  r.set_first_token(3);
+  r.set_num_tokens(3);
+  EXPECT_CODE(Read(r, &out), grpc::StatusCode::OUT_OF_RANGE,
+              "first_token=3 num_tokens=3");
+  EXPECT_TRUE(out.empty());
+}
+
+TEST_F(ServiceTest, AttendReportsPerItemErrorsWithoutStateChange) {
+  std::vector<float> k, v;
+  MakeWritten(5, &k, &v);
+  const std::string before = Inventory();
+  const size_t per_q = 4 * 32;
+  auto q = Random(per_q, 9);
+  auto item = [&](v1::AttendRequest* r) {
+    v1::AttendItem* i = r->add_items();
+    i->set_sequence_id("s");
+    i->set_num_queries(1);
+    i->set_queries(F32Bytes(q.data(), per_q));
+    return i;
+  };
+  v1::AttendRequest r;
+  r.set_tenant_id(kTenant);
+  item(&r)->set_sequence_id("nope");
+  item(&r)->set_layer(2);
+  item(&r)->add_positions(5);
+  item(&r)->set_num_queries(0);
+  item(&r)->set_queries(std::string(per_q * 4 - 4, '\0'));
+  *item(&r)->mutable_append() = F32Chunk(0, 6, 1, k, v);  // out of order
+  auto* zero = item(&r);
+  *zero->mutable_append() = F32Chunk(0, 5, 1, k, v);
+  zero->mutable_append()->set_num_tokens(0);
+  item(&r);  // a good one
+  v1::AttendResponse resp;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->Attend(&ctx, r, &resp).ok());
+  }
+  ASSERT_EQ(resp.results_size(), 8);
+  const std::vector<std::pair<grpc::StatusCode, std::string>> want = {
+      {grpc::StatusCode::NOT_FOUND, "items[0]: sequence_id=\"nope\""},
+      {grpc::StatusCode::INVALID_ARGUMENT, "items[1]: layer=2"},
+      {grpc::StatusCode::OUT_OF_RANGE, "items[2]: positions[0]=5"},
+      {grpc::StatusCode::INVALID_ARGUMENT, "items[3]: num_queries=0"},
+      {grpc::StatusCode::INVALID_ARGUMENT, "items[4]: queries has 508 bytes"},
+      {grpc::StatusCode::FAILED_PRECONDITION, "items[5]: append.first_token=6"},
+      {grpc::StatusCode::INVALID_ARGUMENT, "items[6]: append.num_tokens=0"},
+  };
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(resp.results(i).status().code(), want[i].first) << i;
+    EXPECT_THAT(resp.results(i).status().message(), HasSubstr(want[i].second));
+    EXPECT_TRUE(resp.results(i).output().empty());
+  }
+  EXPECT_EQ(resp.results(7).status().code(), 0);
+  EXPECT_EQ(Inventory(), before);
+  EXPECT_EQ(store_->Describe("s")->written[0], 5u);
+  // Other tenant and a malformed tenant id.
+  r.set_tenant_id("tenant-b");
+  resp.Clear();
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->Attend(&ctx, r, &resp).ok());
+  }
+  EXPECT_EQ(resp.results(7).status().code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  r.set_tenant_id("");
+  {
+    grpc::ClientContext ctx;
+    EXPECT_CODE(stub_->Attend(&ctx, r, &resp),
+                grpc::StatusCode::INVALID_ARGUMENT, "tenant_id");
+  }
+}
+
+TEST_F(ServiceTest, ForkAndFreeRejectBadInputAndAreIdempotent) {
+  std::vector<float> k, v;
+  MakeWritten(20, &k, &v);
+  const std::string before = Inventory();
+  auto fork = [&] {
+    v1::WorkerForkRequest f;
+    f.set_tenant_id(kTenant);
+    f.set_parent_sequence_id("s");
+    f.set_child_sequence_id("c");
+    f.set_num_tokens(20);
+    auto plan = AllocRequest("c", 24);
+    *f.mutable_blocks() = plan.blocks();
+    f.mutable_blocks(1)->set_lineage_id(77);  // the partial block is copied
+    return f;
+  };
+  auto f = fork();
+  f.set_parent_sequence_id("nope");
+  EXPECT_CODE(Fork(f), grpc::StatusCode::NOT_FOUND, "parent_sequence_id");
+  f = fork();
+  f.set_tenant_id("tenant-b");
+  EXPECT_CODE(Fork(f), grpc::StatusCode::PERMISSION_DENIED, "tenant_id");
+  f = fork();
+  f.set_num_tokens(0);
+  EXPECT_CODE(Fork(f), grpc::StatusCode::INVALID_ARGUMENT, "num_tokens=0");
+  f = fork();
+  f.set_child_sequence_id("s");
+  EXPECT_CODE(Fork(f), grpc::StatusCode::INVALID_ARGUMENT, "child_sequence_id");
+  f = fork();
+  f.mutable_blocks(0)->set_format(v1::FORMAT_UNSPECIFIED);
+  EXPECT_CODE(Fork(f), grpc::StatusCode::INVALID_ARGUMENT,
+              "blocks[0].format=0");
+  f = fork();
+  f.mutable_blocks(0)->set_format(v1::FORMAT_INT2);  // same lineage, new format
+  EXPECT_CODE(Fork(f), grpc::StatusCode::FAILED_PRECONDITION, "blocks[0]");
+  EXPECT_EQ(Inventory(), before);
+
+  f = fork();
+  f.set_request_id("fork-1");
+  v1::WorkerForkResponse fr1, fr2;
+  ASSERT_TRUE(Fork(f, &fr1).ok());
+  EXPECT_EQ(fr1.pages_shared(), 2u);
+  EXPECT_EQ(fr1.pages_copied(), 2u);
+  ASSERT_TRUE(Fork(f, &fr2).ok());  // replay, not ALREADY_EXISTS
+  EXPECT_EQ(fr2.SerializeAsString(), fr1.SerializeAsString());
+  f.set_request_id("fork-2");
+  EXPECT_CODE(Fork(f), grpc::StatusCode::ALREADY_EXISTS, "child_sequence_id");
+
+  const std::string with_child = Inventory();
+  EXPECT_CODE(Free("nope"), grpc::StatusCode::NOT_FOUND, "sequence_id");
+  EXPECT_CODE(Free("c", "", "tenant-b"), grpc::StatusCode::PERMISSION_DENIED,
+              "tenant_id");
+  EXPECT_CODE(Free("c", "bad id"), grpc::StatusCode::INVALID_ARGUMENT,
+              "request_id");
+  EXPECT_EQ(Inventory(), with_child);
+  v1::FreePagesResponse a, b;
+  ASSERT_TRUE(Free("c", "free-1", kTenant, &a).ok());
+  // The copied block's target and window pages on both layers; the shared
+  // block's pages live on in the parent.
+  EXPECT_EQ(a.pages_freed(), 4u);
+  ASSERT_TRUE(Free("c", "free-1", kTenant, &b).ok());
+  EXPECT_EQ(b.SerializeAsString(), a.SerializeAsString());
+  EXPECT_EQ(Inventory(), before);
+  ASSERT_TRUE(Free("s").ok());
+  grpc::ClientContext ctx;
+  v1::Inventory inv;
+  ASSERT_TRUE(stub_->GetInventory(&ctx, v1::GetInventoryRequest(), &inv).ok());
+  EXPECT_EQ(inv.used_bytes(), 0u);
+  EXPECT_EQ(inv.capacity_bytes(), 4u << 20);
+  EXPECT_EQ(inv.sequence_ids_size(), 0);
+}
+
+// A manager that answers the first heartbeat NOT_FOUND and fails the first
+// two registrations UNAVAILABLE.
+class FakeManager final : public v1::Manager::Service {
+ public:
+  grpc::Status RegisterWorker(grpc::ServerContext*,
+                              const v1::RegisterWorkerRequest* req,
+                              v1::RegisterWorkerResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    if (++register_calls_ <= 2) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "starting");
+    }
+    last_register_ = *req;
+    resp->set_heartbeat_interval_ms(10);
+    if (register_calls_ == 3) resp->add_lost_sequence_ids("lost-seq");
+    return grpc::Status::OK;
+  }
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+                         v1::HeartbeatResponse*) override {
+    absl::MutexLock lock(&mu_);
+    if (++heartbeat_calls_ == 1) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown worker");
+    }
+    last_inventory_ = req->inventory();
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu_;
+  int register_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  int heartbeat_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::RegisterWorkerRequest last_register_ ABSL_GUARDED_BY(mu_);
+  v1::Inventory last_inventory_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(ServiceTest, ManagerLinkRegistersRetriesAndReregisters) {
+  ASSERT_TRUE(Allocate(AllocRequest("lost-seq", 16)).ok());
+  ASSERT_TRUE(Allocate(AllocRequest("kept", 16)).ok());
+  FakeManager manager;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&manager);
+  auto server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+
+  ManagerLinkOptions opts;
+  opts.manager_address = "127.0.0.1:" + std::to_string(port);
+  opts.worker_id = "worker-test";
+  opts.advertise_address = "127.0.0.1:9999";
+  opts.backend = "cpu";
+  opts.capacity_bytes = 4 << 20;
+  opts.retry_ms = 20;
+  ManagerLink link(
+      opts,
+      [this] {
+        v1::Inventory inv;
+        InventoryToProto(store_->Inventory(), &inv);
+        return inv;
+      },
+      [this](const std::vector<std::string>& lost) {
+        for (const auto& id : lost) (void)store_->Drop(id);
+      });
+  link.Start();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while ((link.registrations() < 2 || link.heartbeats() < 2) &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  link.Stop();
+  EXPECT_EQ(link.registrations(), 2);  // first, then after NOT_FOUND
+  EXPECT_GE(link.heartbeats(), 2);
+  absl::MutexLock lock(&manager.mu_);
+  EXPECT_GE(manager.register_calls_, 4);  // two UNAVAILABLE retried
+  EXPECT_EQ(manager.last_register_.worker_id(), "worker-test");
+  EXPECT_EQ(manager.last_register_.address(), "127.0.0.1:9999");
+  EXPECT_EQ(manager.last_register_.backend(), "cpu");
+  EXPECT_EQ(manager.last_register_.capacity_bytes(), 4u << 20);
+  EXPECT_EQ(manager.last_inventory_.capacity_bytes(), 4u << 20);
+  // The sequence the manager declared lost was dropped; the other is kept.
+  ASSERT_EQ(manager.last_inventory_.sequence_ids_size(), 1);
+  EXPECT_EQ(manager.last_inventory_.sequence_ids(0), "kept");
+  server->Shutdown();
+}
+
+}  // namespace
+}  // namespace triax::worker
