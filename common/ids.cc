@@ -19,16 +19,18 @@ absl::Status ValidateId(absl::string_view field, absl::string_view value) {
     return absl::InvalidArgumentError(absl::StrCat(field, " is empty"));
   }
   if (value.size() > 128) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, " is ", value.size(), " bytes long; the limit is 128: ", Quote(value)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " is ", value.size(),
+                     " bytes long; the limit is 128: ", Quote(value)));
   }
   for (char c : value) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-                    (c >= '0' && c <= '9') || c == '.' || c == '_' || c == ':' ||
-                    c == '-';
+                    (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+                    c == ':' || c == '-';
     if (!ok) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, " ", Quote(value), " has a character outside [A-Za-z0-9._:-]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " ", Quote(value),
+                       " has a character outside [A-Za-z0-9._:-]"));
     }
   }
   return absl::OkStatus();

@@ -27,10 +27,14 @@ LogLevel MinLevel() {
 
 const char* LevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return "debug";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kWarn: return "warn";
-    case LogLevel::kError: return "error";
+    case LogLevel::kDebug:
+      return "debug";
+    case LogLevel::kInfo:
+      return "info";
+    case LogLevel::kWarn:
+      return "warn";
+    case LogLevel::kError:
+      return "error";
   }
   return "info";
 }
@@ -51,9 +55,12 @@ std::string Kv(absl::string_view key, absl::string_view value) {
 void Log(LogLevel level, absl::string_view component, absl::string_view msg,
          absl::string_view kvs) {
   if (level < MinLevel()) return;
-  std::string line = absl::StrCat(
-      "ts=", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()),
-      " level=", LevelName(level), " component=", component, " ", Kv("msg", msg));
+  std::string line =
+      absl::StrCat("ts=",
+                   absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(),
+                                    absl::UTCTimeZone()),
+                   " level=", LevelName(level), " component=", component, " ",
+                   Kv("msg", msg));
   if (!kvs.empty()) absl::StrAppend(&line, " ", kvs);
   line.push_back('\n');
   absl::MutexLock lock(&log_mu);

@@ -8,15 +8,16 @@
 #define TRIAX_STATUS_CONCAT(a, b) TRIAX_STATUS_CONCAT_INNER(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define TRIAX_RETURN_IF_ERROR(expr)              \
-  do {                                           \
-    ::absl::Status _triax_status = (expr);       \
+#define TRIAX_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::absl::Status _triax_status = (expr);         \
     if (!_triax_status.ok()) return _triax_status; \
   } while (0)
 
 // `lhs` = value of `rexpr` (an absl::StatusOr<T>), or returns its status.
-#define TRIAX_ASSIGN_OR_RETURN(lhs, rexpr) \
-  TRIAX_ASSIGN_OR_RETURN_IMPL(TRIAX_STATUS_CONCAT(_triax_sor_, __LINE__), lhs, rexpr)
+#define TRIAX_ASSIGN_OR_RETURN(lhs, rexpr)                                     \
+  TRIAX_ASSIGN_OR_RETURN_IMPL(TRIAX_STATUS_CONCAT(_triax_sor_, __LINE__), lhs, \
+                              rexpr)
 #define TRIAX_ASSIGN_OR_RETURN_IMPL(tmp, lhs, rexpr) \
   auto tmp = (rexpr);                                \
   if (!tmp.ok()) return tmp.status();                \

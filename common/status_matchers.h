@@ -21,8 +21,8 @@ MATCHER_P2(StatusIs, code, message_matcher, "") {
     *result_listener << "status is " << s;
     return false;
   }
-  return ::testing::ExplainMatchResult(message_matcher, std::string(s.message()),
-                                       result_listener);
+  return ::testing::ExplainMatchResult(
+      message_matcher, std::string(s.message()), result_listener);
 }
 
 MATCHER(IsOk, "") {

@@ -12,18 +12,24 @@ size_t AlignUp(size_t n) { return (n + 15) & ~size_t{15}; }
 
 int FormatBits(Format f) {
   switch (f) {
-    case Format::kBF16: return 16;
-    case Format::kINT4: return 4;
-    case Format::kINT2: return 2;
+    case Format::kBF16:
+      return 16;
+    case Format::kINT4:
+      return 4;
+    case Format::kINT2:
+      return 2;
   }
   return 0;
 }
 
 const char* FormatName(Format f) {
   switch (f) {
-    case Format::kBF16: return "bf16";
-    case Format::kINT4: return "int4";
-    case Format::kINT2: return "int2";
+    case Format::kBF16:
+      return "bf16";
+    case Format::kINT4:
+      return "int4";
+    case Format::kINT2:
+      return "int2";
   }
   return "unknown";
 }
@@ -54,10 +60,11 @@ PageLayout ComputeLayout(Format f, const PageShape& s) {
     return l;
   }
   const int bits = FormatBits(f);
-  const size_t codes = static_cast<size_t>(s.heads) * s.tokens * (s.head_dim * bits / 8);
+  const size_t codes =
+      static_cast<size_t>(s.heads) * s.tokens * (s.head_dim * bits / 8);
   const size_t k_meta = static_cast<size_t>(s.heads) * s.head_dim * 2;
-  const size_t v_meta =
-      static_cast<size_t>(s.heads) * s.tokens * (s.head_dim / s.ValueGroup()) * 2;
+  const size_t v_meta = static_cast<size_t>(s.heads) * s.tokens *
+                        (s.head_dim / s.ValueGroup()) * 2;
   size_t off = 0;
   l.k_codes = off;
   l.k_codes_bytes = codes;

@@ -37,10 +37,11 @@ const char* FormatName(Format f);  // "bf16", "int4", "int2"
 bool ParseFormat(const char* name, Format* out);
 
 struct PageShape {
-  int tokens = 16;      // T: tokens per page (block_tokens), 1..4096
-  int heads = 1;        // H: KV heads
-  int head_dim = 128;   // D: even
-  int value_group = 0;  // G: channels per value group; 0 = min(32, D). Divides D.
+  int tokens = 16;     // T: tokens per page (block_tokens), 1..4096
+  int heads = 1;       // H: KV heads
+  int head_dim = 128;  // D: even
+  int value_group =
+      0;  // G: channels per value group; 0 = min(32, D). Divides D.
 
   int ValueGroup() const;
 };

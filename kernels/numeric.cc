@@ -45,7 +45,8 @@ uint16_t FloatToFp16(float f) {
   }
   const uint32_t rounding = 0xfffu + ((abs >> 13) & 1u);
   const uint32_t r = abs + rounding;
-  return sign | static_cast<uint16_t>(((r >> 23) - 112) << 10 | ((r >> 13) & 0x3ffu));
+  return sign |
+         static_cast<uint16_t>(((r >> 23) - 112) << 10 | ((r >> 13) & 0x3ffu));
 }
 
 }  // namespace triax::kernels
