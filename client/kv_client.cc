@@ -180,7 +180,8 @@ absl::StatusOr<SequenceInfo> Client::GetSequence(
   return resp.sequence();
 }
 
-absl::Status Client::AllocateOnWorker(const SequenceInfo& info) {
+absl::Status Client::AllocateOnWorker(const SequenceInfo& info,
+                                      std::optional<uint32_t> window_tokens) {
   TRIAX_ASSIGN_OR_RETURN(triax::v1::Worker::Stub * w,
                          worker(info.worker_address()));
   triax::v1::AllocatePagesRequest req;
@@ -190,6 +191,7 @@ absl::Status Client::AllocateOnWorker(const SequenceInfo& info) {
   *req.mutable_model() = info.model();
   req.set_block_tokens(info.block_tokens());
   *req.mutable_blocks() = info.blocks();
+  if (window_tokens) req.set_window_tokens(*window_tokens);
   triax::v1::AllocatePagesResponse resp;
   return CallWithRetry("AllocatePages", /*retry=*/true,
                        [&](grpc::ClientContext* ctx) {
@@ -209,10 +211,35 @@ void Client::CloseOnManagerQuietly(const std::string& sequence_id) {
   }).IgnoreError();
 }
 
+triax::v1::BlockEncoding MakeBlockEncoding(uint64_t lineage_id,
+                                           triax::v1::Format format,
+                                           triax::v1::Format format_v,
+                                           uint32_t group_size,
+                                           triax::v1::ScaleDtype scale_dtype) {
+  triax::v1::BlockEncoding e;
+  e.set_lineage_id(lineage_id);
+  e.set_format(format);
+  e.set_format_v(format_v);
+  e.set_group_size(group_size);
+  e.set_scale_dtype(scale_dtype);
+  return e;
+}
+
 absl::StatusOr<SequenceHandle> Client::Open(
     const triax::v1::ModelShape& model,
     const std::vector<triax::v1::Span>& spans, const std::string& policy,
     uint32_t block_tokens) {
+  OpenOptions options;
+  options.policy = policy;
+  options.block_tokens = block_tokens;
+  return Open(model, spans, options);
+}
+
+absl::StatusOr<SequenceHandle> Client::Open(
+    const triax::v1::ModelShape& model,
+    const std::vector<triax::v1::Span>& spans, const OpenOptions& options) {
+  const std::string& policy = options.policy;
+  const uint32_t block_tokens = options.block_tokens;
   triax::v1::OpenSequenceRequest req;
   req.set_request_id(NewRequestId());
   req.set_tenant_id(options_.tenant_id);
@@ -226,7 +253,7 @@ absl::StatusOr<SequenceHandle> Client::Open(
         return manager_->OpenSequence(ctx, req, &resp);
       }));
   const SequenceInfo& info = resp.sequence();
-  absl::Status alloc = AllocateOnWorker(info);
+  absl::Status alloc = AllocateOnWorker(info, options.window_tokens);
   if (!alloc.ok()) {
     // Undo the plan so the tenant is not charged for pages that do not exist.
     CloseOnManagerQuietly(info.sequence_id());
@@ -234,6 +261,7 @@ absl::StatusOr<SequenceHandle> Client::Open(
   }
   SequenceHandle h;
   FillHandle(info, &h);
+  h.window_tokens = options.window_tokens;
   return h;
 }
 
@@ -255,7 +283,7 @@ absl::Status Client::Extend(SequenceHandle* seq,
       "ExtendSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
         return manager_->ExtendSequence(ctx, req, &resp);
       }));
-  TRIAX_RETURN_IF_ERROR(AllocateOnWorker(resp.sequence()));
+  TRIAX_RETURN_IF_ERROR(AllocateOnWorker(resp.sequence(), seq->window_tokens));
   FillHandle(resp.sequence(), seq);
   return absl::OkStatus();
 }
@@ -302,7 +330,30 @@ absl::StatusOr<SequenceHandle> Client::Fork(const SequenceHandle& parent,
   SequenceHandle h;
   FillHandle(child, &h);
   if (h.worker_address.empty()) h.worker_address = parent.worker_address;
+  h.window_tokens = parent.window_tokens;
   return h;
+}
+
+absl::StatusOr<int64_t> Client::DemoteBlocks(
+    SequenceHandle* seq,
+    const std::vector<triax::v1::BlockEncoding>& encodings) {
+  if (seq == nullptr) {
+    return absl::InvalidArgumentError("DemoteBlocks: seq is null");
+  }
+  triax::v1::DemoteBlocksRequest req;
+  req.set_request_id(NewRequestId());
+  req.set_tenant_id(options_.tenant_id);
+  req.set_sequence_id(seq->sequence_id);
+  for (const auto& e : encodings) *req.add_blocks() = e;
+  triax::v1::DemoteBlocksResponse resp;
+  TRIAX_RETURN_IF_ERROR(CallWithRetry(
+      "DemoteBlocks", /*retry=*/true, [&](grpc::ClientContext* ctx) {
+        return manager_->DemoteBlocks(ctx, req, &resp);
+      }));
+  const std::optional<uint32_t> window = seq->window_tokens;
+  FillHandle(resp.sequence(), seq);
+  seq->window_tokens = window;
+  return resp.bytes_delta();
 }
 
 absl::Status Client::Close(const SequenceHandle& seq) {

@@ -23,6 +23,9 @@
 //            failure the manager's plan is ahead; Close the sequence).
 //   Fork   = manager ForkSequence + worker ForkSequence on the parent's
 //            worker; on a worker failure the child is closed again.
+//   DemoteBlocks = manager DemoteBlocks (which itself drives the worker's
+//            Demote and commits the plan); the handle's plan is refreshed
+//            from the reply. A failure leaves the handle unchanged.
 //   Close  = worker FreePages + manager CloseSequence; the manager is told
 //            even when the worker answers NOT_FOUND or UNAVAILABLE (a gone
 //            worker holds nothing); any other worker error is returned
@@ -34,6 +37,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,7 +65,28 @@ struct SequenceHandle {
   uint32_t block_tokens = 0;
   std::vector<triax::v1::BlockPlan> blocks;  // current plan
   uint64_t num_tokens = 0;                   // planned tokens
+  // BF16 recent window asked for at Open (sent with every AllocatePages);
+  // empty: the worker's --window_tokens.
+  std::optional<uint32_t> window_tokens;
 };
+
+// Options of Open beyond the model and spans.
+struct OpenOptions {
+  std::string policy;         // empty: the tenant's default policy
+  uint32_t block_tokens = 0;  // 0: the manager's default
+  // BF16 recent window of the sequence on the worker, in tokens (0: none);
+  // empty: the worker's --window_tokens.
+  std::optional<uint32_t> window_tokens;
+};
+
+// The new encoding of one block for DemoteBlocks. format_v
+// FORMAT_UNSPECIFIED means "same as format"; group_size 0 the default (32);
+// scale_dtype unspecified FP16.
+triax::v1::BlockEncoding MakeBlockEncoding(
+    uint64_t lineage_id, triax::v1::Format format,
+    triax::v1::Format format_v = triax::v1::FORMAT_UNSPECIFIED,
+    uint32_t group_size = 0,
+    triax::v1::ScaleDtype scale_dtype = triax::v1::SCALE_DTYPE_UNSPECIFIED);
 
 class Client {
  public:
@@ -73,6 +98,9 @@ class Client {
                                       const std::vector<triax::v1::Span>& spans,
                                       const std::string& policy = "",
                                       uint32_t block_tokens = 0);
+  absl::StatusOr<SequenceHandle> Open(const triax::v1::ModelShape& model,
+                                      const std::vector<triax::v1::Span>& spans,
+                                      const OpenOptions& options);
   // Plans more tokens (a new turn, or decoded tokens) and allocates them.
   absl::Status Extend(SequenceHandle* seq,
                       const std::vector<triax::v1::Span>& spans, bool new_turn,
@@ -80,6 +108,16 @@ class Client {
   absl::StatusOr<SequenceHandle> Fork(const SequenceHandle& parent,
                                       uint64_t num_tokens);
   absl::Status Close(const SequenceHandle& seq);
+  // Re-encodes blocks of `seq` in place through the manager (each entry names
+  // a block by lineage id; see MakeBlockEncoding) and refreshes seq->blocks
+  // from the committed plan. Returns the change of the tenant's device bytes
+  // (negative when freed). Errors: the manager's (INVALID_ARGUMENT for an
+  // encoding invalid for the model, PERMISSION_DENIED, RESOURCE_EXHAUSTED
+  // when growth is over budget, ABORTED when the sequence changed meanwhile:
+  // retry) or the worker's, prefixed "DemoteBlocks: ".
+  absl::StatusOr<int64_t> DemoteBlocks(
+      SequenceHandle* seq,
+      const std::vector<triax::v1::BlockEncoding>& encodings);
 
   // Writes K/V for tokens [first_token, first_token + num_tokens) of `layer`.
   // k, v: float32 [num_tokens][n_kv_heads][head_dim]; sent as BF16.
@@ -130,7 +168,8 @@ class Client {
       absl::string_view what, bool retry,
       const std::function<grpc::Status(grpc::ClientContext*)>& call);
   // AllocatePages of the full plan in `info` on its worker.
-  absl::Status AllocateOnWorker(const triax::v1::SequenceInfo& info);
+  absl::Status AllocateOnWorker(const triax::v1::SequenceInfo& info,
+                                std::optional<uint32_t> window_tokens);
   // Undoes a manager-side open/fork after a worker failure; errors dropped.
   void CloseOnManagerQuietly(const std::string& sequence_id);
 

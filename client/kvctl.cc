@@ -28,7 +28,8 @@
 
 ABSL_FLAG(std::string, manager, "127.0.0.1:7070", "manager address host:port");
 ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each unary RPC");
-ABSL_FLAG(std::string, tenant, "", "tenant filter (sequences, events)");
+ABSL_FLAG(std::string, tenant, "",
+          "tenant filter (sequences, events); owner tenant (demote)");
 ABSL_FLAG(bool, all, false, "sequences: include closed sequences");
 ABSL_FLAG(uint64_t, device_floor_bytes, 0, "tenant-create: device floor");
 ABSL_FLAG(uint64_t, device_ceiling_bytes, 0,
@@ -60,7 +61,17 @@ commands:
                    [--policy P]
   budget-set ID --tier device|host|disk --floor_bytes N --ceiling_bytes N
   sequences [--tenant T] [--all]
-  sequence ID                   plan, state and lost lineage ids
+  sequence ID                   plan (K/V formats, group, scale), state and
+                                lost lineage ids
+  policies                      built-in and operator policies, rule by rule
+  policy-put NAME RULE...       add or replace an operator policy; RULE is
+                                [SELECTOR,...:]ENCODING or *:ENCODING, e.g.
+                                temporal=sink:bf16
+                                role=system:k=int4,v=int2,g=64,scale=fp8
+                                *:int4   (the last rule must be *:...)
+  demote SEQ LINEAGE ENCODING --tenant T
+                                re-encode one block in place, e.g.
+                                kvctl demote seq-3 17 int2 --tenant acme
   trace LINEAGE_ID              a block and its lifecycle events
   events [--from N] [--max N] [--tenant T] [--sequence S] [--lineage L]
          [--wait_ms N] [--json]  one event per line (key=value or JSON)
@@ -208,6 +219,59 @@ class Kvctl {
     return 0;
   }
 
+  int Policies() {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::ListPoliciesResponse resp;
+    auto s = m()->ListPolicies(&ctx, {}, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << triax::kvctl::PoliciesTable(resp);
+    return 0;
+  }
+
+  int PolicyPut(const std::string& name,
+                const std::vector<std::string>& rules) {
+    triax::v1::PutPolicyRequest req;
+    req.set_request_id(client_->NewRequestId());
+    req.mutable_policy()->set_name(name);
+    for (const std::string& text : rules) {
+      absl::Status st = triax::kvctl::ParsePolicyRule(
+          text, req.mutable_policy()->add_rules());
+      if (!st.ok()) return Usage(absl::StrCat("policy-put: ", st.message()));
+    }
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::PutPolicyResponse resp;
+    auto s = m()->PutPolicy(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    triax::v1::ListPoliciesResponse one;
+    *one.add_policies() = resp.policy();
+    std::cout << triax::kvctl::PoliciesTable(one);
+    return 0;
+  }
+
+  int Demote(const std::string& seq, uint64_t lineage,
+             const std::string& encoding) {
+    const std::string tenant = absl::GetFlag(FLAGS_tenant);
+    if (tenant.empty()) return Usage("demote: --tenant is required");
+    triax::v1::DemoteBlocksRequest req;
+    req.set_request_id(client_->NewRequestId());
+    req.set_tenant_id(tenant);
+    req.set_sequence_id(seq);
+    triax::v1::BlockEncoding* b = req.add_blocks();
+    absl::Status st = triax::kvctl::ParseEncoding(encoding, b);
+    if (!st.ok()) return Usage(absl::StrCat("demote: ", st.message()));
+    b->set_lineage_id(lineage);
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::DemoteBlocksResponse resp;
+    auto s = m()->DemoteBlocks(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << "bytes_delta: " << resp.bytes_delta() << "\n"
+              << triax::kvctl::SequenceDetail(resp.sequence());
+    return 0;
+  }
+
   int Trace(uint64_t lineage) {
     triax::v1::QueryTraceRequest req;
     req.set_lineage_id(lineage);
@@ -290,6 +354,18 @@ int main(int argc, char** argv) {
     return k.Trace(lineage);
   }
   if (cmd == "events" && want_args(0)) return k.Events();
+  if (cmd == "policies" && want_args(0)) return k.Policies();
+  if (cmd == "policy-put" && args.size() >= 2) {
+    return k.PolicyPut(args[0], {args.begin() + 1, args.end()});
+  }
+  if (cmd == "demote" && want_args(3)) {
+    uint64_t lineage = 0;
+    if (!absl::SimpleAtoi(args[1], &lineage) || lineage == 0) {
+      return Usage(absl::StrCat("demote: LINEAGE \"", args[1],
+                                "\" is not a positive integer"));
+    }
+    return k.Demote(args[0], lineage, args[2]);
+  }
   return Usage(absl::StrCat("bad command or arguments: ", cmd, " (",
                             args.size(), " arguments)"));
 }

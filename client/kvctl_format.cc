@@ -6,9 +6,11 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 
 namespace triax::kvctl {
@@ -67,7 +69,199 @@ std::string TemporalName(triax::v1::Temporal v) {
   return Short(triax::v1::Temporal_Name(v), "TEMPORAL_", v);
 }
 std::string FormatName(triax::v1::Format v) {
+  if (v == triax::v1::FORMAT_FP8_E4M3) return "fp8";
   return Short(triax::v1::Format_Name(v), "FORMAT_", v);
+}
+
+bool ParseFormat(absl::string_view name, triax::v1::Format* out) {
+  for (int v = 1; v <= 8; ++v) {
+    if (!triax::v1::Format_IsValid(v)) continue;
+    const auto f = static_cast<triax::v1::Format>(v);
+    if (name == FormatName(f)) {
+      *out = f;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string ScaleDtypeName(triax::v1::ScaleDtype v) {
+  switch (v) {
+    case triax::v1::SCALE_DTYPE_FP16:
+      return "fp16";
+    case triax::v1::SCALE_DTYPE_FP8_E4M3:
+      return "fp8";
+    case triax::v1::SCALE_DTYPE_UNSPECIFIED:
+      return "-";
+    default:
+      return absl::StrCat("?", static_cast<int>(v));
+  }
+}
+
+namespace {
+
+bool IsInt(triax::v1::Format f) {
+  return f == triax::v1::FORMAT_INT8 || f == triax::v1::FORMAT_INT4 ||
+         f == triax::v1::FORMAT_INT2;
+}
+
+// Parses the value of `key` into the enum whose short names `name_of` gives.
+template <typename E>
+bool ParseShort(absl::string_view text, int max, std::string (*name_of)(E),
+                E* out) {
+  for (int v = 1; v <= max; ++v) {
+    if (text == name_of(static_cast<E>(v))) {
+      *out = static_cast<E>(v);
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+absl::Status ParseEncoding(absl::string_view text,
+                           triax::v1::BlockEncoding* out) {
+  triax::v1::Format k = triax::v1::FORMAT_UNSPECIFIED;
+  triax::v1::Format v = triax::v1::FORMAT_UNSPECIFIED;
+  uint32_t group = 0;
+  triax::v1::ScaleDtype scale = triax::v1::SCALE_DTYPE_UNSPECIFIED;
+  if (text.find('=') == absl::string_view::npos) {
+    if (!ParseFormat(text, &k)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "encoding \"", text,
+          "\": not a format (bf16, fp8, int8, int4, int2, tq4, tq3, tq2)"));
+    }
+  } else {
+    for (absl::string_view part : absl::StrSplit(text, ',')) {
+      const size_t eq = part.find('=');
+      const absl::string_view key = part.substr(0, eq);
+      const absl::string_view val =
+          eq == absl::string_view::npos ? "" : part.substr(eq + 1);
+      bool ok = true;
+      if (key == "k") {
+        ok = ParseFormat(val, &k);
+      } else if (key == "v") {
+        ok = ParseFormat(val, &v);
+      } else if (key == "g") {
+        ok = absl::SimpleAtoi(val, &group) && group > 0;
+      } else if (key == "scale") {
+        ok = val == "fp16" || val == "fp8";
+        scale = val == "fp8" ? triax::v1::SCALE_DTYPE_FP8_E4M3
+                             : triax::v1::SCALE_DTYPE_FP16;
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("encoding \"", text, "\": unknown key \"", key,
+                         "\" (want k, v, g, scale)"));
+      }
+      if (!ok) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "encoding \"", text, "\": bad value in \"", part, "\""));
+      }
+    }
+    if (k == triax::v1::FORMAT_UNSPECIFIED) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("encoding \"", text, "\": k=FORMAT is required"));
+    }
+  }
+  out->set_format(k);
+  out->set_format_v(v);
+  out->set_group_size(group);
+  out->set_scale_dtype(scale);
+  return absl::OkStatus();
+}
+
+std::string EncodingString(triax::v1::Format k, triax::v1::Format v,
+                           uint32_t group_size, triax::v1::ScaleDtype scale) {
+  if (v == triax::v1::FORMAT_UNSPECIFIED) v = k;
+  const bool int_any = IsInt(k) || IsInt(v);
+  const bool default_group = !int_any || group_size == 0 || group_size == 32;
+  const bool default_scale = !int_any ||
+                             scale == triax::v1::SCALE_DTYPE_UNSPECIFIED ||
+                             scale == triax::v1::SCALE_DTYPE_FP16;
+  if (k == v && default_group && default_scale) return FormatName(k);
+  std::string s = absl::StrCat("k=", FormatName(k), ",v=", FormatName(v));
+  if (!default_group) absl::StrAppend(&s, ",g=", group_size);
+  if (!default_scale) absl::StrAppend(&s, ",scale=", ScaleDtypeName(scale));
+  return s;
+}
+
+absl::Status ParsePolicyRule(absl::string_view text,
+                             triax::v1::PolicyRule* out) {
+  out->Clear();
+  absl::string_view enc = text;
+  const size_t colon = text.find(':');
+  if (colon != absl::string_view::npos) {
+    enc = text.substr(colon + 1);
+    const absl::string_view sel = text.substr(0, colon);
+    if (sel != "*") {
+      for (absl::string_view part : absl::StrSplit(sel, ',')) {
+        const size_t eq = part.find('=');
+        const absl::string_view key = part.substr(0, eq);
+        const absl::string_view val =
+            eq == absl::string_view::npos ? "" : part.substr(eq + 1);
+        bool ok;
+        if (key == "temporal") {
+          triax::v1::Temporal t;
+          ok = ParseShort(val, 4, &TemporalName, &t);
+          if (ok) out->set_temporal(t);
+        } else if (key == "role") {
+          triax::v1::Role r;
+          ok = ParseShort(val, 8, &RoleName, &r);
+          if (ok) out->set_role(r);
+        } else if (key == "modality") {
+          triax::v1::Modality m;
+          ok = ParseShort(val, 3, &ModalityName, &m);
+          if (ok) out->set_modality(m);
+        } else {
+          return absl::InvalidArgumentError(
+              absl::StrCat("rule \"", text, "\": unknown selector \"", key,
+                           "\" (want temporal, role, modality or *)"));
+        }
+        if (!ok) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("rule \"", text, "\": bad value in \"", part, "\""));
+        }
+      }
+    }
+  }
+  triax::v1::BlockEncoding e;
+  absl::Status st = ParseEncoding(enc, &e);
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rule \"", text, "\": ", st.message()));
+  }
+  out->set_format(e.format());
+  out->set_format_v(e.format_v());
+  out->set_group_size(e.group_size());
+  out->set_scale_dtype(e.scale_dtype());
+  return absl::OkStatus();
+}
+
+std::string PolicyRuleString(const triax::v1::PolicyRule& r) {
+  std::vector<std::string> sel;
+  if (r.temporal() != 0) {
+    sel.push_back(absl::StrCat("temporal=", TemporalName(r.temporal())));
+  }
+  if (r.role() != 0) sel.push_back(absl::StrCat("role=", RoleName(r.role())));
+  if (r.modality() != 0) {
+    sel.push_back(absl::StrCat("modality=", ModalityName(r.modality())));
+  }
+  return absl::StrCat(sel.empty() ? "*" : absl::StrJoin(sel, ","), ":",
+                      EncodingString(r.format(), r.format_v(), r.group_size(),
+                                     r.scale_dtype()));
+}
+
+std::string PoliciesTable(const triax::v1::ListPoliciesResponse& resp) {
+  Table t({"NAME", "BUILTIN", "#", "RULE"});
+  for (const auto& p : resp.policies()) {
+    for (int i = 0; i < p.rules_size(); ++i) {
+      t.AddRow({i == 0 ? p.name() : "",
+                i == 0 ? (p.builtin() ? "yes" : "no") : "", absl::StrCat(i),
+                PolicyRuleString(p.rules(i))});
+    }
+  }
+  return t.Render();
 }
 std::string TierName(triax::v1::Tier v) {
   return Short(triax::v1::Tier_Name(v), "TIER_", v);
@@ -202,14 +396,24 @@ std::string SequenceDetail(const triax::v1::SequenceInfo& s) {
     head.AddRow({"lost lineages:", IdList({s.lost_lineage_ids().begin(),
                                            s.lost_lineage_ids().end()})});
   }
-  Table blocks(
-      {"INDEX", "LINEAGE", "FIRST", "TOKENS", "TAG", "FORMAT", "REFCOUNT"});
+  Table blocks({"INDEX", "LINEAGE", "FIRST", "TOKENS", "TAG", "K", "V", "GROUP",
+                "SCALE", "REFCOUNT"});
   for (const auto& b : s.blocks()) {
-    blocks.AddRow({absl::StrCat(b.index()), absl::StrCat(b.lineage_id()),
-                   absl::StrCat(b.first_token()),
-                   absl::StrCat(b.num_tokens(), "/", b.capacity()),
-                   TagString(b.tag()), FormatName(b.format()),
-                   absl::StrCat(b.refcount())});
+    const triax::v1::Format v = b.format_v() == triax::v1::FORMAT_UNSPECIFIED
+                                    ? b.format()
+                                    : b.format_v();
+    const bool int_any = IsInt(b.format()) || IsInt(v);
+    blocks.AddRow(
+        {absl::StrCat(b.index()), absl::StrCat(b.lineage_id()),
+         absl::StrCat(b.first_token()),
+         absl::StrCat(b.num_tokens(), "/", b.capacity()), TagString(b.tag()),
+         FormatName(b.format()), FormatName(v),
+         int_any ? absl::StrCat(b.group_size() == 0 ? 32 : b.group_size())
+                 : "-",
+         int_any ? (b.scale_dtype() == triax::v1::SCALE_DTYPE_FP8_E4M3 ? "fp8"
+                                                                       : "fp16")
+                 : "-",
+         absl::StrCat(b.refcount())});
   }
   return absl::StrCat(head.Render(), "\n", blocks.Render());
 }

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "triax/v1/manager.pb.h"
 #include "triax/v1/types.pb.h"
 
@@ -21,6 +23,40 @@ std::string FormatName(triax::v1::Format v);
 std::string TierName(triax::v1::Tier v);
 std::string WorkerStateName(triax::v1::WorkerState v);
 std::string SequenceStateName(triax::v1::SequenceState v);
+// Kernel names: "bf16", "fp8", "int8", "int4", "int2", "tq4", "tq3", "tq2"
+// (FormatName gives these too; FORMAT_FP8_E4M3 prints as "fp8").
+// Parses one; false for anything else (FORMAT_UNSPECIFIED is not a name).
+bool ParseFormat(absl::string_view name, triax::v1::Format* out);
+// "fp16" / "fp8"; "-" for unspecified.
+std::string ScaleDtypeName(triax::v1::ScaleDtype v);
+
+// Compact encoding syntax (docs/client.md):
+//   FMT                              K and V in FMT, default group and scale
+//   k=FMT,v=FMT,g=N,scale=fp16|fp8   any subset; v defaults to k; k required
+// ParseEncoding fills format, format_v (only when given), group_size and
+// scale_dtype of `out` (a BlockPlan-like message: BlockEncoding or
+// PolicyRule). INVALID_ARGUMENT naming the bad part.
+absl::Status ParseEncoding(absl::string_view text,
+                           triax::v1::BlockEncoding* out);
+// The compact form of an encoding: "int4" when V is unspecified or equal to
+// K and group/scale are default; else "k=fp8,v=int4,g=64,scale=fp8" with
+// only the non-default parts after k and v.
+std::string EncodingString(triax::v1::Format k, triax::v1::Format v,
+                           uint32_t group_size, triax::v1::ScaleDtype scale);
+
+// Policy rules: "[SELECTOR[,SELECTOR...]:]ENCODING" or "*:ENCODING", where a
+// SELECTOR is temporal=sink|current_turn|recent_turns|older,
+// role=system|tool_schema|user|assistant|reasoning|tool_call|tool_result|
+// delimiter, or modality=text|image|audio. Without selectors (or with "*")
+// the rule matches everything. E.g. "temporal=sink:bf16",
+// "role=system:k=int4,v=int2,g=64,scale=fp8", "*:int4".
+absl::Status ParsePolicyRule(absl::string_view text,
+                             triax::v1::PolicyRule* out);
+// The rule in the same syntax (round-trips through ParsePolicyRule).
+std::string PolicyRuleString(const triax::v1::PolicyRule& r);
+// One row per rule: NAME, BUILTIN, #, RULE.
+std::string PoliciesTable(const triax::v1::ListPoliciesResponse& resp);
+
 // Event kinds keep upper case without "EVENT_": "WORKER_DOWN".
 std::string EventKindName(triax::v1::EventKind v);
 
@@ -48,7 +84,8 @@ class Table {
 std::string WorkersTable(const triax::v1::ListWorkersResponse& resp);
 std::string TenantsTable(const triax::v1::ListTenantsResponse& resp);
 std::string SequencesTable(const triax::v1::ListSequencesResponse& resp);
-// Header fields, the plan as a table, and the lost lineage ids when LOST.
+// Header fields, the plan as a table (K and V formats, INT group and scale
+// dtype per block), and the lost lineage ids when LOST.
 std::string SequenceDetail(const triax::v1::SequenceInfo& seq);
 // The block's current state and its lifecycle events as a table.
 std::string TraceDetail(uint64_t lineage_id,

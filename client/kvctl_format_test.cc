@@ -127,5 +127,84 @@ TEST(SequenceDetail, NoLostLineagesWhenOpen) {
   EXPECT_THAT(SequenceDetail(s), Not(HasSubstr("lost")));
 }
 
+TEST(Encoding, ParsesShortAndKeyedForms) {
+  triax::v1::BlockEncoding e;
+  ASSERT_TRUE(ParseEncoding("tq3", &e).ok());
+  EXPECT_EQ(e.format(), triax::v1::FORMAT_TQ3);
+  EXPECT_EQ(e.format_v(), triax::v1::FORMAT_UNSPECIFIED);
+  ASSERT_TRUE(ParseEncoding("k=fp8,v=int4,g=64,scale=fp8", &e).ok());
+  EXPECT_EQ(e.format(), triax::v1::FORMAT_FP8_E4M3);
+  EXPECT_EQ(e.format_v(), triax::v1::FORMAT_INT4);
+  EXPECT_EQ(e.group_size(), 64u);
+  EXPECT_EQ(e.scale_dtype(), triax::v1::SCALE_DTYPE_FP8_E4M3);
+  EXPECT_EQ(
+      EncodingString(e.format(), e.format_v(), e.group_size(), e.scale_dtype()),
+      "k=fp8,v=int4,g=64,scale=fp8");
+  EXPECT_EQ(
+      EncodingString(triax::v1::FORMAT_INT4, triax::v1::FORMAT_UNSPECIFIED, 32,
+                     triax::v1::SCALE_DTYPE_FP16),
+      "int4");
+  EXPECT_EQ(EncodingString(triax::v1::FORMAT_TQ2, triax::v1::FORMAT_TQ2, 0,
+                           triax::v1::SCALE_DTYPE_UNSPECIFIED),
+            "tq2");
+  EXPECT_THAT(std::string(ParseEncoding("int3", &e).message()),
+              HasSubstr("not a format"));
+  EXPECT_THAT(std::string(ParseEncoding("v=int4", &e).message()),
+              HasSubstr("k=FORMAT is required"));
+  EXPECT_THAT(std::string(ParseEncoding("k=int4,x=1", &e).message()),
+              HasSubstr("unknown key \"x\""));
+  EXPECT_THAT(std::string(ParseEncoding("k=int4,scale=fp4", &e).message()),
+              HasSubstr("bad value in \"scale=fp4\""));
+}
+
+TEST(PolicyRule, ParsesSelectorsAndRoundTrips) {
+  triax::v1::PolicyRule r;
+  ASSERT_TRUE(ParsePolicyRule("temporal=sink:bf16", &r).ok());
+  EXPECT_EQ(r.temporal(), triax::v1::TEMPORAL_SINK);
+  EXPECT_EQ(r.format(), triax::v1::FORMAT_BF16);
+  ASSERT_TRUE(
+      ParsePolicyRule("role=system,modality=image:k=int4,v=int2,g=64", &r)
+          .ok());
+  EXPECT_EQ(r.role(), triax::v1::ROLE_SYSTEM);
+  EXPECT_EQ(r.modality(), triax::v1::MODALITY_IMAGE);
+  EXPECT_EQ(r.format_v(), triax::v1::FORMAT_INT2);
+  EXPECT_EQ(PolicyRuleString(r),
+            "role=system,modality=image:k=int4,v=int2,g=64");
+  ASSERT_TRUE(ParsePolicyRule("*:int4", &r).ok());
+  EXPECT_EQ(r.temporal(), triax::v1::TEMPORAL_UNSPECIFIED);
+  EXPECT_EQ(PolicyRuleString(r), "*:int4");
+  ASSERT_TRUE(ParsePolicyRule("temporal=recent_turns:tq3", &r).ok());
+  EXPECT_EQ(r.temporal(), triax::v1::TEMPORAL_RECENT_TURNS);
+  EXPECT_THAT(std::string(ParsePolicyRule("role=boss:int4", &r).message()),
+              HasSubstr("bad value in \"role=boss\""));
+  EXPECT_THAT(std::string(ParsePolicyRule("colour=red:int4", &r).message()),
+              HasSubstr("unknown selector \"colour\""));
+  EXPECT_THAT(std::string(ParsePolicyRule("*:int9", &r).message()),
+              HasSubstr("not a format"));
+  triax::v1::ListPoliciesResponse list;
+  auto* p = list.add_policies();
+  p->set_name("mix");
+  ASSERT_TRUE(ParsePolicyRule("temporal=sink:bf16", p->add_rules()).ok());
+  ASSERT_TRUE(ParsePolicyRule("*:tq3", p->add_rules()).ok());
+  const std::string table = PoliciesTable(list);
+  EXPECT_THAT(table, HasSubstr("mix   no       0  temporal=sink:bf16"));
+  EXPECT_THAT(table, HasSubstr("1  *:tq3"));
+}
+
+TEST(SequenceDetail, ShowsKvFormatsGroupAndScale) {
+  triax::v1::SequenceInfo s;
+  auto* b = s.add_blocks();
+  b->set_format(triax::v1::FORMAT_FP8_E4M3);
+  b->set_format_v(triax::v1::FORMAT_INT4);
+  b->set_group_size(64);
+  b->set_scale_dtype(triax::v1::SCALE_DTYPE_FP8_E4M3);
+  b = s.add_blocks();
+  b->set_format(triax::v1::FORMAT_TQ3);
+  const std::string out = SequenceDetail(s);
+  EXPECT_THAT(out, HasSubstr("K    V     GROUP  SCALE"));
+  EXPECT_THAT(out, HasSubstr("fp8  int4  64     fp8"));
+  EXPECT_THAT(out, HasSubstr("tq3  tq3   -      -"));
+}
+
 }  // namespace
 }  // namespace triax::kvctl

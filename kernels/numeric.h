@@ -1,5 +1,6 @@
 // Scalar conversions shared by the CPU reference and host code. Round to
-// nearest even; NaN stays NaN; overflow goes to infinity (FP16).
+// nearest even; NaN stays NaN; overflow goes to infinity (FP16) or saturates
+// (FP8 E4M3, which has no infinity).
 #pragma once
 
 #include <cstdint>
@@ -26,5 +27,12 @@ inline uint16_t FloatToBf16(float f) {
 
 float Fp16ToFloat(uint16_t h);
 uint16_t FloatToFp16(float f);
+
+// FP8 E4M3 (OCP "fn" variant: bias 7, no infinities, 0x7f / 0xff are NaN,
+// largest finite value 448, smallest subnormal 2^-9).
+// FloatToFp8E4M3 rounds to nearest even, saturates to +-448 (infinities
+// included) and maps NaN to 0x7f. Fp8E4M3ToFloat is exact.
+uint8_t FloatToFp8E4M3(float f);
+float Fp8E4M3ToFloat(uint8_t c);
 
 }  // namespace triax::kernels

@@ -156,5 +156,80 @@ TEST(Bf16Test, RoundsToNearestEven) {
   EXPECT_EQ(FloatToBf16(FromBits(0x00010000u)), 0x0001);
 }
 
+// Value of an FP8 E4M3 code computed independently of numeric.cc.
+double Fp8Value(uint8_t c) {
+  const int exp = (c >> 3) & 0xf;
+  const int mant = c & 7;
+  const double sign = (c & 0x80) ? -1.0 : 1.0;
+  if (exp == 15 && mant == 7) return NAN;
+  if (exp == 0) return sign * std::ldexp(mant, -9);
+  return sign * std::ldexp(8 + mant, exp - 10);
+}
+
+TEST(Fp8Test, EveryCodeRoundTrips) {
+  int nans = 0;
+  for (int i = 0; i < 256; ++i) {
+    const uint8_t c = static_cast<uint8_t>(i);
+    const float f = Fp8E4M3ToFloat(c);
+    if ((c & 0x7f) == 0x7f) {
+      ASSERT_TRUE(std::isnan(f)) << std::hex << i;
+      ASSERT_EQ(FloatToFp8E4M3(f), 0x7f) << std::hex << i;
+      ++nans;
+      continue;
+    }
+    ASSERT_EQ(static_cast<double>(f), Fp8Value(c)) << std::hex << i;
+    // -0 (0x80) encodes back to itself: the sign is kept.
+    ASSERT_EQ(FloatToFp8E4M3(f), c) << std::hex << i;
+  }
+  EXPECT_EQ(nans, 2);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x7e), 448.f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x01), std::ldexp(1.f, -9));
+  EXPECT_EQ(Fp8E4M3ToFloat(0x08), std::ldexp(1.f, -6));
+}
+
+// Every float between two adjacent codes goes to the nearer one, ties to the
+// even code; checked at the midpoint and just either side of it, for every
+// pair of adjacent finite positive codes and their negatives.
+TEST(Fp8Test, RoundsToNearestEven) {
+  for (int c = 0; c < 0x7e; ++c) {
+    const float lo = Fp8E4M3ToFloat(static_cast<uint8_t>(c));
+    const float hi = Fp8E4M3ToFloat(static_cast<uint8_t>(c + 1));
+    const float mid = 0.5f * (lo + hi);  // exact: few mantissa bits
+    const uint8_t even = (c % 2 == 0) ? c : c + 1;
+    ASSERT_EQ(FloatToFp8E4M3(mid), even) << c;
+    ASSERT_EQ(FloatToFp8E4M3(-mid), even | 0x80) << c;
+    ASSERT_EQ(FloatToFp8E4M3(std::nextafter(mid, 0.f)), c) << c;
+    ASSERT_EQ(FloatToFp8E4M3(std::nextafter(mid, 1e9f)), c + 1) << c;
+    ASSERT_EQ(FloatToFp8E4M3(-std::nextafter(mid, 1e9f)), (c + 1) | 0x80) << c;
+  }
+  // Examples: 1 + 1/16 is a tie between 1 (0x38) and 1.125 (0x39) -> 0x38;
+  // 1 + 3/16 between 1.125 and 1.25 (0x3a) -> 0x3a.
+  EXPECT_EQ(FloatToFp8E4M3(1.0625f), 0x38);
+  EXPECT_EQ(FloatToFp8E4M3(1.1875f), 0x3a);
+  // Below half the smallest subnormal: zero, keeping the sign.
+  EXPECT_EQ(FloatToFp8E4M3(std::ldexp(1.f, -11)), 0x00);
+  EXPECT_EQ(FloatToFp8E4M3(-std::ldexp(1.f, -11)), 0x80);
+  EXPECT_EQ(FloatToFp8E4M3(std::ldexp(3.f, -11)), 0x01);  // 0.75 ulp -> 1
+  EXPECT_EQ(FloatToFp8E4M3(std::ldexp(3.f, -10)), 0x02);  // 1.5 ulp tie -> 2
+}
+
+TEST(Fp8Test, SaturatesAndMapsNanTo7f) {
+  EXPECT_EQ(FloatToFp8E4M3(448.f), 0x7e);
+  EXPECT_EQ(FloatToFp8E4M3(463.f), 0x7e);  // would round to 448 anyway
+  EXPECT_EQ(FloatToFp8E4M3(464.f), 0x7e);  // would round to 480: saturates
+  EXPECT_EQ(FloatToFp8E4M3(1e6f), 0x7e);
+  EXPECT_EQ(FloatToFp8E4M3(-1e6f), 0xfe);
+  EXPECT_EQ(FloatToFp8E4M3(std::numeric_limits<float>::infinity()), 0x7e);
+  EXPECT_EQ(FloatToFp8E4M3(-std::numeric_limits<float>::infinity()), 0xfe);
+  EXPECT_EQ(FloatToFp8E4M3(std::numeric_limits<float>::quiet_NaN()), 0x7f);
+  EXPECT_EQ(FloatToFp8E4M3(-std::numeric_limits<float>::quiet_NaN()), 0x7f);
+  EXPECT_EQ(FloatToFp8E4M3(FromBits(0x7f800001u)), 0x7f);  // signalling
+  // Saturation never produces the NaN code.
+  for (float f = 448.f; f < 1000.f; f += 0.25f) {
+    ASSERT_EQ(FloatToFp8E4M3(f), 0x7e) << f;
+    ASSERT_EQ(FloatToFp8E4M3(-f), 0xfe) << f;
+  }
+}
+
 }  // namespace
 }  // namespace triax::kernels

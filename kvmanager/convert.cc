@@ -1,6 +1,34 @@
 #include "kvmanager/convert.h"
 
+#include "kvmanager/policy.h"
+
 namespace triax::manager {
+namespace {
+
+EncodingSpec SpecFromWire(int format, int format_v, uint32_t group_size,
+                          int scale_dtype) {
+  EncodingSpec e;
+  e.format = ToFormat(format);
+  e.format_v = ToFormat(format_v);
+  e.group_size = group_size;
+  e.scale_dtype = scale_dtype;
+  return e;
+}
+
+// Sets the encoding fields of a BlockPlan / PolicyRule / BlockEncoding.
+template <typename P>
+void SetEncoding(const EncodingSpec& s, P* p) {
+  p->set_format(static_cast<v1::Format>(s.format));
+  p->set_format_v(static_cast<v1::Format>(s.format_v));
+  p->set_group_size(s.group_size);
+  p->set_scale_dtype(static_cast<v1::ScaleDtype>(s.scale_dtype));
+}
+
+}  // namespace
+
+Format ToFormat(int wire) {
+  return static_cast<Format>(wire >= 0 && wire < 255 ? wire : 255);
+}
 
 RegisterWorkerRequest FromProto(const v1::RegisterWorkerRequest& p) {
   RegisterWorkerRequest d;
@@ -19,8 +47,8 @@ Inventory FromProto(const v1::Inventory& p) {
   d.window_bytes = p.window_bytes();
   d.formats.reserve(p.formats_size());
   for (const auto& f : p.formats()) {
-    d.formats.push_back(FormatInventory{static_cast<Format>(f.format()),
-                                        f.pages_used(), f.bytes_used()});
+    d.formats.push_back(
+        FormatInventory{ToFormat(f.format()), f.pages_used(), f.bytes_used()});
   }
   d.sequence_ids.assign(p.sequence_ids().begin(), p.sequence_ids().end());
   return d;
@@ -133,8 +161,69 @@ void ToProto(const BlockPlan& d, v1::BlockPlan* p) {
   p->set_num_tokens(d.num_tokens);
   p->set_capacity(d.capacity);
   ToProto(d.tag, p->mutable_tag());
-  p->set_format(static_cast<v1::Format>(d.format));
+  SetEncoding(SpecOf(d.encoding), p);
   p->set_refcount(d.refcount);
+}
+
+PolicyInfo FromProto(const v1::Policy& p) {
+  PolicyInfo d;
+  d.name = p.name();
+  d.rules.reserve(p.rules_size());
+  for (const auto& r : p.rules()) {
+    PolicyRuleInfo ri;
+    ri.temporal = static_cast<Temporal>(r.temporal());
+    ri.role = static_cast<Role>(r.role());
+    ri.modality = static_cast<Modality>(r.modality());
+    ri.encoding =
+        SpecFromWire(r.format(), r.format_v(), r.group_size(), r.scale_dtype());
+    d.rules.push_back(ri);
+  }
+  return d;
+}
+
+PutPolicyRequest FromProto(const v1::PutPolicyRequest& p) {
+  PutPolicyRequest d;
+  d.request_id = p.request_id();
+  d.policy = FromProto(p.policy());
+  return d;
+}
+
+DemoteBlocksRequest FromProto(const v1::DemoteBlocksRequest& p) {
+  DemoteBlocksRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.blocks.reserve(p.blocks_size());
+  for (const auto& b : p.blocks()) {
+    d.blocks.push_back(BlockEncoding{
+        b.lineage_id(), SpecFromWire(b.format(), b.format_v(), b.group_size(),
+                                     b.scale_dtype())});
+  }
+  return d;
+}
+
+void ToProto(const PolicyInfo& d, v1::Policy* p) {
+  p->set_name(d.name);
+  p->set_builtin(d.builtin);
+  for (const PolicyRuleInfo& r : d.rules) {
+    auto* pr = p->add_rules();
+    pr->set_temporal(static_cast<v1::Temporal>(r.temporal));
+    pr->set_role(static_cast<v1::Role>(r.role));
+    pr->set_modality(static_cast<v1::Modality>(r.modality));
+    SetEncoding(r.encoding, pr);
+  }
+}
+
+void ToProto(const DemoteBlocksResult& d, v1::DemoteBlocksResponse* p) {
+  ToProto(d.sequence, p->mutable_sequence());
+  p->set_bytes_delta(d.bytes_delta);
+}
+
+void ToProto(const DemotePrepared& d, v1::DemoteRequest* p) {
+  p->set_request_id(d.worker_request_id);
+  p->set_tenant_id(d.tenant_id);
+  p->set_sequence_id(d.sequence_id);
+  for (const BlockPlan& b : d.blocks) ToProto(b, p->add_blocks());
 }
 
 void ToProto(const Budget& d, v1::Budget* p) {

@@ -6,6 +6,7 @@
 #include "kvmanager/types.h"
 #include "triax/v1/manager.pb.h"
 #include "triax/v1/types.pb.h"
+#include "triax/v1/worker.pb.h"
 
 namespace triax::manager {
 
@@ -22,6 +23,11 @@ EventFilter FromProto(const v1::WatchEventsRequest& p);
 Budget FromProto(const v1::Budget& p);
 ModelShape FromProto(const v1::ModelShape& p);
 Span FromProto(const v1::Span& p);
+PutPolicyRequest FromProto(const v1::PutPolicyRequest& p);
+PolicyInfo FromProto(const v1::Policy& p);
+DemoteBlocksRequest FromProto(const v1::DemoteBlocksRequest& p);
+// Wire enum value -> Format; values outside 0..254 map to 255 (invalid).
+Format ToFormat(int wire);
 
 // Replies and infos.
 void ToProto(const Tag& d, v1::Tag* p);
@@ -37,5 +43,9 @@ void ToProto(const RegisterWorkerResult& d, v1::RegisterWorkerResponse* p);
 void ToProto(const ExtendSequenceResult& d, v1::ExtendSequenceResponse* p);
 void ToProto(const CloseSequenceResult& d, v1::CloseSequenceResponse* p);
 void ToProto(const TraceResult& d, v1::QueryTraceResponse* p);
+void ToProto(const PolicyInfo& d, v1::Policy* p);
+void ToProto(const DemoteBlocksResult& d, v1::DemoteBlocksResponse* p);
+// The worker's DemoteRequest from a prepared demote.
+void ToProto(const DemotePrepared& d, v1::DemoteRequest* p);
 
 }  // namespace triax::manager

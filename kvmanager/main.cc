@@ -37,8 +37,10 @@ ABSL_FLAG(uint32_t, recent_turns, 2,
 ABSL_FLAG(uint64_t, event_retention, 1000000,
           "lifecycle events kept for WatchEvents replay and QueryTrace");
 ABSL_FLAG(std::string, default_policy, "triaxial-static",
-          "policy table for tenants without their own: triaxial-static, bf16, "
-          "int4, int2");
+          "built-in policy for tenants without their own: triaxial-static, "
+          "bf16, fp8, int8, int4, int2, tq4, tq3, tq2");
+ABSL_FLAG(int64_t, worker_rpc_timeout_ms, 30000,
+          "deadline of the manager's calls to workers (DemoteBlocks)");
 
 namespace {
 
@@ -86,7 +88,8 @@ int main(int argc, char** argv) {
   // timeout past it.
   const int64_t check_ms = std::max<int64_t>(
       10, std::min<int64_t>(1000, options.worker_timeout_ms / 4));
-  triax::manager::ManagerService service(core->get(), check_ms);
+  triax::manager::ManagerService service(
+      core->get(), check_ms, absl::GetFlag(FLAGS_worker_rpc_timeout_ms));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
 
@@ -30,7 +31,7 @@ struct ManagerCore::Block {
   uint32_t num_tokens = 0;
   uint32_t capacity = 0;
   Tag tag;
-  Format format = Format::kBF16;
+  Encoding encoding;
   uint32_t refcount = 0;
   uint32_t turn = 0;
   uint64_t bytes = 0;
@@ -48,13 +49,26 @@ struct ManagerCore::Sequence {
   uint32_t block_tokens = 0;
   uint64_t num_tokens = 0;
   uint32_t current_turn = 0;
-  const PolicyTable* policy = nullptr;
+  std::shared_ptr<const Policy> policy;
   std::string parent;
   std::vector<Block*> blocks;
-  std::vector<uint32_t> turn_start;        // first block index of each turn
-  uint64_t bytes = 0;                      // sum of its blocks' bytes
-  std::array<uint64_t, 4> format_bytes{};  // per block, by Format value
+  std::vector<uint32_t> turn_start;  // first block index of each turn
+  uint64_t bytes = 0;                // sum of its blocks' bytes
+  uint64_t version = 0;              // bumped by every mutation
   std::vector<uint64_t> lost_lineage_ids;
+};
+
+struct ManagerCore::PendingDemote {
+  std::string tenant_id;
+  std::string request_id;
+  std::string sequence_id;
+  uint64_t version = 0;  // the sequence's version at prepare
+  std::string worker_id;
+  // lineage id -> new canonical encoding and its bytes (changing blocks only)
+  std::vector<std::pair<uint64_t, Encoding>> changes;
+  std::vector<uint64_t> new_bytes;
+  int64_t bytes_delta = 0;
+  uint64_t reserved = 0;  // max(bytes_delta, 0), charged at prepare
 };
 
 namespace {
@@ -115,6 +129,34 @@ Modality Normalize(Modality m) {
 
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
+kernels::PageShape ShapeOf(const ModelShape& m, uint32_t block_tokens) {
+  return kernels::PageShape{static_cast<int>(block_tokens),
+                            static_cast<int>(m.n_kv_heads),
+                            static_cast<int>(m.head_dim)};
+}
+
+// n_layers pages of one block in encoding `e`.
+uint64_t BlockBytes(const ModelShape& m, uint32_t block_tokens,
+                    const Encoding& e) {
+  return uint64_t{m.n_layers} * kernels::PageBytes(e, ShapeOf(m, block_tokens));
+}
+
+// Every rule's encoding must be valid for the shape.
+absl::Status CheckPolicyForShape(const Policy& p, const ModelShape& m,
+                                 uint32_t block_tokens) {
+  const kernels::PageShape shape = ShapeOf(m, block_tokens);
+  for (size_t i = 0; i < p.rules.size(); ++i) {
+    const char* why = kernels::ValidateEncoding(p.rules[i].encoding, shape);
+    if (why == nullptr) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy ", Quote(p.name), " rules[", i, "] encoding ",
+        EncodingString(p.rules[i].encoding), " is invalid for block_tokens ",
+        block_tokens, ", n_kv_heads ", m.n_kv_heads, ", head_dim ", m.head_dim,
+        ": ", why));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 ManagerCore::ManagerCore(const ManagerOptions& options, const Clock* clock)
@@ -126,15 +168,20 @@ ManagerCore::ManagerCore(const ManagerOptions& options, const Clock* clock)
       tenant_cache_(options.idempotency_capacity),
       open_cache_(options.idempotency_capacity),
       extend_cache_(options.idempotency_capacity),
-      close_cache_(options.idempotency_capacity) {}
+      close_cache_(options.idempotency_capacity),
+      policy_cache_(options.idempotency_capacity),
+      demote_cache_(options.idempotency_capacity) {}
 
 ManagerCore::~ManagerCore() = default;
 
 absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
     const ManagerOptions& options, const Clock* clock) {
   if (clock == nullptr) return absl::InvalidArgumentError("clock is null");
-  TRIAX_RETURN_IF_ERROR(
-      FindPolicy("default_policy", options.default_policy).status());
+  if (FindBuiltinPolicy(options.default_policy) == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("default_policy ", Quote(options.default_policy),
+                     " is not a built-in policy"));
+  }
   if (options.default_block_tokens < 1 ||
       options.default_block_tokens > kMaxBlockTokens) {
     return absl::InvalidArgumentError(
@@ -176,7 +223,7 @@ Event ManagerCore::MakeEvent(EventKind kind, const Sequence* s,
   if (b != nullptr) {
     e.lineage_id = b->lineage_id;
     e.tag = b->tag;
-    e.format = b->format;
+    e.format = b->encoding.k;
   }
   return e;
 }
@@ -189,7 +236,7 @@ BlockPlan ManagerCore::PlanOf(const Block& b) const {
   p.num_tokens = b.num_tokens;
   p.capacity = b.capacity;
   p.tag = b.tag;
-  p.format = b.format;
+  p.encoding = b.encoding;
   p.refcount = b.refcount;
   return p;
 }
@@ -334,10 +381,10 @@ ManagerCore::Block* ManagerCore::NewBlockLocked(Sequence* s,
   b->capacity = s->block_tokens;
   b->tag =
       Tag{TemporalFor(b->index, turn, s->current_turn), pb.modality, pb.role};
-  b->format = s->policy->FormatFor(b->tag);
+  b->encoding = s->policy->EncodingFor(b->tag);
   b->refcount = 1;
   b->turn = turn;
-  b->bytes = s->format_bytes[static_cast<int>(b->format)];
+  b->bytes = BlockBytes(s->model, s->block_tokens, b->encoding);
   b->charged = s->tenant;
   b->worker = s->worker;
   b->creator = s->id;
@@ -347,7 +394,8 @@ ManagerCore::Block* ManagerCore::NewBlockLocked(Sequence* s,
   s->worker->reserved += b->bytes;
   Event e = MakeEvent(EventKind::kBlockCreated, s, b);
   e.detail = absl::StrCat("index=", b->index, " first_token=", b->first_token,
-                          " num_tokens=", b->num_tokens, " bytes=", b->bytes);
+                          " num_tokens=", b->num_tokens, " bytes=", b->bytes,
+                          " encoding=", EncodingString(b->encoding));
   ev->push_back(std::move(e));
   blocks_.emplace(b->lineage_id, std::move(block));
   return b;
@@ -396,6 +444,7 @@ void ManagerCore::MarkLostLocked(Sequence* s, const std::string& reason,
     ReleaseBlockLocked(s, b, /*lost=*/true, nullptr, ev, forgotten);
   }
   s->state = SequenceState::kLost;
+  ++s->version;
   Event e = MakeEvent(EventKind::kSequenceLost, s, nullptr);
   e.lineage_ids = s->lost_lineage_ids;
   e.detail =
@@ -589,11 +638,11 @@ absl::StatusOr<TenantInfo> ManagerCore::CreateTenant(
   }
   const std::string policy =
       req.default_policy.empty() ? options_.default_policy : req.default_policy;
-  TRIAX_RETURN_IF_ERROR(FindPolicy("default_policy", policy).status());
   absl::MutexLock lock(&mu_);
   if (auto hit = tenant_cache_.Find("CreateTenant", req.request_id)) {
     return hit->reply;
   }
+  TRIAX_RETURN_IF_ERROR(FindPolicyLocked("default_policy", policy).status());
   if (tenants_.contains(req.tenant_id)) {
     return absl::AlreadyExistsError(
         absl::StrCat("tenant_id ", Quote(req.tenant_id), " already exists"));
@@ -688,8 +737,9 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   TRIAX_ASSIGN_OR_RETURN(Tenant * tenant, FindTenantLocked(req.tenant_id));
   const std::string& policy_name =
       req.policy.empty() ? tenant->default_policy : req.policy;
-  TRIAX_ASSIGN_OR_RETURN(const PolicyTable* policy,
-                         FindPolicy("policy", policy_name));
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const Policy> policy,
+                         FindPolicyLocked("policy", policy_name));
+  TRIAX_RETURN_IF_ERROR(CheckPolicyForShape(*policy, req.model, T));
 
   auto seq = std::make_unique<Sequence>();
   Sequence* s = seq.get();
@@ -697,14 +747,6 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   s->model = req.model;
   s->block_tokens = T;
   s->policy = policy;
-  for (Format f : {Format::kBF16, Format::kINT4, Format::kINT2}) {
-    s->format_bytes[static_cast<int>(f)] =
-        uint64_t{req.model.n_layers} *
-        kernels::PageBytes(
-            f, kernels::PageShape{static_cast<int>(T),
-                                  static_cast<int>(req.model.n_kv_heads),
-                                  static_cast<int>(req.model.head_dim)});
-  }
   // Plan first (no state touched), then admit and place, then commit.
   std::vector<PlannedBlock> planned;
   planned.reserve(num_blocks);
@@ -717,7 +759,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
       const Tag tag{
           TemporalFor(static_cast<uint32_t>(planned.size() - 1), 0, 0),
           Normalize(sp.modality), sp.role};
-      bytes += s->format_bytes[static_cast<int>(policy->FormatFor(tag))];
+      bytes += BlockBytes(req.model, T, policy->EncodingFor(tag));
       pos += n;
       done += n;
     }
@@ -787,7 +829,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
       const uint32_t n = std::min(T, sp.num_tokens - done);
       planned.push_back(PlannedBlock{pos, n, sp.role, Normalize(sp.modality)});
       const Tag tag{Temporal::kCurrentTurn, Normalize(sp.modality), sp.role};
-      bytes += s->format_bytes[static_cast<int>(s->policy->FormatFor(tag))];
+      bytes += BlockBytes(s->model, T, s->policy->EncodingFor(tag));
       pos += n;
       done += n;
     }
@@ -801,6 +843,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   TRIAX_RETURN_IF_ERROR(FitsWorkerLocked(*s->worker, bytes));
 
   // Commit.
+  ++s->version;
   ExtendSequenceResult result;
   std::vector<Event> ev;
   ev.reserve(planned.size() + 8);
@@ -900,6 +943,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   TRIAX_RETURN_IF_ERROR(AdmitLocked(*parent->tenant, bytes));
   TRIAX_RETURN_IF_ERROR(FitsWorkerLocked(*parent->worker, bytes));
 
+  ++parent->version;  // its blocks' refcounts change
   auto seq = std::make_unique<Sequence>();
   Sequence* s = seq.get();
   s->id = absl::StrCat("seq-", next_sequence_++);
@@ -910,7 +954,6 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   s->current_turn = parent->current_turn;
   s->policy = parent->policy;
   s->parent = parent->id;
-  s->format_bytes = parent->format_bytes;
   const uint32_t kept =
       static_cast<uint32_t>(shared + (cut != nullptr ? 1 : 0));
   for (uint32_t start : parent->turn_start)
@@ -972,6 +1015,7 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
                        &forgotten);
   }
   s->state = SequenceState::kClosed;
+  ++s->version;
   Event e = MakeEvent(EventKind::kSequenceClosed, s, nullptr);
   e.detail = absl::StrCat("blocks=", s->blocks.size(),
                           " freed=", result.freed_lineage_ids.size());
@@ -1051,6 +1095,256 @@ absl::StatusOr<TraceResult> ManagerCore::QueryTrace(uint64_t lineage_id) const {
   result.block = last->plan;
   result.sequence_id = last->creator;
   result.events = events_.EventsForLineage(lineage_id);
+  return result;
+}
+
+// --- Policies
+// ------------------------------------------------------------------
+
+absl::StatusOr<std::shared_ptr<const Policy>> ManagerCore::FindPolicyLocked(
+    absl::string_view field, absl::string_view name) const {
+  if (auto p = FindBuiltinPolicy(name)) return p;
+  auto it = policies_.find(name);
+  if (it != policies_.end()) return it->second;
+  std::vector<std::string> known;
+  for (const auto& p : BuiltinPolicies()) known.push_back(p->name);
+  std::vector<std::string> ops;
+  for (const auto& [n, p] : policies_) ops.push_back(n);
+  std::sort(ops.begin(), ops.end());
+  known.insert(known.end(), ops.begin(), ops.end());
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, " ", Quote(name),
+      " is not a known policy; known: ", absl::StrJoin(known, ", ")));
+}
+
+absl::StatusOr<PolicyInfo> ManagerCore::PutPolicy(const PutPolicyRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const Policy> policy,
+                         BuildPolicy(req.policy));
+  absl::MutexLock lock(&mu_);
+  if (auto hit = policy_cache_.Find("PutPolicy", req.request_id)) {
+    return hit->reply;
+  }
+  if (FindBuiltinPolicy(policy->name) != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("policy.name ", Quote(policy->name),
+                     " is a built-in policy; built-in policies cannot be "
+                     "replaced"));
+  }
+  if (!policies_.contains(policy->name) &&
+      policies_.size() >= kMaxOperatorPolicies) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("policy.name ", Quote(policy->name),
+                     " would be operator policy number ", policies_.size() + 1,
+                     "; the limit is ", kMaxOperatorPolicies, "; over by 1"));
+  }
+  policies_[policy->name] = policy;
+  PolicyInfo info = policy->Info();
+  policy_cache_.Put("PutPolicy", req.request_id, absl::OkStatus(), info);
+  return info;
+}
+
+std::vector<PolicyInfo> ManagerCore::ListPolicies() const {
+  std::vector<PolicyInfo> out;
+  for (const auto& p : BuiltinPolicies()) out.push_back(p->Info());
+  absl::MutexLock lock(&mu_);
+  std::vector<PolicyInfo> ops;
+  ops.reserve(policies_.size());
+  for (const auto& [name, p] : policies_) ops.push_back(p->Info());
+  std::sort(
+      ops.begin(), ops.end(),
+      [](const PolicyInfo& a, const PolicyInfo& b) { return a.name < b.name; });
+  out.insert(out.end(), ops.begin(), ops.end());
+  return out;
+}
+
+// --- DemoteBlocks
+// --------------------------------------------------------------
+
+absl::StatusOr<DemotePrepared> ManagerCore::PrepareDemote(
+    const DemoteBlocksRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  if (req.blocks.empty()) {
+    return absl::InvalidArgumentError(
+        "blocks is empty; name at least one block to re-encode");
+  }
+  if (req.blocks.size() > kMaxSequenceBlocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("blocks has ", req.blocks.size(),
+                     " entries; the limit is ", kMaxSequenceBlocks));
+  }
+  std::vector<Encoding> encodings;
+  encodings.reserve(req.blocks.size());
+  absl::flat_hash_set<uint64_t> seen;
+  for (size_t i = 0; i < req.blocks.size(); ++i) {
+    const std::string field = absl::StrCat("blocks[", i, "]");
+    const uint64_t lineage = req.blocks[i].lineage_id;
+    if (lineage == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".lineage_id is 0; lineage ids start at 1"));
+    }
+    if (!seen.insert(lineage).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".lineage_id ", lineage, " appears more than once"));
+    }
+    TRIAX_ASSIGN_OR_RETURN(Encoding e,
+                           ResolveEncoding(field, req.blocks[i].encoding));
+    encodings.push_back(e);
+  }
+
+  absl::MutexLock lock(&mu_);
+  const std::string cache_key = absl::StrCat("DemoteBlocks/", req.tenant_id);
+  if (auto hit = demote_cache_.Find(cache_key, req.request_id)) {
+    DemotePrepared done;
+    done.done = hit->reply;
+    return done;
+  }
+  if (!req.request_id.empty()) {
+    for (const auto& [token, p] : pending_) {
+      if (p->tenant_id == req.tenant_id && p->request_id == req.request_id) {
+        return absl::AbortedError(
+            absl::StrCat("DemoteBlocks request_id ", Quote(req.request_id),
+                         " is already in progress; retry later"));
+      }
+    }
+  }
+  TRIAX_ASSIGN_OR_RETURN(
+      Sequence * s,
+      FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id));
+  const kernels::PageShape shape = ShapeOf(s->model, s->block_tokens);
+  auto pending = std::make_unique<PendingDemote>();
+  DemotePrepared prepared;
+  int64_t delta = 0;
+  for (size_t i = 0; i < req.blocks.size(); ++i) {
+    const uint64_t lineage = req.blocks[i].lineage_id;
+    auto it = blocks_.find(lineage);
+    Block* b = it == blocks_.end() ? nullptr : it->second.get();
+    if (b == nullptr || b->index >= s->blocks.size() ||
+        s->blocks[b->index] != b) {
+      return absl::NotFoundError(
+          absl::StrCat("blocks[", i, "].lineage_id ", lineage,
+                       " is not a block of sequence_id ", Quote(s->id)));
+    }
+    if (b->refcount > 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "blocks[", i, "].lineage_id ", lineage, " is shared with a fork (",
+          b->refcount, " sequences); shared blocks are immutable"));
+    }
+    const Encoding& e = encodings[i];
+    if (const char* why = kernels::ValidateEncoding(e, shape)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "blocks[", i, "] encoding ", EncodingString(e),
+          " is invalid for block_tokens ", s->block_tokens, ", n_kv_heads ",
+          s->model.n_kv_heads, ", head_dim ", s->model.head_dim, ": ", why));
+    }
+    if (e == b->encoding) continue;  // already there: nothing to do
+    const uint64_t bytes = BlockBytes(s->model, s->block_tokens, e);
+    delta += static_cast<int64_t>(bytes) - static_cast<int64_t>(b->bytes);
+    pending->changes.emplace_back(lineage, e);
+    pending->new_bytes.push_back(bytes);
+    BlockPlan plan = PlanOf(*b);
+    plan.encoding = e;
+    prepared.blocks.push_back(plan);
+  }
+  if (delta > 0) {
+    TRIAX_RETURN_IF_ERROR(
+        AdmitLocked(*s->tenant, static_cast<uint64_t>(delta)));
+    TRIAX_RETURN_IF_ERROR(
+        FitsWorkerLocked(*s->worker, static_cast<uint64_t>(delta)));
+    s->tenant->used[static_cast<int>(Tier::kDevice)] += delta;
+    s->worker->reserved += delta;
+    pending->reserved = static_cast<uint64_t>(delta);
+  }
+  const uint64_t token = next_token_++;
+  pending->tenant_id = req.tenant_id;
+  pending->request_id = req.request_id;
+  pending->sequence_id = s->id;
+  pending->version = s->version;
+  pending->worker_id = s->worker->info.worker_id;
+  pending->bytes_delta = delta;
+  pending_.emplace(token, std::move(pending));
+
+  prepared.token = token;
+  prepared.worker_id = s->worker->info.worker_id;
+  prepared.worker_address = s->worker->info.address;
+  prepared.worker_request_id =
+      req.request_id.empty() ? absl::StrCat("demote-", token) : req.request_id;
+  prepared.tenant_id = req.tenant_id;
+  prepared.sequence_id = s->id;
+  prepared.bytes_delta = delta;
+  return prepared;
+}
+
+void ManagerCore::ReleasePendingLocked(uint64_t token) {
+  auto it = pending_.find(token);
+  if (it == pending_.end()) return;
+  const PendingDemote& p = *it->second;
+  if (p.reserved > 0) {
+    auto t = tenants_.find(p.tenant_id);
+    if (t != tenants_.end()) {
+      t->second->used[static_cast<int>(Tier::kDevice)] -= p.reserved;
+    }
+    auto w = workers_.find(p.worker_id);
+    if (w != workers_.end()) w->second->reserved -= p.reserved;
+  }
+  pending_.erase(it);
+}
+
+void ManagerCore::AbortDemote(uint64_t token) {
+  absl::MutexLock lock(&mu_);
+  ReleasePendingLocked(token);
+}
+
+absl::StatusOr<DemoteBlocksResult> ManagerCore::CommitDemote(uint64_t token) {
+  absl::MutexLock lock(&mu_);
+  auto it = pending_.find(token);
+  if (it == pending_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("demote token ", token, " is not pending"));
+  }
+  const PendingDemote& p = *it->second;
+  auto sit = sequences_.find(p.sequence_id);
+  Sequence* s = sit == sequences_.end() ? nullptr : sit->second.get();
+  if (s == nullptr || s->state != SequenceState::kOpen ||
+      s->version != p.version) {
+    const std::string id = p.sequence_id;
+    ReleasePendingLocked(token);
+    return absl::AbortedError(absl::StrCat(
+        "sequence_id ", Quote(id),
+        " changed while its blocks were re-encoded; the plan is unchanged "
+        "(the worker may already hold the new encodings): call DemoteBlocks "
+        "again with a new request_id"));
+  }
+  std::vector<Event> ev;
+  ev.reserve(p.changes.size());
+  for (size_t i = 0; i < p.changes.size(); ++i) {
+    Block* b = blocks_.at(p.changes[i].first).get();
+    const Encoding from = b->encoding;
+    const uint64_t from_bytes = b->bytes;
+    b->encoding = p.changes[i].second;
+    b->bytes = p.new_bytes[i];
+    s->bytes = s->bytes - from_bytes + b->bytes;
+    Event e = MakeEvent(EventKind::kBlockDemoted, s, b);
+    e.detail = absl::StrCat("index=", b->index, " from=", EncodingString(from),
+                            " to=", EncodingString(b->encoding),
+                            " bytes_from=", from_bytes, " bytes_to=", b->bytes);
+    ev.push_back(std::move(e));
+  }
+  // Growth was charged at prepare; shrinkage is released now.
+  if (p.bytes_delta < 0) {
+    const uint64_t freed = static_cast<uint64_t>(-p.bytes_delta);
+    s->tenant->used[static_cast<int>(Tier::kDevice)] -= freed;
+    s->worker->reserved -= freed;
+  }
+  ++s->version;
+  DemoteBlocksResult result;
+  result.sequence = InfoLocked(*s, /*with_blocks=*/true);
+  result.bytes_delta = p.bytes_delta;
+  const std::string cache_key = absl::StrCat("DemoteBlocks/", p.tenant_id);
+  const std::string request_id = p.request_id;
+  pending_.erase(it);
+  events_.Append(&ev);
+  demote_cache_.Put(cache_key, request_id, absl::OkStatus(), result);
   return result;
 }
 

@@ -15,9 +15,15 @@
 //   the next turn and re-tags the blocks whose class changed (only the turns
 //   new-1 and new-1-recent_turns are visited, so the cost is O(changed)). A
 //   block grown by continue_last_span joins the turn that grew it.
-//   format: from the policy table (kvmanager/policy.h) by the tag at
-//   creation; fixed for the block's life here (retagging changes only tags).
-// Bytes: a block costs n_layers * PageBytes(format, {T, n_kv_heads,
+//   encoding: from the sequence's policy (kvmanager/policy.h) by the tag at
+//   creation; retagging changes only tags; DemoteBlocks changes encodings.
+// Policies: built-in ones plus operator policies from PutPolicy. A sequence
+// keeps the policy version it was opened with (PutPolicy replacing a policy
+// affects later opens only). OpenSequence checks every rule's encoding
+// against the model shape (kernels::ValidateEncoding with {T, n_kv_heads,
+// head_dim}) and fails with INVALID_ARGUMENT naming the policy, the rule and
+// the reason.
+// Bytes: a block costs n_layers * PageBytes(encoding, {T, n_kv_heads,
 // head_dim}) (kernels/layout.h), whatever its num_tokens. The tenant's
 // TIER_DEVICE usage and the worker's reservation count each block once, when
 // it is created; both are released when its last reference goes (Close or
@@ -33,6 +39,19 @@
 // or lost sequence), RESOURCE_EXHAUSTED (tenant ceiling or worker capacity:
 // the message says what is over and by how many bytes), UNAVAILABLE (no
 // worker up). A failed call changes no state.
+//
+// DemoteBlocks is two-phase so that the core does no I/O:
+//   PrepareDemote validates (tenant, ownership, open state, every lineage a
+//   block of the sequence and not shared with a fork, encodings valid for the
+//   shape, budget and worker room when bytes grow), reserves the growth
+//   (tenant usage and worker reservation) and returns the worker's
+//   DemoteRequest content plus a token;
+//   the caller runs the worker's Demote, then either CommitDemote(token)
+//   (applies: new encodings, bytes, BLOCK_DEMOTED events; ABORTED when the
+//   sequence changed since the prepare, the reservation is returned and the
+//   plan is unchanged) or AbortDemote(token) (returns the reservation).
+// Every mutation of a sequence (extend, fork from it, demote, close, loss)
+// bumps its version; a pending demote commits only on an unchanged version.
 //
 // Idempotency: mutating calls with a non-empty request_id remember their
 // successful reply (per method, per tenant or worker, the newest
@@ -73,6 +92,7 @@ namespace triax::manager {
 inline constexpr uint64_t kMaxSequenceTokens = uint64_t{1} << 24;
 inline constexpr uint64_t kMaxSequenceBlocks = 65536;
 inline constexpr uint32_t kMaxBlockTokens = 4096;
+inline constexpr size_t kMaxOperatorPolicies = 1024;
 
 struct ManagerOptions {
   int64_t worker_timeout_ms = 3000;       // no heartbeat this long -> DOWN
@@ -134,6 +154,28 @@ class ManagerCore {
   absl::StatusOr<std::vector<SequenceInfo>> ListSequences(
       const std::string& tenant_id, bool include_closed) const;
 
+  // --- Policies --------------------------------------------------------------
+  // Adds or replaces an operator policy (validation: policy.h BuildPolicy).
+  // FAILED_PRECONDITION for a built-in name. Returns the stored policy.
+  absl::StatusOr<PolicyInfo> PutPolicy(const PutPolicyRequest& req);
+  // Built-in policies first (in their fixed order), then operator policies
+  // by name.
+  std::vector<PolicyInfo> ListPolicies() const;
+
+  // --- DemoteBlocks (two-phase, see above)
+  // ------------------------------------ Errors: INVALID_ARGUMENT (empty or too
+  // many blocks, a duplicate lineage, a bad encoding or one invalid for the
+  // model shape), NOT_FOUND (tenant, sequence, or a lineage that is not a block
+  // of the sequence), PERMISSION_DENIED, FAILED_PRECONDITION (not open; a block
+  // shared with a fork), RESOURCE_EXHAUSTED (growth over the tenant ceiling or
+  // the worker's room), ABORTED (the same request id is already in flight).
+  absl::StatusOr<DemotePrepared> PrepareDemote(const DemoteBlocksRequest& req);
+  // NOT_FOUND for an unknown token; ABORTED when the sequence changed since
+  // the prepare (nothing applied). The token is consumed either way.
+  absl::StatusOr<DemoteBlocksResult> CommitDemote(uint64_t token);
+  // Drops a pending demote and returns its reservation; no-op when unknown.
+  void AbortDemote(uint64_t token);
+
   // --- Events ----------------------------------------------------------------
   // NOT_FOUND when the lineage is neither live nor in retained events.
   absl::StatusOr<TraceResult> QueryTrace(uint64_t lineage_id) const;
@@ -144,6 +186,7 @@ class ManagerCore {
   struct Worker;
   struct Sequence;
   struct Block;
+  struct PendingDemote;
   struct PlannedBlock {
     uint64_t first_token;
     uint32_t num_tokens;
@@ -166,6 +209,13 @@ class ManagerCore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Worker*> PlaceLocked(uint64_t bytes) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // A policy by name (built-in or operator); INVALID_ARGUMENT naming `field`.
+  absl::StatusOr<std::shared_ptr<const Policy>> FindPolicyLocked(
+      absl::string_view field, absl::string_view name) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Returns the reservation of a pending demote and forgets it.
+  void ReleasePendingLocked(uint64_t token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Temporal TemporalFor(uint32_t index, uint32_t turn, uint32_t current) const;
   Block* NewBlockLocked(Sequence* s, const PlannedBlock& pb, uint32_t turn,
@@ -200,6 +250,8 @@ class ManagerCore {
   IdempotencyCache<SequenceInfo> open_cache_;  // OpenSequence and ForkSequence
   IdempotencyCache<ExtendSequenceResult> extend_cache_;
   IdempotencyCache<CloseSequenceResult> close_cache_;
+  IdempotencyCache<PolicyInfo> policy_cache_;
+  IdempotencyCache<DemoteBlocksResult> demote_cache_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<Worker>> workers_
@@ -212,6 +264,11 @@ class ManagerCore {
       ABSL_GUARDED_BY(mu_);  // closed/lost, oldest first
   absl::flat_hash_map<uint64_t, std::unique_ptr<Block>> blocks_
       ABSL_GUARDED_BY(mu_);  // live blocks by lineage id
+  absl::flat_hash_map<std::string, std::shared_ptr<const Policy>> policies_
+      ABSL_GUARDED_BY(mu_);  // operator policies by name
+  absl::flat_hash_map<uint64_t, std::unique_ptr<PendingDemote>> pending_
+      ABSL_GUARDED_BY(mu_);  // prepared demotes by token
+  uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_lineage_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
 };

@@ -1,5 +1,8 @@
 #include "kvmanager/manager_service.h"
 
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -116,8 +119,9 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
 
 }  // namespace
 
-ManagerService::ManagerService(ManagerCore* core, int64_t check_interval_ms)
-    : core_(core) {
+ManagerService::ManagerService(ManagerCore* core, int64_t check_interval_ms,
+                               int64_t worker_rpc_timeout_ms)
+    : core_(core), worker_rpc_timeout_ms_(worker_rpc_timeout_ms) {
   if (check_interval_ms > 0) {
     checker_ = std::thread(
         [this, check_interval_ms] { CheckLoop(check_interval_ms); });
@@ -129,6 +133,9 @@ ManagerService::~ManagerService() { Stop(); }
 void ManagerService::Stop() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (checker_.joinable()) checker_.join();
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](int* n) { return *n == 0; }, &in_flight_));
 }
 
 void ManagerService::CheckLoop(int64_t interval_ms) {
@@ -287,6 +294,116 @@ grpc::ServerUnaryReactor* ManagerService::QueryTrace(
     ToProto(*r, resp);
     return absl::OkStatus();
   });
+}
+
+grpc::ServerUnaryReactor* ManagerService::PutPolicy(
+    grpc::CallbackServerContext* ctx, const v1::PutPolicyRequest* req,
+    v1::PutPolicyResponse* resp) {
+  return Unary(ctx, [&]() -> absl::Status {
+    if (!req->has_policy())
+      return absl::InvalidArgumentError("policy is not set");
+    auto r = core_->PutPolicy(FromProto(*req));
+    if (!r.ok()) return r.status();
+    ToProto(*r, resp->mutable_policy());
+    Log(LogLevel::kInfo, "manager", "policy stored",
+        absl::StrCat(Kv("name", r->name), " ", Kv("rules", r->rules.size())));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* ManagerService::ListPolicies(
+    grpc::CallbackServerContext* ctx, const v1::ListPoliciesRequest* req,
+    v1::ListPoliciesResponse* resp) {
+  return Unary(ctx, [&] {
+    for (const PolicyInfo& p : core_->ListPolicies())
+      ToProto(p, resp->add_policies());
+    return absl::OkStatus();
+  });
+}
+
+std::shared_ptr<v1::Worker::Stub> ManagerService::WorkerStub(
+    const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto& stub = stubs_[address];
+  if (stub == nullptr) {
+    stub = v1::Worker::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  }
+  return stub;
+}
+
+grpc::ServerUnaryReactor* ManagerService::DemoteBlocks(
+    grpc::CallbackServerContext* ctx, const v1::DemoteBlocksRequest* req,
+    v1::DemoteBlocksResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto prepared = core_->PrepareDemote(FromProto(*req));
+  if (!prepared.ok()) {
+    reactor->Finish(ToGrpcStatus(prepared.status()));
+    return reactor;
+  }
+  if (prepared->done) {  // an idempotent repeat
+    ToProto(*prepared->done, resp);
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  const uint64_t token = prepared->token;
+  if (prepared->blocks.empty()) {  // every block already has its encoding
+    auto r = core_->CommitDemote(token);
+    if (r.ok()) ToProto(*r, resp);
+    reactor->Finish(ToGrpcStatus(r.status()));
+    return reactor;
+  }
+  // The worker call's state lives until its completion callback.
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::DemoteRequest req;
+    v1::DemoteResponse resp;
+    std::shared_ptr<v1::Worker::Stub> stub;
+  };
+  auto* call = new Call;
+  ToProto(*prepared, &call->req);
+  call->stub = WorkerStub(prepared->worker_address);
+  call->ctx.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(worker_rpc_timeout_ms_));
+  {
+    absl::MutexLock lock(&mu_);
+    ++in_flight_;
+  }
+  const std::string worker_id = prepared->worker_id;
+  const int64_t delta = prepared->bytes_delta;
+  const size_t blocks = prepared->blocks.size();
+  call->stub->async()->Demote(
+      &call->ctx, &call->req, &call->resp,
+      [this, call, reactor, resp, token, worker_id, delta,
+       blocks](grpc::Status status) {
+        absl::Status result;
+        if (!status.ok()) {
+          core_->AbortDemote(token);
+          const absl::Status ws = FromGrpcStatus(status);
+          result =
+              absl::Status(ws.code(), absl::StrCat("worker ", Quote(worker_id),
+                                                   " Demote: ", ws.message()));
+          Log(LogLevel::kWarn, "manager", "demote failed on the worker",
+              absl::StrCat(Kv("worker_id", worker_id), " ",
+                           Kv("error", result.ToString())));
+        } else {
+          auto r = core_->CommitDemote(token);
+          if (r.ok()) {
+            ToProto(*r, resp);
+            Log(LogLevel::kInfo, "manager", "blocks re-encoded",
+                absl::StrCat(Kv("worker_id", worker_id), " ",
+                             Kv("blocks", blocks), " ",
+                             Kv("bytes_delta", delta), " ",
+                             Kv("pages", call->resp.pages_reencoded())));
+          }
+          result = r.status();
+        }
+        delete call;
+        reactor->Finish(ToGrpcStatus(result));
+        absl::MutexLock lock(&mu_);
+        --in_flight_;
+      });
+  return reactor;
 }
 
 grpc::ServerWriteReactor<v1::Event>* ManagerService::WatchEvents(

@@ -10,6 +10,13 @@
 // behind by more than the log's watcher_queue_limit is finished with
 // RESOURCE_EXHAUSTED; max_events > 0 finishes with OK after that many.
 //
+// DemoteBlocks: ManagerCore::PrepareDemote, then the worker's Demote through
+// the async (callback) stub, so no thread waits; its completion callback
+// commits (CommitDemote) or aborts (AbortDemote, when the worker failed) and
+// finishes the reactor. A worker error comes back with its code and the
+// message prefixed "worker <id> Demote: ". Worker stubs are cached by
+// address. Worker calls have a deadline of worker_rpc_timeout_ms.
+//
 // A background thread calls ManagerCore::CheckWorkers every
 // check_interval_ms (failure detection) until Stop() or destruction.
 //
@@ -18,11 +25,17 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "kvmanager/manager_core.h"
 #include "triax/v1/manager.grpc.pb.h"
+#include "triax/v1/worker.grpc.pb.h"
 
 namespace triax::manager {
 
@@ -30,10 +43,12 @@ class ManagerService final : public v1::Manager::CallbackService {
  public:
   // `core` must outlive the service. check_interval_ms <= 0 disables the
   // background failure detector (tests drive CheckWorkers themselves).
-  ManagerService(ManagerCore* core, int64_t check_interval_ms);
+  ManagerService(ManagerCore* core, int64_t check_interval_ms,
+                 int64_t worker_rpc_timeout_ms = 30000);
   ~ManagerService() override;
 
-  // Stops the failure detector; idempotent.
+  // Stops the failure detector and waits for in-flight worker calls;
+  // idempotent.
   void Stop();
 
   grpc::ServerUnaryReactor* RegisterWorker(
@@ -75,14 +90,29 @@ class ManagerService final : public v1::Manager::CallbackService {
   grpc::ServerUnaryReactor* QueryTrace(grpc::CallbackServerContext* ctx,
                                        const v1::QueryTraceRequest* req,
                                        v1::QueryTraceResponse* resp) override;
+  grpc::ServerUnaryReactor* PutPolicy(grpc::CallbackServerContext* ctx,
+                                      const v1::PutPolicyRequest* req,
+                                      v1::PutPolicyResponse* resp) override;
+  grpc::ServerUnaryReactor* ListPolicies(
+      grpc::CallbackServerContext* ctx, const v1::ListPoliciesRequest* req,
+      v1::ListPoliciesResponse* resp) override;
+  grpc::ServerUnaryReactor* DemoteBlocks(
+      grpc::CallbackServerContext* ctx, const v1::DemoteBlocksRequest* req,
+      v1::DemoteBlocksResponse* resp) override;
   grpc::ServerWriteReactor<v1::Event>* WatchEvents(
       grpc::CallbackServerContext* ctx,
       const v1::WatchEventsRequest* req) override;
 
  private:
   void CheckLoop(int64_t interval_ms);
+  std::shared_ptr<v1::Worker::Stub> WorkerStub(const std::string& address);
 
   ManagerCore* const core_;
+  const int64_t worker_rpc_timeout_ms_;
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_
+      ABSL_GUARDED_BY(mu_);
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // worker calls not yet completed
   absl::Notification stop_;
   std::thread checker_;
 };

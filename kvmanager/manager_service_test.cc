@@ -9,8 +9,10 @@
 
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "triax/v1/manager.grpc.pb.h"
+#include "triax/v1/worker.grpc.pb.h"
 
 namespace triax::manager {
 namespace {
@@ -110,8 +112,38 @@ class ServiceTest : public ::testing::Test {
                      &lw_resp)
                     .ok());
     for (auto& w : *lw_resp.mutable_workers()) w.clear_last_heartbeat_unix_ms();
+    v1::ListPoliciesResponse lp_resp;
+    EXPECT_TRUE(Call(&v1::Manager::Stub::ListPolicies,
+                     v1::ListPoliciesRequest(), &lp_resp)
+                    .ok());
     return ls_resp.DebugString() + lt_resp.DebugString() +
-           lw_resp.DebugString() + std::to_string(core_->events().next_id());
+           lw_resp.DebugString() + lp_resp.DebugString() +
+           std::to_string(core_->events().next_id());
+  }
+
+  // "mixed": system k=fp8 v=int4 g=64, everything else int2.
+  static v1::PutPolicyRequest PolicyReq() {
+    v1::PutPolicyRequest r;
+    r.mutable_policy()->set_name("mixed");
+    auto* sys = r.mutable_policy()->add_rules();
+    sys->set_role(v1::ROLE_SYSTEM);
+    sys->set_format(v1::FORMAT_FP8_E4M3);
+    sys->set_format_v(v1::FORMAT_INT4);
+    sys->set_group_size(64);
+    auto* rest = r.mutable_policy()->add_rules();
+    rest->set_format(v1::FORMAT_INT2);
+    return r;
+  }
+
+  static v1::DemoteBlocksRequest DemoteReq(const std::string& seq,
+                                           uint64_t lineage, v1::Format f) {
+    v1::DemoteBlocksRequest r;
+    r.set_tenant_id("acme");
+    r.set_sequence_id(seq);
+    auto* b = r.add_blocks();
+    b->set_lineage_id(lineage);
+    b->set_format(f);
+    return r;
   }
 
   FakeClock clock_;
@@ -232,6 +264,22 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
       return Call(&v1::Manager::Stub::ListSequences, r, &resp);
     };
   };
+  auto put_with = [&](std::function<void(v1::PutPolicyRequest&)> f) {
+    return [=]() {
+      v1::PutPolicyRequest r = PolicyReq();
+      f(r);
+      v1::PutPolicyResponse resp;
+      return Call(&v1::Manager::Stub::PutPolicy, r, &resp);
+    };
+  };
+  auto demote_with = [&](std::function<void(v1::DemoteBlocksRequest&)> f) {
+    return [=]() {
+      v1::DemoteBlocksRequest r = DemoteReq(seq, 1, v1::FORMAT_INT2);
+      f(r);
+      v1::DemoteBlocksResponse resp;
+      return Call(&v1::Manager::Stub::DemoteBlocks, r, &resp);
+    };
+  };
   auto trace = [&](uint64_t id) {
     return [=]() {
       v1::QueryTraceRequest r;
@@ -302,8 +350,59 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
       {"open oversized block",
        open_with([](auto& r) { r.set_block_tokens(5000); }),
        C::INVALID_ARGUMENT, "block_tokens 5000"},
-      {"open bad policy", open_with([](auto& r) { r.set_policy("fp8"); }),
-       C::INVALID_ARGUMENT, "policy \"fp8\""},
+      {"open bad policy", open_with([](auto& r) { r.set_policy("fp3"); }),
+       C::INVALID_ARGUMENT, "policy \"fp3\" is not a known policy"},
+      {"open tq with head_dim 48", open_with([](auto& r) {
+         r.set_policy("tq3");
+         r.mutable_model()->set_head_dim(48);
+       }),
+       C::INVALID_ARGUMENT, "policy \"tq3\" rules[0] encoding tq3 is invalid"},
+      {"put policy unset", put_with([](auto& r) { r.clear_policy(); }),
+       C::INVALID_ARGUMENT, "policy is not set"},
+      {"put policy bad name",
+       put_with([](auto& r) { r.mutable_policy()->set_name("a b"); }),
+       C::INVALID_ARGUMENT, "policy.name \"a b\""},
+      {"put policy no rules",
+       put_with([](auto& r) { r.mutable_policy()->clear_rules(); }),
+       C::INVALID_ARGUMENT, "policy.rules is empty"},
+      {"put policy last not catch-all", put_with([](auto& r) {
+         r.mutable_policy()->mutable_rules(1)->set_role(v1::ROLE_USER);
+       }),
+       C::INVALID_ARGUMENT, "policy.rules[1] (the last rule"},
+      {"put policy unspecified format", put_with([](auto& r) {
+         r.mutable_policy()->mutable_rules(0)->clear_format();
+       }),
+       C::INVALID_ARGUMENT, "policy.rules[0].format is FORMAT_UNSPECIFIED"},
+      {"put policy bad group", put_with([](auto& r) {
+         r.mutable_policy()->mutable_rules(1)->set_group_size(100);
+       }),
+       C::INVALID_ARGUMENT, "policy.rules[1].group_size 100"},
+      {"put policy bad scale", put_with([](auto& r) {
+         r.mutable_policy()->mutable_rules(1)->set_scale_dtype(
+             static_cast<v1::ScaleDtype>(7));
+       }),
+       C::INVALID_ARGUMENT, "policy.rules[1].scale_dtype 7"},
+      {"put policy builtin",
+       put_with([](auto& r) { r.mutable_policy()->set_name("tq3"); }),
+       C::FAILED_PRECONDITION, "policy.name \"tq3\" is a built-in policy"},
+      {"demote no blocks", demote_with([](auto& r) { r.clear_blocks(); }),
+       C::INVALID_ARGUMENT, "blocks is empty"},
+      {"demote unknown lineage",
+       demote_with([](auto& r) { r.mutable_blocks(0)->set_lineage_id(999); }),
+       C::NOT_FOUND, "blocks[0].lineage_id 999 is not a block"},
+      {"demote bad format", demote_with([](auto& r) {
+         r.mutable_blocks(0)->set_format(static_cast<v1::Format>(42));
+       }),
+       C::INVALID_ARGUMENT, "blocks[0].format is FORMAT(42)"},
+      {"demote other tenant",
+       demote_with([](auto& r) { r.set_tenant_id("other"); }),
+       C::PERMISSION_DENIED, "belongs to another tenant"},
+      {"demote unknown sequence",
+       demote_with([](auto& r) { r.set_sequence_id("seq-77"); }), C::NOT_FOUND,
+       "sequence_id \"seq-77\""},
+      {"demote duplicate lineage",
+       demote_with([](auto& r) { *r.add_blocks() = r.blocks(0); }),
+       C::INVALID_ARGUMENT, "blocks[1].lineage_id 1 appears more than once"},
       {"open over budget",
        open_with([](auto& r) { r.mutable_spans(1)->set_num_tokens(2000); }),
        C::RESOURCE_EXHAUSTED,
@@ -545,6 +644,146 @@ TEST_F(ServiceTest, CancelledWatcherUnsubscribes) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   EXPECT_EQ(core_->events().subscribers(), 0u);
+}
+
+// A worker that only answers Demote: records the requests and fails while
+// `fail` is set.
+class FakeWorker final : public v1::Worker::Service {
+ public:
+  grpc::Status Demote(grpc::ServerContext*, const v1::DemoteRequest* req,
+                      v1::DemoteResponse* resp) override {
+    absl::MutexLock lock(&mu);
+    requests.push_back(*req);
+    if (fail) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "pool is full");
+    }
+    resp->set_pages_reencoded(req->blocks_size() * 2);
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu;
+  std::vector<v1::DemoteRequest> requests ABSL_GUARDED_BY(mu);
+  bool fail ABSL_GUARDED_BY(mu) = false;
+};
+
+TEST_F(ServiceTest, PutAndListPoliciesIdempotently) {
+  v1::PutPolicyRequest req = PolicyReq();
+  req.set_request_id("pol-1");
+  v1::PutPolicyResponse a, b;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::PutPolicy, req, &a).ok());
+  EXPECT_EQ(a.policy().name(), "mixed");
+  EXPECT_FALSE(a.policy().builtin());
+  ASSERT_EQ(a.policy().rules_size(), 2);
+  EXPECT_EQ(a.policy().rules(0).format_v(), v1::FORMAT_INT4);
+  EXPECT_EQ(a.policy().rules(0).group_size(), 64u);
+  EXPECT_EQ(a.policy().rules(0).scale_dtype(), v1::SCALE_DTYPE_FP16);
+  ASSERT_TRUE(Call(&v1::Manager::Stub::PutPolicy, req, &b).ok());
+  EXPECT_EQ(a.SerializeAsString(), b.SerializeAsString());
+  v1::ListPoliciesResponse list;
+  ASSERT_TRUE(
+      Call(&v1::Manager::Stub::ListPolicies, v1::ListPoliciesRequest(), &list)
+          .ok());
+  ASSERT_EQ(list.policies_size(), 10);
+  EXPECT_EQ(list.policies(0).name(), "triaxial-static");
+  EXPECT_TRUE(list.policies(0).builtin());
+  EXPECT_EQ(list.policies(0).rules_size(), 6);
+  EXPECT_EQ(list.policies(0).rules(0).temporal(), v1::TEMPORAL_SINK);
+  EXPECT_EQ(list.policies(9).name(), "mixed");
+  // A sequence under it gets the rule encodings in its plan.
+  v1::OpenSequenceRequest open = OpenReq();
+  open.set_policy("mixed");
+  v1::OpenSequenceResponse o;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::OpenSequence, open, &o).ok());
+  ASSERT_EQ(o.sequence().blocks_size(), 3);
+  const auto& b0 = o.sequence().blocks(0);
+  EXPECT_EQ(b0.format(), v1::FORMAT_FP8_E4M3);
+  EXPECT_EQ(b0.format_v(), v1::FORMAT_INT4);
+  EXPECT_EQ(b0.group_size(), 64u);
+  EXPECT_EQ(o.sequence().blocks(2).format(), v1::FORMAT_INT2);
+  EXPECT_EQ(o.sequence().blocks(2).format_v(), v1::FORMAT_INT2);
+}
+
+TEST_F(ServiceTest, DemoteBlocksGoesThroughTheWorker) {
+  FakeWorker fake;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&fake);
+  auto worker_server = builder.BuildAndStart();
+  ASSERT_NE(worker_server, nullptr);
+  v1::RegisterWorkerRequest reg;
+  reg.set_worker_id("wd");
+  reg.set_address("127.0.0.1:" + std::to_string(port));
+  reg.set_backend("cpu");
+  reg.set_capacity_bytes(1ull << 41);  // more room: sequences go here
+  v1::RegisterWorkerResponse reg_resp;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::RegisterWorker, reg, &reg_resp).ok());
+  v1::OpenSequenceResponse o;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::OpenSequence, OpenReq(), &o).ok());
+  ASSERT_EQ(o.sequence().worker_id(), "wd");
+  const std::string seq = o.sequence().sequence_id();
+  const uint64_t lineage = o.sequence().blocks(2).lineage_id();  // user, bf16
+  ASSERT_EQ(o.sequence().blocks(2).format(), v1::FORMAT_BF16);
+
+  // The worker fails: its status comes back, the plan stays.
+  {
+    absl::MutexLock lock(&fake.mu);
+    fake.fail = true;
+  }
+  const std::string before = StateSnapshot();
+  v1::DemoteBlocksRequest req = DemoteReq(seq, lineage, v1::FORMAT_INT2);
+  req.set_request_id("dem-1");
+  v1::DemoteBlocksResponse r1;
+  grpc::Status st = Call(&v1::Manager::Stub::DemoteBlocks, req, &r1);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(st.error_message(), "worker \"wd\" Demote: pool is full");
+  EXPECT_EQ(StateSnapshot(), before);
+
+  // It succeeds: the plan and the usage change; a repeat changes nothing.
+  {
+    absl::MutexLock lock(&fake.mu);
+    fake.fail = false;
+  }
+  ASSERT_TRUE(Call(&v1::Manager::Stub::DemoteBlocks, req, &r1).ok());
+  EXPECT_EQ(r1.sequence().blocks(2).format(), v1::FORMAT_INT2);
+  EXPECT_EQ(r1.sequence().blocks(2).format_v(), v1::FORMAT_INT2);
+  EXPECT_EQ(r1.sequence().blocks(2).group_size(), 32u);
+  EXPECT_LT(r1.bytes_delta(), 0);
+  EXPECT_EQ(static_cast<int64_t>(r1.sequence().bytes()),
+            static_cast<int64_t>(o.sequence().bytes()) + r1.bytes_delta());
+  v1::DemoteBlocksResponse r2;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::DemoteBlocks, req, &r2).ok());
+  EXPECT_EQ(r1.SerializeAsString(), r2.SerializeAsString());
+  {
+    absl::MutexLock lock(&fake.mu);
+    ASSERT_EQ(fake.requests.size(), 2u);  // the failed call and the success
+    const v1::DemoteRequest& w = fake.requests[1];
+    EXPECT_EQ(w.request_id(), "dem-1");
+    EXPECT_EQ(w.tenant_id(), "acme");
+    EXPECT_EQ(w.sequence_id(), seq);
+    ASSERT_EQ(w.blocks_size(), 1);
+    EXPECT_EQ(w.blocks(0).lineage_id(), lineage);
+    EXPECT_EQ(w.blocks(0).index(), 2u);
+    EXPECT_EQ(w.blocks(0).format(), v1::FORMAT_INT2);
+    EXPECT_EQ(w.blocks(0).group_size(), 32u);
+  }
+  v1::GetSequenceRequest get;
+  get.set_tenant_id("acme");
+  get.set_sequence_id(seq);
+  v1::GetSequenceResponse got;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::GetSequence, get, &got).ok());
+  EXPECT_EQ(got.sequence().SerializeAsString(),
+            r1.sequence().SerializeAsString());
+
+  // An unreachable worker: UNAVAILABLE, prefixed, nothing applied.
+  worker_server->Shutdown();
+  v1::DemoteBlocksRequest again = DemoteReq(seq, lineage, v1::FORMAT_INT4);
+  v1::DemoteBlocksResponse r3;
+  st = Call(&v1::Manager::Stub::DemoteBlocks, again, &r3);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(st.error_message(), HasSubstr("worker \"wd\" Demote: "));
+  ASSERT_TRUE(Call(&v1::Manager::Stub::GetSequence, get, &got).ok());
+  EXPECT_EQ(got.sequence().blocks(2).format(), v1::FORMAT_INT2);
 }
 
 }  // namespace

@@ -1,67 +1,210 @@
 #include "kvmanager/policy.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/ids.h"
+#include "common/status_macros.h"
 
 namespace triax::manager {
 namespace {
 
-constexpr int kNone = 0;
-constexpr int kI4 = static_cast<int>(Format::kINT4);
+bool HasInt(const Encoding& e) {
+  return kernels::IsIntFormat(e.k) || kernels::IsIntFormat(e.v);
+}
 
-// Role overrides, indexed by Role value:
-//   unspec system tool_schema user assistant reasoning tool_call tool_result
-//   delim
-constexpr std::array<int, kNumRoles> kNoOverrides = {
-    kNone, kNone, kNone, kNone, kNone, kNone, kNone, kNone, kNone};
-constexpr std::array<int, kNumRoles> kTriaxialOverrides = {
-    kNone, kI4, kI4, kNone, kNone, kNone, kNone, kNone, kNone};
+Rule MakeRule(Temporal t, Role r, Encoding e) {
+  Rule rule;
+  rule.temporal = t;
+  rule.role = r;
+  rule.encoding = CanonicalEncoding(e);
+  return rule;
+}
 
-constexpr PolicyTable kTables[] = {
-    {"triaxial-static", Format::kBF16, Format::kBF16, Format::kINT4,
-     Format::kINT2, kTriaxialOverrides},
-    {"bf16", Format::kBF16, Format::kBF16, Format::kBF16, Format::kBF16,
-     kNoOverrides},
-    {"int4", Format::kINT4, Format::kINT4, Format::kINT4, Format::kINT4,
-     kNoOverrides},
-    {"int2", Format::kINT2, Format::kINT2, Format::kINT2, Format::kINT2,
-     kNoOverrides},
-};
+std::shared_ptr<const Policy> Uniform(const char* name, Format f) {
+  auto p = std::make_shared<Policy>();
+  p->name = name;
+  p->builtin = true;
+  p->rules.push_back(MakeRule(Temporal::kUnspecified, Role::kUnspecified, f));
+  return p;
+}
+
+std::vector<std::shared_ptr<const Policy>> MakeBuiltins() {
+  std::vector<std::shared_ptr<const Policy>> out;
+  auto tri = std::make_shared<Policy>();
+  tri->name = kDefaultPolicy;
+  tri->builtin = true;
+  tri->rules = {
+      MakeRule(Temporal::kSink, Role::kUnspecified, Format::kBF16),
+      MakeRule(Temporal::kUnspecified, Role::kSystem, Format::kINT4),
+      MakeRule(Temporal::kUnspecified, Role::kToolSchema, Format::kINT4),
+      MakeRule(Temporal::kRecentTurns, Role::kUnspecified, Format::kINT4),
+      MakeRule(Temporal::kOlder, Role::kUnspecified, Format::kINT2),
+      MakeRule(Temporal::kUnspecified, Role::kUnspecified, Format::kBF16),
+  };
+  out.push_back(std::move(tri));
+  out.push_back(Uniform("bf16", Format::kBF16));
+  out.push_back(Uniform("fp8", Format::kFP8));
+  out.push_back(Uniform("int8", Format::kINT8));
+  out.push_back(Uniform("int4", Format::kINT4));
+  out.push_back(Uniform("int2", Format::kINT2));
+  out.push_back(Uniform("tq4", Format::kTQ4));
+  out.push_back(Uniform("tq3", Format::kTQ3));
+  out.push_back(Uniform("tq2", Format::kTQ2));
+  return out;
+}
 
 }  // namespace
 
-Format PolicyTable::FormatFor(const Tag& tag) const {
-  if (tag.temporal == Temporal::kSink) return sink;
-  const int role = static_cast<int>(tag.role);
-  if (role >= 0 && role < kNumRoles && role_override[role] != kNone) {
-    return static_cast<Format>(role_override[role]);
+bool Rule::Matches(const Tag& tag) const {
+  if (temporal != Temporal::kUnspecified && temporal != tag.temporal) {
+    return false;
   }
-  switch (tag.temporal) {
-    case Temporal::kRecentTurns:
-      return recent_turns;
-    case Temporal::kOlder:
-      return older;
-    case Temporal::kCurrentTurn:
-    default:
-      return current_turn;
+  if (role != Role::kUnspecified && role != tag.role) return false;
+  if (modality != Modality::kUnspecified) {
+    const Modality m =
+        tag.modality == Modality::kUnspecified ? Modality::kText : tag.modality;
+    if (modality != m) return false;
   }
+  return true;
 }
 
-absl::StatusOr<const PolicyTable*> FindPolicy(absl::string_view field,
-                                              absl::string_view name) {
-  for (const PolicyTable& t : kTables) {
-    if (name == t.name) return &t;
+Encoding Policy::EncodingFor(const Tag& tag) const {
+  for (const Rule& r : rules) {
+    if (r.Matches(tag)) return r.encoding;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      field, " ", Quote(name),
-      " is not a known policy; known: ", absl::StrJoin(PolicyNames(), ", ")));
+  return rules.back().encoding;  // unreachable: the last rule is a catch-all
 }
 
-std::vector<std::string> PolicyNames() {
-  std::vector<std::string> names;
-  for (const PolicyTable& t : kTables) names.emplace_back(t.name);
-  return names;
+PolicyInfo Policy::Info() const {
+  PolicyInfo info;
+  info.name = name;
+  info.builtin = builtin;
+  info.rules.reserve(rules.size());
+  for (const Rule& r : rules) {
+    info.rules.push_back(
+        PolicyRuleInfo{r.temporal, r.role, r.modality, SpecOf(r.encoding)});
+  }
+  return info;
+}
+
+Encoding CanonicalEncoding(Encoding e) {
+  if (HasInt(e)) {
+    e.group = e.Group();
+  } else {
+    e.group = 0;
+    e.scale_dtype = ScaleDtype::kFP16;
+  }
+  return e;
+}
+
+absl::StatusOr<Encoding> ResolveEncoding(absl::string_view field,
+                                         const EncodingSpec& spec) {
+  if (!IsValidFormat(spec.format)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".format is ", FormatProtoName(spec.format),
+                     "; a format FORMAT_BF16..FORMAT_TQ2 is required"));
+  }
+  if (static_cast<int>(spec.format_v) != 0 && !IsValidFormat(spec.format_v)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".format_v is ", FormatProtoName(spec.format_v),
+                     "; it must be unspecified (= format) or a valid format"));
+  }
+  if (spec.group_size != 0 && spec.group_size != 32 && spec.group_size != 64 &&
+      spec.group_size != 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".group_size ", spec.group_size,
+                     " is not 0 (default 32), 32, 64 or 128"));
+  }
+  if (spec.scale_dtype < 0 || spec.scale_dtype > 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".scale_dtype ", spec.scale_dtype,
+                     " is not SCALE_DTYPE_UNSPECIFIED, _FP16 or _FP8_E4M3"));
+  }
+  Encoding e;
+  e.k = spec.format;
+  e.v = static_cast<int>(spec.format_v) == 0 ? spec.format : spec.format_v;
+  e.group = static_cast<int>(spec.group_size);
+  e.scale_dtype = spec.scale_dtype == 2 ? ScaleDtype::kFP8 : ScaleDtype::kFP16;
+  return CanonicalEncoding(e);
+}
+
+EncodingSpec SpecOf(const Encoding& e) {
+  EncodingSpec s;
+  s.format = e.k;
+  s.format_v = e.v;
+  if (HasInt(e)) {
+    s.group_size = static_cast<uint32_t>(e.Group());
+    s.scale_dtype = static_cast<int>(e.scale_dtype);
+  }
+  return s;
+}
+
+absl::StatusOr<std::shared_ptr<const Policy>> BuildPolicy(
+    const PolicyInfo& info) {
+  TRIAX_RETURN_IF_ERROR(ValidateId("policy.name", info.name));
+  if (info.rules.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.rules is empty (policy ", Quote(info.name),
+        "); at least one rule, the last a catch-all, is required"));
+  }
+  if (info.rules.size() > kMaxPolicyRules) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.rules has ", info.rules.size(),
+                     " rules; the limit is ", kMaxPolicyRules));
+  }
+  auto p = std::make_shared<Policy>();
+  p->name = info.name;
+  p->rules.reserve(info.rules.size());
+  for (size_t i = 0; i < info.rules.size(); ++i) {
+    const PolicyRuleInfo& r = info.rules[i];
+    const std::string field = absl::StrCat("policy.rules[", i, "]");
+    const int t = static_cast<int>(r.temporal);
+    if (t < 0 || t > static_cast<int>(Temporal::kOlder)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".temporal is ", TemporalName(r.temporal), "; out of range"));
+    }
+    const int role = static_cast<int>(r.role);
+    if (role < 0 || role >= kNumRoles) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".role is ", RoleName(r.role), "; out of range"));
+    }
+    if (!IsValid(r.modality)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".modality is ", ModalityName(r.modality), "; out of range"));
+    }
+    Rule rule;
+    rule.temporal = r.temporal;
+    rule.role = r.role;
+    rule.modality = r.modality;
+    TRIAX_ASSIGN_OR_RETURN(rule.encoding, ResolveEncoding(field, r.encoding));
+    p->rules.push_back(rule);
+  }
+  if (!p->rules.back().IsCatchAll()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.rules[", p->rules.size() - 1, "] (the last rule of policy ",
+        Quote(info.name),
+        ") must match every tag: temporal, role and modality unspecified"));
+  }
+  return std::shared_ptr<const Policy>(std::move(p));
+}
+
+std::string EncodingString(const Encoding& e) {
+  char buf[96];
+  return kernels::EncodingName(e, buf, sizeof(buf));
+}
+
+const std::vector<std::shared_ptr<const Policy>>& BuiltinPolicies() {
+  static const auto* const kBuiltins =
+      new std::vector<std::shared_ptr<const Policy>>(MakeBuiltins());
+  return *kBuiltins;
+}
+
+std::shared_ptr<const Policy> FindBuiltinPolicy(absl::string_view name) {
+  for (const auto& p : BuiltinPolicies()) {
+    if (p->name == name) return p;
+  }
+  return nullptr;
 }
 
 }  // namespace triax::manager

@@ -1,23 +1,26 @@
-// Precision policy tables: which page format a block gets from its tag.
+// Precision policies: which page encoding (K format, V format, INT group
+// size, scale dtype; kernels/layout.h) a block gets from its tag.
 //
-// The tables are static data in policy.cc (calibrated tables replace them in
-// a later step). Lookup precedence, highest first:
-//   1. temporal SINK            -> the table's `sink` format
-//   2. a role override          -> e.g. system / tool_schema in
-//                                   "triaxial-static"
-//   3. the temporal class       -> current / recent / older
-// ROLE_DELIMITER has no override, so a delimiter gets its temporal class's
-// format. Modality does not change the format in the static tables.
+// A policy is an ordered list of rules; the first rule whose set fields all
+// match the block's tag wins (an unspecified temporal, role or modality
+// matches anything). The last rule must match everything. A block's tag
+// modality is TEXT when its span said UNSPECIFIED.
 //
-// Named tables:
-//   name               sink  current recent older  role overrides
-//   "triaxial-static"  BF16  BF16    INT4   INT2   system, tool_schema -> INT4
-//   "bf16"             BF16  BF16    BF16   BF16   -
-//   "int4"             INT4  INT4    INT4   INT4   -
-//   "int2"             INT2  INT2    INT2   INT2   -
+// Built-in policies (ListPolicies shows them with builtin = true; they cannot
+// be replaced):
+//   "triaxial-static"  temporal=sink:bf16  role=system:int4
+//                      role=tool_schema:int4  temporal=recent_turns:int4
+//                      temporal=older:int2  *:bf16
+//   "bf16" "fp8" "int8" "int4" "int2" "tq4" "tq3" "tq2"   *:<format>
+// Operator policies come from PutPolicy (ManagerCore) and use the same rule
+// structure.
+//
+// Encodings are canonical (CanonicalEncoding): group and scale dtype are only
+// kept when K or V is an INT format, and group 0 is stored as 32. Equal
+// canonical encodings are byte-identical pages.
 #pragma once
 
-#include <array>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,26 +30,60 @@
 
 namespace triax::manager {
 
-struct PolicyTable {
-  const char* name;
-  Format sink;
-  Format current_turn;
-  Format recent_turns;
-  Format older;
-  // Indexed by Role; kUnspecified (0) means "no override".
-  std::array<int, kNumRoles> role_override;
+inline constexpr const char* kDefaultPolicy = "triaxial-static";
+inline constexpr size_t kMaxPolicyRules = 64;
 
-  Format FormatFor(const Tag& tag) const;
+// One resolved rule: tag pattern + canonical encoding.
+struct Rule {
+  Temporal temporal = Temporal::kUnspecified;
+  Role role = Role::kUnspecified;
+  Modality modality = Modality::kUnspecified;
+  Encoding encoding;
+
+  bool Matches(const Tag& tag) const;
+  bool IsCatchAll() const {
+    return temporal == Temporal::kUnspecified && role == Role::kUnspecified &&
+           modality == Modality::kUnspecified;
+  }
 };
 
-inline constexpr const char* kDefaultPolicy = "triaxial-static";
+// A validated policy. Immutable once built; sequences hold a shared_ptr to
+// the version they were opened with.
+struct Policy {
+  std::string name;
+  std::vector<Rule> rules;  // non-empty; the last is a catch-all
+  bool builtin = false;
 
-// The table named `name`; INVALID_ARGUMENT naming `field` and the value, and
-// listing the known names, for anything else. The pointer is to static data.
-absl::StatusOr<const PolicyTable*> FindPolicy(absl::string_view field,
-                                              absl::string_view name);
+  Encoding EncodingFor(const Tag& tag) const;
+  PolicyInfo Info() const;
+};
 
-// Names of all tables, in table order.
-std::vector<std::string> PolicyNames();
+// Group 0 -> 32; group and scale dtype reset when neither K nor V is INT.
+Encoding CanonicalEncoding(Encoding e);
+
+// Validates a wire encoding: format in FORMAT_BF16..FORMAT_TQ2, format_v
+// unspecified (= format) or valid, group_size in {0, 32, 64, 128},
+// scale_dtype in 0..2. INVALID_ARGUMENT naming `field` otherwise. Returns the
+// canonical encoding.
+absl::StatusOr<Encoding> ResolveEncoding(absl::string_view field,
+                                         const EncodingSpec& spec);
+// The wire form of a canonical encoding (format_v always set; group_size and
+// scale_dtype set only when an INT format is involved).
+EncodingSpec SpecOf(const Encoding& e);
+
+// Validates a PutPolicy body: name is an id, 1..kMaxPolicyRules rules, tag
+// fields in range, encodings valid (ResolveEncoding), the last rule a
+// catch-all. INVALID_ARGUMENT naming the field ("policy.rules[2].group_size")
+// and the value. Does not check built-in names (the core does).
+absl::StatusOr<std::shared_ptr<const Policy>> BuildPolicy(
+    const PolicyInfo& info);
+
+// "bf16", or e.g. "k=int4,v=int2,g=64,scale=fp8" (kernels::EncodingName).
+std::string EncodingString(const Encoding& e);
+
+// The built-in policies, in the order above. Built once; thread-safe.
+const std::vector<std::shared_ptr<const Policy>>& BuiltinPolicies();
+// A built-in policy by name, or null.
+std::shared_ptr<const Policy> FindBuiltinPolicy(absl::string_view name);
 
 }  // namespace triax::manager

@@ -43,8 +43,10 @@ std::string TierName(Tier t) {
 }
 
 std::string FormatProtoName(Format f) {
-  static const char* const kNames[] = {"FORMAT_UNSPECIFIED", "FORMAT_BF16",
-                                       "FORMAT_INT4", "FORMAT_INT2"};
+  static const char* const kNames[] = {
+      "FORMAT_UNSPECIFIED", "FORMAT_BF16",     "FORMAT_INT4",
+      "FORMAT_INT2",        "FORMAT_FP8_E4M3", "FORMAT_INT8",
+      "FORMAT_TQ4",         "FORMAT_TQ3",      "FORMAT_TQ2"};
   return NameOf("FORMAT", static_cast<int>(f), kNames);
 }
 
@@ -57,7 +59,7 @@ std::string EventKindName(EventKind k) {
       "EVENT_SEQUENCE_EXTENDED", "EVENT_SEQUENCE_FORKED",
       "EVENT_SEQUENCE_CLOSED",   "EVENT_SEQUENCE_LOST",
       "EVENT_WORKER_UP",         "EVENT_WORKER_DOWN",
-      "EVENT_TENANT_CHANGED"};
+      "EVENT_TENANT_CHANGED",    "EVENT_BLOCK_DEMOTED"};
   return NameOf("EVENT_KIND", static_cast<int>(k), kNames);
 }
 
@@ -75,7 +77,7 @@ bool IsValid(Tier t) {
 }
 bool IsValidFormat(Format f) {
   const int v = static_cast<int>(f);
-  return v >= 1 && v <= 3;
+  return v >= 1 && v <= 8;
 }
 
 bool EventFilter::Matches(const Event& e) const {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,7 +15,11 @@
 
 namespace triax::manager {
 
-using Format = kernels::Format;  // kBF16 = 1, kINT4 = 2, kINT2 = 3
+using Format = kernels::Format;  // values equal triax.v1.Format (1..8)
+// K format, V format, INT group size, scale dtype (kernels/layout.h). The
+// manager keeps encodings canonical (policy.h: CanonicalEncoding).
+using Encoding = kernels::Encoding;
+using ScaleDtype = kernels::ScaleDtype;
 
 enum class Role : int {
   kUnspecified = 0,
@@ -71,6 +76,7 @@ enum class EventKind : int {
   kWorkerUp = 12,
   kWorkerDown = 13,
   kTenantChanged = 14,
+  kBlockDemoted = 15,
 };
 
 // Proto-style names ("ROLE_SYSTEM", "TIER_DEVICE", ...) for error messages and
@@ -85,7 +91,7 @@ std::string EventKindName(EventKind k);
 bool IsValid(Role r);          // kSystem..kDelimiter
 bool IsValid(Modality m);      // kUnspecified (= text) .. kAudio
 bool IsValid(Tier t);          // kDevice..kDisk
-bool IsValidFormat(Format f);  // kBF16..kINT2
+bool IsValidFormat(Format f);  // kBF16..kTQ2 (1..8)
 
 struct Tag {
   Temporal temporal = Temporal::kUnspecified;
@@ -118,8 +124,33 @@ struct BlockPlan {
   uint32_t num_tokens = 0;   // 1..capacity
   uint32_t capacity = 0;     // the sequence's block_tokens
   Tag tag;
-  Format format = Format::kBF16;
+  Encoding encoding;      // canonical; wire: format, format_v, group, scale
   uint32_t refcount = 0;  // sequences sharing the block
+};
+
+// An encoding as it comes off the wire (BlockPlan / PolicyRule /
+// BlockEncoding fields), before validation (policy.h: ResolveEncoding).
+// Out-of-range wire enum values arrive as 255.
+struct EncodingSpec {
+  Format format = static_cast<Format>(0);    // K (and V unless format_v)
+  Format format_v = static_cast<Format>(0);  // 0: same as format
+  uint32_t group_size = 0;                   // 0 (= 32), 32, 64, 128
+  int scale_dtype = 0;  // 0 unspecified (FP16), 1 FP16, 2 FP8 E4M3
+};
+
+// triax.v1.PolicyRule: unspecified tag fields match anything.
+struct PolicyRuleInfo {
+  Temporal temporal = Temporal::kUnspecified;
+  Role role = Role::kUnspecified;
+  Modality modality = Modality::kUnspecified;
+  EncodingSpec encoding;
+};
+
+// triax.v1.Policy.
+struct PolicyInfo {
+  std::string name;
+  std::vector<PolicyRuleInfo> rules;
+  bool builtin = false;  // output only
 };
 
 struct Budget {
@@ -181,7 +212,7 @@ struct SequenceInfo {
   std::string parent_sequence_id;
   std::vector<BlockPlan> blocks;  // empty once closed or lost
   // Device bytes of the sequence's blocks: sum over blocks of
-  // n_layers * PageBytes(format). Blocks shared with a fork count in both
+  // n_layers * PageBytes(encoding). Blocks shared with a fork count in both
   // sequences here, but are charged to the tenant once.
   uint64_t bytes = 0;
   std::vector<uint64_t> lost_lineage_ids;  // set when state is kLost
@@ -196,7 +227,7 @@ struct Event {
   std::string tenant_id;
   std::string worker_id;
   Tag tag;
-  Format format = static_cast<Format>(0);  // 0: none (non-block events)
+  Format format = static_cast<Format>(0);  // K format; 0: non-block events
   std::string detail;                      // key=value
   std::vector<uint64_t> lineage_ids;       // SEQUENCE_LOST: every lost block
 };
@@ -266,6 +297,46 @@ struct CloseSequenceRequest {
 };
 struct CloseSequenceResult {
   std::vector<uint64_t> freed_lineage_ids;
+};
+
+struct PutPolicyRequest {
+  std::string request_id;
+  PolicyInfo policy;
+};
+
+// The new encoding of one block of a DemoteBlocks request.
+struct BlockEncoding {
+  uint64_t lineage_id = 0;
+  EncodingSpec encoding;
+};
+
+struct DemoteBlocksRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  std::vector<BlockEncoding> blocks;  // 1..kMaxSequenceBlocks, distinct
+};
+struct DemoteBlocksResult {
+  SequenceInfo sequence;
+  int64_t bytes_delta = 0;  // change of the tenant's TIER_DEVICE bytes
+};
+
+// What ManagerCore::PrepareDemote hands the service: either a remembered
+// reply (`done`, an idempotent repeat) or the worker call to make and the
+// token to commit or abort with.
+struct DemotePrepared {
+  std::optional<DemoteBlocksResult> done;
+  uint64_t token = 0;
+  std::string worker_id;
+  std::string worker_address;
+  // The worker's DemoteRequest: request id, tenant, sequence, and for each
+  // block whose encoding changes its plan with the new encoding (blocks
+  // already in the requested encoding are left out; may be empty).
+  std::string worker_request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  std::vector<BlockPlan> blocks;
+  int64_t bytes_delta = 0;
 };
 
 struct TraceResult {

@@ -25,20 +25,20 @@ absl::StatusOr<uint8_t*> CpuDevice::AllocateArena(size_t bytes) {
 
 void CpuDevice::FreeArena(uint8_t* base, size_t /*bytes*/) { std::free(base); }
 
-absl::Status CpuDevice::EncodePage(kernels::Format f,
+absl::Status CpuDevice::EncodePage(const kernels::Encoding& e,
                                    const kernels::PageShape& shape,
                                    const uint16_t* k_bf16,
                                    const uint16_t* v_bf16, int num_tokens,
                                    uint8_t* page) {
-  kernels::EncodePage(f, shape, k_bf16, v_bf16, num_tokens, page);
+  kernels::EncodePage(e, shape, k_bf16, v_bf16, num_tokens, page);
   return absl::OkStatus();
 }
 
-absl::Status CpuDevice::DecodePage(kernels::Format f,
+absl::Status CpuDevice::DecodePage(const kernels::Encoding& e,
                                    const kernels::PageShape& shape,
                                    const uint8_t* page, int num_tokens,
                                    float* k_out, float* v_out) {
-  kernels::DecodePage(f, shape, page, num_tokens, k_out, v_out);
+  kernels::DecodePage(e, shape, page, num_tokens, k_out, v_out);
   return absl::OkStatus();
 }
 

@@ -35,8 +35,9 @@ class Device {
   virtual void FreeArena(uint8_t* base, size_t bytes) = 0;
 
   // Encodes tokens [0, num_tokens) from host BF16 K/V, token-major
-  // [num_tokens][H][D], into the device page (PageBytes(f, shape) bytes).
-  virtual absl::Status EncodePage(kernels::Format f,
+  // [num_tokens][H][D], into the device page (PageBytes(e, shape) bytes).
+  // ValidateEncoding(e, shape) must have returned nullptr.
+  virtual absl::Status EncodePage(const kernels::Encoding& e,
                                   const kernels::PageShape& shape,
                                   const uint16_t* k_bf16,
                                   const uint16_t* v_bf16, int num_tokens,
@@ -44,7 +45,7 @@ class Device {
 
   // Decodes tokens [0, num_tokens) of a device page into host float32,
   // token-major [num_tokens][H][D]. Either output may be null.
-  virtual absl::Status DecodePage(kernels::Format f,
+  virtual absl::Status DecodePage(const kernels::Encoding& e,
                                   const kernels::PageShape& shape,
                                   const uint8_t* page, int num_tokens,
                                   float* k_out, float* v_out) = 0;
@@ -71,12 +72,13 @@ class CpuDevice final : public Device {
   const char* Name() const override { return "cpu"; }
   absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override;
   void FreeArena(uint8_t* base, size_t bytes) override;
-  absl::Status EncodePage(kernels::Format f, const kernels::PageShape& shape,
+  absl::Status EncodePage(const kernels::Encoding& e,
+                          const kernels::PageShape& shape,
                           const uint16_t* k_bf16, const uint16_t* v_bf16,
                           int num_tokens, uint8_t* page) override;
-  absl::Status DecodePage(kernels::Format f, const kernels::PageShape& shape,
-                          const uint8_t* page, int num_tokens, float* k_out,
-                          float* v_out) override;
+  absl::Status DecodePage(const kernels::Encoding& e,
+                          const kernels::PageShape& shape, const uint8_t* page,
+                          int num_tokens, float* k_out, float* v_out) override;
   absl::Status WriteBf16Tokens(const kernels::PageShape& shape,
                                const uint16_t* k_bf16, const uint16_t* v_bf16,
                                int first_slot, int num_tokens,

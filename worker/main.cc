@@ -36,8 +36,9 @@ ABSL_FLAG(std::string, advertise, "",
           "host:port frontends dial; default the bound listen address");
 ABSL_FLAG(int64_t, pool_mb, 1024, "KV page arena size in MiB");
 ABSL_FLAG(int32_t, window_tokens, 32,
-          "BF16 recent-window tokens per sequence and layer (0: seal blocks "
-          "as soon as they are full)");
+          "default BF16 recent-window tokens per sequence and layer, unless "
+          "AllocatePages names window_tokens (0: seal blocks as soon as they "
+          "are full)");
 ABSL_FLAG(std::string, backend, "auto", "auto | cpu | cuda");
 
 namespace {

@@ -1,6 +1,7 @@
 #include "worker/page_allocator.h"
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -84,18 +85,30 @@ PageAllocator::PageAllocator(Device* device, uint8_t* base, size_t capacity)
 
 PageAllocator::~PageAllocator() { device_->FreeArena(base_, capacity_); }
 
-std::string PageAllocator::PoolName(kernels::Format format, size_t page_bytes) {
-  return absl::StrCat(kernels::FormatName(format), "/", page_bytes, "B");
+bool EncodingLess::operator()(const kernels::Encoding& a,
+                              const kernels::Encoding& b) const {
+  auto key = [](const kernels::Encoding& e) {
+    return std::make_tuple(static_cast<int>(e.k), static_cast<int>(e.v),
+                           e.Group(), static_cast<int>(e.scale_dtype));
+  };
+  return key(a) < key(b);
 }
 
-absl::StatusOr<Page*> PageAllocator::Allocate(kernels::Format format,
+std::string PageAllocator::PoolName(const kernels::Encoding& encoding,
+                                    size_t page_bytes) {
+  char buf[96];
+  return absl::StrCat(kernels::EncodingName(encoding, buf, sizeof(buf)), "/",
+                      page_bytes, "B");
+}
+
+absl::StatusOr<Page*> PageAllocator::Allocate(const kernels::Encoding& encoding,
                                               size_t page_bytes, PageUse use) {
   if (page_bytes == 0 || page_bytes % 16 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "page_bytes ", page_bytes, " must be a positive multiple of 16"));
   }
   absl::MutexLock lock(&mu_);
-  std::unique_ptr<Pool>& pool = pools_[PoolKey{format, page_bytes}];
+  std::unique_ptr<Pool>& pool = pools_[PoolKey{encoding, page_bytes}];
   if (pool == nullptr) pool = std::make_unique<Pool>();
 
   Slab* slab = nullptr;
@@ -113,7 +126,7 @@ absl::StatusOr<Page*> PageAllocator::Allocate(kernels::Format format,
     size_t offset = 0;
     if (pages == 0 || !arena_.Take(pages * page_bytes, &offset)) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "pool ", PoolName(format, page_bytes), " (",
+          "pool ", PoolName(encoding, page_bytes), " (",
           use == PageUse::kWindow ? "window" : "target",
           " page) exhausted: requested ", page_bytes, " bytes, arena has ",
           arena_.free_bytes(), " bytes free (largest run ",
@@ -129,7 +142,7 @@ absl::StatusOr<Page*> PageAllocator::Allocate(kernels::Format format,
       auto p = std::make_unique<Page>();
       p->data = base_ + offset + i * page_bytes;
       p->bytes = page_bytes;
-      p->format = format;
+      p->encoding = encoding;
       p->slab = s.get();
       s->pages.push_back(std::move(p));
     }
@@ -148,7 +161,7 @@ absl::StatusOr<Page*> PageAllocator::Allocate(kernels::Format format,
     page->encoded = false;
   }
   used_bytes_ += page_bytes;
-  FormatUsage& usage = use == PageUse::kWindow ? window_ : target_[format];
+  FormatUsage& usage = use == PageUse::kWindow ? window_ : target_[encoding];
   usage.pages += 1;
   usage.bytes += page_bytes;
   return page;
@@ -172,17 +185,17 @@ bool PageAllocator::Unref(Page* page) {
     window_.pages -= 1;
     window_.bytes -= page->bytes;
   } else {
-    FormatUsage& usage = target_[page->format];
+    FormatUsage& usage = target_[page->encoding];
     usage.pages -= 1;
     usage.bytes -= page->bytes;
-    if (usage.pages == 0) target_.erase(page->format);
+    if (usage.pages == 0) target_.erase(page->encoding);
   }
   Slab* slab = page->slab;
   slab->free_list.push_back(page);
   if (slab->free_list.size() == slab->pages.size()) {
     // Every page of the slab is free: give its bytes back to the arena so
     // other pools can use them.
-    auto pool_it = pools_.find(PoolKey{page->format, page->bytes});
+    auto pool_it = pools_.find(PoolKey{page->encoding, page->bytes});
     arena_.Give(slab->offset, slab->bytes);
     auto& slabs = pool_it->second->slabs;
     slabs.erase(std::find_if(
@@ -198,7 +211,12 @@ AllocatorStats PageAllocator::Stats() const {
   AllocatorStats s;
   s.capacity_bytes = capacity_;
   s.used_bytes = used_bytes_;
-  s.target = target_;
+  s.by_encoding = target_;
+  for (const auto& [encoding, usage] : target_) {
+    FormatUsage& k = s.target[encoding.k];
+    k.pages += usage.pages;
+    k.bytes += usage.bytes;
+  }
   s.window = window_;
   s.slab_bytes = capacity_ - arena_.free_bytes();
   for (const auto& [key, pool] : pools_) {

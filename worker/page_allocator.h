@@ -1,18 +1,22 @@
-// Device memory for KV pages: one arena carved into per-format paged pools.
+// Device memory for KV pages: one arena carved into per-encoding paged pools.
 //
 //   arena   one Device allocation of `capacity` bytes (the --pool_mb flag),
 //           handed out as variable-size slabs by first fit with coalescing.
-//   pool    one per (format, page_bytes). A pool takes slabs of about
+//   pool    one per (encoding, page_bytes). A pool takes slabs of about
 //           kSlabBytes (never less than one page, shrunk to what the arena
 //           still has) and carves them into fixed-size pages kept on per-slab
 //           free lists. A slab whose pages are all free goes back to the
 //           arena, so freeing everything returns the arena to empty.
 //   page    refcounted: forks share pages; the last Unref returns it to its
 //           pool. Pages are either target pages (a block's storage in its
-//           format) or window pages (BF16 recent-window staging); both come
+//           encoding) or window pages (BF16 recent-window staging); both come
 //           from the same arena and are counted apart in Stats.
 //
-// Errors: Allocate returns RESOURCE_EXHAUSTED naming the pool (format and
+// Usage is counted per encoding (AllocatorStats::by_encoding) and, summed,
+// per K format (AllocatorStats::target: what the proto Inventory.formats
+// reports, as it has one format per entry).
+//
+// Errors: Allocate returns RESOURCE_EXHAUSTED naming the pool (encoding and
 // page bytes) and the bytes requested versus what the arena has free.
 //
 // Thread contract: PageAllocator is thread-safe (one internal mutex).
@@ -40,12 +44,12 @@ enum class PageUse : uint8_t { kTarget = 0, kWindow = 1 };
 
 class PageAllocator;
 
-// One page of device memory. `data`, `bytes`, `format` and `use` are fixed
+// One page of device memory. `data`, `bytes`, `encoding` and `use` are fixed
 // while the page is allocated.
 struct Page {
   uint8_t* data = nullptr;
   size_t bytes = 0;
-  kernels::Format format = kernels::Format::kBF16;
+  kernels::Encoding encoding;
   PageUse use = PageUse::kTarget;
 
   // True once the block's tokens have been encoded into this (target) page.
@@ -83,10 +87,20 @@ struct FormatUsage {
   uint64_t bytes = 0;
 };
 
+// A strict total order on encodings consistent with Encoding::operator==
+// (the group compares as Group(), so 0 and 32 are one key).
+struct EncodingLess {
+  bool operator()(const kernels::Encoding& a, const kernels::Encoding& b) const;
+};
+using EncodingUsage = std::map<kernels::Encoding, FormatUsage, EncodingLess>;
+
 struct AllocatorStats {
   uint64_t capacity_bytes = 0;
   uint64_t used_bytes = 0;  // target + window pages in use
-  std::map<kernels::Format, FormatUsage> target;  // formats with pages in use
+  // Target pages in use, per encoding and summed per K format (entries only
+  // for those with pages in use).
+  EncodingUsage by_encoding;
+  std::map<kernels::Format, FormatUsage> target;
   FormatUsage window;
   uint64_t slab_bytes = 0;  // arena bytes held by pools (used + free pages)
   uint64_t free_pages = 0;  // pages on pool free lists
@@ -106,8 +120,10 @@ class PageAllocator {
   PageAllocator& operator=(const PageAllocator&) = delete;
 
   // A page of `page_bytes` (> 0, a multiple of 16) with refcount 1.
-  absl::StatusOr<Page*> Allocate(kernels::Format format, size_t page_bytes,
-                                 PageUse use);
+  // `page_bytes` is PageBytes(encoding, shape) of the caller's shape; the
+  // allocator only uses the pair as a pool key.
+  absl::StatusOr<Page*> Allocate(const kernels::Encoding& encoding,
+                                 size_t page_bytes, PageUse use);
   void Ref(Page* page);
   // Drops one reference; returns true when it was the last (page freed).
   bool Unref(Page* page);
@@ -118,16 +134,18 @@ class PageAllocator {
 
  private:
   struct PoolKey {
-    kernels::Format format;
+    kernels::Encoding encoding;
     size_t page_bytes;
     bool operator<(const PoolKey& o) const {
-      return format != o.format ? format < o.format : page_bytes < o.page_bytes;
+      if (page_bytes != o.page_bytes) return page_bytes < o.page_bytes;
+      return EncodingLess()(encoding, o.encoding);
     }
   };
   struct Pool;
 
   PageAllocator(Device* device, uint8_t* base, size_t capacity);
-  static std::string PoolName(kernels::Format format, size_t page_bytes);
+  static std::string PoolName(const kernels::Encoding& encoding,
+                              size_t page_bytes);
 
   Device* const device_;
   uint8_t* const base_;
@@ -137,7 +155,7 @@ class PageAllocator {
   Arena arena_ ABSL_GUARDED_BY(mu_);
   std::map<PoolKey, std::unique_ptr<Pool>> pools_ ABSL_GUARDED_BY(mu_);
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<kernels::Format, FormatUsage> target_ ABSL_GUARDED_BY(mu_);
+  EncodingUsage target_ ABSL_GUARDED_BY(mu_);
   FormatUsage window_ ABSL_GUARDED_BY(mu_);
 };
 

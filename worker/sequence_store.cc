@@ -12,12 +12,22 @@
 
 namespace triax::worker {
 
+using kernels::Encoding;
 using kernels::Format;
 using kernels::PageShape;
 
+kernels::Encoding SpecEncoding(const BlockSpec& b) {
+  const Format k = static_cast<Format>(b.format);
+  const Format v = b.format_v == 0 ? k : static_cast<Format>(b.format_v);
+  const kernels::ScaleDtype s =
+      b.scale_dtype == 0 ? kernels::ScaleDtype::kFP16
+                         : static_cast<kernels::ScaleDtype>(b.scale_dtype);
+  return Encoding(k, v, static_cast<int>(b.group_size), s);
+}
+
 struct SequenceStore::Block {
-  BlockSpec spec;
-  Format format = Format::kBF16;
+  BlockSpec spec;  // encoding fields track `enc`
+  Encoding enc;
   std::vector<Page*> target;  // per layer; null only while being built
   std::vector<Page*> window;  // per layer; BF16 staging, null when none
   uint64_t end() const { return spec.first_token + spec.num_tokens; }
@@ -31,6 +41,7 @@ struct SequenceStore::Sequence {
   std::string tenant ABSL_GUARDED_BY(mu);
   ModelShape model ABSL_GUARDED_BY(mu);
   uint32_t block_tokens ABSL_GUARDED_BY(mu) = 0;
+  uint32_t window_tokens ABSL_GUARDED_BY(mu) = 0;
   PageShape shape ABSL_GUARDED_BY(mu);
   std::vector<Block> blocks ABSL_GUARDED_BY(mu);
   std::vector<uint64_t> written ABSL_GUARDED_BY(mu);  // per layer
@@ -59,17 +70,64 @@ absl::Status ValidateShape(const ModelShape& m) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model.head_dim=", m.head_dim, " is not an even value in 2..512"));
   }
-  const uint32_t group = std::min<uint32_t>(32, m.head_dim);
-  if (m.head_dim % group != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.head_dim=", m.head_dim,
-                     " is not divisible by its value group of ", group));
-  }
   return absl::OkStatus();
 }
 
+bool IsBf16(const Encoding& e) {
+  return e.k == Format::kBF16 && e.v == Format::kBF16;
+}
+
+std::string EncName(const Encoding& e) {
+  char buf[96];
+  return kernels::EncodingName(e, buf, sizeof(buf));
+}
+
+// The validated encoding of `b` for pages of `shape`; `field` names the
+// block in messages (e.g. "blocks[3]").
+absl::StatusOr<Encoding> BlockEncoding(const BlockSpec& b,
+                                       absl::string_view field,
+                                       const PageShape& shape) {
+  if (b.format < 1 || b.format > 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".format=", b.format,
+        " is not a format (1 bf16, 2 int4, 3 int2, 4 fp8_e4m3, 5 int8, 6 tq4, "
+        "7 tq3, 8 tq2)"));
+  }
+  if (b.format_v < 0 || b.format_v > 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".format_v=", b.format_v,
+                     " is not a format (1..8, or 0 for the same as format)"));
+  }
+  if (b.group_size != 0 && b.group_size != 32 && b.group_size != 64 &&
+      b.group_size != 128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".group_size=", b.group_size, " is not 0 (32), 32, 64 or 128"));
+  }
+  if (b.scale_dtype < 0 || b.scale_dtype > 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".scale_dtype=", b.scale_dtype,
+                     " is not 0 or 1 (fp16) or 2 (fp8_e4m3)"));
+  }
+  const Encoding e = SpecEncoding(b);
+  if (const char* why = kernels::ValidateEncoding(e, shape); why != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": encoding ", EncName(e),
+        " is invalid for block_tokens=", shape.tokens,
+        " n_kv_heads=", shape.heads, " head_dim=", shape.head_dim, ": ", why));
+  }
+  return e;
+}
+
+PageShape ShapeOf(const ModelShape& m, uint32_t block_tokens) {
+  PageShape shape;
+  shape.tokens = static_cast<int>(block_tokens);
+  shape.heads = static_cast<int>(m.n_kv_heads);
+  shape.head_dim = static_cast<int>(m.head_dim);
+  return shape;
+}
+
 absl::Status ValidatePlan(absl::Span<const BlockSpec> blocks,
-                          uint32_t block_tokens, uint32_t head_dim) {
+                          uint32_t block_tokens, const PageShape& shape) {
   if (blocks.empty()) {
     return absl::InvalidArgumentError("blocks is empty");
   }
@@ -90,18 +148,8 @@ absl::Status ValidatePlan(absl::Span<const BlockSpec> blocks,
           absl::StrCat("blocks[", i, "].num_tokens=", b.num_tokens,
                        " is outside 1..block_tokens=", block_tokens));
     }
-    if (b.format < 1 || b.format > 3) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("blocks[", i, "].format=", b.format,
-                       " is not one of bf16 (1), int4 (2), int2 (3)"));
-    }
-    if (static_cast<Format>(b.format) == Format::kINT2 && head_dim % 4 != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("blocks[", i,
-                       "].format=int2 needs head_dim divisible "
-                       "by 4; model.head_dim=",
-                       head_dim));
-    }
+    TRIAX_RETURN_IF_ERROR(
+        BlockEncoding(b, absl::StrCat("blocks[", i, "]"), shape).status());
     next += b.num_tokens;
   }
   return absl::OkStatus();
@@ -209,12 +257,13 @@ absl::Status CheckOwner(const Seq& seq, absl::string_view tenant_id) {
 absl::StatusOr<AllocateResult> SequenceStore::AllocatePages(
     absl::string_view tenant_id, absl::string_view sequence_id,
     const ModelShape& model, uint32_t block_tokens,
-    absl::Span<const BlockSpec> blocks) {
+    absl::Span<const BlockSpec> blocks, std::optional<uint32_t> window_tokens) {
   TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", tenant_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("sequence_id", sequence_id));
   TRIAX_RETURN_IF_ERROR(ValidateShape(model));
   TRIAX_RETURN_IF_ERROR(ValidateBlockTokens(block_tokens));
-  TRIAX_RETURN_IF_ERROR(ValidatePlan(blocks, block_tokens, model.head_dim));
+  TRIAX_RETURN_IF_ERROR(
+      ValidatePlan(blocks, block_tokens, ShapeOf(model, block_tokens)));
 
   for (;;) {
     absl::StatusOr<std::shared_ptr<Sequence>> existing = Lookup(sequence_id);
@@ -222,6 +271,13 @@ absl::StatusOr<AllocateResult> SequenceStore::AllocatePages(
       Sequence& seq = **existing;
       absl::MutexLock lock(&seq.mu);
       if (seq.freed) continue;  // freed meanwhile: install it afresh
+      if (window_tokens.has_value() && *window_tokens != seq.window_tokens &&
+          seq.tenant == tenant_id) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "sequence_id=", Quote(seq.id), ": window_tokens=", *window_tokens,
+            " differs from the installed ", seq.window_tokens,
+            " (fixed by the first AllocatePages)"));
+      }
       return Extend(seq, tenant_id, model, block_tokens, blocks);
     }
     auto fresh = std::make_shared<Sequence>();
@@ -232,9 +288,8 @@ absl::StatusOr<AllocateResult> SequenceStore::AllocatePages(
       fresh->tenant = std::string(tenant_id);
       fresh->model = model;
       fresh->block_tokens = block_tokens;
-      fresh->shape.tokens = static_cast<int>(block_tokens);
-      fresh->shape.heads = static_cast<int>(model.n_kv_heads);
-      fresh->shape.head_dim = static_cast<int>(model.head_dim);
+      fresh->window_tokens = window_tokens.value_or(options_.window_tokens);
+      fresh->shape = ShapeOf(model, block_tokens);
       fresh->written.assign(model.n_layers, 0);
       fresh->sealed.assign(model.n_layers, 0);
       result = Extend(*fresh, tenant_id, model, block_tokens, blocks);
@@ -273,14 +328,15 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
         " blocks but ", old, " are installed; plans only grow"));
   }
   for (size_t i = 0; i < old; ++i) {
+    // The installed encoding wins (see the header: Demote may have changed
+    // it after the caller fetched its plan).
     const BlockSpec& have = seq.blocks[i].spec;
     const BlockSpec& want = blocks[i];
-    if (want.lineage_id != have.lineage_id || want.format != have.format) {
+    if (want.lineage_id != have.lineage_id) {
       return absl::FailedPreconditionError(absl::StrCat(
           "sequence_id=", Quote(seq.id), ": blocks[", i,
-          "] (lineage_id=", want.lineage_id, " format=", want.format,
-          ") mismatches the installed block (lineage_id=", have.lineage_id,
-          " format=", have.format, ")"));
+          "].lineage_id=", want.lineage_id,
+          " mismatches the installed block's lineage_id=", have.lineage_id));
     }
     const bool last = i + 1 == old;
     if (want.num_tokens < have.num_tokens ||
@@ -292,7 +348,7 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
     }
   }
   bool grow = false;  // the last installed block's num_tokens grows
-  Format grow_format = Format::kBF16;
+  Encoding grow_enc;
   if (old > 0 &&
       blocks[old - 1].num_tokens > seq.blocks[old - 1].spec.num_tokens) {
     Block& last = seq.blocks[old - 1];
@@ -307,7 +363,7 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
       }
     }
     grow = true;
-    grow_format = last.format;
+    grow_enc = last.enc;
   }
 
   // Reserve everything first so a shortage changes nothing.
@@ -316,21 +372,20 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
   uint64_t needed_pages = 0, needed_bytes = 0;
   for (size_t i = old; i < blocks.size(); ++i) {
     needed_pages += seq.model.n_layers;
-    needed_bytes +=
-        seq.model.n_layers *
-        kernels::PageBytes(static_cast<Format>(blocks[i].format), seq.shape);
+    needed_bytes += seq.model.n_layers *
+                    kernels::PageBytes(SpecEncoding(blocks[i]), seq.shape);
   }
   auto undo = [&] {
     for (Page* p : reserved) allocator_->Unref(p);
   };
   std::vector<std::vector<Page*>> new_targets;
   for (size_t i = old; i < blocks.size(); ++i) {
-    const Format f = static_cast<Format>(blocks[i].format);
-    const size_t bytes = kernels::PageBytes(f, seq.shape);
+    const Encoding e = SpecEncoding(blocks[i]);
+    const size_t bytes = kernels::PageBytes(e, seq.shape);
     std::vector<Page*> pages;
     for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
       absl::StatusOr<Page*> p =
-          allocator_->Allocate(f, bytes, PageUse::kTarget);
+          allocator_->Allocate(e, bytes, PageUse::kTarget);
       if (!p.ok()) {
         undo();
         return absl::Status(
@@ -350,7 +405,7 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
   // A sealed last block that grows goes back to the window (non-BF16 blocks
   // need a window page for that).
   std::vector<Page*> unseal_windows(seq.model.n_layers, nullptr);
-  if (grow && grow_format != Format::kBF16) {
+  if (grow && !IsBf16(grow_enc)) {
     const size_t wbytes = kernels::PageBytes(Format::kBF16, seq.shape);
     for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
       if (seq.sealed[l] != old) continue;
@@ -377,7 +432,7 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
       Page* t = last.target[l];
       if (unseal_windows[l] != nullptr) {
         std::vector<uint16_t> k, v;
-        TRIAX_RETURN_IF_ERROR(PageToBf16(last.format, seq.shape, t->data,
+        TRIAX_RETURN_IF_ERROR(PageToBf16(last.enc, seq.shape, t->data,
                                          last.spec.num_tokens, &k, &v));
         TRIAX_RETURN_IF_ERROR(device_->WriteBf16Tokens(
             seq.shape, k.data(), v.data(), 0, last.spec.num_tokens,
@@ -396,7 +451,7 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
   for (size_t i = old; i < blocks.size(); ++i) {
     Block b;
     b.spec = blocks[i];
-    b.format = static_cast<Format>(blocks[i].format);
+    b.enc = SpecEncoding(blocks[i]);
     b.target = std::move(new_targets[i - old]);
     b.window.assign(seq.model.n_layers, nullptr);
     seq.planned += b.spec.num_tokens;
@@ -408,14 +463,15 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
 // ---------------------------------------------------------------------------
 // Writes and sealing
 
-absl::Status SequenceStore::PageToBf16(Format format, const PageShape& shape,
+absl::Status SequenceStore::PageToBf16(const Encoding& encoding,
+                                       const PageShape& shape,
                                        const uint8_t* page, uint32_t tokens,
                                        std::vector<uint16_t>* k,
                                        std::vector<uint16_t>* v) {
   const size_t n = static_cast<size_t>(tokens) * shape.heads * shape.head_dim;
   std::vector<float> kf(n), vf(n);
   TRIAX_RETURN_IF_ERROR(device_->DecodePage(
-      format, shape, page, static_cast<int>(tokens), kf.data(), vf.data()));
+      encoding, shape, page, static_cast<int>(tokens), kf.data(), vf.data()));
   FloatsToBf16(kf, k);
   FloatsToBf16(vf, v);
   return absl::OkStatus();
@@ -483,7 +539,7 @@ absl::Status SequenceStore::WriteLocked(Sequence& seq, const KvWrite& c,
   std::vector<Page*> fresh;
   for (size_t b = first_block; b <= last_block; ++b) {
     Block& blk = seq.blocks[b];
-    if (blk.format == Format::kBF16 || blk.window[c.layer] != nullptr) continue;
+    if (IsBf16(blk.enc) || blk.window[c.layer] != nullptr) continue;
     absl::StatusOr<Page*> page = allocator_->Allocate(
         Format::kBF16, kernels::PageBytes(Format::kBF16, seq.shape),
         PageUse::kWindow);
@@ -509,8 +565,7 @@ absl::Status SequenceStore::WriteLocked(Sequence& seq, const KvWrite& c,
     Block& blk = seq.blocks[b];
     const uint64_t from = std::max(c.first_token, blk.spec.first_token);
     const uint64_t to = std::min(end, blk.end());
-    Page* page =
-        blk.format == Format::kBF16 ? blk.target[c.layer] : blk.window[c.layer];
+    Page* page = IsBf16(blk.enc) ? blk.target[c.layer] : blk.window[c.layer];
     const size_t off = (from - c.first_token) * stride;
     TRIAX_RETURN_IF_ERROR(
         device_->WriteBf16Tokens(seq.shape, k.data() + off, v.data() + off,
@@ -524,11 +579,11 @@ absl::Status SequenceStore::WriteLocked(Sequence& seq, const KvWrite& c,
 absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
   while (seq.sealed[layer] < seq.blocks.size()) {
     Block& b = seq.blocks[seq.sealed[layer]];
-    if (seq.written[layer] < b.end() + options_.window_tokens) break;
+    if (seq.written[layer] < b.end() + seq.window_tokens) break;
     Page* t = b.target[layer];
     {
       absl::MutexLock seal_lock(&t->seal_mu);
-      if (!t->encoded && b.format != Format::kBF16) {
+      if (!t->encoded && !IsBf16(b.enc)) {
         Page* w = b.window[layer];
         if (w == nullptr) {
           return absl::InternalError(
@@ -541,7 +596,7 @@ absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
         TRIAX_RETURN_IF_ERROR(PageToBf16(Format::kBF16, seq.shape, w->data,
                                          b.spec.num_tokens, &k, &v));
         TRIAX_RETURN_IF_ERROR(
-            device_->EncodePage(b.format, seq.shape, k.data(), v.data(),
+            device_->EncodePage(b.enc, seq.shape, k.data(), v.data(),
                                 static_cast<int>(b.spec.num_tokens), t->data));
       }
       t->encoded = true;
@@ -564,6 +619,214 @@ absl::StatusOr<uint64_t> SequenceStore::Write(absl::string_view tenant_id,
   TRIAX_RETURN_IF_ERROR(CheckOwner(*seq, tenant_id));
   TRIAX_RETURN_IF_ERROR(WriteLocked(*seq, chunk, ""));
   return chunk.num_tokens;
+}
+
+// ---------------------------------------------------------------------------
+// Demotion
+
+absl::StatusOr<DemoteResult> SequenceStore::Demote(
+    absl::string_view tenant_id, absl::string_view sequence_id,
+    absl::Span<const BlockSpec> blocks) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq_ptr,
+                         LookupOwned(tenant_id, sequence_id));
+  if (blocks.empty()) {
+    return absl::InvalidArgumentError("blocks is empty; name >= 1 block");
+  }
+  Sequence& seq = *seq_ptr;
+  absl::MutexLock lock(&seq.mu);
+  TRIAX_RETURN_IF_ERROR(CheckOwner(seq, tenant_id));
+  const uint32_t layers = seq.model.n_layers;
+
+  // 1. Validate every entry before touching anything.
+  struct Job {
+    size_t block;
+    Encoding enc;
+  };
+  std::vector<Job> jobs;
+  std::vector<bool> named(seq.blocks.size(), false);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const BlockSpec& want = blocks[i];
+    if (want.index >= seq.blocks.size()) {
+      return absl::NotFoundError(absl::StrCat(
+          "blocks[", i, "].index=", want.index, " (lineage_id=",
+          want.lineage_id, ") is not a block of sequence_id=", Quote(seq.id),
+          ", which has ", seq.blocks.size(), " blocks"));
+    }
+    if (named[want.index]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "blocks[", i, "].index=", want.index, " is named more than once"));
+    }
+    named[want.index] = true;
+    const Block& b = seq.blocks[want.index];
+    if (want.lineage_id != b.spec.lineage_id) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "blocks[", i, "] (index=", want.index,
+          ") lineage_id=", want.lineage_id,
+          " mismatches the installed block's lineage_id=", b.spec.lineage_id));
+    }
+    TRIAX_ASSIGN_OR_RETURN(
+        Encoding enc,
+        BlockEncoding(want, absl::StrCat("blocks[", i, "]"), seq.shape));
+    for (uint32_t l = 0; l < layers; ++l) {
+      const int refs = allocator_->RefCount(b.target[l]);
+      if (refs > 1) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "blocks[", i, "] (index=", want.index,
+            " lineage_id=", want.lineage_id, ") is shared by ", refs,
+            " sequences (a fork); shared blocks cannot be demoted"));
+      }
+    }
+    if (enc == b.enc) continue;  // already there: nothing to do
+    jobs.push_back({want.index, enc});
+  }
+
+  // 2. Reserve every page the new state needs, all or nothing.
+  struct Step {
+    Page* target = nullptr;  // new target page
+    Page* window = nullptr;  // new window page (BF16 block leaving BF16)
+    bool sealed = false;
+    uint32_t tokens = 0;  // tokens of the block written on this layer
+  };
+  std::vector<std::vector<Step>> steps(jobs.size(), std::vector<Step>(layers));
+  std::vector<Page*> reserved;
+  auto undo = [&] {
+    for (Page* p : reserved) allocator_->Unref(p);
+  };
+  uint64_t need_pages = 0, need_bytes = 0;
+  const size_t window_bytes = kernels::PageBytes(Format::kBF16, seq.shape);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const Block& b = seq.blocks[jobs[j].block];
+    for (uint32_t l = 0; l < layers; ++l) {
+      Step& st = steps[j][l];
+      st.sealed = jobs[j].block < seq.sealed[l];
+      st.tokens = static_cast<uint32_t>(
+          seq.written[l] <= b.spec.first_token
+              ? 0
+              : std::min<uint64_t>(b.spec.num_tokens,
+                                   seq.written[l] - b.spec.first_token));
+      need_pages += 1;
+      need_bytes += kernels::PageBytes(jobs[j].enc, seq.shape);
+      if (!st.sealed && IsBf16(b.enc) && !IsBf16(jobs[j].enc) &&
+          st.tokens > 0) {
+        need_pages += 1;
+        need_bytes += window_bytes;
+      }
+    }
+  }
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const Block& b = seq.blocks[jobs[j].block];
+    const size_t bytes = kernels::PageBytes(jobs[j].enc, seq.shape);
+    for (uint32_t l = 0; l < layers; ++l) {
+      Step& st = steps[j][l];
+      absl::StatusOr<Page*> t =
+          allocator_->Allocate(jobs[j].enc, bytes, PageUse::kTarget);
+      absl::StatusOr<Page*> w(static_cast<Page*>(nullptr));
+      if (t.ok()) {
+        reserved.push_back(*t);
+        st.target = *t;
+        if (!st.sealed && IsBf16(b.enc) && !IsBf16(jobs[j].enc) &&
+            st.tokens > 0) {
+          w = allocator_->Allocate(Format::kBF16, window_bytes,
+                                   PageUse::kWindow);
+          if (w.ok()) {
+            reserved.push_back(*w);
+            st.window = *w;
+          }
+        }
+      }
+      if (!t.ok() || !w.ok()) {
+        undo();
+        const absl::Status& s = t.ok() ? w.status() : t.status();
+        return absl::Status(
+            s.code(),
+            absl::StrCat("Demote sequence_id=", Quote(seq.id), " needs ",
+                         need_pages, " new pages (", need_bytes, " bytes) for ",
+                         jobs.size(), " blocks x ", layers,
+                         " layers before the old ones are freed; ",
+                         s.message()));
+      }
+    }
+  }
+
+  // 3. Fill the new pages; the old ones are untouched until every fill
+  //    succeeded.
+  std::vector<uint16_t> k, v;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const Block& b = seq.blocks[jobs[j].block];
+    const Encoding& enc = jobs[j].enc;
+    for (uint32_t l = 0; l < layers; ++l) {
+      Step& st = steps[j][l];
+      absl::Status s;
+      if (st.sealed) {
+        s = PageToBf16(b.enc, seq.shape, b.target[l]->data, b.spec.num_tokens,
+                       &k, &v);
+        if (s.ok()) {
+          s = device_->EncodePage(enc, seq.shape, k.data(), v.data(),
+                                  static_cast<int>(b.spec.num_tokens),
+                                  st.target->data);
+        }
+      } else if (IsBf16(enc)) {
+        // The new target page is written straight from now on: move the
+        // staged tokens into it (from the window, or the old BF16 target).
+        const Page* from = IsBf16(b.enc) ? b.target[l] : b.window[l];
+        if (from != nullptr && st.tokens > 0) {
+          s = device_->CopyPage(st.target->data, from->data, window_bytes);
+        }
+      } else if (st.window != nullptr) {
+        // Leaving BF16: the old target page's tokens move to a window page.
+        s = device_->CopyPage(st.window->data, b.target[l]->data, window_bytes);
+      }
+      if (!s.ok()) {
+        undo();
+        return absl::Status(
+            s.code(),
+            absl::StrCat("Demote sequence_id=", Quote(seq.id), " block ",
+                         jobs[j].block, " layer ", l, ": ", s.message()));
+      }
+    }
+  }
+
+  // 4. Commit: swap the pages in and free the old ones.
+  DemoteResult result;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    Block& b = seq.blocks[jobs[j].block];
+    const Encoding& enc = jobs[j].enc;
+    for (uint32_t l = 0; l < layers; ++l) {
+      Step& st = steps[j][l];
+      result.bytes_delta += static_cast<int64_t>(st.target->bytes);
+      if (st.window != nullptr) {
+        result.bytes_delta += static_cast<int64_t>(st.window->bytes);
+      }
+      {
+        absl::MutexLock seal_lock(&st.target->seal_mu);
+        st.target->encoded = st.sealed;
+      }
+      Page* old_target = b.target[l];
+      b.target[l] = st.target;
+      const size_t old_bytes = old_target->bytes;
+      if (allocator_->Unref(old_target)) {
+        result.bytes_delta -= static_cast<int64_t>(old_bytes);
+      }
+      if (!st.sealed && IsBf16(enc) && b.window[l] != nullptr) {
+        const size_t wb = b.window[l]->bytes;
+        if (allocator_->Unref(b.window[l])) {
+          result.bytes_delta -= static_cast<int64_t>(wb);
+        }
+        b.window[l] = nullptr;
+      }
+      if (st.window != nullptr) b.window[l] = st.window;
+      result.pages_reencoded += 1;
+    }
+    b.enc = enc;
+    const BlockSpec& want = *std::find_if(
+        blocks.begin(), blocks.end(),
+        [&](const BlockSpec& x) { return x.index == jobs[j].block; });
+    b.spec.format = want.format;
+    b.spec.format_v = want.format_v;
+    b.spec.group_size = want.group_size;
+    b.spec.scale_dtype = want.scale_dtype;
+  }
+  return result;
 }
 
 // ---------------------------------------------------------------------------
@@ -635,11 +898,11 @@ absl::StatusOr<std::vector<float>> SequenceStore::Attend(
     kernels::PageRef r;
     r.num_tokens = static_cast<int>(std::min<uint64_t>(
         blk.spec.num_tokens, written - blk.spec.first_token));
-    if (b < seq.sealed[layer] || blk.format == Format::kBF16) {
-      r.format = blk.format;
+    if (b < seq.sealed[layer] || IsBf16(blk.enc)) {
+      r.encoding = blk.enc;
       r.data = blk.target[layer]->data;
     } else {
-      r.format = Format::kBF16;
+      r.encoding = Format::kBF16;
       r.data = blk.window[layer]->data;
     }
     refs.push_back(r);
@@ -707,12 +970,12 @@ absl::StatusOr<ReadResult> SequenceStore::Read(absl::string_view tenant_id,
     const Block& blk = seq.blocks[b];
     const uint32_t valid = static_cast<uint32_t>(std::min<uint64_t>(
         blk.spec.num_tokens, written - blk.spec.first_token));
-    const bool in_target = b < seq.sealed[layer] || blk.format == Format::kBF16;
+    const bool in_target = b < seq.sealed[layer] || IsBf16(blk.enc);
     const Page* page = in_target ? blk.target[layer] : blk.window[layer];
     kb.resize(static_cast<size_t>(valid) * r.token_values);
     vb.resize(kb.size());
     TRIAX_RETURN_IF_ERROR(device_->DecodePage(
-        in_target ? blk.format : Format::kBF16, seq.shape, page->data,
+        in_target ? blk.enc : Encoding(Format::kBF16), seq.shape, page->data,
         static_cast<int>(valid), kb.data(), vb.data()));
     const uint64_t from = std::max(first_token, blk.spec.first_token);
     const uint64_t to = std::min(end, blk.spec.first_token + valid);
@@ -732,10 +995,10 @@ absl::Status SequenceStore::CopyTokensAsBf16(
     const Sequence& src, uint32_t block, uint32_t layer, uint32_t tokens,
     uint8_t* dst) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const Block& b = src.blocks[block];
-  const bool in_target = block < src.sealed[layer] || b.format == Format::kBF16;
+  const bool in_target = block < src.sealed[layer] || IsBf16(b.enc);
   const Page* page = in_target ? b.target[layer] : b.window[layer];
-  const Format f = in_target ? b.format : Format::kBF16;
-  if (f == Format::kBF16) {
+  const Encoding f = in_target ? b.enc : Encoding(Format::kBF16);
+  if (IsBf16(f)) {
     return device_->CopyPage(dst, page->data,
                              kernels::PageBytes(Format::kBF16, src.shape));
   }
@@ -773,7 +1036,7 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
   absl::MutexLock parent_lock(&parent.mu);
   TRIAX_RETURN_IF_ERROR(CheckOwner(parent, tenant_id));
   TRIAX_RETURN_IF_ERROR(
-      ValidatePlan(blocks, parent.block_tokens, parent.model.head_dim));
+      ValidatePlan(blocks, parent.block_tokens, parent.shape));
   if (num_tokens > parent.planned) {
     return absl::OutOfRangeError(absl::StrCat("num_tokens=", num_tokens,
                                               " is past the parent's planned ",
@@ -812,13 +1075,13 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
       continue;
     }
     const BlockSpec& have = parent.blocks[j].spec;
+    // A shared block keeps the parent's (current) encoding.
     if (j != i || have.first_token != want.first_token ||
-        have.num_tokens != want.num_tokens || have.format != want.format) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "blocks[", i, "] (lineage_id=", want.lineage_id,
-          ") mismatches the parent's block ", j,
-          " (first_token=", have.first_token, " num_tokens=", have.num_tokens,
-          " format=", have.format, ")"));
+        have.num_tokens != want.num_tokens) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("blocks[", i, "] (lineage_id=", want.lineage_id,
+                       ") mismatches the parent's block ", j, " (first_token=",
+                       have.first_token, " num_tokens=", have.num_tokens, ")"));
     }
     if (have.first_token + have.num_tokens > num_tokens) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -848,6 +1111,7 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
     c.tenant = parent.tenant;
     c.model = parent.model;
     c.block_tokens = parent.block_tokens;
+    c.window_tokens = parent.window_tokens;
     c.shape = parent.shape;
     c.sealed.assign(layers, 0);
     c.written.resize(layers);
@@ -861,8 +1125,13 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
     };
     for (size_t i = 0; i < blocks.size(); ++i) {
       Block b;
-      b.spec = blocks[i];
-      b.format = static_cast<Format>(blocks[i].format);
+      if (shared[i]) {
+        b.spec = parent.blocks[i].spec;
+        b.enc = parent.blocks[i].enc;
+      } else {
+        b.spec = blocks[i];
+        b.enc = SpecEncoding(blocks[i]);
+      }
       b.window.assign(layers, nullptr);
       b.target.assign(layers, nullptr);
       c.blocks.push_back(std::move(b));
@@ -875,8 +1144,7 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
           continue;
         }
         absl::StatusOr<Page*> p = allocator_->Allocate(
-            cb.format, kernels::PageBytes(cb.format, c.shape),
-            PageUse::kTarget);
+            cb.enc, kernels::PageBytes(cb.enc, c.shape), PageUse::kTarget);
         if (!p.ok()) {
           return fail(absl::Status(
               p.status().code(),
@@ -904,7 +1172,7 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
           encoded = t->encoded;
         } else {
           ++result.pages_copied;
-          if (i < parent.sealed[l] && pb.format == cb.format &&
+          if (i < parent.sealed[l] && pb.enc == cb.enc &&
               tokens == cb.spec.num_tokens && tokens == pb.spec.num_tokens) {
             if (absl::Status s =
                     device_->CopyPage(t->data, pb.target[l]->data, t->bytes);
@@ -920,7 +1188,7 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
           continue;
         }
         prefix = false;
-        if (cb.format == Format::kBF16) {
+        if (IsBf16(cb.enc)) {
           if (shared[i]) continue;  // the shared page already holds the data
           if (absl::Status s = CopyTokensAsBf16(
                   parent, static_cast<uint32_t>(i), l, tokens, t->data);
@@ -1034,6 +1302,7 @@ InventorySnapshot SequenceStore::Inventory() const {
   inv.used_bytes = s.used_bytes;
   inv.window_bytes = s.window.bytes;
   inv.formats = s.target;
+  inv.encodings = s.by_encoding;
   return inv;
 }
 
@@ -1045,6 +1314,7 @@ absl::StatusOr<SequenceSnapshot> SequenceStore::Describe(
   s.tenant_id = seq->tenant;
   s.model = seq->model;
   s.block_tokens = seq->block_tokens;
+  s.window_tokens = seq->window_tokens;
   for (const Block& b : seq->blocks) s.blocks.push_back(b.spec);
   s.written = seq->written;
   s.sealed = seq->sealed;

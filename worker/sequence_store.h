@@ -1,21 +1,49 @@
 // The worker's sequences: block plans, written lengths, the BF16 recent
-// window, sealing into target formats, forks, reads and decode attention.
-// Core logic only: no gRPC or protobuf; numeric enum values equal the proto's
-// (Format: 1 bf16, 2 int4, 3 int2; KvDtype: 1 f32, 2 bf16).
+// window, sealing into target encodings, demotion, forks, reads and decode
+// attention. Core logic only: no gRPC or protobuf; numeric enum values equal
+// the proto's (Format: 1 bf16, 2 int4, 3 int2, 4 fp8_e4m3, 5 int8, 6 tq4,
+// 7 tq3, 8 tq2; ScaleDtype: 0/1 fp16, 2 fp8_e4m3; KvDtype: 1 f32, 2 bf16).
+//
+// Encodings. Each block has one kernels::Encoding (K format, V format, INT
+// group, scale dtype; see kernels/layout.h) taken from its BlockSpec and
+// checked with kernels::ValidateEncoding against the sequence's page shape
+// (block_tokens x n_kv_heads x head_dim); an invalid one is INVALID_ARGUMENT
+// naming the block and the reason. A block is "BF16" when K and V both are.
 //
 // Layouts (little-endian, token-major as on the wire):
 //   K, V input/output:  [num_tokens][n_kv_heads][head_dim], f32 or bf16
 //   queries, outputs:   float32 [num_queries][n_q_heads][head_dim]
 //
 // Storage. AllocatePages reserves, for every block and every layer, one page
-// in the block's target format (all or nothing). Tokens are written in order
-// per layer into BF16 window pages (BF16-format blocks are written straight
-// into their target page). A block is sealed for a layer - encoded into its
-// target page and its window page released - once all its tokens are written
-// and its end <= written_length - window_tokens (window_tokens 0 seals as soon
-// as a block is full). Sealed blocks are always a prefix of the sequence.
-// Attention for a query at position p reads tokens [0, p] over the sealed
-// pages (in their formats) and the window pages (BF16).
+// in the block's target encoding (all or nothing). Tokens are written in order
+// per layer into BF16 window pages (BF16 blocks are written straight into
+// their target page). A block is sealed for a layer - encoded into its target
+// page and its window page released - once all its tokens are written and its
+// end <= written_length - window_tokens (window_tokens 0 seals as soon as a
+// block is full). window_tokens is per sequence: the AllocatePages argument,
+// else StoreOptions::window_tokens, fixed by the first call; forks inherit the
+// parent's. Sealed blocks are always a prefix of the sequence. Attention for a
+// query at position p reads tokens [0, p] over the sealed pages (in their
+// encodings) and the window pages (BF16).
+//
+// Installed blocks keep their encoding: a later AllocatePages (or a fork's
+// shared block) naming another encoding for an installed block is accepted
+// and the installed encoding wins, because the manager may Demote a block
+// while a frontend still holds a plan fetched before. Only Demote changes
+// an installed block's encoding.
+//
+// Demotion. Demote re-encodes named blocks in place. Per layer: a sealed page
+// is decoded to float, rounded to BF16 and encoded into a fresh page of the
+// new encoding, which replaces it; an unsealed block (still in the window)
+// only swaps its target reservation for one of the new encoding (a BF16 block
+// whose tokens lived in its target page moves them to a window page, and a
+// block becoming BF16 moves its window page's tokens into the new target
+// page). All or nothing: every new page is reserved and every re-encode done
+// before anything is swapped. Blocks shared with a fork (a page refcount > 1)
+// are refused FAILED_PRECONDITION: the sharers' block records are not
+// reachable from here, so demoting one sharer would leave the others
+// describing a stale encoding. Demote the block once the fork is gone, or
+// plan the child with a copied block (new lineage id) instead.
 //
 // Forks. A child block whose lineage id is the parent's block at the same
 // index shares the parent's pages (refcount); such blocks must lie within
@@ -27,13 +55,17 @@
 //
 // Error codes (messages name the field and the value):
 //   INVALID_ARGUMENT    malformed ids, shapes, plans, byte sizes, zero sizes,
-//                       unspecified dtype or format, layer >= n_layers
-//   NOT_FOUND           unknown sequence
+//                       unspecified dtype or format, encodings invalid for
+//                       the shape, layer >= n_layers, a block named twice
+//                       in one Demote
+//   NOT_FOUND           unknown sequence; Demote of a block index the
+//                       sequence does not have
 //   ALREADY_EXISTS      fork child id taken
 //   PERMISSION_DENIED   the sequence belongs to another tenant
 //   RESOURCE_EXHAUSTED  the arena cannot hold the pages (nothing changes)
-//   FAILED_PRECONDITION plan mismatch (lineage/format/shape), out-of-order
-//                       write, shared block that cannot be shared or grown
+//   FAILED_PRECONDITION plan mismatch (lineage/shape/window_tokens),
+//                       out-of-order write, shared block that cannot be
+//                       shared, grown or demoted, Demote lineage mismatch
 //   OUT_OF_RANGE        tokens past the plan, positions/reads past what is
 //                       written
 //
@@ -46,6 +78,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,7 +102,7 @@ struct ModelShape {
   uint32_t n_layers = 0;    // 1..1024
   uint32_t n_kv_heads = 0;  // 1..1024
   uint32_t n_q_heads = 0;   // a multiple of n_kv_heads
-  uint32_t head_dim = 0;    // even, 2..512, divisible by min(32, head_dim)
+  uint32_t head_dim = 0;    // even, 2..512
 };
 
 struct BlockSpec {
@@ -77,8 +110,14 @@ struct BlockSpec {
   uint64_t lineage_id = 0;
   uint64_t first_token = 0;  // == sum of the previous blocks' num_tokens
   uint32_t num_tokens = 0;   // 1..block_tokens
-  int format = 0;            // kernels::Format value (1..3)
+  int format = 0;            // K format: kernels::Format value (1..8)
+  int format_v = 0;          // V format (1..8); 0 = same as format
+  uint32_t group_size = 0;   // INT group: 0 (= 32), 32, 64 or 128
+  int scale_dtype = 0;       // kernels::ScaleDtype value; 0 = FP16
 };
+
+// The encoding a spec names (no validation; fields must be in range).
+kernels::Encoding SpecEncoding(const BlockSpec& b);
 
 // One chunk of K/V for one layer. k and v hold num_tokens * n_kv_heads *
 // head_dim values of `dtype`; F32 is rounded to BF16 on write.
@@ -108,6 +147,10 @@ struct ForkResult {
   uint64_t pages_shared = 0;
   uint64_t pages_copied = 0;
 };
+struct DemoteResult {
+  uint64_t pages_reencoded = 0;  // target pages replaced (blocks x layers)
+  int64_t bytes_delta = 0;       // change of pool bytes in use
+};
 struct FreeResult {
   uint64_t pages_freed = 0;  // pages whose last reference went away
   uint64_t bytes_freed = 0;
@@ -122,7 +165,8 @@ struct InventorySnapshot {
   uint64_t capacity_bytes = 0;
   uint64_t used_bytes = 0;    // target + window pages in use
   uint64_t window_bytes = 0;  // BF16 window pages in use
-  std::map<kernels::Format, FormatUsage> formats;  // target pages in use
+  std::map<kernels::Format, FormatUsage> formats;  // target pages by K format
+  EncodingUsage encodings;                         // target pages by encoding
   std::vector<std::string> sequence_ids;           // sorted
 };
 
@@ -131,7 +175,8 @@ struct SequenceSnapshot {
   std::string tenant_id;
   ModelShape model;
   uint32_t block_tokens = 0;
-  std::vector<BlockSpec> blocks;
+  uint32_t window_tokens = 0;
+  std::vector<BlockSpec> blocks;       // encoding fields: the current ones
   std::vector<uint64_t> written;       // per layer
   std::vector<uint32_t> sealed;        // sealed prefix blocks per layer
   std::vector<uint32_t> window_pages;  // window pages held per layer
@@ -154,11 +199,27 @@ class SequenceStore {
 
   // Installs a new sequence's plan, or extends an existing one (more blocks,
   // or the last installed block's num_tokens grown). Reserves every new
-  // block's target page on every layer, all or nothing.
+  // block's target page on every layer, all or nothing. `window_tokens`
+  // (nullopt: StoreOptions::window_tokens) is fixed by the call that installs
+  // the sequence; a later call naming a different value is
+  // FAILED_PRECONDITION.
   absl::StatusOr<AllocateResult> AllocatePages(
       absl::string_view tenant_id, absl::string_view sequence_id,
       const ModelShape& model, uint32_t block_tokens,
-      absl::Span<const BlockSpec> blocks);
+      absl::Span<const BlockSpec> blocks,
+      std::optional<uint32_t> window_tokens = std::nullopt);
+
+  // Re-encodes blocks in place (see "Demotion" above). Each entry names a
+  // block by index and lineage_id and gives the new encoding in format,
+  // format_v, group_size and scale_dtype; other fields are ignored. Blocks
+  // already in the named encoding are left alone (not counted). Errors:
+  // INVALID_ARGUMENT (empty list, a block named twice, an encoding out of
+  // range or invalid for the shape), NOT_FOUND (sequence, block index),
+  // PERMISSION_DENIED, FAILED_PRECONDITION (lineage mismatch, shared block),
+  // RESOURCE_EXHAUSTED (new pages do not fit; nothing changes).
+  absl::StatusOr<DemoteResult> Demote(absl::string_view tenant_id,
+                                      absl::string_view sequence_id,
+                                      absl::Span<const BlockSpec> blocks);
 
   absl::StatusOr<ForkResult> Fork(absl::string_view tenant_id,
                                   absl::string_view parent_id,
@@ -221,7 +282,7 @@ class SequenceStore {
   absl::Status CopyTokensAsBf16(const Sequence& src, uint32_t block,
                                 uint32_t layer, uint32_t tokens, uint8_t* dst);
   // BF16 copies of the first `tokens` tokens of a page.
-  absl::Status PageToBf16(kernels::Format format,
+  absl::Status PageToBf16(const kernels::Encoding& encoding,
                           const kernels::PageShape& shape, const uint8_t* page,
                           uint32_t tokens, std::vector<uint16_t>* k,
                           std::vector<uint16_t>* v);

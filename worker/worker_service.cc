@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -33,6 +34,9 @@ std::vector<BlockSpec> PlanFromProto(
     s.first_token = b.first_token();
     s.num_tokens = b.num_tokens();
     s.format = static_cast<int>(b.format());
+    s.format_v = static_cast<int>(b.format_v());
+    s.group_size = b.group_size();
+    s.scale_dtype = static_cast<int>(b.scale_dtype());
     plan.push_back(s);
   }
   return plan;
@@ -85,9 +89,11 @@ grpc::Status WorkerService::AllocatePages(grpc::ServerContext*,
     return ToGrpcStatus(hit->status);
   }
   const std::vector<BlockSpec> plan = PlanFromProto(req->blocks());
+  std::optional<uint32_t> window;
+  if (req->has_window_tokens()) window = req->window_tokens();
   absl::StatusOr<AllocateResult> r = store_->AllocatePages(
       req->tenant_id(), req->sequence_id(), ShapeFromProto(req->model()),
-      req->block_tokens(), plan);
+      req->block_tokens(), plan, window);
   if (!r.ok()) return ToGrpcStatus(r.status());
   resp->set_pages_allocated(r->pages_allocated);
   resp->set_bytes_allocated(r->bytes_allocated);
@@ -264,6 +270,28 @@ grpc::Status WorkerService::FreePages(grpc::ServerContext*,
   resp->set_bytes_freed(r->bytes_freed);
   free_cache_.Put(absl::StrCat("FreePages/", req->tenant_id()),
                   req->request_id(), absl::OkStatus(), *resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::Demote(grpc::ServerContext*,
+                                   const v1::DemoteRequest* req,
+                                   v1::DemoteResponse* resp) {
+  if (absl::Status s = ValidateRequestId(req->request_id()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  if (auto hit = demote_cache_.Find(absl::StrCat("Demote/", req->tenant_id()),
+                                    req->request_id())) {
+    *resp = hit->reply;
+    return ToGrpcStatus(hit->status);
+  }
+  const std::vector<BlockSpec> blocks = PlanFromProto(req->blocks());
+  absl::StatusOr<DemoteResult> r =
+      store_->Demote(req->tenant_id(), req->sequence_id(), blocks);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_pages_reencoded(r->pages_reencoded);
+  resp->set_bytes_delta(r->bytes_delta);
+  demote_cache_.Put(absl::StrCat("Demote/", req->tenant_id()),
+                    req->request_id(), absl::OkStatus(), *resp);
   return grpc::Status::OK;
 }
 

@@ -13,10 +13,10 @@
 // malformed request ids, dtype, and proto-level fields. Attend answers one
 // ItemStatus per item; the RPC itself fails only for a malformed tenant_id.
 // Idempotency: AllocatePages, ForkSequence, WriteKV (request id on the first
-// message of the stream) and FreePages remember their successful replies by
-// (tenant_id, request id); a repeat returns the first reply without applying
-// again. Failed requests change nothing and are not remembered, so a retry
-// after the cause is fixed (e.g. memory freed) runs again.
+// message of the stream), Demote and FreePages remember their successful
+// replies by (tenant_id, request id); a repeat returns the first reply without
+// applying again. Failed requests change nothing and are not remembered, so a
+// retry after the cause is fixed (e.g. memory freed) runs again.
 //
 // Thread contract: thread-safe; handlers run concurrently.
 #pragma once
@@ -56,6 +56,8 @@ class WorkerService final : public v1::Worker::Service {
   grpc::Status FreePages(grpc::ServerContext* ctx,
                          const v1::FreePagesRequest* req,
                          v1::FreePagesResponse* resp) override;
+  grpc::Status Demote(grpc::ServerContext* ctx, const v1::DemoteRequest* req,
+                      v1::DemoteResponse* resp) override;
   grpc::Status GetInventory(grpc::ServerContext* ctx,
                             const v1::GetInventoryRequest* req,
                             v1::Inventory* resp) override;
@@ -66,6 +68,7 @@ class WorkerService final : public v1::Worker::Service {
   IdempotencyCache<v1::WorkerForkResponse> fork_cache_;
   IdempotencyCache<v1::WriteKVResponse> write_cache_;
   IdempotencyCache<v1::FreePagesResponse> free_cache_;
+  IdempotencyCache<v1::DemoteResponse> demote_cache_;
 };
 
 }  // namespace triax::worker

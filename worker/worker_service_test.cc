@@ -263,6 +263,114 @@ TEST_F(ServiceTest, AllocatePagesIsIdempotentByRequestId) {
   EXPECT_EQ(Inventory(), after_first);
 }
 
+// New encodings travel through the proto: format_v, group_size, scale_dtype;
+// window_tokens per sequence; Demote with idempotency and error mapping.
+TEST_F(ServiceTest, EncodingsWindowTokensAndDemote) {
+  auto r = AllocRequest("s", 32, v1::FORMAT_TQ3);
+  r.mutable_blocks(1)->set_format(v1::FORMAT_INT4);
+  r.mutable_blocks(1)->set_format_v(v1::FORMAT_INT2);
+  r.mutable_blocks(1)->set_group_size(64);
+  r.mutable_blocks(1)->set_scale_dtype(v1::SCALE_DTYPE_FP8_E4M3);
+  r.set_window_tokens(0);
+  ASSERT_TRUE(Allocate(r).ok());
+  // A different window for the installed sequence is refused.
+  auto again = AllocRequest("s", 32, v1::FORMAT_TQ3);
+  again.set_window_tokens(4);
+  EXPECT_CODE(Allocate(again), grpc::StatusCode::FAILED_PRECONDITION,
+              "window_tokens=4");
+  // TQ on head_dim 48 is not valid.
+  auto tq = AllocRequest("t", 16, v1::FORMAT_TQ2);
+  tq.mutable_model()->set_head_dim(48);
+  EXPECT_CODE(Allocate(tq), grpc::StatusCode::INVALID_ARGUMENT,
+              "blocks[0]: encoding tq2");
+
+  const std::vector<float> k = Random(32 * 64, 3), v = Random(32 * 64, 4);
+  for (uint32_t l = 0; l < 2; ++l) {
+    ASSERT_TRUE(Write({WriteMsg("s", F32Chunk(l, 0, 32, k, v))}).ok());
+  }
+  // window_tokens 0: both blocks sealed; the inventory reports by K format.
+  {
+    grpc::ClientContext ctx;
+    v1::Inventory inv;
+    ASSERT_TRUE(stub_->GetInventory(&ctx, {}, &inv).ok());
+    EXPECT_EQ(inv.window_bytes(), 0u);
+    ASSERT_EQ(inv.formats_size(), 2);
+    EXPECT_EQ(inv.formats(0).format(), v1::FORMAT_INT4);
+    EXPECT_EQ(inv.formats(1).format(), v1::FORMAT_TQ3);
+    EXPECT_EQ(inv.formats(1).pages_used(), 2u);
+  }
+
+  auto demote = [&](const v1::DemoteRequest& req, v1::DemoteResponse* resp) {
+    grpc::ClientContext ctx;
+    return stub_->Demote(&ctx, req, resp);
+  };
+  v1::DemoteRequest d;
+  d.set_request_id("dem-1");
+  d.set_tenant_id(kTenant);
+  d.set_sequence_id("s");
+  v1::BlockPlan* b = d.add_blocks();
+  b->set_index(0);
+  b->set_lineage_id(1000);
+  b->set_format(v1::FORMAT_TQ2);
+  const std::string before = Inventory();
+  v1::DemoteResponse first, second;
+  ASSERT_TRUE(demote(d, &first).ok());
+  EXPECT_EQ(first.pages_reencoded(), 2u);
+  EXPECT_LT(first.bytes_delta(), 0);
+  const std::string after = Inventory();
+  EXPECT_NE(after, before);
+  // Same request id, even naming another encoding: the first reply, nothing
+  // applied.
+  d.mutable_blocks(0)->set_format(v1::FORMAT_BF16);
+  ASSERT_TRUE(demote(d, &second).ok());
+  EXPECT_EQ(second.SerializeAsString(), first.SerializeAsString());
+  EXPECT_EQ(Inventory(), after);
+
+  // Errors map to canonical codes and change nothing.
+  d.set_request_id("dem-2");
+  d.mutable_blocks(0)->set_lineage_id(77);
+  v1::DemoteResponse unused;
+  EXPECT_CODE(demote(d, &unused), grpc::StatusCode::FAILED_PRECONDITION,
+              "lineage_id=77");
+  d.mutable_blocks(0)->set_lineage_id(1000);
+  d.mutable_blocks(0)->set_index(5);
+  EXPECT_CODE(demote(d, &unused), grpc::StatusCode::NOT_FOUND,
+              "blocks[0].index=5");
+  d.mutable_blocks(0)->set_index(0);
+  d.set_tenant_id("tenant-b");
+  EXPECT_CODE(demote(d, &unused), grpc::StatusCode::PERMISSION_DENIED,
+              "tenant_id");
+  d.set_tenant_id(kTenant);
+  d.set_sequence_id("nope");
+  EXPECT_CODE(demote(d, &unused), grpc::StatusCode::NOT_FOUND,
+              "sequence_id=\"nope\"");
+  d.set_sequence_id("s");
+  d.mutable_blocks(0)->set_group_size(7);
+  EXPECT_CODE(demote(d, &unused), grpc::StatusCode::INVALID_ARGUMENT,
+              "blocks[0].group_size=7");
+  d.set_request_id("bad id");
+  EXPECT_CODE(demote(d, &unused), grpc::StatusCode::INVALID_ARGUMENT,
+              "request_id");
+  EXPECT_EQ(Inventory(), after);
+
+  // Attention still runs over the demoted pages.
+  v1::AttendRequest ar;
+  ar.set_tenant_id(kTenant);
+  v1::AttendItem* item = ar.add_items();
+  item->set_sequence_id("s");
+  item->set_layer(1);
+  item->set_num_queries(1);
+  const std::vector<float> q = Random(4 * 32, 9);
+  item->set_queries(F32Bytes(q.data(), q.size()));
+  grpc::ClientContext ctx;
+  v1::AttendResponse resp;
+  ASSERT_TRUE(stub_->Attend(&ctx, ar, &resp).ok());
+  ASSERT_EQ(resp.results_size(), 1);
+  EXPECT_EQ(resp.results(0).status().code(), 0)
+      << resp.results(0).status().message();
+  EXPECT_EQ(resp.results(0).output().size(), q.size() * 4);
+}
+
 TEST_F(ServiceTest, WriteKVRejectsBadInputWithoutStateChange) {
   std::vector<float> k, v;
   MakeWritten(5, &k, &v);
@@ -573,7 +681,7 @@ TEST_F(ServiceTest, ForkAndFreeRejectBadInputAndAreIdempotent) {
   EXPECT_CODE(Fork(f), grpc::StatusCode::INVALID_ARGUMENT,
               "blocks[0].format=0");
   f = fork();
-  f.mutable_blocks(0)->set_format(v1::FORMAT_INT2);  // same lineage, new format
+  f.mutable_blocks(0)->set_lineage_id(1001);  // the parent's block 1
   EXPECT_CODE(Fork(f), grpc::StatusCode::FAILED_PRECONDITION, "blocks[0]");
   EXPECT_EQ(Inventory(), before);
 

@@ -1,7 +1,8 @@
 // CUDA kernels for KV pages; see kv_cuda.cuh for the API and layout.h for
-// the byte layout. Page section offsets come from ComputeLayout on the host
-// and travel to the kernels by value (LayoutTable), so the GPU never
-// re-derives the layout and cannot disagree with the CPU reference.
+// the byte layout. Each page's encoding is packed into DevicePage::format
+// and its section offsets are computed on the device by LayoutOf, the same
+// arithmetic as ComputeLayout; CudaPageLayout runs that code on the host
+// so a test pins it to ComputeLayout for every supported encoding.
 //
 // Numerics that must match the CPU reference bit for bit (encode) use
 // explicitly rounded intrinsics (__fdiv_rn, __fsub_rn, rintf) so that nvcc's
@@ -27,22 +28,94 @@ constexpr int kTile = 32;  // tokens per attention tile (= warp size)
 constexpr int kAttnThreads = 128;
 constexpr int kCodecThreads = 256;
 
-// Section offsets per format, indexed by the Format value (index 0 unused).
-struct LayoutTable {
-  PageLayout l[4];
+// Unpacked DevicePage::format (see PackEncoding).
+struct DevEnc {
+  int k, v, group, sdt;
 };
 
-LayoutTable MakeLayoutTable(const PageShape& s) {
-  LayoutTable t;
-  t.l[1] = ComputeLayout(Format::kBF16, s);
-  t.l[2] = ComputeLayout(Format::kINT4, s);
-  t.l[3] = ComputeLayout(Format::kINT2, s);
-  return t;
+__host__ __device__ __forceinline__ DevEnc Unpack(int32_t packed) {
+  const uint32_t p = static_cast<uint32_t>(packed);
+  DevEnc e;
+  e.k = p & 0xff;
+  e.v = (p >> 8) & 0xff;
+  if (e.v == 0) e.v = e.k;
+  e.group = (p >> 16) & 0xff;
+  if (e.group == 0) e.group = 32;
+  e.sdt = (p >> 24) & 0xff;
+  if (e.sdt == 0) e.sdt = 1;
+  return e;
 }
 
-__device__ __forceinline__ bool ValidFormat(int f) { return f >= 1 && f <= 3; }
-__device__ __forceinline__ int BitsOf(int f) {
-  return f == 1 ? 16 : (f == 2 ? 4 : 2);
+// Format values (layout.h): 1 bf16, 2 int4, 3 int2, 4 fp8, 5 int8, 6-8 tq.
+__host__ __device__ __forceinline__ int BitsOf(int f) {
+  switch (f) {
+    case 1:
+      return 16;
+    case 2:
+    case 6:
+      return 4;
+    case 3:
+    case 8:
+      return 2;
+    case 7:
+      return 3;
+    default:
+      return 8;
+  }
+}
+__host__ __device__ __forceinline__ bool IsInt(int f) {
+  return f == 2 || f == 3 || f == 5;
+}
+__host__ __device__ __forceinline__ bool CudaFormat(int f) {
+  return f >= 1 && f <= 5;
+}
+
+__host__ __device__ __forceinline__ bool Supported(const DevEnc& e,
+                                                   const PageShape& s) {
+  if (!CudaFormat(e.k) || !CudaFormat(e.v)) return false;
+  if (e.group != 32 && e.group != 64 && e.group != 128) return false;
+  if (e.sdt != 1 && e.sdt != 2) return false;
+  const int gk = min(e.group, s.tokens), gv = min(e.group, s.head_dim);
+  if (IsInt(e.k) && s.tokens % gk != 0) return false;
+  if (IsInt(e.v) && s.head_dim % gv != 0) return false;
+  return true;
+}
+
+__host__ __device__ __forceinline__ size_t Align16(size_t n) {
+  return (n + 15) & ~size_t{15};
+}
+
+// Same arithmetic as LayoutTensor in kernels/layout.cc (BF16/FP8/INT).
+__host__ __device__ inline size_t TensorAt(int f, bool key, const DevEnc& e,
+                                           const PageShape& s, size_t off,
+                                           TensorLayout* t) {
+  const size_t H = s.heads, T = s.tokens, D = s.head_dim;
+  *t = TensorLayout{};
+  t->codes = off;
+  t->codes_bytes = H * T * (D * BitsOf(f) / 8);
+  off = Align16(off + t->codes_bytes);
+  if (f == 1) return off;
+  if (f == 4) {
+    t->scale = off;
+    t->meta_bytes = H * 4;
+    return Align16(off + t->meta_bytes);
+  }
+  const size_t elem = e.sdt == 2 ? 1 : 2;
+  const size_t gk = min(e.group, s.tokens), gv = min(e.group, s.head_dim);
+  const size_t count = key ? H * (T / gk) * D : H * T * (D / gv);
+  t->meta_bytes = count * elem;
+  t->scale = off;
+  off = Align16(off + t->meta_bytes);
+  t->zero = off;
+  return Align16(off + t->meta_bytes);
+}
+
+__host__ __device__ inline PageLayout LayoutOf(const DevEnc& e,
+                                               const PageShape& s) {
+  PageLayout l;
+  size_t off = TensorAt(e.k, true, e, s, 0, &l.k);
+  l.total = TensorAt(e.v, false, e, s, off, &l.v);
+  return l;
 }
 
 __device__ __forceinline__ float Bf16Bits(uint32_t h) {
@@ -55,23 +128,69 @@ __device__ __forceinline__ uint16_t LoadU16(const uint8_t* p) {
   return *reinterpret_cast<const uint16_t*>(p);
 }
 
+// FP8 E4M3 <-> float, bit for bit as kernels/numeric.cc.
+__device__ __forceinline__ float Fp8ToFloat(uint32_t c) {
+  const uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
+  if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
+  const float v = e == 0 ? static_cast<float>(m) * (1.f / 512.f)
+                         : __uint_as_float(((e + 120u) << 23) | (m << 20));
+  return (c & 0x80u) ? -v : v;
+}
+__device__ __forceinline__ uint32_t FloatToFp8(float f) {
+  const uint32_t u = __float_as_uint(f);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return 0x7fu;
+  if (abs >= 0x43e00000u) return sign | 0x7eu;
+  if (abs < 0x3c800000u) {
+    return sign |
+           static_cast<uint32_t>(rintf(__fmul_rn(__uint_as_float(abs), 512.f)));
+  }
+  const uint32_t r = abs + 0x7ffffu + ((abs >> 20) & 1u);
+  const uint32_t code = (((r >> 23) - 120u) << 3) | ((r >> 20) & 7u);
+  return sign | min(code, 0x7eu);
+}
+
+__device__ __forceinline__ float LoadMeta(const uint8_t* base, size_t i,
+                                          int sdt) {
+  return sdt == 2 ? Fp8ToFloat(base[i]) : HalfBits(LoadU16(base + 2 * i));
+}
+
 // Same arithmetic as MakeQuant/Quantize in kernels/ref/kv_ref.cc.
 struct Quant {
   float scale, zero;
-  uint16_t scale_bits, zero_bits;
+  uint32_t scale_bits, zero_bits;
 };
 
-__device__ __forceinline__ Quant MakeQuant(float lo, float hi, int qmax) {
-  float zero = fminf(fmaxf(lo, -kFp16Max), kFp16Max);
+__device__ __forceinline__ Quant MakeQuant(float lo, float hi, int qmax,
+                                           int sdt) {
+  const float lim = sdt == 2 ? 448.f : kFp16Max;
+  float zero = fminf(fmaxf(lo, -lim), lim);
   float scale = __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(qmax));
   if (!(scale > 0.f)) scale = 0.f;
-  scale = fminf(scale, kFp16Max);
+  scale = fminf(scale, lim);
   Quant q;
-  q.scale_bits = __half_as_ushort(__float2half_rn(scale));
-  q.zero_bits = __half_as_ushort(__float2half_rn(zero));
-  q.scale = HalfBits(q.scale_bits);
-  q.zero = HalfBits(q.zero_bits);
+  if (sdt == 2) {
+    q.scale_bits = FloatToFp8(scale);
+    q.zero_bits = FloatToFp8(zero);
+    q.scale = Fp8ToFloat(q.scale_bits);
+    q.zero = Fp8ToFloat(q.zero_bits);
+  } else {
+    q.scale_bits = __half_as_ushort(__float2half_rn(scale));
+    q.zero_bits = __half_as_ushort(__float2half_rn(zero));
+    q.scale = HalfBits(q.scale_bits);
+    q.zero = HalfBits(q.zero_bits);
+  }
   return q;
+}
+
+__device__ __forceinline__ void StoreMeta(uint8_t* base, size_t i,
+                                          uint32_t bits, int sdt) {
+  if (sdt == 2) {
+    base[i] = static_cast<uint8_t>(bits);
+  } else {
+    *reinterpret_cast<uint16_t*>(base + 2 * i) = static_cast<uint16_t>(bits);
+  }
 }
 
 __device__ __forceinline__ uint32_t Quantize(float x, const Quant& q,
@@ -86,31 +205,13 @@ __device__ __forceinline__ uint32_t Quantize(float x, const Quant& q,
 // ---- Encode
 // ------------------------------------------------------------------
 
-// One CTA per page: zero the page, then per head quantize keys (one thread
-// per channel for the scale, one per (token, byte) for the codes) and values
-// (one thread per (token, group)).
-__global__ void EncodeKernel(PageShape shape, LayoutTable lt,
-                             const DevicePage* pages, const uint16_t* k_in,
-                             const uint16_t* v_in) {
-  __shared__ float s_ks[kMaxHeadDim];
-  __shared__ float s_kz[kMaxHeadDim];
-  const DevicePage pg = pages[blockIdx.x];
-  if (!ValidFormat(pg.format)) return;
+// Encodes one tensor of one page (the whole CTA cooperates).
+__device__ void EncodeTensor(int f, bool key, const DevEnc& e,
+                             const PageShape& shape, const TensorLayout& L,
+                             int n, const uint16_t* src, uint8_t* page,
+                             float* s_ks, float* s_kz, unsigned* s_amax) {
   const int T = shape.tokens, H = shape.heads, D = shape.head_dim;
-  const int G = shape.value_group > 0 ? shape.value_group : min(32, D);
-  const int n = min(max(pg.num_tokens, 0), T);
-  const PageLayout& L = lt.l[pg.format];
-  uint8_t* page = pg.data;
-  const size_t in_base = static_cast<size_t>(blockIdx.x) * T * H * D;
-  const uint16_t* k = k_in + in_base;
-  const uint16_t* v = v_in + in_base;
-
-  uint4* page16 = reinterpret_cast<uint4*>(page);
-  for (size_t i = threadIdx.x; i < L.total / 16; i += blockDim.x)
-    page16[i] = make_uint4(0, 0, 0, 0);
-  __syncthreads();
-
-  if (pg.format == static_cast<int>(Format::kBF16)) {
+  if (f == 1) {
     const int chunks = D / 8;
     const size_t items = static_cast<size_t>(n) * H * chunks;
     for (size_t i = threadIdx.x; i < items; i += blockDim.x) {
@@ -119,178 +220,243 @@ __global__ void EncodeKernel(PageShape shape, LayoutTable lt,
       const int h = static_cast<int>(th % H);
       const int t = static_cast<int>(th / H);
       const size_t dst = ((static_cast<size_t>(h) * T + t) * D + c * 8) * 2;
-      const uint4* ks = reinterpret_cast<const uint4*>(k + th * D + c * 8);
-      const uint4* vs = reinterpret_cast<const uint4*>(v + th * D + c * 8);
-      *reinterpret_cast<uint4*>(page + L.k_codes + dst) = *ks;
-      *reinterpret_cast<uint4*>(page + L.v_codes + dst) = *vs;
+      *reinterpret_cast<uint4*>(page + L.codes + dst) =
+          *reinterpret_cast<const uint4*>(src + th * D + c * 8);
     }
     return;
   }
-
-  const int bits = BitsOf(pg.format);
+  if (f == 4) {
+    for (int h = 0; h < H; ++h) {
+      if (threadIdx.x == 0) *s_amax = 0u;
+      __syncthreads();
+      float local = 0.f;
+      for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
+        const int t = i / D, d = i % D;
+        const float a =
+            fabsf(Bf16Bits(src[(static_cast<size_t>(t) * H + h) * D + d]));
+        if (a > local && a <= 3.402823466e38f) local = a;
+      }
+      atomicMax(s_amax, __float_as_uint(local));  // non-negative floats
+      __syncthreads();
+      const float amax = __uint_as_float(*s_amax);
+      const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+      if (threadIdx.x == 0) {
+        *reinterpret_cast<float*>(page + L.scale + 4 * static_cast<size_t>(h)) =
+            scale;
+      }
+      for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
+        const int t = i / D, d = i % D;
+        const float x = Bf16Bits(src[(static_cast<size_t>(t) * H + h) * D + d]);
+        page[L.codes + (static_cast<size_t>(h) * T + t) * D + d] =
+            static_cast<uint8_t>(FloatToFp8(__fdiv_rn(x, scale)));
+      }
+      __syncthreads();
+    }
+    return;
+  }
+  const int bits = BitsOf(f);
   const int per_byte = 8 / bits;
   const int qmax = (1 << bits) - 1;
   const int row_bytes = D * bits / 8;
-  const int groups = D / G;
-  for (int h = 0; h < H; ++h) {
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      float lo = INFINITY, hi = -INFINITY;
-      for (int t = 0; t < n; ++t) {
-        const float x = Bf16Bits(k[(static_cast<size_t>(t) * H + h) * D + d]);
-        lo = fminf(lo, x);
-        hi = fmaxf(hi, x);
-      }
-      const Quant q = MakeQuant(lo, hi, qmax);
-      const size_t meta = (static_cast<size_t>(h) * D + d) * 2;
-      *reinterpret_cast<uint16_t*>(page + L.k_scale + meta) = q.scale_bits;
-      *reinterpret_cast<uint16_t*>(page + L.k_zero + meta) = q.zero_bits;
-      s_ks[d] = q.scale;
-      s_kz[d] = q.zero;
-    }
-    __syncthreads();
-    // Key codes: one thread per output byte.
-    for (int i = threadIdx.x; i < n * row_bytes; i += blockDim.x) {
-      const int t = i / row_bytes, j = i % row_bytes;
-      const uint16_t* src = k + (static_cast<size_t>(t) * H + h) * D;
-      uint32_t byte = 0;
-      for (int e = 0; e < per_byte; ++e) {
-        const int d = j * per_byte + e;
-        Quant q;
-        q.scale = s_ks[d];
-        q.zero = s_kz[d];
-        byte |= Quantize(Bf16Bits(src[d]), q, qmax) << (e * bits);
-      }
-      page[L.k_codes + (static_cast<size_t>(h) * T + t) * row_bytes + j] =
-          static_cast<uint8_t>(byte);
-    }
-    // Values: one thread per (token, group); G % 8 == 0 keeps groups byte
-    // aligned for both bit widths.
-    for (int i = threadIdx.x; i < n * groups; i += blockDim.x) {
-      const int t = i / groups, g = i % groups;
-      const uint16_t* src = v + (static_cast<size_t>(t) * H + h) * D + g * G;
-      float lo = INFINITY, hi = -INFINITY;
-      for (int d = 0; d < G; ++d) {
-        const float x = Bf16Bits(src[d]);
-        lo = fminf(lo, x);
-        hi = fmaxf(hi, x);
-      }
-      const Quant q = MakeQuant(lo, hi, qmax);
-      const size_t meta = ((static_cast<size_t>(h) * T + t) * groups + g) * 2;
-      *reinterpret_cast<uint16_t*>(page + L.v_scale + meta) = q.scale_bits;
-      *reinterpret_cast<uint16_t*>(page + L.v_zero + meta) = q.zero_bits;
-      uint8_t* row =
-          page + L.v_codes + (static_cast<size_t>(h) * T + t) * row_bytes;
-      for (int jb = 0; jb < G / per_byte; ++jb) {
-        uint32_t byte = 0;
-        for (int e = 0; e < per_byte; ++e) {
-          byte |= Quantize(Bf16Bits(src[jb * per_byte + e]), q, qmax)
-                  << (e * bits);
+  if (key) {
+    const int gk = min(e.group, T);
+    const int groups = T / gk;
+    for (int h = 0; h < H; ++h) {
+      for (int gi = 0; gi * gk < n; ++gi) {
+        const int t0 = gi * gk, t1 = min(n, t0 + gk);
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+          float lo = INFINITY, hi = -INFINITY;
+          for (int t = t0; t < t1; ++t) {
+            const float x =
+                Bf16Bits(src[(static_cast<size_t>(t) * H + h) * D + d]);
+            lo = fminf(lo, x);
+            hi = fmaxf(hi, x);
+          }
+          const Quant q = MakeQuant(lo, hi, qmax, e.sdt);
+          const size_t meta = (static_cast<size_t>(h) * groups + gi) * D + d;
+          StoreMeta(page + L.scale, meta, q.scale_bits, e.sdt);
+          StoreMeta(page + L.zero, meta, q.zero_bits, e.sdt);
+          s_ks[d] = q.scale;
+          s_kz[d] = q.zero;
         }
-        row[(g * G) / per_byte + jb] = static_cast<uint8_t>(byte);
+        __syncthreads();
+        for (int i = threadIdx.x; i < (t1 - t0) * row_bytes; i += blockDim.x) {
+          const int t = t0 + i / row_bytes, j = i % row_bytes;
+          const uint16_t* x = src + (static_cast<size_t>(t) * H + h) * D;
+          uint32_t byte = 0;
+          for (int b = 0; b < per_byte; ++b) {
+            const int d = j * per_byte + b;
+            Quant q;
+            q.scale = s_ks[d];
+            q.zero = s_kz[d];
+            byte |= Quantize(Bf16Bits(x[d]), q, qmax) << (b * bits);
+          }
+          page[L.codes + (static_cast<size_t>(h) * T + t) * row_bytes + j] =
+              static_cast<uint8_t>(byte);
+        }
+        __syncthreads();  // s_ks/s_kz are rewritten for the next group
       }
     }
-    __syncthreads();  // s_ks/s_kz are rewritten for the next head
+    return;
+  }
+  // Values: one thread per (head, token, group); Gv % 8 == 0 keeps groups
+  // byte aligned for every bit width.
+  const int gv = min(e.group, D);
+  const int groups = D / gv;
+  for (int i = threadIdx.x; i < H * n * groups; i += blockDim.x) {
+    const int g = i % groups, t = (i / groups) % n, h = i / (groups * n);
+    const uint16_t* x = src + (static_cast<size_t>(t) * H + h) * D + g * gv;
+    float lo = INFINITY, hi = -INFINITY;
+    for (int d = 0; d < gv; ++d) {
+      lo = fminf(lo, Bf16Bits(x[d]));
+      hi = fmaxf(hi, Bf16Bits(x[d]));
+    }
+    const Quant q = MakeQuant(lo, hi, qmax, e.sdt);
+    const size_t meta = (static_cast<size_t>(h) * T + t) * groups + g;
+    StoreMeta(page + L.scale, meta, q.scale_bits, e.sdt);
+    StoreMeta(page + L.zero, meta, q.zero_bits, e.sdt);
+    uint8_t* row =
+        page + L.codes + (static_cast<size_t>(h) * T + t) * row_bytes;
+    for (int jb = 0; jb < gv / per_byte; ++jb) {
+      uint32_t byte = 0;
+      for (int b = 0; b < per_byte; ++b) {
+        byte |= Quantize(Bf16Bits(x[jb * per_byte + b]), q, qmax) << (b * bits);
+      }
+      row[(g * gv) / per_byte + jb] = static_cast<uint8_t>(byte);
+    }
   }
 }
 
-// ---- Shared decode of 8 consecutive dims
-// ---------------------------------------
+// One CTA per page: zero the page, then encode K and V.
+__global__ void EncodeKernel(PageShape shape, const DevicePage* pages,
+                             const uint16_t* k_in, const uint16_t* v_in) {
+  __shared__ float s_ks[kMaxHeadDim];
+  __shared__ float s_kz[kMaxHeadDim];
+  __shared__ unsigned s_amax;
+  const DevicePage pg = pages[blockIdx.x];
+  const DevEnc e = Unpack(pg.format);
+  if (!Supported(e, shape)) return;
+  const int T = shape.tokens, H = shape.heads, D = shape.head_dim;
+  const int n = min(max(pg.num_tokens, 0), T);
+  const PageLayout L = LayoutOf(e, shape);
+  uint8_t* page = pg.data;
+  const size_t in_base = static_cast<size_t>(blockIdx.x) * T * H * D;
+  uint4* page16 = reinterpret_cast<uint4*>(page);
+  for (size_t i = threadIdx.x; i < L.total / 16; i += blockDim.x)
+    page16[i] = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  EncodeTensor(e.k, true, e, shape, L.k, n, k_in + in_base, page, s_ks, s_kz,
+               &s_amax);
+  __syncthreads();
+  EncodeTensor(e.v, false, e, shape, L.v, n, v_in + in_base, page, s_ks, s_kz,
+               &s_amax);
+}
 
-// Codes of dims [d0, d0 + 8) of row (h, t) in a code section, as floats
-// (BF16: the values themselves). Row byte offsets are multiples of the load
-// width because D % 8 == 0 and sections are 16-byte aligned.
-__device__ __forceinline__ void LoadRow8(int fmt, const uint8_t* section, int T,
-                                         int D, int h, int t, int d0,
-                                         float* out) {
+// ---- Shared decode of 8 consecutive dims ---------------------------------
+
+// Dims [d0, d0 + 8) of row (h, t) of one tensor, dequantized. Row byte
+// offsets are multiples of the load width because D % 8 == 0 and sections
+// are 16-byte aligned. Same operations as DecodePage (explicit rounding so
+// no FMA contraction changes a value).
+__device__ __forceinline__ void LoadRow8(int f, bool key, const DevEnc& e,
+                                         const TensorLayout& L,
+                                         const uint8_t* page,
+                                         const PageShape& s, int h, int t,
+                                         int d0, float* out) {
+  const int T = s.tokens, D = s.head_dim;
   const size_t row = static_cast<size_t>(h) * T + t;
-  if (fmt == 1) {
-    const uint4 w =
-        *reinterpret_cast<const uint4*>(section + (row * D + d0) * 2);
+  const uint8_t* codes = page + L.codes;
+  if (f == 1) {
+    const uint4 w = *reinterpret_cast<const uint4*>(codes + (row * D + d0) * 2);
     const uint32_t u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       out[2 * i] = Bf16Bits(u[i] & 0xffffu);
       out[2 * i + 1] = Bf16Bits(u[i] >> 16);
     }
-  } else if (fmt == 2) {
-    const uint32_t w =
-        *reinterpret_cast<const uint32_t*>(section + row * (D / 2) + d0 / 2);
+    return;
+  }
+  uint32_t c[8];
+  if (f == 4 || f == 5) {
+    const uint2 w = *reinterpret_cast<const uint2*>(codes + row * D + d0);
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      out[i] = static_cast<float>((w >> (4 * i)) & 0xfu);
+    for (int i = 0; i < 4; ++i) {
+      c[i] = (w.x >> (8 * i)) & 0xffu;
+      c[4 + i] = (w.y >> (8 * i)) & 0xffu;
+    }
+  } else if (f == 2) {
+    const uint32_t w =
+        *reinterpret_cast<const uint32_t*>(codes + row * (D / 2) + d0 / 2);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) c[i] = (w >> (4 * i)) & 0xfu;
   } else {
     const uint32_t w =
-        *reinterpret_cast<const uint16_t*>(section + row * (D / 4) + d0 / 4);
+        *reinterpret_cast<const uint16_t*>(codes + row * (D / 4) + d0 / 4);
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      out[i] = static_cast<float>((w >> (2 * i)) & 0x3u);
+    for (int i = 0; i < 8; ++i) c[i] = (w >> (2 * i)) & 0x3u;
   }
+  if (f == 4) {
+    const float scale = *reinterpret_cast<const float*>(
+        page + L.scale + 4 * static_cast<size_t>(h));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = __fmul_rn(Fp8ToFloat(c[i]), scale);
+    return;
+  }
+  if (key) {
+    const int gk = min(e.group, T);
+    const size_t base = (static_cast<size_t>(h) * (T / gk) + t / gk) * D + d0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      out[i] = __fadd_rn(__fmul_rn(static_cast<float>(c[i]),
+                                   LoadMeta(page + L.scale, base + i, e.sdt)),
+                         LoadMeta(page + L.zero, base + i, e.sdt));
+    }
+    return;
+  }
+  const int gv = min(e.group, D);
+  const size_t m = row * (D / gv) + d0 / gv;
+  const float sc = LoadMeta(page + L.scale, m, e.sdt);
+  const float z = LoadMeta(page + L.zero, m, e.sdt);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    out[i] = __fadd_rn(__fmul_rn(static_cast<float>(c[i]), sc), z);
 }
 
-// Value meta (scale, zero) for row (h, t), group of dim d0.
-__device__ __forceinline__ void LoadVMeta(const uint8_t* page,
-                                          const PageLayout& L, int T, int D,
-                                          int G, int h, int t, int d0, float* s,
-                                          float* z) {
-  const int groups = D / G;
-  const size_t off = ((static_cast<size_t>(h) * T + t) * groups + d0 / G) * 2;
-  *s = HalfBits(LoadU16(page + L.v_scale + off));
-  *z = HalfBits(LoadU16(page + L.v_zero + off));
-}
-
-// ---- Decode
-// --------------------------------------------------------------------
+// ---- Decode ----------------------------------------------------------------
 
 // One CTA per (page, head); one thread per (token, 8-dim chunk).
-__global__ void DecodeKernel(PageShape shape, LayoutTable lt,
-                             const DevicePage* pages, float* k_out,
-                             float* v_out) {
-  __shared__ float s_ks[kMaxHeadDim];
-  __shared__ float s_kz[kMaxHeadDim];
+__global__ void DecodeKernel(PageShape shape, const DevicePage* pages,
+                             float* k_out, float* v_out) {
   const int H = shape.heads;
   const int pi = blockIdx.x / H, h = blockIdx.x % H;
   const DevicePage pg = pages[pi];
-  if (!ValidFormat(pg.format)) return;
+  const DevEnc e = Unpack(pg.format);
+  const bool ok = Supported(e, shape);
   const int T = shape.tokens, D = shape.head_dim;
-  const int G = shape.value_group > 0 ? shape.value_group : min(32, D);
   const int n = min(max(pg.num_tokens, 0), T);
-  const PageLayout& L = lt.l[pg.format];
-  const uint8_t* page = pg.data;
-  const bool quant = pg.format != 1;
-  if (quant && k_out != nullptr) {
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      s_ks[d] = HalfBits(
-          LoadU16(page + L.k_scale + (static_cast<size_t>(h) * D + d) * 2));
-      s_kz[d] = HalfBits(
-          LoadU16(page + L.k_zero + (static_cast<size_t>(h) * D + d) * 2));
-    }
-  }
-  __syncthreads();
+  const PageLayout L = LayoutOf(e, shape);
   const int chunks = D / 8;
   for (int i = threadIdx.x; i < n * chunks; i += blockDim.x) {
     const int t = i / chunks, d0 = (i % chunks) * 8;
     const size_t dst = ((static_cast<size_t>(pi) * T + t) * H + h) * D + d0;
     float x[8];
     if (k_out != nullptr) {
-      LoadRow8(pg.format, page + L.k_codes, T, D, h, t, d0, x);
-      if (quant) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          x[e] = __fadd_rn(__fmul_rn(x[e], s_ks[d0 + e]), s_kz[d0 + e]);
+      if (ok) {
+        LoadRow8(e.k, true, e, L.k, pg.data, shape, h, t, d0, x);
+      } else {
+        for (int j = 0; j < 8; ++j) x[j] = __uint_as_float(0x7fc00000u);
       }
 #pragma unroll
-      for (int e = 0; e < 8; ++e) k_out[dst + e] = x[e];
+      for (int j = 0; j < 8; ++j) k_out[dst + j] = x[j];
     }
     if (v_out != nullptr) {
-      LoadRow8(pg.format, page + L.v_codes, T, D, h, t, d0, x);
-      if (quant) {
-        float s, z;
-        LoadVMeta(page, L, T, D, G, h, t, d0, &s, &z);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) x[e] = __fadd_rn(__fmul_rn(x[e], s), z);
+      if (ok) {
+        LoadRow8(e.v, false, e, L.v, pg.data, shape, h, t, d0, x);
+      } else {
+        for (int j = 0; j < 8; ++j) x[j] = __uint_as_float(0x7fc00000u);
       }
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v_out[dst + e] = x[e];
+      for (int j = 0; j < 8; ++j) v_out[dst + j] = x[j];
     }
   }
 }
@@ -346,7 +512,7 @@ struct AttnSmem {
 // weighted V sum (one thread per (query head, dim)).
 template <int kD>
 __global__ void __launch_bounds__(kAttnThreads)
-    AttentionKernel(PageShape shape, LayoutTable lt, int n_q_heads, float scale,
+    AttentionKernel(PageShape shape, int n_q_heads, float scale,
                     const float* __restrict__ q, float* __restrict__ out,
                     const DevicePage* __restrict__ pages,
                     const int32_t* __restrict__ indptr,
@@ -354,7 +520,6 @@ __global__ void __launch_bounds__(kAttnThreads)
   extern __shared__ float smem[];
   const int H = shape.heads, T = shape.tokens;
   const int D = kD > 0 ? kD : shape.head_dim;
-  const int G = shape.value_group > 0 ? shape.value_group : min(32, D);
   const int group = n_q_heads / H;
   const int b = blockIdx.x / H, h = blockIdx.x % H;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -362,8 +527,6 @@ __global__ void __launch_bounds__(kAttnThreads)
   const AttnSmem plan(group, D);
   float* s_q = smem + plan.q;
   float* s_acc = smem + plan.acc;
-  float* s_ks = smem + plan.ks;
-  float* s_kz = smem + plan.kz;
   float* s_kt = smem + plan.kt;
   float* s_vt = smem + plan.vt;
   float* s_sc = smem + plan.sc;
@@ -385,43 +548,28 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int first = indptr[b], last = indptr[b + 1];
   int remaining = attend_tokens[b];
   const int chunks = D / 8;
+  bool poisoned = false;
   for (int pi = first; pi < last && remaining > 0; ++pi) {
     const DevicePage pg = pages[pi];
-    if (!ValidFormat(pg.format)) continue;
+    const DevEnc e = Unpack(pg.format);
+    if (!Supported(e, shape)) {  // never silently wrong: NaN output
+      poisoned = true;
+      break;
+    }
     const int n = min(min(max(pg.num_tokens, 0), T), remaining);
     remaining -= n;
-    const PageLayout& L = lt.l[pg.format];
+    const PageLayout L = LayoutOf(e, shape);
     const uint8_t* page = pg.data;
-    const bool quant = pg.format != 1;
-    if (quant) {
-      for (int d = tid; d < D; d += kAttnThreads) {
-        s_ks[d] = HalfBits(
-            LoadU16(page + L.k_scale + (static_cast<size_t>(h) * D + d) * 2));
-        s_kz[d] = HalfBits(
-            LoadU16(page + L.k_zero + (static_cast<size_t>(h) * D + d) * 2));
-      }
-      __syncthreads();
-    }
     for (int t0 = 0; t0 < n; t0 += kTile) {
       const int nt = min(kTile, n - t0);
       // Decode the tile.
       for (int i = tid; i < nt * chunks; i += kAttnThreads) {
         const int tt = i / chunks, d0 = (i % chunks) * 8;
         float x[8];
-        LoadRow8(pg.format, page + L.k_codes, T, D, h, t0 + tt, d0, x);
-        if (quant) {
+        LoadRow8(e.k, true, e, L.k, page, shape, h, t0 + tt, d0, x);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x[e] = x[e] * s_ks[d0 + e] + s_kz[d0 + e];
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s_kt[tt * (D + 1) + d0 + e] = x[e];
-        LoadRow8(pg.format, page + L.v_codes, T, D, h, t0 + tt, d0, x);
-        if (quant) {
-          float s, z;
-          LoadVMeta(page, L, T, D, G, h, t0 + tt, d0, &s, &z);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) x[e] = x[e] * s + z;
-        }
+        for (int j = 0; j < 8; ++j) s_kt[tt * (D + 1) + d0 + j] = x[j];
+        LoadRow8(e.v, false, e, L.v, page, shape, h, t0 + tt, d0, x);
         *reinterpret_cast<float4*>(s_vt + tt * D + d0) =
             make_float4(x[0], x[1], x[2], x[3]);
         *reinterpret_cast<float4*>(s_vt + tt * D + d0 + 4) =
@@ -466,7 +614,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   float* o = out + q_base;
   for (int i = tid; i < group * D; i += kAttnThreads) {
     const float l = s_l[i / D];
-    o[i] = l > 0.f ? s_acc[i] / l : 0.f;
+    o[i] = poisoned ? __uint_as_float(0x7fc00000u)
+                    : (l > 0.f ? s_acc[i] / l : 0.f);
   }
 }
 
@@ -486,12 +635,6 @@ absl::Status ValidateShape(const PageShape& s) {
     return absl::InvalidArgumentError(
         absl::StrCat("shape.head_dim must be a multiple of 8 in [8, 256], got ",
                      s.head_dim));
-  }
-  const int g = s.ValueGroup();
-  if (g < 8 || g % 8 != 0 || s.head_dim % g != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shape.value_group must be a multiple of 8 dividing head_dim ",
-        s.head_dim, ", got ", g));
   }
   return absl::OkStatus();
 }
@@ -526,12 +669,32 @@ absl::Status LaunchAttention(const AttentionParams& p, int group) {
   }
   const dim3 grid(static_cast<unsigned>(p.batch) * p.shape.heads);
   kernel<<<grid, kAttnThreads, bytes, p.stream>>>(
-      p.shape, MakeLayoutTable(p.shape), p.n_q_heads, p.scale, p.q, p.out,
-      p.pages, p.page_indptr, p.attend_tokens);
+      p.shape, p.n_q_heads, p.scale, p.q, p.out, p.pages, p.page_indptr,
+      p.attend_tokens);
   return LaunchStatus("DecodeAttentionCuda");
 }
 
 }  // namespace
+
+absl::Status CheckEncodingCuda(const Encoding& e, const PageShape& shape) {
+  if (absl::Status s = ValidateShape(shape); !s.ok()) return s;
+  if (const char* why = ValidateEncoding(e, shape); why != nullptr) {
+    char name[64];
+    return absl::InvalidArgumentError(absl::StrCat(
+        "encoding ", EncodingName(e, name, sizeof(name)), ": ", why));
+  }
+  for (Format f : {e.k, e.v}) {
+    if (!CudaFormat(static_cast<int>(f))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          FormatName(f), " is not supported by the CUDA kernels yet"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+PageLayout CudaPageLayout(const Encoding& e, const PageShape& shape) {
+  return LayoutOf(Unpack(PackEncoding(e)), shape);
+}
 
 absl::Status EncodePagesCuda(const EncodePagesParams& p) {
   if (absl::Status s = ValidateShape(p.shape); !s.ok()) return s;
@@ -548,8 +711,8 @@ absl::Status EncodePagesCuda(const EncodePagesParams& p) {
     return absl::InvalidArgumentError(
         "k_bf16 and v_bf16 must be 16-byte aligned");
   }
-  EncodeKernel<<<p.num_pages, kCodecThreads, 0, p.stream>>>(
-      p.shape, MakeLayoutTable(p.shape), p.pages, p.k_bf16, p.v_bf16);
+  EncodeKernel<<<p.num_pages, kCodecThreads, 0, p.stream>>>(p.shape, p.pages,
+                                                            p.k_bf16, p.v_bf16);
   return LaunchStatus("EncodePagesCuda");
 }
 
@@ -569,7 +732,7 @@ absl::Status DecodePagesCuda(const DecodePagesParams& p) {
         absl::StrCat("num_pages * heads too large: ", blocks));
   }
   DecodeKernel<<<static_cast<unsigned>(blocks), kCodecThreads, 0, p.stream>>>(
-      p.shape, MakeLayoutTable(p.shape), p.pages, p.k_out, p.v_out);
+      p.shape, p.pages, p.k_out, p.v_out);
   return LaunchStatus("DecodePagesCuda");
 }
 

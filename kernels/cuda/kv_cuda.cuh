@@ -12,13 +12,19 @@
 // Shape requirements (checked on the host; a violation returns
 // INVALID_ARGUMENT naming the field and value, nothing is launched):
 //   1 <= shape.tokens <= 4096, shape.heads >= 1,
-//   head_dim a multiple of 8 in [8, 256], value group a multiple of 8 that
-//   divides head_dim, every page's data 16-byte aligned (true for cudaMalloc
-//   and for pools sliced at PageBytes, which is a multiple of 16).
-// Per-page fields (format, num_tokens) live in device memory and are not
-// checked on the host: callers build them from validated metadata. A format
-// other than 1..3 makes the kernels skip that page (encode/decode) or treat
-// it as empty (attention).
+//   head_dim a multiple of 8 in [8, 256], every page's data 16-byte aligned
+//   (true for cudaMalloc and for pools sliced at PageBytes, a multiple of 16).
+//
+// Encodings: each page carries its own (DevicePage::format, packed by
+// PackEncoding). The CUDA kernels support K and V each in BF16, FP8, INT8,
+// INT4, INT2, any combination, groups 32/64/128, FP16 or FP8 metadata. The
+// TQ formats are not supported yet: CheckEncodingCuda returns
+// INVALID_ARGUMENT ("tq4 is not supported by the CUDA kernels yet") for
+// them, and callers must run it on every encoding they put into a page
+// table (per-page fields live in device memory and are not checked on the
+// host). A page whose encoding is unsupported or invalid is never silently
+// misread: encode leaves it untouched, decode writes NaN to its rows, and
+// attention writes NaN to the whole output of the sequence holding it.
 //
 // Launches are asynchronous on `stream`; a launch failure returns INTERNAL
 // with the CUDA error string. Thread contract: functions are reentrant; the
@@ -34,11 +40,32 @@
 
 namespace triax::kernels::cuda {
 
+// Packs an Encoding into DevicePage::format: bits 0-7 K format, 8-15 V
+// format (0 = same as K), 16-23 group (0 = 32), 24-31 ScaleDtype (0 =
+// FP16). A plain static_cast<int32_t>(Format) is therefore the uniform
+// encoding of that format with default options.
+inline int32_t PackEncoding(const Encoding& e) {
+  return static_cast<int32_t>(static_cast<uint32_t>(e.k) |
+                              (static_cast<uint32_t>(e.v) << 8) |
+                              (static_cast<uint32_t>(e.Group()) << 16) |
+                              (static_cast<uint32_t>(e.scale_dtype) << 24));
+}
+
+// OK when the CUDA kernels handle `e` on `shape`; else INVALID_ARGUMENT:
+// the ValidateEncoding reason, or "<format> is not supported by the CUDA
+// kernels yet" for TQ formats, or a shape requirement above.
+absl::Status CheckEncodingCuda(const Encoding& e, const PageShape& shape);
+
+// The layout the kernels compute on the device for an encoding (the same
+// code, compiled for the host); equals ComputeLayout for every supported
+// encoding (tested).
+PageLayout CudaPageLayout(const Encoding& e, const PageShape& shape);
+
 // One page in device memory. 16 bytes, so an array of them is one copy.
 struct DevicePage {
-  uint8_t* data = nullptr;  // PageBytes(format, shape) bytes, 16-byte aligned
+  uint8_t* data = nullptr;  // PageBytes(encoding, shape) bytes, 16-aligned
   int32_t num_tokens = 0;   // valid tokens, 1..shape.tokens
-  int32_t format = 0;       // static_cast<int32_t>(Format)
+  int32_t format = 0;       // PackEncoding(encoding)
 };
 static_assert(sizeof(DevicePage) == 16, "DevicePage is copied as raw bytes");
 

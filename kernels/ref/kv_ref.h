@@ -2,15 +2,20 @@
 // worker's CPU backend runs these directly; CUDA kernels are tested against
 // them.
 //
-// Preconditions (callers validate; nothing is checked here): shape.heads >= 1,
-// 1 <= shape.tokens, head_dim even, and for INT4/INT2 head_dim * bits % 8 ==
-// 0 (INT2: head_dim % 4 == 0) and the value group divides head_dim (the
-// default min(32, D) does for D <= 32 or D % 32 == 0). With valid
-// parameters no function reads or writes outside the buffers described.
+// Preconditions (callers validate; nothing is checked here): every page's
+// encoding passes ValidateEncoding(e, shape) (which also bounds the shape).
+// With valid parameters no function reads or writes outside the buffers
+// described.
+//
+// Numerics: INT scale/zero and the FP8 scale are rounded to their storage
+// type before codes are computed, so decode uses exactly what encode
+// intended. TQ pages decode to the original domain in DecodePage
+// (x = n * R^T c) and are used in the rotated domain by attention.
 //
 // Thread contract: all functions are thread-safe; each thread keeps its own
 // float scratch (thread_local, grown on demand, never shrunk: about
-// 8 * T * D bytes), so repeated attention calls do not allocate.
+// 8 * T * D + 4 * Hq * D floats), so repeated attention calls do not
+// allocate. The TQ tables (tq_codebook.h) are built once on first use.
 #pragma once
 
 #include <cstddef>
@@ -21,14 +26,16 @@
 namespace triax::kernels {
 
 // Encodes tokens [0, num_tokens) of one page from BF16 K and V given
-// token-major ([num_tokens][H][D]) into `page` (PageBytes(f, shape) bytes).
+// token-major ([num_tokens][H][D]) into `page` (PageBytes(e, shape) bytes).
 // 1 <= num_tokens <= shape.tokens; slots past num_tokens are zeroed.
-void EncodePage(Format f, const PageShape& shape, const uint16_t* k_bf16,
-                const uint16_t* v_bf16, int num_tokens, uint8_t* page);
+// ValidateEncoding(e, shape) must have returned nullptr.
+void EncodePage(const Encoding& e, const PageShape& shape,
+                const uint16_t* k_bf16, const uint16_t* v_bf16, int num_tokens,
+                uint8_t* page);
 
 // Decodes tokens [0, num_tokens) of a page into float32, token-major
 // ([num_tokens][H][D]). Either output may be null.
-void DecodePage(Format f, const PageShape& shape, const uint8_t* page,
+void DecodePage(const Encoding& e, const PageShape& shape, const uint8_t* page,
                 int num_tokens, float* k_out, float* v_out);
 
 // Writes token `t` (H*D BF16 values each for K and V, [H][D]) into a BF16
@@ -38,13 +45,14 @@ void WriteBf16Token(const PageShape& shape, const uint16_t* k_bf16,
 
 // One page of a sequence as attention sees it, in sequence order.
 struct PageRef {
-  Format format = Format::kBF16;
+  Encoding encoding;  // K and V formats of this page
   const uint8_t* data = nullptr;
   int num_tokens = 0;  // valid tokens in this page, 1..shape.tokens
 };
 
 // Decode attention for one query vector set over a list of pages of mixed
-// formats (the BF16 recent window is simply BF16 pages at the end).
+// encodings (the BF16 recent window is simply BF16 pages at the end). TQ
+// keys and values are used in the rotated domain (layout.h).
 //   q:   float32 [n_q_heads][D]; query head h uses KV head h / (Hq / H)
 //   out: float32 [n_q_heads][D]
 //   Tokens attended: the first `attend_tokens` tokens of the concatenated

@@ -13,6 +13,7 @@
 namespace triax::testing {
 namespace {
 
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
@@ -102,6 +103,48 @@ TEST_F(KvctlTest, ShowsWorkersTenantsSequencesTracesAndEvents) {
   EXPECT_THAT(err_, HasSubstr("usage: kvctl"));
   EXPECT_EQ(Kvctl({"frobnicate"}), 2);
   EXPECT_EQ(Kvctl({"budget-set", "ops", "--tier=moon"}), 2);
+}
+
+TEST_F(KvctlTest, PoliciesPolicyPutAndDemote) {
+  ASSERT_EQ(Kvctl({"policies"}), 0) << err_;
+  EXPECT_THAT(out_, HasSubstr("triaxial-static  yes"));
+  EXPECT_THAT(out_, HasSubstr("temporal=older:int2"));
+  EXPECT_THAT(out_, HasSubstr("*:tq3"));
+  ASSERT_EQ(Kvctl({"policy-put", "mixed", "temporal=sink:bf16",
+                   "role=system:k=fp8,v=int4,g=64,scale=fp8", "*:int4"}),
+            0)
+      << err_;
+  EXPECT_THAT(out_, HasSubstr("role=system:k=fp8,v=int4,g=64,scale=fp8"));
+  // The server's validation: the last rule must be a catch-all.
+  EXPECT_EQ(Kvctl({"policy-put", "broken", "role=user:int4"}), 1);
+  EXPECT_THAT(err_, StartsWith("kvctl: INVALID_ARGUMENT: "));
+  EXPECT_THAT(err_, HasSubstr("policy.rules[0] (the last rule"));
+  // Local syntax errors are usage errors.
+  EXPECT_EQ(Kvctl({"policy-put", "broken", "role=boss:int4"}), 2);
+  EXPECT_THAT(err_, HasSubstr("bad value in \"role=boss\""));
+
+  ASSERT_THAT(cluster_->CreateTenant("ops"), IsOk());
+  auto client = cluster_->NewClient("ops");
+  ASSERT_THAT(client, IsOk());
+  auto seq = (*client)->Open(
+      SmallModel(), {MakeSpan(triax::v1::ROLE_SYSTEM, 32)}, "mixed", 16);
+  ASSERT_THAT(seq, IsOk());
+  ASSERT_EQ(Kvctl({"sequence", seq->sequence_id}), 0) << err_;
+  EXPECT_THAT(out_, ContainsRegex("fp8 +int4 +64 +fp8"));
+  const std::string lineage = absl::StrCat(seq->blocks[1].lineage_id());
+  ASSERT_EQ(
+      Kvctl({"demote", seq->sequence_id, lineage, "int2", "--tenant=ops"}), 0)
+      << err_;
+  EXPECT_THAT(out_, HasSubstr("bytes_delta: -"));
+  EXPECT_THAT(out_, ContainsRegex("int2 +int2 +32 +fp16"));
+  EXPECT_EQ(Kvctl({"demote", seq->sequence_id, lineage, "int2"}), 2);
+  EXPECT_THAT(err_, HasSubstr("--tenant is required"));
+  ASSERT_THAT(cluster_->CreateTenant("intruder"), IsOk());
+  EXPECT_EQ(
+      Kvctl({"demote", seq->sequence_id, lineage, "int4", "--tenant=intruder"}),
+      1);
+  EXPECT_THAT(err_, StartsWith("kvctl: PERMISSION_DENIED: "));
+  EXPECT_THAT((*client)->Close(*seq), IsOk());
 }
 
 }  // namespace
