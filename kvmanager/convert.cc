@@ -91,6 +91,16 @@ Span FromProto(const v1::Span& p) {
               p.num_tokens()};
 }
 
+RenderedText FromProto(const v1::RenderedText& p) {
+  RenderedText d;
+  d.text = p.text();
+  d.chat_template = static_cast<ChatTemplate>(p.chat_template());
+  d.token_offsets.assign(p.token_offsets().begin(), p.token_offsets().end());
+  d.bos_tokens = p.bos_tokens();
+  d.continues = static_cast<Role>(p.continues());
+  return d;
+}
+
 OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p) {
   OpenSequenceRequest d;
   d.request_id = p.request_id();
@@ -100,6 +110,7 @@ OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p) {
   for (const auto& s : p.spans()) d.spans.push_back(FromProto(s));
   d.block_tokens = p.block_tokens();
   d.policy = p.policy();
+  if (p.has_rendered()) d.rendered = FromProto(p.rendered());
   return d;
 }
 
@@ -112,6 +123,7 @@ ExtendSequenceRequest FromProto(const v1::ExtendSequenceRequest& p) {
   for (const auto& s : p.spans()) d.spans.push_back(FromProto(s));
   d.new_turn = p.new_turn();
   d.continue_last_span = p.continue_last_span();
+  if (p.has_rendered()) d.rendered = FromProto(p.rendered());
   return d;
 }
 

@@ -23,6 +23,7 @@ EventFilter FromProto(const v1::WatchEventsRequest& p);
 Budget FromProto(const v1::Budget& p);
 ModelShape FromProto(const v1::ModelShape& p);
 Span FromProto(const v1::Span& p);
+RenderedText FromProto(const v1::RenderedText& p);
 PutPolicyRequest FromProto(const v1::PutPolicyRequest& p);
 PolicyInfo FromProto(const v1::Policy& p);
 DemoteBlocksRequest FromProto(const v1::DemoteBlocksRequest& p);

@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
+#include "kvmanager/tagger.h"
 
 namespace triax::manager {
 
@@ -118,9 +119,43 @@ absl::StatusOr<uint64_t> ValidateSpans(const std::vector<Span>& spans) {
       return absl::InvalidArgumentError(
           absl::StrCat("spans[", i, "].num_tokens is 0; it must be >= 1"));
     }
+    if (i > 0 && s.turn_offset < spans[i - 1].turn_offset) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spans[", i, "].turn_offset ", s.turn_offset, " is below spans[",
+          i - 1, "].turn_offset ", spans[i - 1].turn_offset));
+    }
     total += s.num_tokens;
   }
+  // At most one turn per token (the tagger never makes more).
+  if (spans.back().turn_offset > total) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spans end in turn_offset ", spans.back().turn_offset,
+                     ", more than their ", total, " tokens"));
+  }
   return total;
+}
+
+// The spans of a request: its explicit spans, or the tagger's spans of its
+// rendered text (into *storage). Exactly one of them must be given.
+absl::StatusOr<const std::vector<Span>*> RequestSpans(
+    const std::vector<Span>& spans, const std::optional<RenderedText>& rendered,
+    TurnNumbering numbering, std::vector<Span>* storage) {
+  if (!rendered.has_value() && spans.empty()) {
+    return absl::InvalidArgumentError(
+        "spans is empty and rendered is not set; exactly one of spans and "
+        "rendered must be given");
+  }
+  if (rendered.has_value() && !spans.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spans has ", spans.size(),
+        " entries and rendered is set; exactly one of spans and rendered "
+        "must be given"));
+  }
+  if (!rendered.has_value()) return &spans;
+  TRIAX_ASSIGN_OR_RETURN(std::vector<TaggedSpan> tagged,
+                         TagRendered(*rendered, numbering));
+  *storage = ToSpans(tagged);
+  return storage;
 }
 
 Modality Normalize(Modality m) {
@@ -712,7 +747,11 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", req.tenant_id));
   TRIAX_RETURN_IF_ERROR(ValidateModel(req.model));
-  TRIAX_ASSIGN_OR_RETURN(const uint64_t total, ValidateSpans(req.spans));
+  std::vector<Span> tagged;
+  TRIAX_ASSIGN_OR_RETURN(
+      const std::vector<Span>* spans,
+      RequestSpans(req.spans, req.rendered, TurnNumbering::kOpen, &tagged));
+  TRIAX_ASSIGN_OR_RETURN(const uint64_t total, ValidateSpans(*spans));
   const uint32_t T =
       req.block_tokens == 0 ? options_.default_block_tokens : req.block_tokens;
   if (T > kMaxBlockTokens) {
@@ -724,7 +763,9 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
         "spans hold ", total, " tokens; the limit is ", kMaxSequenceTokens));
   }
   uint64_t num_blocks = 0;
-  for (const Span& s : req.spans) num_blocks += CeilDiv(s.num_tokens, T);
+  for (const Span& s : *spans) num_blocks += CeilDiv(s.num_tokens, T);
+  // Spans of several turns (rendered text): the last one is current.
+  const uint32_t last_turn = spans->back().turn_offset;
   if (num_blocks > kMaxSequenceBlocks) {
     return absl::InvalidArgumentError(
         absl::StrCat("spans need ", num_blocks, " blocks of ", T,
@@ -752,13 +793,14 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   planned.reserve(num_blocks);
   uint64_t bytes = 0;
   uint64_t pos = 0;
-  for (const Span& sp : req.spans) {
+  for (const Span& sp : *spans) {
     for (uint32_t done = 0; done < sp.num_tokens;) {
       const uint32_t n = std::min(T, sp.num_tokens - done);
-      planned.push_back(PlannedBlock{pos, n, sp.role, Normalize(sp.modality)});
-      const Tag tag{
-          TemporalFor(static_cast<uint32_t>(planned.size() - 1), 0, 0),
-          Normalize(sp.modality), sp.role};
+      planned.push_back(PlannedBlock{pos, n, sp.role, Normalize(sp.modality),
+                                     sp.turn_offset});
+      const Tag tag{TemporalFor(static_cast<uint32_t>(planned.size() - 1),
+                                sp.turn_offset, last_turn),
+                    Normalize(sp.modality), sp.role};
       bytes += BlockBytes(req.model, T, policy->EncodingFor(tag));
       pos += n;
       done += n;
@@ -769,11 +811,17 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
 
   s->id = absl::StrCat("seq-", next_sequence_++);
   s->worker = worker;
+  s->current_turn = last_turn;
   s->turn_start.push_back(0);
   s->blocks.reserve(planned.size());
   std::vector<Event> ev;
   ev.reserve(planned.size() + 1);
-  for (const PlannedBlock& pb : planned) NewBlockLocked(s, pb, 0, &ev);
+  for (const PlannedBlock& pb : planned) {
+    while (s->turn_start.size() <= pb.turn) {
+      s->turn_start.push_back(static_cast<uint32_t>(s->blocks.size()));
+    }
+    NewBlockLocked(s, pb, pb.turn, &ev);
+  }
   s->num_tokens = total;
   tenant->open_sequences++;
   worker->open.insert(s);
@@ -792,7 +840,16 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
 absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
     const ExtendSequenceRequest& req) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
-  TRIAX_ASSIGN_OR_RETURN(const uint64_t total, ValidateSpans(req.spans));
+  if (req.rendered.has_value() && req.new_turn) {
+    return absl::InvalidArgumentError(
+        "new_turn is true with rendered; the user messages of the rendered "
+        "text start turns, so new_turn must be false");
+  }
+  std::vector<Span> tagged;
+  TRIAX_ASSIGN_OR_RETURN(
+      const std::vector<Span>* spans,
+      RequestSpans(req.spans, req.rendered, TurnNumbering::kContinue, &tagged));
+  TRIAX_ASSIGN_OR_RETURN(const uint64_t total, ValidateSpans(*spans));
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("ExtendSequence/", req.tenant_id);
   if (auto hit = extend_cache_.Find(cache_key, req.request_id))
@@ -801,34 +858,43 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
       Sequence * s,
       FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id));
   const uint32_t T = s->block_tokens;
-  const uint32_t turn = req.new_turn ? s->current_turn + 1 : s->current_turn;
+  // The turn of the first span; spans of rendered text may start later ones.
+  const uint32_t prev = s->current_turn;
+  const uint32_t base = req.new_turn ? prev + 1 : prev;
+  const uint32_t first_turn = base + spans->front().turn_offset;
+  const uint32_t turn = base + spans->back().turn_offset;  // the new current
 
   // How many of the first span's tokens fill the last block's free slots.
   Block* last = s->blocks.back();
   uint32_t fill = 0;
   if (req.continue_last_span && last->refcount == 1 &&
-      last->tag.role == req.spans[0].role &&
-      last->tag.modality == Normalize(req.spans[0].modality)) {
-    fill = std::min(last->capacity - last->num_tokens, req.spans[0].num_tokens);
+      last->tag.role == (*spans)[0].role &&
+      last->tag.modality == Normalize((*spans)[0].modality)) {
+    fill = std::min(last->capacity - last->num_tokens, (*spans)[0].num_tokens);
   }
   if (s->num_tokens + total > kMaxSequenceTokens) {
     return absl::InvalidArgumentError(absl::StrCat(
         "spans bring sequence_id ", Quote(s->id), " to ", s->num_tokens + total,
         " tokens; the limit is ", kMaxSequenceTokens));
   }
-  // Plan the new blocks; temporal of a new block is CURRENT_TURN (never the
-  // sink: the sequence already has its first block).
+  // Plan the new blocks (never the sink: the sequence already has its first
+  // block); the temporal class is taken against the new current turn.
   std::vector<PlannedBlock> planned;
   uint64_t pos = s->num_tokens;
   uint64_t bytes = 0;
   pos += fill;
-  for (size_t i = 0; i < req.spans.size(); ++i) {
-    const Span& sp = req.spans[i];
+  for (size_t i = 0; i < spans->size(); ++i) {
+    const Span& sp = (*spans)[i];
+    const uint32_t sp_turn = base + sp.turn_offset;
     uint32_t done = i == 0 ? fill : 0;
     while (done < sp.num_tokens) {
       const uint32_t n = std::min(T, sp.num_tokens - done);
-      planned.push_back(PlannedBlock{pos, n, sp.role, Normalize(sp.modality)});
-      const Tag tag{Temporal::kCurrentTurn, Normalize(sp.modality), sp.role};
+      planned.push_back(
+          PlannedBlock{pos, n, sp.role, Normalize(sp.modality), sp_turn});
+      const Tag tag{TemporalFor(static_cast<uint32_t>(s->blocks.size() +
+                                                      planned.size() - 1),
+                                sp_turn, turn),
+                    Normalize(sp.modality), sp.role};
       bytes += BlockBytes(s->model, T, s->policy->EncodingFor(tag));
       pos += n;
       done += n;
@@ -847,24 +913,36 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   ExtendSequenceResult result;
   std::vector<Event> ev;
   ev.reserve(planned.size() + 8);
-  if (req.new_turn) {
+  if (turn > prev) {
     s->current_turn = turn;
-    s->turn_start.push_back(static_cast<uint32_t>(s->blocks.size()));
+    // Turn t starts at the first new block of a turn >= t.
+    size_t k = 0;
+    for (uint32_t t = prev + 1; t <= turn; ++t) {
+      while (k < planned.size() && planned[k].turn < t) ++k;
+      s->turn_start.push_back(static_cast<uint32_t>(s->blocks.size() + k));
+    }
   }
   if (fill > 0) {
     last->num_tokens += fill;
-    last->turn = turn;
+    last->turn = first_turn;
   }
-  if (req.new_turn) {
-    // Only turns turn-1 and turn-1-recent_turns change class.
-    std::vector<uint32_t> aged = {turn - 1};
-    if (turn >= options_.recent_turns + 1 && options_.recent_turns > 0) {
-      aged.push_back(turn - 1 - options_.recent_turns);
+  if (turn > prev) {
+    // Only turns whose class changes are visited: the previous current turn
+    // (now recent or older) and the turns that fall out of the recent window
+    // (prev-R .. turn-R-1), so the cost is O(changed).
+    const uint32_t R = options_.recent_turns;
+    std::vector<uint32_t> aged = {prev};
+    if (prev > 0 && turn >= R + 1) {
+      const uint32_t lo = prev >= R ? prev - R : 0;
+      const uint32_t hi = std::min(prev - 1, turn - R - 1);
+      for (uint32_t t = lo; t <= hi; ++t) aged.push_back(t);
     }
     for (uint32_t t : aged) {
       uint32_t begin = s->turn_start[t];
       if (begin > 0) --begin;  // a block grown into turn t sits just before it
-      const uint32_t end = s->turn_start[t + 1];
+      // Existing blocks only: the new ones are created with their final tag.
+      const uint32_t end = std::min<uint32_t>(
+          s->turn_start[t + 1], static_cast<uint32_t>(s->blocks.size()));
       for (uint32_t i = begin; i < end; ++i) {
         Block* b = s->blocks[i];
         if (b->turn != t) continue;
@@ -895,13 +973,13 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
     result.grown_blocks.push_back(PlanOf(*last));
   }
   for (const PlannedBlock& pb : planned) {
-    result.new_blocks.push_back(PlanOf(*NewBlockLocked(s, pb, turn, &ev)));
+    result.new_blocks.push_back(PlanOf(*NewBlockLocked(s, pb, pb.turn, &ev)));
   }
   s->num_tokens += total;
   Event e = MakeEvent(EventKind::kSequenceExtended, s, nullptr);
   e.detail = absl::StrCat(
       "new_blocks=", planned.size(), " filled_tokens=", fill, " tokens=", total,
-      " new_turn=", req.new_turn ? "true" : "false", " turn=", s->current_turn);
+      " new_turn=", turn > prev ? "true" : "false", " turn=", s->current_turn);
   ev.push_back(std::move(e));
   result.sequence = InfoLocked(*s, /*with_blocks=*/true);
   events_.Append(&ev);

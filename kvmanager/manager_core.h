@@ -192,6 +192,7 @@ class ManagerCore {
     uint32_t num_tokens;
     Role role;
     Modality modality;
+    uint32_t turn = 0;  // absolute turn
   };
 
   ManagerCore(const ManagerOptions& options, const Clock* clock);

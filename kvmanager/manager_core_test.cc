@@ -9,9 +9,11 @@
 
 #include <algorithm>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
+#include "kvmanager/tagger.h"
 
 namespace triax::manager {
 namespace {
@@ -1189,6 +1191,221 @@ TEST_F(CoreTest, DemoteRejectsBadRequestsWithoutChanges) {
       core_->PrepareDemote(Demote(
           mine->sequence_id, {To(mine->blocks[0].lineage_id, Format::kINT2)})),
       StatusIs(C::kFailedPrecondition, HasSubstr("closed")));
+}
+
+// --- Rendered text (the tagger) ----------------------------------------------
+
+// A ChatML conversation of `turns` user messages, each answered.
+std::string ChatMl(int turns, int first = 0) {
+  std::string s;
+  if (first == 0) {
+    s = "<|im_start|>system\nYou are a helpful assistant.\n"
+        "{\"name\": \"lookup\", \"parameters\": {}}<|im_end|>\n";
+  }
+  for (int t = first; t < first + turns; ++t) {
+    absl::StrAppend(&s, "<|im_start|>user\nQuestion number ", t,
+                    " <image><|im_end|>\n<|im_start|>assistant\n<think>",
+                    "let me think about it</think><tool_call>[lookup()]",
+                    "</tool_call><|im_end|>\n<|im_start|>tool\nresult ", t,
+                    "<|im_end|>\n<|im_start|>assistant\nAnswer ", t,
+                    "<|im_end|>\n");
+  }
+  return s;
+}
+
+RenderedText ChatMlText(const std::string& text) {
+  RenderedText r;
+  r.text = text;
+  r.chat_template = ChatTemplate::kChatML;
+  return r;
+}
+
+// first_token, num_tokens and tag of every block.
+std::vector<std::tuple<uint64_t, uint32_t, int, int, int>> Plan(
+    const SequenceInfo& s) {
+  std::vector<std::tuple<uint64_t, uint32_t, int, int, int>> out;
+  for (const BlockPlan& b : s.blocks) {
+    out.emplace_back(
+        b.first_token, b.num_tokens, static_cast<int>(b.tag.temporal),
+        static_cast<int>(b.tag.role), static_cast<int>(b.tag.modality));
+  }
+  return out;
+}
+
+// Spans of the tagger grouped by turn.
+std::vector<std::vector<Span>> ByTurn(const RenderedText& r,
+                                      TurnNumbering numbering) {
+  auto tagged = TagRendered(r, numbering);
+  EXPECT_THAT(tagged, IsOk());
+  std::vector<std::vector<Span>> out;
+  if (!tagged.ok()) return out;
+  for (const Span& sp : ToSpans(*tagged)) {
+    if (out.size() <= sp.turn_offset) out.resize(sp.turn_offset + 1);
+    out[sp.turn_offset].push_back(Span{sp.role, sp.modality, sp.num_tokens});
+  }
+  return out;
+}
+
+TEST_F(CoreTest, OpenWithRenderedTextEqualsOpenPlusOneExtendPerTurn) {
+  const RenderedText r = ChatMlText(ChatMl(4));
+  OpenSequenceRequest req;
+  req.tenant_id = "acme";
+  req.model = Model();
+  req.rendered = r;
+  auto rendered = core_->OpenSequence(req);
+  ASSERT_THAT(rendered, IsOk());
+  EXPECT_EQ(rendered->turns, 4u);
+  EXPECT_EQ(rendered->num_tokens, r.text.size());
+  // The same spans, one call per turn.
+  const auto turns = ByTurn(r, TurnNumbering::kOpen);
+  ASSERT_EQ(turns.size(), 4u);
+  auto seq = Open(turns[0]);
+  ASSERT_THAT(seq, IsOk());
+  absl::StatusOr<ExtendSequenceResult> last;
+  for (size_t t = 1; t < turns.size(); ++t) {
+    last = Extend(seq->sequence_id, turns[t], true);
+    ASSERT_THAT(last, IsOk());
+  }
+  EXPECT_EQ(Plan(*rendered), Plan(last->sequence));
+  // Encodings follow the tag at creation: blocks of older turns are created
+  // in their (smaller) formats at once, so the rendered open costs less.
+  EXPECT_LT(rendered->bytes, last->sequence.bytes);
+  for (const BlockPlan& b : rendered->blocks) {
+    if (b.tag.role == Role::kUser && b.tag.modality == Modality::kText) {
+      EXPECT_EQ(b.encoding, b.tag.temporal == Temporal::kOlder ? Format::kINT2
+                            : b.tag.temporal == Temporal::kRecentTurns
+                                ? Format::kINT4
+                                : Format::kBF16)
+          << b.index;
+    }
+  }
+  // Every temporal class, role and modality shows up.
+  std::set<int> temporals, roles, modalities;
+  for (const auto& [first, n, temporal, role, modality] : Plan(*rendered)) {
+    temporals.insert(temporal);
+    roles.insert(role);
+    modalities.insert(modality);
+  }
+  EXPECT_EQ(temporals.size(), 4u);
+  EXPECT_EQ(roles.size(), 8u);
+  EXPECT_EQ(modalities.size(), 2u);
+}
+
+TEST_F(CoreTest, ExtendWithRenderedTextOfSeveralTurnsAgesLikeSeparateCalls) {
+  // Open one turn, then extend with text that finishes the open assistant
+  // message and brings three more user turns (recent_turns = 2).
+  const std::string open_text =
+      ChatMl(1) + "<|im_start|>assistant\n<think>still";
+  RenderedText more =
+      ChatMlText(" thinking</think>Done.<|im_end|>\n" + ChatMl(3, /*first=*/1));
+  more.continues = Role::kReasoning;
+  OpenSequenceRequest oreq;
+  oreq.tenant_id = "acme";
+  oreq.model = Model();
+  oreq.rendered = ChatMlText(open_text);
+  auto a = core_->OpenSequence(oreq);
+  ASSERT_THAT(a, IsOk());
+  ExtendSequenceRequest ereq;
+  ereq.tenant_id = "acme";
+  ereq.sequence_id = a->sequence_id;
+  ereq.rendered = more;
+  ereq.continue_last_span = true;
+  auto ext = core_->ExtendSequence(ereq);
+  ASSERT_THAT(ext, IsOk());
+  EXPECT_EQ(ext->sequence.turns, 4u);
+  EXPECT_EQ(ext->grown_blocks.size(), 1u);  // "<think>still" + " thinking"
+
+  // Reference: the same spans, one call per turn.
+  const auto open_turns = ByTurn(ChatMlText(open_text), TurnNumbering::kOpen);
+  ASSERT_EQ(open_turns.size(), 1u);
+  auto b = Open(open_turns[0]);
+  ASSERT_THAT(b, IsOk());
+  const auto turns = ByTurn(more, TurnNumbering::kContinue);
+  ASSERT_EQ(turns.size(), 4u);
+  std::set<uint64_t> retagged;  // by first token
+  absl::StatusOr<ExtendSequenceResult> last;
+  for (size_t t = 0; t < turns.size(); ++t) {
+    last = Extend(b->sequence_id, turns[t], t > 0, /*cont=*/t == 0);
+    ASSERT_THAT(last, IsOk());
+    for (const BlockPlan& p : last->retagged_blocks) {
+      retagged.insert(p.first_token);
+    }
+  }
+  EXPECT_EQ(Plan(ext->sequence), Plan(last->sequence));
+  // Blocks retagged in one call: those whose class differs from before it.
+  std::set<uint64_t> got;
+  for (const BlockPlan& p : ext->retagged_blocks) got.insert(p.first_token);
+  std::set<uint64_t> changed;
+  for (size_t i = 0; i < a->blocks.size(); ++i) {
+    const BlockPlan& before = a->blocks[i];
+    const BlockPlan& after = ext->sequence.blocks[i];
+    if (before.tag.temporal != after.tag.temporal) {
+      changed.insert(before.first_token);
+    }
+  }
+  EXPECT_EQ(got, changed);
+  EXPECT_FALSE(got.empty());
+  // The sink stays a sink; the newest turn is current.
+  EXPECT_EQ(ext->sequence.blocks.front().tag.temporal, Temporal::kSink);
+  EXPECT_EQ(ext->sequence.blocks.back().tag.temporal, Temporal::kCurrentTurn);
+}
+
+TEST_F(CoreTest, RenderedRequestsAreValidatedWithoutChangingState) {
+  auto seq = Open({S(Role::kUser, 4)});
+  ASSERT_THAT(seq, IsOk());
+  const uint64_t usage = DeviceUsage();
+  const size_t events = AllEvents().size();
+  using C = absl::StatusCode;
+  OpenSequenceRequest o;
+  o.tenant_id = "acme";
+  o.model = Model();
+  EXPECT_THAT(core_->OpenSequence(o),
+              StatusIs(C::kInvalidArgument,
+                       HasSubstr("exactly one of spans and rendered")));
+  o.spans = {S(Role::kUser, 1)};
+  o.rendered = ChatMlText("<|im_start|>user\nhi<|im_end|>\n");
+  EXPECT_THAT(core_->OpenSequence(o),
+              StatusIs(C::kInvalidArgument,
+                       HasSubstr("spans has 1 entries and rendered is set; "
+                                 "exactly one of spans and rendered")));
+  o.spans.clear();
+  o.rendered = ChatMlText("<|im_start|>user\nhi");
+  EXPECT_THAT(core_->OpenSequence(o),
+              StatusIs(C::kInvalidArgument,
+                       HasSubstr("rendered.text byte 0: the ROLE_USER message "
+                                 "has no <|im_end|>")));
+  ExtendSequenceRequest e;
+  e.tenant_id = "acme";
+  e.sequence_id = seq->sequence_id;
+  EXPECT_THAT(core_->ExtendSequence(e),
+              StatusIs(C::kInvalidArgument, HasSubstr("exactly one of")));
+  e.rendered = ChatMlText("<|im_start|>user\nhi<|im_end|>\n");
+  e.spans = {S(Role::kUser, 1)};
+  EXPECT_THAT(core_->ExtendSequence(e),
+              StatusIs(C::kInvalidArgument, HasSubstr("exactly one of")));
+  e.spans.clear();
+  e.new_turn = true;
+  EXPECT_THAT(core_->ExtendSequence(e),
+              StatusIs(C::kInvalidArgument, HasSubstr("new_turn is true")));
+  e.new_turn = false;
+  e.rendered->token_offsets = {0, 3, 2};
+  EXPECT_THAT(core_->ExtendSequence(e),
+              StatusIs(C::kInvalidArgument,
+                       HasSubstr("rendered.token_offsets[2] is 2")));
+  // Spans with decreasing turn offsets (only the tagger sets them).
+  Span late = S(Role::kUser, 1);
+  late.turn_offset = 1;
+  e.rendered.reset();
+  e.spans = {late, S(Role::kUser, 1)};
+  EXPECT_THAT(core_->ExtendSequence(e),
+              StatusIs(C::kInvalidArgument,
+                       HasSubstr("spans[1].turn_offset 0 is below")));
+  EXPECT_EQ(DeviceUsage(), usage);
+  EXPECT_EQ(AllEvents().size(), events);
+  auto info = core_->GetSequence("acme", seq->sequence_id);
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->num_tokens, 4u);
+  EXPECT_EQ(info->turns, 1u);
 }
 
 }  // namespace

@@ -338,6 +338,50 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
       {"open odd head_dim",
        open_with([](auto& r) { r.mutable_model()->set_head_dim(7); }),
        C::INVALID_ARGUMENT, "model.head_dim 7"},
+      {"open spans and rendered", open_with([](auto& r) {
+         r.mutable_rendered()->set_text("<|im_start|>user\nhi<|im_end|>\n");
+         r.mutable_rendered()->set_chat_template(v1::CHAT_TEMPLATE_CHATML);
+       }),
+       C::INVALID_ARGUMENT,
+       "spans has 2 entries and rendered is set; exactly one of spans and "
+       "rendered must be given"},
+      {"open malformed rendered", open_with([](auto& r) {
+         r.clear_spans();
+         r.mutable_rendered()->set_text("<|im_start|>user\nhi<think>");
+         r.mutable_rendered()->set_chat_template(v1::CHAT_TEMPLATE_CHATML);
+       }),
+       C::INVALID_ARGUMENT,
+       "rendered.text byte 0: the ROLE_USER message has "
+       "no <|im_end|>"},
+      {"open rendered no template", open_with([](auto& r) {
+         r.clear_spans();
+         r.mutable_rendered()->set_text("<|im_start|>user\nhi<|im_end|>");
+       }),
+       C::INVALID_ARGUMENT, "rendered.chat_template is 0"},
+      {"extend spans and rendered", extend_with([](auto& r) {
+         r.mutable_rendered()->set_text("<|im_start|>user\nhi<|im_end|>\n");
+         r.mutable_rendered()->set_chat_template(v1::CHAT_TEMPLATE_CHATML);
+       }),
+       C::INVALID_ARGUMENT, "exactly one of spans and rendered"},
+      {"extend neither", extend_with([](auto& r) { r.clear_spans(); }),
+       C::INVALID_ARGUMENT, "spans is empty and rendered is not set"},
+      {"extend rendered with new_turn", extend_with([](auto& r) {
+         r.clear_spans();
+         r.set_new_turn(true);
+         r.mutable_rendered()->set_text("<|im_start|>user\nhi<|im_end|>\n");
+         r.mutable_rendered()->set_chat_template(v1::CHAT_TEMPLATE_CHATML);
+       }),
+       C::INVALID_ARGUMENT, "new_turn is true with rendered"},
+      {"extend rendered bad offsets", extend_with([](auto& r) {
+         r.clear_spans();
+         r.mutable_rendered()->set_text("### User:\nhi");
+         r.mutable_rendered()->set_chat_template(v1::CHAT_TEMPLATE_GENERIC);
+         r.mutable_rendered()->add_token_offsets(0);
+         r.mutable_rendered()->add_token_offsets(40);
+       }),
+       C::INVALID_ARGUMENT,
+       "rendered.token_offsets[1] is 40, past the last "
+       "byte of the 12-byte text"},
       {"open no spans", open_with([](auto& r) { r.clear_spans(); }),
        C::INVALID_ARGUMENT, "spans is empty"},
       {"open zero tokens",
@@ -784,6 +828,86 @@ TEST_F(ServiceTest, DemoteBlocksGoesThroughTheWorker) {
   EXPECT_THAT(st.error_message(), HasSubstr("worker \"wd\" Demote: "));
   ASSERT_TRUE(Call(&v1::Manager::Stub::GetSequence, get, &got).ok());
   EXPECT_EQ(got.sequence().blocks(2).format(), v1::FORMAT_INT2);
+}
+
+TEST_F(ServiceTest, OpenAndExtendWithRenderedText) {
+  // A Llama 3 prompt with tokenizer offsets and a BOS: "<|begin_of_text|>"
+  // and each header one token, the contents one token per word.
+  const std::string text =
+      "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+      "Be brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+      "Hi there<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n";
+  v1::OpenSequenceRequest req = OpenReq();
+  req.clear_spans();
+  req.set_block_tokens(2);
+  v1::RenderedText* r = req.mutable_rendered();
+  r->set_text(text);
+  r->set_chat_template(v1::CHAT_TEMPLATE_LLAMA3);
+  r->set_bos_tokens(1);
+  for (const char* piece :
+       {"<|begin_of_text|>", "<|start_header_id|>system",
+        "<|end_header_id|>\n\n", "Be ", "brief.", "<|eot_id|>",
+        "<|start_header_id|>user", "<|end_header_id|>\n\n", "Hi ", "there",
+        "<|eot_id|>", "<|start_header_id|>assistant",
+        "<|end_header_id|>\n\n"}) {
+    const size_t at =
+        text.find(piece, r->token_offsets_size() == 0
+                             ? 0
+                             : r->token_offsets(r->token_offsets_size() - 1));
+    ASSERT_NE(at, std::string::npos) << piece;
+    r->add_token_offsets(static_cast<uint32_t>(at));
+  }
+  v1::OpenSequenceResponse open;
+  grpc::Status s = Call(&v1::Manager::Stub::OpenSequence, req, &open);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  // BOS + 3 delimiter tokens, 2 system, 3 delimiter, 2 user, 3 delimiter.
+  std::vector<std::pair<v1::Role, uint32_t>> blocks;
+  for (const auto& b : open.sequence().blocks()) {
+    blocks.emplace_back(b.tag().role(), b.num_tokens());
+  }
+  EXPECT_EQ(blocks, (std::vector<std::pair<v1::Role, uint32_t>>{
+                        {v1::ROLE_DELIMITER, 2},
+                        {v1::ROLE_DELIMITER, 2},
+                        {v1::ROLE_SYSTEM, 2},
+                        {v1::ROLE_DELIMITER, 2},
+                        {v1::ROLE_DELIMITER, 1},
+                        {v1::ROLE_USER, 2},
+                        {v1::ROLE_DELIMITER, 2},
+                        {v1::ROLE_DELIMITER, 1}}));
+  EXPECT_EQ(open.sequence().num_tokens(), 14u);
+  EXPECT_EQ(open.sequence().turns(), 1u);
+
+  // Decoded text of the open assistant message, then the next user turn
+  // (byte-level: no offsets).
+  v1::ExtendSequenceRequest ext;
+  ext.set_tenant_id("acme");
+  ext.set_sequence_id(open.sequence().sequence_id());
+  ext.mutable_rendered()->set_text(
+      "Hello.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nQ");
+  ext.mutable_rendered()->set_chat_template(v1::CHAT_TEMPLATE_LLAMA3);
+  ext.mutable_rendered()->set_continues(v1::ROLE_ASSISTANT);
+  v1::ExtendSequenceResponse er;
+  s = Call(&v1::Manager::Stub::ExtendSequence, ext, &er);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("the ROLE_USER message has no"));
+  ext.mutable_rendered()->set_text(
+      "Hello.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nQ"
+      "<|eot_id|>");
+  s = Call(&v1::Manager::Stub::ExtendSequence, ext, &er);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(er.sequence().turns(), 2u);
+  EXPECT_EQ(er.sequence().num_tokens(),
+            14u + 6 + 10 + 19 + 4 + 17 + 2 + 1 + 10);
+  // The earlier turn aged: its blocks (but the sink) are recent now.
+  ASSERT_FALSE(er.retagged_blocks().empty());
+  for (const auto& b : er.retagged_blocks()) {
+    EXPECT_EQ(b.tag().temporal(), v1::TEMPORAL_RECENT_TURNS);
+  }
+  EXPECT_EQ(er.new_blocks(0).tag().role(), v1::ROLE_ASSISTANT);
+  EXPECT_EQ(er.new_blocks(0).tag().temporal(), v1::TEMPORAL_RECENT_TURNS);
+  const auto& last = er.sequence().blocks(er.sequence().blocks_size() - 1);
+  EXPECT_EQ(last.tag().role(), v1::ROLE_DELIMITER);
+  EXPECT_EQ(last.tag().temporal(), v1::TEMPORAL_CURRENT_TURN);
 }
 
 }  // namespace

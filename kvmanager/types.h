@@ -115,6 +115,29 @@ struct Span {
   Role role = Role::kUnspecified;
   Modality modality = Modality::kText;  // kUnspecified means text
   uint32_t num_tokens = 0;              // >= 1
+  // Not on the wire (spans from the tagger only): the span's turn relative to
+  // the request's first turn (Open: turn 0; Extend: the current turn, or the
+  // next one with new_turn). Non-decreasing across a request's spans, in
+  // steps of at most 1, the first 0 for Open and 0 or 1 for Extend.
+  uint32_t turn_offset = 0;
+};
+
+// triax.v1.ChatTemplate.
+enum class ChatTemplate : int {
+  kUnspecified = 0,
+  kChatML = 1,
+  kLlama3 = 2,
+  kGeneric = 3
+};
+
+// triax.v1.RenderedText: a rendered prompt the manager tags itself
+// (kvmanager/tagger.h).
+struct RenderedText {
+  std::string text;
+  ChatTemplate chat_template = ChatTemplate::kUnspecified;
+  std::vector<uint32_t> token_offsets;  // empty: one token per byte
+  uint32_t bos_tokens = 0;
+  Role continues = Role::kUnspecified;  // the message the text continues
 };
 
 struct BlockPlan {
@@ -266,6 +289,8 @@ struct OpenSequenceRequest {
   std::vector<Span> spans;
   uint32_t block_tokens = 0;  // 0: the manager's default
   std::string policy;         // empty: the tenant's default
+  // Exactly one of spans and rendered (the core tags rendered text).
+  std::optional<RenderedText> rendered;
 };
 
 struct ExtendSequenceRequest {
@@ -275,6 +300,9 @@ struct ExtendSequenceRequest {
   std::vector<Span> spans;
   bool new_turn = false;
   bool continue_last_span = false;
+  // Exactly one of spans and rendered; with rendered, new_turn is false and
+  // each user message in the text starts a turn.
+  std::optional<RenderedText> rendered;
 };
 struct ExtendSequenceResult {
   SequenceInfo sequence;

@@ -66,14 +66,21 @@ absl::Status CpuDevice::DecodeAttention(const kernels::DecodeParams& p) {
 }
 
 absl::StatusOr<std::unique_ptr<Device>> CreateDevice(
-    absl::string_view backend) {
-  if (backend == "auto" || backend == "cpu") {
+    absl::string_view backend, const DeviceOptions& options) {
+  if (backend == "cpu") {
     return std::unique_ptr<Device>(new CpuDevice());
   }
   if (backend == "cuda") {
-    return absl::FailedPreconditionError(
-        "backend=\"cuda\": the CUDA backend is not built into this kvworker "
-        "(not available yet); use --backend=cpu or --backend=auto");
+    if (absl::Status s = CudaAvailable(); !s.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("backend=\"cuda\": ", s.message(),
+                       "; use --backend=cpu or --backend=auto"));
+    }
+    return CreateCudaDevice(options.cuda_device);
+  }
+  if (backend == "auto") {
+    if (CudaAvailable().ok()) return CreateCudaDevice(options.cuda_device);
+    return std::unique_ptr<Device>(new CpuDevice());
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "backend=", Quote(backend), " is not one of auto, cpu, cuda"));

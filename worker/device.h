@@ -29,6 +29,28 @@ class Device {
   // "cpu" or "cuda": what the worker reports to the manager as its backend.
   virtual const char* Name() const = 0;
 
+  // OK when this backend can encode, decode and attend over pages of `e` for
+  // `shape` (ValidateEncoding(e, shape) having passed); else
+  // INVALID_ARGUMENT with the reason (e.g. "tq4 is not supported by the CUDA
+  // kernels yet"). The store checks it for every block of a plan before
+  // reserving pages, so an unsupported encoding never reaches a kernel.
+  virtual absl::Status SupportsEncoding(const kernels::Encoding& e,
+                                        const kernels::PageShape& shape) const {
+    return absl::OkStatus();
+  }
+
+  // OK when DecodeAttention runs for pages of `shape` with `n_q_heads` query
+  // heads (a multiple of shape.heads); else INVALID_ARGUMENT with the reason.
+  virtual absl::Status SupportsAttention(const kernels::PageShape& shape,
+                                         int n_q_heads) const {
+    return absl::OkStatus();
+  }
+
+  // OK while the backend serves. Once a backend hits an error that poisons
+  // its context (a sticky CUDA error), it returns UNAVAILABLE naming the
+  // first error, and so does every later call that touches the device.
+  virtual absl::Status Health() const { return absl::OkStatus(); }
+
   // One contiguous arena of `bytes` device bytes, 256-byte aligned.
   // RESOURCE_EXHAUSTED when the backend cannot provide it.
   virtual absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) = 0;
@@ -88,11 +110,29 @@ class CpuDevice final : public Device {
   absl::Status DecodeAttention(const kernels::DecodeParams& p) override;
 };
 
+struct DeviceOptions {
+  int cuda_device = 0;  // CUDA device ordinal for the "cuda" backend
+};
+
 // Picks the backend named by the --backend flag:
-//   "auto", "cpu" -> CpuDevice
-//   "cuda"        -> FAILED_PRECONDITION (the CUDA backend is not built into
-//                    this kvworker yet)
+//   "cpu"  -> CpuDevice
+//   "cuda" -> the CUDA backend on options.cuda_device; FAILED_PRECONDITION
+//             when this build has no CUDA ("built without CUDA") or no CUDA
+//             device is visible ("no CUDA device"); INVALID_ARGUMENT for an
+//             ordinal out of range; RESOURCE_EXHAUSTED / INTERNAL when the
+//             device cannot be set up.
+//   "auto" -> "cuda" when CudaAvailable() is OK, else "cpu"
 //   anything else -> INVALID_ARGUMENT naming the value.
-absl::StatusOr<std::unique_ptr<Device>> CreateDevice(absl::string_view backend);
+absl::StatusOr<std::unique_ptr<Device>> CreateDevice(
+    absl::string_view backend, const DeviceOptions& options = {});
+
+// OK when this build has the CUDA backend and at least one CUDA device is
+// visible; else FAILED_PRECONDITION saying which of the two is missing.
+// Implemented by worker/device_factory_cuda.cc or
+// worker/device_factory_nocuda.cc, whichever the build picks.
+absl::Status CudaAvailable();
+
+// The CUDA backend on device `ordinal` (errors as for CreateDevice("cuda")).
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal);
 
 }  // namespace triax::worker

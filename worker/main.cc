@@ -39,7 +39,11 @@ ABSL_FLAG(int32_t, window_tokens, 32,
           "default BF16 recent-window tokens per sequence and layer, unless "
           "AllocatePages names window_tokens (0: seal blocks as soon as they "
           "are full)");
-ABSL_FLAG(std::string, backend, "auto", "auto | cpu | cuda");
+ABSL_FLAG(std::string, backend, "auto",
+          "auto | cpu | cuda; auto picks cuda when this build has CUDA and a "
+          "CUDA device is visible, else cpu");
+ABSL_FLAG(int32_t, cuda_device, 0,
+          "CUDA device ordinal for the cuda backend (one worker per GPU)");
 
 namespace {
 
@@ -85,7 +89,9 @@ int main(int argc, char** argv) {
   if (window < 0) {
     return Fail(absl::StrCat("--window_tokens=", window, " must be >= 0"));
   }
-  auto device = CreateDevice(absl::GetFlag(FLAGS_backend));
+  DeviceOptions device_options;
+  device_options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  auto device = CreateDevice(absl::GetFlag(FLAGS_backend), device_options);
   if (!device.ok()) return Fail(std::string(device.status().message()));
   auto allocator =
       PageAllocator::Create(device->get(), static_cast<size_t>(pool_mb) << 20);

@@ -155,17 +155,5 @@ TEST_F(PageAllocatorTest, RejectsBadPageSize) {
                        HasSubstr("page_bytes 100")));
 }
 
-TEST(CreateDeviceTest, BackendChoice) {
-  auto cpu = CreateDevice("auto");
-  ASSERT_THAT(cpu.status(), IsOk());
-  EXPECT_STREQ((*cpu)->Name(), "cpu");
-  EXPECT_THAT(CreateDevice("cuda").status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("CUDA backend is not built")));
-  EXPECT_THAT(CreateDevice("tpu").status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("backend=\"tpu\"")));
-}
-
 }  // namespace
 }  // namespace triax::worker

@@ -82,9 +82,10 @@ std::string EncName(const Encoding& e) {
   return kernels::EncodingName(e, buf, sizeof(buf));
 }
 
-// The validated encoding of `b` for pages of `shape`; `field` names the
-// block in messages (e.g. "blocks[3]").
-absl::StatusOr<Encoding> BlockEncoding(const BlockSpec& b,
+// The validated encoding of `b` for pages of `shape`, refused also when the
+// backend cannot run it (Device::SupportsEncoding); `field` names the block
+// in messages (e.g. "blocks[3]").
+absl::StatusOr<Encoding> BlockEncoding(const Device& device, const BlockSpec& b,
                                        absl::string_view field,
                                        const PageShape& shape) {
   if (b.format < 1 || b.format > 8) {
@@ -115,6 +116,12 @@ absl::StatusOr<Encoding> BlockEncoding(const BlockSpec& b,
         " is invalid for block_tokens=", shape.tokens,
         " n_kv_heads=", shape.heads, " head_dim=", shape.head_dim, ": ", why));
   }
+  if (absl::Status s = device.SupportsEncoding(e, shape); !s.ok()) {
+    return absl::Status(s.code(),
+                        absl::StrCat(field, ": encoding ", EncName(e),
+                                     " is not supported by the ", device.Name(),
+                                     " backend: ", s.message()));
+  }
   return e;
 }
 
@@ -126,7 +133,8 @@ PageShape ShapeOf(const ModelShape& m, uint32_t block_tokens) {
   return shape;
 }
 
-absl::Status ValidatePlan(absl::Span<const BlockSpec> blocks,
+absl::Status ValidatePlan(const Device& device,
+                          absl::Span<const BlockSpec> blocks,
                           uint32_t block_tokens, const PageShape& shape) {
   if (blocks.empty()) {
     return absl::InvalidArgumentError("blocks is empty");
@@ -149,7 +157,8 @@ absl::Status ValidatePlan(absl::Span<const BlockSpec> blocks,
                        " is outside 1..block_tokens=", block_tokens));
     }
     TRIAX_RETURN_IF_ERROR(
-        BlockEncoding(b, absl::StrCat("blocks[", i, "]"), shape).status());
+        BlockEncoding(device, b, absl::StrCat("blocks[", i, "]"), shape)
+            .status());
     next += b.num_tokens;
   }
   return absl::OkStatus();
@@ -262,8 +271,18 @@ absl::StatusOr<AllocateResult> SequenceStore::AllocatePages(
   TRIAX_RETURN_IF_ERROR(ValidateId("sequence_id", sequence_id));
   TRIAX_RETURN_IF_ERROR(ValidateShape(model));
   TRIAX_RETURN_IF_ERROR(ValidateBlockTokens(block_tokens));
-  TRIAX_RETURN_IF_ERROR(
-      ValidatePlan(blocks, block_tokens, ShapeOf(model, block_tokens)));
+  const PageShape shape = ShapeOf(model, block_tokens);
+  if (absl::Status s =
+          device_->SupportsAttention(shape, static_cast<int>(model.n_q_heads));
+      !s.ok()) {
+    return absl::Status(
+        s.code(), absl::StrCat("model n_q_heads=", model.n_q_heads,
+                               " n_kv_heads=", model.n_kv_heads, " head_dim=",
+                               model.head_dim, " block_tokens=", block_tokens,
+                               " is not supported by the ", device_->Name(),
+                               " backend: ", s.message()));
+  }
+  TRIAX_RETURN_IF_ERROR(ValidatePlan(*device_, blocks, block_tokens, shape));
 
   for (;;) {
     absl::StatusOr<std::shared_ptr<Sequence>> existing = Lookup(sequence_id);
@@ -666,7 +685,8 @@ absl::StatusOr<DemoteResult> SequenceStore::Demote(
     }
     TRIAX_ASSIGN_OR_RETURN(
         Encoding enc,
-        BlockEncoding(want, absl::StrCat("blocks[", i, "]"), seq.shape));
+        BlockEncoding(*device_, want, absl::StrCat("blocks[", i, "]"),
+                      seq.shape));
     for (uint32_t l = 0; l < layers; ++l) {
       const int refs = allocator_->RefCount(b.target[l]);
       if (refs > 1) {
@@ -1036,7 +1056,7 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
   absl::MutexLock parent_lock(&parent.mu);
   TRIAX_RETURN_IF_ERROR(CheckOwner(parent, tenant_id));
   TRIAX_RETURN_IF_ERROR(
-      ValidatePlan(blocks, parent.block_tokens, parent.shape));
+      ValidatePlan(*device_, blocks, parent.block_tokens, parent.shape));
   if (num_tokens > parent.planned) {
     return absl::OutOfRangeError(absl::StrCat("num_tokens=", num_tokens,
                                               " is past the parent's planned ",

@@ -56,8 +56,11 @@
 // Error codes (messages name the field and the value):
 //   INVALID_ARGUMENT    malformed ids, shapes, plans, byte sizes, zero sizes,
 //                       unspecified dtype or format, encodings invalid for
-//                       the shape, layer >= n_layers, a block named twice
-//                       in one Demote
+//                       the shape, encodings or shapes the Device backend
+//                       refuses (Device::SupportsEncoding / SupportsAttention,
+//                       e.g. TQ formats on CUDA: checked by AllocatePages,
+//                       Demote and Fork before anything is reserved),
+//                       layer >= n_layers, a block named twice in one Demote
 //   NOT_FOUND           unknown sequence; Demote of a block index the
 //                       sequence does not have
 //   ALREADY_EXISTS      fork child id taken

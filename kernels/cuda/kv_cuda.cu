@@ -8,18 +8,30 @@
 // explicitly rounded intrinsics (__fdiv_rn, __fsub_rn, rintf) so that nvcc's
 // contraction into FMA cannot change a code. Decode uses __fmul_rn/__fadd_rn
 // for the same reason; attention lets FMA contract (tolerance-checked).
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/kv_cuda.cuh"
+#include "kernels/tq_codebook.h"
 
 namespace triax::kernels::cuda {
 namespace {
+
+#define KV_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    absl::Status kv_status_ = (expr);        \
+    if (!kv_status_.ok()) return kv_status_; \
+  } while (false)
 
 constexpr float kFp16Max = 65504.f;
 constexpr int kMaxHeadDim = 256;
@@ -66,8 +78,14 @@ __host__ __device__ __forceinline__ int BitsOf(int f) {
 __host__ __device__ __forceinline__ bool IsInt(int f) {
   return f == 2 || f == 3 || f == 5;
 }
+__host__ __device__ __forceinline__ bool IsTq(int f) {
+  return f >= 6 && f <= 8;
+}
 __host__ __device__ __forceinline__ bool CudaFormat(int f) {
-  return f >= 1 && f <= 5;
+  return f >= 1 && f <= 8;
+}
+__host__ __device__ __forceinline__ bool TqDim(int d) {
+  return d >= 16 && d <= 256 && (d & (d - 1)) == 0;
 }
 
 __host__ __device__ __forceinline__ bool Supported(const DevEnc& e,
@@ -75,6 +93,7 @@ __host__ __device__ __forceinline__ bool Supported(const DevEnc& e,
   if (!CudaFormat(e.k) || !CudaFormat(e.v)) return false;
   if (e.group != 32 && e.group != 64 && e.group != 128) return false;
   if (e.sdt != 1 && e.sdt != 2) return false;
+  if ((IsTq(e.k) || IsTq(e.v)) && !TqDim(s.head_dim)) return false;
   const int gk = min(e.group, s.tokens), gv = min(e.group, s.head_dim);
   if (IsInt(e.k) && s.tokens % gk != 0) return false;
   if (IsInt(e.v) && s.head_dim % gv != 0) return false;
@@ -85,7 +104,7 @@ __host__ __device__ __forceinline__ size_t Align16(size_t n) {
   return (n + 15) & ~size_t{15};
 }
 
-// Same arithmetic as LayoutTensor in kernels/layout.cc (BF16/FP8/INT).
+// Same arithmetic as LayoutTensor in kernels/layout.cc.
 __host__ __device__ inline size_t TensorAt(int f, bool key, const DevEnc& e,
                                            const PageShape& s, size_t off,
                                            TensorLayout* t) {
@@ -98,6 +117,11 @@ __host__ __device__ inline size_t TensorAt(int f, bool key, const DevEnc& e,
   if (f == 4) {
     t->scale = off;
     t->meta_bytes = H * 4;
+    return Align16(off + t->meta_bytes);
+  }
+  if (IsTq(f)) {
+    t->scale = off;
+    t->meta_bytes = H * T * 2;
     return Align16(off + t->meta_bytes);
   }
   const size_t elem = e.sdt == 2 ? 1 : 2;
@@ -202,6 +226,170 @@ __device__ __forceinline__ uint32_t Quantize(float x, const Quant& q,
   return static_cast<uint32_t>(c);
 }
 
+// ---- TQ tables and the warp-level Hadamard transform ---------------------
+
+// Codebooks and signs for D = 16 << i (i in 0..4), bits 2..4; uploaded on
+// first use per device (EnsureTqTables).
+__device__ float g_tq_cb[5][3][16];
+__device__ float g_tq_sign[5][256];
+
+__host__ __device__ __forceinline__ int Log2Dim(int d) {
+  int l = 0;
+  while ((16 << l) < d) ++l;
+  return l;
+}
+__device__ __forceinline__ const float* TqLevels(int f, int D) {
+  return g_tq_cb[Log2Dim(D)][BitsOf(f) - 2];
+}
+__device__ __forceinline__ const float* TqSignsDev(int D) {
+  return g_tq_sign[Log2Dim(D)];
+}
+
+// In-place FWHT of one vector of D (power of two, 16..256) floats spread
+// over a warp: lane holds dims lane * E + i, E = max(1, D / 32), in x[0..E).
+// Butterflies in the same stage order and with the same operations as
+// kernels/tq_codebook.cc (a + b low, a - b high), so results match bit for
+// bit.
+__device__ __forceinline__ void WarpFwht(float (&x)[8], int D, int lane) {
+  const int E = D >= 32 ? D / 32 : 1;
+#pragma unroll
+  for (int lg = 0; lg < 3; ++lg) {
+    const int len = 1 << lg;
+    if (len < E) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if ((i & len) == 0 && i + len < 8 && i + len < E) {
+          const float a = x[i], b = x[i + len];
+          x[i] = __fadd_rn(a, b);
+          x[i + len] = __fsub_rn(a, b);
+        }
+      }
+    }
+  }
+  for (int len = E; len < D; len <<= 1) {
+    const int m = len / E;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float p = __shfl_xor_sync(0xffffffffu, x[i], m);
+      x[i] = (lane & m) ? __fsub_rn(p, x[i]) : __fadd_rn(x[i], p);
+    }
+  }
+}
+
+// Code of dim d in a TQ row (little-endian bit stream).
+__device__ __forceinline__ uint32_t TqCode(const uint8_t* row, int row_bytes,
+                                           int d, int bits) {
+  const int bit = d * bits;
+  uint32_t w = row[bit / 8];
+  if (bit / 8 + 1 < row_bytes)
+    w |= static_cast<uint32_t>(row[bit / 8 + 1]) << 8;
+  return (w >> (bit % 8)) & ((1u << bits) - 1u);
+}
+
+// Row (h, t) of a TQ tensor decoded to the original domain, dims
+// lane * E + i in x (as DecodePage: norm * level, then R^T).
+__device__ __forceinline__ void TqDecodeRowWarp(int f, const TensorLayout& L,
+                                                const uint8_t* page,
+                                                const PageShape& s, int h,
+                                                int t, int lane,
+                                                float (&x)[8]) {
+  const int T = s.tokens, D = s.head_dim, bits = BitsOf(f);
+  const int E = D >= 32 ? D / 32 : 1;
+  const int row_bytes = D * bits / 8;
+  const float* cb = TqLevels(f, D);
+  const float* sg = TqSignsDev(D);
+  const size_t row = static_cast<size_t>(h) * T + t;
+  const float norm = HalfBits(LoadU16(page + L.scale + 2 * row));
+  const uint8_t* codes = page + L.codes + row * row_bytes;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int d = lane * E + i;
+    x[i] = (i < E && d < D)
+               ? __fmul_rn(norm, cb[TqCode(codes, row_bytes, d, bits)])
+               : 0.f;
+  }
+  WarpFwht(x, D, lane);
+  const float nrm = __fdiv_rn(1.f, __fsqrt_rn(static_cast<float>(D)));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int d = lane * E + i;
+    if (i < E && d < D) x[i] = __fmul_rn(x[i], __fmul_rn(nrm, sg[d]));
+  }
+}
+
+// Encodes one TQ tensor (the whole CTA; one warp per (head, token) vector).
+// s_row: 32 words per warp of scratch.
+__device__ void EncodeTqTensor(int f, const PageShape& shape,
+                               const TensorLayout& L, int n,
+                               const uint16_t* src, uint8_t* page,
+                               unsigned* s_row) {
+  const int T = shape.tokens, H = shape.heads, D = shape.head_dim;
+  const int bits = BitsOf(f), levels = 1 << bits;
+  const int E = D >= 32 ? D / 32 : 1;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int nwarps = blockDim.x / 32;
+  const int row_bytes = D * bits / 8;
+  const float* cb = TqLevels(f, D);
+  const float* sg = TqSignsDev(D);
+  float mid[15];
+#pragma unroll
+  for (int i = 0; i < 15; ++i)
+    mid[i] = i + 1 < levels ? __fmul_rn(0.5f, __fadd_rn(cb[i], cb[i + 1]))
+                            : INFINITY;
+  const float nrm = __fdiv_rn(1.f, __fsqrt_rn(static_cast<float>(D)));
+  unsigned* row = s_row + 32 * warp;
+  for (int v = warp; v < H * n; v += nwarps) {
+    const int h = v / n, t = v % n;
+    const uint16_t* xs = src + (static_cast<size_t>(t) * H + h) * D;
+    float x[8];
+    double sq = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int d = lane * E + i;
+      x[i] = (i < E && d < D) ? Bf16Bits(xs[d]) : 0.f;
+      sq += static_cast<double>(x[i]) * x[i];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    const double norm = sqrt(sq);
+    if (lane == 0) {
+      *reinterpret_cast<uint16_t*>(page + L.scale +
+                                   2 * (static_cast<size_t>(h) * T + t)) =
+          __half_as_ushort(__float2half_rn(
+              static_cast<float>(norm < 65504.0 ? norm : 65504.0)));
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int d = lane * E + i;
+      if (i < E && d < D) x[i] = __fmul_rn(x[i], sg[d]);
+    }
+    WarpFwht(x, D, lane);
+    const float inv = norm > 0 ? static_cast<float>(1.0 / norm) : 0.f;
+    row[lane] = 0u;
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int d = lane * E + i;
+      if (i < E && d < D) {
+        const float u = __fmul_rn(__fmul_rn(x[i], nrm), inv);
+        uint32_t code = 0;
+#pragma unroll
+        for (int j = 0; j < 15; ++j) code += u > mid[j] ? 1u : 0u;
+        const int bit = d * bits;
+        atomicOr(&row[bit / 32], code << (bit % 32));
+        if (bit % 32 + bits > 32)
+          atomicOr(&row[bit / 32 + 1], code >> (32 - bit % 32));
+      }
+    }
+    __syncwarp();
+    uint8_t* dst =
+        page + L.codes + (static_cast<size_t>(h) * T + t) * row_bytes;
+    for (int j = lane; j < row_bytes; j += 32)
+      dst[j] = static_cast<uint8_t>(row[j / 4] >> (8 * (j % 4)));
+    __syncwarp();
+  }
+}
+
 // ---- Encode
 // ------------------------------------------------------------------
 
@@ -209,8 +397,13 @@ __device__ __forceinline__ uint32_t Quantize(float x, const Quant& q,
 __device__ void EncodeTensor(int f, bool key, const DevEnc& e,
                              const PageShape& shape, const TensorLayout& L,
                              int n, const uint16_t* src, uint8_t* page,
-                             float* s_ks, float* s_kz, unsigned* s_amax) {
+                             float* s_ks, float* s_kz, unsigned* s_amax,
+                             unsigned* s_row) {
   const int T = shape.tokens, H = shape.heads, D = shape.head_dim;
+  if (IsTq(f)) {
+    EncodeTqTensor(f, shape, L, n, src, page, s_row);
+    return;
+  }
   if (f == 1) {
     const int chunks = D / 8;
     const size_t items = static_cast<size_t>(n) * H * chunks;
@@ -327,29 +520,38 @@ __device__ void EncodeTensor(int f, bool key, const DevEnc& e,
   }
 }
 
+// Zeroes one page and encodes n tokens of K and V into it (whole CTA).
+__device__ void EncodePageBody(const PageShape& shape, const DevEnc& e,
+                               uint8_t* page, int n, const uint16_t* k_in,
+                               const uint16_t* v_in, float* s_ks, float* s_kz,
+                               unsigned* s_amax, unsigned* s_row) {
+  const PageLayout L = LayoutOf(e, shape);
+  uint4* page16 = reinterpret_cast<uint4*>(page);
+  for (size_t i = threadIdx.x; i < L.total / 16; i += blockDim.x)
+    page16[i] = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  EncodeTensor(e.k, true, e, shape, L.k, n, k_in, page, s_ks, s_kz, s_amax,
+               s_row);
+  __syncthreads();
+  EncodeTensor(e.v, false, e, shape, L.v, n, v_in, page, s_ks, s_kz, s_amax,
+               s_row);
+}
+
 // One CTA per page: zero the page, then encode K and V.
 __global__ void EncodeKernel(PageShape shape, const DevicePage* pages,
                              const uint16_t* k_in, const uint16_t* v_in) {
   __shared__ float s_ks[kMaxHeadDim];
   __shared__ float s_kz[kMaxHeadDim];
   __shared__ unsigned s_amax;
+  __shared__ unsigned s_row[kCodecThreads];
   const DevicePage pg = pages[blockIdx.x];
   const DevEnc e = Unpack(pg.format);
   if (!Supported(e, shape)) return;
   const int T = shape.tokens, H = shape.heads, D = shape.head_dim;
   const int n = min(max(pg.num_tokens, 0), T);
-  const PageLayout L = LayoutOf(e, shape);
-  uint8_t* page = pg.data;
   const size_t in_base = static_cast<size_t>(blockIdx.x) * T * H * D;
-  uint4* page16 = reinterpret_cast<uint4*>(page);
-  for (size_t i = threadIdx.x; i < L.total / 16; i += blockDim.x)
-    page16[i] = make_uint4(0, 0, 0, 0);
-  __syncthreads();
-  EncodeTensor(e.k, true, e, shape, L.k, n, k_in + in_base, page, s_ks, s_kz,
-               &s_amax);
-  __syncthreads();
-  EncodeTensor(e.v, false, e, shape, L.v, n, v_in + in_base, page, s_ks, s_kz,
-               &s_amax);
+  EncodePageBody(shape, e, pg.data, n, k_in + in_base, v_in + in_base, s_ks,
+                 s_kz, &s_amax, s_row);
 }
 
 // ---- Shared decode of 8 consecutive dims ---------------------------------
@@ -424,7 +626,38 @@ __device__ __forceinline__ void LoadRow8(int f, bool key, const DevEnc& e,
 
 // ---- Decode ----------------------------------------------------------------
 
-// One CTA per (page, head); one thread per (token, 8-dim chunk).
+// Decodes tokens [0, n) of one tensor of head h of a page (whole CTA):
+// non-TQ one thread per (token, 8-dim chunk), TQ one warp per token.
+// store(t, d0, x, count) receives `count` consecutive dims starting at d0.
+template <typename Store>
+__device__ void DecodeTensorHead(int f, bool key, const DevEnc& e, bool ok,
+                                 const TensorLayout& L, const uint8_t* page,
+                                 const PageShape& shape, int h, int n,
+                                 Store store) {
+  const int D = shape.head_dim;
+  if (ok && IsTq(f)) {
+    const int lane = threadIdx.x % 32, E = D >= 32 ? D / 32 : 1;
+    for (int t = threadIdx.x / 32; t < n; t += blockDim.x / 32) {
+      float x[8];
+      TqDecodeRowWarp(f, L, page, shape, h, t, lane, x);
+      if (lane * E < D) store(t, lane * E, x, E);
+    }
+    return;
+  }
+  const int chunks = D / 8;
+  for (int i = threadIdx.x; i < n * chunks; i += blockDim.x) {
+    const int t = i / chunks, d0 = (i % chunks) * 8;
+    float x[8];
+    if (ok) {
+      LoadRow8(f, key, e, L, page, shape, h, t, d0, x);
+    } else {
+      for (int j = 0; j < 8; ++j) x[j] = __uint_as_float(0x7fc00000u);
+    }
+    store(t, d0, x, 8);
+  }
+}
+
+// One CTA per (page, head).
 __global__ void DecodeKernel(PageShape shape, const DevicePage* pages,
                              float* k_out, float* v_out) {
   const int H = shape.heads;
@@ -435,30 +668,59 @@ __global__ void DecodeKernel(PageShape shape, const DevicePage* pages,
   const int T = shape.tokens, D = shape.head_dim;
   const int n = min(max(pg.num_tokens, 0), T);
   const PageLayout L = LayoutOf(e, shape);
-  const int chunks = D / 8;
-  for (int i = threadIdx.x; i < n * chunks; i += blockDim.x) {
-    const int t = i / chunks, d0 = (i % chunks) * 8;
-    const size_t dst = ((static_cast<size_t>(pi) * T + t) * H + h) * D + d0;
-    float x[8];
-    if (k_out != nullptr) {
-      if (ok) {
-        LoadRow8(e.k, true, e, L.k, pg.data, shape, h, t, d0, x);
-      } else {
-        for (int j = 0; j < 8; ++j) x[j] = __uint_as_float(0x7fc00000u);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) k_out[dst + j] = x[j];
-    }
-    if (v_out != nullptr) {
-      if (ok) {
-        LoadRow8(e.v, false, e, L.v, pg.data, shape, h, t, d0, x);
-      } else {
-        for (int j = 0; j < 8; ++j) x[j] = __uint_as_float(0x7fc00000u);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v_out[dst + j] = x[j];
+  for (int which = 0; which < 2; ++which) {
+    float* out = which == 0 ? k_out : v_out;
+    if (out == nullptr) continue;
+    auto store = [&](int t, int d0, const float* x, int count) {
+      float* o = out + ((static_cast<size_t>(pi) * T + t) * H + h) * D + d0;
+      for (int j = 0; j < count; ++j) o[j] = x[j];
+    };
+    if (which == 0) {
+      DecodeTensorHead(e.k, true, e, ok, L.k, pg.data, shape, h, n, store);
+    } else {
+      DecodeTensorHead(e.v, false, e, ok, L.v, pg.data, shape, h, n, store);
     }
   }
+}
+
+// ---- Demote ----------------------------------------------------------------
+
+// One CTA per page: decode src to BF16 in the page's scratch slice
+// ([T][H][D] K then V), barrier, encode into dst.
+__global__ void DemoteKernel(PageShape shape, const DevicePage* src,
+                             const DevicePage* dst, uint16_t* scratch) {
+  __shared__ float s_ks[kMaxHeadDim];
+  __shared__ float s_kz[kMaxHeadDim];
+  __shared__ unsigned s_amax;
+  __shared__ unsigned s_row[kCodecThreads];
+  const DevicePage ps = src[blockIdx.x], pd = dst[blockIdx.x];
+  const DevEnc es = Unpack(ps.format), ed = Unpack(pd.format);
+  if (!Supported(es, shape) || !Supported(ed, shape)) return;
+  const int T = shape.tokens, H = shape.heads, D = shape.head_dim;
+  const int n = min(max(ps.num_tokens, 0), T);
+  const size_t elems = static_cast<size_t>(T) * H * D;
+  uint16_t* k = scratch + 2 * elems * blockIdx.x;
+  uint16_t* v = k + elems;
+  const PageLayout L = LayoutOf(es, shape);
+  for (int h = 0; h < H; ++h) {
+    for (int which = 0; which < 2; ++which) {
+      uint16_t* out = which == 0 ? k : v;
+      auto store = [&](int t, int d0, const float* x, int count) {
+        uint16_t* o = out + (static_cast<size_t>(t) * H + h) * D + d0;
+        for (int j = 0; j < count; ++j)
+          o[j] = __bfloat16_as_ushort(__float2bfloat16_rn(x[j]));
+      };
+      if (which == 0) {
+        DecodeTensorHead(es.k, true, es, true, L.k, ps.data, shape, h, n,
+                         store);
+      } else {
+        DecodeTensorHead(es.v, false, es, true, L.v, ps.data, shape, h, n,
+                         store);
+      }
+    }
+  }
+  __syncthreads();  // every byte of src read before dst (maybe src) is written
+  EncodePageBody(shape, ed, pd.data, n, k, v, s_ks, s_kz, &s_amax, s_row);
 }
 
 // ---- Attention
@@ -619,6 +881,544 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
 }
 
+// ---- Tensor-core split-K attention
+// -------------------------------------------
+//
+// Grid: one CTA per (sequence b, row block rb of <= 16 query heads of the
+// group, KV head h, split). Each of the CTA's 4 warps owns a contiguous run
+// of the sequence's pages (virtual split v = split * 4 + warp of
+// S = splits * 4) and keeps its own online softmax; the reduce kernel merges
+// the S partial results of each query head. Per 16-token tile a warp
+// dequantizes K and V of its head into BF16 tiles in shared memory (rows
+// swizzled in 16-byte chunks), computes S = Q K^T with mma.m16n8k16 (rows =
+// query heads, padded to 16), the online softmax on the accumulators, and
+// O += P V with P from registers. TQ keys use the rotated query tile
+// Q' = R Q; TQ values accumulate rotated in shared memory (O_rot, kept
+// relative to its own running max) and are rotated back once per warp.
+
+constexpr int kMmaWarps = 4;
+constexpr int kMaxSplits = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct MmaArgs {
+  PageShape shape;
+  int n_q_heads, group, row_blocks, splits;
+  float scale_log2;
+  const float* q;
+  const DevicePage* pages;
+  const int32_t* indptr;
+  const int32_t* attend;
+  float* ws_o;    // [batch][n_q][S][D]
+  float* ws_lse;  // [batch][n_q][S]
+};
+
+template <int kD>
+struct MmaSmem {
+  static constexpr int kTileBytes = 16 * kD * 2;  // one bf16 [16][kD] tile
+  static constexpr int kQ = 0;
+  static constexpr int kQr = kQ + kTileBytes;
+  static constexpr int kWarp0 = kQr + kTileBytes;
+  // per warp: K tile, V tile (together also a float [16][kD]), O_rot.
+  static constexpr int kWarpBytes = 2 * kTileBytes + 16 * kD * 4;
+  static constexpr int kCb = kWarp0 + kMmaWarps * kWarpBytes;  // float[3][16]
+  static constexpr int kSign = kCb + 48 * 4;                   // float[kD]
+  static constexpr int kTotal = kSign + kD * 4;
+};
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Byte offset of 16-byte chunk c of row r in a swizzled [16][kD] bf16 tile.
+template <int kD>
+__device__ __forceinline__ int TileOff(int r, int c) {
+  constexpr int kCh = kD / 8;
+  constexpr int kSw = (kCh < 8 ? kCh : 8) - 1;
+  return (r * kCh + (c ^ (r & kSw))) * 16;
+}
+__device__ __forceinline__ void Ldm4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void Ldm4T(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+      : "r"(addr));
+}
+__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4],
+                                    uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint4 Pack8(const float* x) {
+  return make_uint4(PackBf16(x[0], x[1]), PackBf16(x[2], x[3]),
+                    PackBf16(x[4], x[5]), PackBf16(x[6], x[7]));
+}
+
+// Exact float of a small unsigned code without I2F (I2F issues at a
+// quarter of the FP32 rate on Hopper and bounded the INT tiles): the code
+// is placed in the mantissa of 2^23 and 2^23 subtracted.
+__device__ __forceinline__ float CodeToFloat(uint32_t c) {
+  return __uint_as_float(0x4b000000u | c) - 8388608.f;
+}
+// Two E4M3 codes (low bytes of lo/hi) through the hardware converter.
+__device__ __forceinline__ float2 Fp8PairToFloat(uint32_t lo, uint32_t hi) {
+  const __nv_fp8x2_storage_t v =
+      static_cast<__nv_fp8x2_storage_t>(lo | (hi << 8));
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(v, __NV_E4M3);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+template <int F>
+struct FmtBits {
+  static constexpr int v = F == 1               ? 16
+                           : (F == 4 || F == 5) ? 8
+                           : (F == 2 || F == 6) ? 4
+                           : (F == 7)           ? 3
+                                                : 2;
+};
+
+// Rows [t0, t0 + nt) of head h of one tensor of format F into a BF16 tile
+// (rows >= nt zero). Code bytes for all of the lane's chunks are loaded
+// first (independent loads in flight), then dequantized. TQ values stay
+// in the rotated domain (norm * level).
+template <int F, bool kKey, int kD>
+__device__ __forceinline__ void DecodeTile(
+    const DevEnc& e, const TensorLayout& L, const uint8_t* __restrict__ page,
+    int T, int h, int t0, int nt, uint8_t* tile, const float* s_cb, int lane) {
+  constexpr int kCh = kD / 8, kIt = kCh / 2;  // 16 * kCh chunks / 32 lanes
+  constexpr int kB = FmtBits<F>::v;           // bytes per 8-dim chunk
+  constexpr int kRowBytes = kD * kB / 8;
+  const uint8_t* codes =
+      page + L.codes + static_cast<size_t>(h) * T * kRowBytes;
+  uint4 raw[kIt];
+#pragma unroll
+  for (int it = 0; it < kIt; ++it) {
+    const int c = lane + 32 * it, r = c / kCh, ch = c % kCh;
+    raw[it] = make_uint4(0, 0, 0, 0);
+    if (r < nt) {
+      const uint8_t* p =
+          codes + static_cast<size_t>(t0 + r) * kRowBytes + ch * kB;
+      if constexpr (kB == 16) {
+        raw[it] = __ldg(reinterpret_cast<const uint4*>(p));
+      } else if constexpr (kB == 8) {
+        const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
+        raw[it].x = w.x;
+        raw[it].y = w.y;
+      } else if constexpr (kB == 4) {
+        raw[it].x = __ldg(reinterpret_cast<const unsigned*>(p));
+      } else if constexpr (kB == 2) {
+        raw[it].x = __ldg(reinterpret_cast<const unsigned short*>(p));
+      } else {
+        raw[it].x = static_cast<uint32_t>(__ldg(p)) |
+                    (static_cast<uint32_t>(__ldg(p + 1)) << 8) |
+                    (static_cast<uint32_t>(__ldg(p + 2)) << 16);
+      }
+    }
+  }
+  float fp8_scale = 1.f;
+  if constexpr (F == 4)
+    fp8_scale = __ldg(reinterpret_cast<const float*>(page + L.scale) + h);
+  const float* lv = s_cb + 16 * (FmtBits<F>::v - 2);
+  int last_g = -1;
+  float ks[8], kz[8];
+#pragma unroll
+  for (int it = 0; it < kIt; ++it) {
+    const int c = lane + 32 * it, r = c / kCh, ch = c % kCh;
+    uint4 out = make_uint4(0, 0, 0, 0);
+    if (r < nt) {
+      if constexpr (F == 1) {
+        out = raw[it];
+      } else {
+        float x[8];
+        uint32_t cd[8];
+        if constexpr (kB == 8) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            cd[i] = (raw[it].x >> (8 * i)) & 0xffu;
+            cd[4 + i] = (raw[it].y >> (8 * i)) & 0xffu;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            cd[i] = (raw[it].x >> (kB * i)) & ((1u << kB) - 1u);
+        }
+        if constexpr (F == 4) {
+#pragma unroll
+          for (int i = 0; i < 8; i += 2) {
+            const float2 f2 = Fp8PairToFloat(cd[i], cd[i + 1]);
+            x[i] = f2.x * fp8_scale;
+            x[i + 1] = f2.y * fp8_scale;
+          }
+        } else if constexpr (F >= 6) {
+          const float norm =
+              HalfBits(__ldg(reinterpret_cast<const unsigned short*>(
+                  page + L.scale + 2 * (static_cast<size_t>(h) * T + t0 + r))));
+#pragma unroll
+          for (int i = 0; i < 8; ++i) x[i] = lv[cd[i]] * norm;
+        } else if constexpr (kKey) {
+          const int gk = min(e.group, T);
+          const int g = (t0 + r) / gk;
+          if (g != last_g) {
+            last_g = g;
+            const size_t base =
+                (static_cast<size_t>(h) * (T / gk) + g) * kD + ch * 8;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              ks[i] = LoadMeta(page + L.scale, base + i, e.sdt);
+              kz[i] = LoadMeta(page + L.zero, base + i, e.sdt);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            x[i] = fmaf(CodeToFloat(cd[i]), ks[i], kz[i]);
+        } else {
+          const int gv = min(e.group, kD);
+          const size_t m =
+              (static_cast<size_t>(h) * T + t0 + r) * (kD / gv) + ch * 8 / gv;
+          const float sc = LoadMeta(page + L.scale, m, e.sdt);
+          const float z = LoadMeta(page + L.zero, m, e.sdt);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) x[i] = fmaf(CodeToFloat(cd[i]), sc, z);
+        }
+        out = Pack8(x);
+      }
+    }
+    *reinterpret_cast<uint4*>(tile + TileOff<kD>(r, ch)) = out;
+  }
+}
+
+template <bool kKey, int kD>
+__device__ __forceinline__ void DecodeTileAny(int f, const DevEnc& e,
+                                              const TensorLayout& L,
+                                              const uint8_t* page, int T, int h,
+                                              int t0, int nt, uint8_t* tile,
+                                              const float* s_cb, int lane) {
+  switch (f) {
+    case 1:
+      DecodeTile<1, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
+      break;
+    case 2:
+      DecodeTile<2, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
+      break;
+    case 3:
+      DecodeTile<3, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
+      break;
+    case 4:
+      DecodeTile<4, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
+      break;
+    case 5:
+      DecodeTile<5, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
+      break;
+    case 6:
+      DecodeTile<6, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
+      break;
+    case 7:
+      DecodeTile<7, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
+      break;
+    default:
+      DecodeTile<8, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
+      break;
+  }
+}
+
+// In-place FWHT over the rows of a float [rows][kD] array in shared memory
+// by `nthreads` threads starting at thread index `tid`, synchronized by
+// `sync` after each stage.
+template <int kD, typename Sync>
+__device__ __forceinline__ void SmemFwht(float* x, int rows, int tid,
+                                         int nthreads, Sync sync) {
+  for (int len = 1; len < kD; len <<= 1) {
+    for (int i = tid; i < rows * kD / 2; i += nthreads) {
+      const int r = i / (kD / 2), j = i % (kD / 2);
+      const int lo = (j / len) * 2 * len + j % len;
+      float* row = x + r * kD;
+      const float a = row[lo], b = row[lo + len];
+      row[lo] = a + b;
+      row[lo + len] = a - b;
+    }
+    sync();
+  }
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    MmaAttentionKernel(const MmaArgs a) {
+  extern __shared__ __align__(16) uint8_t sm[];
+  using Sm = MmaSmem<kD>;
+  constexpr int kNt = kD / 8;  // 8-dim output tiles
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const PageShape shape = a.shape;
+  const int H = shape.heads, T = shape.tokens;
+  int x = blockIdx.x;
+  const int split = x % a.splits;
+  x /= a.splits;
+  const int h = x % H;
+  x /= H;
+  const int rb = x % a.row_blocks;
+  const int b = x / a.row_blocks;
+  const int row0 = rb * 16, nrows = min(16, a.group - row0);
+  const bool tq_ok = TqDim(kD);
+  float* s_cb = reinterpret_cast<float*>(sm + Sm::kCb);
+  float* s_sign = reinterpret_cast<float*>(sm + Sm::kSign);
+  if (tq_ok) {
+    const int l = Log2Dim(kD);
+    for (int i = tid; i < 48; i += blockDim.x)
+      s_cb[i] = g_tq_cb[l][i / 16][i % 16];
+    for (int i = tid; i < kD; i += blockDim.x) s_sign[i] = g_tq_sign[l][i];
+  }
+  // Q (scaled, rows >= nrows zero) via warp 0's float scratch, then Q' = R Q.
+  float* qf = reinterpret_cast<float*>(sm + Sm::kWarp0);
+  const size_t qbase =
+      (static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0) * kD;
+  for (int i = tid; i < 16 * kD; i += blockDim.x)
+    qf[i] = i / kD < nrows ? a.q[qbase + i] * a.scale_log2 : 0.f;
+  __syncthreads();
+  for (int i = tid; i < 16 * kNt; i += blockDim.x) {
+    const int r = i / kNt, c = i % kNt;
+    *reinterpret_cast<uint4*>(sm + Sm::kQ + TileOff<kD>(r, c)) =
+        Pack8(qf + r * kD + c * 8);
+  }
+  if (tq_ok) {
+    __syncthreads();
+    for (int i = tid; i < 16 * kD; i += blockDim.x) qf[i] *= s_sign[i % kD];
+    __syncthreads();
+    SmemFwht<kD>(qf, 16, tid, blockDim.x, [] { __syncthreads(); });
+    const float nrm = rsqrtf(static_cast<float>(kD));
+    for (int i = tid; i < 16 * kNt; i += blockDim.x) {
+      const int r = i / kNt, c = i % kNt;
+      float v[8];
+      for (int j = 0; j < 8; ++j) v[j] = qf[r * kD + c * 8 + j] * nrm;
+      *reinterpret_cast<uint4*>(sm + Sm::kQr + TileOff<kD>(r, c)) = Pack8(v);
+    }
+  }
+  __syncthreads();
+
+  uint8_t* wbase = sm + Sm::kWarp0 + warp * Sm::kWarpBytes;
+  uint8_t* sK = wbase;
+  uint8_t* sV = wbase + Sm::kTileBytes;
+  float4* sOr = reinterpret_cast<float4*>(wbase + 2 * Sm::kTileBytes);
+
+  const int S = a.splits * kMmaWarps, v = split * kMmaWarps + warp;
+  const int first = a.indptr[b], P = a.indptr[b + 1] - first;
+  const int pp = (P + S - 1) / S;
+  const int p0 = first + min(P, v * pp), p1 = first + min(P, (v + 1) * pp);
+  long before = 0;
+  for (int i = first + lane; i < p0; i += 32)
+    before += min(max(a.pages[i].num_tokens, 0), T);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    before += __shfl_xor_sync(0xffffffffu, before, o);
+  const long attend = a.attend[b];
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float m_rot[2] = {-INFINITY, -INFINITY};
+  bool has_rot = false, poisoned = false;
+  float o[kNt][4];
+#pragma unroll
+  for (int j = 0; j < kNt; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+
+  const uint32_t q_addr = SmemAddr(sm + Sm::kQ),
+                 qr_addr = SmemAddr(sm + Sm::kQr);
+  const uint32_t k_addr = SmemAddr(sK), v_addr = SmemAddr(sV);
+  for (int pi = p0; pi < p1 && before < attend; ++pi) {
+    const DevicePage pg = a.pages[pi];
+    const int n = min(max(pg.num_tokens, 0), T);
+    const int valid =
+        static_cast<int>(min(static_cast<long>(n), attend - before));
+    before += n;
+    if (valid <= 0) continue;
+    const DevEnc e = Unpack(pg.format);
+    if (!Supported(e, shape)) {
+      poisoned = true;
+      break;
+    }
+    const PageLayout L = LayoutOf(e, shape);
+    const bool k_rot = IsTq(e.k), v_rot = IsTq(e.v);
+    for (int t0 = 0; t0 < valid; t0 += 16) {
+      const int nt = min(16, valid - t0);
+      DecodeTileAny<true, kD>(e.k, e, L.k, pg.data, T, h, t0, nt, sK, s_cb,
+                              lane);
+      DecodeTileAny<false, kD>(e.v, e, L.v, pg.data, T, h, t0, nt, sV, s_cb,
+                               lane);
+      __syncwarp();
+      // S = Q K^T: rows = query heads, cols = tokens (two n-tiles of 8).
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const uint32_t qa = k_rot ? qr_addr : q_addr;
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t af[4], bf[4];
+        Ldm4(qa + TileOff<kD>(lane % 16, kk * 2 + lane / 16), af);
+        Ldm4(k_addr + TileOff<kD>((lane % 8) + (lane / 16) * 8,
+                                  kk * 2 + (lane / 8) % 2),
+             bf);
+        Mma(sc[0], af, bf[0], bf[1]);
+        Mma(sc[1], af, bf[2], bf[3]);
+      }
+      // Online softmax; lane holds rows lane/4 (i=0) and lane/4+8 (i=1).
+      float corr[2], p[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = 8 * j + 2 * (lane % 4) + c;
+            float& s_ = sc[j][2 * i + c];
+            if (col >= nt) s_ = -INFINITY;
+            mx = fmaxf(mx, s_);
+          }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[i], mx);
+        corr[i] = exp2f(m[i] - m_new);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            p[j][2 * i + c] = exp2f(sc[j][2 * i + c] - m_new);
+            sum += p[j][2 * i + c];
+          }
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l[i] = l[i] * corr[i] + sum;
+        m[i] = m_new;
+      }
+      uint32_t pa[4] = {PackBf16(p[0][0], p[0][1]), PackBf16(p[0][2], p[0][3]),
+                        PackBf16(p[1][0], p[1][1]), PackBf16(p[1][2], p[1][3])};
+#pragma unroll
+      for (int j = 0; j < kNt; ++j) {
+        o[j][0] *= corr[0];
+        o[j][1] *= corr[0];
+        o[j][2] *= corr[1];
+        o[j][3] *= corr[1];
+      }
+      if (!v_rot) {
+#pragma unroll
+        for (int j = 0; j < kNt; j += 2) {
+          uint32_t bf[4];
+          Ldm4T(v_addr + TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8,
+                                     j + lane / 16),
+                bf);
+          Mma(o[j], pa, bf[0], bf[1]);
+          Mma(o[j + 1], pa, bf[2], bf[3]);
+        }
+      } else {
+        const float r0 = has_rot ? exp2f(m_rot[0] - m[0]) : 0.f;
+        const float r1 = has_rot ? exp2f(m_rot[1] - m[1]) : 0.f;
+#pragma unroll
+        for (int j = 0; j < kNt; j += 2) {
+          uint32_t bf[4];
+          Ldm4T(v_addr + TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8,
+                                     j + lane / 16),
+                bf);
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            float t[4] = {0.f, 0.f, 0.f, 0.f};
+            Mma(t, pa, bf[2 * jj], bf[2 * jj + 1]);
+            float4 acc = sOr[(j + jj) * 32 + lane];
+            acc.x = acc.x * r0 + t[0];
+            acc.y = acc.y * r0 + t[1];
+            acc.z = acc.z * r1 + t[2];
+            acc.w = acc.w * r1 + t[3];
+            if (!has_rot) acc = make_float4(t[0], t[1], t[2], t[3]);
+            sOr[(j + jj) * 32 + lane] = acc;
+          }
+        }
+        m_rot[0] = m[0];
+        m_rot[1] = m[1];
+        has_rot = true;
+      }
+      __syncwarp();
+    }
+  }
+  if (has_rot) {  // O += R^T O_rot, rows rescaled to the final max
+    float* fr = reinterpret_cast<float*>(sK);  // float [16][kD]
+    const float r0 = exp2f(m_rot[0] - m[0]), r1 = exp2f(m_rot[1] - m[1]);
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) {
+      const float4 acc = sOr[j * 32 + lane];
+      const int d = 8 * j + 2 * (lane % 4), r = lane / 4;
+      fr[r * kD + d] = acc.x * r0;
+      fr[r * kD + d + 1] = acc.y * r0;
+      fr[(r + 8) * kD + d] = acc.z * r1;
+      fr[(r + 8) * kD + d + 1] = acc.w * r1;
+    }
+    __syncwarp();
+    SmemFwht<kD>(fr, 16, lane, 32, [] { __syncwarp(); });
+    const float nrm = rsqrtf(static_cast<float>(kD));
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) {
+      const int d = 8 * j + 2 * (lane % 4), r = lane / 4;
+      o[j][0] += fr[r * kD + d] * nrm * s_sign[d];
+      o[j][1] += fr[r * kD + d + 1] * nrm * s_sign[d + 1];
+      o[j][2] += fr[(r + 8) * kD + d] * nrm * s_sign[d];
+      o[j][3] += fr[(r + 8) * kD + d + 1] * nrm * s_sign[d + 1];
+    }
+  }
+  const float nan = __uint_as_float(0x7fc00000u);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = lane / 4 + 8 * i;
+    if (r >= nrows) continue;
+    const size_t qh =
+        static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0 + r;
+    const size_t slot = qh * S + v;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    if (lane % 4 == 0) {
+      a.ws_lse[slot] =
+          poisoned ? nan : (l[i] > 0.f ? m[i] + __log2f(l[i]) : -INFINITY);
+    }
+    float* dst = a.ws_o + slot * kD;
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) {
+      const int d = 8 * j + 2 * (lane % 4);
+      const float2 val =
+          poisoned ? make_float2(nan, nan)
+                   : make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+      *reinterpret_cast<float2*>(dst + d) = val;
+    }
+  }
+}
+
+// One CTA per (sequence, query head): merges the S partial results.
+__global__ void ReduceKernel(int S, int D, const float* __restrict__ ws_o,
+                             const float* __restrict__ ws_lse,
+                             float* __restrict__ out) {
+  const size_t qh = blockIdx.x;
+  const float* lse = ws_lse + qh * S;
+  float mx = -INFINITY;
+  bool nan = false;
+  for (int s = 0; s < S; ++s) {
+    nan = nan || isnan(lse[s]);
+    mx = fmaxf(mx, lse[s]);
+  }
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0.f, wsum = 0.f;
+    if (mx > -INFINITY) {
+      for (int s = 0; s < S; ++s) {
+        const float w = exp2f(lse[s] - mx);
+        wsum += w;
+        acc += w * ws_o[(qh * S + s) * D + d];
+      }
+    }
+    out[qh * D + d] =
+        nan ? __uint_as_float(0x7fc00000u) : (wsum > 0.f ? acc / wsum : 0.f);
+  }
+}
+
 // ---- Host side
 // -----------------------------------------------------------------
 
@@ -674,7 +1474,171 @@ absl::Status LaunchAttention(const AttentionParams& p, int group) {
   return LaunchStatus("DecodeAttentionCuda");
 }
 
+// Uploads the TQ codebooks and signs to the current device once.
+absl::Status EnsureTqTables() {
+  // kernels_cuda links no absl::synchronization; a process-wide std::mutex
+  // guards the set of devices already holding the tables.
+  static std::mutex* mu = new std::mutex();
+  static std::set<int>* done = new std::set<int>();
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    return absl::InternalError("cudaGetDevice failed");
+  }
+  std::lock_guard<std::mutex> lock(*mu);
+  if (done->count(dev) > 0) return absl::OkStatus();
+  static float cb[5][3][16];
+  static float sign[5][256];
+  for (int i = 0; i < 5; ++i) {
+    const int d = 16 << i;
+    for (int bits = 2; bits <= 4; ++bits) {
+      const float* c = TqCodebook(bits, d);
+      for (int j = 0; j < 16; ++j)
+        cb[i][bits - 2][j] = j < (1 << bits) ? c[j] : 0.f;
+    }
+    const int8_t* sg = TqSigns(d);
+    for (int j = 0; j < 256; ++j) sign[i][j] = j < d ? sg[j] : 0.f;
+  }
+  cudaError_t e = cudaMemcpyToSymbol(g_tq_cb, cb, sizeof(cb));
+  if (e == cudaSuccess) e = cudaMemcpyToSymbol(g_tq_sign, sign, sizeof(sign));
+  if (e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("uploading TQ tables: ", cudaGetErrorString(e)));
+  }
+  done->insert(dev);
+  return absl::OkStatus();
+}
+
+bool MmaHeadDim(int d) {
+  return d == 16 || d == 32 || d == 64 || d == 128 || d == 256;
+}
+
+int SmCount() {
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  }
+  return sms;
+}
+
+struct MmaPlan {
+  int group, row_blocks, splits;
+  size_t ws_bytes;
+};
+
+MmaPlan PlanMma(const AttentionParams& p) {
+  MmaPlan m;
+  m.group = p.n_q_heads / p.shape.heads;
+  m.row_blocks = (m.group + 15) / 16;
+  const long long ctas =
+      static_cast<long long>(p.batch) * p.shape.heads * m.row_blocks;
+  int splits = p.num_splits;
+  if (splits <= 0) {
+    // About four resident CTAs per SM, two waves.
+    const long long want = 8LL * SmCount();
+    splits = static_cast<int>((want + ctas - 1) / std::max(1LL, ctas));
+  }
+  m.splits = std::min(std::max(splits, 1), kMaxSplits);
+  const size_t slots =
+      static_cast<size_t>(p.batch) * p.n_q_heads * m.splits * kMmaWarps;
+  m.ws_bytes = slots * (p.shape.head_dim + 1) * sizeof(float) + 16;
+  return m;
+}
+
+template <int kD>
+absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
+                       float* ws) {
+  using Sm = MmaSmem<kD>;
+  auto* kernel = &MmaAttentionKernel<kD>;
+  if (Sm::kTotal > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kTotal);
+    if (e != cudaSuccess) {
+      return absl::InternalError(
+          absl::StrCat("attention needs ", Sm::kTotal,
+                       " bytes of shared memory: ", cudaGetErrorString(e)));
+    }
+  }
+  MmaArgs a;
+  a.shape = p.shape;
+  a.n_q_heads = p.n_q_heads;
+  a.group = plan.group;
+  a.row_blocks = plan.row_blocks;
+  a.splits = plan.splits;
+  a.scale_log2 = p.scale * kLog2e;
+  a.q = p.q;
+  a.pages = p.pages;
+  a.indptr = p.page_indptr;
+  a.attend = p.attend_tokens;
+  const int S = plan.splits * kMmaWarps;
+  const size_t slots = static_cast<size_t>(p.batch) * p.n_q_heads * S;
+  a.ws_lse = ws;
+  a.ws_o = ws + ((slots + 3) / 4) * 4;  // 16-byte aligned partial outputs
+  const long long grid = static_cast<long long>(p.batch) * p.shape.heads *
+                         plan.row_blocks * plan.splits;
+  kernel<<<static_cast<unsigned>(grid), kMmaWarps * 32, Sm::kTotal, p.stream>>>(
+      a);
+  KV_RETURN_IF_ERROR(LaunchStatus("DecodeAttentionCuda"));
+  ReduceKernel<<<static_cast<unsigned>(static_cast<size_t>(p.batch) *
+                                       p.n_q_heads),
+                 std::min(kD, 128), 0, p.stream>>>(S, kD, a.ws_o, a.ws_lse,
+                                                   p.out);
+  return LaunchStatus("DecodeAttentionCuda reduce");
+}
+
+absl::Status DispatchMma(const AttentionParams& p, const MmaPlan& plan,
+                         float* ws) {
+  switch (p.shape.head_dim) {
+    case 16:
+      return LaunchMma<16>(p, plan, ws);
+    case 32:
+      return LaunchMma<32>(p, plan, ws);
+    case 64:
+      return LaunchMma<64>(p, plan, ws);
+    case 128:
+      return LaunchMma<128>(p, plan, ws);
+    default:
+      return LaunchMma<256>(p, plan, ws);
+  }
+}
+
 }  // namespace
+
+size_t AttentionWorkspaceBytes(const AttentionParams& p) {
+  if (!ValidateShape(p.shape).ok() || p.batch <= 0 || p.n_q_heads < 1 ||
+      p.n_q_heads % p.shape.heads != 0 || !MmaHeadDim(p.shape.head_dim)) {
+    return 0;
+  }
+  return PlanMma(p).ws_bytes;
+}
+
+size_t DemoteScratchBytes(const PageShape& shape, int num_pages) {
+  return static_cast<size_t>(std::max(num_pages, 0)) * 2 *
+         static_cast<size_t>(std::max(shape.tokens, 0)) *
+         std::max(shape.heads, 0) * std::max(shape.head_dim, 0) *
+         sizeof(uint16_t);
+}
+
+absl::Status DemotePagesCuda(const DemotePagesParams& p) {
+  KV_RETURN_IF_ERROR(ValidateShape(p.shape));
+  if (p.num_pages < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_pages must be >= 0, got ", p.num_pages));
+  }
+  if (p.num_pages == 0) return absl::OkStatus();
+  if (p.src == nullptr || p.dst == nullptr || p.scratch == nullptr) {
+    return absl::InvalidArgumentError("src, dst and scratch must be non-null");
+  }
+  const size_t need = DemoteScratchBytes(p.shape, p.num_pages);
+  if (p.scratch_bytes < need || !Aligned16(p.scratch)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scratch must be 16-byte aligned and hold ", need,
+                     " bytes, got ", p.scratch_bytes));
+  }
+  KV_RETURN_IF_ERROR(EnsureTqTables());
+  DemoteKernel<<<p.num_pages, kCodecThreads, 0, p.stream>>>(
+      p.shape, p.src, p.dst, static_cast<uint16_t*>(p.scratch));
+  return LaunchStatus("DemotePagesCuda");
+}
 
 absl::Status CheckEncodingCuda(const Encoding& e, const PageShape& shape) {
   if (absl::Status s = ValidateShape(shape); !s.ok()) return s;
@@ -682,12 +1646,6 @@ absl::Status CheckEncodingCuda(const Encoding& e, const PageShape& shape) {
     char name[64];
     return absl::InvalidArgumentError(absl::StrCat(
         "encoding ", EncodingName(e, name, sizeof(name)), ": ", why));
-  }
-  for (Format f : {e.k, e.v}) {
-    if (!CudaFormat(static_cast<int>(f))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          FormatName(f), " is not supported by the CUDA kernels yet"));
-    }
   }
   return absl::OkStatus();
 }
@@ -711,6 +1669,7 @@ absl::Status EncodePagesCuda(const EncodePagesParams& p) {
     return absl::InvalidArgumentError(
         "k_bf16 and v_bf16 must be 16-byte aligned");
   }
+  KV_RETURN_IF_ERROR(EnsureTqTables());
   EncodeKernel<<<p.num_pages, kCodecThreads, 0, p.stream>>>(p.shape, p.pages,
                                                             p.k_bf16, p.v_bf16);
   return LaunchStatus("EncodePagesCuda");
@@ -731,6 +1690,7 @@ absl::Status DecodePagesCuda(const DecodePagesParams& p) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_pages * heads too large: ", blocks));
   }
+  KV_RETURN_IF_ERROR(EnsureTqTables());
   DecodeKernel<<<static_cast<unsigned>(blocks), kCodecThreads, 0, p.stream>>>(
       p.shape, p.pages, p.k_out, p.v_out);
   return LaunchStatus("DecodePagesCuda");
@@ -763,18 +1723,41 @@ absl::Status DecodeAttentionCuda(const AttentionParams& p) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch * heads too large: ", p.batch));
   }
-  // Compile-time head_dim for the common sizes; the generic kernel covers
-  // every other multiple of 8.
-  switch (p.shape.head_dim) {
-    case 64:
-      return LaunchAttention<64>(p, group);
-    case 128:
-      return LaunchAttention<128>(p, group);
-    case 256:
-      return LaunchAttention<256>(p, group);
-    default:
-      return LaunchAttention<0>(p, group);
+  if (!MmaHeadDim(p.shape.head_dim)) {
+    // CUDA-core kernel for head_dims that are not a multiple of 16.
+    return LaunchAttention<0>(p, group);
   }
+  KV_RETURN_IF_ERROR(EnsureTqTables());
+  const MmaPlan plan = PlanMma(p);
+  if (static_cast<long long>(p.batch) * p.shape.heads * plan.row_blocks *
+          plan.splits >
+      0x7fffffffLL) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch * heads too large: ", p.batch));
+  }
+  if (p.workspace != nullptr) {
+    if (p.workspace_bytes < plan.ws_bytes || !Aligned16(p.workspace)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("workspace must be 16-byte aligned and hold ",
+                       plan.ws_bytes, " bytes, got ", p.workspace_bytes));
+    }
+    return DispatchMma(p, plan, static_cast<float*>(p.workspace));
+  }
+  void* ws = nullptr;
+  cudaError_t e = cudaMallocAsync(&ws, plan.ws_bytes, p.stream);
+  if (e != cudaSuccess) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("attention workspace of ", plan.ws_bytes,
+                     " bytes: ", cudaGetErrorString(e)));
+  }
+  const absl::Status s = DispatchMma(p, plan, static_cast<float*>(ws));
+  e = cudaFreeAsync(ws, p.stream);
+  KV_RETURN_IF_ERROR(s);
+  if (e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("freeing attention workspace: ", cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace triax::kernels::cuda

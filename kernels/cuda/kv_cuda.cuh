@@ -2,8 +2,10 @@
 // same as the CPU reference (kernels/ref/kv_ref.h):
 //   EncodePagesCuda    BF16 token-major tokens -> pages of any format
 //   DecodePagesCuda    pages of any format -> float32 token-major
+//   DemotePagesCuda    re-encodes pages in place (decode old -> encode new)
 //   DecodeAttentionCuda  fused decode attention over per-sequence page lists
-//                        whose pages each have their own format (GQA)
+//                        whose pages each have their own format (GQA),
+//                        split-K (flash-decoding) with a reduce kernel
 //
 // All pointers are device pointers unless noted. Pages are described by
 // DevicePage entries (device memory) so pools of different formats can be
@@ -17,14 +19,15 @@
 //
 // Encodings: each page carries its own (DevicePage::format, packed by
 // PackEncoding). The CUDA kernels support K and V each in BF16, FP8, INT8,
-// INT4, INT2, any combination, groups 32/64/128, FP16 or FP8 metadata. The
-// TQ formats are not supported yet: CheckEncodingCuda returns
-// INVALID_ARGUMENT ("tq4 is not supported by the CUDA kernels yet") for
-// them, and callers must run it on every encoding they put into a page
-// table (per-page fields live in device memory and are not checked on the
-// host). A page whose encoding is unsupported or invalid is never silently
-// misread: encode leaves it untouched, decode writes NaN to its rows, and
-// attention writes NaN to the whole output of the sequence holding it.
+// INT4, INT2, TQ4, TQ3, TQ2, any combination, groups 32/64/128, FP16 or FP8
+// metadata. TQ needs a power-of-two head_dim in [16, 256] (layout.h); TQ
+// encode/decode and the TQ tables (uploaded to each device on first use)
+// follow the CPU reference. Callers must run CheckEncodingCuda on every
+// encoding they put into a page table (per-page fields live in device
+// memory and are not checked on the host). A page whose encoding is
+// unsupported or invalid is never silently misread: encode leaves it
+// untouched, decode writes NaN to its rows, and attention writes NaN to the
+// whole output of the sequence (query-head block) holding it.
 //
 // Launches are asynchronous on `stream`; a launch failure returns INTERNAL
 // with the CUDA error string. Thread contract: functions are reentrant; the
@@ -52,8 +55,7 @@ inline int32_t PackEncoding(const Encoding& e) {
 }
 
 // OK when the CUDA kernels handle `e` on `shape`; else INVALID_ARGUMENT:
-// the ValidateEncoding reason, or "<format> is not supported by the CUDA
-// kernels yet" for TQ formats, or a shape requirement above.
+// the ValidateEncoding reason or a shape requirement above.
 absl::Status CheckEncodingCuda(const Encoding& e, const PageShape& shape);
 
 // The layout the kernels compute on the device for an encoding (the same
@@ -100,6 +102,27 @@ struct DecodePagesParams {
 };
 absl::Status DecodePagesCuda(const DecodePagesParams& p);
 
+// Re-encodes num_pages pages in one launch: page i is decoded from
+// src[i] (its format, its num_tokens) to BF16 (float values rounded to
+// nearest-even BF16, as the worker's CPU path does) and encoded into dst[i]
+// with dst[i]'s format; dst[i].num_tokens is ignored (src's count is used).
+// dst[i].data may equal src[i].data (in place: the whole page is decoded
+// into `scratch` before any byte of it is written) or point elsewhere; two
+// entries must not share a destination. `scratch` is device memory of at
+// least DemoteScratchBytes(shape, num_pages) bytes, 16-byte aligned.
+// A src or dst whose encoding is unsupported leaves dst untouched.
+struct DemotePagesParams {
+  PageShape shape;
+  const DevicePage* src = nullptr;  // [num_pages], device
+  const DevicePage* dst = nullptr;  // [num_pages], device
+  int num_pages = 0;
+  void* scratch = nullptr;
+  size_t scratch_bytes = 0;
+  cudaStream_t stream = nullptr;
+};
+size_t DemoteScratchBytes(const PageShape& shape, int num_pages);
+absl::Status DemotePagesCuda(const DemotePagesParams& p);
+
 // Decode attention for a batch of sequences, one query token each.
 //   q:   float32 [batch][n_q_heads][D]; query head h reads KV head
 //        h / (n_q_heads / H). out: float32 [batch][n_q_heads][D].
@@ -110,6 +133,21 @@ absl::Status DecodePagesCuda(const DecodePagesParams& p);
 //   with no tokens gets zeros.
 //   Softmax in float32 with max subtraction; scores are scaled by `scale`.
 // n_q_heads must be a multiple of H with (n_q_heads / H) * D <= 4096.
+//
+// Kernel choice: for head_dim in {16, 32, 64, 128, 256} a tensor-core
+// kernel (mma.sync bf16, float32 accumulation) runs: each page tile is
+// dequantized to BF16 in shared memory and Q (rounded to BF16 after
+// scaling) and P (BF16) multiply it, so outputs carry BF16 operand
+// rounding (tolerance in kv_cuda_test.cc: max_abs <= 2e-2 for unit
+// inputs, measured far below). Sequences are split over
+// num_splits x 4 warps (flash-decoding); a reduce kernel merges the
+// partial results. Other head_dims (multiples of 8) use a float32
+// CUDA-core kernel without splits.
+// Workspace: partial results need AttentionWorkspaceBytes(p) bytes. Pass
+// `workspace` (device, 16-aligned, `workspace_bytes` long) to avoid an
+// allocation; with workspace == nullptr the call allocates and frees it
+// stream-ordered (cudaMallocAsync). Too small a workspace returns
+// INVALID_ARGUMENT naming both sizes.
 struct AttentionParams {
   PageShape shape;  // heads = KV heads
   int batch = 0;
@@ -121,7 +159,16 @@ struct AttentionParams {
   const int32_t* page_indptr = nullptr;    // [batch + 1]
   const int32_t* attend_tokens = nullptr;  // [batch]
   cudaStream_t stream = nullptr;
+  // Optional (added; defaults keep older callers unchanged):
+  void* workspace = nullptr;  // see AttentionWorkspaceBytes
+  size_t workspace_bytes = 0;
+  // CTAs per (sequence, KV head); 0 = choose from batch * heads and the SM
+  // count. Clamped to [1, 64].
+  int num_splits = 0;
 };
 absl::Status DecodeAttentionCuda(const AttentionParams& p);
+// Workspace bytes DecodeAttentionCuda needs for `p` (same split choice);
+// 0 for the CUDA-core fallback.
+size_t AttentionWorkspaceBytes(const AttentionParams& p);
 
 }  // namespace triax::kernels::cuda

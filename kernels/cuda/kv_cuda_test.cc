@@ -29,6 +29,7 @@
 
 #include "common/status_matchers.h"
 #include "kernels/layout.h"
+#include "kernels/numeric.h"
 #include "kernels/ref/kv_ref.h"
 #include "kernels/testing/kv_test_util.h"
 
@@ -51,8 +52,29 @@ const std::vector<Encoding>& CudaEncodings() {
       Encoding(Format::kFP8, Format::kINT4),
       Encoding(Format::kINT8, Format::kBF16, 64, ScaleDtype::kFP8),
       Encoding(Format::kINT2, Format::kINT8, 128),
-      Encoding(Format::kINT4, Format::kINT4, 32, ScaleDtype::kFP8)};
+      Encoding(Format::kINT4, Format::kINT4, 32, ScaleDtype::kFP8),
+      Format::kTQ4,
+      Format::kTQ3,
+      Format::kTQ2,
+      Encoding(Format::kTQ4, Format::kINT4),
+      Encoding(Format::kBF16, Format::kTQ3)};
   return e;
+}
+
+// The CudaEncodings valid for `s` (TQ needs a power-of-two head_dim >= 16).
+std::vector<Encoding> ValidEncodings(const PageShape& s) {
+  std::vector<Encoding> out;
+  for (const Encoding& e : CudaEncodings()) {
+    if (CheckEncodingCuda(e, s).ok()) out.push_back(e);
+  }
+  return out;
+}
+
+// The tensor-core kernel (head_dim a multiple of 16) rounds Q and P to BF16
+// and K/V tiles to BF16 after dequantization; the CUDA-core kernel is
+// float32 throughout.
+double AttentionTolerance(int head_dim) {
+  return head_dim % 16 == 0 ? 3e-2 : 2e-5;
 }
 
 // Device buffer owned by the test.
@@ -138,16 +160,17 @@ TEST_F(KvCudaTest, EncodeMatchesReferenceBytes) {
     const PageShape s{sh.T, sh.H, sh.D};
     SCOPED_TRACE(::testing::Message()
                  << "T=" << sh.T << " H=" << sh.H << " D=" << sh.D);
-    const int num_pages = 2 * static_cast<int>(CudaEncodings().size()) + 3;
+    const std::vector<Encoding> encs = ValidEncodings(s);
+    const int num_pages = 2 * static_cast<int>(encs.size()) + 3;
     const size_t page_elems = static_cast<size_t>(sh.T) * sh.H * sh.D;
     const auto k = testing::RandomBf16(rng, num_pages * page_elems, 2.f);
     const auto v = testing::RandomBf16(rng, num_pages * page_elems, 2.f);
     Pool pool;
-    const int ne = static_cast<int>(CudaEncodings().size());
+    const int ne = static_cast<int>(encs.size());
     std::uniform_int_distribution<int> pick(0, ne - 1), ntok(1, sh.T);
     for (int i = 0; i < num_pages; ++i) {
       // Every encoding at least twice; full and partial pages.
-      pool.Add(CudaEncodings()[i < 2 * ne ? i % ne : pick(rng)],
+      pool.Add(encs[i < 2 * ne ? i % ne : pick(rng)],
                i % 3 == 0 ? sh.T : ntok(rng), s);
     }
     DeviceBuffer d_pool(pool.bytes), d_k(k.size() * 2), d_v(v.size() * 2);
@@ -198,7 +221,8 @@ TEST_F(KvCudaTest, DecodeMatchesReference) {
         PageShape{64, 1, 256}, PageShape{5, 2, 24}}) {
     SCOPED_TRACE(::testing::Message() << "T=" << s.tokens << " H=" << s.heads
                                       << " D=" << s.head_dim);
-    const int num_pages = static_cast<int>(CudaEncodings().size()) + 2;
+    const std::vector<Encoding> encs = ValidEncodings(s);
+    const int num_pages = static_cast<int>(encs.size()) + 2;
     const size_t page_elems =
         static_cast<size_t>(s.tokens) * s.heads * s.head_dim;
     Pool pool;
@@ -207,7 +231,7 @@ TEST_F(KvCudaTest, DecodeMatchesReference) {
         want_v(want_k.size(), NAN);
     std::uniform_int_distribution<int> ntok(1, s.tokens);
     for (int i = 0; i < num_pages; ++i) {
-      const Encoding f = CudaEncodings()[i % CudaEncodings().size()];
+      const Encoding f = encs[i % encs.size()];
       const int n = i == 0 ? s.tokens : ntok(rng);
       pool.Add(f, n, s);
       const auto k = testing::RandomBf16(rng, n * s.heads * s.head_dim);
@@ -264,6 +288,7 @@ class KvCudaAttentionTest
 // causal cut in the middle of a page for some, against the CPU reference.
 TEST_P(KvCudaAttentionTest, MatchesReference) {
   const auto [T, group, D] = GetParam();
+  if (group * D > 4096) GTEST_SKIP() << "group x head_dim over 4096";
   const int H = 2, n_q = H * group;
   const uint32_t seed = 3000u + T * 100u + group * 10u + D;
   std::printf("seed %u\n", seed);
@@ -279,7 +304,8 @@ TEST_P(KvCudaAttentionTest, MatchesReference) {
   std::vector<std::vector<PageRef>> refs(batch);
   std::vector<std::vector<float>> k_dec(batch), v_dec(batch);
   std::vector<std::vector<size_t>> ref_offsets(batch);
-  std::uniform_int_distribution<int> pick(0, CudaEncodings().size() - 1);
+  const std::vector<Encoding> encs = ValidEncodings(s);
+  std::uniform_int_distribution<int> pick(0, encs.size() - 1);
   for (int b = 0; b < batch; ++b) {
     const int L = lengths[b];
     const auto k = testing::RandomBf16(rng, L * tok);
@@ -288,7 +314,7 @@ TEST_P(KvCudaAttentionTest, MatchesReference) {
     v_dec[b].resize(v.size());
     for (int start = 0; start < L; start += T) {
       const int n = std::min(T, L - start);
-      const Encoding f = CudaEncodings()[pick(rng)];
+      const Encoding f = encs[pick(rng)];
       std::vector<uint8_t> page(PageBytes(f, s));
       EncodePage(f, s, k.data() + start * tok, v.data() + start * tok, n,
                  page.data());
@@ -360,8 +386,8 @@ TEST_P(KvCudaAttentionTest, MatchesReference) {
                                                   H, D, attend[b], scale));
     ASSERT_TRUE(vs_ref.all_finite);
     EXPECT_GT(vs_ref.norm, 1e-3);
-    EXPECT_LE(vs_ref.max_abs, 2e-5);
-    EXPECT_LE(vs_f64.max_abs, 2e-5);
+    EXPECT_LE(vs_ref.max_abs, AttentionTolerance(D));
+    EXPECT_LE(vs_f64.max_abs, AttentionTolerance(D));
     worst_ref = std::max(worst_ref, vs_ref.max_abs);
     worst_f64 = std::max(worst_f64, vs_f64.max_abs);
   }
@@ -371,14 +397,92 @@ TEST_P(KvCudaAttentionTest, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Grid, KvCudaAttentionTest,
-    ::testing::Combine(::testing::Values(1, 7, 16),
-                       ::testing::Values(1, 2, 4, 8),
-                       ::testing::Values(8, 24, 64, 128, 256)),
+    ::testing::Combine(::testing::Values(1, 7, 16, 48),
+                       ::testing::Values(1, 2, 4, 8, 20),
+                       ::testing::Values(8, 24, 16, 32, 64, 128, 256)),
     [](const auto& info) {
       return "T" + std::to_string(std::get<0>(info.param)) + "_G" +
              std::to_string(std::get<1>(info.param)) + "_D" +
              std::to_string(std::get<2>(info.param));
     });
+
+// In-place demotion of pages of every format to every other, against
+// DecodePage -> round to BF16 -> EncodePage on the CPU (bytes equal).
+TEST_F(KvCudaTest, DemoteMatchesReferenceBytes) {
+  const uint32_t seed = 404;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  for (const PageShape& s :
+       {PageShape{16, 2, 128}, PageShape{7, 3, 64}, PageShape{16, 1, 24}}) {
+    SCOPED_TRACE(::testing::Message() << "T=" << s.tokens << " H=" << s.heads
+                                      << " D=" << s.head_dim);
+    const std::vector<Encoding> encs = ValidEncodings(s);
+    std::vector<std::pair<Encoding, Encoding>> pairs;
+    for (const Encoding& a : encs)
+      for (const Encoding& b : encs) pairs.emplace_back(a, b);
+    const int num_pages = static_cast<int>(pairs.size());
+    const size_t page_elems =
+        static_cast<size_t>(s.tokens) * s.heads * s.head_dim;
+    const size_t slot = PageBytes(Format::kBF16, s);  // largest page
+    std::vector<uint8_t> host(slot * num_pages, 0);
+    std::vector<DevicePage> src, dst;
+    std::vector<std::vector<uint8_t>> want(num_pages);
+    std::uniform_int_distribution<int> ntok(1, s.tokens);
+    DeviceBuffer d_pool(host.size());
+    for (int i = 0; i < num_pages; ++i) {
+      const auto [from, to] = pairs[i];
+      const int n = i % 2 == 0 ? s.tokens : ntok(rng);
+      const auto k = testing::RandomBf16(rng, n * s.heads * s.head_dim);
+      const auto v = testing::RandomBf16(rng, n * s.heads * s.head_dim);
+      EncodePage(from, s, k.data(), v.data(), n, host.data() + i * slot);
+      std::vector<float> fk(page_elems), fv(page_elems);
+      DecodePage(from, s, host.data() + i * slot, n, fk.data(), fv.data());
+      std::vector<uint16_t> bk(page_elems), bv(page_elems);
+      for (size_t j = 0; j < page_elems; ++j) {
+        bk[j] = FloatToBf16(fk[j]);
+        bv[j] = FloatToBf16(fv[j]);
+      }
+      want[i].resize(PageBytes(to, s));
+      EncodePage(to, s, bk.data(), bv.data(), n, want[i].data());
+      uint8_t* at = d_pool.as<uint8_t>() + i * slot;
+      src.push_back(DevicePage{at, n, PackEncoding(from)});
+      dst.push_back(DevicePage{at, 0, PackEncoding(to)});
+    }
+    d_pool.Upload(host);
+    DeviceBuffer d_src(src.size() * sizeof(DevicePage)),
+        d_dst(dst.size() * sizeof(DevicePage));
+    d_src.Upload(src);
+    d_dst.Upload(dst);
+    const size_t sb = DemoteScratchBytes(s, num_pages);
+    DeviceBuffer scratch(sb);
+    DemotePagesParams p;
+    p.shape = s;
+    p.src = d_src.as<DevicePage>();
+    p.dst = d_dst.as<DevicePage>();
+    p.num_pages = num_pages;
+    p.scratch = scratch.as<void>();
+    p.scratch_bytes = sb - 1;
+    EXPECT_THAT(DemotePagesCuda(p), StatusIs(absl::StatusCode::kInvalidArgument,
+                                             HasSubstr("scratch")));
+    p.scratch_bytes = sb;
+    ASSERT_THAT(DemotePagesCuda(p), IsOk());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto got = d_pool.Download<uint8_t>(host.size());
+    int bad_pages = 0;
+    for (int i = 0; i < num_pages; ++i) {
+      char a[64], b[64];
+      const int diff =
+          static_cast<int>(std::count_if(want[i].begin(), want[i].end(),
+                                         [&, j = size_t{0}](uint8_t w) mutable {
+                                           return got[i * slot + j++] != w;
+                                         }));
+      if (diff != 0) ++bad_pages;
+      EXPECT_EQ(diff, 0) << EncodingName(pairs[i].first, a, sizeof(a)) << " -> "
+                         << EncodingName(pairs[i].second, b, sizeof(b));
+    }
+    std::printf("demote %d pairs, %d pages differ\n", num_pages, bad_pages);
+  }
+}
 
 // Validation happens on the host before any CUDA call, so these run (and
 // must pass) on machines without a GPU too.
@@ -427,14 +531,12 @@ TEST(KvCudaValidationTest, RejectsBadShapes) {
 // compute on the device is ComputeLayout's.
 TEST(KvCudaValidationTest, EncodingSupportAndLayout) {
   const PageShape s{16, 2, 128};
+  EXPECT_THAT(CheckEncodingCuda(Format::kTQ4, s), IsOk());
+  EXPECT_THAT(CheckEncodingCuda(Encoding(Format::kINT4, Format::kTQ2), s),
+              IsOk());
   EXPECT_THAT(
-      CheckEncodingCuda(Format::kTQ4, s),
-      StatusIs(absl::StatusCode::kInvalidArgument,
-               HasSubstr("tq4 is not supported by the CUDA kernels yet")));
-  EXPECT_THAT(
-      CheckEncodingCuda(Encoding(Format::kINT4, Format::kTQ2), s),
-      StatusIs(absl::StatusCode::kInvalidArgument,
-               HasSubstr("tq2 is not supported by the CUDA kernels yet")));
+      CheckEncodingCuda(Format::kTQ3, PageShape{16, 2, 24}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("power-of-two")));
   EXPECT_THAT(CheckEncodingCuda(Encoding(Format::kINT4, Format::kINT4, 48), s),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("group must be 32, 64 or 128")));

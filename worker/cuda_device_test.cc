@@ -1,0 +1,595 @@
+// CudaDevice against CpuDevice (the reference) on the same inputs: page
+// bytes and decoded values per encoding the CUDA kernels support (BF16, FP8,
+// INT8/4/2, K != V pairs, groups, FP8 scales), BF16 token writes, page copies,
+// mixed-format attention, and whole SequenceStores (writes, sealing, window,
+// attention, reads, demotion, forks) on each backend. Refused encodings and
+// the sticky-error path are covered too. Skips without a CUDA device.
+//
+// Oracles: encoded page bytes must be equal (kv_cuda.cuh promises the CPU
+// reference's bytes; TQ pages instead must be as close to the input as the
+// reference's); decoded values and reads within 1e-6 relative (the same
+// arithmetic; 1e-5 for TQ's rotation); attention within kAttentionTol of the
+// output's max magnitude. Outputs are poisoned with NaN first, and every
+// comparison also checks finiteness and a non-zero norm.
+#include "worker/cuda_device.h"
+
+#include <cuda_runtime_api.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
+#include "kernels/layout.h"
+#include "kernels/numeric.h"
+#include "kernels/ref/kv_ref.h"
+#include "worker/device.h"
+#include "worker/page_allocator.h"
+#include "worker/sequence_store.h"
+
+namespace triax::worker {
+namespace {
+
+using kernels::Encoding;
+using kernels::Format;
+using kernels::PageShape;
+using kernels::ScaleDtype;
+using ::testing::HasSubstr;
+using triax::testing::IsOk;
+using triax::testing::StatusIs;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+// Attention on the GPU may run on tensor cores with BF16 operands (Q and P
+// rounded to BF16; kv_cuda.cuh): its stated bound is 2e-2 max abs error for
+// unit-scale inputs, and these inputs have x8 outliers, so the oracle is
+// 3e-2 of the output's max magnitude. Float32 kernels meet it by far.
+constexpr double kAttentionTol = 3e-2;
+
+std::string Name(const Encoding& e) {
+  char buf[96];
+  return kernels::EncodingName(e, buf, sizeof(buf));
+}
+
+// Every encoding family the CUDA kernels run.
+std::vector<Encoding> CudaEncodings() {
+  return {
+      Format::kBF16,
+      Format::kFP8,
+      Format::kINT8,
+      Format::kINT4,
+      Format::kINT2,
+      Encoding(Format::kINT4, Format::kINT2),
+      Encoding(Format::kINT8, Format::kINT4),
+      Encoding(Format::kFP8, Format::kINT2),
+      Encoding(Format::kBF16, Format::kINT4),
+      Encoding(Format::kINT2, Format::kBF16),
+      Encoding(Format::kINT4, Format::kINT4, 64),
+      Encoding(Format::kINT2, Format::kINT4, 128),
+      Encoding(Format::kINT4, Format::kINT2, 32, ScaleDtype::kFP8),
+      Encoding(Format::kINT8, Format::kINT8, 64, ScaleDtype::kFP8),
+      // TQ: compared when the kernels run it (SupportsEncoding OK), else
+      // checked to be refused.
+      Format::kTQ4,
+      Format::kTQ2,
+      Encoding(Format::kINT4, Format::kTQ3),
+  };
+}
+
+bool HasTq(const Encoding& e) {
+  return kernels::IsTqFormat(e.k) || kernels::IsTqFormat(e.v);
+}
+
+// Relative RMS distance of `got` from `want`.
+double RelRms(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    den += double(want[i]) * want[i];
+  }
+  return std::sqrt(num / den);
+}
+
+// N(0, 1) BF16 values with a few outliers (x8) so scales differ per group.
+std::vector<uint16_t> RandomBf16(size_t n, std::mt19937* rng) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::uniform_int_distribution<int> outlier(0, 63);
+  std::vector<uint16_t> out(n);
+  for (auto& x : out) {
+    float v = dist(*rng);
+    if (outlier(*rng) == 0) v *= 8.f;
+    x = kernels::FloatToBf16(v);
+  }
+  return out;
+}
+
+// Checks got ~= want elementwise: |got - want| <= tol * scale_of(want),
+// where scale_of is 1 + |want| (rel = true) or the max |want| (rel = false);
+// every value finite and the reference not all zero.
+void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
+                 double tol, bool rel, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double max_want = 0, norm = 0;
+  for (float w : want) {
+    max_want = std::max(max_want, std::fabs(double(w)));
+    norm += double(w) * w;
+  }
+  EXPECT_GT(norm, 0) << what << ": the reference is all zero";
+  size_t bad = 0, first_bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(double(got[i]) - want[i]);
+    const double lim = tol * (rel ? 1 + std::fabs(double(want[i])) : max_want);
+    if (!std::isfinite(got[i]) || !(err <= lim)) {
+      if (bad++ == 0) first_bad = i;
+    }
+    if (std::isfinite(got[i])) worst = std::max(worst, err);
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size()
+                     << " values off; first at " << first_bad << " got "
+                     << got[first_bad] << " want " << want[first_bad]
+                     << "; worst error " << worst;
+}
+
+std::vector<uint8_t> Download(const uint8_t* dev, size_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  EXPECT_EQ(cudaMemcpy(out.data(), dev, bytes, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  return out;
+}
+
+size_t CountDiff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  size_t n = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) n += a[i] != b[i];
+  return n + (a.size() > b.size() ? a.size() - b.size() : b.size() - a.size());
+}
+
+class CudaDeviceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (absl::Status s = CudaAvailable(); !s.ok()) {
+      GTEST_SKIP() << s.message();
+    }
+    auto d = CudaDevice::Create(0);
+    ASSERT_THAT(d.status(), IsOk());
+    gpu_ = std::move(*d);
+    auto arena = gpu_->AllocateArena(kArena);
+    ASSERT_THAT(arena.status(), IsOk());
+    gpu_arena_ = *arena;
+    auto host = cpu_.AllocateArena(kArena);
+    ASSERT_THAT(host.status(), IsOk());
+    cpu_arena_ = *host;
+    ASSERT_EQ(cudaMemset(gpu_arena_, 0xA5, kArena), cudaSuccess);
+    std::memset(cpu_arena_, 0x5A, kArena);
+  }
+  void TearDown() override {
+    if (gpu_ != nullptr) {
+      EXPECT_THAT(gpu_->Health(), IsOk());
+      gpu_->FreeArena(gpu_arena_, kArena);
+    }
+    if (cpu_arena_ != nullptr) cpu_.FreeArena(cpu_arena_, kArena);
+  }
+
+  static constexpr size_t kArena = 8 << 20;
+  CpuDevice cpu_;
+  std::unique_ptr<CudaDevice> gpu_;
+  uint8_t* gpu_arena_ = nullptr;
+  uint8_t* cpu_arena_ = nullptr;
+};
+
+TEST_F(CudaDeviceTest, EncodeDecodeMatchCpuForEveryEncoding) {
+  const unsigned seed = 20240611;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  for (const PageShape shape : {PageShape{16, 2, 64}, PageShape{32, 3, 128},
+                                PageShape{1, 1, 8}, PageShape{64, 1, 256}}) {
+    for (const Encoding& e : CudaEncodings()) {
+      if (kernels::ValidateEncoding(e, shape) != nullptr) continue;
+      if (absl::Status s = gpu_->SupportsEncoding(e, shape); !s.ok()) {
+        EXPECT_TRUE(HasTq(e)) << Name(e) << ": " << s;
+        EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument,
+                                HasSubstr("not supported")));
+        continue;
+      }
+      for (const int n : {shape.tokens, (shape.tokens * 2) / 3 + 1}) {
+        if (n > shape.tokens) continue;
+        const std::string what =
+            absl::StrCat(Name(e), " T=", shape.tokens, " H=", shape.heads,
+                         " D=", shape.head_dim, " n=", n);
+        const size_t values =
+            static_cast<size_t>(n) * shape.heads * shape.head_dim;
+        const std::vector<uint16_t> k = RandomBf16(values, &rng);
+        const std::vector<uint16_t> v = RandomBf16(values, &rng);
+        const size_t bytes = kernels::PageBytes(e, shape);
+        ASSERT_THAT(
+            gpu_->EncodePage(e, shape, k.data(), v.data(), n, gpu_arena_),
+            IsOk())
+            << what;
+        ASSERT_THAT(
+            cpu_.EncodePage(e, shape, k.data(), v.data(), n, cpu_arena_),
+            IsOk());
+        const std::vector<uint8_t> gpu_bytes = Download(gpu_arena_, bytes);
+        std::vector<float> gk(values, kNaN), gv(values, kNaN);
+        std::vector<float> ck(values), cv(values);
+        ASSERT_THAT(
+            gpu_->DecodePage(e, shape, gpu_arena_, n, gk.data(), gv.data()),
+            IsOk());
+        if (!HasTq(e)) {
+          // Same bytes as the reference, so the same decoded values.
+          EXPECT_EQ(CountDiff(gpu_bytes, std::vector<uint8_t>(
+                                             cpu_arena_, cpu_arena_ + bytes)),
+                    0u)
+              << what << ": page bytes differ";
+        } else {
+          // TQ rotation math may round differently: the GPU's page must be
+          // as close to the input as the reference's, and decode the same
+          // on both backends (checked below on the GPU's bytes).
+          std::vector<float> rk(values), rv(values), xk(values), xv(values);
+          ASSERT_THAT(
+              cpu_.DecodePage(e, shape, cpu_arena_, n, rk.data(), rv.data()),
+              IsOk());
+          for (size_t i = 0; i < values; ++i) {
+            xk[i] = kernels::Bf16ToFloat(k[i]);
+            xv[i] = kernels::Bf16ToFloat(v[i]);
+          }
+          std::vector<float> dk(values), dv(values);
+          std::memcpy(cpu_arena_, gpu_bytes.data(), bytes);
+          ASSERT_THAT(
+              cpu_.DecodePage(e, shape, cpu_arena_, n, dk.data(), dv.data()),
+              IsOk());
+          EXPECT_LE(RelRms(dk, xk), 1.02 * RelRms(rk, xk) + 1e-3) << what;
+          EXPECT_LE(RelRms(dv, xv), 1.02 * RelRms(rv, xv) + 1e-3) << what;
+        }
+        ASSERT_THAT(
+            cpu_.DecodePage(e, shape, cpu_arena_, n, ck.data(), cv.data()),
+            IsOk());
+        const double tol = HasTq(e) ? 1e-5 : 1e-6;
+        ExpectClose(gk, ck, tol, true, what + " K");
+        ExpectClose(gv, cv, tol, true, what + " V");
+        // One output only.
+        std::fill(gv.begin(), gv.end(), kNaN);
+        ASSERT_THAT(
+            gpu_->DecodePage(e, shape, gpu_arena_, n, nullptr, gv.data()),
+            IsOk());
+        ExpectClose(gv, cv, tol, true, what + " V alone");
+      }
+    }
+  }
+}
+
+TEST_F(CudaDeviceTest, WriteBf16TokensAndCopyPageMatchCpu) {
+  std::mt19937 rng(7);
+  const PageShape shape{24, 3, 64};
+  const size_t bytes = kernels::PageBytes(Format::kBF16, shape);
+  ASSERT_EQ(cudaMemset(gpu_arena_, 0, bytes), cudaSuccess);
+  std::memset(cpu_arena_, 0, bytes);
+  // Chunks of odd sizes at odd slots, ending at the last slot.
+  for (const auto& [first, n] :
+       {std::pair{0, 5}, std::pair{5, 1}, std::pair{6, 11}, std::pair{17, 7}}) {
+    const size_t values = static_cast<size_t>(n) * shape.heads * shape.head_dim;
+    const auto k = RandomBf16(values, &rng);
+    const auto v = RandomBf16(values, &rng);
+    ASSERT_THAT(
+        gpu_->WriteBf16Tokens(shape, k.data(), v.data(), first, n, gpu_arena_),
+        IsOk());
+    ASSERT_THAT(
+        cpu_.WriteBf16Tokens(shape, k.data(), v.data(), first, n, cpu_arena_),
+        IsOk());
+    EXPECT_EQ(CountDiff(Download(gpu_arena_, bytes),
+                        std::vector<uint8_t>(cpu_arena_, cpu_arena_ + bytes)),
+              0u)
+        << "after slots [" << first << ", " << first + n << ")";
+  }
+  const uint16_t one[3 * 64] = {};
+  EXPECT_THAT(gpu_->WriteBf16Tokens(shape, one, one, 24, 1, gpu_arena_),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("slots [24, 25)")));
+
+  uint8_t* copy = gpu_arena_ + (1 << 20);
+  ASSERT_THAT(gpu_->CopyPage(copy, gpu_arena_, bytes), IsOk());
+  EXPECT_EQ(CountDiff(Download(copy, bytes), Download(gpu_arena_, bytes)), 0u);
+}
+
+TEST_F(CudaDeviceTest, MixedAttentionMatchesCpu) {
+  const unsigned seed = 99;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  for (const auto& [shape, n_q] :
+       {std::pair{PageShape{16, 2, 64}, 8}, std::pair{PageShape{32, 1, 128}, 4},
+        std::pair{PageShape{16, 4, 8}, 8},
+        std::pair{PageShape{8, 2, 256}, 2}}) {
+    // One page per encoding, then a partial BF16 window page.
+    std::vector<kernels::PageRef> gpu_pages, cpu_pages;
+    size_t offset = 0;
+    long total = 0;
+    std::vector<Encoding> encodings = CudaEncodings();
+    encodings.push_back(Format::kBF16);
+    for (size_t i = 0; i < encodings.size(); ++i) {
+      const Encoding& e = encodings[i];
+      if (kernels::ValidateEncoding(e, shape) != nullptr ||
+          !gpu_->SupportsEncoding(e, shape).ok()) {
+        continue;
+      }
+      const int n =
+          i + 1 == encodings.size() ? shape.tokens / 2 + 1 : shape.tokens;
+      const size_t values =
+          static_cast<size_t>(n) * shape.heads * shape.head_dim;
+      const auto k = RandomBf16(values, &rng);
+      const auto v = RandomBf16(values, &rng);
+      ASSERT_THAT(gpu_->EncodePage(e, shape, k.data(), v.data(), n,
+                                   gpu_arena_ + offset),
+                  IsOk());
+      ASSERT_THAT(
+          cpu_.EncodePage(e, shape, k.data(), v.data(), n, cpu_arena_ + offset),
+          IsOk());
+      gpu_pages.push_back({e, gpu_arena_ + offset, n});
+      cpu_pages.push_back({e, cpu_arena_ + offset, n});
+      offset += (kernels::PageBytes(e, shape) + 255) & ~size_t{255};
+      total += n;
+    }
+    ASSERT_LE(offset, kArena);
+    const size_t qv = static_cast<size_t>(n_q) * shape.head_dim;
+    std::normal_distribution<float> dist(0.f, 1.f);
+    for (const long attend :
+         {total, total - 1, long{shape.tokens} + 3, long{1}}) {
+      std::vector<float> q(qv);
+      for (auto& x : q) x = dist(rng);
+      std::vector<float> got(qv, kNaN), want(qv, kNaN);
+      kernels::DecodeParams p;
+      p.q = q.data();
+      p.n_q_heads = n_q;
+      p.shape = shape;
+      p.scale = 1.f / std::sqrt(float(shape.head_dim));
+      p.num_pages = static_cast<int>(gpu_pages.size());
+      p.attend_tokens = attend;
+      p.pages = gpu_pages.data();
+      p.out = got.data();
+      ASSERT_THAT(gpu_->DecodeAttention(p), IsOk());
+      p.pages = cpu_pages.data();
+      p.out = want.data();
+      ASSERT_THAT(cpu_.DecodeAttention(p), IsOk());
+      ExpectClose(
+          got, want, kAttentionTol, false,
+          absl::StrCat("attention H=", shape.heads, " D=", shape.head_dim,
+                       " n_q=", n_q, " attend=", attend));
+    }
+    kernels::DecodeParams p;
+    std::vector<float> q(qv, 1.f), out(qv);
+    p.q = q.data();
+    p.out = out.data();
+    p.n_q_heads = n_q;
+    p.shape = shape;
+    p.scale = 1.f;
+    p.pages = gpu_pages.data();
+    p.num_pages = static_cast<int>(gpu_pages.size());
+    p.attend_tokens = total + 1;
+    EXPECT_THAT(gpu_->DecodeAttention(p),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("attend_tokens")));
+  }
+}
+
+TEST_F(CudaDeviceTest, RefusesWhatTheKernelsDoNotRun) {
+  const PageShape shape{16, 2, 64};
+  // TQ needs a power-of-two head_dim whether or not the kernels run TQ.
+  EXPECT_THAT(
+      gpu_->SupportsEncoding(Format::kTQ4, PageShape{16, 2, 24}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("power-of-two")));
+  EXPECT_THAT(
+      gpu_->SupportsEncoding(Format::kINT4, PageShape{16, 2, 36}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("head_dim")));
+  EXPECT_THAT(gpu_->SupportsAttention(PageShape{16, 1, 256}, 64),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  const std::vector<uint16_t> kv(16 * 2 * 64, 0x3f80);
+  EXPECT_THAT(gpu_->EncodePage(Encoding(Format::kINT4, Format::kINT4, 48),
+                               shape, kv.data(), kv.data(), 16, gpu_arena_),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("group")));
+  // Still healthy and serving (TearDown checks Health too).
+  EXPECT_THAT(gpu_->EncodePage(Format::kINT4, shape, kv.data(), kv.data(), 16,
+                               gpu_arena_),
+              IsOk());
+
+  auto alloc = PageAllocator::Create(gpu_.get(), 1 << 20);
+  ASSERT_THAT(alloc.status(), IsOk());
+  SequenceStore store(gpu_.get(), alloc->get());
+  ModelShape m;
+  m.name = "m";
+  m.n_layers = 1;
+  m.n_kv_heads = 2;
+  m.n_q_heads = 4;
+  m.head_dim = 36;  // valid for the store, not a multiple of 8
+  BlockSpec b;
+  b.num_tokens = 16;
+  b.format = static_cast<int>(Format::kBF16);
+  EXPECT_THAT(store.AllocatePages("t", "s", m, 16, {b}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("not supported by the cuda backend")));
+}
+
+// ---- The same SequenceStore scenario on both backends.
+
+struct Backend {
+  Device* device;
+  std::unique_ptr<PageAllocator> alloc;
+  std::unique_ptr<SequenceStore> store;
+};
+
+TEST_F(CudaDeviceTest, SequenceStoresAgree) {
+  const unsigned seed = 4242;
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  ModelShape m;
+  m.name = "mixed";
+  m.n_layers = 2;
+  m.n_kv_heads = 2;
+  m.n_q_heads = 8;
+  m.head_dim = 64;
+  const uint32_t T = 16, total = 100;
+  // Mixed plan: sink BF16, INT4/INT2 pairs, FP8, INT8 with FP8 scales, ...;
+  // the last block is partial.
+  const std::vector<Encoding> encs = {
+      Format::kBF16,
+      Encoding(Format::kINT4, Format::kINT2),
+      Format::kINT2,
+      Format::kFP8,
+      Encoding(Format::kINT8, Format::kINT8, 64, ScaleDtype::kFP8),
+      Encoding(Format::kINT2, Format::kINT4, 128),
+      Format::kINT4};
+  std::vector<BlockSpec> plan;
+  for (uint32_t i = 0, first = 0; first < total; ++i, first += T) {
+    BlockSpec b;
+    b.index = i;
+    b.lineage_id = 500 + i;
+    b.first_token = first;
+    b.num_tokens = std::min(T, total - first);
+    b.format = static_cast<int>(encs[i].k);
+    b.format_v = static_cast<int>(encs[i].v);
+    b.group_size = static_cast<uint32_t>(encs[i].group);
+    b.scale_dtype = static_cast<int>(encs[i].scale_dtype);
+    plan.push_back(b);
+  }
+  Backend backends[2] = {{gpu_.get()}, {&cpu_}};
+  for (Backend& be : backends) {
+    auto a = PageAllocator::Create(be.device, 32 << 20);
+    ASSERT_THAT(a.status(), IsOk());
+    be.alloc = std::move(*a);
+    be.store = std::make_unique<SequenceStore>(be.device, be.alloc.get());
+    ASSERT_THAT(
+        be.store->AllocatePages("t", "s", m, T, plan, /*window_tokens=*/24)
+            .status(),
+        IsOk());
+  }
+  const size_t tv = m.n_kv_heads * m.head_dim;
+  for (uint32_t layer = 0; layer < m.n_layers; ++layer) {
+    uint32_t first = 0;
+    for (const uint32_t n : {37u, 1u, 50u, 12u}) {
+      const auto k = RandomBf16(n * tv, &rng);
+      const auto v = RandomBf16(n * tv, &rng);
+      KvWrite w;
+      w.layer = layer;
+      w.first_token = first;
+      w.num_tokens = n;
+      w.dtype = static_cast<int>(KvDtype::kBF16);
+      w.k = absl::string_view(reinterpret_cast<const char*>(k.data()),
+                              k.size() * 2);
+      w.v = absl::string_view(reinterpret_cast<const char*>(v.data()),
+                              v.size() * 2);
+      for (Backend& be : backends) {
+        ASSERT_THAT(be.store->Write("t", "s", w).status(), IsOk());
+      }
+      first += n;
+    }
+  }
+  ASSERT_EQ(backends[0].store->Describe("s")->sealed,
+            backends[1].store->Describe("s")->sealed);
+
+  auto compare = [&](const std::string& seq, const std::string& stage) {
+    std::normal_distribution<float> dist(0.f, 1.f);
+    const uint64_t written = backends[1].store->Describe(seq)->written[0];
+    const std::vector<uint64_t> positions = {0, 10, 63, written - 1};
+    const size_t qv = positions.size() * m.n_q_heads * m.head_dim;
+    std::vector<float> q(qv);
+    for (auto& x : q) x = dist(rng);
+    for (uint32_t layer = 0; layer < m.n_layers; ++layer) {
+      AttendSpec spec;
+      spec.layer = layer;
+      spec.num_queries = static_cast<uint32_t>(positions.size());
+      spec.positions = positions;
+      spec.queries =
+          absl::string_view(reinterpret_cast<const char*>(q.data()), qv * 4);
+      auto got = backends[0].store->Attend("t", seq, spec);
+      auto want = backends[1].store->Attend("t", seq, spec);
+      ASSERT_THAT(got.status(), IsOk());
+      ASSERT_THAT(want.status(), IsOk());
+      ExpectClose(*got, *want, kAttentionTol, false,
+                  absl::StrCat(stage, " attend layer ", layer));
+      auto rg = backends[0].store->Read("t", seq, layer, 0, 0);
+      auto rw = backends[1].store->Read("t", seq, layer, 0, 0);
+      ASSERT_THAT(rg.status(), IsOk());
+      ASSERT_THAT(rw.status(), IsOk());
+      ExpectClose(rg->k, rw->k, 1e-6, true,
+                  absl::StrCat(stage, " read K layer ", layer));
+      ExpectClose(rg->v, rw->v, 1e-6, true,
+                  absl::StrCat(stage, " read V layer ", layer));
+    }
+  };
+  compare("s", "written");
+
+  // Demote a sealed block and one still in the window.
+  std::vector<BlockSpec> demote(2);
+  demote[0].index = 1;
+  demote[0].lineage_id = 501;
+  demote[0].format = static_cast<int>(Format::kINT2);
+  demote[1].index = 5;
+  demote[1].lineage_id = 505;
+  demote[1].format = static_cast<int>(Format::kFP8);
+  demote[1].format_v = static_cast<int>(Format::kINT2);
+  for (Backend& be : backends) {
+    ASSERT_THAT(be.store->Demote("t", "s", demote).status(), IsOk());
+  }
+  compare("s", "demoted");
+
+  // Fork: shared sealed prefix, copied tail with new lineage ids.
+  std::vector<BlockSpec> child(plan.begin(), plan.begin() + 5);
+  child[1].format = static_cast<int>(Format::kINT2);
+  child[1].format_v = 0;
+  child[4].lineage_id = 900;
+  child[4].num_tokens = 10;
+  for (Backend& be : backends) {
+    ASSERT_THAT(be.store->Fork("t", "s", "c", 74, child).status(), IsOk());
+  }
+  compare("c", "forked");
+
+  for (Backend& be : backends) {
+    ASSERT_THAT(be.store->Free("t", "c").status(), IsOk());
+    ASSERT_THAT(be.store->Free("t", "s").status(), IsOk());
+    EXPECT_EQ(be.store->Inventory().used_bytes, 0u);
+  }
+}
+
+// Runs in the death test's child: poisons a fresh CUDA context through a
+// page pointer nothing is mapped at and exits 0 when the device reports it as
+// documented (INTERNAL for the faulting call, UNAVAILABLE afterwards).
+[[noreturn]] void PoisonAndCheck() {
+  auto d = CudaDevice::Create(0);
+  if (!d.ok()) std::_Exit(2);
+  const PageShape shape{16, 1, 64};
+  std::vector<float> k(16 * 64);
+  auto* bogus = reinterpret_cast<const uint8_t*>(uintptr_t{16});
+  const absl::Status first =
+      (*d)->DecodePage(Format::kINT4, shape, bogus, 16, k.data(), nullptr);
+  const absl::Status health = (*d)->Health();
+  const absl::Status next = (*d)->CopyPage(nullptr, nullptr, 0);
+  std::fprintf(stderr, "first: %s\nhealth: %s\nnext: %s\n",
+               first.ToString().c_str(), health.ToString().c_str(),
+               next.ToString().c_str());
+  const bool ok =
+      first.code() == absl::StatusCode::kInternal &&
+      health.code() == absl::StatusCode::kUnavailable &&
+      next.code() == absl::StatusCode::kUnavailable &&
+      std::string(health.message()).find("unhealthy") != std::string::npos;
+  std::_Exit(ok ? 0 : 1);
+}
+
+// A kernel fault poisons the CUDA context: the call that hits it returns
+// INTERNAL with the CUDA error, and from then on the device reports
+// UNAVAILABLE instead of serving. Runs in a fresh process (the threadsafe
+// death test style re-executes the binary) so the poisoned context stays
+// there.
+TEST(CudaDeviceDeathTest, StickyErrorMarksTheDeviceUnhealthy) {
+  if (absl::Status s = CudaAvailable(); !s.ok()) GTEST_SKIP() << s.message();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(PoisonAndCheck(), ::testing::ExitedWithCode(0),
+              "first: INTERNAL");
+}
+
+}  // namespace
+}  // namespace triax::worker
