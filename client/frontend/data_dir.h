@@ -10,8 +10,9 @@ namespace triax::frontend {
 // else "../shared/data" (relative to the working directory).
 std::string ResolveDataDir(const std::string& flag_value);
 
-// True when `dir` holds the files the frontend uses (both models, the
-// TinyStories text and the BFCL base file).
-bool DataDirComplete(const std::string& dir);
+// True when `dir` holds the files the frontend uses: stories260k (model,
+// tokenizer, known answer) and the TinyStories text, and, when
+// `need_kvproxy`, kvproxy-18m and the BFCL base file.
+bool DataDirComplete(const std::string& dir, bool need_kvproxy = true);
 
 }  // namespace triax::frontend

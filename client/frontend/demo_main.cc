@@ -51,6 +51,9 @@ ABSL_FLAG(int, max_context, 2048,
 ABSL_FLAG(int, chunk, 64, "prefill chunk (tokens per forward call, <= 256)");
 ABSL_FLAG(int, threads, 2, "threads for the matrix products");
 ABSL_FLAG(int, decode_steps, 64, "decode steps timed per policy in step (c)");
+ABSL_FLAG(std::string, steps, "abc",
+          "which steps to run: any of a (greedy), b (BFCL), c (NLL); step b "
+          "needs kvproxy-18m, a and c only stories260k");
 
 namespace triax::frontend {
 namespace {
@@ -519,7 +522,18 @@ absl::Status StepNll(const Model& model, const Tokenizer& tok,
 
 int Main() {
   const std::string data_dir = ResolveDataDir(absl::GetFlag(FLAGS_data_dir));
-  const bool real = DataDirComplete(data_dir);
+  const std::string steps_flag = absl::GetFlag(FLAGS_steps);
+  if (steps_flag.empty() ||
+      steps_flag.find_first_not_of("abc") != std::string::npos) {
+    return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
+                             "--steps = \"", steps_flag,
+                             "\"; must be a non-empty subset of \"abc\"")));
+  }
+  const bool run_a = steps_flag.find('a') != std::string::npos;
+  const bool run_b = steps_flag.find('b') != std::string::npos;
+  const bool run_c = steps_flag.find('c') != std::string::npos;
+  // Step (b) is the only one that needs kvproxy-18m and BFCL.
+  const bool real = DataDirComplete(data_dir, /*need_kvproxy=*/run_b);
   const int threads = absl::GetFlag(FLAGS_threads);
   const int chunk = absl::GetFlag(FLAGS_chunk);
   if (chunk < 1 || chunk > 256) {
@@ -600,22 +614,27 @@ int Main() {
   }
 
   // (a)
-  const int steps = real ? absl::GetFlag(FLAGS_greedy_steps)
-                         : std::min(64, absl::GetFlag(FLAGS_greedy_steps));
-  if (absl::Status s =
-          StepGreedy(*stories, *tok, c, expected, real && steps == 200, steps,
-                     threads, &checks, &report);
-      !s.ok()) {
-    return Fail("(a) greedy decoding", s);
-  }
-  if (real && steps != 200) {
-    std::printf(
-        "NOTE: --greedy_steps=%d, the known answer is for 200 steps; not "
-        "compared\n",
-        steps);
+  if (run_a) {
+    const int steps = real ? absl::GetFlag(FLAGS_greedy_steps)
+                           : std::min(64, absl::GetFlag(FLAGS_greedy_steps));
+    if (absl::Status s =
+            StepGreedy(*stories, *tok, c, expected, real && steps == 200, steps,
+                       threads, &checks, &report);
+        !s.ok()) {
+      return Fail("(a) greedy decoding", s);
+    }
+    if (real && steps != 200) {
+      std::printf(
+          "NOTE: --greedy_steps=%d, the known answer is for 200 steps; not "
+          "compared\n",
+          steps);
+    }
   }
   // (b)
-  if (real) {
+  if (!run_b) {
+    std::printf("\n== (b) BFCL session not requested (--steps) ==\n");
+    report.push_back("(b) not run (--steps)");
+  } else if (real) {
     if (absl::Status s = StepBfcl(
             data_dir, c, opts.tenant_id, absl::GetFlag(FLAGS_bfcl_id),
             absl::GetFlag(FLAGS_max_context), chunk, threads, &checks, &report);
@@ -627,10 +646,12 @@ int Main() {
     report.push_back("(b) SKIPPED (no data directory)");
   }
   // (c)
-  if (absl::Status s =
-          StepNll(*stories, *tok, nll_text, c, chunk, threads,
-                  absl::GetFlag(FLAGS_decode_steps), &checks, &report);
-      !s.ok()) {
+  if (!run_c) {
+    report.push_back("(c) not run (--steps)");
+  } else if (absl::Status s =
+                 StepNll(*stories, *tok, nll_text, c, chunk, threads,
+                         absl::GetFlag(FLAGS_decode_steps), &checks, &report);
+             !s.ok()) {
     return Fail("(c) NLL", s);
   }
 
