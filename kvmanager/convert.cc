@@ -190,7 +190,74 @@ PolicyInfo FromProto(const v1::Policy& p) {
         SpecFromWire(r.format(), r.format_v(), r.group_size(), r.scale_dtype());
     d.rules.push_back(ri);
   }
+  d.budget_bits = p.budget_bits();
+  d.calibration_model = p.calibration_model();
+  d.candidates.reserve(p.candidates_size());
+  for (const auto& r : p.candidates()) {
+    d.candidates.push_back(SpecFromWire(r.format(), r.format_v(),
+                                        r.group_size(), r.scale_dtype()));
+  }
   return d;
+}
+
+CalibrationTableInfo FromProto(const v1::CalibrationTable& p) {
+  CalibrationTableInfo d;
+  d.model = p.model();
+  d.shape = FromProto(p.shape());
+  d.block_tokens = p.block_tokens();
+  d.entries.reserve(p.entries_size());
+  for (const auto& e : p.entries()) {
+    CalibrationEntryInfo de;
+    de.tag.temporal = static_cast<Temporal>(e.tag().temporal());
+    de.tag.modality = static_cast<Modality>(e.tag().modality());
+    de.tag.role = static_cast<Role>(e.tag().role());
+    de.encoding =
+        SpecFromWire(e.format(), e.format_v(), e.group_size(), e.scale_dtype());
+    de.distortion = e.distortion();
+    de.tokens = e.tokens();
+    de.queries = e.queries();
+    d.entries.push_back(de);
+  }
+  const auto& s = p.source();
+  d.source.tool = s.tool();
+  d.source.model_file = s.model_file();
+  d.source.dataset = s.dataset();
+  d.source.calibration_ids.assign(s.calibration_ids().begin(),
+                                  s.calibration_ids().end());
+  d.source.held_out_ids.assign(s.held_out_ids().begin(),
+                               s.held_out_ids().end());
+  d.source.metric = s.metric();
+  d.source.created_unix_ms = s.created_unix_ms();
+  return d;
+}
+
+PutCalibrationRequest FromProto(const v1::PutCalibrationRequest& p) {
+  PutCalibrationRequest d;
+  d.request_id = p.request_id();
+  d.table = FromProto(p.table());
+  return d;
+}
+
+void ToProto(const CalibrationTableInfo& d, v1::CalibrationTable* p) {
+  p->set_model(d.model);
+  ToProto(d.shape, p->mutable_shape());
+  p->set_block_tokens(d.block_tokens);
+  for (const CalibrationEntryInfo& e : d.entries) {
+    auto* pe = p->add_entries();
+    ToProto(e.tag, pe->mutable_tag());
+    SetEncoding(e.encoding, pe);
+    pe->set_distortion(e.distortion);
+    pe->set_tokens(e.tokens);
+    pe->set_queries(e.queries);
+  }
+  auto* s = p->mutable_source();
+  s->set_tool(d.source.tool);
+  s->set_model_file(d.source.model_file);
+  s->set_dataset(d.source.dataset);
+  for (const auto& id : d.source.calibration_ids) s->add_calibration_ids(id);
+  for (const auto& id : d.source.held_out_ids) s->add_held_out_ids(id);
+  s->set_metric(d.source.metric);
+  s->set_created_unix_ms(d.source.created_unix_ms);
 }
 
 PutPolicyRequest FromProto(const v1::PutPolicyRequest& p) {
@@ -224,6 +291,10 @@ void ToProto(const PolicyInfo& d, v1::Policy* p) {
     pr->set_modality(static_cast<v1::Modality>(r.modality));
     SetEncoding(r.encoding, pr);
   }
+  p->set_budget_bits(d.budget_bits);
+  p->set_calibration_model(d.calibration_model);
+  for (const EncodingSpec& e : d.candidates)
+    SetEncoding(e, p->add_candidates());
 }
 
 void ToProto(const DemoteBlocksResult& d, v1::DemoteBlocksResponse* p) {
@@ -325,6 +396,8 @@ void ToProto(const ExtendSequenceResult& d, v1::ExtendSequenceResponse* p) {
   for (const BlockPlan& b : d.grown_blocks) ToProto(b, p->add_grown_blocks());
   for (const BlockPlan& b : d.retagged_blocks)
     ToProto(b, p->add_retagged_blocks());
+  for (const BlockPlan& b : d.demoted_blocks)
+    ToProto(b, p->add_demoted_blocks());
 }
 
 void ToProto(const CloseSequenceResult& d, v1::CloseSequenceResponse* p) {

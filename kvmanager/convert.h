@@ -27,6 +27,8 @@ RenderedText FromProto(const v1::RenderedText& p);
 PutPolicyRequest FromProto(const v1::PutPolicyRequest& p);
 PolicyInfo FromProto(const v1::Policy& p);
 DemoteBlocksRequest FromProto(const v1::DemoteBlocksRequest& p);
+PutCalibrationRequest FromProto(const v1::PutCalibrationRequest& p);
+CalibrationTableInfo FromProto(const v1::CalibrationTable& p);
 // Wire enum value -> Format; values outside 0..254 map to 255 (invalid).
 Format ToFormat(int wire);
 
@@ -46,6 +48,7 @@ void ToProto(const CloseSequenceResult& d, v1::CloseSequenceResponse* p);
 void ToProto(const TraceResult& d, v1::QueryTraceResponse* p);
 void ToProto(const PolicyInfo& d, v1::Policy* p);
 void ToProto(const DemoteBlocksResult& d, v1::DemoteBlocksResponse* p);
+void ToProto(const CalibrationTableInfo& d, v1::CalibrationTable* p);
 // The worker's DemoteRequest from a prepared demote.
 void ToProto(const DemotePrepared& d, v1::DemoteRequest* p);
 

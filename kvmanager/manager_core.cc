@@ -1,12 +1,18 @@
 #include "kvmanager/manager_core.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/ids.h"
+#include "common/log.h"
 #include "common/status_macros.h"
+#include "kvmanager/allocator.h"
 #include "kvmanager/tagger.h"
 
 namespace triax::manager {
@@ -57,6 +63,15 @@ struct ManagerCore::Sequence {
   uint64_t bytes = 0;                // sum of its blocks' bytes
   uint64_t version = 0;              // bumped by every mutation
   std::vector<uint64_t> lost_lineage_ids;
+  // Allocation policies: the calibration table version of Open and the
+  // current choice per tag (every tag of the sequence's blocks).
+  std::shared_ptr<const Calibration> calibration;
+  Allocation allocation;
+};
+
+struct ManagerCore::Calibration {
+  CalibrationTableInfo info;        // entries canonical, source as given
+  std::vector<Encoding> encodings;  // entries' resolved encodings
 };
 
 struct ManagerCore::PendingDemote {
@@ -70,33 +85,37 @@ struct ManagerCore::PendingDemote {
   std::vector<uint64_t> new_bytes;
   int64_t bytes_delta = 0;
   uint64_t reserved = 0;  // max(bytes_delta, 0), charged at prepare
+  // Set when the demote was started by an Extend (FinishExtendDemotion).
+  bool from_extend = false;
+  std::string extend_request_id;
+  ExtendSequenceResult extend_result;  // the reply without demoted blocks
 };
 
 namespace {
 
-absl::Status ValidateModel(const ModelShape& m) {
+absl::Status ValidateModel(const ModelShape& m, absl::string_view f = "model") {
   if (m.n_layers < 1 || m.n_layers > 1024) {
     return absl::InvalidArgumentError(
-        absl::StrCat("model.n_layers ", m.n_layers, " is outside 1..1024"));
+        absl::StrCat(f, ".n_layers ", m.n_layers, " is outside 1..1024"));
   }
   if (m.n_kv_heads < 1 || m.n_kv_heads > 1024) {
     return absl::InvalidArgumentError(
-        absl::StrCat("model.n_kv_heads ", m.n_kv_heads, " is outside 1..1024"));
+        absl::StrCat(f, ".n_kv_heads ", m.n_kv_heads, " is outside 1..1024"));
   }
   if (m.n_q_heads == 0 || m.n_q_heads % m.n_kv_heads != 0 ||
       m.n_q_heads / m.n_kv_heads > 1024) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model.n_q_heads ", m.n_q_heads,
+        f, ".n_q_heads ", m.n_q_heads,
         " is not a positive multiple (at most 1024x) of n_kv_heads ",
         m.n_kv_heads));
   }
   if (m.head_dim < 2 || m.head_dim > 512 || m.head_dim % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model.head_dim ", m.head_dim, " is not an even number in 2..512"));
+        f, ".head_dim ", m.head_dim, " is not an even number in 2..512"));
   }
   if (m.name.size() > 256) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model.name is ", m.name.size(), " bytes long; the limit is 256"));
+        f, ".name is ", m.name.size(), " bytes long; the limit is 256"));
   }
   return absl::OkStatus();
 }
@@ -180,6 +199,15 @@ uint64_t BlockBytes(const ModelShape& m, uint32_t block_tokens,
 absl::Status CheckPolicyForShape(const Policy& p, const ModelShape& m,
                                  uint32_t block_tokens) {
   const kernels::PageShape shape = ShapeOf(m, block_tokens);
+  for (size_t i = 0; i < p.candidates.size(); ++i) {
+    const char* why = kernels::ValidateEncoding(p.candidates[i], shape);
+    if (why == nullptr) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy ", Quote(p.name), " candidates[", i, "] encoding ",
+        EncodingString(p.candidates[i]), " is invalid for block_tokens ",
+        block_tokens, ", n_kv_heads ", m.n_kv_heads, ", head_dim ", m.head_dim,
+        ": ", why));
+  }
   for (size_t i = 0; i < p.rules.size(); ++i) {
     const char* why = kernels::ValidateEncoding(p.rules[i].encoding, shape);
     if (why == nullptr) continue;
@@ -190,6 +218,40 @@ absl::Status CheckPolicyForShape(const Policy& p, const ModelShape& m,
         ": ", why));
   }
   return absl::OkStatus();
+}
+
+// Tag key with a total order, for grouping blocks by tag deterministically.
+int TagKey(const Tag& t) {
+  return static_cast<int>(t.temporal) * 64 +
+         static_cast<int>(Normalize(t.modality)) * 16 +
+         static_cast<int>(t.role);
+}
+
+// Distinct tags of `tags` with their token counts, ordered by TagKey.
+std::vector<std::pair<Tag, int64_t>> GroupTags(
+    const std::vector<std::pair<Tag, uint32_t>>& tags) {
+  std::map<int, std::pair<Tag, int64_t>> by_key;
+  for (const auto& [tag, n] : tags) {
+    auto& g = by_key.try_emplace(TagKey(tag), tag, 0).first->second;
+    g.second += n;
+  }
+  std::vector<std::pair<Tag, int64_t>> out;
+  out.reserve(by_key.size());
+  for (auto& [k, g] : by_key) out.push_back(g);
+  return out;
+}
+
+// Fallback order of calibration tags for a block tag of role r: same role
+// only; nearest temporal first (ties to the older), then the same modality,
+// then TEXT, then the smaller modality.
+std::tuple<int, int, int, int, int> SourceRank(const Tag& want,
+                                               const Tag& have) {
+  const int tw = static_cast<int>(want.temporal);
+  const int th = static_cast<int>(have.temporal);
+  const Modality mw = Normalize(want.modality);
+  const Modality mh = Normalize(have.modality);
+  return {std::abs(tw - th), -th, mh == mw ? 0 : 1,
+          mh == Modality::kText ? 0 : 1, static_cast<int>(mh)};
 }
 
 }  // namespace
@@ -205,7 +267,8 @@ ManagerCore::ManagerCore(const ManagerOptions& options, const Clock* clock)
       extend_cache_(options.idempotency_capacity),
       close_cache_(options.idempotency_capacity),
       policy_cache_(options.idempotency_capacity),
-      demote_cache_(options.idempotency_capacity) {}
+      demote_cache_(options.idempotency_capacity),
+      calibration_cache_(options.idempotency_capacity) {}
 
 ManagerCore::~ManagerCore() = default;
 
@@ -243,6 +306,105 @@ Temporal ManagerCore::TemporalFor(uint32_t index, uint32_t turn,
   if (turn >= current) return Temporal::kCurrentTurn;
   if (current - turn <= options_.recent_turns) return Temporal::kRecentTurns;
   return Temporal::kOlder;
+}
+
+Encoding ManagerCore::EncodingOfLocked(const Sequence& s,
+                                       const Tag& tag) const {
+  if (!s.policy->IsAllocation()) return s.policy->EncodingFor(tag);
+  for (const auto& [t, e] : s.allocation) {
+    if (t == tag) return e;
+  }
+  // Not reached: every tag of the sequence is allocated before its blocks
+  // are created. BF16 is the safe side (it never loses precision).
+  return Encoding(Format::kBF16);
+}
+
+absl::StatusOr<ManagerCore::Allocation> ManagerCore::AllocateLocked(
+    const Policy& policy, const Calibration& table, const ModelShape& model,
+    uint32_t block_tokens, const std::vector<TagTokens>& groups,
+    bool allow_infeasible, bool* infeasible) const {
+  const kernels::PageShape shape = ShapeOf(model, block_tokens);
+  // Usable entries: candidates valid for the sequence's shape.
+  std::vector<size_t> usable;
+  for (size_t i = 0; i < table.encodings.size(); ++i) {
+    const Encoding& e = table.encodings[i];
+    if (!policy.IsCandidate(e)) continue;
+    if (kernels::ValidateEncoding(e, shape) != nullptr) continue;
+    usable.push_back(i);
+  }
+  TRIAX_ASSIGN_OR_RETURN(
+      const AllocOption bf16,
+      MakeAllocOption(Encoding(Format::kBF16), shape, /*distortion=*/0));
+  AllocProblem problem;
+  problem.budget_bits = policy.budget_bits;
+  problem.groups.reserve(groups.size());
+  for (const TagTokens& g : groups) {
+    AllocGroup group;
+    group.tag = g.tag;
+    group.tokens = g.tokens;
+    if (!policy.IsPinned(g.tag)) {
+      // The calibration tag to take options from (see the header).
+      const Tag* source = nullptr;
+      std::tuple<int, int, int, int, int> best;
+      for (size_t i : usable) {
+        const Tag& have = table.info.entries[i].tag;
+        if (have.role != g.tag.role) continue;
+        const auto rank = SourceRank(g.tag, have);
+        if (source == nullptr || rank < best) {
+          source = &have;
+          best = rank;
+        }
+      }
+      if (source != nullptr) {
+        for (size_t i : usable) {
+          const CalibrationEntryInfo& entry = table.info.entries[i];
+          if (!(entry.tag == *source)) continue;
+          TRIAX_ASSIGN_OR_RETURN(
+              AllocOption o,
+              MakeAllocOption(table.encodings[i], shape, entry.distortion));
+          group.options.push_back(o);
+        }
+      }
+    }
+    if (group.options.empty()) {
+      group.options.push_back(bf16);
+      group.pinned = true;
+    }
+    problem.groups.push_back(std::move(group));
+  }
+  std::vector<int> choice;
+  auto solved = Solve(problem);
+  if (solved.ok()) {
+    choice = std::move(solved->choice);
+  } else if (solved.status().code() == absl::StatusCode::kResourceExhausted &&
+             allow_infeasible) {
+    *infeasible = true;
+    choice.reserve(problem.groups.size());
+    for (const AllocGroup& g : problem.groups) {
+      int cheapest = 0;
+      for (size_t i = 1; i < g.options.size(); ++i) {
+        const AllocOption& o = g.options[i];
+        const AllocOption& c = g.options[cheapest];
+        if (o.bits < c.bits ||
+            (o.bits == c.bits && o.distortion < c.distortion))
+          cheapest = static_cast<int>(i);
+      }
+      choice.push_back(g.pinned ? 0 : cheapest);
+    }
+  } else {
+    return absl::Status(
+        solved.status().code(),
+        absl::StrCat("policy ", Quote(policy.name), " (calibration ",
+                     Quote(table.info.model), ", budget_bits ",
+                     policy.budget_bits, "): ", solved.status().message()));
+  }
+  Allocation out;
+  out.reserve(problem.groups.size());
+  for (size_t k = 0; k < problem.groups.size(); ++k) {
+    out.emplace_back(problem.groups[k].tag,
+                     problem.groups[k].options[choice[k]].encoding);
+  }
+  return out;
 }
 
 Event ManagerCore::MakeEvent(EventKind kind, const Sequence* s,
@@ -416,7 +578,7 @@ ManagerCore::Block* ManagerCore::NewBlockLocked(Sequence* s,
   b->capacity = s->block_tokens;
   b->tag =
       Tag{TemporalFor(b->index, turn, s->current_turn), pb.modality, pb.role};
-  b->encoding = s->policy->EncodingFor(b->tag);
+  b->encoding = EncodingOfLocked(*s, b->tag);
   b->refcount = 1;
   b->turn = turn;
   b->bytes = BlockBytes(s->model, s->block_tokens, b->encoding);
@@ -791,20 +953,57 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   // Plan first (no state touched), then admit and place, then commit.
   std::vector<PlannedBlock> planned;
   planned.reserve(num_blocks);
-  uint64_t bytes = 0;
+  std::vector<std::pair<Tag, uint32_t>> tags;
+  tags.reserve(num_blocks);
   uint64_t pos = 0;
   for (const Span& sp : *spans) {
     for (uint32_t done = 0; done < sp.num_tokens;) {
       const uint32_t n = std::min(T, sp.num_tokens - done);
       planned.push_back(PlannedBlock{pos, n, sp.role, Normalize(sp.modality),
                                      sp.turn_offset});
-      const Tag tag{TemporalFor(static_cast<uint32_t>(planned.size() - 1),
-                                sp.turn_offset, last_turn),
-                    Normalize(sp.modality), sp.role};
-      bytes += BlockBytes(req.model, T, policy->EncodingFor(tag));
+      tags.emplace_back(
+          Tag{TemporalFor(static_cast<uint32_t>(planned.size() - 1),
+                          sp.turn_offset, last_turn),
+              Normalize(sp.modality), sp.role},
+          n);
       pos += n;
       done += n;
     }
+  }
+  if (policy->IsAllocation()) {
+    auto it = calibrations_.find(policy->calibration_model);
+    if (it == calibrations_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "policy ", Quote(policy->name), " needs the calibration table of ",
+          "model ", Quote(policy->calibration_model),
+          ", which is not stored; PutCalibration it first"));
+    }
+    const ModelShape& cm = it->second->info.shape;
+    if (cm.n_layers != req.model.n_layers ||
+        cm.n_kv_heads != req.model.n_kv_heads ||
+        cm.n_q_heads != req.model.n_q_heads ||
+        cm.head_dim != req.model.head_dim) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "policy ", Quote(policy->name), ": calibration ",
+          Quote(policy->calibration_model), " was measured on n_layers ",
+          cm.n_layers, ", n_kv_heads ", cm.n_kv_heads, ", n_q_heads ",
+          cm.n_q_heads, ", head_dim ", cm.head_dim, "; the model has n_layers ",
+          req.model.n_layers, ", n_kv_heads ", req.model.n_kv_heads,
+          ", n_q_heads ", req.model.n_q_heads, ", head_dim ",
+          req.model.head_dim));
+    }
+    std::vector<TagTokens> groups;
+    for (const auto& [tag, n] : GroupTags(tags))
+      groups.push_back(TagTokens{tag, n});
+    TRIAX_ASSIGN_OR_RETURN(
+        s->allocation,
+        AllocateLocked(*policy, *it->second, req.model, T, groups,
+                       /*allow_infeasible=*/false, nullptr));
+    s->calibration = it->second;
+  }
+  uint64_t bytes = 0;
+  for (const auto& [tag, n] : tags) {
+    bytes += BlockBytes(req.model, T, EncodingOfLocked(*s, tag));
   }
   TRIAX_RETURN_IF_ERROR(AdmitLocked(*tenant, bytes));
   TRIAX_ASSIGN_OR_RETURN(Worker * worker, PlaceLocked(bytes));
@@ -854,6 +1053,16 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   const std::string cache_key = absl::StrCat("ExtendSequence/", req.tenant_id);
   if (auto hit = extend_cache_.Find(cache_key, req.request_id))
     return hit->reply;
+  if (!req.request_id.empty()) {
+    for (const auto& [token, p] : pending_) {
+      if (p->from_extend && p->tenant_id == req.tenant_id &&
+          p->extend_request_id == req.request_id) {
+        return absl::AbortedError(absl::StrCat(
+            "ExtendSequence request_id ", Quote(req.request_id),
+            " is already in progress (demoting blocks); retry later"));
+      }
+    }
+  }
   TRIAX_ASSIGN_OR_RETURN(
       Sequence * s,
       FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id));
@@ -880,8 +1089,8 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   // Plan the new blocks (never the sink: the sequence already has its first
   // block); the temporal class is taken against the new current turn.
   std::vector<PlannedBlock> planned;
+  std::vector<std::pair<Tag, uint32_t>> new_tags;
   uint64_t pos = s->num_tokens;
-  uint64_t bytes = 0;
   pos += fill;
   for (size_t i = 0; i < spans->size(); ++i) {
     const Span& sp = (*spans)[i];
@@ -891,11 +1100,12 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
       const uint32_t n = std::min(T, sp.num_tokens - done);
       planned.push_back(
           PlannedBlock{pos, n, sp.role, Normalize(sp.modality), sp_turn});
-      const Tag tag{TemporalFor(static_cast<uint32_t>(s->blocks.size() +
-                                                      planned.size() - 1),
-                                sp_turn, turn),
-                    Normalize(sp.modality), sp.role};
-      bytes += BlockBytes(s->model, T, s->policy->EncodingFor(tag));
+      new_tags.emplace_back(
+          Tag{TemporalFor(
+                  static_cast<uint32_t>(s->blocks.size() + planned.size() - 1),
+                  sp_turn, turn),
+              Normalize(sp.modality), sp.role},
+          n);
       pos += n;
       done += n;
     }
@@ -905,11 +1115,46 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
                        kMaxSequenceBlocks, " blocks"));
     }
   }
+  // Allocation policies: re-solve over every block's tag after this call.
+  const bool allocating = s->policy->IsAllocation();
+  Allocation allocation;
+  bool infeasible = false;
+  if (allocating) {
+    std::vector<std::pair<Tag, uint32_t>> all;
+    all.reserve(s->blocks.size() + new_tags.size());
+    for (const Block* b : s->blocks) {
+      const bool grown = fill > 0 && b == last;
+      all.emplace_back(
+          Tag{TemporalFor(b->index, grown ? first_turn : b->turn, turn),
+              b->tag.modality, b->tag.role},
+          b->num_tokens + (grown ? fill : 0));
+    }
+    all.insert(all.end(), new_tags.begin(), new_tags.end());
+    std::vector<TagTokens> groups;
+    for (const auto& [tag, n] : GroupTags(all))
+      groups.push_back(TagTokens{tag, n});
+    TRIAX_ASSIGN_OR_RETURN(
+        allocation,
+        AllocateLocked(*s->policy, *s->calibration, s->model, T, groups,
+                       /*allow_infeasible=*/true, &infeasible));
+  }
+  uint64_t bytes = 0;
+  for (const auto& [tag, n] : new_tags) {
+    Encoding e = s->policy->EncodingFor(tag);
+    if (allocating) {
+      for (const auto& [t, chosen] : allocation) {
+        if (t == tag) e = chosen;
+      }
+    }
+    bytes += BlockBytes(s->model, T, e);
+  }
   TRIAX_RETURN_IF_ERROR(AdmitLocked(*s->tenant, bytes));
   TRIAX_RETURN_IF_ERROR(FitsWorkerLocked(*s->worker, bytes));
 
   // Commit.
   ++s->version;
+  const size_t old_blocks = s->blocks.size();
+  if (allocating) s->allocation = std::move(allocation);
   ExtendSequenceResult result;
   std::vector<Event> ev;
   ev.reserve(planned.size() + 8);
@@ -983,6 +1228,55 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   ev.push_back(std::move(e));
   result.sequence = InfoLocked(*s, /*with_blocks=*/true);
   events_.Append(&ev);
+  if (infeasible) {
+    Log(LogLevel::kWarn, "manager",
+        "allocation over budget: cheapest encodings taken",
+        absl::StrCat(Kv("sequence_id", s->id), " ",
+                     Kv("policy", s->policy->name), " ",
+                     Kv("budget_bits", s->policy->budget_bits)));
+  }
+  // Existing blocks whose tag's choice is now smaller are demoted (never
+  // promoted); blocks shared with a fork are immutable and keep theirs.
+  if (allocating) {
+    auto pending = std::make_unique<PendingDemote>();
+    DemotePrepared prepared;
+    for (size_t i = 0; i < old_blocks; ++i) {
+      Block* b = s->blocks[i];
+      if (b->refcount > 1) continue;
+      const Encoding e = EncodingOfLocked(*s, b->tag);
+      if (e == b->encoding) continue;
+      const uint64_t nb = BlockBytes(s->model, T, e);
+      if (nb >= b->bytes) continue;
+      pending->changes.emplace_back(b->lineage_id, e);
+      pending->new_bytes.push_back(nb);
+      pending->bytes_delta +=
+          static_cast<int64_t>(nb) - static_cast<int64_t>(b->bytes);
+      BlockPlan plan = PlanOf(*b);
+      plan.encoding = e;
+      prepared.blocks.push_back(plan);
+    }
+    if (!pending->changes.empty()) {
+      const uint64_t token = next_token_++;
+      pending->tenant_id = req.tenant_id;
+      pending->sequence_id = s->id;
+      pending->version = s->version;
+      pending->worker_id = s->worker->info.worker_id;
+      pending->from_extend = true;
+      pending->extend_request_id = req.request_id;
+      pending->extend_result = result;
+      prepared.token = token;
+      prepared.worker_id = s->worker->info.worker_id;
+      prepared.worker_address = s->worker->info.address;
+      prepared.worker_request_id =
+          absl::StrCat(s->id, "-v", s->version, "-extend-demote-", token);
+      prepared.tenant_id = req.tenant_id;
+      prepared.sequence_id = s->id;
+      prepared.bytes_delta = pending->bytes_delta;
+      pending_.emplace(token, std::move(pending));
+      result.demotion = std::move(prepared);
+      return result;  // remembered by FinishExtendDemotion
+    }
+  }
   extend_cache_.Put(cache_key, req.request_id, absl::OkStatus(), result);
   return result;
 }
@@ -1031,6 +1325,8 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   s->block_tokens = parent->block_tokens;
   s->current_turn = parent->current_turn;
   s->policy = parent->policy;
+  s->calibration = parent->calibration;
+  s->allocation = parent->allocation;
   s->parent = parent->id;
   const uint32_t kept =
       static_cast<uint32_t>(shared + (cut != nullptr ? 1 : 0));
@@ -1375,6 +1671,173 @@ void ManagerCore::AbortDemote(uint64_t token) {
 
 absl::StatusOr<DemoteBlocksResult> ManagerCore::CommitDemote(uint64_t token) {
   absl::MutexLock lock(&mu_);
+  return CommitPendingLocked(token);
+}
+
+absl::StatusOr<ExtendSequenceResult> ManagerCore::FinishExtendDemotion(
+    uint64_t token, const absl::Status& worker_status) {
+  absl::MutexLock lock(&mu_);
+  auto it = pending_.find(token);
+  if (it == pending_.end() || !it->second->from_extend) {
+    return absl::NotFoundError(
+        absl::StrCat("extend demotion token ", token, " is not pending"));
+  }
+  ExtendSequenceResult result = std::move(it->second->extend_result);
+  const std::string tenant_id = it->second->tenant_id;
+  const std::string request_id = it->second->extend_request_id;
+  const std::string sequence_id = it->second->sequence_id;
+  std::vector<uint64_t> lineages;
+  for (const auto& [lineage, e] : it->second->changes) {
+    lineages.push_back(lineage);
+  }
+  absl::Status outcome = worker_status;
+  if (outcome.ok()) {
+    auto committed = CommitPendingLocked(token);
+    if (committed.ok()) {
+      result.sequence = std::move(committed->sequence);
+      for (uint64_t lineage : lineages) {
+        result.demoted_blocks.push_back(PlanOf(*blocks_.at(lineage)));
+      }
+      Log(LogLevel::kInfo, "manager", "blocks demoted by the allocation",
+          absl::StrCat(Kv("sequence_id", sequence_id), " ",
+                       Kv("blocks", lineages.size()), " ",
+                       Kv("bytes_delta", committed->bytes_delta)));
+    } else {
+      outcome = committed.status();
+    }
+  } else {
+    ReleasePendingLocked(token);
+  }
+  if (!outcome.ok()) {
+    // The extension stands; the blocks keep their encoding (the next Extend
+    // tries again).
+    Log(LogLevel::kWarn, "manager",
+        "allocation demotion not applied; blocks keep their encoding",
+        absl::StrCat(Kv("sequence_id", sequence_id), " ",
+                     Kv("blocks", lineages.size()), " ",
+                     Kv("error", outcome.ToString())));
+    auto sit = sequences_.find(sequence_id);
+    if (sit != sequences_.end() && sit->second->state == SequenceState::kOpen) {
+      result.sequence = InfoLocked(*sit->second, /*with_blocks=*/true);
+    }
+  }
+  extend_cache_.Put(absl::StrCat("ExtendSequence/", tenant_id), request_id,
+                    absl::OkStatus(), result);
+  return result;
+}
+
+// --- Calibration
+// ---------------------------------------------------------------
+
+absl::StatusOr<uint32_t> ManagerCore::PutCalibration(
+    const PutCalibrationRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  const CalibrationTableInfo& t = req.table;
+  TRIAX_RETURN_IF_ERROR(ValidateId("table.model", t.model));
+  TRIAX_RETURN_IF_ERROR(ValidateModel(t.shape, "table.shape"));
+  if (t.block_tokens < 1 || t.block_tokens > kMaxBlockTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("table.block_tokens ", t.block_tokens, " is outside 1..",
+                     kMaxBlockTokens));
+  }
+  if (t.entries.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("table.entries is empty (model ", Quote(t.model),
+                     "); a calibration table needs at least one entry"));
+  }
+  if (t.entries.size() > kMaxCalibrationEntries) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("table.entries has ", t.entries.size(),
+                     " entries; the limit is ", kMaxCalibrationEntries));
+  }
+  auto table = std::make_shared<Calibration>();
+  table->info.model = t.model;
+  table->info.shape = t.shape;
+  table->info.block_tokens = t.block_tokens;
+  table->info.source = t.source;
+  table->info.entries.reserve(t.entries.size());
+  table->encodings.reserve(t.entries.size());
+  const kernels::PageShape shape = ShapeOf(t.shape, t.block_tokens);
+  std::map<std::pair<int, std::string>, size_t> seen;
+  for (size_t i = 0; i < t.entries.size(); ++i) {
+    const CalibrationEntryInfo& in = t.entries[i];
+    const std::string field = absl::StrCat("table.entries[", i, "]");
+    const int temporal = static_cast<int>(in.tag.temporal);
+    if (temporal < 1 || temporal > static_cast<int>(Temporal::kOlder)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".tag.temporal is ", TemporalName(in.tag.temporal),
+          "; a temporal class SINK..OLDER is required"));
+    }
+    if (!IsValid(in.tag.role)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".tag.role is ",
+                                                     RoleName(in.tag.role),
+                                                     "; a role is required"));
+    }
+    if (!IsValid(in.tag.modality)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".tag.modality is ",
+                       ModalityName(in.tag.modality), "; out of range"));
+    }
+    TRIAX_ASSIGN_OR_RETURN(const Encoding e,
+                           ResolveEncoding(field, in.encoding));
+    if (const char* why = kernels::ValidateEncoding(e, shape)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " encoding ", EncodingString(e), " is invalid for ",
+          "table.block_tokens ", t.block_tokens, ", n_kv_heads ",
+          t.shape.n_kv_heads, ", head_dim ", t.shape.head_dim, ": ", why));
+    }
+    if (!std::isfinite(in.distortion) || in.distortion < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".distortion is ", in.distortion,
+                       "; it must be finite and >= 0"));
+    }
+    CalibrationEntryInfo entry = in;
+    entry.tag.modality = Normalize(in.tag.modality);
+    entry.encoding = SpecOf(e);
+    const auto key = std::make_pair(TagKey(entry.tag), EncodingString(e));
+    auto [dup, fresh] = seen.emplace(key, i);
+    if (!fresh) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " repeats table.entries[", dup->second, "]: tag ",
+          TemporalName(entry.tag.temporal), "/",
+          ModalityName(entry.tag.modality), "/", RoleName(entry.tag.role),
+          " encoding ", EncodingString(e)));
+    }
+    table->info.entries.push_back(std::move(entry));
+    table->encodings.push_back(e);
+  }
+  absl::MutexLock lock(&mu_);
+  if (auto hit = calibration_cache_.Find("PutCalibration", req.request_id)) {
+    return hit->reply;
+  }
+  if (!calibrations_.contains(t.model) &&
+      calibrations_.size() >= kMaxCalibrationModels) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "table.model ", Quote(t.model), " would be calibrated model number ",
+        calibrations_.size() + 1, "; the limit is ", kMaxCalibrationModels,
+        "; over by 1"));
+  }
+  const uint32_t n = static_cast<uint32_t>(table->info.entries.size());
+  calibrations_[t.model] = std::move(table);
+  calibration_cache_.Put("PutCalibration", req.request_id, absl::OkStatus(), n);
+  return n;
+}
+
+absl::StatusOr<CalibrationTableInfo> ManagerCore::GetCalibration(
+    const std::string& model) const {
+  TRIAX_RETURN_IF_ERROR(ValidateId("model", model));
+  absl::MutexLock lock(&mu_);
+  auto it = calibrations_.find(model);
+  if (it == calibrations_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("model ", Quote(model),
+                     " has no calibration table; PutCalibration it"));
+  }
+  return it->second->info;
+}
+
+absl::StatusOr<DemoteBlocksResult> ManagerCore::CommitPendingLocked(
+    uint64_t token) {
   auto it = pending_.find(token);
   if (it == pending_.end()) {
     return absl::NotFoundError(

@@ -16,7 +16,8 @@
 //   new-1 and new-1-recent_turns are visited, so the cost is O(changed)). A
 //   block grown by continue_last_span joins the turn that grew it.
 //   encoding: from the sequence's policy (kvmanager/policy.h) by the tag at
-//   creation; retagging changes only tags; DemoteBlocks changes encodings.
+//   creation; retagging changes only tags; DemoteBlocks changes encodings,
+//   and so does an Extend under an allocation policy (below).
 // Policies: built-in ones plus operator policies from PutPolicy. A sequence
 // keeps the policy version it was opened with (PutPolicy replacing a policy
 // affects later opens only). OpenSequence checks every rule's encoding
@@ -39,6 +40,46 @@
 // or lost sequence), RESOURCE_EXHAUSTED (tenant ceiling or worker capacity:
 // the message says what is over and by how many bytes), UNAVAILABLE (no
 // worker up). A failed call changes no state.
+//
+// Calibration tables (PutCalibration / GetCalibration): one per model id,
+// replaced whole by PutCalibration; validated (see PutCalibration) and kept
+// with their source record as given. A sequence keeps the table version it
+// was opened with, like its policy.
+//
+// Allocation policies (policy.h, budget_bits > 0). At OpenSequence and at
+// every ExtendSequence the sequence's blocks are grouped by tag (temporal,
+// modality, role) after this call's re-tagging, N_k = the tag's tokens, and
+// the allocator (allocator.h, Solve) picks one encoding per tag minimizing
+// sum_k N_k D_k subject to sum_k N_k b_k <= budget_bits * sum_k N_k, where
+// b_k = kernels::EffectiveBits of a full page of the sequence's shape
+// {block_tokens, n_kv_heads, head_dim} and D_k the table's distortion.
+// Pinned tags (Policy::IsPinned: sinks by default) take BF16 and count in
+// the sum. Options of a tag are the table entries of the tag, restricted to
+// the policy's candidates and to encodings valid for the sequence's shape; a
+// tag without such entries borrows those of the nearest tag with the same
+// role (same temporal and another modality first, TEXT preferred; then the
+// nearest temporal, ties to the older; then the modality); a role without
+// any is pinned BF16. New blocks are created in their tag's choice. Existing
+// blocks (not shared with a fork) whose tag's choice now has FEWER bytes
+// than their encoding are demoted in place; never promoted. Open fails
+// RESOURCE_EXHAUSTED when even the cheapest options exceed the budget
+// (message: minimum average bits vs budget); Extend then takes the cheapest
+// option of every tag and logs a warning (an Extend never fails for the
+// policy). Open also fails FAILED_PRECONDITION when the calibration table is
+// missing or its shape (n_layers, n_kv_heads, n_q_heads, head_dim) differs
+// from the sequence's, and INVALID_ARGUMENT for a candidate invalid for the
+// shape.
+// Demotion at Extend is two-phase like DemoteBlocks: ExtendSequence commits
+// the extension and the new allocation, and returns `demotion` (the worker's
+// DemoteRequest and a token; no bytes reserved, the demotion only frees);
+// the caller runs the worker's Demote and then FinishExtendDemotion(token,
+// worker status), which commits the new encodings (tenant usage and worker
+// reservation drop) or, when the worker failed or the sequence changed
+// meanwhile, leaves those blocks in their encoding; the Extend succeeds
+// either way. Until it is finished, the same Extend request_id again is
+// ABORTED ("in progress"); afterwards it returns the final reply.
+// Admission of an Extend counts the new blocks only (not the savings of the
+// demotions it triggers, which may fail).
 //
 // DemoteBlocks is two-phase so that the core does no I/O:
 //   PrepareDemote validates (tenant, ownership, open state, every lineage a
@@ -93,6 +134,8 @@ inline constexpr uint64_t kMaxSequenceTokens = uint64_t{1} << 24;
 inline constexpr uint64_t kMaxSequenceBlocks = 65536;
 inline constexpr uint32_t kMaxBlockTokens = 4096;
 inline constexpr size_t kMaxOperatorPolicies = 1024;
+inline constexpr size_t kMaxCalibrationEntries = 4096;
+inline constexpr size_t kMaxCalibrationModels = 1024;
 
 struct ManagerOptions {
   int64_t worker_timeout_ms = 3000;       // no heartbeat this long -> DOWN
@@ -154,6 +197,28 @@ class ManagerCore {
   absl::StatusOr<std::vector<SequenceInfo>> ListSequences(
       const std::string& tenant_id, bool include_closed) const;
 
+  // Finishes an Extend whose result carried `demotion`: `worker_status` is
+  // the worker Demote's outcome. Returns the Extend's final reply
+  // (demoted_blocks filled when committed) and remembers it for the request
+  // id. NOT_FOUND for an unknown token.
+  absl::StatusOr<ExtendSequenceResult> FinishExtendDemotion(
+      uint64_t token, const absl::Status& worker_status);
+
+  // --- Calibration -----------------------------------------------------------
+  // Stores (replaces) the table of table.model. INVALID_ARGUMENT naming the
+  // field: model not an id; shape invalid (as OpenSequence's model);
+  // block_tokens outside 1..kMaxBlockTokens; no entries or more than
+  // kMaxCalibrationEntries; an entry with temporal or role unspecified or out
+  // of range, modality out of range (UNSPECIFIED is stored as TEXT), an
+  // invalid encoding or one invalid for {block_tokens, n_kv_heads, head_dim},
+  // distortion not finite or < 0; two entries with the same tag and
+  // encoding. RESOURCE_EXHAUSTED past kMaxCalibrationModels models.
+  // Idempotent by request_id. Returns the number of entries stored.
+  absl::StatusOr<uint32_t> PutCalibration(const PutCalibrationRequest& req);
+  // NOT_FOUND naming the model. Entries canonical, source as given.
+  absl::StatusOr<CalibrationTableInfo> GetCalibration(
+      const std::string& model) const;
+
   // --- Policies --------------------------------------------------------------
   // Adds or replaces an operator policy (validation: policy.h BuildPolicy).
   // FAILED_PRECONDITION for a built-in name. Returns the stored policy.
@@ -187,6 +252,13 @@ class ManagerCore {
   struct Sequence;
   struct Block;
   struct PendingDemote;
+  struct Calibration;
+  // The allocation of a sequence: the chosen encoding per tag.
+  using Allocation = std::vector<std::pair<Tag, Encoding>>;
+  struct TagTokens {
+    Tag tag;
+    int64_t tokens = 0;
+  };
   struct PlannedBlock {
     uint64_t first_token;
     uint32_t num_tokens;
@@ -214,6 +286,22 @@ class ManagerCore {
   // A policy by name (built-in or operator); INVALID_ARGUMENT naming `field`.
   absl::StatusOr<std::shared_ptr<const Policy>> FindPolicyLocked(
       absl::string_view field, absl::string_view name) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Solves the allocation of `groups` (distinct tags) for a sequence of
+  // `model` / block_tokens under `policy` and `table`. `allow_infeasible`:
+  // over budget -> the cheapest option per tag (*infeasible set), else
+  // RESOURCE_EXHAUSTED naming the policy.
+  absl::StatusOr<Allocation> AllocateLocked(
+      const Policy& policy, const Calibration& table, const ModelShape& model,
+      uint32_t block_tokens, const std::vector<TagTokens>& groups,
+      bool allow_infeasible, bool* infeasible) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The encoding a new block of `tag` gets in `s` (policy rule or the
+  // sequence's allocation).
+  Encoding EncodingOfLocked(const Sequence& s, const Tag& tag) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies a pending demote (the sequence must be unchanged); ABORTED else.
+  absl::StatusOr<DemoteBlocksResult> CommitPendingLocked(uint64_t token)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns the reservation of a pending demote and forgets it.
   void ReleasePendingLocked(uint64_t token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -253,6 +341,7 @@ class ManagerCore {
   IdempotencyCache<CloseSequenceResult> close_cache_;
   IdempotencyCache<PolicyInfo> policy_cache_;
   IdempotencyCache<DemoteBlocksResult> demote_cache_;
+  IdempotencyCache<uint32_t> calibration_cache_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<Worker>> workers_
@@ -267,6 +356,8 @@ class ManagerCore {
       ABSL_GUARDED_BY(mu_);  // live blocks by lineage id
   absl::flat_hash_map<std::string, std::shared_ptr<const Policy>> policies_
       ABSL_GUARDED_BY(mu_);  // operator policies by name
+  absl::flat_hash_map<std::string, std::shared_ptr<const Calibration>>
+      calibrations_ ABSL_GUARDED_BY(mu_);  // by model id
   absl::flat_hash_map<uint64_t, std::unique_ptr<PendingDemote>> pending_
       ABSL_GUARDED_BY(mu_);  // prepared demotes by token
   uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;

@@ -233,12 +233,24 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
 grpc::ServerUnaryReactor* ManagerService::ExtendSequence(
     grpc::CallbackServerContext* ctx, const v1::ExtendSequenceRequest* req,
     v1::ExtendSequenceResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
-    auto r = core_->ExtendSequence(FromProto(*req));
-    if (!r.ok()) return r.status();
-    ToProto(*r, resp);
-    return absl::OkStatus();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto r = core_->ExtendSequence(FromProto(*req));
+  if (!r.ok() || !r->demotion) {
+    if (r.ok()) ToProto(*r, resp);
+    reactor->Finish(ToGrpcStatus(r.status()));
+    return reactor;
+  }
+  // Allocation policy: demote the blocks whose tag's choice shrank on the
+  // worker, then commit (or keep them) and reply. The Extend succeeds either
+  // way.
+  const uint64_t token = r->demotion->token;
+  CallWorkerDemote(*r->demotion, [this, reactor, resp, token](
+                                     const absl::Status& worker, uint64_t) {
+    auto fin = core_->FinishExtendDemotion(token, worker);
+    if (fin.ok()) ToProto(*fin, resp);
+    reactor->Finish(ToGrpcStatus(fin.status()));
   });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* ManagerService::ForkSequence(
@@ -353,36 +365,16 @@ grpc::ServerUnaryReactor* ManagerService::DemoteBlocks(
     reactor->Finish(ToGrpcStatus(r.status()));
     return reactor;
   }
-  // The worker call's state lives until its completion callback.
-  struct Call {
-    grpc::ClientContext ctx;
-    v1::DemoteRequest req;
-    v1::DemoteResponse resp;
-    std::shared_ptr<v1::Worker::Stub> stub;
-  };
-  auto* call = new Call;
-  ToProto(*prepared, &call->req);
-  call->stub = WorkerStub(prepared->worker_address);
-  call->ctx.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::milliseconds(worker_rpc_timeout_ms_));
-  {
-    absl::MutexLock lock(&mu_);
-    ++in_flight_;
-  }
   const std::string worker_id = prepared->worker_id;
   const int64_t delta = prepared->bytes_delta;
   const size_t blocks = prepared->blocks.size();
-  call->stub->async()->Demote(
-      &call->ctx, &call->req, &call->resp,
-      [this, call, reactor, resp, token, worker_id, delta,
-       blocks](grpc::Status status) {
+  CallWorkerDemote(
+      *prepared, [this, reactor, resp, token, worker_id, delta, blocks](
+                     const absl::Status& worker, uint64_t pages) {
         absl::Status result;
-        if (!status.ok()) {
+        if (!worker.ok()) {
           core_->AbortDemote(token);
-          const absl::Status ws = FromGrpcStatus(status);
-          result =
-              absl::Status(ws.code(), absl::StrCat("worker ", Quote(worker_id),
-                                                   " Demote: ", ws.message()));
+          result = worker;
           Log(LogLevel::kWarn, "manager", "demote failed on the worker",
               absl::StrCat(Kv("worker_id", worker_id), " ",
                            Kv("error", result.ToString())));
@@ -391,19 +383,84 @@ grpc::ServerUnaryReactor* ManagerService::DemoteBlocks(
           if (r.ok()) {
             ToProto(*r, resp);
             Log(LogLevel::kInfo, "manager", "blocks re-encoded",
-                absl::StrCat(Kv("worker_id", worker_id), " ",
-                             Kv("blocks", blocks), " ",
-                             Kv("bytes_delta", delta), " ",
-                             Kv("pages", call->resp.pages_reencoded())));
+                absl::StrCat(
+                    Kv("worker_id", worker_id), " ", Kv("blocks", blocks), " ",
+                    Kv("bytes_delta", delta), " ", Kv("pages", pages)));
           }
           result = r.status();
         }
-        delete call;
         reactor->Finish(ToGrpcStatus(result));
+      });
+  return reactor;
+}
+
+void ManagerService::CallWorkerDemote(
+    const DemotePrepared& prepared,
+    std::function<void(const absl::Status&, uint64_t)> done) {
+  // The worker call's state lives until its completion callback.
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::DemoteRequest req;
+    v1::DemoteResponse resp;
+    std::shared_ptr<v1::Worker::Stub> stub;
+    std::function<void(const absl::Status&, uint64_t)> done;
+  };
+  auto* call = new Call;
+  ToProto(prepared, &call->req);
+  call->stub = WorkerStub(prepared.worker_address);
+  call->done = std::move(done);
+  call->ctx.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(worker_rpc_timeout_ms_));
+  {
+    absl::MutexLock lock(&mu_);
+    ++in_flight_;
+  }
+  const std::string worker_id = prepared.worker_id;
+  call->stub->async()->Demote(
+      &call->ctx, &call->req, &call->resp,
+      [this, call, worker_id](grpc::Status status) {
+        absl::Status result;
+        if (!status.ok()) {
+          const absl::Status ws = FromGrpcStatus(status);
+          result =
+              absl::Status(ws.code(), absl::StrCat("worker ", Quote(worker_id),
+                                                   " Demote: ", ws.message()));
+        }
+        call->done(result, call->resp.pages_reencoded());
+        delete call;
         absl::MutexLock lock(&mu_);
         --in_flight_;
       });
-  return reactor;
+}
+
+grpc::ServerUnaryReactor* ManagerService::PutCalibration(
+    grpc::CallbackServerContext* ctx, const v1::PutCalibrationRequest* req,
+    v1::PutCalibrationResponse* resp) {
+  return Unary(ctx, [&]() -> absl::Status {
+    if (!req->has_table())
+      return absl::InvalidArgumentError("table is not set");
+    if (!req->table().has_shape())
+      return absl::InvalidArgumentError("table.shape is not set");
+    auto r = core_->PutCalibration(FromProto(*req));
+    if (!r.ok()) return r.status();
+    resp->set_entries(*r);
+    Log(LogLevel::kInfo, "manager", "calibration stored",
+        absl::StrCat(Kv("model", req->table().model()), " ", Kv("entries", *r),
+                     " ", Kv("tool", req->table().source().tool()), " ",
+                     Kv("dataset", req->table().source().dataset())));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* ManagerService::GetCalibration(
+    grpc::CallbackServerContext* ctx, const v1::GetCalibrationRequest* req,
+    v1::GetCalibrationResponse* resp) {
+  return Unary(ctx, [&]() -> absl::Status {
+    auto r = core_->GetCalibration(req->model());
+    if (!r.ok()) return r.status();
+    ToProto(*r, resp->mutable_table());
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerWriteReactor<v1::Event>* ManagerService::WatchEvents(

@@ -10,6 +10,14 @@
 // behind by more than the log's watcher_queue_limit is finished with
 // RESOURCE_EXHAUSTED; max_events > 0 finishes with OK after that many.
 //
+// ExtendSequence: when the core returns a demotion (allocation policies),
+// the worker's Demote runs the same way and its completion calls
+// ManagerCore::FinishExtendDemotion and finishes the reply (demoted_blocks:
+// the blocks committed; a worker failure only keeps their encoding).
+//
+// PutCalibration / GetCalibration: the core's calibration store (a log line
+// per stored table).
+//
 // DemoteBlocks: ManagerCore::PrepareDemote, then the worker's Demote through
 // the async (callback) stub, so no thread waits; its completion callback
 // commits (CommitDemote) or aborts (AbortDemote, when the worker failed) and
@@ -25,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -99,6 +108,12 @@ class ManagerService final : public v1::Manager::CallbackService {
   grpc::ServerUnaryReactor* DemoteBlocks(
       grpc::CallbackServerContext* ctx, const v1::DemoteBlocksRequest* req,
       v1::DemoteBlocksResponse* resp) override;
+  grpc::ServerUnaryReactor* PutCalibration(
+      grpc::CallbackServerContext* ctx, const v1::PutCalibrationRequest* req,
+      v1::PutCalibrationResponse* resp) override;
+  grpc::ServerUnaryReactor* GetCalibration(
+      grpc::CallbackServerContext* ctx, const v1::GetCalibrationRequest* req,
+      v1::GetCalibrationResponse* resp) override;
   grpc::ServerWriteReactor<v1::Event>* WatchEvents(
       grpc::CallbackServerContext* ctx,
       const v1::WatchEventsRequest* req) override;
@@ -106,6 +121,13 @@ class ManagerService final : public v1::Manager::CallbackService {
  private:
   void CheckLoop(int64_t interval_ms);
   std::shared_ptr<v1::Worker::Stub> WorkerStub(const std::string& address);
+  // Runs the worker's Demote for `prepared` through the async stub (deadline
+  // worker_rpc_timeout_ms; counted in in_flight_); `done` runs on the
+  // completion callback with OK or the worker's error prefixed
+  // "worker <id> Demote: ", and the pages re-encoded.
+  void CallWorkerDemote(
+      const DemotePrepared& prepared,
+      std::function<void(const absl::Status&, uint64_t)> done);
 
   ManagerCore* const core_;
   const int64_t worker_rpc_timeout_ms_;

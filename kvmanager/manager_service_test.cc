@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
@@ -908,6 +909,120 @@ TEST_F(ServiceTest, OpenAndExtendWithRenderedText) {
   const auto& last = er.sequence().blocks(er.sequence().blocks_size() - 1);
   EXPECT_EQ(last.tag().role(), v1::ROLE_DELIMITER);
   EXPECT_EQ(last.tag().temporal(), v1::TEMPORAL_CURRENT_TURN);
+}
+
+TEST_F(ServiceTest, CalibrationRpcsValidateAndRoundTrip) {
+  auto table = [] {
+    v1::PutCalibrationRequest req;
+    auto* t = req.mutable_table();
+    t->set_model("tiny-cal");
+    t->mutable_shape()->set_n_layers(2);
+    t->mutable_shape()->set_n_kv_heads(2);
+    t->mutable_shape()->set_n_q_heads(4);
+    t->mutable_shape()->set_head_dim(64);
+    t->set_block_tokens(16);
+    for (v1::Format f : {v1::FORMAT_BF16, v1::FORMAT_INT4}) {
+      auto* e = t->add_entries();
+      e->mutable_tag()->set_temporal(v1::TEMPORAL_OLDER);
+      e->mutable_tag()->set_role(v1::ROLE_USER);
+      e->set_format(f);
+      e->set_distortion(f == v1::FORMAT_BF16 ? 0 : 0.25);
+    }
+    t->mutable_source()->set_tool("calibrate 1.0");
+    t->mutable_source()->add_held_out_ids("s9");
+    return req;
+  };
+  struct Case {
+    std::function<void(v1::PutCalibrationRequest*)> mutate;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {[](auto* r) { r->clear_table(); }, "table is not set"},
+      {[](auto* r) { r->mutable_table()->clear_shape(); },
+       "table.shape is not set"},
+      {[](auto* r) { r->mutable_table()->set_model(""); }, "table.model"},
+      {[](auto* r) { r->mutable_table()->set_block_tokens(5000); },
+       "table.block_tokens 5000"},
+      {[](auto* r) {
+         r->mutable_table()->mutable_entries(1)->set_format(
+             static_cast<v1::Format>(42));
+       },
+       "table.entries[1].format"},
+      {[](auto* r) {
+         r->mutable_table()->mutable_entries(0)->mutable_tag()->set_role(
+             v1::ROLE_UNSPECIFIED);
+       },
+       "table.entries[0].tag.role"},
+      {[](auto* r) {
+         r->mutable_table()->mutable_entries(1)->set_distortion(-2);
+       },
+       "table.entries[1].distortion is -2"},
+      {[](auto* r) {
+         r->mutable_table()->mutable_entries(1)->set_format(v1::FORMAT_BF16);
+       },
+       "table.entries[1] repeats table.entries[0]"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    v1::PutCalibrationRequest req = table();
+    cases[i].mutate(&req);
+    v1::PutCalibrationResponse resp;
+    const grpc::Status st =
+        Call(&v1::Manager::Stub::PutCalibration, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << i;
+    EXPECT_THAT(st.error_message(), HasSubstr(cases[i].message)) << i;
+    v1::GetCalibrationRequest get;
+    get.set_model("tiny-cal");
+    v1::GetCalibrationResponse got;
+    EXPECT_EQ(Call(&v1::Manager::Stub::GetCalibration, get, &got).error_code(),
+              grpc::StatusCode::NOT_FOUND)
+        << i;
+  }
+  v1::GetCalibrationRequest get;
+  get.set_model("tiny-cal");
+  v1::GetCalibrationResponse got;
+  grpc::Status st = Call(&v1::Manager::Stub::GetCalibration, get, &got);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(st.error_message(), HasSubstr("\"tiny-cal\""));
+
+  v1::PutCalibrationRequest req = table();
+  req.set_request_id("cal-1");
+  v1::PutCalibrationResponse resp;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::PutCalibration, req, &resp).ok());
+  EXPECT_EQ(resp.entries(), 2u);
+  ASSERT_TRUE(Call(&v1::Manager::Stub::GetCalibration, get, &got).ok());
+  EXPECT_EQ(got.table().model(), "tiny-cal");
+  ASSERT_EQ(got.table().entries_size(), 2);
+  EXPECT_EQ(got.table().entries(1).format(), v1::FORMAT_INT4);
+  EXPECT_EQ(got.table().entries(1).format_v(), v1::FORMAT_INT4);
+  EXPECT_EQ(got.table().entries(1).group_size(), 32u);
+  EXPECT_EQ(got.table().entries(1).tag().modality(), v1::MODALITY_TEXT);
+  EXPECT_DOUBLE_EQ(got.table().entries(1).distortion(), 0.25);
+  EXPECT_EQ(got.table().source().tool(), "calibrate 1.0");
+  EXPECT_EQ(got.table().source().held_out_ids(0), "s9");
+
+  // An allocation policy round-trips its fields; opening under it works.
+  v1::PutPolicyRequest put;
+  put.mutable_policy()->set_name("tri-4");
+  put.mutable_policy()->set_budget_bits(14);
+  put.mutable_policy()->set_calibration_model("tiny-cal");
+  put.mutable_policy()->add_candidates()->set_format(v1::FORMAT_INT4);
+  v1::PutPolicyResponse put_resp;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::PutPolicy, put, &put_resp).ok());
+  EXPECT_EQ(put_resp.policy().budget_bits(), 14);
+  EXPECT_EQ(put_resp.policy().calibration_model(), "tiny-cal");
+  ASSERT_EQ(put_resp.policy().candidates_size(), 1);
+  EXPECT_EQ(put_resp.policy().candidates(0).format_v(), v1::FORMAT_INT4);
+  v1::OpenSequenceRequest open = OpenReq();
+  open.set_policy("tri-4");
+  v1::OpenSequenceResponse open_resp;
+  st = Call(&v1::Manager::Stub::OpenSequence, open, &open_resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  // sink BF16 (pinned), system BF16 (no entries for the role), user INT4
+  // (borrowed from OLDER/USER): (16 x 16 + 4 x 16 + 12 x 5.5) / 32 = 12.06.
+  ASSERT_EQ(open_resp.sequence().blocks_size(), 3);
+  EXPECT_EQ(open_resp.sequence().blocks(0).format(), v1::FORMAT_BF16);
+  EXPECT_EQ(open_resp.sequence().blocks(1).format(), v1::FORMAT_BF16);
+  EXPECT_EQ(open_resp.sequence().blocks(2).format(), v1::FORMAT_INT4);
 }
 
 }  // namespace

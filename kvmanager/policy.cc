@@ -1,5 +1,7 @@
 #include "kvmanager/policy.h"
 
+#include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -70,16 +72,33 @@ bool Rule::Matches(const Tag& tag) const {
 }
 
 Encoding Policy::EncodingFor(const Tag& tag) const {
+  if (rules.empty()) return Encoding(Format::kBF16);  // allocation policies
   for (const Rule& r : rules) {
     if (r.Matches(tag)) return r.encoding;
   }
   return rules.back().encoding;  // unreachable: the last rule is a catch-all
 }
 
+bool Policy::IsPinned(const Tag& tag) const {
+  for (const Rule& r : rules) {
+    if (!r.Matches(tag)) continue;
+    return r.encoding.k == Format::kBF16 && r.encoding.v == Format::kBF16;
+  }
+  return tag.temporal == Temporal::kSink;
+}
+
+bool Policy::IsCandidate(const Encoding& e) const {
+  if (candidates.empty()) return true;
+  return std::find(candidates.begin(), candidates.end(), e) != candidates.end();
+}
+
 PolicyInfo Policy::Info() const {
   PolicyInfo info;
   info.name = name;
   info.builtin = builtin;
+  info.budget_bits = budget_bits;
+  info.calibration_model = calibration_model;
+  for (const Encoding& e : candidates) info.candidates.push_back(SpecOf(e));
   info.rules.reserve(rules.size());
   for (const Rule& r : rules) {
     info.rules.push_back(
@@ -143,7 +162,52 @@ EncodingSpec SpecOf(const Encoding& e) {
 absl::StatusOr<std::shared_ptr<const Policy>> BuildPolicy(
     const PolicyInfo& info) {
   TRIAX_RETURN_IF_ERROR(ValidateId("policy.name", info.name));
-  if (info.rules.empty()) {
+  const bool allocation = info.budget_bits != 0;
+  if (allocation && !(std::isfinite(info.budget_bits) && info.budget_bits > 0 &&
+                      info.budget_bits <= kMaxBudgetBits)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.budget_bits is ", info.budget_bits,
+                     "; it must be 0 (a rule policy) or in (0, ",
+                     kMaxBudgetBits, "] effective bits per value"));
+  }
+  if (!allocation && !info.calibration_model.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.calibration_model is ", Quote(info.calibration_model),
+        " but policy.budget_bits is 0; set budget_bits > 0 for an allocation "
+        "policy, or leave calibration_model empty"));
+  }
+  if (!allocation && !info.candidates.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.candidates has ", info.candidates.size(),
+        " entries but policy.budget_bits is 0; candidates need an allocation "
+        "policy (budget_bits > 0)"));
+  }
+  auto p = std::make_shared<Policy>();
+  if (allocation) {
+    TRIAX_RETURN_IF_ERROR(
+        ValidateId("policy.calibration_model", info.calibration_model));
+    if (info.candidates.size() > kMaxPolicyRules) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy.candidates has ", info.candidates.size(),
+                       " entries; the limit is ", kMaxPolicyRules));
+    }
+    for (size_t i = 0; i < info.candidates.size(); ++i) {
+      const std::string field = absl::StrCat("policy.candidates[", i, "]");
+      TRIAX_ASSIGN_OR_RETURN(Encoding e,
+                             ResolveEncoding(field, info.candidates[i]));
+      for (size_t j = 0; j < p->candidates.size(); ++j) {
+        if (p->candidates[j] == e) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, " encoding ", EncodingString(e),
+                           " repeats policy.candidates[", j, "]"));
+        }
+      }
+      p->candidates.push_back(e);
+    }
+    p->budget_bits = info.budget_bits;
+    p->calibration_model = info.calibration_model;
+  }
+  if (info.rules.empty() && !allocation) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.rules is empty (policy ", Quote(info.name),
         "); at least one rule, the last a catch-all, is required"));
@@ -153,7 +217,6 @@ absl::StatusOr<std::shared_ptr<const Policy>> BuildPolicy(
         absl::StrCat("policy.rules has ", info.rules.size(),
                      " rules; the limit is ", kMaxPolicyRules));
   }
-  auto p = std::make_shared<Policy>();
   p->name = info.name;
   p->rules.reserve(info.rules.size());
   for (size_t i = 0; i < info.rules.size(); ++i) {
@@ -180,7 +243,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> BuildPolicy(
     TRIAX_ASSIGN_OR_RETURN(rule.encoding, ResolveEncoding(field, r.encoding));
     p->rules.push_back(rule);
   }
-  if (!p->rules.back().IsCatchAll()) {
+  if (!allocation && !p->rules.back().IsCatchAll()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.rules[", p->rules.size() - 1, "] (the last rule of policy ",
         Quote(info.name),

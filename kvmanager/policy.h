@@ -15,6 +15,21 @@
 // Operator policies come from PutPolicy (ManagerCore) and use the same rule
 // structure.
 //
+// Allocation policies (budget_bits > 0): encodings are not read from the
+// rules but chosen per tag by the bit allocator (allocator.h) from the
+// calibration table named by calibration_model, recomputed at every Open and
+// Extend of a sequence (ManagerCore). Rules then only pin: the first rule
+// matching a tag decides; if its encoding is BF16 the tag is pinned to BF16,
+// otherwise the tag is left to the allocator (so `temporal=sink:<non-bf16>`
+// un-pins sinks). A tag no rule matches is pinned to BF16 when it is a sink
+// and left to the allocator otherwise. Rules may be empty and need no
+// catch-all. `candidates` (encodings only) restricts the allocator's choice;
+// empty: every encoding the calibration table has for the tag.
+// Validation: budget_bits finite and in (0, 64]; calibration_model an id;
+// at most kMaxPolicyRules candidates, each a valid encoding, no duplicates.
+// A rule policy (budget_bits 0) must leave calibration_model and candidates
+// empty.
+//
 // Encodings are canonical (CanonicalEncoding): group and scale dtype are only
 // kept when K or V is an INT format, and group 0 is stored as 32. Equal
 // canonical encodings are byte-identical pages.
@@ -32,6 +47,7 @@ namespace triax::manager {
 
 inline constexpr const char* kDefaultPolicy = "triaxial-static";
 inline constexpr size_t kMaxPolicyRules = 64;
+inline constexpr double kMaxBudgetBits = 64;
 
 // One resolved rule: tag pattern + canonical encoding.
 struct Rule {
@@ -53,8 +69,18 @@ struct Policy {
   std::string name;
   std::vector<Rule> rules;  // non-empty; the last is a catch-all
   bool builtin = false;
+  // Allocation policies only (see above).
+  double budget_bits = 0;
+  std::string calibration_model;
+  std::vector<Encoding> candidates;  // canonical, distinct
 
+  bool IsAllocation() const { return budget_bits > 0; }
+  // Rule policies: the encoding of the first matching rule.
   Encoding EncodingFor(const Tag& tag) const;
+  // Allocation policies: true when `tag` is pinned to BF16 (see above).
+  bool IsPinned(const Tag& tag) const;
+  // Allocation policies: whether `e` may be chosen (candidates empty: any).
+  bool IsCandidate(const Encoding& e) const;
   PolicyInfo Info() const;
 };
 
@@ -73,8 +99,10 @@ EncodingSpec SpecOf(const Encoding& e);
 
 // Validates a PutPolicy body: name is an id, 1..kMaxPolicyRules rules, tag
 // fields in range, encodings valid (ResolveEncoding), the last rule a
-// catch-all. INVALID_ARGUMENT naming the field ("policy.rules[2].group_size")
-// and the value. Does not check built-in names (the core does).
+// catch-all (allocation policies: 0..kMaxPolicyRules rules, no catch-all,
+// plus the checks above). INVALID_ARGUMENT naming the field
+// ("policy.rules[2].group_size") and the value. Does not check built-in names
+// (the core does).
 absl::StatusOr<std::shared_ptr<const Policy>> BuildPolicy(
     const PolicyInfo& info);
 

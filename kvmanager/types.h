@@ -169,11 +169,51 @@ struct PolicyRuleInfo {
   EncodingSpec encoding;
 };
 
-// triax.v1.Policy.
+// triax.v1.Policy. budget_bits > 0 makes it an allocation policy
+// (policy.h): encodings chosen per tag by the bit allocator from the
+// calibration table of calibration_model, among `candidates` (empty: every
+// encoding the table has); rules act as pins.
 struct PolicyInfo {
   std::string name;
   std::vector<PolicyRuleInfo> rules;
   bool builtin = false;  // output only
+  double budget_bits = 0;
+  std::string calibration_model;
+  std::vector<EncodingSpec> candidates;  // wire: PolicyRule, tag ignored
+};
+
+// triax.v1.CalibrationEntry: distortion per token of one tag at one encoding.
+struct CalibrationEntryInfo {
+  Tag tag;                // temporal and role specified; modality 0 = TEXT
+  EncodingSpec encoding;  // canonical once stored
+  double distortion = 0;  // finite, >= 0
+  uint64_t tokens = 0;
+  uint64_t queries = 0;
+};
+
+// triax.v1.CalibrationSource: where a table came from; stored as given.
+struct CalibrationSourceInfo {
+  std::string tool;
+  std::string model_file;
+  std::string dataset;
+  std::vector<std::string> calibration_ids;
+  std::vector<std::string> held_out_ids;
+  std::string metric;
+  int64_t created_unix_ms = 0;
+};
+
+// triax.v1.CalibrationTable.
+struct CalibrationTableInfo {
+  std::string model;  // id policies refer to (calibration_model)
+  ModelShape shape;
+  uint32_t block_tokens = 0;
+  std::vector<CalibrationEntryInfo> entries;
+  CalibrationSourceInfo source;
+};
+
+struct PutCalibrationRequest {
+  std::string request_id;
+  CalibrationTableInfo table;
 };
 
 struct Budget {
@@ -304,12 +344,6 @@ struct ExtendSequenceRequest {
   // each user message in the text starts a turn.
   std::optional<RenderedText> rendered;
 };
-struct ExtendSequenceResult {
-  SequenceInfo sequence;
-  std::vector<BlockPlan> new_blocks;
-  std::vector<BlockPlan> grown_blocks;
-  std::vector<BlockPlan> retagged_blocks;
-};
 
 struct ForkSequenceRequest {
   std::string request_id;
@@ -365,6 +399,21 @@ struct DemotePrepared {
   std::string sequence_id;
   std::vector<BlockPlan> blocks;
   int64_t bytes_delta = 0;
+};
+
+struct ExtendSequenceResult {
+  SequenceInfo sequence;
+  std::vector<BlockPlan> new_blocks;
+  std::vector<BlockPlan> grown_blocks;
+  std::vector<BlockPlan> retagged_blocks;
+  // Allocation policies: blocks re-encoded in place at this call, with their
+  // new encoding (filled by FinishExtendDemotion once the worker applied
+  // them).
+  std::vector<BlockPlan> demoted_blocks;
+  // Set by ExtendSequence when existing blocks are to be demoted: the
+  // worker's DemoteRequest content and the token for FinishExtendDemotion.
+  // Never set in a remembered (idempotent) reply.
+  std::optional<DemotePrepared> demotion;
 };
 
 struct TraceResult {

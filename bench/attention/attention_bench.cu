@@ -11,6 +11,8 @@
 // streaming read (and device-to-device copy) measured in the same run.
 //
 // Flags: --iters N (default 30)  --quick (batch 16, 32k only)
+//        --batch N, --context N (only that batch / context in the sweep)
+//        --format NAME (only that row of the decode table, e.g. int4)
 //        --splits_sweep (time num_splits 1..32 on two shapes)
 // Output: markdown tables on stdout.
 #include <cuda_runtime.h>
@@ -168,9 +170,17 @@ Filled FillPool(const Pool& pool, const PageShape& s, const Fmt& fmt,
 
 int main(int argc, char** argv) {
   bool quick = false, sweep = false;
+  int only_batch = 0, only_ctx = 0;
+  const char* only_fmt = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
       g_iters = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) {
+      only_batch = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--context") && i + 1 < argc) {
+      only_ctx = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--format") && i + 1 < argc) {
+      only_fmt = argv[++i];
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
     } else if (!std::strcmp(argv[i], "--splits_sweep")) {
@@ -328,10 +338,12 @@ int main(int argc, char** argv) {
       "| batch | context | GQA | H | format | GB read/call | ms | GB/s "
       "| / stream read | speed-up vs bf16 |\n|---|---|---|---|---|---|---"
       "|---|---|---|\n");
-  const std::vector<int> batches =
-      quick ? std::vector<int>{16} : std::vector<int>{16, 64};
-  const std::vector<int> ctxs =
-      quick ? std::vector<int>{32768} : std::vector<int>{8192, 32768, 131072};
+  const std::vector<int> batches = only_batch > 0 ? std::vector<int>{only_batch}
+                                   : quick        ? std::vector<int>{16}
+                                                  : std::vector<int>{16, 64};
+  const std::vector<int> ctxs = only_ctx > 0 ? std::vector<int>{only_ctx}
+                                : quick      ? std::vector<int>{32768}
+                                        : std::vector<int>{8192, 32768, 131072};
   float *d_q, *d_out;
   CK(cudaMalloc(&d_q, 64 * NQ * D * 4));
   CK(cudaMalloc(&d_out, 64 * NQ * D * 4));
@@ -423,6 +435,8 @@ int main(int argc, char** argv) {
       for (int group : {4, 8}) {
         double bf16_ms = 0;
         for (const Fmt& fmt : kFmts) {
+          if (only_fmt != nullptr && std::strcmp(only_fmt, fmt.name) != 0)
+            continue;
           const int H = NQ / group;
           auto [ms, bw] = run_config(B, ctx, group, fmt, 0, &bf16_ms);
           const double mb = bw * ms / 1e3;  // GB

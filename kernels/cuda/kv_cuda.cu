@@ -893,10 +893,19 @@ __global__ void __launch_bounds__(kAttnThreads)
 // swizzled in 16-byte chunks), computes S = Q K^T with mma.m16n8k16 (rows =
 // query heads, padded to 16), the online softmax on the accumulators, and
 // O += P V with P from registers. TQ keys use the rotated query tile
-// Q' = R Q; TQ values accumulate rotated in shared memory (O_rot, kept
-// relative to its own running max) and are rotated back once per warp.
+// Q' = R Q; TQ value tiles are rotated back (register FWHT) before P V.
+//
+// Memory pipeline: each warp streams its tiles' raw page bytes (codes and
+// the tile's scale/zero/norm ranges, whatever the page's format) into a
+// per-warp byte ring in shared memory with cp.async, up to kMaxInFlight
+// tiles ahead (as many as the ring holds: 2 BF16 tiles, ~6 INT4 tiles),
+// page descriptors fetched 32 at a time. BF16 tiles land swizzled and feed
+// the tensor cores in place; other formats are dequantized from shared
+// memory (one switch per tensor and tile, non-inlined decoders) into the
+// warp's BF16 tiles.
 
 constexpr int kMmaWarps = 4;
+constexpr int kMaxInFlight = 16;
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -918,15 +927,76 @@ struct MmaSmem {
   static constexpr int kQ = 0;
   static constexpr int kQr = kQ + kTileBytes;
   static constexpr int kWarp0 = kQr + kTileBytes;
-  // per warp: K tile, V tile (together also a float [16][kD]), O_rot.
-  static constexpr int kWarpBytes = 2 * kTileBytes + 16 * kD * 4;
+  // Per warp: a byte ring of raw page bytes filled by cp.async (two BF16
+  // tiles of K and V fit, more of the smaller formats), the decoded K and V
+  // tiles, and one TileDesc per tile in flight.
+  static constexpr int kRing = 4 * kTileBytes + 512;
+  static constexpr int kDec = kRing;
+  static constexpr int kDesc = kDec + 2 * kTileBytes;
+  static constexpr int kWarpBytes = kDesc + kMaxInFlight * 32;
   static constexpr int kCb = kWarp0 + kMmaWarps * kWarpBytes;  // float[3][16]
   static constexpr int kSign = kCb + 48 * 4;                   // float[kD]
   static constexpr int kTotal = kSign + kD * 4;
+  // The largest tile (K and V BF16, or INT8 with metadata) fits the ring.
+  static_assert(kRing >= 2 * kTileBytes + 4 * (2 * kD + 32), "ring too small");
+  static_assert(kRing + 2 * kTileBytes <= 65535, "TileDesc offsets are 16-bit");
 };
+
+// One staged tile: its page's packed format, its valid rows and where each
+// range sits in the warp's ring (bytes from the ring start to the range's
+// first byte): K codes, V codes, K scale, K zero, V scale, V zero.
+struct TileDesc {
+  int32_t format;
+  int32_t nt;
+  uint32_t end;  // ring bytes allocated through this tile (monotonic)
+  uint16_t pos[6];
+  uint16_t pad[4];
+};
+static_assert(sizeof(TileDesc) == 32, "TileDesc is 32 bytes");
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared, bypassing L1; src_bytes 0 writes zeros.
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src,
+                                          int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CpCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void CpWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Waits until at most n (< kMaxInFlight) groups are pending.
+__device__ __forceinline__ void CpWaitAtMost(int n) {
+  switch (n) {
+#define KV_WAIT_CASE(i) \
+  case i:               \
+    CpWait<i>();        \
+    break;
+    KV_WAIT_CASE(1)
+    KV_WAIT_CASE(2)
+    KV_WAIT_CASE(3)
+    KV_WAIT_CASE(4)
+    KV_WAIT_CASE(5)
+    KV_WAIT_CASE(6)
+    KV_WAIT_CASE(7)
+    KV_WAIT_CASE(8)
+    KV_WAIT_CASE(9)
+    KV_WAIT_CASE(10)
+    KV_WAIT_CASE(11)
+    KV_WAIT_CASE(12)
+    KV_WAIT_CASE(13)
+    KV_WAIT_CASE(14)
+    KV_WAIT_CASE(15)
+#undef KV_WAIT_CASE
+    default:
+      CpWait<0>();
+  }
 }
 // Byte offset of 16-byte chunk c of row r in a swizzled [16][kD] bf16 tile.
 template <int kD>
@@ -964,8 +1034,8 @@ __device__ __forceinline__ uint4 Pack8(const float* x) {
 }
 
 // Exact float of a small unsigned code without I2F (I2F issues at a
-// quarter of the FP32 rate on Hopper and bounded the INT tiles): the code
-// is placed in the mantissa of 2^23 and 2^23 subtracted.
+// quarter of the FP32 rate on Hopper): the code is placed in the mantissa
+// of 2^23 and 2^23 subtracted.
 __device__ __forceinline__ float CodeToFloat(uint32_t c) {
   return __uint_as_float(0x4b000000u | c) - 8388608.f;
 }
@@ -986,146 +1056,147 @@ struct FmtBits {
                                                 : 2;
 };
 
-// Rows [t0, t0 + nt) of head h of one tensor of format F into a BF16 tile
-// (rows >= nt zero). Code bytes for all of the lane's chunks are loaded
-// first (independent loads in flight), then dequantized. TQ values stay
-// in the rotated domain (norm * level).
+// Dequantizes one staged tile of one tensor of format F (not BF16) from the
+// warp's ring into a swizzled BF16 tile (rows >= nt zero). `codes` points
+// at row 0 of the tile; `sc`/`zr` at the tile's metadata: the key group's
+// per-channel scale/zero (INT keys), the rows' per-group scale/zero (INT
+// values, 2^lg_gv dims per group), the rows' TQ norms, or the head's FP8
+// scale. All reads are shared memory; the ring keeps each range's global
+// alignment mod 16, so the vector loads are aligned as in the page. TQ keys
+// stay in the rotated domain (norm * level; scored against Q' = R Q); TQ
+// values are rotated back here, v = sign * FWHT(v') / sqrt(kD), the FWHT
+// running in registers across the kD / 8 lanes holding a row.
 template <int F, bool kKey, int kD>
-__device__ __forceinline__ void DecodeTile(
-    const DevEnc& e, const TensorLayout& L, const uint8_t* __restrict__ page,
-    int T, int h, int t0, int nt, uint8_t* tile, const float* s_cb, int lane) {
+__device__ __forceinline__ void DecodeStaged(const uint8_t* codes,
+                                             const uint8_t* sc,
+                                             const uint8_t* zr, int sdt,
+                                             int lg_gv, int nt, uint8_t* out,
+                                             const float* s_cb,
+                                             const float* s_sign, int lane) {
   constexpr int kCh = kD / 8, kIt = kCh / 2;  // 16 * kCh chunks / 32 lanes
   constexpr int kB = FmtBits<F>::v;           // bytes per 8-dim chunk
   constexpr int kRowBytes = kD * kB / 8;
-  const uint8_t* codes =
-      page + L.codes + static_cast<size_t>(h) * T * kRowBytes;
-  uint4 raw[kIt];
+  const float* lv = s_cb + 16 * (FmtBits<F>::v - 2);
+  float fp8_scale = 1.f;
+  if constexpr (F == 4) fp8_scale = *reinterpret_cast<const float*>(sc);
+  // Every lane keeps one chunk column: ch = lane % kCh for kCh <= 32.
+  float ks[8], kz[8];
+  if constexpr (kKey && (F == 2 || F == 3 || F == 5)) {
+    const int ch = lane % kCh;
 #pragma unroll
-  for (int it = 0; it < kIt; ++it) {
-    const int c = lane + 32 * it, r = c / kCh, ch = c % kCh;
-    raw[it] = make_uint4(0, 0, 0, 0);
-    if (r < nt) {
-      const uint8_t* p =
-          codes + static_cast<size_t>(t0 + r) * kRowBytes + ch * kB;
-      if constexpr (kB == 16) {
-        raw[it] = __ldg(reinterpret_cast<const uint4*>(p));
-      } else if constexpr (kB == 8) {
-        const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
-        raw[it].x = w.x;
-        raw[it].y = w.y;
-      } else if constexpr (kB == 4) {
-        raw[it].x = __ldg(reinterpret_cast<const unsigned*>(p));
-      } else if constexpr (kB == 2) {
-        raw[it].x = __ldg(reinterpret_cast<const unsigned short*>(p));
-      } else {
-        raw[it].x = static_cast<uint32_t>(__ldg(p)) |
-                    (static_cast<uint32_t>(__ldg(p + 1)) << 8) |
-                    (static_cast<uint32_t>(__ldg(p + 2)) << 16);
-      }
+    for (int i = 0; i < 8; ++i) {
+      ks[i] = LoadMeta(sc, ch * 8 + i, sdt);
+      kz[i] = LoadMeta(zr, ch * 8 + i, sdt);
     }
   }
-  float fp8_scale = 1.f;
-  if constexpr (F == 4)
-    fp8_scale = __ldg(reinterpret_cast<const float*>(page + L.scale) + h);
-  const float* lv = s_cb + 16 * (FmtBits<F>::v - 2);
-  int last_g = -1;
-  float ks[8], kz[8];
 #pragma unroll
   for (int it = 0; it < kIt; ++it) {
     const int c = lane + 32 * it, r = c / kCh, ch = c % kCh;
-    uint4 out = make_uint4(0, 0, 0, 0);
+    float x[8];
     if (r < nt) {
-      if constexpr (F == 1) {
-        out = raw[it];
+      const uint8_t* p = codes + r * kRowBytes + ch * kB;
+      uint32_t cd[8];
+      if constexpr (kB == 8) {
+        const uint2 w = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          cd[i] = (w.x >> (8 * i)) & 0xffu;
+          cd[4 + i] = (w.y >> (8 * i)) & 0xffu;
+        }
       } else {
-        float x[8];
-        uint32_t cd[8];
-        if constexpr (kB == 8) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            cd[i] = (raw[it].x >> (8 * i)) & 0xffu;
-            cd[4 + i] = (raw[it].y >> (8 * i)) & 0xffu;
-          }
+        uint32_t w;
+        if constexpr (kB == 4) {
+          w = *reinterpret_cast<const uint32_t*>(p);
+        } else if constexpr (kB == 2) {
+          w = *reinterpret_cast<const uint16_t*>(p);
         } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            cd[i] = (raw[it].x >> (kB * i)) & ((1u << kB) - 1u);
+          w = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+              (static_cast<uint32_t>(p[2]) << 16);
         }
-        if constexpr (F == 4) {
 #pragma unroll
-          for (int i = 0; i < 8; i += 2) {
-            const float2 f2 = Fp8PairToFloat(cd[i], cd[i + 1]);
-            x[i] = f2.x * fp8_scale;
-            x[i + 1] = f2.y * fp8_scale;
-          }
-        } else if constexpr (F >= 6) {
-          const float norm =
-              HalfBits(__ldg(reinterpret_cast<const unsigned short*>(
-                  page + L.scale + 2 * (static_cast<size_t>(h) * T + t0 + r))));
-#pragma unroll
-          for (int i = 0; i < 8; ++i) x[i] = lv[cd[i]] * norm;
-        } else if constexpr (kKey) {
-          const int gk = min(e.group, T);
-          const int g = (t0 + r) / gk;
-          if (g != last_g) {
-            last_g = g;
-            const size_t base =
-                (static_cast<size_t>(h) * (T / gk) + g) * kD + ch * 8;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              ks[i] = LoadMeta(page + L.scale, base + i, e.sdt);
-              kz[i] = LoadMeta(page + L.zero, base + i, e.sdt);
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            x[i] = fmaf(CodeToFloat(cd[i]), ks[i], kz[i]);
-        } else {
-          const int gv = min(e.group, kD);
-          const size_t m =
-              (static_cast<size_t>(h) * T + t0 + r) * (kD / gv) + ch * 8 / gv;
-          const float sc = LoadMeta(page + L.scale, m, e.sdt);
-          const float z = LoadMeta(page + L.zero, m, e.sdt);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) x[i] = fmaf(CodeToFloat(cd[i]), sc, z);
-        }
-        out = Pack8(x);
+        for (int i = 0; i < 8; ++i) cd[i] = (w >> (kB * i)) & ((1u << kB) - 1u);
       }
+      if constexpr (F == 4) {
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+          const float2 f2 = Fp8PairToFloat(cd[i], cd[i + 1]);
+          x[i] = f2.x * fp8_scale;
+          x[i + 1] = f2.y * fp8_scale;
+        }
+      } else if constexpr (F >= 6) {
+        const float norm = HalfBits(LoadU16(sc + 2 * r));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = lv[cd[i]] * norm;
+      } else if constexpr (kKey) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          x[i] = fmaf(CodeToFloat(cd[i]), ks[i], kz[i]);
+      } else {
+        const int m = ((r * kD) >> lg_gv) + ((ch * 8) >> lg_gv);
+        const float s = LoadMeta(sc, m, sdt), z = LoadMeta(zr, m, sdt);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = fmaf(CodeToFloat(cd[i]), s, z);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = 0.f;
     }
-    *reinterpret_cast<uint4*>(tile + TileOff<kD>(r, ch)) = out;
+    if constexpr (!kKey && F >= 6) {
+      // Lanes of one row are kCh consecutive lanes: strides 1..4 in
+      // registers, 8..kD/2 by shuffles (all lanes take part).
+#pragma unroll
+      for (int len = 1; len < 8; len <<= 1) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if ((i & len) == 0) {
+            const float u = x[i], w = x[i + len];
+            x[i] = u + w;
+            x[i + len] = u - w;
+          }
+        }
+      }
+#pragma unroll
+      for (int m = 1; m < kCh; m <<= 1) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float q = __shfl_xor_sync(0xffffffffu, x[i], m);
+          x[i] = (lane & m) ? q - x[i] : x[i] + q;
+        }
+      }
+      constexpr float kNrm = 1.f / (kD == 16    ? 4.f
+                                    : kD == 32  ? 5.656854249492381f
+                                    : kD == 64  ? 8.f
+                                    : kD == 128 ? 11.313708498984761f
+                                                : 16.f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] *= kNrm * s_sign[ch * 8 + i];
+    }
+    *reinterpret_cast<uint4*>(out + TileOff<kD>(r, ch)) = Pack8(x);
   }
 }
 
+// Non-BF16 tile of format f into a BF16 tile (one switch per tensor and
+// tile; BF16 tiles are staged swizzled and used in place).
 template <bool kKey, int kD>
-__device__ __forceinline__ void DecodeTileAny(int f, const DevEnc& e,
-                                              const TensorLayout& L,
-                                              const uint8_t* page, int T, int h,
-                                              int t0, int nt, uint8_t* tile,
-                                              const float* s_cb, int lane) {
+__device__ __forceinline__ void DecodeStagedAny(
+    int f, const uint8_t* codes, const uint8_t* sc, const uint8_t* zr, int sdt,
+    int lg_gv, int nt, uint8_t* tile, const float* s_cb, const float* s_sign,
+    int lane) {
   switch (f) {
-    case 1:
-      DecodeTile<1, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
-      break;
-    case 2:
-      DecodeTile<2, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
-      break;
-    case 3:
-      DecodeTile<3, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
-      break;
-    case 4:
-      DecodeTile<4, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
-      break;
-    case 5:
-      DecodeTile<5, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
-      break;
-    case 6:
-      DecodeTile<6, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
-      break;
-    case 7:
-      DecodeTile<7, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
-      break;
+#define KV_DEC_CASE(F)                                                   \
+  case F:                                                                \
+    DecodeStaged<F, kKey, kD>(codes, sc, zr, sdt, lg_gv, nt, tile, s_cb, \
+                              s_sign, lane);                             \
+    break;
+    KV_DEC_CASE(2)
+    KV_DEC_CASE(3)
+    KV_DEC_CASE(4)
+    KV_DEC_CASE(5)
+    KV_DEC_CASE(6)
+    KV_DEC_CASE(7)
+    KV_DEC_CASE(8)
+#undef KV_DEC_CASE
     default:
-      DecodeTile<8, kKey, kD>(e, L, page, T, h, t0, nt, tile, s_cb, lane);
       break;
   }
 }
@@ -1146,6 +1217,42 @@ __device__ __forceinline__ void SmemFwht(float* x, int rows, int tid,
       row[lo + len] = a - b;
     }
     sync();
+  }
+}
+
+// Where one tensor's bytes for rows [t0, t0 + nt) of head h lie in a page:
+// codes, then scale and zero ranges (len 0 when absent).
+struct Range {
+  uint32_t off, len;
+};
+template <int kD>
+__device__ __forceinline__ void TensorRanges(int f, bool key, const DevEnc& e,
+                                             const TensorLayout& L, int T,
+                                             int h, int t0, int nt,
+                                             Range (&r)[3]) {
+  const uint32_t row_bytes = kD * BitsOf(f) / 8;
+  const uint32_t row0 = static_cast<uint32_t>(h) * T + t0;
+  r[0] =
+      Range{static_cast<uint32_t>(L.codes) + row0 * row_bytes, nt * row_bytes};
+  r[1] = r[2] = Range{0, 0};
+  if (f == 4) {
+    r[1] = Range{static_cast<uint32_t>(L.scale) + 4u * h, 4u};
+  } else if (IsTq(f)) {
+    r[1] = Range{static_cast<uint32_t>(L.scale) + 2u * row0, 2u * nt};
+  } else if (IsInt(f)) {
+    const uint32_t elem = e.sdt == 2 ? 1 : 2;
+    uint32_t first, count;
+    if (key) {
+      const int gk = min(e.group, T);
+      first = (static_cast<uint32_t>(h) * (T / gk) + t0 / gk) * kD;
+      count = kD;
+    } else {
+      const int per_row = kD / min(e.group, kD);
+      first = row0 * per_row;
+      count = nt * per_row;
+    }
+    r[1] = Range{static_cast<uint32_t>(L.scale) + first * elem, count * elem};
+    r[2] = Range{static_cast<uint32_t>(L.zero) + first * elem, count * elem};
   }
 }
 
@@ -1175,7 +1282,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       s_cb[i] = g_tq_cb[l][i / 16][i % 16];
     for (int i = tid; i < kD; i += blockDim.x) s_sign[i] = g_tq_sign[l][i];
   }
-  // Q (scaled, rows >= nrows zero) via warp 0's float scratch, then Q' = R Q.
+  // Q (scaled, rows >= nrows zero) via warp 0's ring, then Q' = R Q.
   float* qf = reinterpret_cast<float*>(sm + Sm::kWarp0);
   const size_t qbase =
       (static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0) * kD;
@@ -1203,9 +1310,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   __syncthreads();
 
   uint8_t* wbase = sm + Sm::kWarp0 + warp * Sm::kWarpBytes;
-  uint8_t* sK = wbase;
-  uint8_t* sV = wbase + Sm::kTileBytes;
-  float4* sOr = reinterpret_cast<float4*>(wbase + 2 * Sm::kTileBytes);
+  uint8_t* ring = wbase;
+  const uint32_t ring_addr = SmemAddr(ring);
+  uint8_t* sK = wbase + Sm::kDec;
+  uint8_t* sV = sK + Sm::kTileBytes;
+  TileDesc* descs = reinterpret_cast<TileDesc*>(wbase + Sm::kDesc);
 
   const int S = a.splits * kMmaWarps, v = split * kMmaWarps + warp;
   const int first = a.indptr[b], P = a.indptr[b + 1] - first;
@@ -1219,155 +1328,227 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     before += __shfl_xor_sync(0xffffffffu, before, o);
   const long attend = a.attend[b];
 
+  // Producer state (warp-uniform): the next tile to stage is rows
+  // [t0, t0 + 16) of page pi, `valid` rows of which are attended.
+  // Page descriptors come 32 at a time, lane i holding page win + i.
+  int pi = p0, win = p0 - 32, t0 = 0, valid = 0;
+  bool page_ready = false, done = false, poisoned = false;
+  const uint8_t* pdata = nullptr;
+  int pfmt = 0;
+  DevicePage lane_pg{};
+  uint32_t head = 0, tail = 0;  // ring bytes allocated / released
+  int issued = 0, consumed = 0;
+
+  // Stages tiles until kMaxInFlight are pending, the ring is full or the
+  // warp's pages are done.
+  auto fill = [&]() {
+    while (!done && issued - consumed < kMaxInFlight) {
+      if (!page_ready) {
+        if (pi >= p1 || before >= attend) {
+          done = true;
+          break;
+        }
+        if (pi >= win + 32) {
+          win = pi;
+          if (win + lane < p1) lane_pg = a.pages[win + lane];
+        }
+        const int src = pi - win;
+        pdata = reinterpret_cast<const uint8_t*>(__shfl_sync(
+            0xffffffffu, reinterpret_cast<unsigned long long>(lane_pg.data),
+            src));
+        const int n =
+            min(max(__shfl_sync(0xffffffffu, lane_pg.num_tokens, src), 0), T);
+        pfmt = __shfl_sync(0xffffffffu, lane_pg.format, src);
+        valid = static_cast<int>(min(static_cast<long>(n), attend - before));
+        before += n;
+        if (valid <= 0) {
+          ++pi;
+          continue;
+        }
+        if (!Supported(Unpack(pfmt), shape)) {
+          poisoned = true;
+          done = true;
+          break;
+        }
+        t0 = 0;
+        page_ready = true;
+      }
+      const DevEnc e = Unpack(pfmt);
+      const PageLayout L = LayoutOf(e, shape);
+      const int nt = min(16, valid - t0);
+      Range rg[6];
+      {
+        Range k3[3], v3[3];
+        TensorRanges<kD>(e.k, true, e, L.k, T, h, t0, nt, k3);
+        TensorRanges<kD>(e.v, false, e, L.v, T, h, t0, nt, v3);
+        rg[0] = k3[0];
+        rg[1] = v3[0];
+        rg[2] = k3[1];
+        rg[3] = k3[2];
+        rg[4] = v3[1];
+        rg[5] = v3[2];
+      }
+      const bool bf[2] = {e.k == 1, e.v == 1};
+      uint32_t size[6], total = 0;
+#pragma unroll
+      for (int i = 0; i < 6; ++i) {
+        if (i < 2 && bf[i]) {
+          size[i] = Sm::kTileBytes;
+        } else if (rg[i].len == 0) {
+          size[i] = 0;
+        } else {
+          size[i] = ((rg[i].off + rg[i].len + 15) & ~15u) - (rg[i].off & ~15u);
+        }
+        total += size[i];
+      }
+      if (issued == consumed) head = tail = 0;
+      uint32_t pos = head % Sm::kRing;
+      uint32_t need = total;
+      if (pos + total > Sm::kRing) need += Sm::kRing - pos;
+      if (head - tail + need > Sm::kRing) break;  // ring full
+      if (pos + total > Sm::kRing) pos = 0;
+      head += need;
+      TileDesc d;
+      d.format = pfmt;
+      d.nt = nt;
+      d.end = head;
+#pragma unroll
+      for (int i = 0; i < 6; ++i) {
+        d.pos[i] = static_cast<uint16_t>(pos + (rg[i].off & 15u));
+        if (i < 2 && bf[i]) {
+          d.pos[i] = static_cast<uint16_t>(pos);
+          constexpr int kCh = kD / 8;
+          const uint8_t* src = pdata + rg[i].off;
+          for (int j = lane; j < 16 * kCh; j += 32) {
+            const int r = j / kCh, ch = j % kCh;
+            const bool in = r < nt;
+            CpAsync16(ring_addr + pos + TileOff<kD>(r, ch),
+                      in ? src + r * (kD * 2) + ch * 16 : pdata, in ? 16 : 0);
+          }
+        } else if (size[i] > 0) {
+          const uint8_t* src = pdata + (rg[i].off & ~15u);
+          for (uint32_t j = lane * 16; j < size[i]; j += 32 * 16)
+            CpAsync16(ring_addr + pos + j, src + j, 16);
+        }
+        pos += size[i];
+      }
+      d.pad[0] = d.pad[1] = d.pad[2] = d.pad[3] = 0;
+      if (lane == 0) descs[issued % kMaxInFlight] = d;
+      CpCommit();
+      ++issued;
+      t0 += 16;
+      if (t0 >= valid) {
+        page_ready = false;
+        ++pi;
+      }
+    }
+  };
+
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float m_rot[2] = {-INFINITY, -INFINITY};
-  bool has_rot = false, poisoned = false;
   float o[kNt][4];
 #pragma unroll
   for (int j = 0; j < kNt; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
   const uint32_t q_addr = SmemAddr(sm + Sm::kQ),
                  qr_addr = SmemAddr(sm + Sm::kQr);
-  const uint32_t k_addr = SmemAddr(sK), v_addr = SmemAddr(sV);
-  for (int pi = p0; pi < p1 && before < attend; ++pi) {
-    const DevicePage pg = a.pages[pi];
-    const int n = min(max(pg.num_tokens, 0), T);
-    const int valid =
-        static_cast<int>(min(static_cast<long>(n), attend - before));
-    before += n;
-    if (valid <= 0) continue;
-    const DevEnc e = Unpack(pg.format);
-    if (!Supported(e, shape)) {
-      poisoned = true;
-      break;
-    }
-    const PageLayout L = LayoutOf(e, shape);
-    const bool k_rot = IsTq(e.k), v_rot = IsTq(e.v);
-    for (int t0 = 0; t0 < valid; t0 += 16) {
-      const int nt = min(16, valid - t0);
-      DecodeTileAny<true, kD>(e.k, e, L.k, pg.data, T, h, t0, nt, sK, s_cb,
-                              lane);
-      DecodeTileAny<false, kD>(e.v, e, L.v, pg.data, T, h, t0, nt, sV, s_cb,
-                               lane);
-      __syncwarp();
-      // S = Q K^T: rows = query heads, cols = tokens (two n-tiles of 8).
-      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      const uint32_t qa = k_rot ? qr_addr : q_addr;
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t af[4], bf[4];
-        Ldm4(qa + TileOff<kD>(lane % 16, kk * 2 + lane / 16), af);
-        Ldm4(k_addr + TileOff<kD>((lane % 8) + (lane / 16) * 8,
-                                  kk * 2 + (lane / 8) % 2),
-             bf);
-        Mma(sc[0], af, bf[0], bf[1]);
-        Mma(sc[1], af, bf[2], bf[3]);
-      }
-      // Online softmax; lane holds rows lane/4 (i=0) and lane/4+8 (i=1).
-      float corr[2], p[2][4];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int col = 8 * j + 2 * (lane % 4) + c;
-            float& s_ = sc[j][2 * i + c];
-            if (col >= nt) s_ = -INFINITY;
-            mx = fmaxf(mx, s_);
-          }
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[i], mx);
-        corr[i] = exp2f(m[i] - m_new);
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            p[j][2 * i + c] = exp2f(sc[j][2 * i + c] - m_new);
-            sum += p[j][2 * i + c];
-          }
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        l[i] = l[i] * corr[i] + sum;
-        m[i] = m_new;
-      }
-      uint32_t pa[4] = {PackBf16(p[0][0], p[0][1]), PackBf16(p[0][2], p[0][3]),
-                        PackBf16(p[1][0], p[1][1]), PackBf16(p[1][2], p[1][3])};
-#pragma unroll
-      for (int j = 0; j < kNt; ++j) {
-        o[j][0] *= corr[0];
-        o[j][1] *= corr[0];
-        o[j][2] *= corr[1];
-        o[j][3] *= corr[1];
-      }
-      if (!v_rot) {
-#pragma unroll
-        for (int j = 0; j < kNt; j += 2) {
-          uint32_t bf[4];
-          Ldm4T(v_addr + TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8,
-                                     j + lane / 16),
-                bf);
-          Mma(o[j], pa, bf[0], bf[1]);
-          Mma(o[j + 1], pa, bf[2], bf[3]);
-        }
-      } else {
-        const float r0 = has_rot ? exp2f(m_rot[0] - m[0]) : 0.f;
-        const float r1 = has_rot ? exp2f(m_rot[1] - m[1]) : 0.f;
-#pragma unroll
-        for (int j = 0; j < kNt; j += 2) {
-          uint32_t bf[4];
-          Ldm4T(v_addr + TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8,
-                                     j + lane / 16),
-                bf);
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            float t[4] = {0.f, 0.f, 0.f, 0.f};
-            Mma(t, pa, bf[2 * jj], bf[2 * jj + 1]);
-            float4 acc = sOr[(j + jj) * 32 + lane];
-            acc.x = acc.x * r0 + t[0];
-            acc.y = acc.y * r0 + t[1];
-            acc.z = acc.z * r1 + t[2];
-            acc.w = acc.w * r1 + t[3];
-            if (!has_rot) acc = make_float4(t[0], t[1], t[2], t[3]);
-            sOr[(j + jj) * 32 + lane] = acc;
-          }
-        }
-        m_rot[0] = m[0];
-        m_rot[1] = m[1];
-        has_rot = true;
-      }
-      __syncwarp();
-    }
-  }
-  if (has_rot) {  // O += R^T O_rot, rows rescaled to the final max
-    float* fr = reinterpret_cast<float*>(sK);  // float [16][kD]
-    const float r0 = exp2f(m_rot[0] - m[0]), r1 = exp2f(m_rot[1] - m[1]);
-#pragma unroll
-    for (int j = 0; j < kNt; ++j) {
-      const float4 acc = sOr[j * 32 + lane];
-      const int d = 8 * j + 2 * (lane % 4), r = lane / 4;
-      fr[r * kD + d] = acc.x * r0;
-      fr[r * kD + d + 1] = acc.y * r0;
-      fr[(r + 8) * kD + d] = acc.z * r1;
-      fr[(r + 8) * kD + d + 1] = acc.w * r1;
-    }
+  for (;;) {
+    fill();
+    if (issued == consumed) break;
+    CpWaitAtMost(issued - consumed - 1);
     __syncwarp();
-    SmemFwht<kD>(fr, 16, lane, 32, [] { __syncwarp(); });
-    const float nrm = rsqrtf(static_cast<float>(kD));
+    const TileDesc d = descs[consumed % kMaxInFlight];
+    const DevEnc e = Unpack(d.format);
+    const int nt = d.nt;
+    const int lg_gv = 31 - __clz(min(e.group, kD));  // group: power of 2
+    uint32_t k_addr;
+    if (e.k == 1) {
+      k_addr = ring_addr + d.pos[0];
+    } else {
+      DecodeStagedAny<true, kD>(e.k, ring + d.pos[0], ring + d.pos[2],
+                                ring + d.pos[3], e.sdt, lg_gv, nt, sK, s_cb,
+                                s_sign, lane);
+      k_addr = SmemAddr(sK);
+      __syncwarp();
+    }
+    // S = Q K^T: rows = query heads, cols = tokens (two n-tiles of 8).
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const uint32_t qa = IsTq(e.k) ? qr_addr : q_addr;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t af[4], bfr[4];
+      Ldm4(qa + TileOff<kD>(lane % 16, kk * 2 + lane / 16), af);
+      Ldm4(k_addr + TileOff<kD>((lane % 8) + (lane / 16) * 8,
+                                kk * 2 + (lane / 8) % 2),
+           bfr);
+      Mma(sc[0], af, bfr[0], bfr[1]);
+      Mma(sc[1], af, bfr[2], bfr[3]);
+    }
+    uint32_t v_addr;
+    if (e.v == 1) {
+      v_addr = ring_addr + d.pos[1];
+    } else {
+      DecodeStagedAny<false, kD>(e.v, ring + d.pos[1], ring + d.pos[4],
+                                 ring + d.pos[5], e.sdt, lg_gv, nt, sV, s_cb,
+                                 s_sign, lane);
+      v_addr = SmemAddr(sV);
+      __syncwarp();
+    }
+    // Online softmax; lane holds rows lane/4 (i=0) and lane/4+8 (i=1).
+    float corr[2], p[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = 8 * j + 2 * (lane % 4) + c;
+          float& s_ = sc[j][2 * i + c];
+          if (col >= nt) s_ = -INFINITY;
+          mx = fmaxf(mx, s_);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[i], mx);
+      corr[i] = exp2f(m[i] - m_new);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          p[j][2 * i + c] = exp2f(sc[j][2 * i + c] - m_new);
+          sum += p[j][2 * i + c];
+        }
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l[i] = l[i] * corr[i] + sum;
+      m[i] = m_new;
+    }
+    uint32_t pa[4] = {PackBf16(p[0][0], p[0][1]), PackBf16(p[0][2], p[0][3]),
+                      PackBf16(p[1][0], p[1][1]), PackBf16(p[1][2], p[1][3])};
 #pragma unroll
     for (int j = 0; j < kNt; ++j) {
-      const int d = 8 * j + 2 * (lane % 4), r = lane / 4;
-      o[j][0] += fr[r * kD + d] * nrm * s_sign[d];
-      o[j][1] += fr[r * kD + d + 1] * nrm * s_sign[d + 1];
-      o[j][2] += fr[(r + 8) * kD + d] * nrm * s_sign[d];
-      o[j][3] += fr[(r + 8) * kD + d + 1] * nrm * s_sign[d + 1];
+      o[j][0] *= corr[0];
+      o[j][1] *= corr[0];
+      o[j][2] *= corr[1];
+      o[j][3] *= corr[1];
     }
+#pragma unroll
+    for (int j = 0; j < kNt; j += 2) {
+      uint32_t bfr[4];
+      Ldm4T(v_addr +
+                TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8, j + lane / 16),
+            bfr);
+      Mma(o[j], pa, bfr[0], bfr[1]);
+      Mma(o[j + 1], pa, bfr[2], bfr[3]);
+    }
+    __syncwarp();  // tile reads done before its ring bytes are reused
+    tail = d.end;
+    ++consumed;
   }
+  CpWait<0>();
   const float nan = __uint_as_float(0x7fc00000u);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {

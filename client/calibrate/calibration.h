@@ -1,0 +1,211 @@
+// Calibration of per-tag KV quantization sensitivity (the triaxial policy's
+// D_k(f)): for each tag k = (temporal, modality, role) and each candidate
+// encoding f, the attention-output distortion when only tag k's tokens are
+// held in f and every other token in BF16. No gRPC or protobuf here
+// (calibration_proto.h builds the CalibrationTable).
+//
+// Tags mirror the manager (kvmanager/manager_core.cc, docs/manager.md):
+//   - Each turn's spans are cut into ceil(n / T) blocks (T = block_tokens);
+//     a block never mixes spans, so a span's last block may be partial. The
+//     BOS token joins the first span (as kvdemo opens its sequences).
+//   - Block index 0 is TEMPORAL_SINK; blocks of the current turn are
+//     CURRENT_TURN; of the `recent_turns` turns before it RECENT_TURNS; the
+//     rest OLDER (ManagerCore::TemporalFor).
+//   - The current turn is the turn of the query being measured: a query in
+//     turn t sees the plan the manager holds while turn t is processed.
+//   - Role = the span's role; modality is always text here.
+//
+// Measurement (one conversation, after an exact fp32 forward pass whose K/V
+// and sampled queries were captured by CaptureKvStore):
+//   Reference K/V = the captured K/V rounded to BF16 (what a BF16 page
+//   holds). For every block and candidate encoding f, the block's K/V go
+//   through kernels::EncodePage / DecodePage (one page of `block.tokens`
+//   tokens, shape {T, n_kv_heads, head_dim}). For every sampled query
+//   position p, every layer and every query head, attention is computed over
+//   tokens [0, p] with the reference K/V (o) and, for each tag k present and
+//   each f, with tag k's tokens replaced by their round trip (o_kf). Softmax
+//   is linear in the per-token terms, so o_kf is obtained from per-tag sums
+//   of exp-weights and weighted values (double precision), in one pass per
+//   encoding instead of one per (tag, encoding); calibration_test checks it
+//   against kernels::DecodeAttentionRef over mixed-encoding pages.
+//   Per (query, layer): err_kf = sum_heads ||o_kf - o||^2 / sum_heads ||o||^2
+//   and share_k = (tokens of tag k in [0, p]) / (p + 1).
+//   distortion_kf = sum err_kf / sum share_k, both sums over every measured
+//   (query, layer) of every conversation (= mean error / mean share). The
+//   reference is BF16, so BF16 has distortion 0 and the error of f is its
+//   increase over BF16.
+//
+// Errors: INVALID_ARGUMENT for bad options (stride, encodings invalid for the
+// shape, naming the field and value), for blocks that do not cover the
+// captured tokens, or held-out ids; FAILED_PRECONDITION when a conversation
+// has no sampled query.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/frontend/bfcl.h"
+#include "client/frontend/forward.h"
+#include "kernels/layout.h"
+
+namespace triax::calibrate {
+
+// Values equal triax.v1.Temporal / Modality / Role.
+enum class Temporal : int {
+  kSink = 1,
+  kCurrentTurn = 2,
+  kRecentTurns = 3,
+  kOlder = 4,
+};
+const char* TemporalName(Temporal t);  // "sink", "current_turn", ...
+inline constexpr int kModalityText = 1;
+
+struct TagKey {
+  Temporal temporal = Temporal::kSink;
+  int modality = kModalityText;
+  int role = 0;  // triax.v1.Role
+  bool operator<(const TagKey& o) const;
+  bool operator==(const TagKey& o) const {
+    return temporal == o.temporal && modality == o.modality && role == o.role;
+  }
+};
+// e.g. "older/text/tool_schema".
+std::string TagName(const TagKey& t);
+
+// ManagerCore::TemporalFor: block 0 is the sink; turn >= current is
+// current; current - turn <= recent_turns is recent; else older.
+Temporal TemporalFor(uint32_t block_index, uint32_t turn, uint32_t current,
+                     uint32_t recent_turns);
+
+// One planned block: tokens [first, first + tokens), one span's role.
+struct CalBlock {
+  int64_t first = 0;
+  int tokens = 0;
+  int role = 0;  // triax.v1.Role
+  int modality = kModalityText;
+  uint32_t turn = 0;
+};
+
+// The manager's blocks for `conv` rendered with `bos_tokens` leading BOS
+// tokens (joined to the first span), cut per turn and span into blocks of
+// at most `block_tokens` (1..4096) tokens. Token index = byte offset +
+// bos_tokens. INVALID_ARGUMENT for block_tokens out of range or a
+// conversation without turns.
+absl::StatusOr<std::vector<CalBlock>> PlanBlocks(
+    const frontend::RenderedConversation& conv, int bos_tokens,
+    int block_tokens);
+
+// The tag of every block when the current turn is `current`.
+std::vector<TagKey> TagBlocks(const std::vector<CalBlock>& blocks,
+                              uint32_t current, uint32_t recent_turns);
+
+// BFCL conversations kept for evaluation (models/kvproxy-18m/README.md): the
+// multi-turn base and long-context pairs 3, 8, 15, 17, 42, 46, 50, 59, 121,
+// 177, 181 and memory_25, memory_98, memory_143, memory_154.
+const std::vector<std::string>& HeldOutIds();
+// INVALID_ARGUMENT when `ids` is empty, holds a duplicate or a held-out id
+// (the message names the id and says why).
+absl::Status CheckCalibrationIds(const std::vector<std::string>& ids);
+
+// A KvStore that forwards everything to an inner store (normally
+// LocalKvStore: activations stay exact) and keeps a copy of every written
+// K/V (fp32, [pos][kv_dim] per layer) and of the queries at sampled
+// positions: p >= first_query and (p - first_query) % query_stride == 0.
+// Thread-compatible (one forward pass at a time); `inner` is not owned.
+class CaptureKvStore : public frontend::KvStore {
+ public:
+  CaptureKvStore(frontend::KvStore* inner, const frontend::ModelConfig& config,
+                 int64_t first_query, int query_stride);
+
+  absl::Status Write(int layer, int64_t first_pos, int n, const float* k,
+                     const float* v) override;
+  absl::Status Attend(int layer, int n_queries, const int64_t* positions,
+                      const float* q, float* out) override;
+
+  int64_t tokens() const { return static_cast<int64_t>(positions_.size()); }
+  const std::vector<float>& k(int layer) const { return k_[layer]; }
+  const std::vector<float>& v(int layer) const { return v_[layer]; }
+  // Sampled positions in increasing order (recorded from layer 0).
+  const std::vector<int64_t>& query_positions() const { return qpos_; }
+  // [query_positions().size()][q_dim] for `layer`.
+  const std::vector<float>& queries(int layer) const { return q_[layer]; }
+
+ private:
+  bool Sampled(int64_t p) const {
+    return p >= first_query_ && (p - first_query_) % stride_ == 0;
+  }
+  frontend::KvStore* inner_;
+  int kv_dim_, q_dim_;
+  int64_t first_query_;
+  int stride_;
+  std::vector<std::vector<float>> k_, v_, q_;
+  std::vector<int64_t> qpos_;
+  std::vector<int64_t> positions_;  // written positions of layer 0
+};
+
+struct CalibratorOptions {
+  int block_tokens = 16;
+  uint32_t recent_turns = 2;
+  std::vector<kernels::Encoding> encodings;  // candidates (BF16 included)
+  int threads = 1;                           // 1..64
+};
+
+// The default candidates: bf16, fp8, int8, int4, int2, tq4, tq3, tq2,
+// k=int4/v=int2 and k=int8/v=int4 (INT groups 32, FP16 scales).
+std::vector<kernels::Encoding> DefaultEncodings();
+
+struct CalibrationResultEntry {
+  TagKey tag;
+  kernels::Encoding encoding;
+  double distortion = 0;  // see the file comment
+  double mean_error = 0;  // sum err / measured (query, layer) samples
+  double mean_share = 0;  // sum share / measured (query, layer) samples
+  uint64_t tokens = 0;    // token positions that carried the tag
+  uint64_t queries = 0;   // query positions that attended to the tag
+};
+
+// Accumulates distortions over conversations. Thread-compatible; each
+// AddConversation spreads its work over `threads` std::threads internally.
+class Calibrator {
+ public:
+  // INVALID_ARGUMENT: block_tokens outside 1..4096, threads outside 1..64,
+  // no encodings, a duplicate encoding, or one invalid for the shape
+  // ({block_tokens, n_kv_heads, head_dim}; message names it and why).
+  static absl::StatusOr<Calibrator> Create(const frontend::ModelConfig& config,
+                                           CalibratorOptions options);
+
+  // Measures one conversation captured by `capture` (all layers written)
+  // with its planned `blocks` (which must cover exactly tokens
+  // [0, capture.tokens()) in order: INVALID_ARGUMENT otherwise).
+  // FAILED_PRECONDITION when no query position was sampled.
+  absl::Status AddConversation(const std::vector<CalBlock>& blocks,
+                               const CaptureKvStore& capture);
+
+  // One entry per (tag with tokens, encoding), tags in TagKey order and
+  // encodings in option order.
+  std::vector<CalibrationResultEntry> Entries() const;
+  int64_t measured_queries() const { return measured_queries_; }
+  const CalibratorOptions& options() const { return options_; }
+
+ private:
+  struct TagAcc {
+    double sum_share = 0;
+    uint64_t tokens = 0;
+    uint64_t queries = 0;
+    std::vector<double> sum_err;  // per encoding
+  };
+  Calibrator(const frontend::ModelConfig& config, CalibratorOptions options)
+      : config_(config), options_(std::move(options)) {}
+
+  frontend::ModelConfig config_;
+  CalibratorOptions options_;
+  std::map<TagKey, TagAcc> acc_;
+  int64_t measured_queries_ = 0;  // query positions
+  int64_t measured_samples_ = 0;  // (query, layer) pairs
+};
+
+}  // namespace triax::calibrate

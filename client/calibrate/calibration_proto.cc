@@ -1,0 +1,219 @@
+#include "client/calibrate/calibration_proto.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "kernels/layout.h"
+
+namespace triax::calibrate {
+namespace {
+
+namespace v1 = ::triax::v1;
+
+bool IsInt(v1::Format f) {
+  return f == v1::FORMAT_INT8 || f == v1::FORMAT_INT4 || f == v1::FORMAT_INT2;
+}
+
+std::string EncodingLabel(const v1::CalibrationEntry& e) {
+  kernels::Encoding enc(static_cast<kernels::Format>(e.format()),
+                        static_cast<kernels::Format>(e.format_v()),
+                        static_cast<int>(e.group_size()),
+                        e.scale_dtype() == v1::SCALE_DTYPE_FP8_E4M3
+                            ? kernels::ScaleDtype::kFP8
+                            : kernels::ScaleDtype::kFP16);
+  char buf[96];
+  return kernels::EncodingName(enc, buf, sizeof(buf));
+}
+
+std::string TagLabel(const v1::Tag& t) {
+  return TagName(TagKey{static_cast<Temporal>(t.temporal()),
+                        static_cast<int>(t.modality()),
+                        static_cast<int>(t.role())});
+}
+
+}  // namespace
+
+std::string MetricDescription(int query_stride, int64_t first_query,
+                              uint32_t recent_turns) {
+  return absl::StrCat(
+      "distortion = sum over (query, layer) of ||o_kf - o||^2 / ||o||^2 "
+      "(all query heads) divided by sum of share_k = tag-k tokens / attended "
+      "tokens; o = attention over BF16 K/V, o_kf = same with only tag-k "
+      "tokens' K/V through EncodePage/DecodePage of their 16-token blocks; "
+      "fp32 forward, queries every ",
+      query_stride, " positions from ", first_query,
+      ", every layer; temporal tags with the query's turn current, "
+      "recent_turns ",
+      recent_turns);
+}
+
+absl::StatusOr<v1::CalibrationTable> BuildTable(
+    const TableMeta& meta, const std::vector<CalibrationResultEntry>& entries) {
+  v1::CalibrationTable table;
+  table.set_model(meta.model);
+  *table.mutable_shape() = meta.shape;
+  table.set_block_tokens(meta.block_tokens);
+  for (const CalibrationResultEntry& r : entries) {
+    v1::CalibrationEntry* e = table.add_entries();
+    e->mutable_tag()->set_temporal(
+        static_cast<v1::Temporal>(static_cast<int>(r.tag.temporal)));
+    e->mutable_tag()->set_modality(static_cast<v1::Modality>(r.tag.modality));
+    e->mutable_tag()->set_role(static_cast<v1::Role>(r.tag.role));
+    const auto fk = static_cast<v1::Format>(r.encoding.k);
+    const auto fv = static_cast<v1::Format>(r.encoding.v);
+    e->set_format(fk);
+    e->set_format_v(fv);
+    if (IsInt(fk) || IsInt(fv)) {
+      e->set_group_size(static_cast<uint32_t>(r.encoding.Group()));
+      e->set_scale_dtype(r.encoding.scale_dtype == kernels::ScaleDtype::kFP8
+                             ? v1::SCALE_DTYPE_FP8_E4M3
+                             : v1::SCALE_DTYPE_FP16);
+    }
+    e->set_distortion(r.distortion);
+    e->set_tokens(r.tokens);
+    e->set_queries(r.queries);
+  }
+  *table.mutable_source() = meta.source;
+  TRIAX_RETURN_IF_ERROR(ValidateTable(table));
+  return table;
+}
+
+absl::Status ValidateTable(const v1::CalibrationTable& table) {
+  auto bad = [](const std::string& what) {
+    return absl::InvalidArgumentError(what);
+  };
+  if (table.model().empty()) return bad("model is empty");
+  const v1::ModelShape& s = table.shape();
+  if (s.n_layers() < 1 || s.n_kv_heads() < 1 || s.n_q_heads() < 1 ||
+      s.head_dim() < 2 || s.n_q_heads() % s.n_kv_heads() != 0) {
+    return bad(absl::StrCat("shape {n_layers ", s.n_layers(), ", n_kv_heads ",
+                            s.n_kv_heads(), ", n_q_heads ", s.n_q_heads(),
+                            ", head_dim ", s.head_dim(), "} is invalid"));
+  }
+  if (table.block_tokens() < 1 || table.block_tokens() > 4096) {
+    return bad(absl::StrCat("block_tokens ", table.block_tokens(),
+                            " is outside 1..4096"));
+  }
+  if (table.entries().empty()) return bad("entries is empty");
+  std::set<std::tuple<int, int, int, int, int, uint32_t, int>> keys;
+  for (int i = 0; i < table.entries_size(); ++i) {
+    const v1::CalibrationEntry& e = table.entries(i);
+    const std::string at = absl::StrCat("entries[", i, "]");
+    if (e.tag().temporal() == v1::TEMPORAL_UNSPECIFIED ||
+        e.tag().modality() == v1::MODALITY_UNSPECIFIED ||
+        e.tag().role() == v1::ROLE_UNSPECIFIED) {
+      return bad(absl::StrCat(
+          at, ".tag has an unspecified field (temporal ", e.tag().temporal(),
+          ", modality ", e.tag().modality(), ", role ", e.tag().role(), ")"));
+    }
+    if (e.format() == v1::FORMAT_UNSPECIFIED ||
+        e.format_v() == v1::FORMAT_UNSPECIFIED) {
+      return bad(absl::StrCat(at, ".format/format_v unspecified (", e.format(),
+                              ", ", e.format_v(), ")"));
+    }
+    if (e.group_size() != 0 && e.group_size() != 32 && e.group_size() != 64 &&
+        e.group_size() != 128) {
+      return bad(absl::StrCat(at, ".group_size ", e.group_size(),
+                              " is not 0, 32, 64 or 128"));
+    }
+    if (!std::isfinite(e.distortion()) || e.distortion() < 0) {
+      return bad(absl::StrCat(at, ".distortion ", e.distortion(),
+                              " is not a finite value >= 0"));
+    }
+    if (e.format() == v1::FORMAT_BF16 && e.format_v() == v1::FORMAT_BF16 &&
+        e.distortion() != 0) {
+      return bad(absl::StrCat(at, ".distortion ", e.distortion(),
+                              " for bf16; expected 0 (the reference)"));
+    }
+    if (e.tokens() < 1 || e.queries() < 1) {
+      return bad(absl::StrCat(at, " measured tokens ", e.tokens(),
+                              " and queries ", e.queries(),
+                              "; both must be >= 1"));
+    }
+    if (!keys.emplace(e.tag().temporal(), e.tag().modality(), e.tag().role(),
+                      e.format(), e.format_v(), e.group_size(), e.scale_dtype())
+             .second) {
+      return bad(absl::StrCat(at, " repeats tag ", TagLabel(e.tag()),
+                              " encoding ", EncodingLabel(e)));
+    }
+  }
+  const v1::CalibrationSource& src = table.source();
+  if (src.tool().empty()) return bad("source.tool is empty");
+  if (src.model_file().empty()) return bad("source.model_file is empty");
+  if (src.dataset().empty()) return bad("source.dataset is empty");
+  if (src.metric().empty()) return bad("source.metric is empty");
+  if (src.created_unix_ms() <= 0) {
+    return bad(absl::StrCat("source.created_unix_ms ", src.created_unix_ms(),
+                            " is not positive"));
+  }
+  if (src.calibration_ids().empty()) {
+    return bad("source.calibration_ids is empty");
+  }
+  const std::set<std::string> held(src.held_out_ids().begin(),
+                                   src.held_out_ids().end());
+  for (int i = 0; i < src.calibration_ids_size(); ++i) {
+    if (held.count(src.calibration_ids(i))) {
+      return bad(absl::StrCat("source.calibration_ids[", i, "] \"",
+                              src.calibration_ids(i),
+                              "\" is also in source.held_out_ids"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string MarkdownTable(const v1::CalibrationTable& table) {
+  std::vector<std::string> encs;
+  std::map<std::string, std::map<std::string, double>> cell;  // tag -> enc
+  std::map<std::string, std::pair<uint64_t, uint64_t>> counts;
+  for (const v1::CalibrationEntry& e : table.entries()) {
+    const std::string enc = EncodingLabel(e);
+    if (std::find(encs.begin(), encs.end(), enc) == encs.end()) {
+      encs.push_back(enc);
+    }
+    const std::string tag = TagLabel(e.tag());
+    cell[tag][enc] = e.distortion();
+    counts[tag] = {e.tokens(), e.queries()};
+  }
+  std::vector<std::pair<double, std::string>> order;
+  for (const auto& [tag, row] : cell) {
+    double sum = 0;
+    int n = 0;
+    for (const auto& [enc, d] : row) {
+      if (enc == "bf16") continue;
+      sum += d;
+      ++n;
+    }
+    order.emplace_back(n ? sum / n : 0.0, tag);
+  }
+  std::sort(order.begin(), order.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::string out = "| tag |";
+  for (const std::string& e : encs) absl::StrAppend(&out, " ", e, " |");
+  absl::StrAppend(&out, " tokens | queries |\n|---|");
+  for (size_t i = 0; i < encs.size(); ++i) absl::StrAppend(&out, "---:|");
+  absl::StrAppend(&out, "---:|---:|\n");
+  for (const auto& [mean, tag] : order) {
+    absl::StrAppend(&out, "| ", tag, " |");
+    for (const std::string& e : encs) {
+      auto it = cell[tag].find(e);
+      if (it == cell[tag].end()) {
+        absl::StrAppend(&out, " |");
+      } else if (it->second == 0) {
+        absl::StrAppend(&out, " 0 |");
+      } else {
+        absl::StrAppend(&out, absl::StrFormat(" %.3g |", it->second));
+      }
+    }
+    absl::StrAppend(&out, " ", counts[tag].first, " | ", counts[tag].second,
+                    " |\n");
+  }
+  return out;
+}
+
+}  // namespace triax::calibrate

@@ -1,0 +1,253 @@
+// kvcalibrate: measures the per-tag, per-encoding attention-output
+// distortion of kvproxy-18m on BFCL multi-turn conversations (see
+// calibration.h for the metric) and emits a triax.v1.CalibrationTable:
+// written to --out (text format for *.txtpb / *.textproto / *.pbtxt, binary
+// otherwise) and, with --manager, stored by PutCalibration and read back
+// with GetCalibration. Runs in process on the CPU kernels; no service is
+// needed unless --manager is given. Exit codes: 0 ok, 1 runtime error,
+// 2 bad flags (e.g. a held-out id in --ids).
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/calibrate/calibration.h"
+#include "client/calibrate/calibration_proto.h"
+#include "client/calibrate/calibration_rpc.h"
+#include "client/calibrate/sha256.h"
+#include "client/frontend/bfcl.h"
+#include "client/frontend/data_dir.h"
+#include "client/frontend/forward.h"
+#include "client/frontend/llama2c.h"
+#include "client/kv_client.h"
+#include "common/status_macros.h"
+#include "google/protobuf/text_format.h"
+
+#ifndef KVCALIBRATE_VERSION
+#define KVCALIBRATE_VERSION "unknown"
+#endif
+
+ABSL_FLAG(std::string, data_dir, "",
+          "shared data directory (default $TRIAX_DATA_DIR, else "
+          "../shared/data)");
+ABSL_FLAG(std::string, ids,
+          "multi_turn_base_1,multi_turn_base_25,multi_turn_base_33,"
+          "multi_turn_base_67,multi_turn_base_71,multi_turn_base_102,"
+          "multi_turn_base_114,multi_turn_base_142",
+          "comma-separated BFCL multi_turn_base ids to calibrate on (default: "
+          "8 non-held-out conversations of 4-5 short exchanges, so that "
+          "OLDER tags occur within 2048 tokens); held-out ids (kvproxy-18m "
+          "README) are refused");
+ABSL_FLAG(int, max_tokens, 2048,
+          "context per conversation in tokens, BOS included (2..2048); "
+          "longer conversations are truncated like kvdemo's");
+ABSL_FLAG(int, query_stride, 8, "measure every N-th query position");
+ABSL_FLAG(int, first_query, 64, "first measured query position");
+ABSL_FLAG(int, threads, 2, "threads for the forward pass and measurement");
+ABSL_FLAG(int, chunk, 256, "prefill chunk in tokens");
+ABSL_FLAG(uint32_t, recent_turns, 2,
+          "the manager's --recent_turns (turns before the current that are "
+          "RECENT_TURNS)");
+ABSL_FLAG(std::string, out, "",
+          "write the CalibrationTable here (text proto for .txtpb/.textproto/"
+          ".pbtxt, else binary)");
+ABSL_FLAG(std::string, markdown_out, "", "also write the Markdown table here");
+ABSL_FLAG(std::string, manager, "",
+          "manager host:port: PutCalibration the table, then GetCalibration "
+          "and check it round-trips");
+ABSL_FLAG(std::string, tenant, "",
+          "tenant id for the client (optional; calibration is not per "
+          "tenant)");
+
+namespace {
+
+using namespace triax;            // NOLINT(build/namespaces)
+using namespace triax::frontend;  // NOLINT(build/namespaces)
+using triax::calibrate::Calibrator;
+
+constexpr int kBadFlags = 2;
+
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+      .count();
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return absl::NotFoundError(absl::StrCat("cannot write ", path));
+  out << bytes;
+  out.close();
+  if (!out) return absl::DataLossError(absl::StrCat("write error on ", path));
+  return absl::OkStatus();
+}
+
+absl::Status Run(const std::vector<std::string>& ids) {
+  const auto t_start = std::chrono::steady_clock::now();
+  const std::string data_dir = ResolveDataDir(absl::GetFlag(FLAGS_data_dir));
+  const std::string model_path = data_dir + "/models/kvproxy-18m/model.bin";
+  TRIAX_ASSIGN_OR_RETURN(auto model, LoadModel(model_path));
+  TRIAX_ASSIGN_OR_RETURN(const std::string sha,
+                         calibrate::Sha256File(model_path));
+  TRIAX_ASSIGN_OR_RETURN(BfclData data, BfclData::Load(data_dir));
+  const ModelConfig& cfg = model->config;
+  const int max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  const int threads = absl::GetFlag(FLAGS_threads);
+  calibrate::CalibratorOptions opt;
+  opt.block_tokens = 16;
+  opt.recent_turns = absl::GetFlag(FLAGS_recent_turns);
+  opt.encodings = calibrate::DefaultEncodings();
+  opt.threads = threads;
+  TRIAX_ASSIGN_OR_RETURN(Calibrator cal, Calibrator::Create(cfg, opt));
+  std::printf(
+      "kvcalibrate %s: kvproxy-18m (sha256 %s), %zu conversations, "
+      "context %d, queries every %d from %d, %d threads\n",
+      KVCALIBRATE_VERSION, sha.c_str(), ids.size(), max_tokens,
+      absl::GetFlag(FLAGS_query_stride), absl::GetFlag(FLAGS_first_query),
+      threads);
+  Transformer tf(model.get(), threads);
+  ByteTokenizer bt;
+  int64_t total_tokens = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    TRIAX_ASSIGN_OR_RETURN(RenderedConversation conv,
+                           data.Render(ids[i], max_tokens - 1));
+    const std::vector<int> tokens = bt.Encode(conv.text, true);
+    TRIAX_ASSIGN_OR_RETURN(std::vector<calibrate::CalBlock> blocks,
+                           calibrate::PlanBlocks(conv, 1, opt.block_tokens));
+    LocalKvStore local(cfg);
+    calibrate::CaptureKvStore capture(&local, cfg,
+                                      absl::GetFlag(FLAGS_first_query),
+                                      absl::GetFlag(FLAGS_query_stride));
+    std::vector<float> logits;
+    TRIAX_RETURN_IF_ERROR(
+        tf.Prefill(tokens, 0, absl::GetFlag(FLAGS_chunk), &capture, &logits));
+    const double t_fwd = Since(t0);
+    absl::Status s = cal.AddConversation(blocks, capture);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(ids[i], ": ", s.message()));
+    }
+    total_tokens += static_cast<int64_t>(tokens.size());
+    std::printf(
+        "[%zu/%zu] %s: %zu tokens, %d of %d exchanges, %d of %d doc lines, "
+        "%zu blocks, %zu queries; forward %.1f s, measure %.1f s\n",
+        i + 1, ids.size(), ids[i].c_str(), tokens.size(), conv.turns_kept,
+        conv.turns_total, conv.docs_kept, conv.docs_total, blocks.size(),
+        capture.query_positions().size(), t_fwd, Since(t0) - t_fwd);
+    std::fflush(stdout);
+  }
+
+  calibrate::TableMeta meta;
+  meta.model = "kvproxy-18m";
+  meta.shape.set_name("kvproxy-18m");
+  meta.shape.set_n_layers(cfg.n_layers);
+  meta.shape.set_n_kv_heads(cfg.n_kv_heads);
+  meta.shape.set_n_q_heads(cfg.n_heads);
+  meta.shape.set_head_dim(cfg.head_dim());
+  meta.block_tokens = opt.block_tokens;
+  v1::CalibrationSource& src = meta.source;
+  src.set_tool(absl::StrCat("kvcalibrate ", KVCALIBRATE_VERSION));
+  src.set_model_file(absl::StrCat(model_path, " sha256:", sha));
+  src.set_dataset(absl::StrCat(
+      "BFCL v4 multi_turn_base (", data_dir,
+      "/bfcl), rendered as ChatML like kvproxy-18m's training, truncated to ",
+      max_tokens, " tokens with BOS"));
+  for (const std::string& id : ids) src.add_calibration_ids(id);
+  for (const std::string& id : calibrate::HeldOutIds()) {
+    src.add_held_out_ids(id);
+  }
+  src.set_metric(calibrate::MetricDescription(absl::GetFlag(FLAGS_query_stride),
+                                              absl::GetFlag(FLAGS_first_query),
+                                              opt.recent_turns));
+  src.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+  TRIAX_ASSIGN_OR_RETURN(v1::CalibrationTable table,
+                         calibrate::BuildTable(meta, cal.Entries()));
+  const std::string md = calibrate::MarkdownTable(table);
+  std::printf(
+      "\n%s\n%d entries from %lld tokens, %lld query positions; "
+      "%.1f s\n",
+      md.c_str(), table.entries_size(), static_cast<long long>(total_tokens),
+      static_cast<long long>(cal.measured_queries()), Since(t_start));
+
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (!out.empty()) {
+    std::string bytes;
+    if (absl::EndsWith(out, ".txtpb") || absl::EndsWith(out, ".textproto") ||
+        absl::EndsWith(out, ".pbtxt")) {
+      google::protobuf::TextFormat::PrintToString(table, &bytes);
+    } else {
+      table.SerializeToString(&bytes);
+    }
+    TRIAX_RETURN_IF_ERROR(WriteFile(out, bytes));
+    std::printf("wrote %s (%zu bytes)\n", out.c_str(), bytes.size());
+  }
+  if (!absl::GetFlag(FLAGS_markdown_out).empty()) {
+    TRIAX_RETURN_IF_ERROR(WriteFile(absl::GetFlag(FLAGS_markdown_out), md));
+  }
+  if (!absl::GetFlag(FLAGS_manager).empty()) {
+    client::ClientOptions co;
+    co.manager_address = absl::GetFlag(FLAGS_manager);
+    co.tenant_id = absl::GetFlag(FLAGS_tenant);
+    TRIAX_ASSIGN_OR_RETURN(auto c, client::Client::Connect(co));
+    TRIAX_RETURN_IF_ERROR(calibrate::PutAndVerify(c.get(), table));
+    std::printf(
+        "stored with %s: PutCalibration + GetCalibration round trip "
+        "ok (%d entries)\n",
+        co.manager_address.c_str(), table.entries_size());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvcalibrate [--ids=a,b] [--out=table.txtpb] [--manager=host:port]: "
+      "per-tag KV quantization distortion of kvproxy-18m on BFCL");
+  absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> ids =
+      absl::StrSplit(absl::GetFlag(FLAGS_ids), ',', absl::SkipWhitespace());
+  auto bad = [](const std::string& msg) {
+    std::fprintf(stderr, "kvcalibrate: %s\n", msg.c_str());
+    return kBadFlags;
+  };
+  if (absl::Status s = triax::calibrate::CheckCalibrationIds(ids); !s.ok()) {
+    return bad(std::string(s.message()));
+  }
+  const int max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  if (max_tokens < 2 || max_tokens > 2048) {
+    return bad(absl::StrCat("--max_tokens ", max_tokens,
+                            " is outside 2..2048 (kvproxy-18m's context)"));
+  }
+  if (absl::GetFlag(FLAGS_query_stride) < 1) {
+    return bad(absl::StrCat(
+        "--query_stride ", absl::GetFlag(FLAGS_query_stride), " must be >= 1"));
+  }
+  if (absl::GetFlag(FLAGS_first_query) < 0 ||
+      absl::GetFlag(FLAGS_first_query) >= max_tokens) {
+    return bad(absl::StrCat("--first_query ", absl::GetFlag(FLAGS_first_query),
+                            " is outside 0..", max_tokens - 1));
+  }
+  if (absl::GetFlag(FLAGS_threads) < 1 || absl::GetFlag(FLAGS_threads) > 16) {
+    return bad(absl::StrCat("--threads ", absl::GetFlag(FLAGS_threads),
+                            " is outside 1..16"));
+  }
+  if (absl::GetFlag(FLAGS_chunk) < 1) {
+    return bad(
+        absl::StrCat("--chunk ", absl::GetFlag(FLAGS_chunk), " must be >= 1"));
+  }
+  const absl::Status s = Run(ids);
+  if (!s.ok()) {
+    std::fprintf(stderr, "kvcalibrate: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
