@@ -33,36 +33,6 @@ namespace {
 using triax::v1::ROLE_ASSISTANT;
 using triax::v1::ROLE_USER;
 
-kernels::Encoding EncodingOf(const triax::v1::BlockPlan& b) {
-  kernels::Encoding e;
-  e.k = static_cast<kernels::Format>(b.format());
-  e.v = static_cast<kernels::Format>(
-      b.format_v() == triax::v1::FORMAT_UNSPECIFIED ? b.format()
-                                                    : b.format_v());
-  e.group = static_cast<int>(b.group_size());
-  e.scale_dtype = b.scale_dtype() == triax::v1::SCALE_DTYPE_FP8_E4M3
-                      ? kernels::ScaleDtype::kFP8
-                      : kernels::ScaleDtype::kFP16;
-  return e;
-}
-
-// Encodes `n` tokens (float32 [n][H][D], rounded to BF16 first) into one page
-// of `e` and decodes them back.
-void RoundTrip(const kernels::Encoding& e, const kernels::PageShape& shape,
-               const float* k, const float* v, int n, float* k_out,
-               float* v_out) {
-  const size_t elems = static_cast<size_t>(n) * shape.heads * shape.head_dim;
-  std::vector<uint16_t> kb(elems), vb(elems);
-  for (size_t i = 0; i < elems; ++i) {
-    kb[i] = kernels::FloatToBf16(k[i]);
-    vb[i] = kernels::FloatToBf16(v[i]);
-  }
-  ASSERT_EQ(kernels::ValidateEncoding(e, shape), nullptr);
-  std::vector<uint8_t> page(kernels::PageBytes(e, shape));
-  kernels::EncodePage(e, shape, kb.data(), vb.data(), n, page.data());
-  kernels::DecodePage(e, shape, page.data(), n, k_out, v_out);
-}
-
 template <typename Req, typename Resp>
 grpc::Status Call(triax::v1::Manager::Stub* stub,
                   grpc::Status (triax::v1::Manager::Stub::*method)(
@@ -168,8 +138,10 @@ TEST(AllocationIntegrationTest, NewTurnDemotesOnTheWorkerAndAttendFollows) {
     for (const auto& b : h.blocks) {
       if (b.first_token() >= 640) continue;
       const size_t off = b.first_token() * elems;
-      RoundTrip(EncodingOf(b), shape, &wk[l][off], &wv[l][off],
-                static_cast<int>(b.num_tokens()), &(*k)[off], &(*v)[off]);
+      EXPECT_TRUE(RoundTripPage(EncodingOf(b), shape, &wk[l][off], &wv[l][off],
+                                static_cast<int>(b.num_tokens()), &(*k)[off],
+                                &(*v)[off])
+                      .ok());
     }
   };
   const std::vector<uint64_t> positions = {40, 300, 639};
@@ -238,9 +210,9 @@ TEST(AllocationIntegrationTest, NewTurnDemotesOnTheWorkerAndAttendFollows) {
     std::vector<float> ek = dk[l], ev = dv[l];
     for (int i = 1; i < 4; ++i) {
       const size_t off = seq.blocks[i].first_token() * elems;
-      ASSERT_NO_FATAL_FAILURE(RoundTrip(kernels::Format::kINT2, shape,
-                                        &dk[l][off], &dv[l][off], 16, &ek[off],
-                                        &ev[off]));
+      ASSERT_TRUE(RoundTripPage(kernels::Format::kINT2, shape, &dk[l][off],
+                                &dv[l][off], 16, &ek[off], &ev[off])
+                      .ok());
     }
     const auto after_ref =
         ReferenceAttention(model, queries[l], positions, ek, ev);

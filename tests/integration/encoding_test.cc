@@ -32,36 +32,6 @@ using triax::v1::ROLE_ASSISTANT;
 using triax::v1::ROLE_SYSTEM;
 using triax::v1::ROLE_USER;
 
-kernels::Encoding EncodingOf(const triax::v1::BlockPlan& b) {
-  kernels::Encoding e;
-  e.k = static_cast<kernels::Format>(b.format());
-  e.v = static_cast<kernels::Format>(
-      b.format_v() == triax::v1::FORMAT_UNSPECIFIED ? b.format()
-                                                    : b.format_v());
-  e.group = static_cast<int>(b.group_size());
-  e.scale_dtype = b.scale_dtype() == triax::v1::SCALE_DTYPE_FP8_E4M3
-                      ? kernels::ScaleDtype::kFP8
-                      : kernels::ScaleDtype::kFP16;
-  return e;
-}
-
-// Encodes `n` tokens (float32 [n][H][D], rounded to BF16 first) into one page
-// of `e` and decodes them back into k_out / v_out.
-void RoundTrip(const kernels::Encoding& e, const kernels::PageShape& shape,
-               const float* k, const float* v, int n, float* k_out,
-               float* v_out) {
-  const size_t elems = static_cast<size_t>(n) * shape.heads * shape.head_dim;
-  std::vector<uint16_t> kb(elems), vb(elems);
-  for (size_t i = 0; i < elems; ++i) {
-    kb[i] = kernels::FloatToBf16(k[i]);
-    vb[i] = kernels::FloatToBf16(v[i]);
-  }
-  ASSERT_EQ(kernels::ValidateEncoding(e, shape), nullptr);
-  std::vector<uint8_t> page(kernels::PageBytes(e, shape));
-  kernels::EncodePage(e, shape, kb.data(), vb.data(), n, page.data());
-  kernels::DecodePage(e, shape, page.data(), n, k_out, v_out);
-}
-
 class EncodingTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -90,9 +60,11 @@ class EncodingTest : public ::testing::Test {
     for (uint32_t l = 0; l < model_.n_layers(); ++l) {
       for (const auto& b : seq.blocks) {
         const size_t off = b.first_token() * Elems();
-        RoundTrip(EncodingOf(b), shape_, &written_k_[l][off],
-                  &written_v_[l][off], static_cast<int>(b.num_tokens()),
-                  &(*k)[l][off], &(*v)[l][off]);
+        EXPECT_TRUE(RoundTripPage(EncodingOf(b), shape_, &written_k_[l][off],
+                                  &written_v_[l][off],
+                                  static_cast<int>(b.num_tokens()),
+                                  &(*k)[l][off], &(*v)[l][off])
+                        .ok());
       }
     }
   }
@@ -260,9 +232,9 @@ TEST_F(EncodingTest, MixedPolicyAttendThenDemoteThroughTheManager) {
   for (uint32_t l = 0; l < model_.n_layers(); ++l) {
     for (int i : {1, 2}) {
       const size_t off = seq.blocks[i].first_token() * Elems();
-      ASSERT_NO_FATAL_FAILURE(RoundTrip(kernels::Format::kINT2, shape_,
-                                        &dk[l][off], &dv[l][off], 16,
-                                        &ek[l][off], &ev[l][off]));
+      ASSERT_TRUE(RoundTripPage(kernels::Format::kINT2, shape_, &dk[l][off],
+                                &dv[l][off], 16, &ek[l][off], &ev[l][off])
+                      .ok());
     }
     const auto after_ref =
         ReferenceAttention(model_, queries[l], positions, ek[l], ev[l]);

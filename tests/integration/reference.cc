@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kernels/numeric.h"
+#include "kernels/ref/kv_ref.h"
 
 namespace triax::testing {
 
@@ -103,6 +104,37 @@ double WorstToleranceRatio(const std::vector<float>& a,
     worst = std::max(worst, r);
   }
   return worst;
+}
+
+kernels::Encoding EncodingOf(const triax::v1::BlockPlan& b) {
+  kernels::Encoding e;
+  e.k = static_cast<kernels::Format>(b.format());
+  e.v = static_cast<kernels::Format>(
+      b.format_v() == triax::v1::FORMAT_UNSPECIFIED ? b.format()
+                                                    : b.format_v());
+  e.group = static_cast<int>(b.group_size());
+  e.scale_dtype = b.scale_dtype() == triax::v1::SCALE_DTYPE_FP8_E4M3
+                      ? kernels::ScaleDtype::kFP8
+                      : kernels::ScaleDtype::kFP16;
+  return e;
+}
+
+absl::Status RoundTripPage(const kernels::Encoding& e,
+                           const kernels::PageShape& shape, const float* k,
+                           const float* v, int n, float* k_out, float* v_out) {
+  if (const char* why = kernels::ValidateEncoding(e, shape)) {
+    return absl::InvalidArgumentError(why);
+  }
+  const size_t elems = static_cast<size_t>(n) * shape.heads * shape.head_dim;
+  std::vector<uint16_t> kb(elems), vb(elems);
+  for (size_t i = 0; i < elems; ++i) {
+    kb[i] = kernels::FloatToBf16(k[i]);
+    vb[i] = kernels::FloatToBf16(v[i]);
+  }
+  std::vector<uint8_t> page(kernels::PageBytes(e, shape));
+  kernels::EncodePage(e, shape, kb.data(), vb.data(), n, page.data());
+  kernels::DecodePage(e, shape, page.data(), n, k_out, v_out);
+  return absl::OkStatus();
 }
 
 }  // namespace triax::testing

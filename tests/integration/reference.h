@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "kernels/layout.h"
 #include "triax/v1/types.pb.h"
 
 namespace triax::testing {
@@ -39,5 +41,16 @@ double RelativeError(const std::vector<float>& a, const std::vector<double>& b);
 double WorstToleranceRatio(const std::vector<float>& a,
                            const std::vector<double>& b, double atol,
                            double rtol);
+
+// The kernels' Encoding of a block plan (format_v unspecified = format).
+kernels::Encoding EncodingOf(const triax::v1::BlockPlan& b);
+
+// Encodes `n` tokens (float32 [n][H][D], rounded to BF16 first) into one page
+// of `e` with the CPU reference and decodes them back into k_out / v_out:
+// the exact values a worker serves for a sealed page. INVALID_ARGUMENT when
+// the encoding is invalid for the shape.
+absl::Status RoundTripPage(const kernels::Encoding& e,
+                           const kernels::PageShape& shape, const float* k,
+                           const float* v, int n, float* k_out, float* v_out);
 
 }  // namespace triax::testing
