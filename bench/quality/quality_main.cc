@@ -54,6 +54,13 @@ ABSL_FLAG(std::string, models, "stories260k,kvproxy-18m",
 ABSL_FLAG(int, stories_chars, 10000,
           "characters of tinystories_val.txt (from the start) for "
           "stories260k, in 256-token windows with BOS");
+ABSL_FLAG(std::string, stories_bfcl_ids, "multi_turn_base_42",
+          "BFCL conversations for stories260k (rendered in ChatML, cut to "
+          "--stories_bfcl_bytes, llama2.c BPE tokens, 256-token windows with "
+          "BOS); empty: none. Out of domain for a TinyStories model: it "
+          "measures how each encoding treats KV of unfamiliar text");
+ABSL_FLAG(int, stories_bfcl_bytes, 4096,
+          "byte budget of each rendered conversation for stories260k");
 ABSL_FLAG(std::string, stories_configs, "all",
           "configurations on stories260k: all, core or a comma list");
 ABSL_FLAG(std::string, kvproxy_configs, "core",
@@ -804,6 +811,42 @@ int Main(int argc, char** argv) {
     auto r = runner.Run(**m, d, *stories_cfg, "[stories260k/tinystories]");
     if (!r.ok()) return Fail("stories260k", r.status());
     results.push_back(std::move(*r));
+
+    std::vector<std::string> bfcl_ids;
+    for (absl::string_view id : absl::StrSplit(
+             absl::GetFlag(FLAGS_stories_bfcl_ids), ',', absl::SkipEmpty())) {
+      bfcl_ids.emplace_back(id);
+    }
+    if (!bfcl_ids.empty()) {
+      auto bfcl = BfclData::Load(dir);
+      if (!bfcl.ok()) return Fail("load BFCL", bfcl.status());
+      Dataset b;
+      b.name = "bfcl";
+      std::vector<std::string> notes;
+      for (const std::string& id : bfcl_ids) {
+        auto conv = bfcl->Render(id, absl::GetFlag(FLAGS_stories_bfcl_bytes));
+        if (!conv.ok()) return Fail("render " + id, conv.status());
+        for (Window& w : SplitWindows((*tok)->Encode(conv->text, false),
+                                      (*tok)->bos_id(), 256)) {
+          b.windows.push_back(std::move(w));
+        }
+        notes.push_back(
+            absl::StrFormat("%s (%d bytes)", id, conv->text.size()));
+      }
+      b.source = absl::StrFormat(
+          "BFCL conversations rendered in ChatML by `client/frontend/bfcl.h` "
+          "(cut to %d bytes: %s), llama2.c BPE tokens, 256-token windows "
+          "with BOS; out of domain for stories260k",
+          absl::GetFlag(FLAGS_stories_bfcl_bytes), absl::StrJoin(notes, ", "));
+      std::printf(
+          "\n== stories260k / bfcl: %zu windows, %lld tokens, %zu "
+          "configurations ==\n",
+          b.windows.size(), static_cast<long long>(b.predicted()),
+          stories_cfg->size());
+      auto rb = runner.Run(**m, b, *stories_cfg, "[stories260k/bfcl]");
+      if (!rb.ok()) return Fail("stories260k bfcl", rb.status());
+      results.push_back(std::move(*rb));
+    }
   }
   if (models.count("kvproxy-18m")) {
     auto m = frontend::LoadModel(dir + "/models/kvproxy-18m/model.bin");
