@@ -6,7 +6,8 @@ set -euo pipefail
 
 bin=${1:?usage: scripts/demo.sh BIN_DIR [kvdemo flags]}
 shift
-data=${TRIAX_DATA_DIR:-$(cd "$(dirname "$0")/.." && pwd)/../shared/data}
+root=$(cd "$(dirname "$0")/.." && pwd)
+data=${TRIAX_DATA_DIR:-$root/../shared/data}
 run=$(mktemp -d /tmp/triaxkv-demo.XXXXXX)
 pids=()
 
@@ -46,7 +47,8 @@ wait_port "$run/worker.port" kvworker "${pids[-1]}"
 echo "demo: kvmanager on $manager (pid ${pids[0]}), kvworker on 127.0.0.1:$(cat "$run/worker.port") (pid ${pids[1]})"
 echo "demo: data directory $data"
 status=0
-"$bin/kvdemo" --manager "$manager" --data_dir "$data" "$@" || status=$?
+"$bin/kvdemo" --manager "$manager" --data_dir "$data" \
+  --calibration "$root/bench/results/calibration_kvproxy-18m.txtpb" "$@" || status=$?
 if [ $status -ne 0 ]; then
   echo "demo: kvdemo failed with exit code $status; last lines of the service logs:" >&2
   tail -n 20 "$run/kvmanager.log" "$run/kvworker.log" >&2

@@ -6,8 +6,11 @@
 //       service (policy bf16), compared byte for byte with
 //       expected_greedy_200.txt;
 //   (b) a held-out BFCL agentic conversation on kvproxy-18m, turn by turn,
-//       policy triaxial-static: KV bytes per format and next-token NLL on the
-//       tool-call tokens against the local fp32 KV;
+//       under the triaxial allocation policy (the committed calibration
+//       table, --budget_bits, re-solved and aged at every turn; without
+//       --calibration the static table triaxial-static): KV bytes per
+//       encoding and next-token NLL on the tool-call tokens against the
+//       local fp32 KV;
 //   (c) stories260k NLL on TinyStories with policies bf16, int4, int2 and
 //       local fp32, plus prefill and decode throughput.
 // Without the data directory everything runs on a synthetic model instead.
@@ -33,6 +36,7 @@
 #include "client/kv_client.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "google/protobuf/text_format.h"
 #include "kernels/layout.h"
 
 ABSL_FLAG(std::string, manager, "127.0.0.1:7070",
@@ -51,6 +55,13 @@ ABSL_FLAG(int, max_context, 2048,
 ABSL_FLAG(int, chunk, 64, "prefill chunk (tokens per forward call, <= 256)");
 ABSL_FLAG(int, threads, 2, "threads for the matrix products");
 ABSL_FLAG(int, decode_steps, 64, "decode steps timed per policy in step (c)");
+ABSL_FLAG(std::string, calibration,
+          "bench/results/calibration_kvproxy-18m.txtpb",
+          "calibration table (text triax.v1.CalibrationTable) for step (b)'s "
+          "triaxial allocation policy; empty: use the static table "
+          "triaxial-static");
+ABSL_FLAG(double, budget_bits, 3.5,
+          "step (b): effective bits per value of the triaxial policy");
 ABSL_FLAG(std::string, steps, "abc",
           "which steps to run: any of a (greedy), b (BFCL), c (NLL); step b "
           "needs kvproxy-18m, a and c only stories260k");
@@ -157,13 +168,22 @@ KvBytes CountKvBytes(const v1::SequenceInfo& info, const ModelConfig& c) {
         static_cast<int>(b.capacity() ? b.capacity() : info.block_tokens());
     shape.heads = c.n_kv_heads;
     shape.head_dim = c.head_dim();
-    const auto fmt = static_cast<kernels::Format>(b.format());
-    const int bits = kernels::FormatBits(fmt);
-    std::string name =
-        bits > 0 ? kernels::FormatName(fmt)
-                 : absl::StrCat("format#", static_cast<int>(b.format()));
+    kernels::Encoding e;
+    e.k = static_cast<kernels::Format>(b.format());
+    e.v = b.format_v() == v1::FORMAT_UNSPECIFIED
+              ? e.k
+              : static_cast<kernels::Format>(b.format_v());
+    e.group = static_cast<int>(b.group_size());
+    e.scale_dtype = b.scale_dtype() == v1::SCALE_DTYPE_FP8_E4M3
+                        ? kernels::ScaleDtype::kFP8
+                        : kernels::ScaleDtype::kFP16;
+    const bool valid = kernels::ValidateEncoding(e, shape) == nullptr;
+    char buf[96];
+    const std::string name =
+        valid ? kernels::EncodingName(e, buf, sizeof(buf))
+              : absl::StrCat("format#", static_cast<int>(b.format()));
     const uint64_t bytes =
-        bits > 0 ? kernels::PageBytes(fmt, shape) * c.n_layers : 0;
+        valid ? kernels::PageBytes(e, shape) * c.n_layers : 0;
     kb.by_format[name] += bytes;
     kb.total += bytes;
     kb.bf16_equivalent +=
@@ -297,16 +317,54 @@ NllResult NllAt(const std::vector<float>& logits,
   return r;
 }
 
+// Stores the calibration table and an allocation policy "triaxial-<bits>b"
+// with the manager; returns the policy name, or "triaxial-static" when no
+// table is configured.
+absl::StatusOr<std::string> SetUpTriaxialPolicy(client::Client* c,
+                                                const std::string& path,
+                                                double budget_bits) {
+  if (path.empty()) return std::string("triaxial-static");
+  TRIAX_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  v1::CalibrationTable table;
+  if (!google::protobuf::TextFormat::ParseFromString(text, &table)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--calibration: ", path, " is not a text-format CalibrationTable"));
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::PutCalibrationRequest req;
+    req.set_request_id(c->NewRequestId());
+    *req.mutable_table() = table;
+    v1::PutCalibrationResponse resp;
+    TRIAX_RETURN_IF_ERROR(
+        FromGrpcStatus(c->manager()->PutCalibration(&ctx, req, &resp)));
+  }
+  const std::string name = absl::StrFormat("triaxial-%.2gb", budget_bits);
+  grpc::ClientContext ctx;
+  v1::PutPolicyRequest req;
+  req.set_request_id(c->NewRequestId());
+  req.mutable_policy()->set_name(name);
+  req.mutable_policy()->set_budget_bits(budget_bits);
+  req.mutable_policy()->set_calibration_model(table.model());
+  v1::PutPolicyResponse resp;
+  TRIAX_RETURN_IF_ERROR(
+      FromGrpcStatus(c->manager()->PutPolicy(&ctx, req, &resp)));
+  std::printf(
+      "policy %s: budget %.2f effective bits/value, calibration of %s "
+      "(%d entries, from %s)\n",
+      name.c_str(), budget_bits, table.model().c_str(), table.entries_size(),
+      path.c_str());
+  return name;
+}
+
 // Step (b).
 absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
-                      const std::string& tenant, const std::string& id,
-                      int max_context, int chunk, int threads,
-                      std::vector<Check>* checks,
+                      const std::string& tenant, const std::string& policy,
+                      const std::string& id, int max_context, int chunk,
+                      int threads, std::vector<Check>* checks,
                       std::vector<std::string>* report) {
-  std::printf(
-      "\n== (b) BFCL agentic session %s on kvproxy-18m, policy "
-      "triaxial-static ==\n",
-      id.c_str());
+  std::printf("\n== (b) BFCL agentic session %s on kvproxy-18m, policy %s ==\n",
+              id.c_str(), policy.c_str());
   TRIAX_ASSIGN_OR_RETURN(auto model,
                          LoadModel(data_dir + "/models/kvproxy-18m/model.bin"));
   model->name = "kvproxy-18m";
@@ -359,7 +417,7 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
     const int64_t first = t == 0 ? 0 : static_cast<int64_t>(turn.begin) + 1;
     const int64_t end = static_cast<int64_t>(turn.end) + 1;
     if (t == 0) {
-      auto opened = c->Open(Shape(*model), spans, "triaxial-static");
+      auto opened = c->Open(Shape(*model), spans, policy);
       if (!opened.ok()) return opened.status();
       seq = *opened;
       kv = std::make_unique<ServiceKvStore>(c, &seq, model->config.n_kv_heads,
@@ -635,8 +693,11 @@ int Main() {
     std::printf("\n== (b) BFCL session not requested (--steps) ==\n");
     report.push_back("(b) not run (--steps)");
   } else if (real) {
+    auto policy = SetUpTriaxialPolicy(c, absl::GetFlag(FLAGS_calibration),
+                                      absl::GetFlag(FLAGS_budget_bits));
+    if (!policy.ok()) return Fail("(b) triaxial policy", policy.status());
     if (absl::Status s = StepBfcl(
-            data_dir, c, opts.tenant_id, absl::GetFlag(FLAGS_bfcl_id),
+            data_dir, c, opts.tenant_id, *policy, absl::GetFlag(FLAGS_bfcl_id),
             absl::GetFlag(FLAGS_max_context), chunk, threads, &checks, &report);
         !s.ok()) {
       return Fail("(b) BFCL session", s);
