@@ -150,23 +150,6 @@ absl::StatusOr<Session> MakeSession(const BfclData& bfcl, const std::string& id,
   return s;
 }
 
-kernels::Encoding BlockEncoding(const v1::BlockPlan& b) {
-  kernels::Encoding e;
-  e.k = static_cast<kernels::Format>(b.format());
-  e.v = static_cast<kernels::Format>(
-      b.format_v() != v1::FORMAT_UNSPECIFIED ? b.format_v() : b.format());
-  e.group = static_cast<int>(b.group_size());
-  e.scale_dtype = b.scale_dtype() == v1::SCALE_DTYPE_FP8_E4M3
-                      ? kernels::ScaleDtype::kFP8
-                      : kernels::ScaleDtype::kFP16;
-  return e;
-}
-
-std::string EncodingLabel(const kernels::Encoding& e) {
-  char buf[96];
-  return kernels::EncodingName(e, buf, sizeof(buf));
-}
-
 // One configuration of the comparison.
 struct Config {
   std::string name;    // row label
@@ -315,9 +298,9 @@ class Runner {
             static_cast<int>(b.capacity() ? b.capacity() : info.block_tokens());
         ps.heads = mc.n_kv_heads;
         ps.head_dim = mc.head_dim();
-        const kernels::Encoding e = BlockEncoding(b);
+        const kernels::Encoding e = client::PlanEncoding(b);
         c->plan_bytes += kernels::PageBytes(e, ps) * mc.n_layers;
-        c->tokens_by_encoding[EncodingLabel(e)] += b.num_tokens();
+        c->tokens_by_encoding[client::EncodingLabel(e)] += b.num_tokens();
       }
       c->tokens += s.tokens.size();
       return absl::OkStatus();

@@ -181,23 +181,6 @@ v1::ModelShape Shape(const Model& m) {
   return s;
 }
 
-kernels::Encoding BlockEncoding(const v1::BlockPlan& b) {
-  kernels::Encoding e;
-  e.k = static_cast<kernels::Format>(b.format());
-  e.v = static_cast<kernels::Format>(
-      b.format_v() != v1::FORMAT_UNSPECIFIED ? b.format_v() : b.format());
-  e.group = static_cast<int>(b.group_size());
-  e.scale_dtype = b.scale_dtype() == v1::SCALE_DTYPE_FP8_E4M3
-                      ? kernels::ScaleDtype::kFP8
-                      : kernels::ScaleDtype::kFP16;
-  return e;
-}
-
-std::string EncodingLabel(const kernels::Encoding& e) {
-  char buf[96];
-  return kernels::EncodingName(e, buf, sizeof(buf));
-}
-
 v1::Policy ToPolicy(const QualityConfig& c) {
   v1::Policy p;
   p.set_name(c.policy());
@@ -353,7 +336,7 @@ class Runner {
     for (size_t i = 0; i < configs.size(); ++i) {
       ConfigResult c;
       c.name = configs[i].name;
-      c.encoding = EncodingLabel(configs[i].enc);
+      c.encoding = client::EncodingLabel(configs[i].enc);
       c.sink = configs[i].sink;
       c.window = configs[i].window;
       c.attn.resize(mc.n_layers);
@@ -478,7 +461,7 @@ class Runner {
             bs.tokens = static_cast<int>(b.capacity() ? b.capacity()
                                                       : info.block_tokens());
             cr.plan_bytes +=
-                kernels::PageBytes(BlockEncoding(b), bs) * mc.n_layers;
+                kernels::PageBytes(client::PlanEncoding(b), bs) * mc.n_layers;
           }
           return absl::OkStatus();
         }();

@@ -168,19 +168,10 @@ KvBytes CountKvBytes(const v1::SequenceInfo& info, const ModelConfig& c) {
         static_cast<int>(b.capacity() ? b.capacity() : info.block_tokens());
     shape.heads = c.n_kv_heads;
     shape.head_dim = c.head_dim();
-    kernels::Encoding e;
-    e.k = static_cast<kernels::Format>(b.format());
-    e.v = b.format_v() == v1::FORMAT_UNSPECIFIED
-              ? e.k
-              : static_cast<kernels::Format>(b.format_v());
-    e.group = static_cast<int>(b.group_size());
-    e.scale_dtype = b.scale_dtype() == v1::SCALE_DTYPE_FP8_E4M3
-                        ? kernels::ScaleDtype::kFP8
-                        : kernels::ScaleDtype::kFP16;
+    const kernels::Encoding e = client::PlanEncoding(b);
     const bool valid = kernels::ValidateEncoding(e, shape) == nullptr;
-    char buf[96];
     const std::string name =
-        valid ? kernels::EncodingName(e, buf, sizeof(buf))
+        valid ? client::EncodingLabel(e)
               : absl::StrCat("format#", static_cast<int>(b.format()));
     const uint64_t bytes =
         valid ? kernels::PageBytes(e, shape) * c.n_layers : 0;

@@ -106,19 +106,6 @@ double WorstToleranceRatio(const std::vector<float>& a,
   return worst;
 }
 
-kernels::Encoding EncodingOf(const triax::v1::BlockPlan& b) {
-  kernels::Encoding e;
-  e.k = static_cast<kernels::Format>(b.format());
-  e.v = static_cast<kernels::Format>(
-      b.format_v() == triax::v1::FORMAT_UNSPECIFIED ? b.format()
-                                                    : b.format_v());
-  e.group = static_cast<int>(b.group_size());
-  e.scale_dtype = b.scale_dtype() == triax::v1::SCALE_DTYPE_FP8_E4M3
-                      ? kernels::ScaleDtype::kFP8
-                      : kernels::ScaleDtype::kFP16;
-  return e;
-}
-
 absl::Status RoundTripPage(const kernels::Encoding& e,
                            const kernels::PageShape& shape, const float* k,
                            const float* v, int n, float* k_out, float* v_out) {

@@ -42,9 +42,6 @@ double WorstToleranceRatio(const std::vector<float>& a,
                            const std::vector<double>& b, double atol,
                            double rtol);
 
-// The kernels' Encoding of a block plan (format_v unspecified = format).
-kernels::Encoding EncodingOf(const triax::v1::BlockPlan& b);
-
 // Encodes `n` tokens (float32 [n][H][D], rounded to BF16 first) into one page
 // of `e` with the CPU reference and decodes them back into k_out / v_out:
 // the exact values a worker serves for a sealed page. INVALID_ARGUMENT when
