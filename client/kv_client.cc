@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -26,6 +27,9 @@ using triax::v1::SequenceInfo;
 // bytes, so that big models stay under gRPC's default 4 MiB message limit.
 constexpr uint32_t kMaxChunkTokens = 256;
 constexpr size_t kMaxChunkBytes = 1 << 20;
+// Limits of the manager's ReportAccess and GetPressure (manager.proto).
+constexpr size_t kMaxReportedBlocks = 4096;
+constexpr uint32_t kMaxPressureTop = 10000;
 
 // Same code, the failing call named in front of the server's message.
 absl::Status Prefixed(absl::string_view what, const absl::Status& s) {
@@ -113,6 +117,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
     TRIAX_RETURN_IF_ERROR(
         Prefixed("Connect", ValidateId("tenant_id", options.tenant_id)));
   }
+  if (options.attend_retries < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Connect: attend_retries=", options.attend_retries, " must be >= 0"));
+  }
   if (options.rpc_timeout_ms <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "Connect: rpc_timeout_ms=", options.rpc_timeout_ms, " must be > 0"));
@@ -178,6 +186,81 @@ absl::StatusOr<SequenceInfo> Client::GetSequence(
         return manager_->GetSequence(ctx, req, &resp);
       }));
   return resp.sequence();
+}
+
+absl::Status Client::RefreshPlan(SequenceHandle* seq) {
+  if (seq == nullptr) {
+    return absl::InvalidArgumentError("RefreshPlan: seq is null");
+  }
+  TRIAX_ASSIGN_OR_RETURN(SequenceInfo info, GetSequence(seq->sequence_id));
+  const std::optional<uint32_t> window = seq->window_tokens;
+  FillHandle(info, seq);
+  seq->window_tokens = window;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint32_t> Client::ReportAccess(
+    const SequenceHandle& seq, const std::vector<uint64_t>& lineage_ids,
+    const std::vector<float>& weights, bool active) {
+  if (seq.sequence_id.empty()) {
+    return absl::InvalidArgumentError("ReportAccess: sequence_id is empty");
+  }
+  if (lineage_ids.size() > kMaxReportedBlocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ReportAccess: lineage_ids has ", lineage_ids.size(),
+                     " entries; at most ", kMaxReportedBlocks));
+  }
+  if (lineage_ids.empty() && !active) {
+    return absl::InvalidArgumentError(
+        "ReportAccess: lineage_ids is empty and active=false; nothing to "
+        "report");
+  }
+  for (size_t i = 0; i < lineage_ids.size(); ++i) {
+    if (lineage_ids[i] == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ReportAccess: lineage_ids[", i, "]=0; lineage ids are >= 1"));
+    }
+  }
+  if (!weights.empty() && weights.size() != lineage_ids.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ReportAccess: weights has ", weights.size(),
+                     " entries; want 0 or lineage_ids' ", lineage_ids.size()));
+  }
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (!(weights[i] >= 0.0f && weights[i] <= 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ReportAccess: weights[", i, "]=", weights[i], " is not in [0, 1]"));
+    }
+  }
+  triax::v1::ReportAccessRequest req;
+  req.set_tenant_id(options_.tenant_id);
+  req.set_sequence_id(seq.sequence_id);
+  for (uint64_t id : lineage_ids) req.add_lineage_ids(id);
+  for (float w : weights) req.add_weights(w);
+  req.set_active(active);
+  triax::v1::ReportAccessResponse resp;
+  // No request id: a resend would count the hits twice, so it is not retried.
+  TRIAX_RETURN_IF_ERROR(CallWithRetry(
+      "ReportAccess", /*retry=*/false, [&](grpc::ClientContext* ctx) {
+        return manager_->ReportAccess(ctx, req, &resp);
+      }));
+  return resp.blocks_prefetching();
+}
+
+absl::StatusOr<triax::v1::GetPressureResponse> Client::GetPressure(
+    uint32_t top) {
+  if (top > kMaxPressureTop) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GetPressure: top=", top, " is over the limit of ", kMaxPressureTop));
+  }
+  triax::v1::GetPressureRequest req;
+  req.set_top(top);
+  triax::v1::GetPressureResponse resp;
+  TRIAX_RETURN_IF_ERROR(CallWithRetry(
+      "GetPressure", /*retry=*/true, [&](grpc::ClientContext* ctx) {
+        return manager_->GetPressure(ctx, req, &resp);
+      }));
+  return resp;
 }
 
 absl::Status Client::AllocateOnWorker(const SequenceInfo& info,
@@ -508,17 +591,44 @@ absl::Status Client::Attend(const SequenceHandle& seq, const AttendArgs& args) {
     c->set_k(Bf16Bytes(args.append_k, kv_elems));
     c->set_v(Bf16Bytes(args.append_v, kv_elems));
   }
-  triax::v1::AttendResponse resp;
   // Attend carries no request id; without an append it only reads and may
-  // be retried. With one, a retry could land after the first attempt's write
-  // left the BF16 window, so it is not retried.
-  TRIAX_RETURN_IF_ERROR(CallWithRetry(
-      "Attend", /*retry=*/!append,
-      [&](grpc::ClientContext* ctx) { return w->Attend(ctx, req, &resp); }));
-  if (resp.results_size() != 1) {
-    return absl::InternalError(absl::StrCat("Attend: worker returned ",
-                                            resp.results_size(),
-                                            " results for 1 item"));
+  // be retried. With one, a transport-level retry could land after the first
+  // attempt's write, so it is not retried. An item answered UNAVAILABLE with
+  // retry_after_ms (spilled blocks being restored) was refused before the
+  // worker wrote anything, so that one is resent with or without an append.
+  const auto start = std::chrono::steady_clock::now();
+  const auto give_up =
+      start + std::chrono::milliseconds(options_.rpc_timeout_ms);
+  triax::v1::AttendResponse resp;
+  for (int retries = 0;; ++retries) {
+    resp.Clear();
+    TRIAX_RETURN_IF_ERROR(CallWithRetry(
+        "Attend", /*retry=*/!append,
+        [&](grpc::ClientContext* ctx) { return w->Attend(ctx, req, &resp); }));
+    if (resp.results_size() != 1) {
+      return absl::InternalError(absl::StrCat("Attend: worker returned ",
+                                              resp.results_size(),
+                                              " results for 1 item"));
+    }
+    const triax::v1::AttendResult& r = resp.results(0);
+    const auto code = static_cast<absl::StatusCode>(r.status().code());
+    if (code != absl::StatusCode::kUnavailable || r.retry_after_ms() == 0) {
+      break;
+    }
+    // Spilled blocks are being restored: wait and ask again.
+    const auto wait = std::chrono::milliseconds(r.retry_after_ms());
+    if (retries >= options_.attend_retries ||
+        std::chrono::steady_clock::now() + wait > give_up) {
+      const int64_t waited_ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(
+              std::chrono::steady_clock::now() - start)
+              .count();
+      return absl::UnavailableError(
+          absl::StrCat("Attend: ", r.status().message(), " (retry after ",
+                       r.retry_after_ms(), " ms; gave up after ", retries,
+                       " retries in ", waited_ms, " ms)"));
+    }
+    std::this_thread::sleep_for(wait);
   }
   const triax::v1::AttendResult& r = resp.results(0);
   if (r.status().code() != 0) {

@@ -12,6 +12,18 @@
 // id (safe: servers are idempotent). Reads are retried once too; an Attend
 // that appends K/V is not (it carries no request id).
 //
+// Attend and spilled blocks: when the worker answers an item with
+// UNAVAILABLE and retry_after_ms > 0 (blocks of the sequence are spilled to
+// the host or disk tier, the worker runs with restore-on-attend off and has
+// queued their restore), the Attend is sent again after that delay, at most
+// ClientOptions::attend_retries times and never past rpc_timeout_ms counted
+// from the first attempt; then the UNAVAILABLE is returned with the delay in
+// the message ("retry after N ms; gave up after R retries ..."). This holds
+// for Attends that carry an append too: the worker checks residency before
+// it writes (worker/sequence_store.cc, EnsureResident ahead of the append),
+// so that answer means nothing was written. A transport-level UNAVAILABLE of
+// an appending Attend is still not retried (the write may have landed).
+//
 // Connect does not dial: channels connect lazily, so an unreachable manager
 // or worker surfaces as UNAVAILABLE on the first call that needs it.
 //
@@ -56,6 +68,9 @@ struct ClientOptions {
   std::string manager_address;  // host:port
   std::string tenant_id;
   int64_t rpc_timeout_ms = 30000;
+  // Read-only Attends answered UNAVAILABLE with retry_after_ms > 0 are sent
+  // again at most this many times (>= 0; 0: never).
+  int attend_retries = 50;
 };
 
 // A sequence opened through the client: its plan and the worker it lives on.
@@ -136,7 +151,8 @@ class Client {
   // Attention for `num_queries` queries of `layer`; query i attends to tokens
   // [0, positions[i]]. q, out: float32 [num_queries][n_q_heads][head_dim].
   // When append_k/append_v are given, tokens [append_first, append_first +
-  // append_tokens) are written first in the same RPC.
+  // append_tokens) are written first in the same RPC. Spilled blocks: see
+  // the header comment (waits and retries on retry_after_ms).
   struct AttendArgs {
     uint32_t layer = 0;
     uint32_t num_queries = 1;
@@ -158,6 +174,30 @@ class Client {
   // lineage ids).
   absl::StatusOr<triax::v1::SequenceInfo> GetSequence(
       const std::string& sequence_id);
+  // Replaces seq's plan (blocks with their tier and evicted flag, tokens,
+  // worker address) with the manager's current one, keeping window_tokens.
+  // The manager changes plans on its own under memory pressure (demotions,
+  // spills, evictions). Errors as GetSequence; INVALID_ARGUMENT for null.
+  absl::Status RefreshPlan(SequenceHandle* seq);
+
+  // Memory pressure (manager ReportAccess): `lineage_ids` (blocks of seq's
+  // plan, at most 4096) were attended together; `weights` is empty (equal
+  // shares) or one attention share in [0, 1] per id. `active` says the
+  // sequence is about to be used, so the manager prefetches its spilled
+  // blocks; lineage_ids may then be empty. Returns the number of restores
+  // the report started. INVALID_ARGUMENT (checked locally, naming the field
+  // and value) for an empty sequence id, a zero lineage id, more than 4096
+  // ids, weights of another length or outside [0, 1], or no ids without
+  // `active`; otherwise the manager's errors (NOT_FOUND unknown sequence,
+  // PERMISSION_DENIED another tenant's), prefixed "ReportAccess: ".
+  absl::StatusOr<uint32_t> ReportAccess(
+      const SequenceHandle& seq, const std::vector<uint64_t>& lineage_ids,
+      const std::vector<float>& weights, bool active);
+  // The manager's pressure view: pools, tenants against floor/ceiling, mode,
+  // counters and the `top` cheapest ranked actions (0: the manager's default
+  // of 20). INVALID_ARGUMENT for top > 10000; the manager's errors prefixed
+  // "GetPressure: " (UNIMPLEMENTED from a manager without pressure support).
+  absl::StatusOr<triax::v1::GetPressureResponse> GetPressure(uint32_t top);
 
   triax::v1::Manager::Stub* manager() { return manager_.get(); }
   // Stub for a worker address (cached). FAILED_PRECONDITION for "".

@@ -1,10 +1,15 @@
 // Client behaviour that needs no server: option checks, local argument
-// checks, error prefixes, and UNAVAILABLE from an unreachable manager.
+// checks, error prefixes, and UNAVAILABLE from an unreachable manager; and,
+// against in-process fake servers, the memory-pressure calls (ReportAccess,
+// GetPressure) and Attend's waiting on spilled blocks (retry_after_ms).
 #include "client/kv_client.h"
 
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <set>
 
 #include "common/status_matchers.h"
@@ -12,6 +17,7 @@
 namespace triax::client {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 using triax::testing::IsOk;
@@ -161,6 +167,349 @@ TEST(PlanEncoding, VDefaultsToKAndKeepsGroupAndScale) {
   EXPECT_EQ(e.group, 64);
   EXPECT_EQ(e.scale_dtype, kernels::ScaleDtype::kFP8);
   EXPECT_EQ(EncodingLabel(e), "k=int4,v=int2,g=64,scale=fp8");
+}
+
+}  // namespace
+}  // namespace triax::client
+
+namespace triax::client {
+namespace {
+
+// A manager that answers ReportAccess and GetPressure (everything else is
+// UNIMPLEMENTED) and records the last requests.
+class FakeManager final : public triax::v1::Manager::Service {
+ public:
+  grpc::Status ReportAccess(grpc::ServerContext*,
+                            const triax::v1::ReportAccessRequest* req,
+                            triax::v1::ReportAccessResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    last_report_ = *req;
+    ++reports_;
+    if (req->sequence_id() == "gone") {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          "sequence \"gone\" is not open");
+    }
+    resp->set_blocks_prefetching(req->active() ? 3 : 0);
+    return grpc::Status::OK;
+  }
+  grpc::Status GetPressure(grpc::ServerContext*,
+                           const triax::v1::GetPressureRequest* req,
+                           triax::v1::GetPressureResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    last_top_ = req->top();
+    resp->set_mode("graph-evict");
+    resp->set_evictions(7);
+    for (uint32_t i = 0; i < std::min<uint32_t>(req->top(), 2); ++i) {
+      triax::v1::RankedAction* a = resp->add_ranked();
+      a->set_lineage_id(100 + i);
+      a->set_action(triax::v1::PRESSURE_ACTION_EVICT);
+    }
+    return grpc::Status::OK;
+  }
+
+  triax::v1::ReportAccessRequest last_report() {
+    absl::MutexLock lock(&mu_);
+    return last_report_;
+  }
+  int reports() {
+    absl::MutexLock lock(&mu_);
+    return reports_;
+  }
+  uint32_t last_top() {
+    absl::MutexLock lock(&mu_);
+    return last_top_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  triax::v1::ReportAccessRequest last_report_ ABSL_GUARDED_BY(mu_);
+  int reports_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t last_top_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A worker whose Attend answers UNAVAILABLE with retry_after_ms for the
+// first `spilled_answers` calls (as a worker restoring spilled blocks with
+// restore-on-attend off), then the queries back as the output.
+class FakeWorker final : public triax::v1::Worker::Service {
+ public:
+  grpc::Status Attend(grpc::ServerContext*, const triax::v1::AttendRequest* req,
+                      triax::v1::AttendResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    ++calls_;
+    for (const auto& item : req->items()) {
+      if (item.has_append() && item.append().num_tokens() == 1) ++appends_;
+      triax::v1::AttendResult* r = resp->add_results();
+      if (spilled_answers_ > 0) {
+        --spilled_answers_;
+        r->mutable_status()->set_code(
+            static_cast<int>(absl::StatusCode::kUnavailable));
+        r->mutable_status()->set_message("items[0]: 2 blocks are spilled");
+        r->set_retry_after_ms(retry_after_ms_);
+        continue;
+      }
+      r->mutable_status()->set_code(0);
+      r->set_output(item.queries());
+    }
+    return grpc::Status::OK;
+  }
+
+  void Set(int spilled_answers, uint32_t retry_after_ms) {
+    absl::MutexLock lock(&mu_);
+    spilled_answers_ = spilled_answers;
+    retry_after_ms_ = retry_after_ms;
+    calls_ = 0;
+    appends_ = 0;
+  }
+  int calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+  int appends() {
+    absl::MutexLock lock(&mu_);
+    return appends_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  int spilled_answers_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t retry_after_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  int calls_ ABSL_GUARDED_BY(mu_) = 0;
+  int appends_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Both fakes on one in-process server at 127.0.0.1:<free port>.
+class FakeServers : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&manager_);
+    b.RegisterService(&worker_);
+    server_ = b.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    address_ = absl::StrCat("127.0.0.1:", port);
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
+
+  std::unique_ptr<Client> Connect(int attend_retries = 50,
+                                  int64_t rpc_timeout_ms = 5000) {
+    ClientOptions o;
+    o.manager_address = address_;
+    o.tenant_id = "acme";
+    o.rpc_timeout_ms = rpc_timeout_ms;
+    o.attend_retries = attend_retries;
+    auto c = Client::Connect(o);
+    EXPECT_THAT(c, IsOk());
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  SequenceHandle OnFake() {
+    SequenceHandle h = Handle();
+    h.worker_address = address_;
+    return h;
+  }
+
+  FakeManager manager_;
+  FakeWorker worker_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+TEST(Connect, RejectsNegativeAttendRetries) {
+  ClientOptions o = Unreachable();
+  o.attend_retries = -1;
+  EXPECT_THAT(Client::Connect(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                           HasSubstr("attend_retries=-1")));
+}
+
+TEST_F(FakeServers, ReportAccessSendsEverything) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  auto n = c->ReportAccess(OnFake(), {4, 5, 9}, {0.5f, 0.25f, 0.25f},
+                           /*active=*/true);
+  ASSERT_THAT(n, IsOk());
+  EXPECT_EQ(*n, 3u);
+  const triax::v1::ReportAccessRequest req = manager_.last_report();
+  EXPECT_EQ(req.tenant_id(), "acme");
+  EXPECT_EQ(req.sequence_id(), "s1");
+  EXPECT_THAT(req.lineage_ids(), ::testing::ElementsAre(4, 5, 9));
+  EXPECT_THAT(req.weights(), ::testing::ElementsAre(0.5f, 0.25f, 0.25f));
+  EXPECT_TRUE(req.active());
+
+  // Active with no ids: a prefetch only. Inactive with equal shares.
+  EXPECT_THAT(c->ReportAccess(OnFake(), {}, {}, true), IsOk());
+  n = c->ReportAccess(OnFake(), {7}, {}, false);
+  ASSERT_THAT(n, IsOk());
+  EXPECT_EQ(*n, 0u);
+  EXPECT_FALSE(manager_.last_report().active());
+  EXPECT_EQ(manager_.last_report().weights_size(), 0);
+
+  // The manager's error, named.
+  SequenceHandle gone = OnFake();
+  gone.sequence_id = "gone";
+  EXPECT_THAT(c->ReportAccess(gone, {1}, {}, false),
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(StartsWith("ReportAccess: "), HasSubstr("gone"))));
+}
+
+TEST_F(FakeServers, ReportAccessBadInputNeverReachesTheManager) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  SequenceHandle no_id = OnFake();
+  no_id.sequence_id = "";
+  EXPECT_THAT(c->ReportAccess(no_id, {1}, {}, true),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("sequence_id is empty")));
+  EXPECT_THAT(
+      c->ReportAccess(OnFake(), {}, {}, false),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("active=false")));
+  EXPECT_THAT(c->ReportAccess(OnFake(), {3, 0}, {}, false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("lineage_ids[1]=0")));
+  EXPECT_THAT(c->ReportAccess(OnFake(), {1, 2}, {1.0f}, false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("weights has 1 entries")));
+  EXPECT_THAT(c->ReportAccess(OnFake(), {1, 2}, {0.5f, 1.5f}, false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("weights[1]=1.5")));
+  EXPECT_THAT(
+      c->ReportAccess(OnFake(), {1}, {std::numeric_limits<float>::quiet_NaN()},
+                      false),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weights[0]")));
+  std::vector<uint64_t> many(4097);
+  for (size_t i = 0; i < many.size(); ++i) many[i] = i + 1;
+  EXPECT_THAT(c->ReportAccess(OnFake(), many, {}, false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("4097 entries; at most 4096")));
+  many.pop_back();
+  EXPECT_THAT(c->ReportAccess(OnFake(), many, {}, false), IsOk());
+  EXPECT_EQ(manager_.reports(), 1);
+}
+
+TEST_F(FakeServers, GetPressure) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  auto p = c->GetPressure(5);
+  ASSERT_THAT(p, IsOk());
+  EXPECT_EQ(manager_.last_top(), 5u);
+  EXPECT_EQ(p->mode(), "graph-evict");
+  EXPECT_EQ(p->evictions(), 7u);
+  ASSERT_EQ(p->ranked_size(), 2);
+  EXPECT_EQ(p->ranked(1).lineage_id(), 101u);
+  EXPECT_THAT(
+      c->GetPressure(10001),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("top=10001")));
+  EXPECT_THAT(c->GetPressure(10000), IsOk());
+}
+
+TEST(Client, PressureCallsNameTheCallWhenUnreachable) {
+  auto c = Client::Connect(Unreachable());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_THAT((*c)->GetPressure(0), StatusIs(absl::StatusCode::kUnavailable,
+                                             StartsWith("GetPressure: ")));
+  EXPECT_THAT(
+      (*c)->ReportAccess(Handle(), {1}, {}, true),
+      StatusIs(absl::StatusCode::kUnavailable, StartsWith("ReportAccess: ")));
+  EXPECT_THAT((*c)->RefreshPlan(nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("null")));
+}
+
+// One query of Handle()'s shape (4 q heads x 8 dims).
+struct OneQuery {
+  std::vector<float> q = std::vector<float>(32), out = std::vector<float>(32);
+  uint64_t pos = 0;
+  OneQuery() {
+    for (size_t i = 0; i < q.size(); ++i) q[i] = 0.5f * i;
+  }
+  Client::AttendArgs Args() {
+    Client::AttendArgs a;
+    a.num_queries = 1;
+    a.positions = &pos;
+    a.q = q.data();
+    a.out = out.data();
+    return a;
+  }
+};
+
+TEST_F(FakeServers, AttendWaitsForSpilledBlocks) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  worker_.Set(/*spilled_answers=*/3, /*retry_after_ms=*/5);
+  OneQuery one;
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_THAT(c->Attend(OnFake(), one.Args()), IsOk());
+  EXPECT_GE(std::chrono::steady_clock::now() - t0,
+            std::chrono::milliseconds(15));
+  EXPECT_EQ(worker_.calls(), 4);
+  EXPECT_EQ(one.out, one.q);  // the fake echoes the queries
+}
+
+TEST_F(FakeServers, AttendRetriesAreBounded) {
+  auto c = Connect(/*attend_retries=*/2);
+  ASSERT_NE(c, nullptr);
+  worker_.Set(/*spilled_answers=*/100, /*retry_after_ms=*/1);
+  OneQuery one;
+  EXPECT_THAT(c->Attend(OnFake(), one.Args()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(StartsWith("Attend: "), HasSubstr("spilled"),
+                             HasSubstr("gave up after 2 retries"))));
+  EXPECT_EQ(worker_.calls(), 3);
+
+  // The deadline bounds the waiting too: a 1 s delay does not fit in 300 ms.
+  auto quick = Connect(/*attend_retries=*/50, /*rpc_timeout_ms=*/300);
+  ASSERT_NE(quick, nullptr);
+  worker_.Set(/*spilled_answers=*/100, /*retry_after_ms=*/1000);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THAT(quick->Attend(OnFake(), one.Args()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("retry after 1000 ms")));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  EXPECT_EQ(worker_.calls(), 1);
+
+  // attend_retries = 0: never.
+  auto never = Connect(/*attend_retries=*/0);
+  ASSERT_NE(never, nullptr);
+  worker_.Set(/*spilled_answers=*/1, /*retry_after_ms=*/1);
+  EXPECT_THAT(never->Attend(OnFake(), one.Args()),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("gave up after 0 retries")));
+  EXPECT_EQ(worker_.calls(), 1);
+}
+
+TEST_F(FakeServers, AttendWithAppendWaitsForSpilledBlocksToo) {
+  // The worker refuses before it writes, so the append is resent as is.
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  worker_.Set(/*spilled_answers=*/2, /*retry_after_ms=*/1);
+  OneQuery one;
+  std::vector<float> kv(16, 1.0f);  // 1 token x 2 kv heads x 8 dims
+  Client::AttendArgs a = one.Args();
+  a.append_k = kv.data();
+  a.append_v = kv.data();
+  a.append_tokens = 1;
+  EXPECT_THAT(c->Attend(OnFake(), a), IsOk());
+  EXPECT_EQ(worker_.calls(), 3);
+  EXPECT_EQ(worker_.appends(), 3);  // the same append each time
+  worker_.Set(/*spilled_answers=*/100, /*retry_after_ms=*/1);
+  auto few = Connect(/*attend_retries=*/1);
+  ASSERT_NE(few, nullptr);
+  EXPECT_THAT(few->Attend(OnFake(), a),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("gave up after 1 retries")));
+  EXPECT_EQ(worker_.calls(), 2);
+}
+
+TEST_F(FakeServers, UnavailableWithoutRetryAfterIsReturnedAtOnce) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  worker_.Set(/*spilled_answers=*/1, /*retry_after_ms=*/0);
+  OneQuery one;
+  EXPECT_THAT(c->Attend(OnFake(), one.Args()),
+              StatusIs(absl::StatusCode::kUnavailable, StartsWith("Attend: ")));
+  EXPECT_EQ(worker_.calls(), 1);
 }
 
 }  // namespace

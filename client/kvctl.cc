@@ -46,6 +46,7 @@ ABSL_FLAG(uint64_t, lineage, 0, "events: lineage filter");
 ABSL_FLAG(int64_t, wait_ms, 0,
           "events: stop quietly after this long (0: no limit)");
 ABSL_FLAG(bool, json, false, "events: print JSON lines");
+ABSL_FLAG(uint32_t, top, 20, "pressure: ranked actions to show (1..10000)");
 
 namespace {
 
@@ -61,8 +62,8 @@ commands:
                    [--policy P]
   budget-set ID --tier device|host|disk --floor_bytes N --ceiling_bytes N
   sequences [--tenant T] [--all]
-  sequence ID                   plan (K/V formats, group, scale), state and
-                                lost lineage ids
+  sequence ID                   plan (K/V formats, group, scale, tier,
+                                evicted), state and lost lineage ids
   policies                      built-in and operator policies, rule by rule
   policy-put NAME RULE...       add or replace an operator policy; RULE is
                                 [SELECTOR,...:]ENCODING or *:ENCODING, e.g.
@@ -72,6 +73,11 @@ commands:
   demote SEQ LINEAGE ENCODING --tenant T
                                 re-encode one block in place, e.g.
                                 kvctl demote seq-3 17 int2 --tenant acme
+  pressure [--top N]            memory pressure: pools (used, capacity,
+                                watermarks), tenants against floor and
+                                ceiling per tier, mode, ranking time,
+                                snapshot size, applied-action counters and
+                                the N cheapest ranked actions (default 20)
   trace LINEAGE_ID              a block and its lifecycle events
   events [--from N] [--max N] [--tenant T] [--sequence S] [--lineage L]
          [--wait_ms N] [--json]  one event per line (key=value or JSON)
@@ -272,6 +278,18 @@ class Kvctl {
     return 0;
   }
 
+  int Pressure() {
+    const uint32_t top = absl::GetFlag(FLAGS_top);
+    if (top == 0 || top > 10000) {
+      return Usage(
+          absl::StrCat("pressure: --top=", top, " is not in [1, 10000]"));
+    }
+    auto resp = client_->GetPressure(top);
+    if (!resp.ok()) return Fail(resp.status());
+    std::cout << triax::kvctl::PressureReport(*resp);
+    return 0;
+  }
+
   int Trace(uint64_t lineage) {
     triax::v1::QueryTraceRequest req;
     req.set_lineage_id(lineage);
@@ -354,6 +372,7 @@ int main(int argc, char** argv) {
     return k.Trace(lineage);
   }
   if (cmd == "events" && want_args(0)) return k.Events();
+  if (cmd == "pressure" && want_args(0)) return k.Pressure();
   if (cmd == "policies" && want_args(0)) return k.Policies();
   if (cmd == "policy-put" && args.size() >= 2) {
     return k.PolicyPut(args[0], {args.begin() + 1, args.end()});

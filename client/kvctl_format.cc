@@ -272,6 +272,9 @@ std::string WorkerStateName(triax::v1::WorkerState v) {
 std::string SequenceStateName(triax::v1::SequenceState v) {
   return Short(triax::v1::SequenceState_Name(v), "SEQUENCE_STATE_", v);
 }
+std::string PressureActionName(triax::v1::PressureAction v) {
+  return Short(triax::v1::PressureAction_Name(v), "PRESSURE_ACTION_", v);
+}
 std::string EventKindName(triax::v1::EventKind v) {
   return Short(triax::v1::EventKind_Name(v), "EVENT_", v, /*lower=*/false);
 }
@@ -397,7 +400,7 @@ std::string SequenceDetail(const triax::v1::SequenceInfo& s) {
                                            s.lost_lineage_ids().end()})});
   }
   Table blocks({"INDEX", "LINEAGE", "FIRST", "TOKENS", "TAG", "K", "V", "GROUP",
-                "SCALE", "REFCOUNT"});
+                "SCALE", "REFCOUNT", "TIER", "EVICTED"});
   for (const auto& b : s.blocks()) {
     const triax::v1::Format v = b.format_v() == triax::v1::FORMAT_UNSPECIFIED
                                     ? b.format()
@@ -413,9 +416,109 @@ std::string SequenceDetail(const triax::v1::SequenceInfo& s) {
          int_any ? (b.scale_dtype() == triax::v1::SCALE_DTYPE_FP8_E4M3 ? "fp8"
                                                                        : "fp16")
                  : "-",
-         absl::StrCat(b.refcount())});
+         absl::StrCat(b.refcount()),
+         TierName(b.tier() == triax::v1::TIER_UNSPECIFIED
+                      ? triax::v1::TIER_DEVICE
+                      : b.tier()),
+         b.evicted() ? "yes" : "no"});
   }
   return absl::StrCat(head.Render(), "\n", blocks.Render());
+}
+
+namespace {
+
+std::string Percent(uint64_t part, uint64_t whole) {
+  if (whole == 0) return "-";
+  return absl::StrFormat(
+      "%.1f%%", 100.0 * static_cast<double>(part) / static_cast<double>(whole));
+}
+
+// A tenant's standing on one tier against its budget.
+std::string Standing(uint64_t used, const triax::v1::Budget* b) {
+  if (b == nullptr || (b->floor_bytes() == 0 && b->ceiling_bytes() == 0)) {
+    return "no budget";
+  }
+  if (b->ceiling_bytes() > 0 && used > b->ceiling_bytes()) {
+    return absl::StrCat("over ceiling by ",
+                        HumanBytes(used - b->ceiling_bytes()));
+  }
+  if (used > b->floor_bytes()) {
+    return absl::StrCat("above floor by ", HumanBytes(used - b->floor_bytes()));
+  }
+  return "at/below floor";
+}
+
+}  // namespace
+
+std::string PressureReport(const triax::v1::GetPressureResponse& r) {
+  Table head({"mode:", OrDash(r.mode())});
+  head.AddRow({"snapshot:",
+               absl::StrFormat("%u blocks, %.1f ms old; ranking took %.3f ms",
+                               r.snapshot_blocks(), r.snapshot_age_ms(),
+                               r.ranking_ms())});
+  head.AddRow({"applied:", absl::StrCat("demotions=", r.demotions(), " spills=",
+                                        r.spills(), " restores=", r.restores(),
+                                        " evictions=", r.evictions())});
+
+  Table pools({"WORKER", "TIER", "USED", "CAPACITY", "USE", "LOW_WM", "HIGH_WM",
+               "STATE"});
+  for (const auto& p : r.pools()) {
+    const char* state = "ok";
+    if (p.high_watermark_bytes() > 0 &&
+        p.used_bytes() > p.high_watermark_bytes()) {
+      state = "over high";
+    } else if (p.low_watermark_bytes() > 0 &&
+               p.used_bytes() > p.low_watermark_bytes()) {
+      state = "above low";
+    }
+    pools.AddRow({OrDash(p.worker_id()), TierName(p.tier()),
+                  HumanBytes(p.used_bytes()), HumanBytes(p.capacity_bytes()),
+                  Percent(p.used_bytes(), p.capacity_bytes()),
+                  HumanBytes(p.low_watermark_bytes()),
+                  HumanBytes(p.high_watermark_bytes()), state});
+  }
+
+  Table tenants({"TENANT", "TIER", "USED", "FLOOR", "CEILING", "STANDING"});
+  for (const auto& t : r.tenants()) {
+    // Tiers in enum order that have a budget or a usage entry.
+    for (int tier = triax::v1::TIER_DEVICE; tier <= triax::v1::TIER_DISK;
+         ++tier) {
+      const triax::v1::Budget* budget = nullptr;
+      for (const auto& b : t.budgets()) {
+        if (b.tier() == tier) budget = &b;
+      }
+      const triax::v1::TierUsage* usage = nullptr;
+      for (const auto& u : t.usage()) {
+        if (u.tier() == tier) usage = &u;
+      }
+      if (budget == nullptr && usage == nullptr) continue;
+      const uint64_t used = usage ? usage->used_bytes() : 0;
+      tenants.AddRow(
+          {t.tenant_id(), TierName(static_cast<triax::v1::Tier>(tier)),
+           HumanBytes(used), budget ? HumanBytes(budget->floor_bytes()) : "-",
+           budget ? HumanBytes(budget->ceiling_bytes()) : "-",
+           Standing(used, budget)});
+    }
+  }
+
+  Table ranked({"#", "LINEAGE", "SEQUENCE", "TENANT", "ACTION", "ENCODING",
+                "BYTES_FREED", "COST"});
+  for (int i = 0; i < r.ranked_size(); ++i) {
+    const auto& a = r.ranked(i);
+    const auto& e = a.encoding();
+    const bool has_enc = e.format() != triax::v1::FORMAT_UNSPECIFIED;
+    ranked.AddRow({absl::StrCat(i + 1), absl::StrCat(a.lineage_id()),
+                   OrDash(a.sequence_id()), OrDash(a.tenant_id()),
+                   PressureActionName(a.action()),
+                   has_enc ? EncodingString(e.format(), e.format_v(),
+                                            e.group_size(), e.scale_dtype())
+                           : "-",
+                   HumanBytes(a.bytes_freed()),
+                   absl::StrFormat("%.4g", a.cost())});
+  }
+  return absl::StrCat(head.Render(), "\nPOOLS\n", pools.Render(), "\nTENANTS\n",
+                      tenants.Render(), "\nRANKED (", r.ranked_size(),
+                      ", cheapest first)\n", ranked.Render());
 }
 
 std::string TraceDetail(uint64_t lineage_id,

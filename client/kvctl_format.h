@@ -23,6 +23,8 @@ std::string FormatName(triax::v1::Format v);
 std::string TierName(triax::v1::Tier v);
 std::string WorkerStateName(triax::v1::WorkerState v);
 std::string SequenceStateName(triax::v1::SequenceState v);
+// PRESSURE_ACTION_SPILL_HOST -> "spill_host".
+std::string PressureActionName(triax::v1::PressureAction v);
 // Kernel names: "bf16", "fp8", "int8", "int4", "int2", "tq4", "tq3", "tq2"
 // (FormatName gives these too; FORMAT_FP8_E4M3 prints as "fp8").
 // Parses one; false for anything else (FORMAT_UNSPECIFIED is not a name).
@@ -85,8 +87,20 @@ std::string WorkersTable(const triax::v1::ListWorkersResponse& resp);
 std::string TenantsTable(const triax::v1::ListTenantsResponse& resp);
 std::string SequencesTable(const triax::v1::ListSequencesResponse& resp);
 // Header fields, the plan as a table (K and V formats, INT group and scale
-// dtype per block), and the lost lineage ids when LOST.
+// dtype, tier (unspecified prints as "device") and evicted flag per block),
+// and the lost lineage ids when LOST.
 std::string SequenceDetail(const triax::v1::SequenceInfo& seq);
+// `kvctl pressure`: the mode, the ranker's snapshot (blocks, age, ranking
+// time) and the applied-action counters; then three tables:
+//   POOLS    WORKER TIER USED CAPACITY USE LOW_WM HIGH_WM STATE, where STATE
+//            is "over high" (used > high watermark: the manager reclaims),
+//            "above low" (between the watermarks) or "ok";
+//   TENANTS  TENANT TIER USED FLOOR CEILING STANDING, one row per tier with a
+//            budget or usage; STANDING is "over ceiling by X", "above floor
+//            by X" (gives memory first), "at/below floor" or "no budget";
+//   RANKED   # LINEAGE SEQUENCE TENANT ACTION ENCODING BYTES_FREED COST,
+//            cheapest first (ENCODING is the new encoding of a demote).
+std::string PressureReport(const triax::v1::GetPressureResponse& resp);
 // The block's current state and its lifecycle events as a table.
 std::string TraceDetail(uint64_t lineage_id,
                         const triax::v1::QueryTraceResponse& resp);

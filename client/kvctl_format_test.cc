@@ -208,3 +208,143 @@ TEST(SequenceDetail, ShowsKvFormatsGroupAndScale) {
 
 }  // namespace
 }  // namespace triax::kvctl
+
+namespace triax::kvctl {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+TEST(SequenceDetail, ShowsTierAndEvicted) {
+  triax::v1::SequenceInfo s;
+  auto* a = s.add_blocks();
+  a->set_lineage_id(1);
+  a->set_format(triax::v1::FORMAT_BF16);
+  a->set_refcount(1);  // tier unspecified: on the device
+  auto* b = s.add_blocks();
+  b->set_lineage_id(2);
+  b->set_format(triax::v1::FORMAT_BF16);
+  b->set_refcount(1);
+  b->set_tier(triax::v1::TIER_DISK);
+  auto* c = s.add_blocks();
+  c->set_lineage_id(3);
+  c->set_format(triax::v1::FORMAT_BF16);
+  c->set_refcount(1);
+  c->set_tier(triax::v1::TIER_DEVICE);
+  c->set_evicted(true);
+  const std::string out = SequenceDetail(s);
+  EXPECT_THAT(out, HasSubstr("REFCOUNT  TIER    EVICTED"));
+  EXPECT_THAT(out, HasSubstr("1         device  no"));
+  EXPECT_THAT(out, HasSubstr("1         disk    no"));
+  EXPECT_THAT(out, HasSubstr("1         device  yes"));
+}
+
+TEST(PressureActionName, Short) {
+  EXPECT_EQ(PressureActionName(triax::v1::PRESSURE_ACTION_SPILL_HOST),
+            "spill_host");
+  EXPECT_EQ(PressureActionName(triax::v1::PRESSURE_ACTION_EVICT), "evict");
+  EXPECT_EQ(PressureActionName(triax::v1::PRESSURE_ACTION_UNSPECIFIED), "-");
+}
+
+triax::v1::GetPressureResponse SamplePressure() {
+  triax::v1::GetPressureResponse r;
+  r.set_mode("demote-first");
+  r.set_snapshot_blocks(1234);
+  r.set_snapshot_age_ms(12.5);
+  r.set_ranking_ms(0.4567);
+  r.set_demotions(3);
+  r.set_spills(2);
+  r.set_restores(1);
+  r.set_evictions(0);
+  auto* p = r.add_pools();
+  p->set_worker_id("w0");
+  p->set_tier(triax::v1::TIER_DEVICE);
+  p->set_capacity_bytes(100 << 20);
+  p->set_used_bytes(95 << 20);
+  p->set_high_watermark_bytes(90 << 20);
+  p->set_low_watermark_bytes(80 << 20);
+  auto* h = r.add_pools();
+  h->set_worker_id("w0");
+  h->set_tier(triax::v1::TIER_HOST);
+  h->set_capacity_bytes(200 << 20);
+  h->set_used_bytes(170 << 20);
+  h->set_high_watermark_bytes(180 << 20);
+  h->set_low_watermark_bytes(160 << 20);
+  auto* t = r.add_tenants();
+  t->set_tenant_id("acme");
+  auto* b = t->add_budgets();
+  b->set_tier(triax::v1::TIER_DEVICE);
+  b->set_floor_bytes(10 << 20);
+  b->set_ceiling_bytes(50 << 20);
+  auto* u = t->add_usage();
+  u->set_tier(triax::v1::TIER_DEVICE);
+  u->set_used_bytes(60 << 20);
+  auto* uh = t->add_usage();
+  uh->set_tier(triax::v1::TIER_HOST);
+  uh->set_used_bytes(1 << 20);
+  auto* t2 = r.add_tenants();
+  t2->set_tenant_id("beta");
+  auto* b2 = t2->add_budgets();
+  b2->set_tier(triax::v1::TIER_DEVICE);
+  b2->set_floor_bytes(10 << 20);
+  b2->set_ceiling_bytes(50 << 20);
+  auto* u2 = t2->add_usage();
+  u2->set_tier(triax::v1::TIER_DEVICE);
+  u2->set_used_bytes(12 << 20);
+  auto* a = r.add_ranked();
+  a->set_lineage_id(17);
+  a->set_sequence_id("seq-3");
+  a->set_tenant_id("acme");
+  a->set_action(triax::v1::PRESSURE_ACTION_DEMOTE);
+  a->mutable_encoding()->set_format(triax::v1::FORMAT_INT4);
+  a->mutable_encoding()->set_format_v(triax::v1::FORMAT_INT2);
+  a->mutable_encoding()->set_group_size(64);
+  a->set_bytes_freed(36864);
+  a->set_cost(1.25e-7);
+  auto* e = r.add_ranked();
+  e->set_lineage_id(18);
+  e->set_sequence_id("seq-3");
+  e->set_tenant_id("acme");
+  e->set_action(triax::v1::PRESSURE_ACTION_EVICT);
+  e->set_bytes_freed(98304);
+  e->set_cost(0.003);
+  return r;
+}
+
+TEST(PressureReport, ShowsEverySection) {
+  const std::string out = PressureReport(SamplePressure());
+  EXPECT_THAT(out, HasSubstr("mode:      demote-first"));
+  EXPECT_THAT(out,
+              HasSubstr("1234 blocks, 12.5 ms old; ranking took 0.457 ms"));
+  EXPECT_THAT(out, HasSubstr("demotions=3 spills=2 restores=1 evictions=0"));
+  // Pools: used, capacity, use, watermarks and state.
+  EXPECT_THAT(out, HasSubstr("WORKER  TIER    USED        CAPACITY    USE"));
+  EXPECT_THAT(out, HasSubstr("w0      device  95.00 MiB   100.00 MiB  95.0%  "
+                             "80.00 MiB   90.00 MiB   over high"));
+  EXPECT_THAT(out, HasSubstr("w0      host    170.00 MiB  200.00 MiB  85.0%  "
+                             "160.00 MiB  180.00 MiB  above low"));
+  // Tenants: one row per tier with a budget or usage.
+  EXPECT_THAT(out, HasSubstr("acme    device  60.00 MiB  10.00 MiB  "
+                             "50.00 MiB  over ceiling by 10.00 MiB"));
+  EXPECT_THAT(out, HasSubstr("acme    host    1.00 MiB   -          -"
+                             "          no budget"));
+  EXPECT_THAT(out, HasSubstr("beta    device  12.00 MiB  10.00 MiB  "
+                             "50.00 MiB  above floor by 2.00 MiB"));
+  // Ranked: demote shows its new encoding, evict none.
+  EXPECT_THAT(out, HasSubstr("RANKED (2, cheapest first)"));
+  EXPECT_THAT(out, HasSubstr("1  17       seq-3     acme    demote  "
+                             "k=int4,v=int2,g=64  36.00 KiB    1.25e-07"));
+  EXPECT_THAT(out, HasSubstr("2  18       seq-3     acme    evict   -"
+                             "                   96.00 KiB    0.003"));
+}
+
+TEST(PressureReport, EmptyResponseHasHeadersOnly) {
+  const std::string out = PressureReport(triax::v1::GetPressureResponse());
+  EXPECT_THAT(out, HasSubstr("mode:      -"));
+  EXPECT_THAT(out, HasSubstr("RANKED (0, cheapest first)"));
+  EXPECT_THAT(out, Not(HasSubstr("over high")));
+  EXPECT_THAT(out, HasSubstr("TENANT  TIER  USED  FLOOR  CEILING  STANDING"));
+}
+
+}  // namespace
+}  // namespace triax::kvctl

@@ -37,6 +37,8 @@ RegisterWorkerRequest FromProto(const v1::RegisterWorkerRequest& p) {
   d.address = p.address();
   d.backend = p.backend();
   d.capacity_bytes = p.capacity_bytes();
+  d.host_capacity_bytes = p.host_capacity_bytes();
+  d.disk_capacity_bytes = p.disk_capacity_bytes();
   return d;
 }
 
@@ -51,6 +53,28 @@ Inventory FromProto(const v1::Inventory& p) {
         FormatInventory{ToFormat(f.format()), f.pages_used(), f.bytes_used()});
   }
   d.sequence_ids.assign(p.sequence_ids().begin(), p.sequence_ids().end());
+  for (const auto& t : p.tiers()) {
+    d.tiers.push_back(TierInventory{static_cast<Tier>(t.tier()),
+                                    t.capacity_bytes(), t.used_bytes(),
+                                    t.blocks()});
+  }
+  d.spills = p.spills();
+  d.restores = p.restores();
+  d.checksum_failures = p.checksum_failures();
+  d.evictions = p.evictions();
+  d.restored_lineage_ids.assign(p.restored_lineage_ids().begin(),
+                                p.restored_lineage_ids().end());
+  d.device_error = p.device_error();
+  return d;
+}
+
+ReportAccessRequest FromProto(const v1::ReportAccessRequest& p) {
+  ReportAccessRequest d;
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.lineage_ids.assign(p.lineage_ids().begin(), p.lineage_ids().end());
+  d.weights.assign(p.weights().begin(), p.weights().end());
+  d.active = p.active();
   return d;
 }
 
@@ -175,6 +199,8 @@ void ToProto(const BlockPlan& d, v1::BlockPlan* p) {
   ToProto(d.tag, p->mutable_tag());
   SetEncoding(SpecOf(d.encoding), p);
   p->set_refcount(d.refcount);
+  p->set_tier(static_cast<v1::Tier>(d.tier));
+  p->set_evicted(d.evicted);
 }
 
 PolicyInfo FromProto(const v1::Policy& p) {
@@ -337,6 +363,18 @@ void ToProto(const Inventory& d, v1::Inventory* p) {
     pf->set_bytes_used(f.bytes_used);
   }
   for (const std::string& s : d.sequence_ids) p->add_sequence_ids(s);
+  for (const TierInventory& t : d.tiers) {
+    auto* pt = p->add_tiers();
+    pt->set_tier(static_cast<v1::Tier>(t.tier));
+    pt->set_capacity_bytes(t.capacity_bytes);
+    pt->set_used_bytes(t.used_bytes);
+    pt->set_blocks(t.blocks);
+  }
+  p->set_spills(d.spills);
+  p->set_restores(d.restores);
+  p->set_checksum_failures(d.checksum_failures);
+  p->set_evictions(d.evictions);
+  p->set_device_error(d.device_error);
 }
 
 void ToProto(const WorkerInfo& d, v1::WorkerInfo* p) {
@@ -349,6 +387,8 @@ void ToProto(const WorkerInfo& d, v1::WorkerInfo* p) {
   ToProto(d.inventory, p->mutable_inventory());
   p->set_last_heartbeat_unix_ms(d.last_heartbeat_unix_ms);
   p->set_sequences(d.sequences);
+  p->set_host_capacity_bytes(d.host_capacity_bytes);
+  p->set_disk_capacity_bytes(d.disk_capacity_bytes);
 }
 
 void ToProto(const SequenceInfo& d, v1::SequenceInfo* p) {
@@ -408,6 +448,43 @@ void ToProto(const TraceResult& d, v1::QueryTraceResponse* p) {
   ToProto(d.block, p->mutable_block());
   p->set_sequence_id(d.sequence_id);
   for (const Event& e : d.events) ToProto(e, p->add_events());
+}
+
+void ToProto(const PressureState& d, v1::GetPressureResponse* p) {
+  for (const PoolState& pool : d.pools) {
+    auto* pp = p->add_pools();
+    pp->set_worker_id(pool.worker_id);
+    pp->set_tier(static_cast<v1::Tier>(pool.tier));
+    pp->set_capacity_bytes(pool.capacity_bytes);
+    pp->set_used_bytes(pool.used_bytes);
+    pp->set_high_watermark_bytes(pool.high_watermark_bytes);
+    pp->set_low_watermark_bytes(pool.low_watermark_bytes);
+  }
+  for (const TenantInfo& t : d.tenants) ToProto(t, p->add_tenants());
+  for (const RankedActionInfo& a : d.ranked) {
+    auto* pa = p->add_ranked();
+    pa->set_lineage_id(a.lineage_id);
+    pa->set_sequence_id(a.sequence_id);
+    pa->set_tenant_id(a.tenant_id);
+    pa->set_action(static_cast<v1::PressureAction>(a.action));
+    if (a.action == PressureAction::kDemote) {
+      auto* e = pa->mutable_encoding();
+      e->set_lineage_id(a.lineage_id);
+      SetEncoding(SpecOf(a.encoding), e);
+    }
+    pa->set_bytes_freed(a.bytes_freed);
+    pa->set_cost(a.cost);
+  }
+  p->set_mode(d.mode);
+  p->set_snapshot_blocks(d.snapshot_blocks);
+  p->set_snapshot_age_ms(d.snapshot_age_ms);
+  p->set_ranking_ms(d.ranking_ms);
+  p->set_snapshot_ms(d.snapshot_ms);
+  p->set_snapshot_lock_ms(d.snapshot_lock_ms);
+  p->set_demotions(d.demotions);
+  p->set_spills(d.spills);
+  p->set_restores(d.restores);
+  p->set_evictions(d.evictions);
 }
 
 }  // namespace triax::manager

@@ -3,6 +3,7 @@
 // core, so an out-of-range wire value is rejected there with the field name.
 #pragma once
 
+#include "kvmanager/manager_core.h"
 #include "kvmanager/types.h"
 #include "triax/v1/manager.pb.h"
 #include "triax/v1/types.pb.h"
@@ -29,6 +30,7 @@ PolicyInfo FromProto(const v1::Policy& p);
 DemoteBlocksRequest FromProto(const v1::DemoteBlocksRequest& p);
 PutCalibrationRequest FromProto(const v1::PutCalibrationRequest& p);
 CalibrationTableInfo FromProto(const v1::CalibrationTable& p);
+ReportAccessRequest FromProto(const v1::ReportAccessRequest& p);
 // Wire enum value -> Format; values outside 0..254 map to 255 (invalid).
 Format ToFormat(int wire);
 
@@ -51,5 +53,6 @@ void ToProto(const DemoteBlocksResult& d, v1::DemoteBlocksResponse* p);
 void ToProto(const CalibrationTableInfo& d, v1::CalibrationTable* p);
 // The worker's DemoteRequest from a prepared demote.
 void ToProto(const DemotePrepared& d, v1::DemoteRequest* p);
+void ToProto(const PressureState& d, v1::GetPressureResponse* p);
 
 }  // namespace triax::manager

@@ -40,7 +40,35 @@ ABSL_FLAG(std::string, default_policy, "triaxial-static",
           "built-in policy for tenants without their own: triaxial-static, "
           "bf16, fp8, int8, int4, int2, tq4, tq3, tq2");
 ABSL_FLAG(int64_t, worker_rpc_timeout_ms, 30000,
-          "deadline of the manager's calls to workers (DemoteBlocks)");
+          "deadline of the manager's calls to workers (DemoteBlocks, tier "
+          "plans)");
+ABSL_FLAG(std::string, pressure_mode, "demote-first",
+          "memory-pressure response: demote-first (demote, spill, evict by "
+          "quality lost per byte), graph-evict (evict only, graph-weighted), "
+          "lru (evict the least recently used block)");
+ABSL_FLAG(double, high_watermark, 0.90,
+          "fraction of a pool above which the manager reclaims");
+ABSL_FLAG(double, low_watermark, 0.80, "fraction a reclaim brings a pool to");
+ABSL_FLAG(int64_t, pressure_interval_ms, 200,
+          "period of the background ranking and watermark check; 0: off "
+          "(admission still reclaims)");
+ABSL_FLAG(std::string, protected_roles, "system,tool_schema",
+          "roles never evicted (comma-separated: system, tool_schema, user, "
+          "assistant, reasoning, tool_call, tool_result, delimiter; empty: "
+          "none)");
+ABSL_FLAG(double, evict_factor, 4.0,
+          "eviction distortion of a tag = this x its largest calibrated "
+          "distortion");
+ABSL_FLAG(double, spill_host_penalty, 1e-3,
+          "distortion-equivalent per token of restoring a host-spilled block");
+ABSL_FLAG(double, spill_disk_penalty, 4e-3,
+          "distortion-equivalent per token of restoring a disk-spilled block");
+ABSL_FLAG(uint32_t, window_guard_tokens, 64,
+          "blocks ending within this many tokens of a sequence's end are "
+          "taken to be in the worker's BF16 window: never spilled or evicted "
+          "by the pressure manager (set it to the workers' --window_tokens)");
+ABSL_FLAG(double, reuse_half_life_ms, 30000,
+          "half-life of the reuse probability of an idle sequence's blocks");
 
 namespace {
 
@@ -77,6 +105,31 @@ int main(int argc, char** argv) {
   options.recent_turns = absl::GetFlag(FLAGS_recent_turns);
   options.event_retention = absl::GetFlag(FLAGS_event_retention);
   options.default_policy = absl::GetFlag(FLAGS_default_policy);
+  {
+    auto mode =
+        triax::manager::ParsePressureMode(absl::GetFlag(FLAGS_pressure_mode));
+    if (!mode.ok()) {
+      Log(LogLevel::kError, "manager", "bad flags",
+          Kv("error", mode.status().ToString()));
+      return 2;
+    }
+    options.ranker.mode = *mode;
+    auto roles =
+        triax::manager::ParseRoleList(absl::GetFlag(FLAGS_protected_roles));
+    if (!roles.ok()) {
+      Log(LogLevel::kError, "manager", "bad flags",
+          Kv("error", roles.status().ToString()));
+      return 2;
+    }
+    options.ranker.protected_roles = *roles;
+    options.ranker.evict_factor = absl::GetFlag(FLAGS_evict_factor);
+    options.ranker.spill_host_penalty = absl::GetFlag(FLAGS_spill_host_penalty);
+    options.ranker.spill_disk_penalty = absl::GetFlag(FLAGS_spill_disk_penalty);
+    options.ranker.reuse_half_life_ms = absl::GetFlag(FLAGS_reuse_half_life_ms);
+    options.window_guard_tokens = absl::GetFlag(FLAGS_window_guard_tokens);
+    options.watermarks.high = absl::GetFlag(FLAGS_high_watermark);
+    options.watermarks.low = absl::GetFlag(FLAGS_low_watermark);
+  }
   auto core =
       triax::manager::ManagerCore::Create(options, triax::RealClock::Get());
   if (!core.ok()) {
@@ -89,7 +142,8 @@ int main(int argc, char** argv) {
   const int64_t check_ms = std::max<int64_t>(
       10, std::min<int64_t>(1000, options.worker_timeout_ms / 4));
   triax::manager::ManagerService service(
-      core->get(), check_ms, absl::GetFlag(FLAGS_worker_rpc_timeout_ms));
+      core->get(), check_ms, absl::GetFlag(FLAGS_worker_rpc_timeout_ms),
+      absl::GetFlag(FLAGS_pressure_interval_ms));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

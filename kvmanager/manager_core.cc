@@ -13,83 +13,10 @@
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "kvmanager/allocator.h"
+#include "kvmanager/manager_core_internal.h"
 #include "kvmanager/tagger.h"
 
 namespace triax::manager {
-
-struct ManagerCore::Tenant {
-  std::string id;
-  std::array<std::optional<Budget>, kNumTiers> budgets;
-  std::array<uint64_t, kNumTiers> used{};
-  uint32_t open_sequences = 0;
-  std::string default_policy;
-};
-
-struct ManagerCore::Worker {
-  WorkerInfo info;  // reserved_bytes and sequences are kept below
-  uint64_t reserved = 0;
-  absl::flat_hash_set<Sequence*> open;
-};
-
-struct ManagerCore::Block {
-  uint32_t index = 0;
-  uint64_t lineage_id = 0;
-  uint64_t first_token = 0;
-  uint32_t num_tokens = 0;
-  uint32_t capacity = 0;
-  Tag tag;
-  Encoding encoding;
-  uint32_t refcount = 0;
-  uint32_t turn = 0;
-  uint64_t bytes = 0;
-  Tenant* charged = nullptr;
-  Worker* worker = nullptr;
-  std::string creator;
-};
-
-struct ManagerCore::Sequence {
-  std::string id;
-  Tenant* tenant = nullptr;
-  Worker* worker = nullptr;
-  ModelShape model;
-  SequenceState state = SequenceState::kOpen;
-  uint32_t block_tokens = 0;
-  uint64_t num_tokens = 0;
-  uint32_t current_turn = 0;
-  std::shared_ptr<const Policy> policy;
-  std::string parent;
-  std::vector<Block*> blocks;
-  std::vector<uint32_t> turn_start;  // first block index of each turn
-  uint64_t bytes = 0;                // sum of its blocks' bytes
-  uint64_t version = 0;              // bumped by every mutation
-  std::vector<uint64_t> lost_lineage_ids;
-  // Allocation policies: the calibration table version of Open and the
-  // current choice per tag (every tag of the sequence's blocks).
-  std::shared_ptr<const Calibration> calibration;
-  Allocation allocation;
-};
-
-struct ManagerCore::Calibration {
-  CalibrationTableInfo info;        // entries canonical, source as given
-  std::vector<Encoding> encodings;  // entries' resolved encodings
-};
-
-struct ManagerCore::PendingDemote {
-  std::string tenant_id;
-  std::string request_id;
-  std::string sequence_id;
-  uint64_t version = 0;  // the sequence's version at prepare
-  std::string worker_id;
-  // lineage id -> new canonical encoding and its bytes (changing blocks only)
-  std::vector<std::pair<uint64_t, Encoding>> changes;
-  std::vector<uint64_t> new_bytes;
-  int64_t bytes_delta = 0;
-  uint64_t reserved = 0;  // max(bytes_delta, 0), charged at prepare
-  // Set when the demote was started by an Extend (FinishExtendDemotion).
-  bool from_extend = false;
-  std::string extend_request_id;
-  ExtendSequenceResult extend_result;  // the reply without demoted blocks
-};
 
 namespace {
 
@@ -294,6 +221,35 @@ absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
     return absl::InvalidArgumentError(
         "event_retention and watcher_queue_limit must be > 0");
   }
+  const Watermarks& wm = options.watermarks;
+  if (!(wm.low > 0 && wm.low <= wm.high && wm.high <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("watermarks low ", wm.low, " and high ", wm.high,
+                     " must satisfy 0 < low <= high <= 1"));
+  }
+  const RankerOptions& r = options.ranker;
+  for (const auto& [name, v] :
+       {std::pair<const char*, double>{"evict_factor", r.evict_factor},
+        {"spill_host_penalty", r.spill_host_penalty},
+        {"spill_disk_penalty", r.spill_disk_penalty},
+        {"reuse_half_life_ms", r.reuse_half_life_ms},
+        {"default_evict_distortion", r.default_evict_distortion},
+        {"importance_weight", r.importance_weight}}) {
+    if (!(v >= 0) || !std::isfinite(v)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " ", v, " must be finite and >= 0"));
+    }
+  }
+  if (!(r.reuse_half_life_ms > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reuse_half_life_ms ", r.reuse_half_life_ms, " must be > 0"));
+  }
+  for (Role role : r.protected_roles) {
+    if (!IsValid(role)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("protected_roles has ", RoleName(role), ", not a role"));
+    }
+  }
   return std::unique_ptr<ManagerCore>(new ManagerCore(options, clock));
 }
 
@@ -435,6 +391,8 @@ BlockPlan ManagerCore::PlanOf(const Block& b) const {
   p.tag = b.tag;
   p.encoding = b.encoding;
   p.refcount = b.refcount;
+  p.tier = b.tier;
+  p.evicted = b.evicted;
   return p;
 }
 
@@ -545,6 +503,8 @@ absl::StatusOr<ManagerCore::Worker*> ManagerCore::PlaceLocked(
   uint64_t best_free = 0;
   for (const auto& [id, w] : workers_) {
     if (w->info.state != WorkerState::kUp) continue;
+    // A worker whose device failed (sticky CUDA error) takes nothing new.
+    if (!w->info.inventory.device_error.empty()) continue;
     const uint64_t free =
         w->info.capacity_bytes - std::min(w->reserved, w->info.capacity_bytes);
     // Ties go to the smaller id so placement is deterministic.
@@ -554,7 +514,9 @@ absl::StatusOr<ManagerCore::Worker*> ManagerCore::PlaceLocked(
       best_free = free;
     }
   }
-  if (best == nullptr) return absl::UnavailableError("no worker is up");
+  if (best == nullptr) {
+    return absl::UnavailableError("no worker is up with a healthy device");
+  }
   if (best_free < bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("no worker has room: the request needs ", bytes,
@@ -585,6 +547,14 @@ ManagerCore::Block* ManagerCore::NewBlockLocked(Sequence* s,
   b->charged = s->tenant;
   b->worker = s->worker;
   b->creator = s->id;
+  b->owner = s;
+  graph_.AddBlock(b->lineage_id, clock_->NowMs());
+  // Tool call -> tool result: a result's blocks link to the newest call.
+  if (b->tag.role == Role::kToolCall) {
+    s->last_tool_call = b->lineage_id;
+  } else if (b->tag.role == Role::kToolResult && s->last_tool_call != 0) {
+    graph_.Link(s->last_tool_call, b->lineage_id, EdgeKind::kToolCallResult);
+  }
   s->blocks.push_back(b);
   s->bytes += b->bytes;
   s->tenant->used[static_cast<int>(Tier::kDevice)] += b->bytes;
@@ -604,9 +574,30 @@ void ManagerCore::ReleaseBlockLocked(
   --b->refcount;
   ev->push_back(MakeEvent(
       lost ? EventKind::kBlockLost : EventKind::kBlockReleased, s, b));
-  if (b->refcount > 0) return;
-  b->charged->used[static_cast<int>(Tier::kDevice)] -= b->bytes;
-  b->worker->reserved -= b->bytes;
+  if (b->refcount > 0) {
+    if (b->owner == s) {
+      // Another holder keeps it: a fork on the same worker.
+      b->owner = nullptr;
+      for (Sequence* o : s->worker->open) {
+        if (o != s && b->index < o->blocks.size() && o->blocks[b->index] == b) {
+          b->owner = o;
+          break;
+        }
+      }
+    }
+    return;
+  }
+  // Bytes are charged to the block's tier; an evicted block holds none.
+  if (!b->evicted) {
+    const int tier = static_cast<int>(b->tier);
+    b->charged->used[tier] -= b->bytes;
+    if (b->tier == Tier::kDevice) {
+      b->worker->reserved -= b->bytes;
+    } else {
+      b->worker->tier_used[tier] -= b->bytes;
+    }
+  }
+  graph_.RemoveBlock(b->lineage_id);
   if (!lost) {
     Event e = MakeEvent(EventKind::kBlockFreed, s, b);
     e.detail = absl::StrCat("bytes=", b->bytes);
@@ -703,6 +694,8 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
   w->info.address = req.address;
   w->info.backend = req.backend;
   w->info.capacity_bytes = req.capacity_bytes;
+  w->info.host_capacity_bytes = req.host_capacity_bytes;
+  w->info.disk_capacity_bytes = req.disk_capacity_bytes;
   w->info.state = WorkerState::kUp;
   w->info.last_heartbeat_unix_ms = clock_->NowMs();
   w->info.inventory = Inventory{};
@@ -743,6 +736,12 @@ absl::Status ManagerCore::Heartbeat(const std::string& worker_id,
   }
   w->info.last_heartbeat_unix_ms = clock_->NowMs();
   w->info.inventory = inventory;
+  if (!inventory.restored_lineage_ids.empty()) {
+    std::vector<Event> ev;
+    ApplyWorkerRestoresLocked(w, inventory.restored_lineage_ids, &ev);
+    w->info.inventory.restored_lineage_ids.clear();
+    events_.Append(&ev);
+  }
   return absl::OkStatus();
 }
 
@@ -905,7 +904,7 @@ std::vector<TenantInfo> ManagerCore::ListTenants() const {
 // -----------------------------------------------------------------
 
 absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
-    const OpenSequenceRequest& req) {
+    const OpenSequenceRequest& req, AdmissionShortfall* shortfall) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", req.tenant_id));
   TRIAX_RETURN_IF_ERROR(ValidateModel(req.model));
@@ -1005,11 +1004,30 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   for (const auto& [tag, n] : tags) {
     bytes += BlockBytes(req.model, T, EncodingOfLocked(*s, tag));
   }
-  TRIAX_RETURN_IF_ERROR(AdmitLocked(*tenant, bytes));
-  TRIAX_ASSIGN_OR_RETURN(Worker * worker, PlaceLocked(bytes));
+  if (absl::Status st = AdmitLocked(*tenant, bytes); !st.ok()) {
+    if (shortfall != nullptr) {
+      absl::StatusOr<Worker*> w = PlaceLocked(0);
+      *shortfall = AdmissionShortfall{
+          tenant->id, w.ok() ? (*w)->info.worker_id : "", bytes};
+    }
+    return st;
+  }
+  absl::StatusOr<Worker*> placed = PlaceLocked(bytes);
+  if (!placed.ok()) {
+    if (shortfall != nullptr && absl::IsResourceExhausted(placed.status())) {
+      absl::StatusOr<Worker*> w = PlaceLocked(0);
+      if (w.ok()) {
+        *shortfall =
+            AdmissionShortfall{tenant->id, (*w)->info.worker_id, bytes};
+      }
+    }
+    return placed.status();
+  }
+  Worker* worker = *placed;
 
   s->id = absl::StrCat("seq-", next_sequence_++);
   s->worker = worker;
+  s->last_access_ms = clock_->NowMs();
   s->current_turn = last_turn;
   s->turn_start.push_back(0);
   s->blocks.reserve(planned.size());
@@ -1037,7 +1055,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
 }
 
 absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
-    const ExtendSequenceRequest& req) {
+    const ExtendSequenceRequest& req, AdmissionShortfall* shortfall) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   if (req.rendered.has_value() && req.new_turn) {
     return absl::InvalidArgumentError(
@@ -1077,6 +1095,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   Block* last = s->blocks.back();
   uint32_t fill = 0;
   if (req.continue_last_span && last->refcount == 1 &&
+      last->tier == Tier::kDevice && !last->evicted && last->busy == 0 &&
       last->tag.role == (*spans)[0].role &&
       last->tag.modality == Normalize((*spans)[0].modality)) {
     fill = std::min(last->capacity - last->num_tokens, (*spans)[0].num_tokens);
@@ -1148,8 +1167,18 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
     }
     bytes += BlockBytes(s->model, T, e);
   }
-  TRIAX_RETURN_IF_ERROR(AdmitLocked(*s->tenant, bytes));
-  TRIAX_RETURN_IF_ERROR(FitsWorkerLocked(*s->worker, bytes));
+  {
+    absl::Status st = AdmitLocked(*s->tenant, bytes);
+    if (st.ok()) st = FitsWorkerLocked(*s->worker, bytes);
+    if (!st.ok()) {
+      if (shortfall != nullptr) {
+        *shortfall =
+            AdmissionShortfall{s->tenant->id, s->worker->info.worker_id, bytes};
+      }
+      return st;
+    }
+  }
+  s->last_access_ms = clock_->NowMs();
 
   // Commit.
   ++s->version;
@@ -1242,7 +1271,12 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
     DemotePrepared prepared;
     for (size_t i = 0; i < old_blocks; ++i) {
       Block* b = s->blocks[i];
-      if (b->refcount > 1) continue;
+      // Shared blocks are immutable; spilled, evicted or busy ones are left
+      // to the pressure path.
+      if (b->refcount > 1 || b->tier != Tier::kDevice || b->evicted ||
+          b->busy != 0) {
+        continue;
+      }
       const Encoding e = EncodingOfLocked(*s, b->tag);
       if (e == b->encoding) continue;
       const uint64_t nb = BlockBytes(s->model, T, e);
@@ -1310,6 +1344,20 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   if (shared < parent->blocks.size() &&
       parent->blocks[shared]->first_token < n) {
     cut = parent->blocks[shared];
+  }
+  for (size_t i = 0; i < shared + (cut != nullptr ? 1 : 0); ++i) {
+    const Block* b = parent->blocks[i];
+    if (b->evicted || b->tier != Tier::kDevice || b->busy != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "parent_sequence_id ", Quote(parent->id), " block ", i, " (lineage ",
+          b->lineage_id, ") is ",
+          b->evicted
+              ? "evicted"
+              : (b->busy != 0 ? "being moved by the pressure manager"
+                              : absl::StrCat("spilled to ", TierName(b->tier))),
+          "; forks share device blocks only (ReportAccess with active=true "
+          "restores spilled blocks)"));
+    }
   }
   const uint64_t bytes = cut != nullptr ? cut->bytes : 0;
   TRIAX_RETURN_IF_ERROR(AdmitLocked(*parent->tenant, bytes));
@@ -1603,6 +1651,18 @@ absl::StatusOr<DemotePrepared> ManagerCore::PrepareDemote(
       return absl::FailedPreconditionError(absl::StrCat(
           "blocks[", i, "].lineage_id ", lineage, " is shared with a fork (",
           b->refcount, " sequences); shared blocks are immutable"));
+    }
+    if (b->evicted || b->tier != Tier::kDevice) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "blocks[", i, "].lineage_id ", lineage, " is ",
+          b->evicted ? "evicted"
+                     : absl::StrCat("spilled to ", TierName(b->tier)),
+          "; only blocks in the device pool can be demoted"));
+    }
+    if (b->busy != 0) {
+      return absl::AbortedError(
+          absl::StrCat("blocks[", i, "].lineage_id ", lineage,
+                       " is being moved by the pressure manager; retry"));
     }
     const Encoding& e = encodings[i];
     if (const char* why = kernels::ValidateEncoding(e, shape)) {

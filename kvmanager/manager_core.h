@@ -94,6 +94,38 @@
 // Every mutation of a sequence (extend, fork from it, demote, close, loss)
 // bumps its version; a pending demote commits only on an unchanged version.
 //
+// Memory pressure (manager_pressure.cc, pressure.h). Every block is in one
+// tier: the worker's device pool, its host tier or its disk tier (spilled),
+// or evicted (its pages dropped; it stays in the plan with evicted = true and
+// its tokens are no longer attended). A block's bytes are charged to the
+// tenant's and the worker's usage of its tier (evicted: nothing). The block
+// graph (pressure.h BlockGraph) has a node per live block, tool call ->
+// tool result edges (a tool-result block links to the sequence's newest
+// tool-call block), co-attention edges and hits from ReportAccess.
+// RefreshRanking snapshots every block held by exactly one open sequence
+// (shared blocks are never acted on), with its tag's encoding options from
+// the sequence's calibration table (the allocation policy's, else the table
+// stored under the model's name when its shape matches; without one, a
+// fallback noise model 2^(-2 (bits - 2))), and ranks them outside the lock.
+// Blocks ending within window_guard_tokens of the sequence's end are taken
+// to be in the worker's BF16 window and not ranked. The planners (PlanPressure,
+// PlanAdmission, ReportAccess/PlanPrefetch) turn ranked actions into a
+// TierPlan of worker commands, re-checking every block against the live
+// registry (unchanged tier, not busy, room in the destination tier of the
+// worker and the tenant's ceiling there); planned blocks are busy (skipped
+// by other plans, refused by DemoteBlocks with ABORTED, and by Fork) until
+// FinishTierPlan. Spills and restores reserve their destination at
+// planning; the source is released at FinishTierPlan when the worker call
+// succeeded, and the reservation returned when it failed. Each applied
+// action bumps the sequence's version and emits BLOCK_DEMOTED (detail
+// by=pressure), BLOCK_SPILLED, BLOCK_RESTORED or BLOCK_EVICTED. Blocks the
+// worker restored on its own (restore on Attend) arrive with the next
+// Heartbeat (Inventory.restored_lineage_ids) and move back to the device in
+// the accounting. Prefetches never push a pool above its high watermark or
+// a tenant above its ceiling. Extend's aging demotions skip spilled,
+// evicted and busy blocks; Fork refuses a parent whose kept blocks are not
+// all in the device pool (FAILED_PRECONDITION).
+//
 // Idempotency: mutating calls with a non-empty request_id remember their
 // successful reply (per method, per tenant or worker, the newest
 // `idempotency_capacity`); the same request_id again returns that reply
@@ -102,9 +134,10 @@
 //
 // Thread contract: thread-safe; one mutex guards all state, and no call does
 // work proportional to the total number of blocks (List* calls are
-// proportional to what they return). Lock order: ManagerCore::mu_ ->
-// EventLog (its own mutex; subscriber notify callbacks run under mu_ and must
-// not call back into the core).
+// proportional to what they return) except RefreshRanking's snapshot copy
+// (O(blocks) under the mutex; the ranking itself runs outside it). Lock order:
+// ManagerCore::mu_ -> EventLog (its own mutex; subscriber notify callbacks run
+// under mu_ and must not call back into the core).
 #pragma once
 
 #include <array>
@@ -125,6 +158,7 @@
 #include "common/idempotency.h"
 #include "kvmanager/event_log.h"
 #include "kvmanager/policy.h"
+#include "kvmanager/pressure.h"
 #include "kvmanager/types.h"
 
 namespace triax::manager {
@@ -147,6 +181,81 @@ struct ManagerOptions {
   std::string default_policy = kDefaultPolicy;
   size_t closed_retention = 100'000;  // closed/lost sequences still queryable
   size_t idempotency_capacity = 16'384;  // remembered replies per method
+  // Memory pressure (see "Memory pressure" above).
+  RankerOptions ranker;
+  Watermarks watermarks;
+  // Blocks ending within this many tokens of a sequence's end are taken to
+  // be still in the worker's BF16 window (not spilled or evicted).
+  uint32_t window_guard_tokens = 64;
+  size_t max_plan_blocks = 4096;  // blocks one tier plan may act on
+};
+
+// One worker call of a tier plan; the service runs it and reports the
+// outcome with FinishTierPlan.
+struct TierCommand {
+  enum class Kind : int { kDemote = 0, kSpill = 1, kRestore = 2, kEvict = 3 };
+  Kind kind = Kind::kDemote;
+  std::string worker_id;
+  std::string worker_address;
+  std::string tenant_id;
+  std::string sequence_id;
+  std::string request_id;          // for the worker's idempotency
+  Tier tier = Tier::kUnspecified;  // kSpill: destination tier
+  // index and lineage_id of each block; kDemote: the new encoding.
+  std::vector<BlockPlan> blocks;
+};
+
+// Worker calls planned together; token 0 means nothing to do.
+struct TierPlan {
+  uint64_t token = 0;
+  std::vector<TierCommand> commands;
+  uint64_t bytes = 0;  // bytes the plan frees (or, for restores, brings back)
+  std::string reason;  // "watermark worker w0", "admission tenant t", ...
+};
+
+// Why an Open / Extend was refused RESOURCE_EXHAUSTED: what reclaiming
+// must make room for.
+struct AdmissionShortfall {
+  std::string tenant_id;
+  std::string worker_id;       // the worker the request would go to
+  uint64_t request_bytes = 0;  // device bytes the request needs
+  // A sequence whose blocks must not be taken (the one being restored).
+  std::string exclude_sequence_id;
+};
+
+struct RankedActionInfo {
+  uint64_t lineage_id = 0;
+  std::string sequence_id;
+  std::string tenant_id;
+  PressureAction action = PressureAction::kUnspecified;
+  Encoding encoding;  // kDemote target
+  uint64_t bytes_freed = 0;
+  double cost = 0;
+};
+
+struct PoolState {
+  std::string worker_id;
+  Tier tier = Tier::kDevice;
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t high_watermark_bytes = 0;
+  uint64_t low_watermark_bytes = 0;
+};
+
+struct PressureState {
+  std::vector<PoolState> pools;
+  std::vector<TenantInfo> tenants;
+  std::vector<RankedActionInfo> ranked;  // cheapest first
+  std::string mode;
+  uint64_t snapshot_blocks = 0;
+  double snapshot_age_ms = 0;
+  double ranking_ms = 0;
+  double snapshot_ms = 0;       // the last snapshot's copy (in chunks)
+  double snapshot_lock_ms = 0;  // its longest hold of the core mutex
+  uint64_t demotions = 0;
+  uint64_t spills = 0;
+  uint64_t restores = 0;
+  uint64_t evictions = 0;
 };
 
 class ManagerCore {
@@ -183,9 +292,13 @@ class ManagerCore {
   std::vector<TenantInfo> ListTenants() const;
 
   // --- Sequences -------------------------------------------------------------
-  absl::StatusOr<SequenceInfo> OpenSequence(const OpenSequenceRequest& req);
+  // A RESOURCE_EXHAUSTED for the tenant's device ceiling or the worker's
+  // room fills *shortfall (when given), for PlanAdmission.
+  absl::StatusOr<SequenceInfo> OpenSequence(
+      const OpenSequenceRequest& req, AdmissionShortfall* shortfall = nullptr);
   absl::StatusOr<ExtendSequenceResult> ExtendSequence(
-      const ExtendSequenceRequest& req);
+      const ExtendSequenceRequest& req,
+      AdmissionShortfall* shortfall = nullptr);
   absl::StatusOr<SequenceInfo> ForkSequence(const ForkSequenceRequest& req);
   absl::StatusOr<CloseSequenceResult> CloseSequence(
       const CloseSequenceRequest& req);
@@ -241,6 +354,52 @@ class ManagerCore {
   // Drops a pending demote and returns its reservation; no-op when unknown.
   void AbortDemote(uint64_t token);
 
+  // --- Memory pressure (manager_pressure.cc) ---------------------------------
+  // Builds a snapshot of every rankable block under the lock, ranks it
+  // outside the lock (pressure.h Rank) and publishes it; the planners below
+  // read the published snapshot. Returns the ranking time in ms.
+  double RefreshRanking();
+  // Plans actions for every UP worker whose device pool (or host tier) is
+  // above its high watermark, down to the low watermark, and for every
+  // tenant above its device ceiling (after SetBudget lowered it), down to
+  // the ceiling. token 0: nothing to do.
+  TierPlan PlanPressure();
+  // True when PlanPressure has something to do: an UP worker's device pool
+  // or host tier above its high watermark, or a tenant above its device
+  // ceiling. O(workers + tenants), for the background loop to skip idle
+  // rounds.
+  bool NeedsReclaim() const;
+  // Plans actions that make room for `s.request_bytes` more device bytes of
+  // `s.tenant_id` on `s.worker_id`: the tenant's own blocks for its ceiling,
+  // any tenant's (above-floor first) for the worker's room. The plan may
+  // free less than needed (the retried request then fails with the
+  // remaining shortfall).
+  TierPlan PlanAdmission(const AdmissionShortfall& s);
+  // Plans restores of every spilled block of an open sequence, as far as
+  // the worker's pool (its capacity) and the tenant's ceiling allow; what
+  // does not fit goes into *shortfall (when given; request_bytes 0 when
+  // everything fits), for PlanAdmission to make room. Run when a sequence
+  // becomes active (ReportAccess active=true, ExtendSequence).
+  TierPlan PlanPrefetch(const std::string& sequence_id,
+                        AdmissionShortfall* shortfall = nullptr);
+  // Records an access report (hits, attention mass, co-attention edges) and
+  // plans restores of spilled graph neighbours of the reported blocks (any
+  // open sequence) as far as the pool's high watermark and the tenant's
+  // ceiling allow. (req.active: the service then restores the sequence's
+  // own spilled blocks with PlanPrefetch, reclaiming room if needed.)
+  // INVALID_ARGUMENT (more than 4096 ids, weights of another length, a weight
+  // outside 0..1), NOT_FOUND (tenant, sequence, a lineage id not in the
+  // sequence), PERMISSION_DENIED, FAILED_PRECONDITION (not open).
+  absl::StatusOr<TierPlan> ReportAccess(const ReportAccessRequest& req);
+  // Applies the outcome of a plan's commands (results[i] for commands[i]):
+  // successful ones change tiers, encodings, bytes and emit events; failed
+  // ones return their reservations. Blocks freed meanwhile are skipped.
+  // NOT_FOUND for an unknown token.
+  absl::Status FinishTierPlan(uint64_t token,
+                              const std::vector<absl::Status>& results);
+  // Pools, tenants, the top ranked actions of the snapshot, counters.
+  PressureState GetPressure(uint32_t top) const;
+
   // --- Events ----------------------------------------------------------------
   // NOT_FOUND when the lineage is neither live nor in retained events.
   absl::StatusOr<TraceResult> QueryTrace(uint64_t lineage_id) const;
@@ -252,7 +411,9 @@ class ManagerCore {
   struct Sequence;
   struct Block;
   struct PendingDemote;
+  struct PendingTier;
   struct Calibration;
+  struct Snapshot;
   // The allocation of a sequence: the chosen encoding per tag.
   using Allocation = std::vector<std::pair<Tag, Encoding>>;
   struct TagTokens {
@@ -305,6 +466,32 @@ class ManagerCore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns the reservation of a pending demote and forgets it.
   void ReleasePendingLocked(uint64_t token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Memory pressure (manager_pressure.cc).
+  Sequence* OwnerLocked(const Block& b) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ActionValidLocked(const RankedAction& a, const Block& b,
+                         const Sequence& s,
+                         std::array<uint64_t, kNumTiers>* worker_add,
+                         uint64_t* tenant_add) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PickLocked(const Snapshot& snap, uint32_t wi, Tier tier, uint64_t need,
+                  const Tenant* tenant, const Sequence* exclude,
+                  std::vector<std::pair<Block*, RankedAction>>* picks,
+                  absl::flat_hash_set<uint64_t>* taken, uint64_t* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  TierPlan PlanFromPicksLocked(
+      const std::vector<std::pair<Block*, RankedAction>>& picks,
+      const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `limit_to_high`: restore only below the pool's high watermark (graph
+  // neighbours); else up to its capacity (the active sequence's own blocks).
+  TierPlan PlanRestoreLocked(const std::vector<Block*>& want,
+                             const std::string& reason, bool limit_to_high,
+                             uint64_t* unfit_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ApplyWorkerRestoresLocked(Worker* w, const std::vector<uint64_t>& ids,
+                                 std::vector<Event>* ev)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Temporal TemporalFor(uint32_t index, uint32_t turn, uint32_t current) const;
   Block* NewBlockLocked(Sequence* s, const PlannedBlock& pb, uint32_t turn,
@@ -360,6 +547,19 @@ class ManagerCore {
       calibrations_ ABSL_GUARDED_BY(mu_);  // by model id
   absl::flat_hash_map<uint64_t, std::unique_ptr<PendingDemote>> pending_
       ABSL_GUARDED_BY(mu_);  // prepared demotes by token
+  // Memory pressure. rank_mu_ serializes RefreshRanking's Rank (its
+  // scratch buffers); it is never taken with mu_ held.
+  absl::Mutex rank_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::unique_ptr<RankScratch> rank_scratch_ ABSL_GUARDED_BY(rank_mu_) =
+      std::make_unique<RankScratch>();
+  BlockGraph graph_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const Snapshot> snapshot_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::unique_ptr<PendingTier>> pending_tier_
+      ABSL_GUARDED_BY(mu_);
+  uint64_t demotions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t spills_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t restores_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_lineage_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;

@@ -445,6 +445,21 @@ TEST_F(CoreTest, SilentWorkerGoesDownAndItsSequencesAreLost) {
   EXPECT_EQ(core_->ListWorkers()[0].state, WorkerState::kDown);
 }
 
+TEST_F(CoreTest, WorkerWithAFailedDeviceTakesNoNewSequences) {
+  auto before = Open({S(Role::kUser, 16)});
+  ASSERT_THAT(before, IsOk());
+  Inventory bad;
+  bad.device_error = "UNAVAILABLE: CUDA error 700 (illegal address)";
+  ASSERT_THAT(core_->Heartbeat("w1", bad), IsOk());
+  EXPECT_EQ(core_->ListWorkers()[0].inventory.device_error, bad.device_error);
+  EXPECT_THAT(
+      Open({S(Role::kUser, 1)}),
+      StatusIs(absl::StatusCode::kUnavailable, HasSubstr("healthy device")));
+  // A healthy heartbeat (e.g. after a restart) makes it placeable again.
+  ASSERT_THAT(core_->Heartbeat("w1", Inventory{}), IsOk());
+  EXPECT_THAT(Open({S(Role::kUser, 1)}), IsOk());
+}
+
 TEST_F(CoreTest, ReRegistrationLosesThePreviousSequences) {
   auto seq = Open({S(Role::kUser, 16)});
   ASSERT_THAT(seq, IsOk());

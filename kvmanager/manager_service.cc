@@ -16,6 +16,24 @@
 namespace triax::manager {
 namespace {
 
+// The fields Spill, Restore and Evict requests share, from a tier command.
+template <typename Req>
+Req TierRequest(const TierCommand& c) {
+  Req req;
+  req.set_request_id(c.request_id);
+  req.set_tenant_id(c.tenant_id);
+  req.set_sequence_id(c.sequence_id);
+  for (const BlockPlan& b : c.blocks) req.add_lineage_ids(b.lineage_id);
+  return req;
+}
+
+// Reclaim-and-retry rounds of an admission: each round takes one action per
+// block (e.g. BF16 -> FP8, then FP8 -> INT4, ...).
+constexpr int kAdmissionRounds = 8;
+// The background loop ranks every round while a pool or tenant is over,
+// else every this many rounds.
+constexpr int kIdleRankRounds = 10;
+
 // The one helper every unary RPC goes through: runs `body` (which fills the
 // response and returns a Status) and finishes with the mapped status.
 template <typename F>
@@ -120,12 +138,15 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
 }  // namespace
 
 ManagerService::ManagerService(ManagerCore* core, int64_t check_interval_ms,
-                               int64_t worker_rpc_timeout_ms)
+                               int64_t worker_rpc_timeout_ms,
+                               int64_t pressure_interval_ms)
     : core_(core), worker_rpc_timeout_ms_(worker_rpc_timeout_ms) {
   if (check_interval_ms > 0) {
     checker_ = std::thread(
         [this, check_interval_ms] { CheckLoop(check_interval_ms); });
   }
+  pressure_ = std::thread(
+      [this, pressure_interval_ms] { PressureLoop(pressure_interval_ms); });
 }
 
 ManagerService::~ManagerService() { Stop(); }
@@ -133,6 +154,11 @@ ManagerService::~ManagerService() { Stop(); }
 void ManagerService::Stop() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (checker_.joinable()) checker_.join();
+  {
+    absl::MutexLock lock(&tasks_mu_);
+    stopping_ = true;
+  }
+  if (pressure_.joinable()) pressure_.join();
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
       +[](int* n) { return *n == 0; }, &in_flight_));
@@ -147,6 +173,124 @@ void ManagerService::CheckLoop(int64_t interval_ms) {
                        Kv("timeout_ms", core_->options().worker_timeout_ms)));
     }
   }
+}
+
+void ManagerService::Post(std::function<void()> task) {
+  absl::MutexLock lock(&tasks_mu_);
+  tasks_.push_back(std::move(task));
+}
+
+void ManagerService::PressureLoop(int64_t interval_ms) {
+  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(tasks_mu_) {
+    return stopping_ || !tasks_.empty();
+  };
+  absl::Time next_round =
+      absl::Now() + absl::Milliseconds(interval_ms > 0 ? interval_ms : 0);
+  int idle_rounds = 0;
+  while (true) {
+    std::function<void()> task;
+    {
+      absl::MutexLock lock(&tasks_mu_);
+      if (interval_ms > 0) {
+        tasks_mu_.AwaitWithDeadline(absl::Condition(&ready), next_round);
+      } else {
+        tasks_mu_.Await(absl::Condition(&ready));
+      }
+      if (!tasks_.empty()) {
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      } else if (stopping_) {
+        return;
+      }
+    }
+    if (task) {
+      // Tasks left at shutdown still run: each finishes a reply.
+      task();
+      continue;
+    }
+    if (interval_ms > 0 && absl::Now() >= next_round) {
+      // Rank when there is work, and at least every kIdleRankRounds rounds
+      // so GetPressure's snapshot stays fresh.
+      if (core_->NeedsReclaim() || ++idle_rounds >= kIdleRankRounds) {
+        idle_rounds = 0;
+        core_->RefreshRanking();
+        RunTierPlan(core_->PlanPressure());
+      }
+      next_round = absl::Now() + absl::Milliseconds(interval_ms);
+    }
+  }
+}
+
+void ManagerService::RunTierPlan(const TierPlan& plan) {
+  if (plan.token == 0) return;
+  std::vector<absl::Status> results;
+  results.reserve(plan.commands.size());
+  uint64_t blocks = 0;
+  for (const TierCommand& c : plan.commands) {
+    blocks += c.blocks.size();
+    std::shared_ptr<v1::Worker::Stub> stub = WorkerStub(c.worker_address);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(worker_rpc_timeout_ms_));
+    grpc::Status status;
+    const char* what = "";
+    switch (c.kind) {
+      case TierCommand::Kind::kDemote: {
+        what = "Demote";
+        v1::DemoteRequest req;
+        req.set_request_id(c.request_id);
+        req.set_tenant_id(c.tenant_id);
+        req.set_sequence_id(c.sequence_id);
+        for (const BlockPlan& b : c.blocks) ToProto(b, req.add_blocks());
+        v1::DemoteResponse resp;
+        status = stub->Demote(&ctx, req, &resp);
+        break;
+      }
+      case TierCommand::Kind::kSpill: {
+        what = "Spill";
+        auto req = TierRequest<v1::SpillRequest>(c);
+        req.set_tier(static_cast<v1::Tier>(c.tier));
+        v1::SpillResponse resp;
+        status = stub->Spill(&ctx, req, &resp);
+        break;
+      }
+      case TierCommand::Kind::kRestore: {
+        what = "Restore";
+        v1::RestoreResponse resp;
+        status = stub->Restore(&ctx, TierRequest<v1::RestoreRequest>(c), &resp);
+        break;
+      }
+      case TierCommand::Kind::kEvict: {
+        what = "Evict";
+        v1::EvictResponse resp;
+        status = stub->Evict(&ctx, TierRequest<v1::EvictRequest>(c), &resp);
+        break;
+      }
+    }
+    absl::Status result;
+    if (!status.ok()) {
+      const absl::Status ws = FromGrpcStatus(status);
+      result =
+          absl::Status(ws.code(), absl::StrCat("worker ", Quote(c.worker_id),
+                                               " ", what, ": ", ws.message()));
+    }
+    results.push_back(std::move(result));
+  }
+  absl::Status fin = core_->FinishTierPlan(plan.token, results);
+  size_t failed = 0;
+  std::string first_error;
+  for (const absl::Status& r : results) {
+    if (r.ok()) continue;
+    if (failed++ == 0) first_error = r.ToString();
+  }
+  Log(failed > 0 ? LogLevel::kWarn : LogLevel::kInfo, "manager",
+      "tier plan applied",
+      absl::StrCat(
+          Kv("reason", plan.reason), " ", Kv("commands", plan.commands.size()),
+          " ", Kv("blocks", blocks), " ", Kv("bytes", plan.bytes), " ",
+          Kv("failed", failed),
+          failed == 0 ? "" : absl::StrCat(" ", Kv("first_error", first_error)),
+          fin.ok() ? "" : absl::StrCat(" ", Kv("error", fin.ToString()))));
 }
 
 grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
@@ -220,25 +364,68 @@ grpc::ServerUnaryReactor* ManagerService::ListTenants(
 grpc::ServerUnaryReactor* ManagerService::OpenSequence(
     grpc::CallbackServerContext* ctx, const v1::OpenSequenceRequest* req,
     v1::OpenSequenceResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
-    if (!req->has_model())
-      return absl::InvalidArgumentError("model is not set");
-    auto r = core_->OpenSequence(FromProto(*req));
-    if (!r.ok()) return r.status();
-    ToProto(*r, resp->mutable_sequence());
-    return absl::OkStatus();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (!req->has_model()) {
+    reactor->Finish(
+        ToGrpcStatus(absl::InvalidArgumentError("model is not set")));
+    return reactor;
+  }
+  OpenSequenceRequest open = FromProto(*req);
+  AdmissionShortfall shortfall;
+  auto r = core_->OpenSequence(open, &shortfall);
+  if (r.ok() || !absl::IsResourceExhausted(r.status()) ||
+      shortfall.request_bytes == 0) {
+    if (r.ok()) ToProto(*r, resp->mutable_sequence());
+    reactor->Finish(ToGrpcStatus(r.status()));
+    return reactor;
+  }
+  // Admission after reclaiming: on the pressure executor.
+  Post([this, reactor, resp, open = std::move(open), shortfall] {
+    auto again = AdmitAfterReclaim<SequenceInfo>(
+        shortfall,
+        [&](AdmissionShortfall* sf) { return core_->OpenSequence(open, sf); });
+    if (again.ok()) ToProto(*again, resp->mutable_sequence());
+    reactor->Finish(ToGrpcStatus(again.status()));
   });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* ManagerService::ExtendSequence(
     grpc::CallbackServerContext* ctx, const v1::ExtendSequenceRequest* req,
     v1::ExtendSequenceResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  auto r = core_->ExtendSequence(FromProto(*req));
+  ExtendSequenceRequest extend = FromProto(*req);
+  AdmissionShortfall shortfall;
+  auto r = core_->ExtendSequence(extend, &shortfall);
+  if (!r.ok() && absl::IsResourceExhausted(r.status()) &&
+      shortfall.request_bytes > 0) {
+    Post([this, reactor, resp, extend = std::move(extend), shortfall] {
+      FinishExtend(reactor, resp,
+                   AdmitAfterReclaim<ExtendSequenceResult>(
+                       shortfall, [&](AdmissionShortfall* sf) {
+                         return core_->ExtendSequence(extend, sf);
+                       }));
+    });
+    return reactor;
+  }
+  FinishExtend(reactor, resp, std::move(r));
+  return reactor;
+}
+
+void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
+                                  v1::ExtendSequenceResponse* resp,
+                                  absl::StatusOr<ExtendSequenceResult> r) {
+  if (r.ok()) {
+    // The session is active again: bring its spilled blocks back (in the
+    // background; a frontend that must not race its next Attend reports
+    // active=true first, which waits).
+    const std::string seq = r->sequence.sequence_id;
+    Post([this, seq] { RestoreWithReclaim(seq); });
+  }
   if (!r.ok() || !r->demotion) {
     if (r.ok()) ToProto(*r, resp);
     reactor->Finish(ToGrpcStatus(r.status()));
-    return reactor;
+    return;
   }
   // Allocation policy: demote the blocks whose tag's choice shrank on the
   // worker, then commit (or keep them) and reply. The Extend succeeds either
@@ -250,7 +437,87 @@ grpc::ServerUnaryReactor* ManagerService::ExtendSequence(
     if (fin.ok()) ToProto(*fin, resp);
     reactor->Finish(ToGrpcStatus(fin.status()));
   });
+}
+
+grpc::ServerUnaryReactor* ManagerService::ReportAccess(
+    grpc::CallbackServerContext* ctx, const v1::ReportAccessRequest* req,
+    v1::ReportAccessResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto plan = core_->ReportAccess(FromProto(*req));
+  if (!plan.ok()) {
+    reactor->Finish(ToGrpcStatus(plan.status()));
+    return reactor;
+  }
+  uint32_t blocks = 0;
+  for (const TierCommand& c : plan->commands) blocks += c.blocks.size();
+  if (!req->active()) {
+    // Neighbours only: restored in the background, the reply goes now.
+    resp->set_blocks_prefetching(blocks);
+    if (plan->token != 0) {
+      Post([this, plan = std::move(*plan)] { RunTierPlan(plan); });
+    }
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  // Active: the reply waits until the sequence's spilled blocks are back
+  // (reclaiming room from other sequences if needed), so the frontend's
+  // next Attend finds them on the device.
+  Post([this, reactor, resp, blocks, plan = std::move(*plan),
+        seq = req->sequence_id()] {
+    RunTierPlan(plan);
+    const uint32_t restored = RestoreWithReclaim(seq);
+    resp->set_blocks_prefetching(blocks + restored);
+    reactor->Finish(grpc::Status::OK);
+  });
   return reactor;
+}
+
+template <typename T>
+absl::StatusOr<T> ManagerService::AdmitAfterReclaim(
+    AdmissionShortfall shortfall,
+    const std::function<absl::StatusOr<T>(AdmissionShortfall*)>& retry) {
+  absl::StatusOr<T> again = absl::ResourceExhaustedError("not retried");
+  for (int round = 0; round < kAdmissionRounds; ++round) {
+    core_->RefreshRanking();
+    const TierPlan plan = core_->PlanAdmission(shortfall);
+    RunTierPlan(plan);
+    again = retry(&shortfall);
+    // Done, another error, or nothing left to reclaim.
+    if (again.ok() || !absl::IsResourceExhausted(again.status()) ||
+        plan.token == 0) {
+      break;
+    }
+  }
+  return again;
+}
+
+uint32_t ManagerService::RestoreWithReclaim(const std::string& sequence_id) {
+  uint32_t blocks = 0;
+  for (int round = 0; round < kAdmissionRounds; ++round) {
+    AdmissionShortfall shortfall;
+    const TierPlan plan = core_->PlanPrefetch(sequence_id, &shortfall);
+    for (const TierCommand& c : plan.commands) blocks += c.blocks.size();
+    RunTierPlan(plan);
+    if (shortfall.request_bytes == 0) break;
+    core_->RefreshRanking();
+    const TierPlan room = core_->PlanAdmission(shortfall);
+    if (room.token == 0) break;
+    RunTierPlan(room);
+  }
+  return blocks;
+}
+
+grpc::ServerUnaryReactor* ManagerService::GetPressure(
+    grpc::CallbackServerContext* ctx, const v1::GetPressureRequest* req,
+    v1::GetPressureResponse* resp) {
+  return Unary(ctx, [&]() -> absl::Status {
+    if (req->top() > 10000) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("top ", req->top(), " is above the limit 10000"));
+    }
+    ToProto(core_->GetPressure(req->top() == 0 ? 20 : req->top()), resp);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* ManagerService::ForkSequence(

@@ -28,11 +28,27 @@
 // A background thread calls ManagerCore::CheckWorkers every
 // check_interval_ms (failure detection) until Stop() or destruction.
 //
+// Memory pressure: one executor thread runs every tier plan (the worker's
+// Demote / Spill / Restore / Evict through the synchronous stub, deadline
+// worker_rpc_timeout_ms, then ManagerCore::FinishTierPlan), in order:
+//   - every pressure_interval_ms (when > 0): RefreshRanking, PlanPressure;
+//   - admission: an OpenSequence or ExtendSequence refused
+//     RESOURCE_EXHAUSTED for the tenant's ceiling or the worker's room is
+//     handed to the executor, which refreshes the ranking, runs
+//     PlanAdmission and retries the call once; the reply is the retry's
+//     (so a rejection reports what is still over, and by how much);
+//   - restore: ReportAccess with active=true restores the sequence's spilled
+//     blocks (reclaiming room from other sequences when the pool is full)
+//     and replies when done; every successful Extend does the same in the
+//     background; graph neighbours of reported blocks are restored in the
+//     background below the high watermark.
+//
 // Thread contract: thread-safe. Destroy after the grpc::Server that uses it
 // has been shut down (which ends all watch streams).
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -53,7 +69,8 @@ class ManagerService final : public v1::Manager::CallbackService {
   // `core` must outlive the service. check_interval_ms <= 0 disables the
   // background failure detector (tests drive CheckWorkers themselves).
   ManagerService(ManagerCore* core, int64_t check_interval_ms,
-                 int64_t worker_rpc_timeout_ms = 30000);
+                 int64_t worker_rpc_timeout_ms = 30000,
+                 int64_t pressure_interval_ms = 0);
   ~ManagerService() override;
 
   // Stops the failure detector and waits for in-flight worker calls;
@@ -114,12 +131,41 @@ class ManagerService final : public v1::Manager::CallbackService {
   grpc::ServerUnaryReactor* GetCalibration(
       grpc::CallbackServerContext* ctx, const v1::GetCalibrationRequest* req,
       v1::GetCalibrationResponse* resp) override;
+  grpc::ServerUnaryReactor* ReportAccess(
+      grpc::CallbackServerContext* ctx, const v1::ReportAccessRequest* req,
+      v1::ReportAccessResponse* resp) override;
+  grpc::ServerUnaryReactor* GetPressure(grpc::CallbackServerContext* ctx,
+                                        const v1::GetPressureRequest* req,
+                                        v1::GetPressureResponse* resp) override;
   grpc::ServerWriteReactor<v1::Event>* WatchEvents(
       grpc::CallbackServerContext* ctx,
       const v1::WatchEventsRequest* req) override;
 
  private:
   void CheckLoop(int64_t interval_ms);
+  // The pressure executor: runs posted tasks in order and, every
+  // interval_ms > 0 without tasks, one background pressure round.
+  void PressureLoop(int64_t interval_ms);
+  void Post(std::function<void()> task);
+  // Runs a tier plan's worker calls and commits their outcome.
+  void RunTierPlan(const TierPlan& plan);
+  // Restores a sequence's spilled blocks, reclaiming room from other
+  // sequences (PlanAdmission) for up to kAdmissionRounds rounds; returns the
+  // blocks whose restore was planned. Runs on the executor.
+  uint32_t RestoreWithReclaim(const std::string& sequence_id);
+  // Reclaims for `shortfall` (PlanAdmission) and calls `retry` (which
+  // refills the shortfall), for up to kAdmissionRounds rounds while it is
+  // RESOURCE_EXHAUSTED and something could be reclaimed. Runs on the
+  // executor.
+  template <typename T>
+  absl::StatusOr<T> AdmitAfterReclaim(
+      AdmissionShortfall shortfall,
+      const std::function<absl::StatusOr<T>(AdmissionShortfall*)>& retry);
+  // Finishes an Extend reply: runs its demotion (allocation policies) and
+  // queues the prefetch of the sequence's spilled blocks.
+  void FinishExtend(grpc::ServerUnaryReactor* reactor,
+                    v1::ExtendSequenceResponse* resp,
+                    absl::StatusOr<ExtendSequenceResult> r);
   std::shared_ptr<v1::Worker::Stub> WorkerStub(const std::string& address);
   // Runs the worker's Demote for `prepared` through the async stub (deadline
   // worker_rpc_timeout_ms; counted in in_flight_); `done` runs on the
@@ -137,6 +183,10 @@ class ManagerService final : public v1::Manager::CallbackService {
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // worker calls not yet completed
   absl::Notification stop_;
   std::thread checker_;
+  absl::Mutex tasks_mu_;
+  std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(tasks_mu_);
+  bool stopping_ ABSL_GUARDED_BY(tasks_mu_) = false;
+  std::thread pressure_;
 };
 
 }  // namespace triax::manager

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace triax::manager {
 namespace {
@@ -59,8 +61,34 @@ std::string EventKindName(EventKind k) {
       "EVENT_SEQUENCE_EXTENDED", "EVENT_SEQUENCE_FORKED",
       "EVENT_SEQUENCE_CLOSED",   "EVENT_SEQUENCE_LOST",
       "EVENT_WORKER_UP",         "EVENT_WORKER_DOWN",
-      "EVENT_TENANT_CHANGED",    "EVENT_BLOCK_DEMOTED"};
+      "EVENT_TENANT_CHANGED",    "EVENT_BLOCK_DEMOTED",
+      "EVENT_BLOCK_SPILLED",     "EVENT_BLOCK_RESTORED",
+      "EVENT_BLOCK_EVICTED"};
   return NameOf("EVENT_KIND", static_cast<int>(k), kNames);
+}
+
+absl::StatusOr<std::vector<Role>> ParseRoleList(absl::string_view list) {
+  static const char* const kNames[] = {
+      "",          "system",    "tool_schema", "user",     "assistant",
+      "reasoning", "tool_call", "tool_result", "delimiter"};
+  std::vector<Role> out;
+  for (absl::string_view name : absl::StrSplit(list, ',', absl::SkipEmpty())) {
+    name = absl::StripAsciiWhitespace(name);
+    bool found = false;
+    for (int i = 1; i < kNumRoles; ++i) {
+      if (name == kNames[i]) {
+        out.push_back(static_cast<Role>(i));
+        found = true;
+      }
+    }
+    if (!found) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "role \"", name,
+          "\" is not one of system, tool_schema, user, assistant, reasoning, "
+          "tool_call, tool_result, delimiter"));
+    }
+  }
+  return out;
 }
 
 bool IsValid(Role r) {

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/layout.h"
 
 namespace triax::manager {
@@ -77,6 +79,9 @@ enum class EventKind : int {
   kWorkerDown = 13,
   kTenantChanged = 14,
   kBlockDemoted = 15,
+  kBlockSpilled = 16,
+  kBlockRestored = 17,
+  kBlockEvicted = 18,
 };
 
 // Proto-style names ("ROLE_SYSTEM", "TIER_DEVICE", ...) for error messages and
@@ -88,7 +93,12 @@ std::string TierName(Tier t);
 std::string FormatProtoName(Format f);  // "FORMAT_BF16", ...
 std::string EventKindName(EventKind k);
 
-bool IsValid(Role r);          // kSystem..kDelimiter
+bool IsValid(Role r);  // kSystem..kDelimiter
+// "system,tool_schema" -> roles (lower-case names of Role without the
+// prefix: system, tool_schema, user, assistant, reasoning, tool_call,
+// tool_result, delimiter); empty -> none. INVALID_ARGUMENT naming an
+// unknown name.
+absl::StatusOr<std::vector<Role>> ParseRoleList(absl::string_view list);
 bool IsValid(Modality m);      // kUnspecified (= text) .. kAudio
 bool IsValid(Tier t);          // kDevice..kDisk
 bool IsValidFormat(Format f);  // kBF16..kTQ2 (1..8)
@@ -147,8 +157,10 @@ struct BlockPlan {
   uint32_t num_tokens = 0;   // 1..capacity
   uint32_t capacity = 0;     // the sequence's block_tokens
   Tag tag;
-  Encoding encoding;      // canonical; wire: format, format_v, group, scale
-  uint32_t refcount = 0;  // sequences sharing the block
+  Encoding encoding;          // canonical; wire: format, format_v, group, scale
+  uint32_t refcount = 0;      // sequences sharing the block
+  Tier tier = Tier::kDevice;  // where its pages are (spilled: host / disk)
+  bool evicted = false;       // dropped under pressure; not attended
 };
 
 // An encoding as it comes off the wire (BlockPlan / PolicyRule /
@@ -241,12 +253,28 @@ struct FormatInventory {
   uint64_t bytes_used = 0;
 };
 
+struct TierInventory {
+  Tier tier = Tier::kUnspecified;
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t blocks = 0;
+};
+
 struct Inventory {
   uint64_t capacity_bytes = 0;
   uint64_t used_bytes = 0;
   std::vector<FormatInventory> formats;
   std::vector<std::string> sequence_ids;
   uint64_t window_bytes = 0;
+  std::vector<TierInventory> tiers;  // host and disk spill tiers
+  uint64_t spills = 0;
+  uint64_t restores = 0;
+  uint64_t checksum_failures = 0;
+  uint64_t evictions = 0;
+  // Restored by the worker itself (restore on Attend) since its previous
+  // heartbeat.
+  std::vector<uint64_t> restored_lineage_ids;
+  std::string device_error;  // empty: the device serves
 };
 
 struct WorkerInfo {
@@ -258,7 +286,9 @@ struct WorkerInfo {
   uint64_t reserved_bytes = 0;
   Inventory inventory;
   int64_t last_heartbeat_unix_ms = 0;
-  uint32_t sequences = 0;  // open sequences placed on it
+  uint32_t sequences = 0;            // open sequences placed on it
+  uint64_t host_capacity_bytes = 0;  // spill tiers (0: none)
+  uint64_t disk_capacity_bytes = 0;
 };
 
 struct SequenceInfo {
@@ -299,10 +329,12 @@ struct Event {
 
 struct RegisterWorkerRequest {
   std::string request_id;
-  std::string worker_id;        // [A-Za-z0-9._:-]{1,128}
-  std::string address;          // host:port, non-empty
-  std::string backend;          // non-empty, e.g. "cpu" or "cuda"
-  uint64_t capacity_bytes = 0;  // > 0
+  std::string worker_id;             // [A-Za-z0-9._:-]{1,128}
+  std::string address;               // host:port, non-empty
+  std::string backend;               // non-empty, e.g. "cpu" or "cuda"
+  uint64_t capacity_bytes = 0;       // > 0
+  uint64_t host_capacity_bytes = 0;  // host spill tier; 0: none
+  uint64_t disk_capacity_bytes = 0;  // disk spill tier; 0: none
 };
 struct RegisterWorkerResult {
   uint32_t heartbeat_interval_ms = 0;
@@ -428,6 +460,17 @@ struct EventFilter {
   std::string sequence_id;
   uint64_t lineage_id = 0;  // matches lineage_id or any of lineage_ids
   bool Matches(const Event& e) const;
+};
+
+// --- Memory pressure
+// ----------------------------------------------------------
+
+struct ReportAccessRequest {
+  std::string tenant_id;
+  std::string sequence_id;
+  std::vector<uint64_t> lineage_ids;  // blocks of the sequence, <= 4096
+  std::vector<float> weights;         // empty, or one per lineage id, 0..1
+  bool active = false;                // prefetch the sequence's spilled blocks
 };
 
 }  // namespace triax::manager

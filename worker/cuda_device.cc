@@ -1,11 +1,15 @@
 #include "worker/cuda_device.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <map>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/cuda/kv_cuda.cuh"
 
 namespace triax::worker {
@@ -60,25 +64,50 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(int ordinal) {
     return absl::InternalError(
         absl::StrCat("cudaSetDevice(", ordinal, "): ", CudaError(e)));
   }
-  cudaStream_t stream = nullptr;
-  e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  if (e != cudaSuccess) {
+  int sms = 0;
+  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal);
+  if (e != cudaSuccess || sms < 1) {
     return absl::InternalError(absl::StrCat(
-        "cuda device ", ordinal, ": cudaStreamCreate: ", CudaError(e)));
+        "cuda device ", ordinal, ": cannot read the SM count: ", CudaError(e)));
   }
-  return std::unique_ptr<CudaDevice>(new CudaDevice(ordinal, stream));
+  std::vector<std::unique_ptr<Lane>> lanes;
+  for (int i = 0; i < kLanes; ++i) {
+    auto lane = std::make_unique<Lane>();
+    e = cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+      for (auto& l : lanes) cudaStreamDestroy(l->stream);
+      return absl::InternalError(absl::StrCat(
+          "cuda device ", ordinal, ": cudaStreamCreate: ", CudaError(e)));
+    }
+    lanes.push_back(std::move(lane));
+  }
+  return std::unique_ptr<CudaDevice>(
+      new CudaDevice(ordinal, sms, std::move(lanes)));
 }
 
-CudaDevice::CudaDevice(int ordinal, cudaStream_t stream)
-    : ordinal_(ordinal), stream_(stream) {}
+CudaDevice::CudaDevice(int ordinal, int sm_count,
+                       std::vector<std::unique_ptr<Lane>> lanes)
+    : ordinal_(ordinal), sm_count_(sm_count), lanes_(std::move(lanes)) {
+  absl::MutexLock lock(&lanes_mu_);
+  for (const auto& l : lanes_) free_lanes_.push_back(l.get());
+}
 
 CudaDevice::~CudaDevice() {
-  absl::MutexLock lock(&mu_);
-  // On a poisoned context these calls fail; there is nothing left to save.
+  // No call is in flight (the owner outlives its users). On a poisoned
+  // context these calls fail; there is nothing left to save.
   cudaSetDevice(ordinal_);
-  if (host_ != nullptr) cudaFreeHost(host_);
-  if (scratch_ != nullptr) cudaFree(scratch_);
-  cudaStreamDestroy(stream_);
+  for (const auto& l : lanes_) {
+    if (l->host != nullptr) cudaFreeHost(l->host);
+    if (l->scratch != nullptr) cudaFree(l->scratch);
+    if (l->workspace != nullptr) cudaFree(l->workspace);
+    cudaStreamDestroy(l->stream);
+  }
+}
+
+CudaDevice::Lease::~Lease() {
+  if (lane_ == nullptr) return;
+  absl::MutexLock lock(&device_->lanes_mu_);
+  device_->free_lanes_.push_back(lane_);
 }
 
 absl::Status CudaDevice::SupportsEncoding(const Encoding& e,
@@ -97,47 +126,68 @@ absl::Status CudaDevice::SupportsAttention(const PageShape& shape,
   return kc::DecodeAttentionCuda(p);
 }
 
+int CudaDevice::AttentionSplits(const PageShape& shape, int n_q_heads) const {
+  const int group = std::max(1, n_q_heads / std::max(1, shape.heads));
+  const long long ctas =
+      static_cast<long long>(std::max(1, shape.heads)) * ((group + 15) / 16);
+  const long long want = 8LL * sm_count_;
+  const long long splits = (want + ctas - 1) / ctas;
+  return static_cast<int>(std::min<long long>(std::max(splits, 1LL), 64));
+}
+
 absl::Status CudaDevice::Health() const {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&health_mu_);
   if (poisoned_.empty()) return absl::OkStatus();
   return absl::UnavailableError(poisoned_);
 }
 
-absl::Status CudaDevice::Begin() {
-  if (!poisoned_.empty()) return absl::UnavailableError(poisoned_);
+absl::Status CudaDevice::BeginNoLane() {
+  if (absl::Status s = Health(); !s.ok()) return s;
   return Check(cudaSetDevice(ordinal_), "cudaSetDevice");
+}
+
+absl::StatusOr<CudaDevice::Lease> CudaDevice::Begin() {
+  TRIAX_RETURN_IF_ERROR(BeginNoLane());
+  lanes_mu_.LockWhen(absl::Condition(
+      +[](std::vector<Lane*>* free) { return !free->empty(); }, &free_lanes_));
+  Lane* lane = free_lanes_.back();
+  free_lanes_.pop_back();
+  lanes_mu_.Unlock();
+  return Lease(this, lane);
+}
+
+void CudaDevice::Poison(absl::string_view msg) {
+  absl::MutexLock lock(&health_mu_);
+  if (poisoned_.empty()) {
+    poisoned_ = absl::StrCat(
+        "cuda backend unhealthy (restart the worker) since: ", msg);
+  }
 }
 
 absl::Status CudaDevice::Check(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
   const std::string msg = absl::StrCat("cuda device ", ordinal_, ": ", what,
                                        " failed: ", CudaError(e));
-  if (poisoned_.empty()) {
-    poisoned_ = absl::StrCat(
-        "cuda backend unhealthy (restart the worker) since: ", msg);
-  }
+  Poison(msg);
   return absl::InternalError(msg);
 }
 
 absl::Status CudaDevice::Launched(absl::Status s) {
   if (s.code() != absl::StatusCode::kInternal) return s;
-  if (poisoned_.empty()) {
-    poisoned_ = absl::StrCat(
-        "cuda backend unhealthy (restart the worker) since: cuda device ",
-        ordinal_, ": ", s.message());
-  }
+  Poison(absl::StrCat("cuda device ", ordinal_, ": ", s.message()));
   return s;
 }
 
-absl::Status CudaDevice::Sync(const char* what) {
-  return Check(cudaStreamSynchronize(stream_), what);
+absl::Status CudaDevice::Sync(Lane& lane, const char* what) {
+  return Check(cudaStreamSynchronize(lane.stream), what);
 }
 
-absl::Status CudaDevice::Reserve(size_t host_bytes, size_t device_bytes) {
-  if (host_bytes > host_bytes_) {
-    if (host_ != nullptr) cudaFreeHost(host_);
-    host_ = nullptr;
-    host_bytes_ = 0;
+absl::Status CudaDevice::Reserve(Lane& lane, size_t host_bytes,
+                                 size_t device_bytes) {
+  if (host_bytes > lane.host_bytes) {
+    if (lane.host != nullptr) cudaFreeHost(lane.host);
+    lane.host = nullptr;
+    lane.host_bytes = 0;
     const size_t want = std::max(host_bytes, size_t{1} << 20);
     void* p = nullptr;
     const cudaError_t e = cudaMallocHost(&p, want);
@@ -147,13 +197,13 @@ absl::Status CudaDevice::Reserve(size_t host_bytes, size_t device_bytes) {
           absl::StrCat("cuda device ", ordinal_, ": cannot pin ", want,
                        " bytes of host staging memory: ", CudaError(e)));
     }
-    host_ = static_cast<uint8_t*>(p);
-    host_bytes_ = want;
+    lane.host = static_cast<uint8_t*>(p);
+    lane.host_bytes = want;
   }
-  if (device_bytes > scratch_bytes_) {
-    if (scratch_ != nullptr) cudaFree(scratch_);
-    scratch_ = nullptr;
-    scratch_bytes_ = 0;
+  if (device_bytes > lane.scratch_bytes) {
+    if (lane.scratch != nullptr) cudaFree(lane.scratch);
+    lane.scratch = nullptr;
+    lane.scratch_bytes = 0;
     const size_t want = std::max(device_bytes, size_t{1} << 20);
     void* p = nullptr;
     const cudaError_t e = cudaMalloc(&p, want);
@@ -163,9 +213,27 @@ absl::Status CudaDevice::Reserve(size_t host_bytes, size_t device_bytes) {
           absl::StrCat("cuda device ", ordinal_, ": cannot allocate ", want,
                        " bytes of device scratch memory: ", CudaError(e)));
     }
-    scratch_ = static_cast<uint8_t*>(p);
-    scratch_bytes_ = want;
+    lane.scratch = static_cast<uint8_t*>(p);
+    lane.scratch_bytes = want;
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::ReserveWorkspace(Lane& lane, size_t bytes) {
+  if (bytes <= lane.workspace_bytes) return absl::OkStatus();
+  if (lane.workspace != nullptr) cudaFree(lane.workspace);
+  lane.workspace = nullptr;
+  lane.workspace_bytes = 0;
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuda device ", ordinal_, ": cannot allocate ", bytes,
+                     " bytes of attention workspace: ", CudaError(e)));
+  }
+  lane.workspace = static_cast<uint8_t*>(p);
+  lane.workspace_bytes = bytes;
   return absl::OkStatus();
 }
 
@@ -173,8 +241,7 @@ absl::StatusOr<uint8_t*> CudaDevice::AllocateArena(size_t bytes) {
   if (bytes == 0) {
     return absl::InvalidArgumentError("arena bytes must be > 0");
   }
-  absl::MutexLock lock(&mu_);
-  if (absl::Status s = Begin(); !s.ok()) return s;
+  TRIAX_RETURN_IF_ERROR(BeginNoLane());
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, bytes);
   if (e != cudaSuccess) {
@@ -191,7 +258,6 @@ absl::StatusOr<uint8_t*> CudaDevice::AllocateArena(size_t bytes) {
 }
 
 void CudaDevice::FreeArena(uint8_t* base, size_t /*bytes*/) {
-  absl::MutexLock lock(&mu_);
   cudaSetDevice(ordinal_);
   cudaFree(base);
 }
@@ -200,105 +266,85 @@ absl::Status CudaDevice::EncodePage(const Encoding& e, const PageShape& shape,
                                     const uint16_t* k_bf16,
                                     const uint16_t* v_bf16, int num_tokens,
                                     uint8_t* page) {
-  if (absl::Status s = kc::CheckEncodingCuda(e, shape); !s.ok()) return s;
-  if (absl::Status s = CheckTokens(shape, 0, num_tokens, "EncodePage");
-      !s.ok()) {
-    return s;
-  }
+  TRIAX_RETURN_IF_ERROR(kc::CheckEncodingCuda(e, shape));
+  TRIAX_RETURN_IF_ERROR(CheckTokens(shape, 0, num_tokens, "EncodePage"));
   // Staging: K [T][H][D] bf16 | V [T][H][D] bf16 | DevicePage. Only the
   // first num_tokens rows are filled; the kernel reads no others.
   const size_t tensor = AlignUp(shape.tokens * TokenValues(shape) * 2);
   const size_t total = 2 * tensor + AlignUp(sizeof(kc::DevicePage));
   const size_t used = static_cast<size_t>(num_tokens) * TokenValues(shape) * 2;
-  absl::MutexLock lock(&mu_);
-  if (absl::Status s = Begin(); !s.ok()) return s;
-  if (absl::Status s = Reserve(total, total); !s.ok()) return s;
-  std::memcpy(host_, k_bf16, used);
-  std::memcpy(host_ + tensor, v_bf16, used);
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  TRIAX_RETURN_IF_ERROR(Reserve(*lane, total, total));
+  std::memcpy(lane->host, k_bf16, used);
+  std::memcpy(lane->host + tensor, v_bf16, used);
   kc::DevicePage dp;
   dp.data = page;
   dp.num_tokens = num_tokens;
   dp.format = kc::PackEncoding(e);
-  std::memcpy(host_ + 2 * tensor, &dp, sizeof(dp));
-  if (absl::Status s = Check(cudaMemcpyAsync(scratch_, host_, total,
-                                             cudaMemcpyHostToDevice, stream_),
-                             "EncodePage upload");
-      !s.ok()) {
-    return s;
-  }
+  std::memcpy(lane->host + 2 * tensor, &dp, sizeof(dp));
+  TRIAX_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(lane->scratch, lane->host, total,
+                            cudaMemcpyHostToDevice, lane->stream),
+            "EncodePage upload"));
   kc::EncodePagesParams p;
   p.shape = shape;
-  p.pages = reinterpret_cast<const kc::DevicePage*>(scratch_ + 2 * tensor);
+  p.pages = reinterpret_cast<const kc::DevicePage*>(lane->scratch + 2 * tensor);
   p.num_pages = 1;
-  p.k_bf16 = reinterpret_cast<const uint16_t*>(scratch_);
-  p.v_bf16 = reinterpret_cast<const uint16_t*>(scratch_ + tensor);
-  p.stream = stream_;
-  if (absl::Status s = Launched(kc::EncodePagesCuda(p)); !s.ok()) return s;
-  return Sync("EncodePage");
+  p.k_bf16 = reinterpret_cast<const uint16_t*>(lane->scratch);
+  p.v_bf16 = reinterpret_cast<const uint16_t*>(lane->scratch + tensor);
+  p.stream = lane->stream;
+  TRIAX_RETURN_IF_ERROR(Launched(kc::EncodePagesCuda(p)));
+  return Sync(*lane, "EncodePage");
 }
 
 absl::Status CudaDevice::DecodePage(const Encoding& e, const PageShape& shape,
                                     const uint8_t* page, int num_tokens,
                                     float* k_out, float* v_out) {
-  if (absl::Status s = kc::CheckEncodingCuda(e, shape); !s.ok()) return s;
+  TRIAX_RETURN_IF_ERROR(kc::CheckEncodingCuda(e, shape));
   if (num_tokens == 0 || (k_out == nullptr && v_out == nullptr)) {
     return absl::OkStatus();
   }
-  if (absl::Status s = CheckTokens(shape, 0, num_tokens, "DecodePage");
-      !s.ok()) {
-    return s;
-  }
+  TRIAX_RETURN_IF_ERROR(CheckTokens(shape, 0, num_tokens, "DecodePage"));
   // Device: K out [T][H][D] f32 | V out [T][H][D] f32 | DevicePage.
   const size_t tensor = AlignUp(shape.tokens * TokenValues(shape) * 4);
   const size_t table = AlignUp(sizeof(kc::DevicePage));
   const size_t used = static_cast<size_t>(num_tokens) * TokenValues(shape) * 4;
-  absl::MutexLock lock(&mu_);
-  if (absl::Status s = Begin(); !s.ok()) return s;
-  if (absl::Status s = Reserve(2 * tensor + table, 2 * tensor + table);
-      !s.ok()) {
-    return s;
-  }
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  TRIAX_RETURN_IF_ERROR(Reserve(*lane, 2 * tensor + table, 2 * tensor + table));
   kc::DevicePage dp;
   dp.data = const_cast<uint8_t*>(page);
   dp.num_tokens = num_tokens;
   dp.format = kc::PackEncoding(e);
-  std::memcpy(host_ + 2 * tensor, &dp, sizeof(dp));
-  if (absl::Status s =
-          Check(cudaMemcpyAsync(scratch_ + 2 * tensor, host_ + 2 * tensor,
-                                sizeof(dp), cudaMemcpyHostToDevice, stream_),
-                "DecodePage upload");
-      !s.ok()) {
-    return s;
-  }
+  std::memcpy(lane->host + 2 * tensor, &dp, sizeof(dp));
+  TRIAX_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(lane->scratch + 2 * tensor, lane->host + 2 * tensor,
+                            sizeof(dp), cudaMemcpyHostToDevice, lane->stream),
+            "DecodePage upload"));
   kc::DecodePagesParams p;
   p.shape = shape;
-  p.pages = reinterpret_cast<const kc::DevicePage*>(scratch_ + 2 * tensor);
+  p.pages = reinterpret_cast<const kc::DevicePage*>(lane->scratch + 2 * tensor);
   p.num_pages = 1;
-  p.k_out = k_out != nullptr ? reinterpret_cast<float*>(scratch_) : nullptr;
-  p.v_out =
-      v_out != nullptr ? reinterpret_cast<float*>(scratch_ + tensor) : nullptr;
-  p.stream = stream_;
-  if (absl::Status s = Launched(kc::DecodePagesCuda(p)); !s.ok()) return s;
+  p.k_out =
+      k_out != nullptr ? reinterpret_cast<float*>(lane->scratch) : nullptr;
+  p.v_out = v_out != nullptr ? reinterpret_cast<float*>(lane->scratch + tensor)
+                             : nullptr;
+  p.stream = lane->stream;
+  TRIAX_RETURN_IF_ERROR(Launched(kc::DecodePagesCuda(p)));
   if (k_out != nullptr) {
-    if (absl::Status s = Check(cudaMemcpyAsync(host_, scratch_, used,
-                                               cudaMemcpyDeviceToHost, stream_),
-                               "DecodePage download");
-        !s.ok()) {
-      return s;
-    }
+    TRIAX_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(lane->host, lane->scratch, used,
+                              cudaMemcpyDeviceToHost, lane->stream),
+              "DecodePage download"));
   }
   if (v_out != nullptr) {
-    if (absl::Status s =
-            Check(cudaMemcpyAsync(host_ + tensor, scratch_ + tensor, used,
-                                  cudaMemcpyDeviceToHost, stream_),
-                  "DecodePage download");
-        !s.ok()) {
-      return s;
-    }
+    TRIAX_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(lane->host + tensor, lane->scratch + tensor, used,
+                              cudaMemcpyDeviceToHost, lane->stream),
+              "DecodePage download"));
   }
-  if (absl::Status s = Sync("DecodePage"); !s.ok()) return s;
-  if (k_out != nullptr) std::memcpy(k_out, host_, used);
-  if (v_out != nullptr) std::memcpy(v_out, host_ + tensor, used);
+  TRIAX_RETURN_IF_ERROR(Sync(*lane, "DecodePage"));
+  if (k_out != nullptr) std::memcpy(k_out, lane->host, used);
+  if (v_out != nullptr) std::memcpy(v_out, lane->host + tensor, used);
   return absl::OkStatus();
 }
 
@@ -306,28 +352,22 @@ absl::Status CudaDevice::WriteBf16Tokens(const PageShape& shape,
                                          const uint16_t* k_bf16,
                                          const uint16_t* v_bf16, int first_slot,
                                          int num_tokens, uint8_t* page) {
-  if (absl::Status s = kc::CheckEncodingCuda(Format::kBF16, shape); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s =
-          CheckTokens(shape, first_slot, num_tokens, "WriteBf16Tokens");
-      !s.ok()) {
-    return s;
-  }
+  TRIAX_RETURN_IF_ERROR(kc::CheckEncodingCuda(Format::kBF16, shape));
+  TRIAX_RETURN_IF_ERROR(
+      CheckTokens(shape, first_slot, num_tokens, "WriteBf16Tokens"));
   const kernels::PageLayout layout =
       kc::CudaPageLayout(Encoding(Format::kBF16), shape);
   const int H = shape.heads, D = shape.head_dim, T = shape.tokens;
   const size_t row = static_cast<size_t>(num_tokens) * D * 2;  // one head
   const size_t tensor = AlignUp(row * H);
-  absl::MutexLock lock(&mu_);
-  if (absl::Status s = Begin(); !s.ok()) return s;
-  if (absl::Status s = Reserve(2 * tensor, 0); !s.ok()) return s;
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  TRIAX_RETURN_IF_ERROR(Reserve(*lane, 2 * tensor, 0));
   // Token-major [n][H][D] -> head-major [H][n][D] in the staging buffer, so
   // each tensor is one strided copy into the page's [H][T][D] codes.
   const uint16_t* src[2] = {k_bf16, v_bf16};
   const size_t offset[2] = {layout.k.codes, layout.v.codes};
   for (int x = 0; x < 2; ++x) {
-    uint16_t* staged = reinterpret_cast<uint16_t*>(host_ + x * tensor);
+    uint16_t* staged = reinterpret_cast<uint16_t*>(lane->host + x * tensor);
     for (int h = 0; h < H; ++h) {
       for (int t = 0; t < num_tokens; ++t) {
         std::memcpy(staged + (static_cast<size_t>(h) * num_tokens + t) * D,
@@ -335,110 +375,275 @@ absl::Status CudaDevice::WriteBf16Tokens(const PageShape& shape,
       }
     }
     uint8_t* dst = page + offset[x] + static_cast<size_t>(first_slot) * D * 2;
-    if (absl::Status s = Check(
-            cudaMemcpy2DAsync(dst, static_cast<size_t>(T) * D * 2, staged, row,
-                              row, H, cudaMemcpyHostToDevice, stream_),
-            "WriteBf16Tokens upload");
-        !s.ok()) {
-      return s;
-    }
+    TRIAX_RETURN_IF_ERROR(Check(
+        cudaMemcpy2DAsync(dst, static_cast<size_t>(T) * D * 2, staged, row, row,
+                          H, cudaMemcpyHostToDevice, lane->stream),
+        "WriteBf16Tokens upload"));
   }
-  return Sync("WriteBf16Tokens");
+  return Sync(*lane, "WriteBf16Tokens");
 }
 
 absl::Status CudaDevice::CopyPage(uint8_t* dst, const uint8_t* src,
                                   size_t bytes) {
-  absl::MutexLock lock(&mu_);
-  if (absl::Status s = Begin(); !s.ok()) return s;
-  if (absl::Status s = Check(
-          cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
-          "CopyPage");
-      !s.ok()) {
-    return s;
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  TRIAX_RETURN_IF_ERROR(Check(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, lane->stream),
+      "CopyPage"));
+  return Sync(*lane, "CopyPage");
+}
+
+absl::Status CudaDevice::CopyToHost(void* host_dst, const uint8_t* dev_src,
+                                    size_t bytes) {
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  TRIAX_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(host_dst, dev_src, bytes, cudaMemcpyDeviceToHost,
+                            lane->stream),
+            "CopyToHost"));
+  return Sync(*lane, "CopyToHost");
+}
+
+absl::Status CudaDevice::CopyFromHost(uint8_t* dev_dst, const void* host_src,
+                                      size_t bytes) {
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  TRIAX_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(dev_dst, host_src, bytes, cudaMemcpyHostToDevice,
+                            lane->stream),
+            "CopyFromHost"));
+  return Sync(*lane, "CopyFromHost");
+}
+
+absl::StatusOr<uint8_t*> CudaDevice::AllocateHostTier(size_t bytes) {
+  if (bytes == 0) {
+    return absl::InvalidArgumentError("host tier bytes must be > 0");
   }
-  return Sync("CopyPage");
+  TRIAX_RETURN_IF_ERROR(BeginNoLane());
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  if (e != cudaSuccess) {
+    // An allocation failure is not sticky: clear it and stay healthy.
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuda device ", ordinal_, ": cannot pin a host tier of ",
+                     bytes, " bytes: ", CudaError(e)));
+  }
+  // cudaHostAlloc returns page-aligned memory (>= the 256 bytes promised).
+  return static_cast<uint8_t*>(p);
+}
+
+void CudaDevice::FreeHostTier(uint8_t* base, size_t /*bytes*/) {
+  cudaSetDevice(ordinal_);
+  cudaFreeHost(base);
 }
 
 absl::Status CudaDevice::DecodeAttention(const kernels::DecodeParams& p) {
-  const PageShape& shape = p.shape;
-  if (absl::Status s = SupportsAttention(shape, p.n_q_heads); !s.ok()) {
-    return s;
-  }
-  const size_t qvalues = static_cast<size_t>(p.n_q_heads) * shape.head_dim;
-  // The pages the attended tokens reach, as the CPU reference walks them.
-  std::vector<kc::DevicePage> table;
-  long seen = 0;
-  for (int i = 0; i < p.num_pages && seen < p.attend_tokens; ++i) {
-    const kernels::PageRef& r = p.pages[i];
-    if (absl::Status s = kc::CheckEncodingCuda(r.encoding, shape); !s.ok()) {
+  return DecodeAttentionBatch(absl::MakeConstSpan(&p, 1));
+}
+
+absl::Status CudaDevice::DecodeAttentionBatch(
+    absl::Span<const kernels::DecodeParams> batch) {
+  // 1. Check every entry and build its page table (the pages its attended
+  //    tokens reach, as the CPU reference walks them) before anything runs.
+  std::vector<std::vector<kc::DevicePage>> tables(batch.size());
+  std::vector<size_t> runs;  // entries that launch (the others get zeros)
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const kernels::DecodeParams& p = batch[b];
+    auto fail = [b](const absl::Status& s) {
       return absl::Status(s.code(),
-                          absl::StrCat("pages[", i, "]: ", s.message()));
+                          absl::StrCat("batch[", b, "]: ", s.message()));
+    };
+    if (absl::Status s = SupportsAttention(p.shape, p.n_q_heads); !s.ok()) {
+      return fail(s);
     }
-    if (r.num_tokens < 1 || r.num_tokens > shape.tokens) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("pages[", i, "].num_tokens=", r.num_tokens,
-                       " is outside 1..", shape.tokens));
+    std::vector<kc::DevicePage>& table = tables[b];
+    long seen = 0;
+    for (int i = 0; i < p.num_pages && seen < p.attend_tokens; ++i) {
+      const kernels::PageRef& r = p.pages[i];
+      if (absl::Status s = kc::CheckEncodingCuda(r.encoding, p.shape);
+          !s.ok()) {
+        return fail(absl::Status(
+            s.code(), absl::StrCat("pages[", i, "]: ", s.message())));
+      }
+      if (r.num_tokens < 1 || r.num_tokens > p.shape.tokens) {
+        return fail(absl::InvalidArgumentError(
+            absl::StrCat("pages[", i, "].num_tokens=", r.num_tokens,
+                         " is outside 1..", p.shape.tokens)));
+      }
+      kc::DevicePage dp;
+      dp.data = const_cast<uint8_t*>(r.data);
+      dp.num_tokens = r.num_tokens;
+      dp.format = kc::PackEncoding(r.encoding);
+      table.push_back(dp);
+      seen += r.num_tokens;
     }
-    kc::DevicePage dp;
-    dp.data = const_cast<uint8_t*>(r.data);
-    dp.num_tokens = r.num_tokens;
-    dp.format = kc::PackEncoding(r.encoding);
-    table.push_back(dp);
-    seen += r.num_tokens;
+    if (p.attend_tokens > seen && !table.empty()) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("attend_tokens=", p.attend_tokens, " is past the ", seen,
+                       " tokens of the ", p.num_pages, " pages")));
+    }
+    if (p.attend_tokens > 0 && !table.empty()) runs.push_back(b);
   }
-  if (p.attend_tokens <= 0 || table.empty()) {
-    std::fill_n(p.out, qvalues, 0.f);
-    return absl::OkStatus();
+  for (size_t b = 0; b < batch.size(); ++b) {
+    if (batch[b].attend_tokens <= 0 || tables[b].empty()) {
+      std::fill_n(
+          batch[b].out,
+          static_cast<size_t>(batch[b].n_q_heads) * batch[b].shape.head_dim,
+          0.f);
+    }
   }
-  if (p.attend_tokens > seen) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attend_tokens=", p.attend_tokens, " is past the ", seen,
-                     " tokens of the ", p.num_pages, " pages"));
+  if (runs.empty()) return absl::OkStatus();
+  // 2. One launch per (shape, n_q_heads, scale), in first-seen order.
+  using Key = std::tuple<int, int, int, int, uint32_t>;
+  std::map<Key, std::vector<size_t>> groups;
+  std::vector<Key> order;
+  for (size_t b : runs) {
+    const kernels::DecodeParams& p = batch[b];
+    uint32_t scale_bits;
+    std::memcpy(&scale_bits, &p.scale, 4);
+    const Key key{p.shape.tokens, p.shape.heads, p.shape.head_dim, p.n_q_heads,
+                  scale_bits};
+    auto [it, fresh] = groups.try_emplace(key);
+    if (fresh) order.push_back(key);
+    it->second.push_back(b);
   }
-  // Staging (uploaded in one copy): q f32 | table | indptr[2] | attend[1];
-  // out f32 follows in device scratch and comes back through host staging.
-  const size_t q_bytes = AlignUp(qvalues * 4);
-  const size_t table_bytes = AlignUp(table.size() * sizeof(kc::DevicePage));
-  const size_t meta_bytes = AlignUp(3 * sizeof(int32_t));
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  for (const Key& key : order) {
+    const std::vector<size_t>& idx = groups[key];
+    const kernels::DecodeParams& first = batch[idx[0]];
+    // Chunks bounded by the workspace cap (splits are fixed, so chunking
+    // does not change any output).
+    kc::AttentionParams probe;
+    probe.shape = first.shape;
+    probe.n_q_heads = first.n_q_heads;
+    probe.num_splits = AttentionSplits(first.shape, first.n_q_heads);
+    probe.batch = 1;
+    const size_t per_entry =
+        std::max<size_t>(1, kc::AttentionWorkspaceBytes(probe));
+    const size_t chunk = std::max<size_t>(1, kMaxWorkspaceBytes / per_entry);
+    for (size_t at = 0; at < idx.size(); at += chunk) {
+      const std::vector<size_t> part(
+          idx.begin() + at, idx.begin() + std::min(idx.size(), at + chunk));
+      TRIAX_RETURN_IF_ERROR(AttendGroup(*lane, batch, part, tables));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::AttendGroup(
+    Lane& lane, absl::Span<const kernels::DecodeParams> batch,
+    const std::vector<size_t>& idx,
+    const std::vector<std::vector<kc::DevicePage>>& tables) {
+  const kernels::DecodeParams& first = batch[idx[0]];
+  const PageShape& shape = first.shape;
+  const int n = static_cast<int>(idx.size());
+  const size_t qvalues = static_cast<size_t>(first.n_q_heads) * shape.head_dim;
+  size_t pages = 0;
+  for (size_t b : idx) pages += tables[b].size();
+  // Staging (uploaded in one copy): q f32 [n][qvalues] | table [pages] |
+  // indptr [n + 1] | attend [n]; out f32 [n][qvalues] follows in device
+  // scratch and comes back through the host staging buffer.
+  const size_t q_bytes = AlignUp(n * qvalues * 4);
+  const size_t table_bytes = AlignUp(pages * sizeof(kc::DevicePage));
+  const size_t meta_bytes = AlignUp((2 * static_cast<size_t>(n) + 1) * 4);
   const size_t up = q_bytes + table_bytes + meta_bytes;
-  absl::MutexLock lock(&mu_);
-  if (absl::Status s = Begin(); !s.ok()) return s;
-  if (absl::Status s = Reserve(up + q_bytes, up + q_bytes); !s.ok()) return s;
-  std::memcpy(host_, p.q, qvalues * 4);
-  std::memcpy(host_ + q_bytes, table.data(),
-              table.size() * sizeof(kc::DevicePage));
-  const int32_t meta[3] = {0, static_cast<int32_t>(table.size()),
-                           static_cast<int32_t>(p.attend_tokens)};
-  std::memcpy(host_ + q_bytes + table_bytes, meta, sizeof(meta));
-  if (absl::Status s = Check(
-          cudaMemcpyAsync(scratch_, host_, up, cudaMemcpyHostToDevice, stream_),
-          "DecodeAttention upload");
-      !s.ok()) {
-    return s;
-  }
-  const int32_t* dmeta =
-      reinterpret_cast<const int32_t*>(scratch_ + q_bytes + table_bytes);
+  TRIAX_RETURN_IF_ERROR(Reserve(lane, up + q_bytes, up + q_bytes));
   kc::AttentionParams a;
   a.shape = shape;
-  a.batch = 1;
-  a.n_q_heads = p.n_q_heads;
-  a.scale = p.scale;
-  a.q = reinterpret_cast<const float*>(scratch_);
-  a.out = reinterpret_cast<float*>(scratch_ + up);
-  a.pages = reinterpret_cast<const kc::DevicePage*>(scratch_ + q_bytes);
-  a.page_indptr = dmeta;
-  a.attend_tokens = dmeta + 2;
-  a.stream = stream_;
-  if (absl::Status s = Launched(kc::DecodeAttentionCuda(a)); !s.ok()) return s;
-  if (absl::Status s =
-          Check(cudaMemcpyAsync(host_ + up, scratch_ + up, qvalues * 4,
-                                cudaMemcpyDeviceToHost, stream_),
-                "DecodeAttention download");
-      !s.ok()) {
-    return s;
+  a.batch = n;
+  a.n_q_heads = first.n_q_heads;
+  a.scale = first.scale;
+  a.num_splits = AttentionSplits(shape, first.n_q_heads);
+  const size_t ws = kc::AttentionWorkspaceBytes(a);
+  if (ws > 0) TRIAX_RETURN_IF_ERROR(ReserveWorkspace(lane, ws));
+  uint8_t* h = lane.host;
+  auto* table = reinterpret_cast<kc::DevicePage*>(h + q_bytes);
+  auto* indptr = reinterpret_cast<int32_t*>(h + q_bytes + table_bytes);
+  int32_t* attend = indptr + n + 1;
+  indptr[0] = 0;
+  for (int i = 0; i < n; ++i) {
+    const size_t b = idx[i];
+    std::memcpy(h + i * qvalues * 4, batch[b].q, qvalues * 4);
+    std::memcpy(table + indptr[i], tables[b].data(),
+                tables[b].size() * sizeof(kc::DevicePage));
+    indptr[i + 1] = indptr[i] + static_cast<int32_t>(tables[b].size());
+    attend[i] = static_cast<int32_t>(batch[b].attend_tokens);
   }
-  if (absl::Status s = Sync("DecodeAttention"); !s.ok()) return s;
-  std::memcpy(p.out, host_ + up, qvalues * 4);
+  TRIAX_RETURN_IF_ERROR(Check(
+      cudaMemcpyAsync(lane.scratch, h, up, cudaMemcpyHostToDevice, lane.stream),
+      "DecodeAttention upload"));
+  const auto* dmeta =
+      reinterpret_cast<const int32_t*>(lane.scratch + q_bytes + table_bytes);
+  a.q = reinterpret_cast<const float*>(lane.scratch);
+  a.out = reinterpret_cast<float*>(lane.scratch + up);
+  a.pages = reinterpret_cast<const kc::DevicePage*>(lane.scratch + q_bytes);
+  a.page_indptr = dmeta;
+  a.attend_tokens = dmeta + n + 1;
+  a.stream = lane.stream;
+  a.workspace = ws > 0 ? lane.workspace : nullptr;
+  a.workspace_bytes = ws > 0 ? lane.workspace_bytes : 0;
+  TRIAX_RETURN_IF_ERROR(Launched(kc::DecodeAttentionCuda(a)));
+  TRIAX_RETURN_IF_ERROR(
+      Check(cudaMemcpyAsync(h + up, lane.scratch + up, n * qvalues * 4,
+                            cudaMemcpyDeviceToHost, lane.stream),
+            "DecodeAttention download"));
+  TRIAX_RETURN_IF_ERROR(Sync(lane, "DecodeAttention"));
+  for (int i = 0; i < n; ++i) {
+    std::memcpy(batch[idx[i]].out, h + up + i * qvalues * 4, qvalues * 4);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::DemotePages(const PageShape& shape,
+                                     absl::Span<const DemoteJob> jobs) {
+  if (jobs.empty()) return absl::OkStatus();
+  std::vector<kc::DevicePage> src(jobs.size()), dst(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const DemoteJob& j = jobs[i];
+    for (const Encoding* e : {&j.from, &j.to}) {
+      if (absl::Status s = kc::CheckEncodingCuda(*e, shape); !s.ok()) {
+        return absl::Status(s.code(),
+                            absl::StrCat("jobs[", i, "]: ", s.message()));
+      }
+    }
+    if (j.num_tokens < 1 || j.num_tokens > shape.tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("jobs[", i, "].num_tokens=", j.num_tokens,
+                       " is outside 1..", shape.tokens));
+    }
+    src[i].data = const_cast<uint8_t*>(j.src);
+    src[i].num_tokens = j.num_tokens;
+    src[i].format = kc::PackEncoding(j.from);
+    dst[i].data = j.dst;
+    dst[i].num_tokens = j.num_tokens;
+    dst[i].format = kc::PackEncoding(j.to);
+  }
+  const size_t per_page = std::max<size_t>(1, kc::DemoteScratchBytes(shape, 1));
+  const size_t chunk = std::max<size_t>(1, kMaxDemoteScratchBytes / per_page);
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  for (size_t at = 0; at < jobs.size(); at += chunk) {
+    const int n = static_cast<int>(std::min(chunk, jobs.size() - at));
+    // Device scratch: src table | dst table | decode scratch.
+    const size_t table = AlignUp(n * sizeof(kc::DevicePage));
+    const size_t scratch = kc::DemoteScratchBytes(shape, n);
+    TRIAX_RETURN_IF_ERROR(Reserve(*lane, 2 * table, 2 * table + scratch));
+    std::memcpy(lane->host, src.data() + at, n * sizeof(kc::DevicePage));
+    std::memcpy(lane->host + table, dst.data() + at,
+                n * sizeof(kc::DevicePage));
+    TRIAX_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(lane->scratch, lane->host, 2 * table,
+                              cudaMemcpyHostToDevice, lane->stream),
+              "DemotePages upload"));
+    kc::DemotePagesParams p;
+    p.shape = shape;
+    p.src = reinterpret_cast<const kc::DevicePage*>(lane->scratch);
+    p.dst = reinterpret_cast<const kc::DevicePage*>(lane->scratch + table);
+    p.num_pages = n;
+    p.scratch = lane->scratch + 2 * table;
+    p.scratch_bytes = scratch;
+    p.stream = lane->stream;
+    TRIAX_RETURN_IF_ERROR(Launched(kc::DemotePagesCuda(p)));
+    // The host tables are rewritten by the next chunk: wait for the upload.
+    TRIAX_RETURN_IF_ERROR(Sync(*lane, "DemotePages"));
+  }
   return absl::OkStatus();
 }
 

@@ -2,11 +2,16 @@
 // service code reaches it through Device and CreateDevice).
 //
 // Memory: the arena is one cudaMalloc per AllocateArena call (the page pool,
-// --pool_mb), so every page pointer the store holds is HBM. Host inputs and
-// outputs (BF16 K/V, float32 q/out, decoded tokens) pass through one pinned
-// host staging buffer (cudaMallocHost) and one device scratch buffer, each
-// grown on demand to the largest request seen; page tables (DevicePage) are
-// built on the host and uploaded with the inputs in one copy.
+// --pool_mb), so every page pointer the store holds is HBM.
+//
+// Lanes: the device keeps kLanes lanes, each a CUDA stream with its own
+// pinned host staging buffer (cudaMallocHost), device scratch buffer and
+// attention workspace, each grown on demand to the largest request the lane
+// has seen and kept (never allocated per call). A call checks out a free
+// lane for its whole duration (waiting when all are busy), so up to kLanes
+// calls from different threads run concurrently on the GPU; nothing else is
+// serialized. Page tables (DevicePage) are built on the host and uploaded
+// with the inputs in one copy.
 //
 // Compute maps one to one onto kernels/cuda/kv_cuda.cuh:
 //   EncodePage       -> EncodePagesCuda (one page)
@@ -15,10 +20,30 @@
 //                       then one cudaMemcpy2DAsync per tensor into the BF16
 //                       page's [H][T][D] codes at the slot offset
 //   CopyPage         -> cudaMemcpyAsync device to device
-//   DecodeAttention  -> DevicePage table of the page list (batch 1), q up,
-//                       DecodeAttentionCuda, out down
+//   CopyToHost/FromHost -> cudaMemcpyAsync device <-> host straight from/to
+//                       the caller's buffer (pinned host tier: DMA; pageable
+//                       disk staging buffers: staged by the driver)
+//   AllocateHostTier -> cudaHostAlloc (pinned), freed by cudaFreeHost
+//   DecodeAttention  -> DecodeAttentionBatch of one entry
+//   DecodeAttentionBatch -> entries grouped by (shape, n_q_heads, scale);
+//                       per group one CSR page table, q up in one copy, one
+//                       DecodeAttentionCuda launch, out down in one copy
+//                       (a group whose workspace would pass
+//                       kMaxWorkspaceBytes runs as several launches)
+//   DemotePages      -> DemotePagesCuda over all jobs (src/dst tables up in
+//                       one copy; chunks bounded by kMaxDemoteScratchBytes)
 // Every call waits for its stream before returning, so host buffers are free
 // to reuse and errors surface in the call that caused them.
+//
+// Batch invariance: every attention launch passes num_splits =
+// AttentionSplits(shape, n_q_heads), the split count the kernel would pick
+// for a batch of one (about eight CTAs per SM), instead of letting the
+// kernel choose by batch size. A sequence's output therefore depends only
+// on its own pages and query: batched and one-by-one calls are
+// bit-identical (cuda_device_test checks it). The price: a large batch runs
+// more (smaller) split-K partitions than the occupancy rule would pick and
+// its workspace grows with the batch (about 34 MB per entry for 32 query
+// heads x head_dim 128).
 //
 // Errors: encodings the kernels refuse (CheckEncodingCuda: TQ formats, shapes
 // with head_dim not a multiple of 8 in [8, 256], ...) are INVALID_ARGUMENT
@@ -26,14 +51,14 @@
 // INTERNAL with the CUDA error name and string and marks the device
 // unhealthy: CUDA errors from kernels are sticky (the context is poisoned), so
 // from then on every call returns UNAVAILABLE naming that first error and
-// Health() reports it; the worker must be restarted. Failing to grow the
-// staging buffers is RESOURCE_EXHAUSTED and leaves the device healthy.
+// Health() reports it; the worker must be restarted. Failing to grow a
+// lane's buffers is RESOURCE_EXHAUSTED and leaves the device healthy.
 //
-// Thread contract: thread-safe. One CUDA stream per device; calls (from any
-// number of gRPC threads) are serialized by a mutex held for the whole call,
-// including its synchronization, because the staging buffers are shared.
-// Each call first makes the device current on the calling thread
-// (cudaSetDevice), so threads need no setup.
+// Thread contract: thread-safe. Calls on disjoint pages run concurrently
+// (one lane each); the health record and the free-lane list have their own
+// mutexes (lane list -> health, never the other way). Each call first makes
+// the device current on the calling thread (cudaSetDevice), so threads need
+// no setup.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -42,11 +67,15 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "kernels/cuda/kv_cuda.cuh"
 #include "worker/device.h"
 
 namespace triax::worker {
@@ -86,34 +115,93 @@ class CudaDevice final : public Device {
   absl::Status CopyPage(uint8_t* dst, const uint8_t* src,
                         size_t bytes) override;
   absl::Status DecodeAttention(const kernels::DecodeParams& p) override;
+  absl::Status DecodeAttentionBatch(
+      absl::Span<const kernels::DecodeParams> batch) override;
+  absl::Status DemotePages(const kernels::PageShape& shape,
+                           absl::Span<const DemoteJob> jobs) override;
+  absl::Status CopyToHost(void* host_dst, const uint8_t* dev_src,
+                          size_t bytes) override;
+  absl::Status CopyFromHost(uint8_t* dev_dst, const void* host_src,
+                            size_t bytes) override;
+  absl::StatusOr<uint8_t*> AllocateHostTier(size_t bytes) override;
+  void FreeHostTier(uint8_t* base, size_t bytes) override;
+
+ public:
+  static constexpr int kLanes = 4;
+  // A batch group whose attention workspace would pass this runs as
+  // several launches (still batch-invariant: splits do not change).
+  static constexpr size_t kMaxWorkspaceBytes = size_t{1} << 30;
+  static constexpr size_t kMaxDemoteScratchBytes = size_t{64} << 20;
+
+  // The split-K count every attention launch uses for (shape, n_q_heads):
+  // ceil(8 * SMs / (heads * ceil(group / 16))) clamped to [1, 64], the
+  // kernel's own rule for a batch of one.
+  int AttentionSplits(const kernels::PageShape& shape, int n_q_heads) const;
 
  private:
-  CudaDevice(int ordinal, cudaStream_t stream);
+  // One stream and the buffers only calls holding it touch.
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    uint8_t* host = nullptr;  // pinned staging
+    size_t host_bytes = 0;
+    uint8_t* scratch = nullptr;  // device: inputs, page tables, outputs
+    size_t scratch_bytes = 0;
+    uint8_t* workspace = nullptr;  // device: attention partials
+    size_t workspace_bytes = 0;
+  };
+  // A checked-out lane, returned to the free list on destruction.
+  class Lease {
+   public:
+    Lease(CudaDevice* device, Lane* lane) : device_(device), lane_(lane) {}
+    Lease(Lease&& o) : device_(o.device_), lane_(o.lane_) { o.lane_ = nullptr; }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    Lease& operator=(Lease&&) = delete;
+    ~Lease();
+    Lane& operator*() const { return *lane_; }
+    Lane* operator->() const { return lane_; }
 
-  // UNAVAILABLE once poisoned; else makes the device current on this thread.
-  absl::Status Begin() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+   private:
+    CudaDevice* device_;
+    Lane* lane_;
+  };
+
+  CudaDevice(int ordinal, int sm_count,
+             std::vector<std::unique_ptr<Lane>> lanes);
+
+  // UNAVAILABLE once poisoned; else makes the device current on this thread
+  // and checks out a free lane (waiting for one).
+  absl::StatusOr<Lease> Begin();
+  // UNAVAILABLE once poisoned; else makes the device current (no lane).
+  absl::Status BeginNoLane();
   // OK for cudaSuccess; else records the first sticky error, marks the
   // device unhealthy and returns INTERNAL naming `what` and the error.
-  absl::Status Check(cudaError_t e, const char* what)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Check(cudaError_t e, const char* what);
   // A kernel wrapper's status: INTERNAL (a failed launch) poisons the device
   // like Check; other codes (INVALID_ARGUMENT) pass through untouched.
-  absl::Status Launched(absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status Sync(const char* what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Grows the pinned host staging buffer and the device scratch buffer to at
-  // least the given sizes. RESOURCE_EXHAUSTED when CUDA cannot provide them.
-  absl::Status Reserve(size_t host_bytes, size_t device_bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Launched(absl::Status s);
+  absl::Status Sync(Lane& lane, const char* what);
+  void Poison(absl::string_view msg);
+  // Grows the lane's pinned host staging buffer and device scratch buffer
+  // to at least the given sizes. RESOURCE_EXHAUSTED when CUDA cannot.
+  absl::Status Reserve(Lane& lane, size_t host_bytes, size_t device_bytes);
+  absl::Status ReserveWorkspace(Lane& lane, size_t bytes);
+  // One attention launch over entries `idx` of `batch` (same shape,
+  // n_q_heads and scale; page tables already checked in `tables`).
+  absl::Status AttendGroup(
+      Lane& lane, absl::Span<const kernels::DecodeParams> batch,
+      const std::vector<size_t>& idx,
+      const std::vector<std::vector<kernels::cuda::DevicePage>>& tables);
 
   const int ordinal_;
-  const cudaStream_t stream_;
+  const int sm_count_;
+  const std::vector<std::unique_ptr<Lane>> lanes_;
 
-  mutable absl::Mutex mu_;
-  std::string poisoned_ ABSL_GUARDED_BY(mu_);     // empty while healthy
-  uint8_t* host_ ABSL_GUARDED_BY(mu_) = nullptr;  // pinned
-  size_t host_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint8_t* scratch_ ABSL_GUARDED_BY(mu_) = nullptr;  // device
-  size_t scratch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex lanes_mu_;
+  std::vector<Lane*> free_lanes_ ABSL_GUARDED_BY(lanes_mu_);
+
+  mutable absl::Mutex health_mu_;
+  std::string poisoned_ ABSL_GUARDED_BY(health_mu_);  // empty while healthy
 };
 
 }  // namespace triax::worker

@@ -17,10 +17,23 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "kernels/layout.h"
 #include "kernels/ref/kv_ref.h"
 
 namespace triax::worker {
+
+// One page re-encoding for Device::DemotePages: the first `num_tokens`
+// tokens of `src` (encoding `from`) are decoded, rounded to BF16 (nearest
+// even) and encoded into `dst` (encoding `to`), whole page written as
+// EncodePage writes it. Both are device pointers; dst may equal src.
+struct DemoteJob {
+  kernels::Encoding from;
+  const uint8_t* src = nullptr;
+  int num_tokens = 0;  // 1..shape.tokens
+  kernels::Encoding to;
+  uint8_t* dst = nullptr;
+};
 
 class Device {
  public:
@@ -86,6 +99,41 @@ class Device {
   // Mixed-format decode attention (kernels/ref/kv_ref.h DecodeParams): q and
   // out are host pointers, pages[i].data device pointers.
   virtual absl::Status DecodeAttention(const kernels::DecodeParams& p) = 0;
+
+  // Decode attention over a batch of independent problems (e.g. one query of
+  // each sequence in a decode step), each as DecodeAttention describes; the
+  // entries may differ in shape, n_q_heads and scale. Batch-invariant: entry
+  // i's output is bit-identical to DecodeAttention(batch[i]) whatever else
+  // the batch holds. Every entry is checked before anything runs; an invalid
+  // one fails the call (INVALID_ARGUMENT prefixed "batch[i]: ") and no
+  // output is written. The default runs the entries one by one; the CUDA
+  // backend runs them in one kernel launch per (shape, n_q_heads, scale).
+  virtual absl::Status DecodeAttentionBatch(
+      absl::Span<const kernels::DecodeParams> batch);
+
+  // Re-encodes pages (DemoteJob), byte-identical to DecodePage into float,
+  // rounding to BF16 and EncodePage. No two jobs may share a dst. Encodings
+  // must be valid for `shape` and supported (SupportsEncoding). The default
+  // does exactly that through host memory; the CUDA backend runs
+  // DemotePagesCuda on the device. On error some dst pages may have been
+  // written (callers write into fresh pages and swap only on success).
+  virtual absl::Status DemotePages(const kernels::PageShape& shape,
+                                   absl::Span<const DemoteJob> jobs);
+
+  // Spill tiers (worker/tier_store.h). Copies `bytes` from a device page to
+  // host memory and back; returns once the copy is complete, so the host
+  // buffer may be read or reused right after.
+  virtual absl::Status CopyToHost(void* host_dst, const uint8_t* dev_src,
+                                  size_t bytes) = 0;
+  virtual absl::Status CopyFromHost(uint8_t* dev_dst, const void* host_src,
+                                    size_t bytes) = 0;
+
+  // Host memory for the host spill tier, 256-byte aligned: pinned
+  // (page-locked, cudaHostAlloc) on CUDA so tier copies run at DMA speed,
+  // ordinary aligned memory on the CPU backend. INVALID_ARGUMENT for 0
+  // bytes, RESOURCE_EXHAUSTED when it cannot be had.
+  virtual absl::StatusOr<uint8_t*> AllocateHostTier(size_t bytes) = 0;
+  virtual void FreeHostTier(uint8_t* base, size_t bytes) = 0;
 };
 
 // The CPU backend: the arena is host memory and compute is kernels/ref.
@@ -108,6 +156,12 @@ class CpuDevice final : public Device {
   absl::Status CopyPage(uint8_t* dst, const uint8_t* src,
                         size_t bytes) override;
   absl::Status DecodeAttention(const kernels::DecodeParams& p) override;
+  absl::Status CopyToHost(void* host_dst, const uint8_t* dev_src,
+                          size_t bytes) override;
+  absl::Status CopyFromHost(uint8_t* dev_dst, const void* host_src,
+                            size_t bytes) override;
+  absl::StatusOr<uint8_t*> AllocateHostTier(size_t bytes) override;
+  void FreeHostTier(uint8_t* base, size_t bytes) override;
 };
 
 struct DeviceOptions {

@@ -126,6 +126,20 @@ class PickyDevice final : public Device {
   absl::Status DecodeAttention(const kernels::DecodeParams& p) override {
     return cpu_.DecodeAttention(p);
   }
+  absl::Status CopyToHost(void* dst, const uint8_t* src,
+                          size_t bytes) override {
+    return cpu_.CopyToHost(dst, src, bytes);
+  }
+  absl::Status CopyFromHost(uint8_t* dst, const void* src,
+                            size_t bytes) override {
+    return cpu_.CopyFromHost(dst, src, bytes);
+  }
+  absl::StatusOr<uint8_t*> AllocateHostTier(size_t bytes) override {
+    return cpu_.AllocateHostTier(bytes);
+  }
+  void FreeHostTier(uint8_t* base, size_t bytes) override {
+    cpu_.FreeHostTier(base, bytes);
+  }
 
  private:
   CpuDevice cpu_;

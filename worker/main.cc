@@ -22,6 +22,7 @@
 #include "worker/manager_link.h"
 #include "worker/page_allocator.h"
 #include "worker/sequence_store.h"
+#include "worker/tier_store.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7071",
@@ -44,6 +45,19 @@ ABSL_FLAG(std::string, backend, "auto",
           "CUDA device is visible, else cpu");
 ABSL_FLAG(int32_t, cuda_device, 0,
           "CUDA device ordinal for the cuda backend (one worker per GPU)");
+ABSL_FLAG(int64_t, host_tier_mb, 256,
+          "host spill tier in MiB (pinned memory on CUDA); 0 disables it");
+ABSL_FLAG(std::string, disk_tier_dir, "",
+          "directory of the disk spill tier (files under "
+          "<dir>/<worker_id or pid-N>/); empty disables it");
+ABSL_FLAG(int64_t, disk_tier_mb, 4096,
+          "disk spill tier capacity in MiB of page bytes");
+ABSL_FLAG(bool, restore_on_attend, true,
+          "Attend/ReadKV over spilled blocks restore them first; false: "
+          "answer UNAVAILABLE with retry_after_ms and restore in the "
+          "background");
+ABSL_FLAG(int32_t, retry_after_ms, 20,
+          "retry delay suggested when restore_on_attend is false");
 
 namespace {
 
@@ -96,8 +110,32 @@ int main(int argc, char** argv) {
   auto allocator =
       PageAllocator::Create(device->get(), static_cast<size_t>(pool_mb) << 20);
   if (!allocator.ok()) return Fail(std::string(allocator.status().message()));
-  SequenceStore store(device->get(), allocator->get(),
-                      StoreOptions{static_cast<uint32_t>(window)});
+  const int64_t host_tier_mb = absl::GetFlag(FLAGS_host_tier_mb);
+  const int64_t disk_tier_mb = absl::GetFlag(FLAGS_disk_tier_mb);
+  const int32_t retry_after_ms = absl::GetFlag(FLAGS_retry_after_ms);
+  if (host_tier_mb < 0) {
+    return Fail(absl::StrCat("--host_tier_mb=", host_tier_mb, " must be >= 0"));
+  }
+  if (disk_tier_mb < 0) {
+    return Fail(absl::StrCat("--disk_tier_mb=", disk_tier_mb, " must be >= 0"));
+  }
+  if (retry_after_ms < 0) {
+    return Fail(
+        absl::StrCat("--retry_after_ms=", retry_after_ms, " must be >= 0"));
+  }
+  TierStoreOptions tier_options;
+  tier_options.host_capacity_bytes = static_cast<uint64_t>(host_tier_mb) << 20;
+  tier_options.disk_dir = absl::GetFlag(FLAGS_disk_tier_dir);
+  tier_options.disk_capacity_bytes = static_cast<uint64_t>(disk_tier_mb) << 20;
+  tier_options.owner = absl::GetFlag(FLAGS_worker_id);  // empty: pid-<pid>
+  auto tiers = TierStore::Create(device->get(), tier_options);
+  if (!tiers.ok()) return Fail(std::string(tiers.status().message()));
+  StoreOptions store_options;
+  store_options.window_tokens = static_cast<uint32_t>(window);
+  store_options.tiers = tiers->get();
+  store_options.restore_on_attend = absl::GetFlag(FLAGS_restore_on_attend);
+  store_options.retry_after_ms = static_cast<uint32_t>(retry_after_ms);
+  SequenceStore store(device->get(), allocator->get(), store_options);
   WorkerService service(&store);
 
   const std::string listen = absl::GetFlag(FLAGS_listen);
@@ -140,15 +178,25 @@ int main(int argc, char** argv) {
                                  : absl::GetFlag(FLAGS_advertise);
     opts.backend = (*device)->Name();
     opts.capacity_bytes = (*allocator)->capacity();
+    opts.host_capacity_bytes = (*tiers)->Usage(Tier::kHost).capacity_bytes;
+    opts.disk_capacity_bytes = (*tiers)->Usage(Tier::kDisk).capacity_bytes;
     link = std::make_unique<ManagerLink>(
         opts,
         [&store] {
           triax::v1::Inventory inv;
           InventoryToProto(store.Inventory(), &inv);
+          for (uint64_t id : store.TakeSelfRestored()) {
+            inv.add_restored_lineage_ids(id);
+          }
           return inv;
         },
         [&store](const std::vector<std::string>& lost) {
           for (const std::string& id : lost) (void)store.Drop(id);
+        },
+        [&store](const triax::v1::Inventory& unsent) {
+          store.ReturnSelfRestored(
+              std::vector<uint64_t>(unsent.restored_lineage_ids().begin(),
+                                    unsent.restored_lineage_ids().end()));
         });
     link->Start();
   }
@@ -161,6 +209,8 @@ int main(int argc, char** argv) {
                           triax::Kv("backend", (*device)->Name()), " ",
                           triax::Kv("pool_mb", pool_mb), " ",
                           triax::Kv("window_tokens", window), " ",
+                          triax::Kv("host_tier_mb", host_tier_mb), " ",
+                          triax::Kv("disk_tier_dir", (*tiers)->disk_dir()), " ",
                           triax::Kv("manager", manager)));
 
   int sig = 0;

@@ -13,10 +13,11 @@
 namespace triax::worker {
 
 ManagerLink::ManagerLink(ManagerLinkOptions options, InventoryFn inventory,
-                         LostFn on_lost)
+                         LostFn on_lost, UnsentFn on_unsent)
     : options_(std::move(options)),
       inventory_(std::move(inventory)),
-      on_lost_(std::move(on_lost)) {
+      on_lost_(std::move(on_lost)),
+      on_unsent_(std::move(on_unsent)) {
   stub_ = v1::Manager::NewStub(grpc::CreateChannel(
       options_.manager_address, grpc::InsecureChannelCredentials()));
 }
@@ -67,6 +68,8 @@ void ManagerLink::Run() {
       req.set_address(options_.advertise_address);
       req.set_backend(options_.backend);
       req.set_capacity_bytes(options_.capacity_bytes);
+      req.set_host_capacity_bytes(options_.host_capacity_bytes);
+      req.set_disk_capacity_bytes(options_.disk_capacity_bytes);
       v1::RegisterWorkerResponse resp;
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() +
@@ -110,6 +113,7 @@ void ManagerLink::Run() {
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(options_.rpc_deadline_ms));
     const grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+    if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
     if (s.ok()) {
       absl::MutexLock lock(&mu_);
       ++heartbeats_;

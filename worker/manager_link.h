@@ -1,6 +1,7 @@
 // The worker's link to the kvmanager: registers (RegisterWorker, retried
 // every `retry_ms` until the manager answers OK), then heartbeats the
-// inventory every heartbeat_interval_ms the manager asked for; a heartbeat
+// inventory (with the spill tiers' usage and counters) every
+// heartbeat_interval_ms the manager asked for; a heartbeat
 // answered NOT_FOUND (the manager forgot us, e.g. it restarted) registers
 // again. Sequences the manager reports lost on registration are dropped
 // through `on_lost`.
@@ -28,8 +29,10 @@ struct ManagerLinkOptions {
   std::string advertise_address;  // host:port frontends dial
   std::string backend;            // "cpu" | "cuda"
   uint64_t capacity_bytes = 0;
-  int retry_ms = 200;               // between registration attempts
-  int default_heartbeat_ms = 1000;  // when the manager says 0
+  uint64_t host_capacity_bytes = 0;  // host spill tier; 0: none
+  uint64_t disk_capacity_bytes = 0;  // disk spill tier; 0: none
+  int retry_ms = 200;                // between registration attempts
+  int default_heartbeat_ms = 1000;   // when the manager says 0
   int rpc_deadline_ms = 2000;
 };
 
@@ -37,9 +40,12 @@ class ManagerLink {
  public:
   using InventoryFn = std::function<v1::Inventory()>;
   using LostFn = std::function<void(const std::vector<std::string>&)>;
+  // Called with the inventory of a heartbeat the manager did not accept
+  // (so what it carried, e.g. restored_lineage_ids, can be sent again).
+  using UnsentFn = std::function<void(const v1::Inventory&)>;
 
-  ManagerLink(ManagerLinkOptions options, InventoryFn inventory,
-              LostFn on_lost);
+  ManagerLink(ManagerLinkOptions options, InventoryFn inventory, LostFn on_lost,
+              UnsentFn on_unsent = nullptr);
   ~ManagerLink();  // Stops.
 
   void Start();
@@ -57,6 +63,7 @@ class ManagerLink {
   const ManagerLinkOptions options_;
   const InventoryFn inventory_;
   const LostFn on_lost_;
+  const UnsentFn on_unsent_;
   std::unique_ptr<v1::Manager::Stub> stub_;
   std::thread thread_;
 

@@ -81,7 +81,12 @@ absl::StatusOr<std::unique_ptr<PageAllocator>> PageAllocator::Create(
 }
 
 PageAllocator::PageAllocator(Device* device, uint8_t* base, size_t capacity)
-    : device_(device), base_(base), capacity_(capacity), arena_(capacity) {}
+    : device_(device),
+      base_(base),
+      capacity_(capacity),
+      slab_bytes_(std::min(kSlabBytes,
+                           std::max(kMinSlabBytes, capacity / kSlabsPerArena))),
+      arena_(capacity) {}
 
 PageAllocator::~PageAllocator() { device_->FreeArena(base_, capacity_); }
 
@@ -119,9 +124,9 @@ absl::StatusOr<Page*> PageAllocator::Allocate(const kernels::Encoding& encoding,
     }
   }
   if (slab == nullptr) {
-    // Carve a new slab: kSlabBytes worth of pages (at least one page), shrunk
+    // Carve a new slab: SlabBytes() worth of pages (at least one page), shrunk
     // to the largest run the arena still has.
-    size_t pages = std::max<size_t>(1, kSlabBytes / page_bytes);
+    size_t pages = std::max<size_t>(1, slab_bytes_ / page_bytes);
     pages = std::min(pages, arena_.LargestFreeRun() / page_bytes);
     size_t offset = 0;
     if (pages == 0 || !arena_.Take(pages * page_bytes, &offset)) {

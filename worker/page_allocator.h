@@ -108,8 +108,15 @@ struct AllocatorStats {
 
 class PageAllocator {
  public:
-  // Preferred slab size; small pages are carved kSlabBytes at a time.
+  // Preferred slab size: small pages are carved SlabBytes() at a time, which
+  // is kSlabBytes, or capacity / kSlabsPerArena for arenas under 64 MiB (at
+  // least kMinSlabBytes), so that a small pool is not taken whole by the
+  // first encoding that asks (demotions need room for the new encoding's
+  // pages while the old ones are still held).
   static constexpr size_t kSlabBytes = size_t{1} << 20;
+  static constexpr size_t kMinSlabBytes = size_t{16} << 10;
+  static constexpr size_t kSlabsPerArena = 64;
+  size_t SlabBytes() const { return slab_bytes_; }
 
   // Takes `capacity_bytes` from `device` (which must outlive the allocator).
   static absl::StatusOr<std::unique_ptr<PageAllocator>> Create(
@@ -150,6 +157,7 @@ class PageAllocator {
   Device* const device_;
   uint8_t* const base_;
   const size_t capacity_;
+  const size_t slab_bytes_;
 
   mutable absl::Mutex mu_;
   Arena arena_ ABSL_GUARDED_BY(mu_);

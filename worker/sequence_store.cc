@@ -5,8 +5,11 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/ids.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "kernels/numeric.h"
 
@@ -15,6 +18,13 @@ namespace triax::worker {
 using kernels::Encoding;
 using kernels::Format;
 using kernels::PageShape;
+
+uint32_t RetryAfterMs(const absl::Status& status) {
+  auto p = status.GetPayload(kRetryAfterPayload);
+  uint32_t ms = 0;
+  if (!p.has_value() || !absl::SimpleAtoi(std::string(*p), &ms)) return 0;
+  return ms;
+}
 
 kernels::Encoding SpecEncoding(const BlockSpec& b) {
   const Format k = static_cast<Format>(b.format);
@@ -30,7 +40,15 @@ struct SequenceStore::Block {
   Encoding enc;
   std::vector<Page*> target;  // per layer; null only while being built
   std::vector<Page*> window;  // per layer; BF16 staging, null when none
+  // kDevice: target pages hold the block. kHost/kDisk: `spilled` holds it
+  // and target pages are null. Evicted: tier kUnspecified, no pages at all.
+  Tier tier = Tier::kDevice;
+  bool evicted = false;
+  SpilledBlock spilled;
+  bool prefetch_queued = false;  // a background restore is queued
+  absl::Status restore_error;    // why the last background restore failed
   uint64_t end() const { return spec.first_token + spec.num_tokens; }
+  bool resident() const { return tier == Tier::kDevice; }
 };
 
 // Every field but `id` is guarded by `mu`; helpers taking a Sequence& run
@@ -159,6 +177,11 @@ absl::Status ValidatePlan(const Device& device,
     TRIAX_RETURN_IF_ERROR(
         BlockEncoding(device, b, absl::StrCat("blocks[", i, "]"), shape)
             .status());
+    if (b.tier < 0 || b.tier > 3) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("blocks[", i, "].tier=", b.tier,
+                       " is not a tier (0/1 device, 2 host, 3 disk)"));
+    }
     next += b.num_tokens;
   }
   return absl::OkStatus();
@@ -210,9 +233,22 @@ size_t BlockOf(const Blocks& blocks, uint64_t t) {
 
 SequenceStore::SequenceStore(Device* device, PageAllocator* allocator,
                              StoreOptions options)
-    : device_(device), allocator_(allocator), options_(options) {}
+    : device_(device), allocator_(allocator), options_(options) {
+  if (options_.prefetch_thread) {
+    prefetch_thread_ = std::thread([this] { PrefetchLoop(); });
+  }
+}
 
 SequenceStore::~SequenceStore() {
+  {
+    absl::MutexLock lock(&prefetch_mu_);
+    prefetch_stop_ = true;
+  }
+  if (prefetch_thread_.joinable()) prefetch_thread_.join();
+  {
+    absl::MutexLock lock(&prefetch_mu_);
+    prefetch_queue_.clear();
+  }
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> all;
   {
     absl::MutexLock lock(&mu_);
@@ -366,11 +402,30 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
           have.num_tokens, last ? " (the last block may only grow)" : ""));
     }
   }
+  for (size_t i = old; i < blocks.size(); ++i) {
+    if (blocks[i].evicted || blocks[i].tier > static_cast<int>(Tier::kDevice)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "blocks[", i, "] (lineage_id=", blocks[i].lineage_id,
+          ") is not installed on this worker but the plan names it ",
+          blocks[i].evicted ? "evicted"
+                            : absl::StrCat("in tier ", blocks[i].tier),
+          "; only installed blocks are spilled or evicted"));
+    }
+  }
   bool grow = false;  // the last installed block's num_tokens grows
   Encoding grow_enc;
   if (old > 0 &&
       blocks[old - 1].num_tokens > seq.blocks[old - 1].spec.num_tokens) {
     Block& last = seq.blocks[old - 1];
+    if (!last.resident()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence_id=", Quote(seq.id), ": blocks[", old - 1,
+          "] (lineage_id=", last.spec.lineage_id, ") is ",
+          last.evicted
+              ? "evicted"
+              : absl::StrCat("spilled to the ", TierName(last.tier), " tier"),
+          " and cannot grow to num_tokens=", blocks[old - 1].num_tokens));
+    }
     for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
       const int refs = allocator_->RefCount(last.target[l]);
       if (refs > 1) {
@@ -611,12 +666,16 @@ absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
                            " has neither a window page nor an encoded "
                            "target page"));
         }
-        std::vector<uint16_t> k, v;
-        TRIAX_RETURN_IF_ERROR(PageToBf16(Format::kBF16, seq.shape, w->data,
-                                         b.spec.num_tokens, &k, &v));
+        // BF16 -> float -> BF16 is exact, so this is EncodePage of the
+        // window's tokens, run where the pages live.
+        DemoteJob job;
+        job.from = Format::kBF16;
+        job.src = w->data;
+        job.num_tokens = static_cast<int>(b.spec.num_tokens);
+        job.to = b.enc;
+        job.dst = t->data;
         TRIAX_RETURN_IF_ERROR(
-            device_->EncodePage(b.enc, seq.shape, k.data(), v.data(),
-                                static_cast<int>(b.spec.num_tokens), t->data));
+            device_->DemotePages(seq.shape, absl::MakeConstSpan(&job, 1)));
       }
       t->encoded = true;
     }
@@ -687,6 +746,17 @@ absl::StatusOr<DemoteResult> SequenceStore::Demote(
         Encoding enc,
         BlockEncoding(*device_, want, absl::StrCat("blocks[", i, "]"),
                       seq.shape));
+    if (b.evicted) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "blocks[", i, "] (index=", want.index, " lineage_id=",
+          want.lineage_id, ") is evicted; evicted blocks cannot be demoted"));
+    }
+    if (!b.resident()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("blocks[", i, "] (index=", want.index,
+                       " lineage_id=", want.lineage_id, ") is spilled to the ",
+                       TierName(b.tier), " tier; Restore it before demoting"));
+    }
     for (uint32_t l = 0; l < layers; ++l) {
       const int refs = allocator_->RefCount(b.target[l]);
       if (refs > 1) {
@@ -769,8 +839,28 @@ absl::StatusOr<DemoteResult> SequenceStore::Demote(
   }
 
   // 3. Fill the new pages; the old ones are untouched until every fill
-  //    succeeded.
-  std::vector<uint16_t> k, v;
+  //    succeeded. Sealed pages are re-encoded in one DemotePages call.
+  std::vector<DemoteJob> reencode;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const Block& b = seq.blocks[jobs[j].block];
+    for (uint32_t l = 0; l < layers; ++l) {
+      if (!steps[j][l].sealed) continue;
+      DemoteJob job;
+      job.from = b.enc;
+      job.src = b.target[l]->data;
+      job.num_tokens = static_cast<int>(b.spec.num_tokens);
+      job.to = jobs[j].enc;
+      job.dst = steps[j][l].target->data;
+      reencode.push_back(job);
+    }
+  }
+  if (absl::Status s = device_->DemotePages(seq.shape, reencode); !s.ok()) {
+    undo();
+    return absl::Status(
+        s.code(),
+        absl::StrCat("Demote sequence_id=", Quote(seq.id), " re-encoding ",
+                     reencode.size(), " sealed pages: ", s.message()));
+  }
   for (size_t j = 0; j < jobs.size(); ++j) {
     const Block& b = seq.blocks[jobs[j].block];
     const Encoding& enc = jobs[j].enc;
@@ -778,13 +868,7 @@ absl::StatusOr<DemoteResult> SequenceStore::Demote(
       Step& st = steps[j][l];
       absl::Status s;
       if (st.sealed) {
-        s = PageToBf16(b.enc, seq.shape, b.target[l]->data, b.spec.num_tokens,
-                       &k, &v);
-        if (s.ok()) {
-          s = device_->EncodePage(enc, seq.shape, k.data(), v.data(),
-                                  static_cast<int>(b.spec.num_tokens),
-                                  st.target->data);
-        }
+        continue;
       } else if (IsBf16(enc)) {
         // The new target page is written straight from now on: move the
         // staged tokens into it (from the window, or the old BF16 target).
@@ -852,13 +936,23 @@ absl::StatusOr<DemoteResult> SequenceStore::Demote(
 // ---------------------------------------------------------------------------
 // Attention and reads
 
-absl::StatusOr<std::vector<float>> SequenceStore::Attend(
-    absl::string_view tenant_id, absl::string_view sequence_id,
-    const AttendSpec& spec) {
-  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq_ptr,
-                         LookupOwned(tenant_id, sequence_id));
+// An item ready for the device: its query/output buffers, page list and
+// per-query attended token counts.
+struct SequenceStore::PreparedAttend {
+  size_t item = 0;
+  kernels::PageShape shape;
+  int n_q_heads = 0;
+  float scale = 0.f;
+  std::vector<float> q, out;  // [num_queries][n_q_heads][head_dim]
+  std::vector<kernels::PageRef> refs;
+  std::vector<long> attend;  // per query
+};
+
+absl::Status SequenceStore::PrepareAttend(
+    const std::shared_ptr<Sequence>& seq_ptr, absl::string_view tenant_id,
+    const AttendSpec& spec,
+    PreparedAttend* prep) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   Sequence& seq = *seq_ptr;
-  absl::MutexLock lock(&seq.mu);
   TRIAX_RETURN_IF_ERROR(CheckOwner(seq, tenant_id));
   const ModelShape& m = seq.model;
   if (spec.layer >= m.n_layers) {
@@ -905,16 +999,30 @@ absl::StatusOr<std::vector<float>> SequenceStore::Attend(
           spec.layer, " has ", after, " tokens"));
     }
   }
+  // Spilled blocks come back (or the call is refused) before the append, so
+  // an UNAVAILABLE answer changes nothing and the retry can append again.
+  uint64_t upto = after;
+  if (!spec.positions.empty()) {
+    upto = *std::max_element(spec.positions.begin(), spec.positions.end()) + 1;
+  }
+  TRIAX_RETURN_IF_ERROR(EnsureResident(seq_ptr, 0, upto));
   if (spec.append != nullptr) {
     TRIAX_RETURN_IF_ERROR(WriteLocked(seq, *spec.append, "append."));
   }
 
   const uint32_t layer = spec.layer;
   const uint64_t written = seq.written[layer];
-  std::vector<kernels::PageRef> refs;
+  std::vector<kernels::PageRef>& refs = prep->refs;
+  std::vector<const Block*> evicted;  // skipped; their positions still count
   for (size_t b = 0; b < seq.blocks.size(); ++b) {
     const Block& blk = seq.blocks[b];
-    if (blk.spec.first_token >= written) break;
+    // Blocks past the last attended position may be spilled (only those up
+    // to it were made resident) and are not read.
+    if (blk.spec.first_token >= std::min(written, upto)) break;
+    if (blk.evicted) {
+      evicted.push_back(&blk);
+      continue;
+    }
     kernels::PageRef r;
     r.num_tokens = static_cast<int>(std::min<uint64_t>(
         blk.spec.num_tokens, written - blk.spec.first_token));
@@ -927,27 +1035,133 @@ absl::StatusOr<std::vector<float>> SequenceStore::Attend(
     }
     refs.push_back(r);
   }
-  const size_t per_query = static_cast<size_t>(m.n_q_heads) * m.head_dim;
-  std::vector<float> q(qvalues);
-  std::memcpy(q.data(), spec.queries.data(), qvalues * 4);
-  std::vector<float> out(qvalues);
-  const float scale = spec.scale != 0.f
-                          ? spec.scale
-                          : 1.f / std::sqrt(static_cast<float>(m.head_dim));
   for (uint32_t i = 0; i < spec.num_queries; ++i) {
-    kernels::DecodeParams params;
-    params.q = q.data() + i * per_query;
-    params.out = out.data() + i * per_query;
-    params.n_q_heads = static_cast<int>(m.n_q_heads);
-    params.shape = seq.shape;
-    params.scale = scale;
-    params.pages = refs.data();
-    params.num_pages = static_cast<int>(refs.size());
-    params.attend_tokens = static_cast<long>(
-        spec.positions.empty() ? written : spec.positions[i] + 1);
-    TRIAX_RETURN_IF_ERROR(device_->DecodeAttention(params));
+    const uint64_t through =
+        spec.positions.empty() ? written : spec.positions[i] + 1;
+    uint64_t skipped = 0;
+    for (const Block* e : evicted) {
+      if (e->spec.first_token >= through) break;
+      skipped += std::min(e->end(), through) - e->spec.first_token;
+    }
+    if (skipped == through) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "query ", i, " at position ", through - 1,
+          " has no tokens to attend to: every block up to it is evicted"));
+    }
+    prep->attend.push_back(static_cast<long>(through - skipped));
   }
-  return out;
+  prep->shape = seq.shape;
+  prep->n_q_heads = static_cast<int>(m.n_q_heads);
+  prep->scale = spec.scale != 0.f
+                    ? spec.scale
+                    : 1.f / std::sqrt(static_cast<float>(m.head_dim));
+  prep->q.resize(qvalues);
+  std::memcpy(prep->q.data(), spec.queries.data(), qvalues * 4);
+  prep->out.assign(qvalues, 0.f);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> SequenceStore::Attend(
+    absl::string_view tenant_id, absl::string_view sequence_id,
+    const AttendSpec& spec) {
+  AttendBatchItem item;
+  item.sequence_id = sequence_id;
+  item.spec = spec;
+  return std::move(AttendBatch(tenant_id, absl::MakeConstSpan(&item, 1))[0]);
+}
+
+std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatch(
+    absl::string_view tenant_id,
+    absl::Span<const AttendBatchItem> items) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::vector<absl::StatusOr<std::vector<float>>> results(
+      items.size(), absl::InternalError("item not run"));
+  std::vector<std::shared_ptr<Sequence>> seqs(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    absl::StatusOr<std::shared_ptr<Sequence>> seq =
+        LookupOwned(tenant_id, items[i].sequence_id);
+    if (seq.ok()) {
+      seqs[i] = *std::move(seq);
+    } else {
+      results[i] = seq.status();
+    }
+  }
+  // Every sequence's mutex, in one global order (id, then address).
+  std::vector<Sequence*> locks;
+  for (const auto& s : seqs) {
+    if (s != nullptr) locks.push_back(s.get());
+  }
+  std::sort(locks.begin(), locks.end(),
+            [](const Sequence* a, const Sequence* b) {
+              return a->id != b->id ? a->id < b->id : a < b;
+            });
+  locks.erase(std::unique(locks.begin(), locks.end()), locks.end());
+  for (Sequence* s : locks) s->mu.Lock();
+
+  std::vector<PreparedAttend> pending;
+  std::vector<const Sequence*> pending_seqs;
+  auto flush = [&] {
+    if (pending.empty()) return;
+    std::vector<kernels::DecodeParams> params;
+    std::vector<size_t> first(pending.size() + 1, 0);
+    for (size_t k = 0; k < pending.size(); ++k) {
+      PreparedAttend& p = pending[k];
+      const size_t per_query =
+          static_cast<size_t>(p.n_q_heads) * p.shape.head_dim;
+      first[k] = params.size();
+      for (size_t i = 0; i < p.attend.size(); ++i) {
+        kernels::DecodeParams d;
+        d.q = p.q.data() + i * per_query;
+        d.out = p.out.data() + i * per_query;
+        d.n_q_heads = p.n_q_heads;
+        d.shape = p.shape;
+        d.scale = p.scale;
+        d.pages = p.refs.data();
+        d.num_pages = static_cast<int>(p.refs.size());
+        d.attend_tokens = p.attend[i];
+        params.push_back(d);
+      }
+    }
+    first[pending.size()] = params.size();
+    const absl::Status all = device_->DecodeAttentionBatch(params);
+    for (size_t k = 0; k < pending.size(); ++k) {
+      absl::Status s = all;
+      if (!s.ok() && s.code() != absl::StatusCode::kUnavailable &&
+          s.code() != absl::StatusCode::kInternal) {
+        // An entry the device refused: run each item alone so only the
+        // items at fault fail.
+        s = device_->DecodeAttentionBatch(absl::MakeConstSpan(
+            params.data() + first[k], first[k + 1] - first[k]));
+      }
+      if (s.ok()) {
+        results[pending[k].item] = std::move(pending[k].out);
+      } else {
+        results[pending[k].item] = s;
+      }
+    }
+    pending.clear();
+    pending_seqs.clear();
+  };
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (seqs[i] == nullptr) continue;
+    if (items[i].spec.append != nullptr &&
+        std::find(pending_seqs.begin(), pending_seqs.end(), seqs[i].get()) !=
+            pending_seqs.end()) {
+      flush();  // the pending reads of this sequence must not see the append
+    }
+    PreparedAttend prep;
+    prep.item = i;
+    if (absl::Status s =
+            PrepareAttend(seqs[i], tenant_id, items[i].spec, &prep);
+        !s.ok()) {
+      results[i] = s;
+      continue;
+    }
+    pending.push_back(std::move(prep));
+    pending_seqs.push_back(seqs[i].get());
+  }
+  flush();
+  for (auto it = locks.rbegin(); it != locks.rend(); ++it) (*it)->mu.Unlock();
+  return results;
 }
 
 absl::StatusOr<ReadResult> SequenceStore::Read(absl::string_view tenant_id,
@@ -976,6 +1190,22 @@ absl::StatusOr<ReadResult> SequenceStore::Read(absl::string_view tenant_id,
         "first_token=", first_token, " num_tokens=", num_tokens,
         " reads past the ", written, " written tokens of layer ", layer));
   }
+  for (size_t b = BlockOf(seq.blocks, first_token);
+       n > 0 && b < seq.blocks.size() &&
+       seq.blocks[b].spec.first_token < first_token + n;
+       ++b) {
+    const Block& blk = seq.blocks[b];
+    if (blk.evicted) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("first_token=", first_token, " num_tokens=", n,
+                       " reads block ", b, " (lineage_id=", blk.spec.lineage_id,
+                       ", tokens ", blk.spec.first_token, "..", blk.end() - 1,
+                       "), which is evicted; its tokens are gone"));
+    }
+  }
+  if (n > 0)
+    TRIAX_RETURN_IF_ERROR(
+        EnsureResident(seq_ptr, first_token, first_token + n));
   ReadResult r;
   r.first_token = first_token;
   r.num_tokens = static_cast<uint32_t>(n);
@@ -1068,6 +1298,22 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
     return absl::InvalidArgumentError(
         absl::StrCat("blocks cover ", child_planned,
                      " tokens, fewer than num_tokens=", num_tokens));
+  }
+  for (size_t i = 0; i < parent.blocks.size(); ++i) {
+    const Block& pb = parent.blocks[i];
+    if (pb.spec.first_token >= num_tokens) break;
+    if (pb.evicted) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "parent block ", i, " (lineage_id=", pb.spec.lineage_id,
+          ") lies within num_tokens=", num_tokens,
+          " but is evicted; a fork cannot inherit evicted tokens"));
+    }
+    if (!pb.resident()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "parent block ", i, " (lineage_id=", pb.spec.lineage_id,
+          ") lies within num_tokens=", num_tokens, " but is spilled to the ",
+          TierName(pb.tier), " tier; Restore it before forking"));
+    }
   }
   const uint32_t layers = parent.model.n_layers;
   std::vector<bool> shared(blocks.size(), false);
@@ -1257,6 +1503,9 @@ FreeResult SequenceStore::ReleaseAll(Sequence& seq)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   FreeResult r;
   for (Block& b : seq.blocks) {
+    if (b.tier == Tier::kHost || b.tier == Tier::kDisk) {
+      options_.tiers->Release(&b.spilled);
+    }
     for (std::vector<Page*>* pages : {&b.target, &b.window}) {
       for (Page*& p : *pages) {
         if (p == nullptr) continue;
@@ -1323,6 +1572,17 @@ InventorySnapshot SequenceStore::Inventory() const {
   inv.window_bytes = s.window.bytes;
   inv.formats = s.target;
   inv.encodings = s.by_encoding;
+  if (options_.tiers != nullptr) {
+    inv.host = options_.tiers->Usage(Tier::kHost);
+    inv.disk = options_.tiers->Usage(Tier::kDisk);
+  }
+  inv.spills = spills_.load();
+  inv.restores = restores_.load();
+  inv.checksum_failures = checksum_failures_.load();
+  inv.evictions = evictions_.load();
+  if (absl::Status h = device_->Health(); !h.ok()) {
+    inv.device_error = std::string(h.message());
+  }
   return inv;
 }
 
@@ -1335,7 +1595,11 @@ absl::StatusOr<SequenceSnapshot> SequenceStore::Describe(
   s.model = seq->model;
   s.block_tokens = seq->block_tokens;
   s.window_tokens = seq->window_tokens;
-  for (const Block& b : seq->blocks) s.blocks.push_back(b.spec);
+  for (const Block& b : seq->blocks) {
+    s.blocks.push_back(b.spec);
+    s.blocks.back().tier = static_cast<int>(b.tier);
+    s.blocks.back().evicted = b.evicted;
+  }
   s.written = seq->written;
   s.sealed = seq->sealed;
   s.window_pages.assign(seq->model.n_layers, 0);
@@ -1358,6 +1622,509 @@ absl::StatusOr<Page*> SequenceStore::TargetPage(absl::string_view sequence_id,
                                               " is outside the sequence"));
   }
   return seq->blocks[block].target[layer];
+}
+
+// ---------------------------------------------------------------------------
+// Spill tiers
+
+namespace {
+
+BlockLabel LabelOf(const std::string& seq_id, const BlockSpec& spec) {
+  BlockLabel l;
+  l.sequence_id = seq_id;
+  l.lineage_id = spec.lineage_id;
+  l.index = spec.index;
+  return l;
+}
+
+std::string BlockName(const BlockSpec& spec) {
+  return absl::StrCat("block ", spec.index, " (lineage_id=", spec.lineage_id,
+                      ")");
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<size_t>> SequenceStore::BlocksOf(
+    const Sequence& seq, absl::Span<const uint64_t> lineage_ids) const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::vector<size_t> out;
+  out.reserve(lineage_ids.size());
+  for (size_t i = 0; i < lineage_ids.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (lineage_ids[j] == lineage_ids[i]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("lineage_ids[", i, "]=", lineage_ids[i],
+                         " is named more than once"));
+      }
+    }
+    size_t found = seq.blocks.size();
+    for (size_t b = 0; b < seq.blocks.size(); ++b) {
+      if (seq.blocks[b].spec.lineage_id == lineage_ids[i]) found = b;
+    }
+    if (found == seq.blocks.size()) {
+      return absl::NotFoundError(
+          absl::StrCat("lineage_ids[", i, "]=", lineage_ids[i],
+                       " is not a block of sequence_id=", Quote(seq.id)));
+    }
+    out.push_back(found);
+  }
+  return out;
+}
+
+absl::Status SequenceStore::CheckMovable(const Sequence& seq, size_t b,
+                                         absl::string_view op) const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const Block& blk = seq.blocks[b];
+  for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
+    if (seq.sealed[l] <= b) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          op, " sequence_id=", Quote(seq.id), " ", BlockName(blk.spec),
+          " is not sealed on layer ", l, " (", seq.written[l],
+          " tokens written, window_tokens=", seq.window_tokens,
+          "); only blocks out of the BF16 window on every layer move"));
+    }
+    if (blk.resident()) {
+      const int refs = allocator_->RefCount(blk.target[l]);
+      if (refs > 1) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(op, " sequence_id=", Quote(seq.id), " ",
+                         BlockName(blk.spec), " is shared by ", refs,
+                         " sequences (a fork); shared blocks do not move"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SpillResult> SequenceStore::Spill(
+    absl::string_view tenant_id, absl::string_view sequence_id,
+    absl::Span<const uint64_t> lineage_ids, Tier tier) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq_ptr,
+                         LookupOwned(tenant_id, sequence_id));
+  if (tier != Tier::kHost && tier != Tier::kDisk) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tier=", static_cast<int>(tier), " (", TierName(tier),
+                     ") is not a spill tier (2 host, 3 disk)"));
+  }
+  if (lineage_ids.empty()) {
+    return absl::InvalidArgumentError("lineage_ids is empty; name >= 1 block");
+  }
+  if (options_.tiers == nullptr) {
+    return absl::FailedPreconditionError(
+        "this worker has no spill tiers configured");
+  }
+  TRIAX_RETURN_IF_ERROR(options_.tiers->CheckTier(tier));
+  Sequence& seq = *seq_ptr;
+  absl::MutexLock lock(&seq.mu);
+  TRIAX_RETURN_IF_ERROR(CheckOwner(seq, tenant_id));
+  TRIAX_ASSIGN_OR_RETURN(std::vector<size_t> named, BlocksOf(seq, lineage_ids));
+  std::vector<size_t> jobs;
+  for (size_t b : named) {
+    const Block& blk = seq.blocks[b];
+    if (blk.evicted) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("Spill sequence_id=", Quote(seq.id), " ",
+                       BlockName(blk.spec), " is evicted"));
+    }
+    if (blk.tier == tier) continue;  // already there
+    TRIAX_RETURN_IF_ERROR(CheckMovable(seq, b, "Spill"));
+    jobs.push_back(b);
+  }
+
+  // Copy everything out first; the device pages and old tier copies are
+  // untouched until every copy succeeded.
+  const uint32_t layers = seq.model.n_layers;
+  std::vector<SpilledBlock> copies;
+  auto undo = [&] {
+    for (SpilledBlock& c : copies) options_.tiers->Release(&c);
+  };
+  uint64_t need = 0;
+  for (size_t b : jobs) {
+    const Block& blk = seq.blocks[b];
+    need += blk.resident() ? layers * kernels::PageBytes(blk.enc, seq.shape)
+                           : blk.spilled.bytes();
+  }
+  for (size_t b : jobs) {
+    const Block& blk = seq.blocks[b];
+    const BlockLabel label = LabelOf(seq.id, blk.spec);
+    absl::StatusOr<SpilledBlock> c;
+    if (blk.resident()) {
+      std::vector<const uint8_t*> pages;
+      std::vector<size_t> bytes;
+      for (uint32_t l = 0; l < layers; ++l) {
+        pages.push_back(blk.target[l]->data);
+        bytes.push_back(blk.target[l]->bytes);
+      }
+      c = options_.tiers->Spill(tier, pages, bytes, label);
+    } else {
+      c = options_.tiers->Move(blk.spilled, tier, label);
+    }
+    if (!c.ok()) {
+      undo();
+      if (c.status().code() == absl::StatusCode::kDataLoss) {
+        checksum_failures_.fetch_add(1);
+      }
+      return absl::Status(
+          c.status().code(),
+          absl::StrCat("Spill sequence_id=", Quote(seq.id), " of ", jobs.size(),
+                       " blocks (", need, " bytes) to the ", TierName(tier),
+                       " tier; nothing was spilled: ", c.status().message()));
+    }
+    copies.push_back(*std::move(c));
+  }
+
+  SpillResult result;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    Block& blk = seq.blocks[jobs[j]];
+    if (blk.resident()) {
+      for (uint32_t l = 0; l < layers; ++l) {
+        const size_t bytes = blk.target[l]->bytes;
+        if (allocator_->Unref(blk.target[l])) {
+          result.device_bytes_freed += bytes;
+        }
+        blk.target[l] = nullptr;
+      }
+    } else {
+      options_.tiers->Release(&blk.spilled);
+    }
+    result.pages_moved += copies[j].pages.size();
+    result.bytes_moved += copies[j].bytes();
+    blk.spilled = std::move(copies[j]);
+    blk.tier = tier;
+    spills_.fetch_add(1);
+  }
+  return result;
+}
+
+std::vector<uint64_t> SequenceStore::TakeSelfRestored() {
+  absl::MutexLock lock(&self_restored_mu_);
+  std::vector<uint64_t> out;
+  out.swap(self_restored_);
+  return out;
+}
+
+void SequenceStore::ReturnSelfRestored(const std::vector<uint64_t>& ids) {
+  absl::MutexLock lock(&self_restored_mu_);
+  self_restored_.insert(self_restored_.end(), ids.begin(), ids.end());
+}
+
+absl::StatusOr<RestoreResult> SequenceStore::RestoreLocked(
+    Sequence& seq, const std::vector<size_t>& blocks,
+    bool on_its_own) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  RestoreResult result;
+  if (blocks.empty()) return result;
+  const uint32_t layers = seq.model.n_layers;
+  uint64_t need_pages = 0, need_bytes = 0;
+  for (size_t b : blocks) {
+    need_pages += layers;
+    need_bytes += seq.blocks[b].spilled.bytes();
+  }
+  std::vector<std::vector<Page*>> fresh;
+  auto undo = [&] {
+    for (auto& pages : fresh) {
+      for (Page* p : pages) allocator_->Unref(p);
+    }
+  };
+  for (size_t b : blocks) {
+    const Block& blk = seq.blocks[b];
+    const size_t bytes = kernels::PageBytes(blk.enc, seq.shape);
+    fresh.emplace_back();
+    for (uint32_t l = 0; l < layers; ++l) {
+      absl::StatusOr<Page*> p =
+          allocator_->Allocate(blk.enc, bytes, PageUse::kTarget);
+      if (!p.ok()) {
+        undo();
+        return absl::Status(
+            p.status().code(),
+            absl::StrCat(
+                "Restore sequence_id=", Quote(seq.id), " needs ", need_pages,
+                " device pages (", need_bytes, " bytes) for ", blocks.size(),
+                " blocks; nothing was restored: ", p.status().message()));
+      }
+      fresh.back().push_back(*p);
+    }
+  }
+  for (size_t j = 0; j < blocks.size(); ++j) {
+    Block& blk = seq.blocks[blocks[j]];
+    std::vector<uint8_t*> dst;
+    for (Page* p : fresh[j]) dst.push_back(p->data);
+    absl::Status s =
+        options_.tiers->Restore(blk.spilled, dst, LabelOf(seq.id, blk.spec));
+    if (!s.ok()) {
+      undo();
+      if (s.code() == absl::StatusCode::kDataLoss) {
+        checksum_failures_.fetch_add(1);
+        blk.restore_error = s;
+      }
+      return absl::Status(
+          s.code(),
+          absl::StrCat("Restore (nothing was restored): ", s.message()));
+    }
+  }
+  for (size_t j = 0; j < blocks.size(); ++j) {
+    Block& blk = seq.blocks[blocks[j]];
+    for (uint32_t l = 0; l < layers; ++l) {
+      Page* p = fresh[j][l];
+      {
+        absl::MutexLock seal_lock(&p->seal_mu);
+        p->encoded = true;
+      }
+      blk.target[l] = p;
+    }
+    result.pages_restored += layers;
+    result.bytes_restored += blk.spilled.bytes();
+    options_.tiers->Release(&blk.spilled);
+    blk.tier = Tier::kDevice;
+    blk.prefetch_queued = false;
+    blk.restore_error = absl::OkStatus();
+    restores_.fetch_add(1);
+  }
+  if (on_its_own) {
+    absl::MutexLock lock(&self_restored_mu_);
+    for (size_t b : blocks) {
+      self_restored_.push_back(seq.blocks[b].spec.lineage_id);
+    }
+  }
+  return result;
+}
+
+absl::StatusOr<RestoreResult> SequenceStore::Restore(
+    absl::string_view tenant_id, absl::string_view sequence_id,
+    absl::Span<const uint64_t> lineage_ids, bool background) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq_ptr,
+                         LookupOwned(tenant_id, sequence_id));
+  Sequence& seq = *seq_ptr;
+  absl::MutexLock lock(&seq.mu);
+  TRIAX_RETURN_IF_ERROR(CheckOwner(seq, tenant_id));
+  std::vector<size_t> jobs;
+  if (lineage_ids.empty()) {
+    for (size_t b = 0; b < seq.blocks.size(); ++b) {
+      if (!seq.blocks[b].resident() && !seq.blocks[b].evicted)
+        jobs.push_back(b);
+    }
+  } else {
+    TRIAX_ASSIGN_OR_RETURN(std::vector<size_t> named,
+                           BlocksOf(seq, lineage_ids));
+    for (size_t b : named) {
+      const Block& blk = seq.blocks[b];
+      if (blk.evicted) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "Restore sequence_id=", Quote(seq.id), " ", BlockName(blk.spec),
+            " is evicted; its pages are gone"));
+      }
+      if (!blk.resident()) jobs.push_back(b);
+    }
+  }
+  if (background) {
+    RestoreResult r;
+    r.blocks_queued = jobs.size();
+    QueuePrefetch(seq_ptr, jobs);
+    return r;
+  }
+  return RestoreLocked(seq, jobs, /*on_its_own=*/false);
+}
+
+absl::StatusOr<EvictResult> SequenceStore::Evict(
+    absl::string_view tenant_id, absl::string_view sequence_id,
+    absl::Span<const uint64_t> lineage_ids) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq_ptr,
+                         LookupOwned(tenant_id, sequence_id));
+  if (lineage_ids.empty()) {
+    return absl::InvalidArgumentError("lineage_ids is empty; name >= 1 block");
+  }
+  Sequence& seq = *seq_ptr;
+  absl::MutexLock lock(&seq.mu);
+  TRIAX_RETURN_IF_ERROR(CheckOwner(seq, tenant_id));
+  TRIAX_ASSIGN_OR_RETURN(std::vector<size_t> named, BlocksOf(seq, lineage_ids));
+  std::vector<size_t> jobs;
+  for (size_t b : named) {
+    if (seq.blocks[b].evicted) continue;  // already gone
+    TRIAX_RETURN_IF_ERROR(CheckMovable(seq, b, "Evict"));
+    jobs.push_back(b);
+  }
+  EvictResult result;
+  for (size_t b : jobs) {
+    Block& blk = seq.blocks[b];
+    if (blk.resident()) {
+      for (Page*& p : blk.target) {
+        const size_t bytes = p->bytes;
+        if (allocator_->Unref(p)) {
+          result.pages_freed += 1;
+          result.bytes_freed += bytes;
+        }
+        p = nullptr;
+      }
+    } else {
+      result.pages_freed += blk.spilled.pages.size();
+      result.bytes_freed += blk.spilled.bytes();
+      options_.tiers->Release(&blk.spilled);
+    }
+    blk.tier = Tier::kUnspecified;
+    blk.evicted = true;
+    blk.prefetch_queued = false;
+    blk.restore_error = absl::OkStatus();
+    evictions_.fetch_add(1);
+  }
+  return result;
+}
+
+absl::Status SequenceStore::EnsureResident(
+    const std::shared_ptr<Sequence>& seq_ptr, uint64_t from,
+    uint64_t to) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  Sequence& seq = *seq_ptr;
+  std::vector<size_t> spilled;
+  for (size_t b = BlockOf(seq.blocks, from);
+       b < seq.blocks.size() && seq.blocks[b].spec.first_token < to; ++b) {
+    const Block& blk = seq.blocks[b];
+    if (!blk.evicted && !blk.resident()) spilled.push_back(b);
+  }
+  if (spilled.empty()) return absl::OkStatus();
+  if (options_.restore_on_attend) {
+    return RestoreLocked(seq, spilled).status();
+  }
+  // A failed background restore answers its error (once, unless DATA_LOSS,
+  // which stays: the bytes will not heal).
+  for (size_t b : spilled) {
+    Block& blk = seq.blocks[b];
+    if (!blk.restore_error.ok()) {
+      absl::Status e = blk.restore_error;
+      if (e.code() != absl::StatusCode::kDataLoss) {
+        blk.restore_error = absl::OkStatus();
+      }
+      return e;
+    }
+  }
+  std::vector<size_t> unqueued;
+  std::vector<std::string> names;
+  for (size_t b : spilled) {
+    const Block& blk = seq.blocks[b];
+    if (!blk.prefetch_queued) unqueued.push_back(b);
+    names.push_back(absl::StrCat(BlockName(blk.spec), " in the ",
+                                 TierName(blk.tier), " tier"));
+  }
+  if (unqueued.empty()) {
+    // Every block is already on its way: wait for it rather than bounce the
+    // caller (restoring in line takes what the queued job would).
+    return RestoreLocked(seq, spilled).status();
+  }
+  QueuePrefetch(seq_ptr, unqueued);
+  absl::Status s = absl::UnavailableError(absl::StrCat(
+      "sequence_id=", Quote(seq.id), ": ", absl::StrJoin(names, ", "),
+      spilled.size() == 1 ? " is" : " are",
+      " spilled; a background restore is queued, retry after ",
+      options_.retry_after_ms, " ms"));
+  s.SetPayload(kRetryAfterPayload,
+               absl::Cord(absl::StrCat(options_.retry_after_ms)));
+  return s;
+}
+
+void SequenceStore::QueuePrefetch(const std::shared_ptr<Sequence>& seq,
+                                  const std::vector<size_t>& blocks)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  PrefetchJob job;
+  job.seq = seq;
+  for (size_t b : blocks) {
+    Block& blk = seq->blocks[b];
+    blk.prefetch_queued = true;
+    job.lineage_ids.push_back(blk.spec.lineage_id);
+  }
+  if (job.lineage_ids.empty()) return;
+  absl::MutexLock lock(&prefetch_mu_);
+  prefetch_queue_.push_back(std::move(job));
+}
+
+void SequenceStore::RunPrefetch(const PrefetchJob& job)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  Sequence& seq = *job.seq;
+  absl::MutexLock lock(&seq.mu);
+  if (seq.freed) return;
+  std::vector<size_t> todo;
+  for (uint64_t lineage : job.lineage_ids) {
+    for (size_t b = 0; b < seq.blocks.size(); ++b) {
+      const Block& blk = seq.blocks[b];
+      if (blk.spec.lineage_id == lineage && blk.prefetch_queued &&
+          !blk.resident() && !blk.evicted) {
+        todo.push_back(b);
+      }
+    }
+  }
+  // One block at a time, so a bad block does not hold back the others.
+  for (size_t b : todo) {
+    absl::StatusOr<RestoreResult> r = RestoreLocked(seq, {b});
+    if (r.ok()) continue;
+    Block& blk = seq.blocks[b];
+    blk.prefetch_queued = false;
+    if (blk.restore_error.ok()) blk.restore_error = r.status();
+    Log(LogLevel::kWarn, "worker", "background restore failed",
+        absl::StrCat(Kv("sequence_id", seq.id), " ",
+                     Kv("lineage_id", blk.spec.lineage_id), " ",
+                     Kv("code", static_cast<int>(r.status().code())), " ",
+                     Kv("error", r.status().message())));
+  }
+}
+
+size_t SequenceStore::ServePrefetchQueue() {
+  size_t ran = 0;
+  for (;;) {
+    PrefetchJob job;
+    {
+      absl::MutexLock lock(&prefetch_mu_);
+      if (prefetch_queue_.empty()) return ran;
+      job = std::move(prefetch_queue_.front());
+      prefetch_queue_.pop_front();
+      ++prefetch_running_;
+    }
+    RunPrefetch(job);
+    ++ran;
+    absl::MutexLock lock(&prefetch_mu_);
+    --prefetch_running_;
+  }
+}
+
+void SequenceStore::PrefetchLoop() {
+  for (;;) {
+    PrefetchJob job;
+    {
+      absl::MutexLock lock(&prefetch_mu_);
+      prefetch_mu_.Await(absl::Condition(
+          +[](SequenceStore* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->prefetch_mu_) {
+            return s->prefetch_stop_ || !s->prefetch_queue_.empty();
+          },
+          this));
+      if (prefetch_stop_) return;
+      job = std::move(prefetch_queue_.front());
+      prefetch_queue_.pop_front();
+      ++prefetch_running_;
+    }
+    RunPrefetch(job);
+    absl::MutexLock lock(&prefetch_mu_);
+    --prefetch_running_;
+  }
+}
+
+void SequenceStore::WaitPrefetchIdle() {
+  absl::MutexLock lock(&prefetch_mu_);
+  prefetch_mu_.Await(absl::Condition(
+      +[](SequenceStore* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->prefetch_mu_) {
+        return s->prefetch_queue_.empty() && s->prefetch_running_ == 0;
+      },
+      this));
+}
+
+absl::StatusOr<SpilledBlock> SequenceStore::SpilledPages(
+    absl::string_view sequence_id, uint32_t block) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq, Lookup(sequence_id));
+  absl::MutexLock lock(&seq->mu);
+  if (block >= seq->blocks.size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("block=", block, " is outside the sequence"));
+  }
+  const Block& b = seq->blocks[block];
+  if (b.evicted || b.resident()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block=", block, " is not spilled"));
+  }
+  return b.spilled;
 }
 
 }  // namespace triax::worker

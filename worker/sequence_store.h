@@ -34,16 +34,18 @@
 //
 // Demotion. Demote re-encodes named blocks in place. Per layer: a sealed page
 // is decoded to float, rounded to BF16 and encoded into a fresh page of the
-// new encoding, which replaces it; an unsealed block (still in the window)
-// only swaps its target reservation for one of the new encoding (a BF16 block
-// whose tokens lived in its target page moves them to a window page, and a
-// block becoming BF16 moves its window page's tokens into the new target
-// page). All or nothing: every new page is reserved and every re-encode done
-// before anything is swapped. Blocks shared with a fork (a page refcount > 1)
-// are refused FAILED_PRECONDITION: the sharers' block records are not
-// reachable from here, so demoting one sharer would leave the others
-// describing a stale encoding. Demote the block once the fork is gone, or
-// plan the child with a copied block (new lineage id) instead.
+// new encoding, which replaces it (all sealed pages of the call in one
+// Device::DemotePages: on the GPU with the CUDA backend, no host round
+// trip; sealing a window page into its target encoding uses it too); an
+// unsealed block (still in the window) only swaps its target reservation for
+// one of the new encoding (a BF16 block whose tokens lived in its target page
+// moves them to a window page, and a block becoming BF16 moves its window
+// page's tokens into the new target page). All or nothing: every new page is
+// reserved and every re-encode done before anything is swapped. Blocks shared
+// with a fork (a page refcount > 1) are refused FAILED_PRECONDITION: the
+// sharers' block records are not reachable from here, so demoting one sharer
+// would leave the others describing a stale encoding. Demote the block once the
+// fork is gone, or plan the child with a copied block (new lineage id) instead.
 //
 // Forks. A child block whose lineage id is the parent's block at the same
 // index shares the parent's pages (refcount); such blocks must lie within
@@ -53,6 +55,52 @@
 // window). The child's written length per layer is min(parent's, num_tokens).
 // Pages a child got already sealed stay sealed.
 //
+// Spill tiers (StoreOptions::tiers, worker/tier_store.h). Each block is in
+// one of four states: on the device (its target pages in the pool), spilled
+// to the host or the disk tier (every layer's target page copied out with a
+// CRC32C, the device pages freed), or evicted (its pages freed everywhere).
+// Only sealed blocks (out of the BF16 window on every layer) that are not
+// shared with a fork move; moves are all or nothing per call.
+//   Spill    device -> host/disk, or host <-> disk (checksums verified on
+//            the way). A block already in the named tier is left alone.
+//   Restore  reserves device pages for every named block first
+//            (RESOURCE_EXHAUSTED changes nothing), copies each page back and
+//            verifies its checksum; a mismatch is DATA_LOSS naming the
+//            sequence, block, lineage, layer and tier, nothing is restored,
+//            the block stays spilled (never served) and checksum_failures
+//            counts it; Evict is then the way on without it. Background
+//            restores go to a prefetch queue served by the store's thread.
+//   Evict    frees the block's pages wherever they are. Its tokens are no
+//            longer attended (positions still count: a query at position p
+//            attends to the non-evicted tokens of [0, p]); Read of a range
+//            touching it is FAILED_PRECONDITION naming it.
+// Attend and Read over spilled blocks: with restore_on_attend they restore
+// them synchronously first. Without it they queue a background restore and
+// answer UNAVAILABLE naming the blocks, with RetryAfterMs(status) set to
+// StoreOptions::retry_after_ms, changing nothing (an append is not written);
+// blocks already queued are restored in line instead (the caller waits for
+// the prefetch rather than retrying). A block whose background restore failed
+// answers that error (DATA_LOSS stays until the block is evicted or freed).
+// Demote of a spilled or evicted block is FAILED_PRECONDITION (restore it
+// first); Fork of a parent whose inherited blocks are spilled or evicted is
+// FAILED_PRECONDITION, and a fork ignores the tier fields of its plan.
+// AllocatePages naming an installed block with another tier/evicted state is
+// accepted (the installed state wins, as for encodings); a new block named
+// spilled or evicted is INVALID_ARGUMENT (only installed blocks move). Free
+// and Drop release tier space too (files deleted); FreeResult counts device
+// pages only.
+//
+// Batched attention. AttendBatch takes items of any sequences of one tenant
+// (the same sequence more than once included) and runs every query of the
+// items that pass validation as one Device::DecodeAttentionBatch (one
+// kernel launch on the CUDA backend for a decode step of a batch). Each
+// item's result, error or output, is what Attend would give running the
+// items one by one in order: items are prepared (validated, restored,
+// appends written) in order; an item appending to a sequence that an
+// earlier item of the pending batch reads runs the pending batch first, so
+// the earlier item never sees the later append. Device attention outputs
+// are batch-invariant (device.h), so outputs are bit-identical too.
+//
 // Error codes (messages name the field and the value):
 //   INVALID_ARGUMENT    malformed ids, shapes, plans, byte sizes, zero sizes,
 //                       unspecified dtype or format, encodings invalid for
@@ -60,29 +108,47 @@
 //                       refuses (Device::SupportsEncoding / SupportsAttention,
 //                       e.g. TQ formats on CUDA: checked by AllocatePages,
 //                       Demote and Fork before anything is reserved),
-//                       layer >= n_layers, a block named twice in one Demote
+//                       layer >= n_layers, a block named twice in one Demote,
+//                       Spill or Evict; an empty Spill/Evict list; a tier
+//                       that is not host (2) or disk (3)
 //   NOT_FOUND           unknown sequence; Demote of a block index the
-//                       sequence does not have
+//                       sequence does not have; a lineage id the sequence
+//                       does not have (Spill, Restore, Evict)
 //   ALREADY_EXISTS      fork child id taken
 //   PERMISSION_DENIED   the sequence belongs to another tenant
 //   RESOURCE_EXHAUSTED  the arena cannot hold the pages (nothing changes)
 //   FAILED_PRECONDITION plan mismatch (lineage/shape/window_tokens),
 //                       out-of-order write, shared block that cannot be
-//                       shared, grown or demoted, Demote lineage mismatch
+//                       shared, grown or demoted, Demote lineage mismatch;
+//                       Spill/Evict of an unsealed, shared or (Spill)
+//                       evicted block, Restore of an evicted block, a tier
+//                       disabled on this worker, Read of an evicted range
+//   UNAVAILABLE         Attend/Read over spilled blocks with
+//                       restore_on_attend off (RetryAfterMs set), a poisoned
+//                       device
+//   DATA_LOSS           a spilled page failed its checksum on restore
 //   OUT_OF_RANGE        tokens past the plan, positions/reads past what is
 //                       written
 //
 // Thread contract: thread-safe. Operations on one sequence are serialized by
-// its mutex; different sequences run in parallel. Lock order: a sequence's
-// mutex -> the store's mutex -> page seal mutex -> allocator mutex. The store
-// mutex only guards the id map and is never held while taking a sequence's.
+// its mutex; different sequences run in parallel. AttendBatch holds the
+// mutexes of all its sequences at once, taken in sequence-id order (then
+// address, for a freed and re-created id); no other operation holds two
+// live sequences' mutexes. Lock order: sequences' mutexes -> the store's mutex
+// -> the prefetch queue's mutex -> page seal mutex
+// -> allocator mutex (-> the tier store's). The store and queue mutexes are
+// never held while taking a sequence's. One prefetch thread (unless
+// StoreOptions::prefetch_thread is false) serves background restores.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -95,6 +161,7 @@
 #include "kernels/layout.h"
 #include "worker/device.h"
 #include "worker/page_allocator.h"
+#include "worker/tier_store.h"
 
 namespace triax::worker {
 
@@ -117,6 +184,12 @@ struct BlockSpec {
   int format_v = 0;          // V format (1..8); 0 = same as format
   uint32_t group_size = 0;   // INT group: 0 (= 32), 32, 64 or 128
   int scale_dtype = 0;       // kernels::ScaleDtype value; 0 = FP16
+  // Tier value (0 unspecified = device, 1 device, 2 host, 3 disk) and
+  // eviction. Input: only installed blocks may differ from device/not
+  // evicted (the installed state wins). Describe: the current state (an
+  // evicted block has tier 0).
+  int tier = 0;
+  bool evicted = false;
 };
 
 // The encoding a spec names (no validation; fields must be in range).
@@ -142,6 +215,12 @@ struct AttendSpec {
   const KvWrite* append = nullptr;       // written first when set
 };
 
+// One item of SequenceStore::AttendBatch.
+struct AttendBatchItem {
+  absl::string_view sequence_id;
+  AttendSpec spec;
+};
+
 struct AllocateResult {
   uint64_t pages_allocated = 0;
   uint64_t bytes_allocated = 0;
@@ -158,6 +237,20 @@ struct FreeResult {
   uint64_t pages_freed = 0;  // pages whose last reference went away
   uint64_t bytes_freed = 0;
 };
+struct SpillResult {
+  uint64_t pages_moved = 0;         // blocks x layers moved into the tier
+  uint64_t bytes_moved = 0;         // page bytes now held by the tier
+  uint64_t device_bytes_freed = 0;  // pool bytes released
+};
+struct RestoreResult {
+  uint64_t pages_restored = 0;  // synchronous restores done by the call
+  uint64_t bytes_restored = 0;
+  uint64_t blocks_queued = 0;  // background: blocks queued for restore
+};
+struct EvictResult {
+  uint64_t pages_freed = 0;  // device pages and spilled pages released
+  uint64_t bytes_freed = 0;
+};
 struct ReadResult {
   uint64_t first_token = 0;
   uint32_t num_tokens = 0;
@@ -171,7 +264,22 @@ struct InventorySnapshot {
   std::map<kernels::Format, FormatUsage> formats;  // target pages by K format
   EncodingUsage encodings;                         // target pages by encoding
   std::vector<std::string> sequence_ids;           // sorted
+  TierUsage host, disk;   // spill tiers (capacity 0: disabled)
+  uint64_t spills = 0;    // blocks spilled (device -> tier, or between tiers)
+  uint64_t restores = 0;  // blocks restored
+  uint64_t checksum_failures = 0;  // restores refused for a bad checksum
+  uint64_t evictions = 0;          // blocks evicted
+  // Empty while Device::Health() is OK; else its message (e.g. a sticky
+  // CUDA error): the worker reports it and the manager stops placing
+  // sequences on it.
+  std::string device_error;
 };
+
+// Attend/Read answer UNAVAILABLE with this payload (decimal milliseconds)
+// when they queued a background restore of spilled blocks.
+inline constexpr char kRetryAfterPayload[] = "triax.dev/retry_after_ms";
+// The retry delay a status carries (0 when none).
+uint32_t RetryAfterMs(const absl::Status& status);
 
 // What the store knows about one sequence (for tests and diagnostics).
 struct SequenceSnapshot {
@@ -188,6 +296,14 @@ struct SequenceSnapshot {
 
 struct StoreOptions {
   uint32_t window_tokens = 32;
+  // Spill tiers; null: none (Spill is FAILED_PRECONDITION). Must outlive
+  // the store.
+  TierStore* tiers = nullptr;
+  bool restore_on_attend = true;  // else UNAVAILABLE + background restore
+  uint32_t retry_after_ms = 20;   // the delay UNAVAILABLE suggests
+  // False: no prefetch thread; background restores wait in the queue for
+  // ServePrefetchQueue (deterministic tests).
+  bool prefetch_thread = true;
 };
 
 class SequenceStore {
@@ -243,6 +359,12 @@ class SequenceStore {
                                             absl::string_view sequence_id,
                                             const AttendSpec& spec);
 
+  // Attends every item (see "Batched attention" above); returns one result
+  // per item, in order, each as Attend(tenant_id, item.sequence_id,
+  // item.spec) run in item order would return it.
+  std::vector<absl::StatusOr<std::vector<float>>> AttendBatch(
+      absl::string_view tenant_id, absl::Span<const AttendBatchItem> items);
+
   // Dequantized tokens [first_token, first_token + num_tokens) of a layer;
   // num_tokens 0 reads to the end of what is written.
   absl::StatusOr<ReadResult> Read(absl::string_view tenant_id,
@@ -256,16 +378,54 @@ class SequenceStore {
   // NOT_FOUND when absent.
   absl::StatusOr<FreeResult> Drop(absl::string_view sequence_id);
 
+  // Lineage ids of the blocks restored on the worker's own initiative
+  // (restore on Attend/Read, background restores) since the previous call:
+  // the manager's accounting still has them spilled until the heartbeat
+  // carries them (Inventory.restored_lineage_ids). ReturnSelfRestored puts
+  // back ids a failed heartbeat did not deliver.
+  std::vector<uint64_t> TakeSelfRestored();
+  void ReturnSelfRestored(const std::vector<uint64_t>& lineage_ids);
+
+  // Spill tiers (see "Spill tiers" above). `lineage_ids` name blocks of the
+  // sequence; Restore with an empty list takes every spilled block.
+  absl::StatusOr<SpillResult> Spill(absl::string_view tenant_id,
+                                    absl::string_view sequence_id,
+                                    absl::Span<const uint64_t> lineage_ids,
+                                    Tier tier);
+  absl::StatusOr<RestoreResult> Restore(absl::string_view tenant_id,
+                                        absl::string_view sequence_id,
+                                        absl::Span<const uint64_t> lineage_ids,
+                                        bool background);
+  absl::StatusOr<EvictResult> Evict(absl::string_view tenant_id,
+                                    absl::string_view sequence_id,
+                                    absl::Span<const uint64_t> lineage_ids);
+
+  // Runs every queued background restore on the calling thread; returns the
+  // number of jobs run. For stores without a prefetch thread.
+  size_t ServePrefetchQueue();
+  // Waits until the prefetch queue is empty and no job runs.
+  void WaitPrefetchIdle();
+
   absl::StatusOr<SequenceSnapshot> Describe(absl::string_view sequence_id);
   InventorySnapshot Inventory() const;
 
   // Target page of (block, layer), for tests that build PageRefs directly.
   absl::StatusOr<Page*> TargetPage(absl::string_view sequence_id,
                                    uint32_t block, uint32_t layer);
+  // A copy of a spilled block's tier record (file paths, host extents,
+  // checksums), for tests that corrupt it; FAILED_PRECONDITION when the
+  // block is not spilled.
+  absl::StatusOr<SpilledBlock> SpilledPages(absl::string_view sequence_id,
+                                            uint32_t block);
 
  private:
   struct Sequence;
   struct Block;
+  struct PreparedAttend;
+  struct PrefetchJob {
+    std::shared_ptr<Sequence> seq;
+    std::vector<uint64_t> lineage_ids;
+  };
 
   absl::StatusOr<std::shared_ptr<Sequence>> Lookup(
       absl::string_view sequence_id) const;
@@ -280,6 +440,12 @@ class SequenceStore {
   absl::Status WriteLocked(Sequence& seq, const KvWrite& chunk,
                            absl::string_view prefix);
   absl::Status SealReady(Sequence& seq, uint32_t layer);
+  // Attend's part before the device runs, with seq.mu held: validates
+  // `spec`, makes the attended blocks resident, writes the append and fills
+  // `out` with the item's page list and per-query token counts.
+  absl::Status PrepareAttend(const std::shared_ptr<Sequence>& seq_ptr,
+                             absl::string_view tenant_id,
+                             const AttendSpec& spec, PreparedAttend* out);
   // Writes the first `tokens` tokens of src's block `block` on `layer` into
   // the BF16 page `dst` (slots from 0).
   absl::Status CopyTokensAsBf16(const Sequence& src, uint32_t block,
@@ -291,6 +457,31 @@ class SequenceStore {
                           std::vector<uint16_t>* v);
   FreeResult ReleaseAll(Sequence& seq);
 
+  // Block indices of `lineage_ids` (INVALID_ARGUMENT for a repeat,
+  // NOT_FOUND for one the sequence does not have).
+  absl::StatusOr<std::vector<size_t>> BlocksOf(
+      const Sequence& seq, absl::Span<const uint64_t> lineage_ids) const;
+  // FAILED_PRECONDITION unless block `b` is sealed on every layer and not
+  // shared with a fork (`op` names the operation in the message).
+  absl::Status CheckMovable(const Sequence& seq, size_t b,
+                            absl::string_view op) const;
+  // Restores spilled blocks `blocks`, all or nothing. `on_its_own`: not
+  // asked for by a synchronous Restore call (restore on Attend/Read, a
+  // background restore), so the manager learns of it from
+  // TakeSelfRestored.
+  absl::StatusOr<RestoreResult> RestoreLocked(Sequence& seq,
+                                              const std::vector<size_t>& blocks,
+                                              bool on_its_own = true);
+  // Makes the spilled blocks overlapping tokens [from, to) resident per
+  // restore_on_attend (see the header comment); `op` names the caller.
+  absl::Status EnsureResident(const std::shared_ptr<Sequence>& seq,
+                              uint64_t from, uint64_t to);
+  // Queues a background restore of blocks (marks them queued).
+  void QueuePrefetch(const std::shared_ptr<Sequence>& seq,
+                     const std::vector<size_t>& blocks);
+  void RunPrefetch(const PrefetchJob& job);
+  void PrefetchLoop();
+
   Device* const device_;
   PageAllocator* const allocator_;
   const StoreOptions options_;
@@ -298,6 +489,17 @@ class SequenceStore {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_
       ABSL_GUARDED_BY(mu_);
+
+  absl::Mutex self_restored_mu_;
+  std::vector<uint64_t> self_restored_ ABSL_GUARDED_BY(self_restored_mu_);
+  std::atomic<uint64_t> spills_{0}, restores_{0}, checksum_failures_{0},
+      evictions_{0};
+
+  absl::Mutex prefetch_mu_;
+  std::deque<PrefetchJob> prefetch_queue_ ABSL_GUARDED_BY(prefetch_mu_);
+  int prefetch_running_ ABSL_GUARDED_BY(prefetch_mu_) = 0;
+  bool prefetch_stop_ ABSL_GUARDED_BY(prefetch_mu_) = false;
+  std::thread prefetch_thread_;
 };
 
 }  // namespace triax::worker

@@ -13,6 +13,7 @@
 #include "common/status_matchers.h"
 #include "kernels/numeric.h"
 #include "kernels/ref/kv_ref.h"
+#include "worker/recording_device.h"
 
 namespace triax::worker {
 namespace {
@@ -224,7 +225,7 @@ class StoreTest : public ::testing::Test {
     return store_->Attend(kTenant, seq, spec);
   }
 
-  CpuDevice device_;
+  RecordingDevice device_;  // CPU compute, records batches
   std::unique_ptr<PageAllocator> alloc_;
   std::unique_ptr<SequenceStore> store_;
 };
@@ -939,6 +940,90 @@ TEST_F(StoreTest, SequencesRunInParallel) {
     EXPECT_THAT(store_->Describe("s" + std::to_string(t))->written,
                 ElementsAre(64u, 64u));
   }
+}
+
+// Threads batching the same sequences in opposite orders neither deadlock
+// (locks are taken in id order) nor disturb each other: every batch equals
+// the per-item answers.
+TEST_F(StoreTest, ConcurrentBatchesInAnyOrderAgreeWithSingleAttends) {
+  Make(16);
+  const ModelShape m = Shape(1, 2, 4, 32);
+  constexpr int kSeqs = 4;
+  std::vector<std::string> ids;
+  for (int s = 0; s < kSeqs; ++s) {
+    ids.push_back("s" + std::to_string(s));
+    ASSERT_THAT(store_
+                    ->AllocatePages(kTenant, ids[s], m, 16,
+                                    UniformPlan(48, 16, s % 2 ? kInt2 : kInt4))
+                    .status(),
+                IsOk());
+    WriteAll(ids[s], m, RandomLayers(m, 48, 300 + s), 40 + s, 7);
+  }
+  const auto q = RandomQueries(m, 1, 5);
+  const std::string qb = Bytes(q.data(), q.size());
+  std::vector<std::vector<float>> want(kSeqs);
+  for (int s = 0; s < kSeqs; ++s) {
+    auto r = Attend(ids[s], 0, q, 1, {});
+    ASSERT_THAT(r.status(), IsOk());
+    want[s] = *r;
+  }
+  device_.ClearRecord();
+  std::vector<int> mismatches(4, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<AttendBatchItem> items(kSeqs);
+      for (int i = 0; i < kSeqs; ++i) {
+        const int s = t % 2 ? kSeqs - 1 - i : i;  // odd threads: reversed
+        items[i].sequence_id = ids[s];
+        items[i].spec.num_queries = 1;
+        items[i].spec.queries = qb;
+      }
+      for (int rep = 0; rep < 20; ++rep) {
+        auto rs = store_->AttendBatch(kTenant, items);
+        for (int i = 0; i < kSeqs; ++i) {
+          const int s = t % 2 ? kSeqs - 1 - i : i;
+          if (!rs[i].ok() || *rs[i] != want[s]) ++mismatches[t];
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_THAT(mismatches, ElementsAre(0, 0, 0, 0));
+  const auto batches = device_.attention_batches();
+  ASSERT_EQ(batches.size(), 80u);
+  for (size_t b : batches) EXPECT_EQ(b, size_t{kSeqs});
+}
+
+// Demote re-encodes every sealed page of the call in one DemotePages batch
+// (blocks x layers), and sealing uses DemotePages too; attention afterwards
+// reads the new encoding.
+TEST_F(StoreTest, DemoteRunsOneDevicePageBatch) {
+  Make(0);
+  const ModelShape m = Shape(2, 2, 4, 32);
+  ASSERT_THAT(
+      store_->AllocatePages(kTenant, "s", m, 16, UniformPlan(48, 16, kInt4))
+          .status(),
+      IsOk());
+  device_.ClearRecord();
+  WriteAll("s", m, RandomLayers(m, 48, 9), 48, 48);
+  // Window 0: each full block seals as written, one page per call.
+  EXPECT_THAT(device_.demote_batches(), ElementsAre(1, 1, 1, 1, 1, 1));
+  const auto q = RandomQueries(m, 1, 2);
+  auto before = Attend("s", 1, q, 1, {});
+  ASSERT_THAT(before.status(), IsOk());
+  std::vector<BlockSpec> demote = UniformPlan(48, 16, kInt2);
+  demote.erase(demote.begin());  // blocks 1 and 2
+  device_.ClearRecord();
+  auto r = store_->Demote(kTenant, "s", demote);
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->pages_reencoded, 4u);
+  EXPECT_THAT(device_.demote_batches(), ElementsAre(4));
+  auto after = Attend("s", 1, q, 1, {});
+  ASSERT_THAT(after.status(), IsOk());
+  ExpectFiniteNonZero(*after);
+  EXPECT_NE(*after, *before);  // INT2 pages now, not the INT4 ones
+  EXPECT_LT(RelError(*after, *before), 0.5);
 }
 
 }  // namespace

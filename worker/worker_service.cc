@@ -37,6 +37,8 @@ std::vector<BlockSpec> PlanFromProto(
     s.format_v = static_cast<int>(b.format_v());
     s.group_size = b.group_size();
     s.scale_dtype = static_cast<int>(b.scale_dtype());
+    s.tier = static_cast<int>(b.tier());
+    s.evicted = b.evicted();
     plan.push_back(s);
   }
   return plan;
@@ -72,6 +74,20 @@ void InventoryToProto(const InventorySnapshot& inv, v1::Inventory* out) {
     f->set_bytes_used(usage.bytes);
   }
   for (const std::string& id : inv.sequence_ids) out->add_sequence_ids(id);
+  for (const auto& [tier, usage] :
+       {std::pair<v1::Tier, const TierUsage*>{v1::TIER_HOST, &inv.host},
+        {v1::TIER_DISK, &inv.disk}}) {
+    v1::TierInventory* t = out->add_tiers();
+    t->set_tier(tier);
+    t->set_capacity_bytes(usage->capacity_bytes);
+    t->set_used_bytes(usage->used_bytes);
+    t->set_blocks(usage->blocks);
+  }
+  out->set_spills(inv.spills);
+  out->set_restores(inv.restores);
+  out->set_checksum_failures(inv.checksum_failures);
+  out->set_evictions(inv.evictions);
+  out->set_device_error(inv.device_error);
 }
 
 WorkerService::WorkerService(SequenceStore* store) : store_(store) {}
@@ -222,27 +238,36 @@ grpc::Status WorkerService::Attend(grpc::ServerContext*,
   if (absl::Status s = ValidateId("tenant_id", req->tenant_id()); !s.ok()) {
     return ToGrpcStatus(s);
   }
-  for (int i = 0; i < req->items_size(); ++i) {
+  // Every item goes to the store as one batch (one device launch for the
+  // items that pass validation); results stay per item.
+  const int n = req->items_size();
+  std::vector<KvWrite> appends(n);  // stable: specs point into it
+  std::vector<AttendBatchItem> items(n);
+  for (int i = 0; i < n; ++i) {
     const v1::AttendItem& item = req->items(i);
-    v1::AttendResult* result = resp->add_results();
-    AttendSpec spec;
+    AttendSpec& spec = items[i].spec;
+    items[i].sequence_id = item.sequence_id();
     spec.layer = item.layer();
     spec.num_queries = item.num_queries();
     spec.positions =
         absl::MakeConstSpan(item.positions().data(), item.positions().size());
     spec.queries = item.queries();
     spec.scale = item.scale();
-    KvWrite append;
     if (item.has_append()) {
-      append = WriteFromProto(item.append());
-      spec.append = &append;
+      appends[i] = WriteFromProto(item.append());
+      spec.append = &appends[i];
     }
-    absl::StatusOr<std::vector<float>> out =
-        store_->Attend(req->tenant_id(), item.sequence_id(), spec);
+  }
+  std::vector<absl::StatusOr<std::vector<float>>> outs =
+      store_->AttendBatch(req->tenant_id(), items);
+  for (int i = 0; i < n; ++i) {
+    v1::AttendResult* result = resp->add_results();
+    const absl::StatusOr<std::vector<float>>& out = outs[i];
     if (!out.ok()) {
       result->mutable_status()->set_code(static_cast<int>(out.status().code()));
       result->mutable_status()->set_message(
           absl::StrCat("items[", i, "]: ", out.status().message()));
+      result->set_retry_after_ms(RetryAfterMs(out.status()));
       continue;
     }
     result->mutable_status()->set_code(0);
@@ -292,6 +317,86 @@ grpc::Status WorkerService::Demote(grpc::ServerContext*,
   resp->set_bytes_delta(r->bytes_delta);
   demote_cache_.Put(absl::StrCat("Demote/", req->tenant_id()),
                     req->request_id(), absl::OkStatus(), *resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::Spill(grpc::ServerContext*,
+                                  const v1::SpillRequest* req,
+                                  v1::SpillResponse* resp) {
+  if (absl::Status s = ValidateRequestId(req->request_id()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  const std::string scope = absl::StrCat("Spill/", req->tenant_id());
+  if (auto hit = spill_cache_.Find(scope, req->request_id())) {
+    *resp = hit->reply;
+    return ToGrpcStatus(hit->status);
+  }
+  if (req->tier() != v1::TIER_HOST && req->tier() != v1::TIER_DISK) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("tier=", static_cast<int>(req->tier()),
+                     " is not TIER_HOST (2) or TIER_DISK (3)")));
+  }
+  if (req->lineage_ids().empty()) {
+    return ToGrpcStatus(
+        absl::InvalidArgumentError("lineage_ids is empty; name >= 1 block"));
+  }
+  absl::StatusOr<SpillResult> r = store_->Spill(
+      req->tenant_id(), req->sequence_id(),
+      absl::MakeConstSpan(req->lineage_ids().data(), req->lineage_ids_size()),
+      static_cast<Tier>(req->tier()));
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_pages_moved(r->pages_moved);
+  resp->set_bytes_moved(r->bytes_moved);
+  resp->set_device_bytes_freed(r->device_bytes_freed);
+  spill_cache_.Put(scope, req->request_id(), absl::OkStatus(), *resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::Restore(grpc::ServerContext*,
+                                    const v1::RestoreRequest* req,
+                                    v1::RestoreResponse* resp) {
+  if (absl::Status s = ValidateRequestId(req->request_id()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  const std::string scope = absl::StrCat("Restore/", req->tenant_id());
+  if (auto hit = restore_cache_.Find(scope, req->request_id())) {
+    *resp = hit->reply;
+    return ToGrpcStatus(hit->status);
+  }
+  absl::StatusOr<RestoreResult> r = store_->Restore(
+      req->tenant_id(), req->sequence_id(),
+      absl::MakeConstSpan(req->lineage_ids().data(), req->lineage_ids_size()),
+      req->background());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_pages_restored(r->pages_restored);
+  resp->set_bytes_restored(r->bytes_restored);
+  resp->set_blocks_queued(r->blocks_queued);
+  restore_cache_.Put(scope, req->request_id(), absl::OkStatus(), *resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::Evict(grpc::ServerContext*,
+                                  const v1::EvictRequest* req,
+                                  v1::EvictResponse* resp) {
+  if (absl::Status s = ValidateRequestId(req->request_id()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  const std::string scope = absl::StrCat("Evict/", req->tenant_id());
+  if (auto hit = evict_cache_.Find(scope, req->request_id())) {
+    *resp = hit->reply;
+    return ToGrpcStatus(hit->status);
+  }
+  if (req->lineage_ids().empty()) {
+    return ToGrpcStatus(
+        absl::InvalidArgumentError("lineage_ids is empty; name >= 1 block"));
+  }
+  absl::StatusOr<EvictResult> r = store_->Evict(
+      req->tenant_id(), req->sequence_id(),
+      absl::MakeConstSpan(req->lineage_ids().data(), req->lineage_ids_size()));
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_pages_freed(r->pages_freed);
+  resp->set_bytes_freed(r->bytes_freed);
+  evict_cache_.Put(scope, req->request_id(), absl::OkStatus(), *resp);
   return grpc::Status::OK;
 }
 

@@ -3,18 +3,23 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kernels/numeric.h"
 #include "triax/v1/manager.grpc.pb.h"
 #include "worker/manager_link.h"
+#include "worker/recording_device.h"
+#include "worker/tier_store.h"
 
 namespace triax::worker {
 namespace {
@@ -95,8 +100,7 @@ class ServiceTest : public ::testing::Test {
     auto a = PageAllocator::Create(&device_, 4 << 20);
     ASSERT_TRUE(a.ok());
     alloc_ = *std::move(a);
-    store_ = std::make_unique<SequenceStore>(&device_, alloc_.get(),
-                                             StoreOptions{4});
+    store_ = std::make_unique<SequenceStore>(&device_, alloc_.get(), Options());
     service_ = std::make_unique<WorkerService>(store_.get());
     grpc::ServerBuilder builder;
     int port = 0;
@@ -117,6 +121,7 @@ class ServiceTest : public ::testing::Test {
     store_.reset();
     alloc_.reset();
   }
+  virtual StoreOptions Options() { return StoreOptions{4}; }
 
   grpc::Status Allocate(const v1::AllocatePagesRequest& r,
                         v1::AllocatePagesResponse* resp = nullptr) {
@@ -188,7 +193,7 @@ class ServiceTest : public ::testing::Test {
     }
   }
 
-  CpuDevice device_;
+  RecordingDevice device_;  // CPU compute, records batches
   std::unique_ptr<PageAllocator> alloc_;
   std::unique_ptr<SequenceStore> store_;
   std::unique_ptr<WorkerService> service_;
@@ -649,6 +654,171 @@ TEST_F(ServiceTest, AttendReportsPerItemErrorsWithoutStateChange) {
   }
 }
 
+// Given three sequences (INT4, BF16, INT2) twice over with the same data,
+// when one Attend request carries a decode-step batch of items (a bad one,
+// the same sequence twice, appends) for the first copy and the same items go
+// one request each to the second copy, then every item's status and output
+// bytes agree, and the batch ran as few device batches as its appends allow.
+TEST_F(ServiceTest, BatchedAttendMatchesItemByItem) {
+  const v1::Format formats[3] = {v1::FORMAT_INT4, v1::FORMAT_BF16,
+                                 v1::FORMAT_INT2};
+  const uint32_t written[3] = {30, 20, 10};
+  std::vector<std::vector<float>> k(3), v(3);
+  for (int s = 0; s < 3; ++s) {
+    k[s] = Random(40 * 64, 100 + s);
+    v[s] = Random(40 * 64, 200 + s);
+    for (const char* copy : {"a", "b"}) {
+      const std::string id = absl::StrCat(copy, "-", s);
+      ASSERT_TRUE(Allocate(AllocRequest(id, 40, formats[s])).ok());
+      for (uint32_t l = 0; l < 2; ++l) {
+        ASSERT_TRUE(
+            Write({WriteMsg(id, F32Chunk(l, 0, written[s], k[s], v[s]))}).ok());
+      }
+    }
+  }
+  const size_t per_q = 4 * 32;
+  const std::vector<float> q = Random(8 * 2 * per_q, 7);
+  struct Item {
+    std::string seq;  // suffix after "<copy>-", or a missing id
+    uint32_t layer;
+    std::vector<uint64_t> positions;
+    int append_at;  // token appended first, -1: none
+  };
+  const std::vector<Item> plan = {
+      {"0", 0, {3, 29}, -1}, {"1", 1, {}, 20}, {"nope", 0, {}, -1},
+      {"2", 0, {}, -1},      {"0", 0, {}, -1}, {"1", 1, {}, 21},
+      {"1", 5, {}, -1},      {"2", 0, {}, 10},
+  };
+  auto add = [&](v1::AttendRequest* r, const std::string& copy, size_t i) {
+    const Item& it = plan[i];
+    v1::AttendItem* item = r->add_items();
+    item->set_sequence_id(it.seq == "nope" ? "nope"
+                                           : absl::StrCat(copy, "-", it.seq));
+    item->set_layer(it.layer);
+    const uint32_t nq = it.positions.empty() ? 1 : it.positions.size();
+    item->set_num_queries(nq);
+    for (uint64_t p : it.positions) item->add_positions(p);
+    item->set_queries(F32Bytes(q.data() + i * 2 * per_q, nq * per_q));
+    if (it.append_at >= 0) {
+      const int s = it.seq[0] - '0';
+      *item->mutable_append() = F32Chunk(it.layer, it.append_at, 1, k[s], v[s]);
+    }
+  };
+  v1::AttendRequest batch;
+  batch.set_tenant_id(kTenant);
+  for (size_t i = 0; i < plan.size(); ++i) add(&batch, "a", i);
+  v1::AttendResponse batched;
+  device_.ClearRecord();
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->Attend(&ctx, batch, &batched).ok());
+  }
+  // Items 0, 1, 3, 4 (5 queries) run together; item 5 appends to "a-1",
+  // which item 1 reads, so they run first; items 5 and 7 make the second.
+  EXPECT_THAT(device_.attention_batches(), ::testing::ElementsAre(5, 2));
+  ASSERT_EQ(batched.results_size(), static_cast<int>(plan.size()));
+  for (size_t i = 0; i < plan.size(); ++i) {
+    v1::AttendRequest one;
+    one.set_tenant_id(kTenant);
+    add(&one, "b", i);
+    v1::AttendResponse alone;
+    {
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(stub_->Attend(&ctx, one, &alone).ok());
+    }
+    const v1::AttendResult& got = batched.results(i);
+    const v1::AttendResult& want = alone.results(0);
+    EXPECT_EQ(got.status().code(), want.status().code())
+        << i << ": " << got.status().message();
+    EXPECT_EQ(got.output(), want.output()) << "item " << i;
+    if (want.status().code() != 0) {
+      EXPECT_THAT(got.status().message(),
+                  HasSubstr(absl::StrCat("items[", i, "]")));
+    } else {
+      const uint32_t nq =
+          plan[i].positions.empty() ? 1 : plan[i].positions.size();
+      EXPECT_EQ(got.output().size(), nq * per_q * 4) << i;
+    }
+  }
+  EXPECT_EQ(batched.results(2).status().code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(batched.results(6).status().code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  // Both copies took the same appends.
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_EQ(store_->Describe(absl::StrCat("a-", s))->written,
+              store_->Describe(absl::StrCat("b-", s))->written);
+  }
+  EXPECT_EQ(store_->Describe("a-1")->written[1], 22u);
+  EXPECT_EQ(store_->Describe("a-2")->written[0], 11u);
+
+  // Without repeats a request is exactly one device batch; the outputs
+  // differ per sequence (not one result copied around).
+  v1::AttendRequest step;
+  step.set_tenant_id(kTenant);
+  for (size_t i : {0, 1, 3}) add(&step, "a", i);
+  for (v1::AttendItem& it : *step.mutable_items()) it.clear_append();
+  device_.ClearRecord();
+  v1::AttendResponse stepped;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->Attend(&ctx, step, &stepped).ok());
+  }
+  EXPECT_THAT(device_.attention_batches(), ::testing::ElementsAre(4));
+  for (const v1::AttendResult& r : stepped.results()) {
+    EXPECT_EQ(r.status().code(), 0) << r.status().message();
+  }
+  EXPECT_NE(stepped.results(1).output(), stepped.results(2).output());
+}
+
+// A device that reports itself unhealthy (as a poisoned CUDA context does):
+// the inventory carries its message, attention answers UNAVAILABLE for
+// every item of the batch, and healing clears device_error.
+TEST_F(ServiceTest, DeviceErrorReachesInventoryAndAttend) {
+  std::vector<float> k, v;
+  MakeWritten(5, &k, &v);
+  {
+    grpc::ClientContext ctx;
+    v1::Inventory inv;
+    ASSERT_TRUE(
+        stub_->GetInventory(&ctx, v1::GetInventoryRequest(), &inv).ok());
+    EXPECT_EQ(inv.device_error(), "");
+  }
+  device_.SetUnhealthy("cuda backend unhealthy (restart the worker) since: X");
+  {
+    grpc::ClientContext ctx;
+    v1::Inventory inv;
+    ASSERT_TRUE(
+        stub_->GetInventory(&ctx, v1::GetInventoryRequest(), &inv).ok());
+    EXPECT_EQ(inv.device_error(),
+              "cuda backend unhealthy (restart the worker) since: X");
+  }
+  const std::vector<float> q = Random(4 * 32, 3);
+  v1::AttendRequest r;
+  r.set_tenant_id(kTenant);
+  for (int i = 0; i < 2; ++i) {
+    v1::AttendItem* item = r.add_items();
+    item->set_sequence_id("s");
+    item->set_layer(i);
+    item->set_num_queries(1);
+    item->set_queries(F32Bytes(q.data(), q.size()));
+  }
+  v1::AttendResponse resp;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->Attend(&ctx, r, &resp).ok());
+  }
+  ASSERT_EQ(resp.results_size(), 2);
+  for (const v1::AttendResult& res : resp.results()) {
+    EXPECT_EQ(res.status().code(), grpc::StatusCode::UNAVAILABLE);
+    EXPECT_THAT(res.status().message(), HasSubstr("unhealthy"));
+    EXPECT_TRUE(res.output().empty());
+  }
+  device_.SetUnhealthy("");
+  v1::Inventory inv;
+  InventoryToProto(store_->Inventory(), &inv);
+  EXPECT_EQ(inv.device_error(), "");
+}
+
 TEST_F(ServiceTest, ForkAndFreeRejectBadInputAndAreIdempotent) {
   std::vector<float> k, v;
   MakeWritten(20, &k, &v);
@@ -770,6 +940,8 @@ TEST_F(ServiceTest, ManagerLinkRegistersRetriesAndReregisters) {
   opts.advertise_address = "127.0.0.1:9999";
   opts.backend = "cpu";
   opts.capacity_bytes = 4 << 20;
+  opts.host_capacity_bytes = 1 << 20;
+  opts.disk_capacity_bytes = 3 << 20;
   opts.retry_ms = 20;
   ManagerLink link(
       opts,
@@ -781,6 +953,7 @@ TEST_F(ServiceTest, ManagerLinkRegistersRetriesAndReregisters) {
       [this](const std::vector<std::string>& lost) {
         for (const auto& id : lost) (void)store_->Drop(id);
       });
+  device_.SetUnhealthy("device poisoned: test");
   link.Start();
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while ((link.registrations() < 2 || link.heartbeats() < 2) &&
@@ -796,11 +969,236 @@ TEST_F(ServiceTest, ManagerLinkRegistersRetriesAndReregisters) {
   EXPECT_EQ(manager.last_register_.address(), "127.0.0.1:9999");
   EXPECT_EQ(manager.last_register_.backend(), "cpu");
   EXPECT_EQ(manager.last_register_.capacity_bytes(), 4u << 20);
+  EXPECT_EQ(manager.last_register_.host_capacity_bytes(), 1u << 20);
+  EXPECT_EQ(manager.last_register_.disk_capacity_bytes(), 3u << 20);
   EXPECT_EQ(manager.last_inventory_.capacity_bytes(), 4u << 20);
+  // Tier inventory rides along (this store has no tiers: capacity 0).
+  ASSERT_EQ(manager.last_inventory_.tiers_size(), 2);
+  EXPECT_EQ(manager.last_inventory_.tiers(0).tier(), v1::TIER_HOST);
+  EXPECT_EQ(manager.last_inventory_.tiers(1).tier(), v1::TIER_DISK);
+  EXPECT_EQ(manager.last_inventory_.tiers(0).capacity_bytes(), 0u);
+  // The device's health rides in every heartbeat.
+  EXPECT_EQ(manager.last_inventory_.device_error(), "device poisoned: test");
   // The sequence the manager declared lost was dropped; the other is kept.
   ASSERT_EQ(manager.last_inventory_.sequence_ids_size(), 1);
   EXPECT_EQ(manager.last_inventory_.sequence_ids(0), "kept");
   server->Shutdown();
+}
+
+// The same service over a store with spill tiers (host 256 KiB, disk under a
+// temp directory), restore on attend off and the prefetch queue served by
+// the test.
+class TierServiceTest : public ServiceTest {
+ protected:
+  StoreOptions Options() override {
+    const char* base = std::getenv("TEST_TMPDIR");
+    std::string tmpl =
+        std::string(base != nullptr && *base ? base : "/tmp") + "/svc.XXXXXX";
+    char* made = ::mkdtemp(tmpl.data());
+    EXPECT_NE(made, nullptr);
+    dir_ = made != nullptr ? made : "";
+    TierStoreOptions to;
+    to.host_capacity_bytes = 256 << 10;
+    to.disk_dir = dir_;
+    to.disk_capacity_bytes = 1 << 20;
+    to.owner = "svc";
+    auto t = TierStore::Create(&device_, to);
+    EXPECT_TRUE(t.ok()) << t.status();
+    if (t.ok()) tiers_ = *std::move(t);
+    StoreOptions o;
+    o.window_tokens = 4;
+    o.tiers = tiers_.get();
+    o.restore_on_attend = false;
+    o.retry_after_ms = 35;
+    o.prefetch_thread = false;
+    return o;
+  }
+  void TearDown() override {
+    ServiceTest::TearDown();
+    tiers_.reset();
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  grpc::Status Spill(const std::string& seq, std::vector<uint64_t> ids,
+                     v1::Tier tier, const std::string& request_id = "",
+                     const std::string& tenant = kTenant,
+                     v1::SpillResponse* resp = nullptr) {
+    v1::SpillRequest r;
+    r.set_request_id(request_id);
+    r.set_tenant_id(tenant);
+    r.set_sequence_id(seq);
+    for (uint64_t id : ids) r.add_lineage_ids(id);
+    r.set_tier(tier);
+    grpc::ClientContext ctx;
+    v1::SpillResponse local;
+    return stub_->Spill(&ctx, r, resp ? resp : &local);
+  }
+  grpc::Status Restore(const std::string& seq, std::vector<uint64_t> ids,
+                       bool background, const std::string& request_id = "",
+                       const std::string& tenant = kTenant,
+                       v1::RestoreResponse* resp = nullptr) {
+    v1::RestoreRequest r;
+    r.set_request_id(request_id);
+    r.set_tenant_id(tenant);
+    r.set_sequence_id(seq);
+    for (uint64_t id : ids) r.add_lineage_ids(id);
+    r.set_background(background);
+    grpc::ClientContext ctx;
+    v1::RestoreResponse local;
+    return stub_->Restore(&ctx, r, resp ? resp : &local);
+  }
+  grpc::Status Evict(const std::string& seq, std::vector<uint64_t> ids,
+                     const std::string& request_id = "",
+                     const std::string& tenant = kTenant,
+                     v1::EvictResponse* resp = nullptr) {
+    v1::EvictRequest r;
+    r.set_request_id(request_id);
+    r.set_tenant_id(tenant);
+    r.set_sequence_id(seq);
+    for (uint64_t id : ids) r.add_lineage_ids(id);
+    grpc::ClientContext ctx;
+    v1::EvictResponse local;
+    return stub_->Evict(&ctx, r, resp ? resp : &local);
+  }
+  v1::AttendResponse AttendAt(uint64_t position) {
+    v1::AttendRequest req;
+    req.set_tenant_id(kTenant);
+    v1::AttendItem* item = req.add_items();
+    item->set_sequence_id("s");
+    item->set_layer(1);
+    item->set_num_queries(1);
+    item->add_positions(position);
+    const std::vector<float> q = Random(4 * 32, 9);
+    item->set_queries(F32Bytes(q.data(), q.size()));
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    EXPECT_TRUE(stub_->Attend(&ctx, req, &resp).ok());
+    return resp;
+  }
+  v1::Inventory Inv() {
+    grpc::ClientContext ctx;
+    v1::Inventory inv;
+    EXPECT_TRUE(
+        stub_->GetInventory(&ctx, v1::GetInventoryRequest(), &inv).ok());
+    return inv;
+  }
+
+  std::string dir_;
+  std::unique_ptr<TierStore> tiers_;
+};
+
+TEST_F(TierServiceTest, SpillRestoreEvictRoundTripAndIdempotency) {
+  std::vector<float> k, v;
+  MakeWritten(40, &k, &v);  // blocks 1000 (0-15), 1001 (16-31), 1002; window 4
+  const v1::AttendResponse before = AttendAt(30);
+  ASSERT_EQ(before.results(0).status().code(), 0);
+
+  v1::SpillResponse a, b;
+  ASSERT_TRUE(
+      Spill("s", {1000, 1001}, v1::TIER_DISK, "sp-1", kTenant, &a).ok());
+  EXPECT_EQ(a.pages_moved(), 4u);
+  EXPECT_GT(a.bytes_moved(), 0u);
+  EXPECT_EQ(a.device_bytes_freed(), a.bytes_moved());
+  // The same request id answers the first reply and does nothing more.
+  ASSERT_TRUE(
+      Spill("s", {1000, 1001}, v1::TIER_DISK, "sp-1", kTenant, &b).ok());
+  EXPECT_EQ(b.SerializeAsString(), a.SerializeAsString());
+  v1::Inventory inv = Inv();
+  EXPECT_EQ(inv.spills(), 2u);
+  ASSERT_EQ(inv.tiers_size(), 2);
+  EXPECT_EQ(inv.tiers(1).tier(), v1::TIER_DISK);
+  EXPECT_EQ(inv.tiers(1).capacity_bytes(), 1u << 20);
+  EXPECT_EQ(inv.tiers(1).used_bytes(), a.bytes_moved());
+  EXPECT_EQ(inv.tiers(1).blocks(), 2u);
+  EXPECT_EQ(inv.tiers(0).capacity_bytes(), 256u << 10);
+
+  // Restore on attend is off: UNAVAILABLE with retry_after_ms, then served
+  // once the background restore ran.
+  const v1::AttendResponse refused = AttendAt(30);
+  EXPECT_EQ(refused.results(0).status().code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(refused.results(0).status().message(),
+              HasSubstr("lineage_id=1001"));
+  EXPECT_EQ(refused.results(0).retry_after_ms(), 35u);
+  EXPECT_EQ(store_->ServePrefetchQueue(), 1u);
+  const v1::AttendResponse served = AttendAt(30);
+  ASSERT_EQ(served.results(0).status().code(), 0);
+  EXPECT_EQ(served.results(0).retry_after_ms(), 0u);
+  EXPECT_EQ(served.results(0).output(), before.results(0).output());
+
+  // Restore: explicit, idempotent; background answers blocks_queued.
+  ASSERT_TRUE(Spill("s", {1000}, v1::TIER_HOST, "sp-2").ok());
+  v1::RestoreResponse r1, r2;
+  ASSERT_TRUE(Restore("s", {}, false, "rs-1", kTenant, &r1).ok());
+  EXPECT_EQ(r1.pages_restored(), 2u);
+  ASSERT_TRUE(Restore("s", {}, false, "rs-1", kTenant, &r2).ok());
+  EXPECT_EQ(r2.SerializeAsString(), r1.SerializeAsString());
+  ASSERT_TRUE(Spill("s", {1000}, v1::TIER_HOST, "sp-3").ok());
+  v1::RestoreResponse q;
+  ASSERT_TRUE(Restore("s", {1000}, true, "rs-2", kTenant, &q).ok());
+  EXPECT_EQ(q.blocks_queued(), 1u);
+  EXPECT_EQ(q.pages_restored(), 0u);
+  store_->ServePrefetchQueue();
+  EXPECT_EQ(Inv().restores(), 4u);
+
+  // Evict: idempotent; the block's tokens are skipped from then on.
+  v1::EvictResponse e1, e2;
+  ASSERT_TRUE(Evict("s", {1001}, "ev-1", kTenant, &e1).ok());
+  EXPECT_EQ(e1.pages_freed(), 2u);
+  ASSERT_TRUE(Evict("s", {1001}, "ev-1", kTenant, &e2).ok());
+  EXPECT_EQ(e2.SerializeAsString(), e1.SerializeAsString());
+  EXPECT_EQ(Inv().evictions(), 1u);
+  const v1::AttendResponse skipped = AttendAt(30);
+  ASSERT_EQ(skipped.results(0).status().code(), 0);
+  EXPECT_NE(skipped.results(0).output(), before.results(0).output());
+  std::vector<v1::KvChunk> chunks;
+  v1::ReadKVRequest read;
+  read.set_tenant_id(kTenant);
+  read.set_sequence_id("s");
+  read.set_layer(0);
+  read.set_first_token(16);
+  read.set_num_tokens(4);
+  read.set_dtype(v1::KV_DTYPE_F32);
+  EXPECT_CODE(Read(read, &chunks), grpc::StatusCode::FAILED_PRECONDITION,
+              "lineage_id=1001");
+}
+
+TEST_F(TierServiceTest, BadInputsAreRefusedWithoutStateChange) {
+  std::vector<float> k, v;
+  MakeWritten(40, &k, &v);
+  const std::string before = Inventory();
+  EXPECT_CODE(Spill("s", {1000}, v1::TIER_DEVICE),
+              grpc::StatusCode::INVALID_ARGUMENT, "tier=1");
+  EXPECT_CODE(Spill("s", {1000}, v1::TIER_UNSPECIFIED),
+              grpc::StatusCode::INVALID_ARGUMENT, "tier=0");
+  EXPECT_CODE(Spill("s", {}, v1::TIER_HOST), grpc::StatusCode::INVALID_ARGUMENT,
+              "lineage_ids");
+  EXPECT_CODE(Evict("s", {}), grpc::StatusCode::INVALID_ARGUMENT,
+              "lineage_ids");
+  EXPECT_CODE(Spill("s", {1000, 4242}, v1::TIER_HOST),
+              grpc::StatusCode::NOT_FOUND, "4242");
+  EXPECT_CODE(Restore("s", {4242}, false), grpc::StatusCode::NOT_FOUND, "4242");
+  EXPECT_CODE(Evict("s", {4242}), grpc::StatusCode::NOT_FOUND, "4242");
+  EXPECT_CODE(Spill("s", {1000}, v1::TIER_HOST, "", "tenant-b"),
+              grpc::StatusCode::PERMISSION_DENIED, "tenant_id");
+  EXPECT_CODE(Restore("s", {}, false, "", "tenant-b"),
+              grpc::StatusCode::PERMISSION_DENIED, "tenant_id");
+  EXPECT_CODE(Evict("s", {1000}, "", "tenant-b"),
+              grpc::StatusCode::PERMISSION_DENIED, "tenant_id");
+  EXPECT_CODE(Spill("nope", {1000}, v1::TIER_HOST), grpc::StatusCode::NOT_FOUND,
+              "sequence_id");
+  EXPECT_CODE(Spill("s", {1000}, v1::TIER_HOST, "bad id"),
+              grpc::StatusCode::INVALID_ARGUMENT, "request_id");
+  // Block 1002 is still in the window.
+  EXPECT_CODE(Spill("s", {1002}, v1::TIER_HOST),
+              grpc::StatusCode::FAILED_PRECONDITION, "not sealed");
+  EXPECT_CODE(Evict("s", {1002}), grpc::StatusCode::FAILED_PRECONDITION,
+              "not sealed");
+  EXPECT_EQ(Inventory(), before);
+  // A failed request is not remembered: the same id runs once fixed.
+  EXPECT_CODE(Spill("s", {1002}, v1::TIER_HOST, "sp-x"),
+              grpc::StatusCode::FAILED_PRECONDITION, "not sealed");
+  EXPECT_TRUE(Spill("s", {1000}, v1::TIER_HOST, "sp-x").ok());
 }
 
 }  // namespace

@@ -6,18 +6,13 @@
 // ablations that collapse one tag axis of the calibration table, and the
 // memory reduction against BF16 at matched quality. Writes a markdown report.
 // Exit code 0 when the report was written, 1 on any failure.
-#include <unistd.h>
-
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -30,19 +25,19 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/policy/policy_tables.h"
+#include "bench/quality/bench_service.h"
+#include "bench/quality/harness.h"
 #include "bench/quality/quality_metrics.h"
 #include "client/frontend/bfcl.h"
-#include "client/frontend/data_dir.h"
+#include "client/frontend/bfcl_session.h"
 #include "client/frontend/forward.h"
 #include "client/frontend/llama2c.h"
 #include "client/frontend/service_kv_store.h"
+#include "client/frontend/service_types.h"
 #include "client/frontend/tee_kv_store.h"
 #include "client/kv_client.h"
-#include "common/grpc_status.h"
 #include "common/status_macros.h"
-#include "google/protobuf/text_format.h"
 #include "kernels/layout.h"
-#include "tests/integration/cluster.h"
 
 ABSL_FLAG(std::string, data_dir, "",
           "data directory; empty: $TRIAX_DATA_DIR, else ../shared/data");
@@ -72,19 +67,14 @@ namespace triax::bench {
 namespace {
 
 using frontend::BfclData;
-using frontend::ByteTokenizer;
 using frontend::Model;
 using frontend::RenderedConversation;
-using frontend::RoleSpan;
 using frontend::ServiceKvStore;
-using frontend::SpanRole;
+using frontend::ServiceSpans;
 using frontend::TeeKvStore;
 using frontend::Transformer;
 
 using Clock = std::chrono::steady_clock;
-double Seconds(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 constexpr const char* kModel = "kvproxy-18m";
 constexpr const char* kTenant = "policy";
@@ -98,55 +88,24 @@ const std::set<std::string>& HeldOutBfcl() {
   return *ids;
 }
 
-v1::Span MakeSpan(SpanRole role, uint32_t n) {
-  v1::Span s;
-  s.set_role(static_cast<v1::Role>(role));
-  s.set_modality(v1::MODALITY_TEXT);
-  s.set_num_tokens(n);
-  return s;
-}
-
-// One session: tokens from BOS, per turn the spans and the token range.
+// One session: the BFCL session (tokens from BOS, per turn the spans and the
+// token range, assistant and tool-call tokens as focus) and its note.
 struct Session {
-  std::string id, note;
-  std::vector<int> tokens;
-  std::vector<std::vector<v1::Span>> turn_spans;
-  std::vector<std::pair<int64_t, int64_t>> turn_range;  // [first, end)
-  std::vector<bool> focus;  // by token index: assistant or tool-call token
+  frontend::BfclSession bfcl;
+  std::string note;
 };
 
 absl::StatusOr<Session> MakeSession(const BfclData& bfcl, const std::string& id,
                                     int max_context) {
   TRIAX_ASSIGN_OR_RETURN(RenderedConversation conv,
                          bfcl.Render(id, max_context - 1));
-  ByteTokenizer bt;
   Session s;
-  s.id = id;
-  s.tokens = bt.Encode(conv.text, true);
-  s.focus.assign(s.tokens.size(), false);
-  for (size_t t = 0; t < conv.turns.size(); ++t) {
-    const auto& turn = conv.turns[t];
-    std::vector<v1::Span> spans;
-    for (const RoleSpan& r : turn.spans) {
-      spans.push_back(MakeSpan(
-          r.role, static_cast<uint32_t>(r.length + (r.begin == 0 ? 1 : 0))));
-      if (r.role == SpanRole::kToolCall || r.role == SpanRole::kAssistant) {
-        for (size_t b = r.begin; b < r.begin + r.length; ++b) {
-          s.focus[b + 1] = true;
-        }
-      }
-    }
-    s.turn_spans.push_back(std::move(spans));
-    s.turn_range.push_back({t == 0 ? 0 : static_cast<int64_t>(turn.begin) + 1,
-                            static_cast<int64_t>(turn.end) + 1});
-  }
-  int64_t focus = 0;
-  for (bool f : s.focus) focus += f;
+  TRIAX_ASSIGN_OR_RETURN(s.bfcl, frontend::MakeBfclSession(conv));
   s.note = absl::StrFormat(
       "%s (%d tokens, %d turns, %d assistant/tool-call tokens; %d/%d doc "
       "lines, %d/%d exchanges)",
-      id, s.tokens.size(), conv.turns.size(), focus, conv.docs_kept,
-      conv.docs_total, conv.turns_kept, conv.turns_total);
+      id, s.bfcl.tokens.size(), s.bfcl.turns.size(), s.bfcl.num_focus(),
+      conv.docs_kept, conv.docs_total, conv.turns_kept, conv.turns_total);
   return s;
 }
 
@@ -184,85 +143,23 @@ v1::Policy AllocPolicy(const std::string& name, double budget,
   return p;  // candidates empty: every encoding of the table
 }
 
-class Service {
- public:
-  static absl::StatusOr<std::unique_ptr<Service>> Start(int pool_mb) {
-    auto s = std::unique_ptr<Service>(new Service());
-    testing::ClusterOptions o;
-    o.num_workers = 1;
-    o.pool_mb = pool_mb;
-    o.window_tokens = 0;
-    TRIAX_ASSIGN_OR_RETURN(s->cluster_, testing::Cluster::Start(o));
-    TRIAX_RETURN_IF_ERROR(s->cluster_->CreateTenant(kTenant));
-    TRIAX_ASSIGN_OR_RETURN(s->client_, s->cluster_->NewClient(kTenant));
-    return s;
-  }
-  client::Client* client() { return client_.get(); }
-
-  absl::Status PutPolicy(const v1::Policy& policy) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::seconds(30));
-    v1::PutPolicyRequest req;
-    req.set_request_id(client_->NewRequestId());
-    *req.mutable_policy() = policy;
-    v1::PutPolicyResponse resp;
-    return FromGrpcStatus(client_->manager()->PutPolicy(&ctx, req, &resp));
-  }
-  absl::Status PutCalibration(const v1::CalibrationTable& table) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::seconds(30));
-    v1::PutCalibrationRequest req;
-    req.set_request_id(client_->NewRequestId());
-    *req.mutable_table() = table;
-    v1::PutCalibrationResponse resp;
-    return FromGrpcStatus(client_->manager()->PutCalibration(&ctx, req, &resp));
-  }
-  absl::StatusOr<v1::Inventory> WorkerInventory(const std::string& address) {
-    TRIAX_ASSIGN_OR_RETURN(v1::Worker::Stub * w, client_->worker(address));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::seconds(30));
-    v1::Inventory inv;
-    TRIAX_RETURN_IF_ERROR(
-        FromGrpcStatus(w->GetInventory(&ctx, v1::GetInventoryRequest(), &inv)));
-    return inv;
-  }
-
- private:
-  Service() = default;
-  std::unique_ptr<testing::Cluster> cluster_;
-  std::unique_ptr<client::Client> client_;
-};
-
-v1::ModelShape Shape(const Model& m) {
-  v1::ModelShape s;
-  s.set_name(kModel);
-  s.set_n_layers(m.config.n_layers);
-  s.set_n_kv_heads(m.config.n_kv_heads);
-  s.set_n_q_heads(m.config.n_heads);
-  s.set_head_dim(m.config.head_dim());
-  return s;
-}
-
 class Runner {
  public:
-  Runner(Service* svc, const Model* model, int chunk, int threads,
+  Runner(client::Client* client, const Model* model, int chunk, int threads,
          int query_stride)
-      : svc_(svc),
+      : client_(client),
         model_(model),
         tf_(model, threads),
         chunk_(chunk),
         query_stride_(query_stride),
-        shape_(Shape(*model)) {}
+        shape_(frontend::ServiceShape(*model)) {}
 
   absl::StatusOr<client::SequenceHandle> Open(const Session& s,
                                               const Config& c) {
     client::OpenOptions o;
     o.policy = c.policy;
     o.window_tokens = c.window;
-    return svc_->client()->Open(shape_, s.turn_spans[0], o);
+    return client_->Open(shape_, ServiceSpans(s.bfcl.turns[0].spans), o);
   }
 
   // Turn-by-turn forward of `s` with the KV in `c`'s policy; logits of every
@@ -272,26 +169,27 @@ class Runner {
     const auto& mc = model_->config;
     TRIAX_ASSIGN_OR_RETURN(client::SequenceHandle h, Open(s, *c));
     absl::Status st = [&]() -> absl::Status {
-      ServiceKvStore kv(svc_->client(), &h, mc.n_kv_heads, mc.head_dim());
+      ServiceKvStore kv(client_, &h, mc.n_kv_heads, mc.head_dim());
       logits->clear();
       std::vector<float> part;
-      for (size_t t = 0; t < s.turn_spans.size(); ++t) {
+      for (size_t t = 0; t < s.bfcl.turns.size(); ++t) {
+        const frontend::BfclSessionTurn& turn = s.bfcl.turns[t];
         if (t > 0) {
-          TRIAX_RETURN_IF_ERROR(
-              svc_->client()->Extend(&h, s.turn_spans[t], /*new_turn=*/true,
-                                     /*continue_last_span=*/false));
+          TRIAX_RETURN_IF_ERROR(client_->Extend(&h, ServiceSpans(turn.spans),
+                                                /*new_turn=*/true,
+                                                /*continue_last_span=*/false));
         }
-        const auto [first, end] = s.turn_range[t];
-        TRIAX_RETURN_IF_ERROR(tf_.Prefill(
-            absl::MakeConstSpan(s.tokens).subspan(first, end - first), first,
-            chunk_, &kv, &part));
+        TRIAX_RETURN_IF_ERROR(
+            tf_.Prefill(absl::MakeConstSpan(s.bfcl.tokens)
+                            .subspan(turn.first, turn.end - turn.first),
+                        turn.first, chunk_, &kv, &part));
         logits->insert(logits->end(), part.begin(), part.end());
       }
       TRIAX_ASSIGN_OR_RETURN(v1::Inventory inv,
-                             svc_->WorkerInventory(h.worker_address));
+                             WorkerInventory(client_, h.worker_address));
       c->worker_bytes += inv.used_bytes();
       TRIAX_ASSIGN_OR_RETURN(v1::SequenceInfo info,
-                             svc_->client()->GetSequence(h.sequence_id));
+                             client_->GetSequence(h.sequence_id));
       for (const auto& b : info.blocks()) {
         kernels::PageShape ps;
         ps.tokens =
@@ -302,10 +200,10 @@ class Runner {
         c->plan_bytes += kernels::PageBytes(e, ps) * mc.n_layers;
         c->tokens_by_encoding[client::EncodingLabel(e)] += b.num_tokens();
       }
-      c->tokens += s.tokens.size();
+      c->tokens += s.bfcl.tokens.size();
       return absl::OkStatus();
     }();
-    absl::Status close = svc_->client()->Close(h);
+    absl::Status close = client_->Close(h);
     TRIAX_RETURN_IF_ERROR(st);
     return close;
   }
@@ -327,7 +225,7 @@ class Runner {
       std::vector<std::unique_ptr<ServiceKvStore>> stores;
       for (auto& h : seqs) {
         stores.push_back(std::make_unique<ServiceKvStore>(
-            svc_->client(), &h, mc.n_kv_heads, mc.head_dim()));
+            client_, &h, mc.n_kv_heads, mc.head_dim()));
       }
       std::vector<frontend::KvStore*> secondaries;
       for (size_t i = 1; i < stores.size(); ++i) {
@@ -336,17 +234,18 @@ class Runner {
       TeeKvStore tee(stores[0].get(), secondaries, mc.n_layers, mc.dim,
                      query_stride_);
       std::vector<float> part;
-      for (size_t t = 0; t < s.turn_spans.size(); ++t) {
+      for (size_t t = 0; t < s.bfcl.turns.size(); ++t) {
+        const frontend::BfclSessionTurn& turn = s.bfcl.turns[t];
         if (t > 0) {
+          const std::vector<v1::Span> spans = ServiceSpans(turn.spans);
           for (auto& h : seqs) {
-            TRIAX_RETURN_IF_ERROR(
-                svc_->client()->Extend(&h, s.turn_spans[t], true, false));
+            TRIAX_RETURN_IF_ERROR(client_->Extend(&h, spans, true, false));
           }
         }
-        const auto [first, end] = s.turn_range[t];
-        TRIAX_RETURN_IF_ERROR(tf_.Prefill(
-            absl::MakeConstSpan(s.tokens).subspan(first, end - first), first,
-            chunk_, &tee, &part));
+        TRIAX_RETURN_IF_ERROR(
+            tf_.Prefill(absl::MakeConstSpan(s.bfcl.tokens)
+                            .subspan(turn.first, turn.end - turn.first),
+                        turn.first, chunk_, &tee, &part));
       }
       for (size_t j = 0; j < configs->size(); ++j) {
         auto& attn = (*configs)[j].attn;
@@ -362,7 +261,7 @@ class Runner {
     }();
     absl::Status close;
     for (const auto& h : seqs) {
-      absl::Status c = svc_->client()->Close(h);
+      absl::Status c = client_->Close(h);
       if (close.ok()) close = c;
     }
     TRIAX_RETURN_IF_ERROR(st);
@@ -370,7 +269,7 @@ class Runner {
   }
 
  private:
-  Service* svc_;
+  client::Client* client_;
   const Model* model_;
   Transformer tf_;
   int chunk_, query_stride_;
@@ -394,33 +293,13 @@ int Fail(const std::string& what, const absl::Status& s) {
   return 1;
 }
 
-std::string MachineLine() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line, model;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      model = line.substr(line.find(':') + 2);
-      break;
-    }
-  }
-  return absl::StrFormat("%s, %d online CPUs, no GPU (kvworker CPU backend)",
-                         model.empty() ? "unknown CPU" : model,
-                         static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
-}
-
 int Main(int argc, char** argv) {
   const auto t_all = Clock::now();
   std::vector<std::string> args(argv, argv + argc);
   const std::string command = absl::StrJoin(args, " ");
-  const std::string dir =
-      frontend::ResolveDataDir(absl::GetFlag(FLAGS_data_dir));
-  if (!frontend::DataDirComplete(dir)) {
-    return Fail("data directory",
-                absl::NotFoundError(
-                    absl::StrCat("'", dir,
-                                 "' lacks the models/text/bfcl files; pass "
-                                 "--data_dir or set TRIAX_DATA_DIR")));
-  }
+  const auto dir_or = CompleteDataDir(absl::GetFlag(FLAGS_data_dir));
+  if (!dir_or.ok()) return Fail("data directory", dir_or.status());
+  const std::string& dir = *dir_or;
   const int chunk = absl::GetFlag(FLAGS_chunk);
   if (chunk < 1 || chunk > 256) {
     return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
@@ -455,26 +334,10 @@ int Main(int argc, char** argv) {
   }
 
   // Calibration table and its ablations.
-  std::ifstream cal_in(absl::GetFlag(FLAGS_calibration));
-  if (!cal_in) {
-    return Fail("calibration", absl::NotFoundError(absl::StrCat(
-                                   "cannot read --calibration = ",
-                                   absl::GetFlag(FLAGS_calibration))));
-  }
-  std::stringstream cal_text;
-  cal_text << cal_in.rdbuf();
-  v1::CalibrationTable table;
-  if (!google::protobuf::TextFormat::ParseFromString(cal_text.str(), &table)) {
-    return Fail("calibration",
-                absl::InvalidArgumentError(absl::StrCat(
-                    absl::GetFlag(FLAGS_calibration),
-                    " is not a text-format triax.v1.CalibrationTable")));
-  }
-  if (table.model() != kModel) {
-    return Fail("calibration", absl::InvalidArgumentError(absl::StrCat(
-                                   "table model is \"", table.model(),
-                                   "\"; expected \"", kModel, "\"")));
-  }
+  auto table_or =
+      ReadCalibrationTable(absl::GetFlag(FLAGS_calibration), kModel);
+  if (!table_or.ok()) return Fail("calibration", table_or.status());
+  const v1::CalibrationTable& table = *table_or;
   struct Ablation {
     TagAxis axis;
     v1::CalibrationTable table;
@@ -491,23 +354,16 @@ int Main(int argc, char** argv) {
     ablations.push_back(std::move(ab));
   }
 
-  if (const char* b = std::getenv("TRIAX_BIN_DIR"); b == nullptr || !*b) {
-    char self[4096];
-    const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    if (n > 0) {
-      self[n] = '\0';
-      std::string path(self);
-      setenv("TRIAX_BIN_DIR", path.substr(0, path.rfind('/')).c_str(), 1);
-    }
-  }
-  auto svc_or = Service::Start(absl::GetFlag(FLAGS_pool_mb));
+  DefaultBinDirToSelf();
+  auto svc_or = StartBenchCluster(
+      OneWorkerOptions(absl::GetFlag(FLAGS_pool_mb)), kTenant);
   if (!svc_or.ok()) return Fail("start kvmanager + kvworker", svc_or.status());
-  Service* svc = svc_or->get();
-  if (absl::Status s = svc->PutCalibration(table); !s.ok()) {
+  client::Client* svc = svc_or->client.get();
+  if (absl::Status s = PutCalibration(svc, table); !s.ok()) {
     return Fail("PutCalibration", s);
   }
   for (const auto& ab : ablations) {
-    if (absl::Status s = svc->PutCalibration(ab.table); !s.ok()) {
+    if (absl::Status s = PutCalibration(svc, ab.table); !s.ok()) {
       return Fail("PutCalibration " + ab.table.model(), s);
     }
   }
@@ -568,7 +424,7 @@ int Main(int argc, char** argv) {
     cfgs.push_back(std::move(c));
   }
   for (const auto& p : policies) {
-    if (absl::Status s = svc->PutPolicy(p); !s.ok()) {
+    if (absl::Status s = PutPolicy(svc, p); !s.ok()) {
       return Fail("PutPolicy " + p.name(), s);
     }
   }
@@ -607,7 +463,7 @@ int Main(int argc, char** argv) {
       std::vector<Config> others(cfgs.begin() + 1, cfgs.end());
       for (auto& o : others) o.attn.clear();
       if (absl::Status st = runner.RunTee(s, cfgs[0], &others); !st.ok()) {
-        return Fail("tee pass " + s.id, st);
+        return Fail("tee pass " + s.bfcl.id, st);
       }
       for (size_t i = 1; i < cfgs.size(); ++i) {
         auto& attn = cfgs[i].attn;
@@ -618,7 +474,7 @@ int Main(int argc, char** argv) {
           attn[l].queries += others[i - 1].attn[l].queries;
         }
       }
-      std::printf("[%s] tee pass: %.1f s\n", s.id.c_str(), Seconds(t0));
+      std::printf("[%s] tee pass: %.1f s\n", s.bfcl.id.c_str(), Seconds(t0));
       std::fflush(stdout);
     }
     std::vector<float> ref, logits;
@@ -627,18 +483,19 @@ int Main(int argc, char** argv) {
       const auto t1 = Clock::now();
       if (absl::Status st = runner.RunConfig(s, &c, i == 0 ? &ref : &logits);
           !st.ok()) {
-        return Fail(absl::StrCat(s.id, " ", c.name), st);
+        return Fail(absl::StrCat(s.bfcl.id, " ", c.name), st);
       }
       const std::vector<float>& mine = i == 0 ? ref : logits;
       NextTokenStats one;
-      for (size_t t = 1; t < s.tokens.size(); ++t) {
-        one.Add(&ref[(t - 1) * vocab], &mine[(t - 1) * vocab], vocab,
-                s.tokens[t], s.focus[t]);
+      if (absl::Status st =
+              one.AddSequence(ref, mine, vocab, s.bfcl.tokens, s.bfcl.focus);
+          !st.ok()) {
+        return Fail(absl::StrCat(s.bfcl.id, " ", c.name, " stats"), st);
       }
       c.stats.Merge(one);
       c.seconds += Seconds(t1);
       std::printf("[%s] %-22s NLL %.4f focus %.4f KL %.5f (%.1f s)\n",
-                  s.id.c_str(), c.name.c_str(), one.nll(), one.focus_nll(),
+                  s.bfcl.id.c_str(), c.name.c_str(), one.nll(), one.focus_nll(),
                   one.kl(), Seconds(t1));
       std::fflush(stdout);
     }
@@ -728,17 +585,12 @@ int Main(int argc, char** argv) {
   }
 
   const double total = Seconds(t_all);
-  char date[64];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
   std::vector<std::string> notes;
   for (const auto& s : sessions) notes.push_back(s.note);
   std::string md = absl::StrCat(
       "# Triaxial allocation policy vs uniform baselines (kvproxy-18m, "
       "held-out BFCL)\n\n",
-      absl::StrFormat("Generated by `policy_bench` on %s; machine: %s; run "
-                      "time %.0f s.\n\nCommand:\n\n```\n%s\n```\n\n",
-                      date, MachineLine(), total, command),
+      GeneratedBy("policy_bench", total), CommandBlock(command),
       "Sessions: ", absl::StrJoin(notes, "; "), ".\n\n",
       absl::StrFormat(
           "Calibration: `%s` (%d entries), put with `PutCalibration`; "
@@ -756,17 +608,8 @@ int Main(int argc, char** argv) {
       "\n## Memory at matched quality (ΔNLL on assistant + tool-call "
       "tokens)\n\n",
       matched, "\n");
-  std::printf("\n%s", md.c_str());
-  const std::string out = absl::GetFlag(FLAGS_out);
-  if (!out.empty()) {
-    std::ofstream f(out, std::ios::binary | std::ios::trunc);
-    f << md;
-    f.close();
-    if (!f) {
-      return Fail("write report",
-                  absl::InternalError(absl::StrCat("cannot write ", out)));
-    }
-    std::printf("report written to %s\n", out.c_str());
+  if (absl::Status st = EmitReport(md, absl::GetFlag(FLAGS_out)); !st.ok()) {
+    return Fail("write report", st);
   }
   std::printf("total %.1f s\n", total);
   return 0;

@@ -14,14 +14,10 @@
 //      bf16, top-1 agreement and KL(P_bf16 || P_cfg); bytes of the plan and
 //      of the worker's pool after the window's prefill.
 // Exit code 0 when the report was written, 1 on any failure.
-#include <unistd.h>
-
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
@@ -34,18 +30,19 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/quality/bench_service.h"
+#include "bench/quality/harness.h"
 #include "bench/quality/quality_metrics.h"
 #include "client/frontend/bfcl.h"
-#include "client/frontend/data_dir.h"
+#include "client/frontend/bfcl_session.h"
 #include "client/frontend/forward.h"
 #include "client/frontend/llama2c.h"
 #include "client/frontend/service_kv_store.h"
+#include "client/frontend/service_types.h"
 #include "client/frontend/tee_kv_store.h"
 #include "client/kv_client.h"
-#include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "kernels/layout.h"
-#include "tests/integration/cluster.h"
 
 ABSL_FLAG(std::string, data_dir, "",
           "data directory; empty: $TRIAX_DATA_DIR, else ../shared/data");
@@ -95,16 +92,12 @@ using frontend::LocalKvStore;
 using frontend::Model;
 using frontend::ModelConfig;
 using frontend::RenderedConversation;
-using frontend::RoleSpan;
 using frontend::ServiceKvStore;
 using frontend::SpanRole;
 using frontend::TeeKvStore;
 using frontend::Transformer;
 
 using Clock = std::chrono::steady_clock;
-double Seconds(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // The held-out BFCL conversations of models/kvproxy-18m/README.md (the base
 // file; the long_context twins share their user turns).
@@ -140,17 +133,10 @@ struct Dataset {
   }
 };
 
-v1::Span MakeSpan(SpanRole role, uint32_t n) {
-  v1::Span s;
-  s.set_role(static_cast<v1::Role>(role));
-  s.set_modality(v1::MODALITY_TEXT);
-  s.set_num_tokens(n);
-  return s;
-}
-
 Window TextWindow(std::vector<int> tokens) {
   Window w;
-  w.spans = {MakeSpan(SpanRole::kUser, static_cast<uint32_t>(tokens.size()))};
+  w.spans = {frontend::ServiceSpan(SpanRole::kUser,
+                                   static_cast<uint32_t>(tokens.size()))};
   w.focus.assign(tokens.size(), false);
   w.tokens = std::move(tokens);
   return w;
@@ -169,16 +155,6 @@ std::vector<Window> SplitWindows(const std::vector<int>& ids, int bos,
     if (t.size() >= 2) out.push_back(TextWindow(std::move(t)));
   }
   return out;
-}
-
-v1::ModelShape Shape(const Model& m) {
-  v1::ModelShape s;
-  s.set_name(m.name);
-  s.set_n_layers(m.config.n_layers);
-  s.set_n_kv_heads(m.config.n_kv_heads);
-  s.set_n_q_heads(m.config.n_heads);
-  s.set_head_dim(m.config.head_dim());
-  return s;
 }
 
 v1::Policy ToPolicy(const QualityConfig& c) {
@@ -206,27 +182,18 @@ class Service {
  public:
   static absl::StatusOr<std::unique_ptr<Service>> Start(int pool_mb) {
     auto s = std::unique_ptr<Service>(new Service());
-    testing::ClusterOptions o;
-    o.num_workers = 1;
-    o.pool_mb = pool_mb;
-    o.window_tokens = 0;  // every sequence names its own window
-    TRIAX_ASSIGN_OR_RETURN(s->cluster_, testing::Cluster::Start(o));
-    TRIAX_RETURN_IF_ERROR(s->cluster_->CreateTenant(kTenant));
-    TRIAX_ASSIGN_OR_RETURN(s->client_, s->cluster_->NewClient(kTenant));
+    // window_tokens 0: every sequence names its own window.
+    TRIAX_ASSIGN_OR_RETURN(
+        s->bench_, StartBenchCluster(OneWorkerOptions(pool_mb), kTenant));
     return s;
   }
-  client::Client* client() { return client_.get(); }
-  std::string manager_address() const { return cluster_->manager_address(); }
+  client::Client* client() { return bench_.client.get(); }
+  std::string manager_address() const {
+    return bench_.cluster->manager_address();
+  }
 
   absl::Status PutPolicy(const v1::Policy& policy) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::seconds(30));
-    v1::PutPolicyRequest req;
-    req.set_request_id(client_->NewRequestId());
-    *req.mutable_policy() = policy;
-    v1::PutPolicyResponse resp;
-    return FromGrpcStatus(client_->manager()->PutPolicy(&ctx, req, &resp));
+    return bench::PutPolicy(client(), policy);
   }
 
   // Client::Open with the sequence's own BF16 window
@@ -238,26 +205,18 @@ class Service {
     o.policy = policy;
     o.block_tokens = block_tokens;
     o.window_tokens = window;
-    return client_->Open(model, spans, o);
+    return client()->Open(model, spans, o);
   }
 
   absl::StatusOr<v1::Inventory> WorkerInventory(const std::string& address) {
-    TRIAX_ASSIGN_OR_RETURN(v1::Worker::Stub * w, client_->worker(address));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::seconds(30));
-    v1::Inventory inv;
-    TRIAX_RETURN_IF_ERROR(
-        FromGrpcStatus(w->GetInventory(&ctx, v1::GetInventoryRequest(), &inv)));
-    return inv;
+    return bench::WorkerInventory(client(), address);
   }
 
   static constexpr const char* kTenant = "quality";
 
  private:
   Service() = default;
-  std::unique_ptr<testing::Cluster> cluster_;
-  std::unique_ptr<client::Client> client_;
+  BenchCluster bench_;
 };
 
 // Results of one configuration on one dataset.
@@ -290,12 +249,10 @@ double RelErr(const TeeKvStore::LayerError& e) {
                                        : 0.0;
 }
 
-void AddStats(const std::vector<float>& ref, const std::vector<float>& logits,
-              const Window& w, int vocab, NextTokenStats* s) {
-  for (size_t t = 1; t < w.tokens.size(); ++t) {
-    s->Add(&ref[(t - 1) * vocab], &logits[(t - 1) * vocab], vocab, w.tokens[t],
-           w.focus[t]);
-  }
+absl::Status AddStats(const std::vector<float>& ref,
+                      const std::vector<float>& logits, const Window& w,
+                      int vocab, NextTokenStats* s) {
+  return s->AddSequence(ref, logits, vocab, w.tokens, w.focus);
 }
 
 class Runner {
@@ -313,7 +270,7 @@ class Runner {
                                     const std::string& progress_prefix) {
     const ModelConfig& mc = model.config;
     const int vocab = mc.vocab_size;
-    const v1::ModelShape shape = Shape(model);
+    const v1::ModelShape shape = frontend::ServiceShape(model);
     Transformer tf(&model, threads_);
     DatasetResult r;
     r.model = model.name;
@@ -423,7 +380,8 @@ class Runner {
         LocalKvStore kv(mc);
         TRIAX_RETURN_IF_ERROR(
             tf.Prefill(data.windows[wi].tokens, 0, chunk_, &kv, &logits));
-        AddStats(ref[wi], logits, data.windows[wi], vocab, &r.fp32.stats);
+        TRIAX_RETURN_IF_ERROR(
+            AddStats(ref[wi], logits, data.windows[wi], vocab, &r.fp32.stats));
         r.fp32.tokens += data.windows[wi].tokens.size();
       }
       r.fp32.plan_bytes = r.fp32.worker_bytes =
@@ -468,7 +426,7 @@ class Runner {
         absl::Status close = svc_->client()->Close(h);
         TRIAX_RETURN_IF_ERROR(st);
         TRIAX_RETURN_IF_ERROR(close);
-        AddStats(ref[wi], logits, w, vocab, &cr.stats);
+        TRIAX_RETURN_IF_ERROR(AddStats(ref[wi], logits, w, vocab, &cr.stats));
         cr.tokens += w.tokens.size();
       }
       cr.ran = true;
@@ -549,20 +507,6 @@ std::string Table(const DatasetResult& d) {
   return s;
 }
 
-std::string MachineLine() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line, model;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      model = line.substr(line.find(':') + 2);
-      break;
-    }
-  }
-  return absl::StrFormat("%s, %d online CPUs, no GPU (kvworker CPU backend)",
-                         model.empty() ? "unknown CPU" : model,
-                         static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
-}
-
 std::string Methods(const std::string& command) {
   return absl::StrCat(
       "## How the numbers are made\n\n"
@@ -602,9 +546,8 @@ std::string Methods(const std::string& command) {
       "unused slots of partial blocks (span boundaries, the last block); "
       "*worker* = the kvworker's `Inventory.used_bytes` after the window's "
       "prefill with only that sequence open (target pages plus the BF16 "
-      "window pages still held), same divisor. Summed over windows.\n\n"
-      "Command:\n\n```\n",
-      command, "\n```\n\n");
+      "window pages still held), same divisor. Summed over windows.\n\n",
+      CommandBlock(command));
 }
 
 absl::StatusOr<std::vector<Dataset>> KvproxyDatasets(
@@ -663,18 +606,16 @@ absl::StatusOr<std::vector<Dataset>> KvproxyDatasets(
       }
       TRIAX_ASSIGN_OR_RETURN(RenderedConversation conv,
                              bfcl.Render(id, bfcl_max_context - 1));
+      // The whole conversation in one window; BOS joins the first span (the
+      // system header delimiter); tool-call tokens are the focus.
+      frontend::BfclSessionOptions o;
+      o.focus_roles = {SpanRole::kToolCall};
+      TRIAX_ASSIGN_OR_RETURN(frontend::BfclSession session,
+                             frontend::MakeBfclSession(conv, o));
       Window w;
-      w.tokens = bt.Encode(conv.text, true);
-      w.focus.assign(w.tokens.size(), false);
-      for (const RoleSpan& s : conv.AllSpans()) {
-        // BOS joins the first span (the system header delimiter).
-        w.spans.push_back(MakeSpan(
-            s.role, static_cast<uint32_t>(s.length + (s.begin == 0 ? 1 : 0))));
-        if (s.role != SpanRole::kToolCall) continue;
-        for (size_t b = s.begin; b < s.begin + s.length; ++b) {
-          w.focus[b + 1] = true;
-        }
-      }
+      w.tokens = std::move(session.tokens);
+      w.focus = std::move(session.focus);
+      w.spans = frontend::ServiceSpans(session.AllSpans());
       notes.push_back(
           absl::StrFormat("%s (%d tokens; %d/%d doc lines, %d/%d exchanges)",
                           id, w.tokens.size(), conv.docs_kept, conv.docs_total,
@@ -702,15 +643,9 @@ int Main(int argc, char** argv) {
   const auto t_all = Clock::now();
   std::vector<std::string> args(argv, argv + argc);
   const std::string command = absl::StrJoin(args, " ");
-  const std::string dir =
-      frontend::ResolveDataDir(absl::GetFlag(FLAGS_data_dir));
-  if (!frontend::DataDirComplete(dir)) {
-    return Fail("data directory",
-                absl::NotFoundError(absl::StrCat(
-                    "'", dir,
-                    "' lacks the models/text/bfcl files; pass --data_dir or "
-                    "set TRIAX_DATA_DIR")));
-  }
+  const auto dir_or = CompleteDataDir(absl::GetFlag(FLAGS_data_dir));
+  if (!dir_or.ok()) return Fail("data directory", dir_or.status());
+  const std::string& dir = *dir_or;
   const int chunk = absl::GetFlag(FLAGS_chunk);
   if (chunk < 1 || chunk > 256) {
     return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
@@ -735,15 +670,7 @@ int Main(int argc, char** argv) {
 
   // The cluster launcher finds kvmanager/kvworker in $TRIAX_BIN_DIR; default
   // to this binary's directory.
-  if (const char* b = std::getenv("TRIAX_BIN_DIR"); b == nullptr || !*b) {
-    char self[4096];
-    const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    if (n > 0) {
-      self[n] = '\0';
-      std::string path(self);
-      setenv("TRIAX_BIN_DIR", path.substr(0, path.rfind('/')).c_str(), 1);
-    }
-  }
+  DefaultBinDirToSelf();
   std::printf("quality_bench: data %s, bin dir %s\n", dir.c_str(),
               std::getenv("TRIAX_BIN_DIR"));
   auto svc_or = Service::Start(absl::GetFlag(FLAGS_pool_mb));
@@ -859,27 +786,12 @@ int Main(int argc, char** argv) {
   }
 
   const double total = Seconds(t_all);
-  char date[64];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
   std::string md = absl::StrCat(
       "# KV quality: every encoding on real models\n\n",
-      absl::StrFormat("Generated by `quality_bench` on %s; machine: %s; run "
-                      "time %.0f s.\n\n",
-                      date, MachineLine(), total),
-      Methods(command), "## Results\n\n");
+      GeneratedBy("quality_bench", total), Methods(command), "## Results\n\n");
   for (const auto& r : results) md += Table(r);
-  std::printf("\n%s", md.c_str());
-  const std::string out = absl::GetFlag(FLAGS_out);
-  if (!out.empty()) {
-    std::ofstream f(out, std::ios::binary | std::ios::trunc);
-    f << md;
-    f.close();
-    if (!f) {
-      return Fail("write report",
-                  absl::InternalError(absl::StrCat("cannot write ", out)));
-    }
-    std::printf("report written to %s\n", out.c_str());
+  if (absl::Status st = EmitReport(md, absl::GetFlag(FLAGS_out)); !st.ok()) {
+    return Fail("write report", st);
   }
   std::printf("total %.1f s\n", total);
   return 0;

@@ -58,6 +58,40 @@ void NextTokenStats::Add(const float* ref_logits, const float* logits,
   }
 }
 
+absl::Status NextTokenStats::AddSequence(const std::vector<float>& ref_logits,
+                                         const std::vector<float>& logits,
+                                         int vocab,
+                                         const std::vector<int>& tokens,
+                                         const std::vector<bool>& focus) {
+  if (vocab < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab=", vocab, "; must be >= 1"));
+  }
+  if (focus.size() != tokens.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("focus has ", focus.size(), " entries, tokens ",
+                     tokens.size(), "; must be equal"));
+  }
+  if (tokens.size() < 2) return absl::OkStatus();
+  const size_t need = (tokens.size() - 1) * static_cast<size_t>(vocab);
+  if (ref_logits.size() < need || logits.size() < need) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ref_logits has ", ref_logits.size(), " values, logits ", logits.size(),
+        "; ", tokens.size(), " tokens of vocab ", vocab, " need ", need));
+  }
+  for (size_t t = 1; t < tokens.size(); ++t) {
+    if (tokens[t] < 0 || tokens[t] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tokens[", t, "]=", tokens[t], "; must be in [0, ", vocab, ")"));
+    }
+  }
+  for (size_t t = 1; t < tokens.size(); ++t) {
+    Add(&ref_logits[(t - 1) * vocab], &logits[(t - 1) * vocab], vocab,
+        tokens[t], focus[t]);
+  }
+  return absl::OkStatus();
+}
+
 void NextTokenStats::Merge(const NextTokenStats& o) {
   nll_sum += o.nll_sum;
   count += o.count;

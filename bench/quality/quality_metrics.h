@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/layout.h"
 
@@ -38,6 +39,15 @@ struct NextTokenStats {
   // (the reference), both [vocab]; `target` is the true next token.
   void Add(const float* ref_logits, const float* logits, int vocab, int target,
            bool focus);
+  // Every predicted position of one forward pass from position 0: token t
+  // (t >= 1) is predicted by row t - 1 of `ref_logits` and `logits`
+  // ([rows][vocab], at least tokens.size() - 1 rows each) and counts as
+  // focus when focus[t]. INVALID_ARGUMENT (nothing added) when vocab < 1,
+  // focus.size() != tokens.size() or a logits vector is short.
+  absl::Status AddSequence(const std::vector<float>& ref_logits,
+                           const std::vector<float>& logits, int vocab,
+                           const std::vector<int>& tokens,
+                           const std::vector<bool>& focus);
   void Merge(const NextTokenStats& o);
   double nll() const { return count ? nll_sum / count : 0.0; }
   double top1() const {

@@ -30,6 +30,42 @@ TEST(QualityMetricsTest, KlOfIdenticalIsZeroAndOfKnownPairMatches) {
   EXPECT_GT(KlDivergence(a, b, 2), 0.0);
 }
 
+TEST(QualityMetricsTest, AddSequenceEqualsAddPerPosition) {
+  // Three tokens, vocab 3: rows 0 and 1 predict tokens 1 and 2.
+  const std::vector<float> ref = {3.0f, 1.0f, 0.0f, 0.0f, 2.0f, 1.0f};
+  const std::vector<float> mine = {0.0f, 1.0f, 3.0f, 0.5f, 2.0f, 1.0f};
+  const std::vector<int> tokens = {2, 0, 1};
+  const std::vector<bool> focus = {true, false, true};
+  NextTokenStats seq, one;
+  ASSERT_TRUE(seq.AddSequence(ref, mine, 3, tokens, focus).ok());
+  one.Add(&ref[0], &mine[0], 3, 0, false);
+  one.Add(&ref[3], &mine[3], 3, 1, true);
+  EXPECT_EQ(seq.count, 2);
+  EXPECT_EQ(seq.focus_count, 1);
+  EXPECT_DOUBLE_EQ(seq.nll_sum, one.nll_sum);
+  EXPECT_DOUBLE_EQ(seq.kl_sum, one.kl_sum);
+  EXPECT_EQ(seq.top1_agree, one.top1_agree);
+  EXPECT_DOUBLE_EQ(seq.focus_nll_sum, one.focus_nll_sum);
+}
+
+TEST(QualityMetricsTest, AddSequenceRejectsBadShapes) {
+  const std::vector<float> rows(6, 0.0f);
+  NextTokenStats s;
+  EXPECT_THAT(s.AddSequence(rows, rows, 3, {0, 1, 2}, {false, false}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("focus has 2 entries")));
+  EXPECT_THAT(
+      s.AddSequence(rows, {0.0f}, 3, {0, 1, 2}, {false, false, false}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("need 6")));
+  EXPECT_THAT(
+      s.AddSequence(rows, rows, 3, {0, 1, 7}, {false, false, false}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tokens[2]=7")));
+  EXPECT_THAT(
+      s.AddSequence(rows, rows, 0, {0, 1}, {false, false}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("vocab=0")));
+  EXPECT_EQ(s.count, 0);
+}
+
 TEST(QualityMetricsTest, NextTokenStatsAccumulates) {
   const float ref[3] = {3.0f, 1.0f, 0.0f};
   const float same[3] = {3.0f, 1.0f, 0.0f};

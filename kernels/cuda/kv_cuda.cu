@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <set>
 #include <string>
@@ -884,63 +885,106 @@ __global__ void __launch_bounds__(kAttnThreads)
 // ---- Tensor-core split-K attention
 // -------------------------------------------
 //
-// Grid: one CTA per (sequence b, row block rb of <= 16 query heads of the
-// group, KV head h, split). Each of the CTA's 4 warps owns a contiguous run
-// of the sequence's pages (virtual split v = split * 4 + warp of
-// S = splits * 4) and keeps its own online softmax; the reduce kernel merges
-// the S partial results of each query head. Per 16-token tile a warp
-// dequantizes K and V of its head into BF16 tiles in shared memory (rows
+// Grid: one CTA per (encoding class c, sequence b, row block rb of <= 16
+// query heads of the group, KV head h, split), class outermost, in two
+// launches of 4 classes each (MmaSmem: kSmall for INT/FP8 keys, 3 CTAs per
+// SM; the other for BF16/TQ keys, 2 CTAs per SM). A page's class is its K
+// format (ClassOf). PartitionKernel first splits each sequence's pages of
+// each class into S = splits * 4 equal shares (page ranges whose class-c
+// pages number equally, +-1) with the tokens before each share; warp
+// v = split * 4 + warp of a class-c CTA takes share v, skips the other
+// classes' pages in it (a ballot over each 32-descriptor window) and keeps
+// its own online softmax. A CTA whose class has no page in the sequence
+// exits at once. So every warp of an SM runs one format's code at a time
+// (mixed pools no longer switch format tile by tile), and the reduce kernel
+// merges the kClasses * S partial results of each query head (skipping
+// absent classes and empty shares). Per 16-token tile a warp
+// gets K and V of its head as mma operands (see below; shared-memory tiles
 // swizzled in 16-byte chunks), computes S = Q K^T with mma.m16n8k16 (rows =
 // query heads, padded to 16), the online softmax on the accumulators, and
 // O += P V with P from registers. TQ keys use the rotated query tile
-// Q' = R Q; TQ value tiles are rotated back (register FWHT) before P V.
+// Q' = R Q, and their row norms scale S's columns (the key tile holds
+// codebook levels only). TQ value tiles (levels only, the norms scale P's
+// columns) are accumulated in the rotated domain and the accumulator is
+// rotated back once (RotateAcc, kSmall == false; kSmall CTAs, whose TQ
+// values are rare K != V encodings, rotate each value tile back).
 //
 // Memory pipeline: each warp streams its tiles' raw page bytes (codes and
 // the tile's scale/zero/norm ranges, whatever the page's format) into a
 // per-warp byte ring in shared memory with cp.async, up to kMaxInFlight
 // tiles ahead (as many as the ring holds: 2 BF16 tiles, ~6 INT4 tiles),
-// page descriptors fetched 32 at a time. BF16 tiles land swizzled and feed
-// the tensor cores in place; other formats are dequantized from shared
-// memory (one switch per tensor and tile, non-inlined decoders) into the
-// warp's BF16 tiles.
+// page descriptors fetched 32 at a time, byte ranges from a per-warp cache
+// of per-format TilePlans (lanes 0-5 size one range each, a shuffle scan
+// packs them in the ring; a tile without BF16 ranges is one cp.async loop
+// over all its 16-byte chunks). BF16 tiles land swizzled and feed the tensor
+// cores in place; INT/FP8 keys become fp16 mma operands in registers
+// (ScoresReg), INT/FP8 values an fp16 tile (DecodeValuesF16), TQ tensors a
+// BF16 tile (DecodeStaged); one switch per tensor and tile.
 
 constexpr int kMmaWarps = 4;
 constexpr int kMaxInFlight = 16;
+constexpr int kPlans = 8;  // per-warp TilePlan cache (formats)
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
+// Encoding classes: pages are grouped by their K format (any byte value
+// maps to one of kClasses), each class of a sequence is its own set of
+// split-K partitions, and CTAs are ordered class-major so that the SMs run
+// one class's code at a time (mixed pools otherwise thrash the instruction
+// cache switching formats tile by tile).
+constexpr int kClasses = 8;
+__host__ __device__ __forceinline__ int ClassOf(int32_t packed_format) {
+  return ((static_cast<uint32_t>(packed_format) & 0xffu) - 1u) & (kClasses - 1);
+}
 
 struct MmaArgs {
   PageShape shape;
-  int n_q_heads, group, row_blocks, splits;
+  int batch, n_q_heads, group, row_blocks, splits;
+  const uint32_t* cls_mask;  // [batch]: bit c set when class c has pages
+  const int2* part_plan;     // [batch][kClasses][S + 1], PartitionKernel
   float scale_log2;
   const float* q;
   const DevicePage* pages;
   const int32_t* indptr;
   const int32_t* attend;
-  float* ws_o;    // [batch][n_q][S][D]
-  float* ws_lse;  // [batch][n_q][S]
+  float* ws_o;    // [batch][n_q][kClasses][S][D]
+  float* ws_lse;  // [batch][n_q][kClasses][S]
 };
 
-template <int kD>
+// Two configurations. kSmall (classes with INT or FP8 keys): no BF16 or TQ
+// keys, so no BF16 Q tiles, and a smaller ring (low-bit tiles are small) so
+// that 3 CTAs (12 warps) fit an SM; else the full layout, 2 CTAs per SM.
+template <int kD, bool kSmall>
 struct MmaSmem {
   static constexpr int kTileBytes = 16 * kD * 2;  // one bf16 [16][kD] tile
-  static constexpr int kQ = 0;
-  static constexpr int kQr = kQ + kTileBytes;
-  static constexpr int kWarp0 = kQr + kTileBytes;
+  static constexpr int kQp = 0;                   // Q, fp16, dims permuted
+  static constexpr int kQ = kSmall ? 0 : kQp + kTileBytes;  // Q, bf16
+  static constexpr int kQr = kSmall ? 0 : kQ + kTileBytes;  // Q' = R Q, bf16
+  static constexpr int kWarp0 = kSmall ? kTileBytes : kQr + kTileBytes;
   // Per warp: a byte ring of raw page bytes filled by cp.async (two BF16
-  // tiles of K and V fit, more of the smaller formats), the decoded K and V
-  // tiles, and one TileDesc per tile in flight.
-  static constexpr int kRing = 4 * kTileBytes + 512;
+  // tiles of K and V fit, more of the smaller formats), one decoded tile
+  // (TQ keys, then non-BF16 values), and one TileDesc per tile in flight.
+  static constexpr int kRing =
+      kSmall ? 5 * kTileBytes / 2 : 4 * kTileBytes + 512;
   static constexpr int kDec = kRing;
-  static constexpr int kDesc = kDec + 2 * kTileBytes;
-  static constexpr int kWarpBytes = kDesc + kMaxInFlight * 32;
+  static constexpr int kDesc = kDec + kTileBytes;
+  static constexpr int kPlan = kDesc + kMaxInFlight * 32;  // TilePlan[]
+  static constexpr int kWarpBytes = kPlan + kPlans * 128;
   static constexpr int kCb = kWarp0 + kMmaWarps * kWarpBytes;  // float[3][16]
   static constexpr int kSign = kCb + 48 * 4;                   // float[kD]
   static constexpr int kTotal = kSign + kD * 4;
-  // The largest tile (K and V BF16, or INT8 with metadata) fits the ring.
+  // The largest tile (K and V BF16, or INT8 with metadata) fits the ring,
+  // and so does the float32 Q staged through warp 0's ring.
   static_assert(kRing >= 2 * kTileBytes + 4 * (2 * kD + 32), "ring too small");
-  static_assert(kRing + 2 * kTileBytes <= 65535, "TileDesc offsets are 16-bit");
+  static_assert(kRing >= 16 * kD * 4, "ring holds the float32 Q");
+  static_assert(kRing + kTileBytes <= 65535, "TileDesc offsets are 16-bit");
 };
+
+// Classes of each configuration: kSmall runs classes 1-4 (K INT4, INT2,
+// FP8, INT8), the other 0 and 5-7 (K BF16, TQ4, TQ3, TQ2).
+constexpr int kLaunchClasses = 4;
+__host__ __device__ __forceinline__ int LaunchClass(bool small, int i) {
+  return small ? 1 + i : (i == 0 ? 0 : 4 + i);
+}
 
 // One staged tile: its page's packed format, its valid rows and where each
 // range sits in the warp's ring (bytes from the ring start to the range's
@@ -1033,20 +1077,6 @@ __device__ __forceinline__ uint4 Pack8(const float* x) {
                     PackBf16(x[4], x[5]), PackBf16(x[6], x[7]));
 }
 
-// Exact float of a small unsigned code without I2F (I2F issues at a
-// quarter of the FP32 rate on Hopper): the code is placed in the mantissa
-// of 2^23 and 2^23 subtracted.
-__device__ __forceinline__ float CodeToFloat(uint32_t c) {
-  return __uint_as_float(0x4b000000u | c) - 8388608.f;
-}
-// Two E4M3 codes (low bytes of lo/hi) through the hardware converter.
-__device__ __forceinline__ float2 Fp8PairToFloat(uint32_t lo, uint32_t hi) {
-  const __nv_fp8x2_storage_t v =
-      static_cast<__nv_fp8x2_storage_t>(lo | (hi << 8));
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(v, __NV_E4M3);
-  return __half22float2(*reinterpret_cast<const __half2*>(&h));
-}
-
 template <int F>
 struct FmtBits {
   static constexpr int v = F == 1               ? 16
@@ -1056,92 +1086,376 @@ struct FmtBits {
                                                 : 2;
 };
 
-// Dequantizes one staged tile of one tensor of format F (not BF16) from the
-// warp's ring into a swizzled BF16 tile (rows >= nt zero). `codes` points
-// at row 0 of the tile; `sc`/`zr` at the tile's metadata: the key group's
-// per-channel scale/zero (INT keys), the rows' per-group scale/zero (INT
-// values, 2^lg_gv dims per group), the rows' TQ norms, or the head's FP8
-// scale. All reads are shared memory; the ring keeps each range's global
-// alignment mod 16, so the vector loads are aligned as in the page. TQ keys
-// stay in the rotated domain (norm * level; scored against Q' = R Q); TQ
-// values are rotated back here, v = sign * FWHT(v') / sqrt(kD), the FWHT
-// running in registers across the kD / 8 lanes holding a row.
-template <int F, bool kKey, int kD>
-__device__ __forceinline__ void DecodeStaged(const uint8_t* codes,
+// ---- Packed FP16 dequantization (INT and FP8 tensors) ---------------------
+//
+// INT and FP8 keys never go through shared memory as BF16: each lane turns
+// its codes straight into the fp16 B operands of mma.m16n8k16 (S = Q K^T
+// with Q in fp16), two values per instruction. The reduction over dims is
+// order-free, so lane q (= lane % 4) of an n-tile owns the contiguous run
+// of kD / 4 dims [q * kD / 4, (q + 1) * kD / 4) of its token rows, and the
+// query tile Qp is stored with the same permutation (PermDim). Pair p of a
+// run (dims 2p, 2p+1) feeds k-step p / 2, register p % 2. INT and FP8
+// values are dequantized into an fp16 tile (pairs of adjacent dims, the
+// layout ldmatrix.trans expects) and multiplied by P in fp16.
+//
+// Code -> fp16 without conversions: the code bits are OR-ed into the
+// mantissa of a power of two whose mantissa unit is 1 at the code's bit
+// position (1024 = 0x6400 for bits 0.., 256 = 0x5C00 for bits 2.., 64 =
+// 0x5400 for bits 4.., 16 = 0x4C00 for bits 6..) and that power is
+// subtracted: exact, one LOP3 + one HSUB2 per two codes. The value is then
+// one HFMA2 (code * scale + zero, fp16 metadata used as stored; FP8
+// metadata converted exactly), rounded once to fp16.
+
+// Logical k index L (0..kD-1) of the fp16 query tile -> physical dim.
+template <int kD>
+__host__ __device__ __forceinline__ int PermDim(int L) {
+  const int kk = L / 16, cc = L % 16;
+  const int reg = cc / 8, q = (cc % 8) / 2, half = cc % 2;
+  return q * (kD / 4) + 2 * (2 * kk + reg) + half;
+}
+
+__device__ __forceinline__ __half2 U32AsHalf2(uint32_t x) {
+  __half2 h;
+  memcpy(&h, &x, 4);
+  return h;
+}
+__device__ __forceinline__ uint32_t Half2AsU32(__half2 h) {
+  uint32_t x;
+  memcpy(&x, &h, 4);
+  return x;
+}
+// Two E4M3 codes (bits 0-15 of x, low byte first) -> exact fp16 pair.
+__device__ __forceinline__ __half2 Fp8x2ToHalf2(uint32_t x) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(x & 0xffffu), __NV_E4M3);
+  return __half2(h);
+}
+// Metadata element i (E4M3 if kFp8Meta, else fp16) as fp16, exact.
+template <bool kFp8Meta>
+__device__ __forceinline__ __half MetaHalf(const uint8_t* base, int i) {
+  if constexpr (kFp8Meta) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(
+        static_cast<__nv_fp8_storage_t>(base[i]), __NV_E4M3);
+    return __half(h);
+  }
+  return __ushort_as_half(LoadU16(base + 2 * i));
+}
+// Four adjacent metadata elements i..i+3 (i a multiple of 4) as two fp16
+// pairs.
+template <bool kFp8Meta>
+__device__ __forceinline__ void MetaQuad(const uint8_t* base, int i,
+                                         __half2 (&out)[2]) {
+  if constexpr (kFp8Meta) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(base + i);
+    out[0] = Fp8x2ToHalf2(w);
+    out[1] = Fp8x2ToHalf2(w >> 16);
+  } else {
+    const uint2 w = *reinterpret_cast<const uint2*>(base + 2 * i);
+    out[0] = U32AsHalf2(w.x);
+    out[1] = U32AsHalf2(w.y);
+  }
+}
+
+// Pair p (dims 2p, 2p+1) of a run of INT codes held in w (low bits first)
+// as exact fp16 codes. p is a compile-time constant after unrolling.
+// (a & mask) | bits in one LOP3 (constants in registers, hoisted).
+__device__ __forceinline__ uint32_t AndOr(uint32_t a, uint32_t mask,
+                                          uint32_t bits) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n"
+      : "=r"(d)
+      : "r"(a), "r"(mask), "r"(bits));
+  return d;
+}
+template <int F>
+__device__ __forceinline__ __half2 CodePair(const uint32_t* w, int p) {
+  uint32_t x, magic;
+  if constexpr (F == 5) {  // int8: bytes 2p, 2p+1 under a 0x64 high byte
+    x = __byte_perm(w[p / 2], 0x64646464u, (p % 2) ? 0x4342u : 0x4140u);
+    magic = 0x64006400u;
+  } else if constexpr (F == 2) {  // int4: byte p, low nibble then high
+    const uint32_t by = static_cast<uint32_t>(p % 4);
+    const uint32_t b = __byte_perm(w[p / 4], 0u, 0x4040u | by | (by << 8));
+    magic = 0x54006400u;
+    x = AndOr(b, 0x00f0000fu, magic);
+  } else {  // int2: byte p / 2, bit pairs 0-1 / 2-3 or 4-5 / 6-7
+    const uint32_t by = static_cast<uint32_t>((p / 2) % 4);
+    const uint32_t b = __byte_perm(w[p / 8], 0u, 0x4040u | by | (by << 8));
+    magic = p % 2 == 0 ? 0x5c006400u : 0x4c005400u;
+    x = AndOr(b, p % 2 == 0 ? 0x000c0003u : 0x00c00030u, magic);
+  }
+  return __hsub2(U32AsHalf2(x), U32AsHalf2(magic));
+}
+
+// kR bytes at p (aligned to min(kR, 16)) into words, low byte first.
+template <int kR>
+__device__ __forceinline__ void LoadRun(const uint8_t* p,
+                                        uint32_t (&w)[kR >= 4 ? kR / 4 : 1]) {
+  if constexpr (kR >= 16) {
+#pragma unroll
+    for (int i = 0; i < kR / 16; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+      w[4 * i] = v.x;
+      w[4 * i + 1] = v.y;
+      w[4 * i + 2] = v.z;
+      w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (kR == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[0] = v.x;
+    w[1] = v.y;
+  } else if constexpr (kR == 4) {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  } else if constexpr (kR == 2) {
+    w[0] = LoadU16(p);
+  } else {
+    w[0] = p[0];
+  }
+}
+
+__device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4],
+                                       uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t PackHalf(float lo, float hi) {
+  return Half2AsU32(__floats2half2_rn(lo, hi));
+}
+
+// S += Qp K^T for one staged tile whose keys are INT (F 2, 3, 5) or FP8
+// (F 4), operands built in registers. codes: row 0 of the tile in the
+// ring; sc/zr: the key group's per-channel scale/zero (INT) or the head's
+// float scale (FP8, applied to S). Rows >= nt yield finite or non-finite
+// garbage in their S columns, which the caller masks.
+template <int F, int kD, bool kFp8Meta>
+__device__ __forceinline__ void ScoresReg(const uint8_t* codes,
+                                          const uint8_t* sc, const uint8_t* zr,
+                                          uint32_t qp_addr, int lane,
+                                          float (&s)[2][4]) {
+  constexpr int kRowBytes = kD * FmtBits<F>::v / 8;
+  constexpr int kR = kRowBytes / 4;  // bytes of a lane's run of dims
+  const int g = lane / 4, q = lane % 4;
+  uint32_t w[2][kR >= 4 ? kR / 4 : 1];
+  LoadRun<kR>(codes + g * kRowBytes + q * kR, w[0]);
+  LoadRun<kR>(codes + (g + 8) * kRowBytes + q * kR, w[1]);
+  const int m0 = q * (kD / 4);  // first channel of the run
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    uint32_t af[4];
+    Ldm4(qp_addr + TileOff<kD>(lane % 16, kk * 2 + lane / 16), af);
+    __half2 s2[2], z2[2];
+    if constexpr (F != 4) {
+      MetaQuad<kFp8Meta>(sc, m0 + 4 * kk, s2);
+      MetaQuad<kFp8Meta>(zr, m0 + 4 * kk, z2);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint32_t b[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int p = 2 * kk + r;
+        if constexpr (F == 4) {
+          b[r] = Half2AsU32(Fp8x2ToHalf2(w[j][p / 2] >> (16 * (p % 2))));
+        } else {
+          b[r] = Half2AsU32(__hfma2(CodePair<F>(w[j], p), s2[r], z2[r]));
+        }
+      }
+      MmaF16(s[j], af, b[0], b[1]);
+    }
+  }
+  if constexpr (F == 4) {
+    const float f = *reinterpret_cast<const float*>(sc);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[j][i] *= f;
+    }
+  }
+}
+
+template <int kD>
+__device__ __forceinline__ void ScoresRegAny(int f, const uint8_t* codes,
                                              const uint8_t* sc,
                                              const uint8_t* zr, int sdt,
-                                             int lg_gv, int nt, uint8_t* out,
-                                             const float* s_cb,
+                                             uint32_t qp_addr, int lane,
+                                             float (&s)[2][4]) {
+#define KV_SCORES(F, M) ScoresReg<F, kD, M>(codes, sc, zr, qp_addr, lane, s)
+  const bool m8 = sdt == 2;
+  switch (f) {
+    case 2:
+      m8 ? KV_SCORES(2, true) : KV_SCORES(2, false);
+      break;
+    case 3:
+      m8 ? KV_SCORES(3, true) : KV_SCORES(3, false);
+      break;
+    case 4:
+      KV_SCORES(4, false);
+      break;
+    default:
+      m8 ? KV_SCORES(5, true) : KV_SCORES(5, false);
+      break;
+  }
+#undef KV_SCORES
+}
+
+// Dequantizes one staged INT (F 2, 3, 5) or FP8 (F 4) value tile from the
+// ring into a swizzled fp16 [16][kD] tile (rows >= nt repeat row nt - 1).
+// sc/zr: the rows' per-group scale/zero (2^lg_gv dims per group) or the head's
+// FP8 float scale (rounded to fp16, applied with one HMUL2 per pair).
+template <int F, int kD, bool kFp8Meta>
+__device__ __forceinline__ void DecodeValuesF16(const uint8_t* codes,
+                                                const uint8_t* sc,
+                                                const uint8_t* zr, int lg_gv,
+                                                int nt, uint8_t* out,
+                                                int lane) {
+  constexpr int kCh = kD / 8, kIt = kCh / 2;  // 16 * kCh chunks / 32 lanes
+  constexpr int kB = FmtBits<F>::v;           // bytes per 8-dim chunk
+  constexpr int kRowBytes = kD * kB / 8;
+  __half2 fs = __float2half2_rn(1.f);
+  if constexpr (F == 4) {
+    fs = __float2half2_rn(*reinterpret_cast<const float*>(sc));
+  }
+  // A lane keeps one chunk column (kCh divides 32): its value group is
+  // fixed, the row advances by 32 / kCh per iteration. Rows >= nt decode
+  // row nt - 1 again (finite values; their probabilities are 0).
+  const int per_row = kD >> lg_gv;
+  if constexpr (kCh >= 4) {
+    // Two adjacent chunks (16 dims, one value group: groups are >= 32
+    // dims) per lane and iteration: one code load and one scale/zero pair
+    // for 16 values.
+    constexpr int kPc = kCh / 2, kStep = 32 / kPc;
+    const int pc = lane % kPc, r0 = lane / kPc;
+    const int mcol = (pc * 16) >> lg_gv;
+#pragma unroll
+    for (int it = 0; it < 16 / kStep; ++it) {
+      const int r = r0 + it * kStep;
+      const int rr = min(r, nt - 1);
+      uint32_t w[kB / 2];
+      LoadRun<2 * kB>(codes + rr * kRowBytes + pc * 2 * kB, w);
+      uint32_t res[8];
+      if constexpr (F == 4) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          res[i] =
+              Half2AsU32(__hmul2(Fp8x2ToHalf2(w[i / 2] >> (16 * (i % 2))), fs));
+      } else {
+        const int m = rr * per_row + mcol;
+        const __half2 s2 = __half2half2(MetaHalf<kFp8Meta>(sc, m));
+        const __half2 z2 = __half2half2(MetaHalf<kFp8Meta>(zr, m));
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          res[i] = Half2AsU32(__hfma2(CodePair<F>(w, i), s2, z2));
+      }
+      *reinterpret_cast<uint4*>(out + TileOff<kD>(r, 2 * pc)) =
+          make_uint4(res[0], res[1], res[2], res[3]);
+      *reinterpret_cast<uint4*>(out + TileOff<kD>(r, 2 * pc + 1)) =
+          make_uint4(res[4], res[5], res[6], res[7]);
+    }
+    return;
+  }
+  const int ch = lane % kCh, r0 = lane / kCh;
+  const int mcol = (ch * 8) >> lg_gv;
+#pragma unroll
+  for (int it = 0; it < kIt; ++it) {
+    const int r = r0 + it * (32 / kCh);
+    const int rr = min(r, nt - 1);
+    uint4 o;
+    {
+      uint32_t w[kB >= 4 ? kB / 4 : 1];
+      LoadRun<kB>(codes + rr * kRowBytes + ch * kB, w);
+      uint32_t res[4];
+      if constexpr (F == 4) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          res[i] =
+              Half2AsU32(__hmul2(Fp8x2ToHalf2(w[i / 2] >> (16 * (i % 2))), fs));
+      } else {
+        const int m = rr * per_row + mcol;
+        const __half2 s2 = __half2half2(MetaHalf<kFp8Meta>(sc, m));
+        const __half2 z2 = __half2half2(MetaHalf<kFp8Meta>(zr, m));
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          res[i] = Half2AsU32(__hfma2(CodePair<F>(w, i), s2, z2));
+      }
+      o = make_uint4(res[0], res[1], res[2], res[3]);
+    }
+    *reinterpret_cast<uint4*>(out + TileOff<kD>(r, ch)) = o;
+  }
+}
+
+template <int kD>
+__device__ __forceinline__ void DecodeValuesF16Any(int f, const uint8_t* codes,
+                                                   const uint8_t* sc,
+                                                   const uint8_t* zr, int sdt,
+                                                   int lg_gv, int nt,
+                                                   uint8_t* out, int lane) {
+#define KV_VALUES(F, M) \
+  DecodeValuesF16<F, kD, M>(codes, sc, zr, lg_gv, nt, out, lane)
+  const bool m8 = sdt == 2;
+  switch (f) {
+    case 2:
+      m8 ? KV_VALUES(2, true) : KV_VALUES(2, false);
+      break;
+    case 3:
+      m8 ? KV_VALUES(3, true) : KV_VALUES(3, false);
+      break;
+    case 4:
+      KV_VALUES(4, false);
+      break;
+    default:
+      m8 ? KV_VALUES(5, true) : KV_VALUES(5, false);
+      break;
+  }
+#undef KV_VALUES
+}
+
+// Dequantizes one staged TQ tile (F 6, 7, 8) of one tensor from the warp's
+// ring into a swizzled BF16 tile (rows >= nt zero). `codes` points at row 0
+// of the tile, `sc` at the rows' FP16 norms. All reads are shared memory;
+// the ring keeps each range's global alignment mod 16, so the vector loads
+// are aligned as in the page. kNorm == false leaves out the row norms
+// (the attention kernel scales S or P instead). TQ keys stay in the
+// rotated domain (norm * level; scored against Q' = R Q); with kKey ==
+// false TQ values are rotated back here,
+// v = sign * FWHT(v') / sqrt(kD), the FWHT running in registers across the
+// kD / 8 lanes holding a row.
+template <int F, bool kKey, int kD, bool kNorm = true>
+__device__ __forceinline__ void DecodeStaged(const uint8_t* codes,
+                                             const uint8_t* sc, int nt,
+                                             uint8_t* out, const float* s_cb,
                                              const float* s_sign, int lane) {
+  static_assert(F >= 6 && F <= 8, "TQ formats only");
   constexpr int kCh = kD / 8, kIt = kCh / 2;  // 16 * kCh chunks / 32 lanes
   constexpr int kB = FmtBits<F>::v;           // bytes per 8-dim chunk
   constexpr int kRowBytes = kD * kB / 8;
   const float* lv = s_cb + 16 * (FmtBits<F>::v - 2);
-  float fp8_scale = 1.f;
-  if constexpr (F == 4) fp8_scale = *reinterpret_cast<const float*>(sc);
-  // Every lane keeps one chunk column: ch = lane % kCh for kCh <= 32.
-  float ks[8], kz[8];
-  if constexpr (kKey && (F == 2 || F == 3 || F == 5)) {
-    const int ch = lane % kCh;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      ks[i] = LoadMeta(sc, ch * 8 + i, sdt);
-      kz[i] = LoadMeta(zr, ch * 8 + i, sdt);
-    }
-  }
 #pragma unroll
   for (int it = 0; it < kIt; ++it) {
     const int c = lane + 32 * it, r = c / kCh, ch = c % kCh;
     float x[8];
     if (r < nt) {
       const uint8_t* p = codes + r * kRowBytes + ch * kB;
-      uint32_t cd[8];
-      if constexpr (kB == 8) {
-        const uint2 w = *reinterpret_cast<const uint2*>(p);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          cd[i] = (w.x >> (8 * i)) & 0xffu;
-          cd[4 + i] = (w.y >> (8 * i)) & 0xffu;
-        }
+      uint32_t w;
+      if constexpr (kB == 4) {
+        w = *reinterpret_cast<const uint32_t*>(p);
+      } else if constexpr (kB == 2) {
+        w = *reinterpret_cast<const uint16_t*>(p);
       } else {
-        uint32_t w;
-        if constexpr (kB == 4) {
-          w = *reinterpret_cast<const uint32_t*>(p);
-        } else if constexpr (kB == 2) {
-          w = *reinterpret_cast<const uint16_t*>(p);
-        } else {
-          w = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
-              (static_cast<uint32_t>(p[2]) << 16);
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) cd[i] = (w >> (kB * i)) & ((1u << kB) - 1u);
+        w = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+            (static_cast<uint32_t>(p[2]) << 16);
       }
-      if constexpr (F == 4) {
+      const float norm = kNorm ? HalfBits(LoadU16(sc + 2 * r)) : 1.f;
 #pragma unroll
-        for (int i = 0; i < 8; i += 2) {
-          const float2 f2 = Fp8PairToFloat(cd[i], cd[i + 1]);
-          x[i] = f2.x * fp8_scale;
-          x[i + 1] = f2.y * fp8_scale;
-        }
-      } else if constexpr (F >= 6) {
-        const float norm = HalfBits(LoadU16(sc + 2 * r));
-#pragma unroll
-        for (int i = 0; i < 8; ++i) x[i] = lv[cd[i]] * norm;
-      } else if constexpr (kKey) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          x[i] = fmaf(CodeToFloat(cd[i]), ks[i], kz[i]);
-      } else {
-        const int m = ((r * kD) >> lg_gv) + ((ch * 8) >> lg_gv);
-        const float s = LoadMeta(sc, m, sdt), z = LoadMeta(zr, m, sdt);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) x[i] = fmaf(CodeToFloat(cd[i]), s, z);
-      }
+      for (int i = 0; i < 8; ++i)
+        x[i] = lv[(w >> (kB * i)) & ((1u << kB) - 1u)] * norm;
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = 0.f;
     }
-    if constexpr (!kKey && F >= 6) {
+    if constexpr (!kKey) {
       // Lanes of one row are kCh consecutive lanes: strides 1..4 in
       // registers, 8..kD/2 by shuffles (all lanes take part).
 #pragma unroll
@@ -1175,28 +1489,22 @@ __device__ __forceinline__ void DecodeStaged(const uint8_t* codes,
   }
 }
 
-// Non-BF16 tile of format f into a BF16 tile (one switch per tensor and
-// tile; BF16 tiles are staged swizzled and used in place).
-template <bool kKey, int kD>
-__device__ __forceinline__ void DecodeStagedAny(
-    int f, const uint8_t* codes, const uint8_t* sc, const uint8_t* zr, int sdt,
-    int lg_gv, int nt, uint8_t* tile, const float* s_cb, const float* s_sign,
-    int lane) {
+// TQ tile of format f into a BF16 tile (one switch per tensor and tile).
+template <bool kKey, int kD, bool kNorm = true>
+__device__ __forceinline__ void DecodeStagedAny(int f, const uint8_t* codes,
+                                                const uint8_t* sc, int nt,
+                                                uint8_t* tile,
+                                                const float* s_cb,
+                                                const float* s_sign, int lane) {
   switch (f) {
-#define KV_DEC_CASE(F)                                                   \
-  case F:                                                                \
-    DecodeStaged<F, kKey, kD>(codes, sc, zr, sdt, lg_gv, nt, tile, s_cb, \
-                              s_sign, lane);                             \
-    break;
-    KV_DEC_CASE(2)
-    KV_DEC_CASE(3)
-    KV_DEC_CASE(4)
-    KV_DEC_CASE(5)
-    KV_DEC_CASE(6)
-    KV_DEC_CASE(7)
-    KV_DEC_CASE(8)
-#undef KV_DEC_CASE
+    case 6:
+      DecodeStaged<6, kKey, kD, kNorm>(codes, sc, nt, tile, s_cb, s_sign, lane);
+      break;
+    case 7:
+      DecodeStaged<7, kKey, kD, kNorm>(codes, sc, nt, tile, s_cb, s_sign, lane);
+      break;
     default:
+      DecodeStaged<8, kKey, kD, kNorm>(codes, sc, nt, tile, s_cb, s_sign, lane);
       break;
   }
 }
@@ -1220,47 +1528,156 @@ __device__ __forceinline__ void SmemFwht(float* x, int rows, int tid,
   }
 }
 
-// Where one tensor's bytes for rows [t0, t0 + nt) of head h lie in a page:
-// codes, then scale and zero ranges (len 0 when absent).
-struct Range {
-  uint32_t off, len;
-};
+// Rotates the P V accumulator between the plain and the TQ value domain,
+// in registers. TQ values are v = S H v' (S = diag(sign), H = FWHT /
+// sqrt(kD), H H = I), and P V is linear, so the kernel accumulates the
+// TQ tiles' P V' in the rotated domain and rotates once: forward
+// o' = H S o when a warp meets a TQ value tile with a plain accumulator,
+// back o = S H o' before a non-TQ value tile and at the end. Lane
+// (g, q) = (lane / 4, lane % 4) holds dims 8 j + 2 q + c (c = 0, 1) of
+// rows g (o[j][c]) and g + 8 (o[j][2 + c]): dim bit 0 is c, bits 1-2 are
+// q (shuffles within the quad), bits 3.. are j.
 template <int kD>
-__device__ __forceinline__ void TensorRanges(int f, bool key, const DevEnc& e,
-                                             const TensorLayout& L, int T,
-                                             int h, int t0, int nt,
-                                             Range (&r)[3]) {
-  const uint32_t row_bytes = kD * BitsOf(f) / 8;
-  const uint32_t row0 = static_cast<uint32_t>(h) * T + t0;
-  r[0] =
-      Range{static_cast<uint32_t>(L.codes) + row0 * row_bytes, nt * row_bytes};
-  r[1] = r[2] = Range{0, 0};
-  if (f == 4) {
-    r[1] = Range{static_cast<uint32_t>(L.scale) + 4u * h, 4u};
-  } else if (IsTq(f)) {
-    r[1] = Range{static_cast<uint32_t>(L.scale) + 2u * row0, 2u * nt};
-  } else if (IsInt(f)) {
-    const uint32_t elem = e.sdt == 2 ? 1 : 2;
-    uint32_t first, count;
-    if (key) {
-      const int gk = min(e.group, T);
-      first = (static_cast<uint32_t>(h) * (T / gk) + t0 / gk) * kD;
-      count = kD;
-    } else {
-      const int per_row = kD / min(e.group, kD);
-      first = row0 * per_row;
-      count = nt * per_row;
+__device__ __forceinline__ void RotateAcc(float (&o)[kD / 8][4], bool back,
+                                          const float* s_sign, int lane) {
+  constexpr int kNt = kD / 8;
+  const int q = lane % 4;
+  auto sign = [&]() {
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) {
+      const float2 sg =
+          *reinterpret_cast<const float2*>(s_sign + 8 * j + 2 * q);
+      o[j][0] *= sg.x;
+      o[j][1] *= sg.y;
+      o[j][2] *= sg.x;
+      o[j][3] *= sg.y;
     }
-    r[1] = Range{static_cast<uint32_t>(L.scale) + first * elem, count * elem};
-    r[2] = Range{static_cast<uint32_t>(L.zero) + first * elem, count * elem};
+  };
+  if (!back) sign();
+#pragma unroll
+  for (int j = 0; j < kNt; ++j) {
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) {
+      const float u = o[j][r], w = o[j][r + 1];
+      o[j][r] = u + w;
+      o[j][r + 1] = u - w;
+    }
   }
+#pragma unroll
+  for (int m = 1; m < 4; m <<= 1) {
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float y = __shfl_xor_sync(0xffffffffu, o[j][c], m);
+        o[j][c] = (lane & m) ? y - o[j][c] : o[j][c] + y;
+      }
+    }
+  }
+#pragma unroll
+  for (int len = 1; len < kNt; len <<= 1) {
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) {
+      if ((j & len) == 0) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float u = o[j][c], w = o[j + len][c];
+          o[j][c] = u + w;
+          o[j + len][c] = u - w;
+        }
+      }
+    }
+  }
+  constexpr float kNrm = 1.f / (kD == 16    ? 4.f
+                                : kD == 32  ? 5.656854249492381f
+                                : kD == 64  ? 8.f
+                                : kD == 128 ? 11.313708498984761f
+                                            : 16.f);
+#pragma unroll
+  for (int j = 0; j < kNt; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[j][c] *= kNrm;
+  }
+  if (back) sign();
 }
 
+// Where a tile's bytes lie in a page of one format, for the warp's head h
+// (built once per format change, kept in shared memory). Ranges: 0 K codes,
+// 1 V codes, 2 K scale, 3 K zero, 4 V scale, 5 V zero (scale = the FP8
+// scale or the TQ norms; unused ranges have length 0). The range of rows
+// [t0, t0 + nt) starts at off + t0 * row (+ (t0 >> kg_shift) * kg_bytes
+// for INT key metadata: the key group) and is fixed + nt * per bytes long.
+struct TilePlan {
+  int32_t fmt;       // packed format described
+  uint32_t bound;    // ring bytes of a 16-row tile, an upper bound
+  uint32_t bf_mask;  // bit 0: K is BF16, bit 1: V is BF16
+  uint32_t kg_shift, kg_bytes;
+  uint32_t off[6], row[6], fixed[6], per[6];
+};
+static_assert(sizeof(TilePlan) <= 128, "TilePlan fits its slot");
+
 template <int kD>
-__global__ void __launch_bounds__(kMmaWarps * 32)
+__device__ TilePlan MakeTilePlan(int32_t fmt, const PageShape& s, int h) {
+  const DevEnc e = Unpack(fmt);
+  const PageLayout L = LayoutOf(e, s);
+  const uint32_t T = s.tokens;
+  TilePlan pl;
+  pl.fmt = fmt;
+  pl.bf_mask = (e.k == 1 ? 1u : 0u) | (e.v == 1 ? 2u : 0u);
+  pl.kg_shift = 31;
+  pl.kg_bytes = 0;
+  for (int i = 0; i < 6; ++i)
+    pl.off[i] = pl.row[i] = pl.fixed[i] = pl.per[i] = 0;
+  for (int t = 0; t < 2; ++t) {
+    const bool key = t == 0;
+    const int f = key ? e.k : e.v;
+    const TensorLayout& tl = key ? L.k : L.v;
+    const uint32_t rb = kD * BitsOf(f) / 8;
+    pl.off[t] = static_cast<uint32_t>(tl.codes) + h * T * rb;
+    pl.row[t] = pl.per[t] = rb;
+    const int ms = 2 + 2 * t, mz = ms + 1;  // metadata ranges
+    if (f == 4) {
+      pl.off[ms] = static_cast<uint32_t>(tl.scale) + 4u * h;
+      pl.fixed[ms] = 4;
+    } else if (IsTq(f)) {
+      pl.off[ms] = static_cast<uint32_t>(tl.scale) + 2u * h * T;
+      pl.row[ms] = pl.per[ms] = 2;
+    } else if (IsInt(f)) {
+      const uint32_t elem = e.sdt == 2 ? 1 : 2;
+      if (key) {
+        const uint32_t gk = min(e.group, s.tokens);
+        const uint32_t first = h * (T / gk) * kD;
+        pl.off[ms] = static_cast<uint32_t>(tl.scale) + first * elem;
+        pl.off[mz] = static_cast<uint32_t>(tl.zero) + first * elem;
+        pl.fixed[ms] = pl.fixed[mz] = kD * elem;
+        // gk < T only for gk = group, a power of two; else t0 < gk.
+        pl.kg_shift = gk == T ? 31u : static_cast<uint32_t>(__ffs(gk) - 1);
+        pl.kg_bytes = kD * elem;
+      } else {
+        const uint32_t per_row = kD / min(e.group, kD);
+        pl.off[ms] = static_cast<uint32_t>(tl.scale) + h * T * per_row * elem;
+        pl.off[mz] = static_cast<uint32_t>(tl.zero) + h * T * per_row * elem;
+        pl.row[ms] = pl.per[ms] = pl.row[mz] = pl.per[mz] = per_row * elem;
+      }
+    }
+  }
+  pl.bound = 0;
+  for (int i = 0; i < 6; ++i) {
+    const uint32_t len = pl.fixed[i] + 16 * pl.per[i];
+    if (i < 2 && ((pl.bf_mask >> i) & 1u)) {
+      pl.bound += 16 * kD * 2;
+    } else if (len > 0) {
+      pl.bound += len + 30;  // 16-byte alignment of both ends
+    }
+  }
+  return pl;
+}
+
+template <int kD, bool kSmall>
+__global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
     MmaAttentionKernel(const MmaArgs a) {
   extern __shared__ __align__(16) uint8_t sm[];
-  using Sm = MmaSmem<kD>;
+  using Sm = MmaSmem<kD, kSmall>;
   constexpr int kNt = kD / 8;  // 8-dim output tiles
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const PageShape shape = a.shape;
@@ -1271,9 +1688,18 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int h = x % H;
   x /= H;
   const int rb = x % a.row_blocks;
-  const int b = x / a.row_blocks;
+  x /= a.row_blocks;
+  const int b = x % a.batch;
+  // Outermost: CTAs run class by class.
+  const int cls = LaunchClass(kSmall, x / a.batch);
+  // No page of this class in the sequence: its partitions are skipped by
+  // the reduce (same mask), nothing to write.
+  if (((a.cls_mask[b] >> cls) & 1u) == 0) return;
   const int row0 = rb * 16, nrows = min(16, a.group - row0);
+  const bool hi_rows = nrows > 8;  // mma rows 8-15 hold query heads
   const bool tq_ok = TqDim(kD);
+  // Q' = R Q only for classes whose keys are TQ (K format 6-8).
+  const bool tq_keys = !kSmall && tq_ok && IsTq(cls + 1);
   float* s_cb = reinterpret_cast<float*>(sm + Sm::kCb);
   float* s_sign = reinterpret_cast<float*>(sm + Sm::kSign);
   if (tq_ok) {
@@ -1291,10 +1717,21 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   __syncthreads();
   for (int i = tid; i < 16 * kNt; i += blockDim.x) {
     const int r = i / kNt, c = i % kNt;
-    *reinterpret_cast<uint4*>(sm + Sm::kQ + TileOff<kD>(r, c)) =
-        Pack8(qf + r * kD + c * 8);
+    if (!kSmall) {
+      *reinterpret_cast<uint4*>(sm + Sm::kQ + TileOff<kD>(r, c)) =
+          Pack8(qf + r * kD + c * 8);
+    }
+    uint32_t w[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int col = c * 8 + 2 * u;
+      w[u] = PackHalf(qf[r * kD + PermDim<kD>(col)],
+                      qf[r * kD + PermDim<kD>(col + 1)]);
+    }
+    *reinterpret_cast<uint4*>(sm + Sm::kQp + TileOff<kD>(r, c)) =
+        make_uint4(w[0], w[1], w[2], w[3]);
   }
-  if (tq_ok) {
+  if (tq_keys) {
     __syncthreads();
     for (int i = tid; i < 16 * kD; i += blockDim.x) qf[i] *= s_sign[i % kD];
     __syncthreads();
@@ -1312,20 +1749,18 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   uint8_t* wbase = sm + Sm::kWarp0 + warp * Sm::kWarpBytes;
   uint8_t* ring = wbase;
   const uint32_t ring_addr = SmemAddr(ring);
-  uint8_t* sK = wbase + Sm::kDec;
-  uint8_t* sV = sK + Sm::kTileBytes;
+  uint8_t* sDec = wbase + Sm::kDec;
   TileDesc* descs = reinterpret_cast<TileDesc*>(wbase + Sm::kDesc);
 
   const int S = a.splits * kMmaWarps, v = split * kMmaWarps + warp;
-  const int first = a.indptr[b], P = a.indptr[b + 1] - first;
-  const int pp = (P + S - 1) / S;
-  const int p0 = first + min(P, v * pp), p1 = first + min(P, (v + 1) * pp);
-  long before = 0;
-  for (int i = first + lane; i < p0; i += 32)
-    before += min(max(a.pages[i].num_tokens, 0), T);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    before += __shfl_xor_sync(0xffffffffu, before, o);
+  const int part = cls * S + v, parts = kClasses * S;
+  // This warp's pages: [p0, p1) holds an equal share (+-1) of the
+  // sequence's pages of this class, `before` tokens precede p0.
+  const int2* wplan =
+      a.part_plan + (static_cast<size_t>(b) * kClasses + cls) * (S + 1) + v;
+  const int2 w0 = wplan[0];
+  const int p0 = w0.x, p1 = wplan[1].x;
+  long before = w0.y;
   const long attend = a.attend[b];
 
   // Producer state (warp-uniform): the next tile to stage is rows
@@ -1334,8 +1769,15 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   int pi = p0, win = p0 - 32, t0 = 0, valid = 0;
   bool page_ready = false, done = false, poisoned = false;
   const uint8_t* pdata = nullptr;
-  int pfmt = 0;
+  int pfmt = 0, plan_fmt = 0;  // 0: no plan yet (not a valid format)
+  TilePlan* plans = reinterpret_cast<TilePlan*>(wbase + Sm::kPlan);
+  const TilePlan* plan = plans;
+  int slot_fmt = 0, next_slot = 0;
   DevicePage lane_pg{};
+  // Per window: lane's clipped token count, the inclusive prefix of those
+  // counts and the lanes holding pages of this CTA's class.
+  int lane_n = 0, lane_incl = 0;
+  unsigned cls_lanes = 0;
   uint32_t head = 0, tail = 0;  // ring bytes allocated / released
   int issued = 0, consumed = 0;
 
@@ -1350,9 +1792,34 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         }
         if (pi >= win + 32) {
           win = pi;
-          if (win + lane < p1) lane_pg = a.pages[win + lane];
+          const bool in = win + lane < p1;
+          if (in) lane_pg = a.pages[win + lane];
+          lane_n = in ? min(max(lane_pg.num_tokens, 0), T) : 0;
+          lane_incl = lane_n;
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, lane_incl, o);
+            if (lane >= o) lane_incl += y;
+          }
+          cls_lanes = __ballot_sync(
+              0xffffffffu, lane_n > 0 && ClassOf(lane_pg.format) == cls);
         }
-        const int src = pi - win;
+        int src = pi - win;
+        if (((cls_lanes >> src) & 1u) == 0) {
+          // skip to the window's next page of this class
+          const unsigned ahead = cls_lanes & (0xffffffffu << src);
+          const int j = ahead != 0 ? __ffs(ahead) - 1 : 32;
+          const int excl_src =
+              __shfl_sync(0xffffffffu, lane_incl - lane_n, src);
+          const int excl_j =
+              __shfl_sync(0xffffffffu, lane_incl - lane_n, j & 31);
+          before +=
+              (j < 32 ? excl_j : __shfl_sync(0xffffffffu, lane_incl, 31)) -
+              excl_src;
+          pi = win + j;
+          if (j == 32) continue;
+          src = j;
+        }
         pdata = reinterpret_cast<const uint8_t*>(__shfl_sync(
             0xffffffffu, reinterpret_cast<unsigned long long>(lane_pg.data),
             src));
@@ -1365,75 +1832,123 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
           ++pi;
           continue;
         }
-        if (!Supported(Unpack(pfmt), shape)) {
-          poisoned = true;
-          done = true;
-          break;
+        if (pfmt != plan_fmt) {
+          // The warp keeps kPlans plans; lane i < kPlans knows slot i's
+          // format (mixed pools switch formats page by page).
+          const unsigned hit =
+              __ballot_sync(0xffffffffu, lane < kPlans && slot_fmt == pfmt);
+          int slot;
+          if (hit != 0) {
+            slot = __ffs(hit) - 1;
+          } else {
+            if (!Supported(Unpack(pfmt), shape)) {
+              poisoned = true;
+              done = true;
+              break;
+            }
+            slot = next_slot;
+            next_slot = (next_slot + 1) % kPlans;
+            if (lane == 0) plans[slot] = MakeTilePlan<kD>(pfmt, shape, h);
+            if (lane == slot) slot_fmt = pfmt;
+            __syncwarp();
+          }
+          plan = plans + slot;
+          plan_fmt = pfmt;
         }
         t0 = 0;
         page_ready = true;
       }
-      const DevEnc e = Unpack(pfmt);
-      const PageLayout L = LayoutOf(e, shape);
-      const int nt = min(16, valid - t0);
-      Range rg[6];
-      {
-        Range k3[3], v3[3];
-        TensorRanges<kD>(e.k, true, e, L.k, T, h, t0, nt, k3);
-        TensorRanges<kD>(e.v, false, e, L.v, T, h, t0, nt, v3);
-        rg[0] = k3[0];
-        rg[1] = v3[0];
-        rg[2] = k3[1];
-        rg[3] = k3[2];
-        rg[4] = v3[1];
-        rg[5] = v3[2];
-      }
-      const bool bf[2] = {e.k == 1, e.v == 1};
-      uint32_t size[6], total = 0;
-#pragma unroll
-      for (int i = 0; i < 6; ++i) {
-        if (i < 2 && bf[i]) {
-          size[i] = Sm::kTileBytes;
-        } else if (rg[i].len == 0) {
-          size[i] = 0;
-        } else {
-          size[i] = ((rg[i].off + rg[i].len + 15) & ~15u) - (rg[i].off & ~15u);
-        }
-        total += size[i];
-      }
       if (issued == consumed) head = tail = 0;
       uint32_t pos = head % Sm::kRing;
-      uint32_t need = total;
-      if (pos + total > Sm::kRing) need += Sm::kRing - pos;
-      if (head - tail + need > Sm::kRing) break;  // ring full
-      if (pos + total > Sm::kRing) pos = 0;
-      head += need;
-      TileDesc d;
-      d.format = pfmt;
-      d.nt = nt;
-      d.end = head;
-#pragma unroll
-      for (int i = 0; i < 6; ++i) {
-        d.pos[i] = static_cast<uint16_t>(pos + (rg[i].off & 15u));
-        if (i < 2 && bf[i]) {
-          d.pos[i] = static_cast<uint16_t>(pos);
-          constexpr int kCh = kD / 8;
-          const uint8_t* src = pdata + rg[i].off;
-          for (int j = lane; j < 16 * kCh; j += 32) {
-            const int r = j / kCh, ch = j % kCh;
-            const bool in = r < nt;
-            CpAsync16(ring_addr + pos + TileOff<kD>(r, ch),
-                      in ? src + r * (kD * 2) + ch * 16 : pdata, in ? 16 : 0);
-          }
-        } else if (size[i] > 0) {
-          const uint8_t* src = pdata + (rg[i].off & ~15u);
-          for (uint32_t j = lane * 16; j < size[i]; j += 32 * 16)
-            CpAsync16(ring_addr + pos + j, src + j, 16);
-        }
-        pos += size[i];
+      {  // ring full for a 16-row tile of this format?
+        const uint32_t bound = plan->bound;
+        const uint32_t wrap = pos + bound > Sm::kRing ? Sm::kRing - pos : 0;
+        if (head - tail + bound + wrap > Sm::kRing) break;
       }
-      d.pad[0] = d.pad[1] = d.pad[2] = d.pad[3] = 0;
-      if (lane == 0) descs[issued % kMaxInFlight] = d;
+      const int nt = min(16, valid - t0);
+      const uint32_t bf_mask = plan->bf_mask;
+      const uint32_t kg_off =
+          (static_cast<uint32_t>(t0) >> plan->kg_shift) * plan->kg_bytes;
+      // Lane i < 6 works out range i (page offset, ring bytes); the ring
+      // places the ranges back to back (exclusive scan over lanes 0-7).
+      const bool r_bf = lane < 2 && ((bf_mask >> lane) & 1u);
+      uint32_t r_off = 0, r_size = 0;
+      if (lane < 6) {
+        r_off = plan->off[lane] + t0 * plan->row[lane] +
+                (lane == 2 || lane == 3 ? kg_off : 0u);
+        const uint32_t len = plan->fixed[lane] + nt * plan->per[lane];
+        if (r_bf) {
+          r_size = Sm::kTileBytes;
+        } else if (len != 0) {
+          r_size = ((r_off + len + 15) & ~15u) - (r_off & ~15u);
+        }
+      }
+      uint32_t incl = r_size;
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const uint32_t total = __shfl_sync(0xffffffffu, incl, 7);
+      const uint32_t excl = incl - r_size;  // ring bytes before range lane
+      uint32_t need = total;
+      if (pos + total > Sm::kRing) {
+        need += Sm::kRing - pos;
+        pos = 0;
+      }
+      head += need;
+      TileDesc* dd = descs + issued % kMaxInFlight;
+      if (lane < 6) {
+        dd->pos[lane] =
+            static_cast<uint16_t>(pos + excl + (r_bf ? 0u : (r_off & 15u)));
+      }
+      if (lane == 0) {
+        dd->format = pfmt;
+        dd->nt = nt;
+        dd->end = head;
+      }
+      if (bf_mask == 0) {
+        // No swizzled BF16 range: the tile's 16-byte chunks, all ranges
+        // in a row, round-robin over the lanes. Chunk at ring byte cb of
+        // range i comes from page byte (off_i & ~15) + cb - excl_i.
+        const uint32_t r_delta = (r_off & ~15u) - excl;
+        uint32_t e[6], dl[6];
+#pragma unroll
+        for (int i = 0; i < 6; ++i) {
+          e[i] = __shfl_sync(0xffffffffu, excl, i);
+          dl[i] = __shfl_sync(0xffffffffu, r_delta, i);
+        }
+        for (uint32_t cb = lane * 16; cb < total; cb += 32 * 16) {
+          uint32_t dsel = dl[0];
+#pragma unroll
+          for (int i = 1; i < 6; ++i) dsel = cb >= e[i] ? dl[i] : dsel;
+          CpAsync16(ring_addr + pos + cb, pdata + (dsel + cb), 16);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 6; ++i) {
+          const uint32_t sz = __shfl_sync(0xffffffffu, r_size, i);
+          const uint32_t so = __shfl_sync(0xffffffffu, r_off, i);
+          const uint32_t dst =
+              ring_addr + pos + __shfl_sync(0xffffffffu, excl, i);
+          if (sz == 0) continue;
+          if (i < 2 && ((bf_mask >> i) & 1u)) {
+            constexpr int kCh = kD / 8;
+            const uint8_t* src = pdata + so;
+#pragma unroll
+            for (int j = lane; j < 16 * kCh; j += 32) {
+              const int r = j / kCh, ch = j % kCh;
+              const bool in = r < nt;
+              CpAsync16(dst + TileOff<kD>(r, ch),
+                        in ? src + r * (kD * 2) + ch * 16 : pdata, in ? 16 : 0);
+            }
+          } else {
+            const uint8_t* src = pdata + (so & ~15u);
+            for (uint32_t j = lane * 16; j < sz; j += 32 * 16)
+              CpAsync16(dst + j, src + j, 16);
+          }
+        }
+      }
       CpCommit();
       ++issued;
       t0 += 16;
@@ -1448,9 +1963,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   float o[kNt][4];
 #pragma unroll
   for (int j = 0; j < kNt; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  // kSmall == false: o holds H S (P V) (TQ value domain) while rot.
+  bool rot = false;
 
   const uint32_t q_addr = SmemAddr(sm + Sm::kQ),
-                 qr_addr = SmemAddr(sm + Sm::kQr);
+                 qr_addr = SmemAddr(sm + Sm::kQr),
+                 qp_addr = SmemAddr(sm + Sm::kQp);
   for (;;) {
     fill();
     if (issued == consumed) break;
@@ -1460,43 +1978,83 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     const DevEnc e = Unpack(d.format);
     const int nt = d.nt;
     const int lg_gv = 31 - __clz(min(e.group, kD));  // group: power of 2
-    uint32_t k_addr;
-    if (e.k == 1) {
-      k_addr = ring_addr + d.pos[0];
-    } else {
-      DecodeStagedAny<true, kD>(e.k, ring + d.pos[0], ring + d.pos[2],
-                                ring + d.pos[3], e.sdt, lg_gv, nt, sK, s_cb,
-                                s_sign, lane);
-      k_addr = SmemAddr(sK);
-      __syncwarp();
-    }
     // S = Q K^T: rows = query heads, cols = tokens (two n-tiles of 8).
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    const uint32_t qa = IsTq(e.k) ? qr_addr : q_addr;
+    // kSmall CTAs never see BF16/TQ keys (their class is the K format).
+    if (!kSmall && (e.k == 1 || IsTq(e.k))) {
+      uint32_t k_addr;
+      if (e.k == 1) {
+        k_addr = ring_addr + d.pos[0];
+      } else {
+        // Levels only; the row norms scale S's columns below.
+        DecodeStagedAny<true, kD, false>(e.k, ring + d.pos[0], ring + d.pos[2],
+                                         nt, sDec, s_cb, s_sign, lane);
+        k_addr = SmemAddr(sDec);
+        __syncwarp();
+      }
+      const uint32_t qa = e.k == 1 ? q_addr : qr_addr;
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t af[4], bfr[4];
-      Ldm4(qa + TileOff<kD>(lane % 16, kk * 2 + lane / 16), af);
-      Ldm4(k_addr + TileOff<kD>((lane % 8) + (lane / 16) * 8,
-                                kk * 2 + (lane / 8) % 2),
-           bfr);
-      Mma(sc[0], af, bfr[0], bfr[1]);
-      Mma(sc[1], af, bfr[2], bfr[3]);
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t af[4], bfr[4];
+        Ldm4(qa + TileOff<kD>(lane % 16, kk * 2 + lane / 16), af);
+        Ldm4(k_addr + TileOff<kD>((lane % 8) + (lane / 16) * 8,
+                                  kk * 2 + (lane / 8) % 2),
+             bfr);
+        Mma(sc[0], af, bfr[0], bfr[1]);
+        Mma(sc[1], af, bfr[2], bfr[3]);
+      }
+      if (e.k != 1) {
+        // S column t *= norm_t (q' . (norm level) = norm (q' . level));
+        // columns >= nt are masked below whatever their norm bytes.
+        const uint8_t* nk = ring + d.pos[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float nm =
+                HalfBits(LoadU16(nk + 2 * (8 * j + 2 * (lane % 4) + c)));
+            sc[j][c] *= nm;
+            sc[j][2 + c] *= nm;
+          }
+        }
+      }
+      __syncwarp();  // sDec reads done before the values reuse it
+    } else {
+      ScoresRegAny<kD>(e.k, ring + d.pos[0], ring + d.pos[2], ring + d.pos[3],
+                       e.sdt, qp_addr, lane, sc);
     }
+    // Values: BF16 in place (bf16 P), TQ rotated back into a bf16 tile
+    // (bf16 P), INT and FP8 dequantized into an fp16 tile (fp16 P).
     uint32_t v_addr;
+    const bool v16 = e.v != 1 && !IsTq(e.v);
     if (e.v == 1) {
       v_addr = ring_addr + d.pos[1];
     } else {
-      DecodeStagedAny<false, kD>(e.v, ring + d.pos[1], ring + d.pos[4],
-                                 ring + d.pos[5], e.sdt, lg_gv, nt, sV, s_cb,
-                                 s_sign, lane);
-      v_addr = SmemAddr(sV);
+      if (v16) {
+        DecodeValuesF16Any<kD>(e.v, ring + d.pos[1], ring + d.pos[4],
+                               ring + d.pos[5], e.sdt, lg_gv, nt, sDec, lane);
+      } else if constexpr (kSmall) {
+        DecodeStagedAny<false, kD>(e.v, ring + d.pos[1], ring + d.pos[4], nt,
+                                   sDec, s_cb, s_sign, lane);
+      } else {
+        // TQ values stay rotated (RotateAcc) and unscaled: the row norms
+        // scale P's columns below.
+        DecodeStagedAny<true, kD, false>(e.v, ring + d.pos[1], ring + d.pos[4],
+                                         nt, sDec, s_cb, s_sign, lane);
+      }
+      v_addr = SmemAddr(sDec);
       __syncwarp();
     }
     // Online softmax; lane holds rows lane/4 (i=0) and lane/4+8 (i=1).
+    // Rows 8-15 are only computed when they hold query heads (group > 8).
     float corr[2], p[2][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+      if (i == 1 && !hi_rows) {
+        corr[1] = 1.f;
+        p[0][2] = p[0][3] = p[1][2] = p[1][3] = 0.f;
+        break;
+      }
       float mx = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -1526,29 +2084,76 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
       l[i] = l[i] * corr[i] + sum;
       m[i] = m_new;
     }
-    uint32_t pa[4] = {PackBf16(p[0][0], p[0][1]), PackBf16(p[0][2], p[0][3]),
-                      PackBf16(p[1][0], p[1][1]), PackBf16(p[1][2], p[1][3])};
+    // Rescale only when some row's running max moved (corr != 1).
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < kNt; ++j) {
-      o[j][0] *= corr[0];
-      o[j][1] *= corr[0];
-      o[j][2] *= corr[1];
-      o[j][3] *= corr[1];
+      for (int j = 0; j < kNt; ++j) {
+        o[j][0] *= corr[0];
+        o[j][1] *= corr[0];
+      }
+      if (hi_rows) {
+#pragma unroll
+        for (int j = 0; j < kNt; ++j) {
+          o[j][2] *= corr[1];
+          o[j][3] *= corr[1];
+        }
+      }
     }
+    if constexpr (!kSmall) {
+      const bool vtq = IsTq(e.v);
+      if (vtq != rot) {
+        RotateAcc<kD>(o, rot, s_sign, lane);
+        rot = vtq;
+      }
+      if (vtq) {
+        // P column t *= norm_t (after l took the plain sum); columns >= nt
+        // have p = 0 and must not meet non-finite norm bytes.
+        const uint8_t* nv = ring + d.pos[4];
 #pragma unroll
-    for (int j = 0; j < kNt; j += 2) {
-      uint32_t bfr[4];
-      Ldm4T(v_addr +
-                TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8, j + lane / 16),
-            bfr);
-      Mma(o[j], pa, bfr[0], bfr[1]);
-      Mma(o[j + 1], pa, bfr[2], bfr[3]);
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = 8 * j + 2 * (lane % 4) + c;
+            const float nm = col < nt ? HalfBits(LoadU16(nv + 2 * col)) : 0.f;
+            p[j][c] *= nm;
+            p[j][2 + c] *= nm;
+          }
+        }
+      }
+    }
+    if (v16) {
+      const uint32_t pa[4] = {
+          PackHalf(p[0][0], p[0][1]), PackHalf(p[0][2], p[0][3]),
+          PackHalf(p[1][0], p[1][1]), PackHalf(p[1][2], p[1][3])};
+#pragma unroll
+      for (int j = 0; j < kNt; j += 2) {
+        uint32_t bfr[4];
+        Ldm4T(v_addr +
+                  TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8, j + lane / 16),
+              bfr);
+        MmaF16(o[j], pa, bfr[0], bfr[1]);
+        MmaF16(o[j + 1], pa, bfr[2], bfr[3]);
+      }
+    } else {
+      const uint32_t pa[4] = {
+          PackBf16(p[0][0], p[0][1]), PackBf16(p[0][2], p[0][3]),
+          PackBf16(p[1][0], p[1][1]), PackBf16(p[1][2], p[1][3])};
+#pragma unroll
+      for (int j = 0; j < kNt; j += 2) {
+        uint32_t bfr[4];
+        Ldm4T(v_addr +
+                  TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8, j + lane / 16),
+              bfr);
+        Mma(o[j], pa, bfr[0], bfr[1]);
+        Mma(o[j + 1], pa, bfr[2], bfr[3]);
+      }
     }
     __syncwarp();  // tile reads done before its ring bytes are reused
     tail = d.end;
     ++consumed;
   }
   CpWait<0>();
+  if (rot) RotateAcc<kD>(o, true, s_sign, lane);
   const float nan = __uint_as_float(0x7fc00000u);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -1556,7 +2161,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     if (r >= nrows) continue;
     const size_t qh =
         static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0 + r;
-    const size_t slot = qh * S + v;
+    const size_t slot = qh * parts + part;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
     if (lane % 4 == 0) {
       a.ws_lse[slot] =
@@ -1574,25 +2179,139 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
 }
 
-// One CTA per (sequence, query head): merges the S partial results.
-__global__ void ReduceKernel(int S, int D, const float* __restrict__ ws_o,
+// One CTA per sequence b: splits its pages of each encoding class c into
+// `parts` shares of equal page count (+-1) for the attention warps, in
+// page order: share v is pages [plan[b][c][v].x, plan[b][c][v + 1].x) of
+// the table, of which those of class c are that warp's, and plan[b][c][v].y
+// tokens (clipped per page to [0, T], capped at attend[b]) precede it.
+// Pages without tokens belong to no class. Bit c of mask[b] is set when
+// class c has pages (entries of absent classes are not written).
+constexpr int kPartThreads = 512;
+__global__ void __launch_bounds__(kPartThreads)
+    PartitionKernel(const DevicePage* __restrict__ pages,
+                    const int32_t* __restrict__ indptr,
+                    const int32_t* __restrict__ attend, int T, int parts,
+                    int2* __restrict__ plan, uint32_t* __restrict__ mask) {
+  constexpr int kW = kPartThreads / 32;
+  __shared__ int s_total[kClasses];     // class pages in the sequence
+  __shared__ int s_run[kClasses];       // class pages before this chunk
+  __shared__ int s_wcnt[kW][kClasses];  // per warp, then its prefix
+  __shared__ long long s_wtok[kW];      // tokens per warp, then prefix
+  __shared__ long long s_before;        // tokens before this chunk
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int b = blockIdx.x;
+  const int first = indptr[b], P = indptr[b + 1] - first;
+  const long long att = attend[b];
+  int2* out = plan + static_cast<size_t>(b) * kClasses * (parts + 1);
+  if (tid < kClasses) s_total[tid] = s_run[tid] = 0;
+  if (tid == 0) s_before = 0;
+  __syncthreads();
+  auto page_at = [&](int i, int* n, int* c) {
+    *n = 0;
+    *c = kClasses;  // none
+    if (i < P) {
+      const int4 pg = __ldg(reinterpret_cast<const int4*>(pages + first + i));
+      *n = min(max(pg.z, 0), T);       // num_tokens
+      if (*n > 0) *c = ClassOf(pg.w);  // format
+    }
+  };
+  for (int i = tid; i < P; i += kPartThreads) {
+    int n, c;
+    page_at(i, &n, &c);
+    if (c < kClasses) atomicAdd(&s_total[c], 1);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    uint32_t m = 0;
+    for (int c = 0; c < kClasses; ++c) m |= (s_total[c] > 0 ? 1u : 0u) << c;
+    mask[b] = m;
+  }
+  if (tid < kClasses) {
+    out[tid * (parts + 1) + parts] =
+        make_int2(first + P, static_cast<int>(att));
+  }
+  for (int base = 0; base < P; base += kPartThreads) {
+    if (tid < kW * kClasses) s_wcnt[tid / kClasses][tid % kClasses] = 0;
+    __syncthreads();
+    int n, c;
+    page_at(base + tid, &n, &c);
+    const unsigned same = __match_any_sync(0xffffffffu, c);
+    const int rank_w = __popc(same & ((1u << lane) - 1u));
+    if (c < kClasses && rank_w == 0) s_wcnt[warp][c] = __popc(same);
+    int incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (lane == 31) s_wtok[warp] = incl;
+    __syncthreads();
+    if (tid < kClasses) {
+      int run = s_run[tid];
+      for (int w = 0; w < kW; ++w) {
+        const int x = s_wcnt[w][tid];
+        s_wcnt[w][tid] = run;
+        run += x;
+      }
+      s_run[tid] = run;
+    } else if (tid == 32) {
+      long long run = s_before;
+      for (int w = 0; w < kW; ++w) {
+        const long long x = s_wtok[w];
+        s_wtok[w] = run;
+        run += x;
+      }
+      s_before = run;
+    }
+    __syncthreads();
+    if (c < kClasses) {
+      const long long rank = s_wcnt[warp][c] + rank_w, cnt = s_total[c];
+      const long long before = min(s_wtok[warp] + incl - n, att);
+      // The shares v whose first class page has this rank:
+      // floor(v * cnt / parts) == rank.
+      const int v_lo = static_cast<int>((rank * parts + cnt - 1) / cnt);
+      const int v_end = static_cast<int>(min(
+          static_cast<long long>(parts), ((rank + 1) * parts + cnt - 1) / cnt));
+      for (int v = v_lo; v < v_end; ++v) {
+        out[c * (parts + 1) + v] =
+            make_int2(first + base + tid, static_cast<int>(before));
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// One CTA per (sequence, query head): merges the S partial results of each
+// class present in the sequence (absent classes' slots are never written).
+__global__ void ReduceKernel(int S, int D, int n_q,
+                             const uint32_t* __restrict__ cls_mask,
+                             const float* __restrict__ ws_o,
                              const float* __restrict__ ws_lse,
                              float* __restrict__ out) {
   const size_t qh = blockIdx.x;
-  const float* lse = ws_lse + qh * S;
+  const uint32_t present = cls_mask[qh / n_q];
+  const int parts = kClasses * S;
+  const float* lse = ws_lse + qh * parts;
   float mx = -INFINITY;
   bool nan = false;
-  for (int s = 0; s < S; ++s) {
-    nan = nan || isnan(lse[s]);
-    mx = fmaxf(mx, lse[s]);
+  for (int c = 0; c < kClasses; ++c) {
+    if (((present >> c) & 1u) == 0) continue;
+    for (int s = c * S; s < (c + 1) * S; ++s) {
+      nan = nan || isnan(lse[s]);
+      mx = fmaxf(mx, lse[s]);
+    }
   }
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0.f, wsum = 0.f;
     if (mx > -INFINITY) {
-      for (int s = 0; s < S; ++s) {
-        const float w = exp2f(lse[s] - mx);
-        wsum += w;
-        acc += w * ws_o[(qh * S + s) * D + d];
+      for (int c = 0; c < kClasses; ++c) {
+        if (((present >> c) & 1u) == 0) continue;
+        for (int s = c * S; s < (c + 1) * S; ++s) {
+          if (lse[s] == -INFINITY) continue;  // empty partition
+          const float w = exp2f(lse[s] - mx);
+          wsum += w;
+          acc += w * ws_o[(qh * parts + s) * D + d];
+        }
       }
     }
     out[qh * D + d] =
@@ -1719,17 +2438,25 @@ MmaPlan PlanMma(const AttentionParams& p) {
     splits = static_cast<int>((want + ctas - 1) / std::max(1LL, ctas));
   }
   m.splits = std::min(std::max(splits, 1), kMaxSplits);
-  const size_t slots =
-      static_cast<size_t>(p.batch) * p.n_q_heads * m.splits * kMmaWarps;
-  m.ws_bytes = slots * (p.shape.head_dim + 1) * sizeof(float) + 16;
+  const size_t slots = static_cast<size_t>(p.batch) * p.n_q_heads * kClasses *
+                       m.splits * kMmaWarps;
+  // Class masks, partition plans, then partial LSEs, then partial outputs
+  // (16-aligned each).
+  m.ws_bytes = Align16(static_cast<size_t>(p.batch) * 4) +
+               Align16(static_cast<size_t>(p.batch) * kClasses *
+                       (m.splits * kMmaWarps + 1) * sizeof(int2)) +
+               Align16(slots * sizeof(float)) +
+               slots * p.shape.head_dim * sizeof(float);
   return m;
 }
 
-template <int kD>
-absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
-                       float* ws) {
-  using Sm = MmaSmem<kD>;
-  auto* kernel = &MmaAttentionKernel<kD>;
+// Launches the classes of one configuration (kLaunchClasses x the CTAs
+// of one class).
+template <int kD, bool kSmall>
+absl::Status LaunchMmaConfig(const MmaArgs& a, long long class_ctas,
+                             cudaStream_t stream) {
+  using Sm = MmaSmem<kD, kSmall>;
+  auto* kernel = &MmaAttentionKernel<kD, kSmall>;
   if (Sm::kTotal > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kTotal);
@@ -1739,8 +2466,17 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
                        " bytes of shared memory: ", cudaGetErrorString(e)));
     }
   }
+  kernel<<<static_cast<unsigned>(kLaunchClasses * class_ctas), kMmaWarps * 32,
+           Sm::kTotal, stream>>>(a);
+  return LaunchStatus("DecodeAttentionCuda");
+}
+
+template <int kD>
+absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
+                       float* ws) {
   MmaArgs a;
   a.shape = p.shape;
+  a.batch = p.batch;
   a.n_q_heads = p.n_q_heads;
   a.group = plan.group;
   a.row_blocks = plan.row_blocks;
@@ -1751,18 +2487,30 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
   a.indptr = p.page_indptr;
   a.attend = p.attend_tokens;
   const int S = plan.splits * kMmaWarps;
-  const size_t slots = static_cast<size_t>(p.batch) * p.n_q_heads * S;
-  a.ws_lse = ws;
-  a.ws_o = ws + ((slots + 3) / 4) * 4;  // 16-byte aligned partial outputs
-  const long long grid = static_cast<long long>(p.batch) * p.shape.heads *
-                         plan.row_blocks * plan.splits;
-  kernel<<<static_cast<unsigned>(grid), kMmaWarps * 32, Sm::kTotal, p.stream>>>(
-      a);
-  KV_RETURN_IF_ERROR(LaunchStatus("DecodeAttentionCuda"));
+  const size_t slots =
+      static_cast<size_t>(p.batch) * p.n_q_heads * kClasses * S;
+  uint8_t* w8 = reinterpret_cast<uint8_t*>(ws);
+  uint32_t* mask = reinterpret_cast<uint32_t*>(w8);
+  w8 += Align16(static_cast<size_t>(p.batch) * 4);
+  int2* part_plan = reinterpret_cast<int2*>(w8);
+  w8 +=
+      Align16(static_cast<size_t>(p.batch) * kClasses * (S + 1) * sizeof(int2));
+  a.cls_mask = mask;
+  a.part_plan = part_plan;
+  a.ws_lse = reinterpret_cast<float*>(w8);
+  a.ws_o = reinterpret_cast<float*>(w8 + Align16(slots * sizeof(float)));
+  PartitionKernel<<<p.batch, kPartThreads, 0, p.stream>>>(
+      p.pages, p.page_indptr, p.attend_tokens, p.shape.tokens, S, part_plan,
+      mask);
+  KV_RETURN_IF_ERROR(LaunchStatus("DecodeAttentionCuda partition"));
+  const long long class_ctas = static_cast<long long>(p.batch) * p.shape.heads *
+                               plan.row_blocks * plan.splits;
+  KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, false>(a, class_ctas, p.stream)));
+  KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true>(a, class_ctas, p.stream)));
   ReduceKernel<<<static_cast<unsigned>(static_cast<size_t>(p.batch) *
                                        p.n_q_heads),
-                 std::min(kD, 128), 0, p.stream>>>(S, kD, a.ws_o, a.ws_lse,
-                                                   p.out);
+                 std::min(kD, 128), 0, p.stream>>>(S, kD, p.n_q_heads, mask,
+                                                   a.ws_o, a.ws_lse, p.out);
   return LaunchStatus("DecodeAttentionCuda reduce");
 }
 
@@ -1910,8 +2658,8 @@ absl::Status DecodeAttentionCuda(const AttentionParams& p) {
   }
   KV_RETURN_IF_ERROR(EnsureTqTables());
   const MmaPlan plan = PlanMma(p);
-  if (static_cast<long long>(p.batch) * p.shape.heads * plan.row_blocks *
-          plan.splits >
+  if (static_cast<long long>(kLaunchClasses) * p.batch * p.shape.heads *
+          plan.row_blocks * plan.splits >
       0x7fffffffLL) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch * heads too large: ", p.batch));

@@ -135,15 +135,26 @@ absl::Status DemotePagesCuda(const DemotePagesParams& p);
 // n_q_heads must be a multiple of H with (n_q_heads / H) * D <= 4096.
 //
 // Kernel choice: for head_dim in {16, 32, 64, 128, 256} a tensor-core
-// kernel (mma.sync bf16, float32 accumulation) runs: each page tile is
-// dequantized to BF16 in shared memory and Q (rounded to BF16 after
-// scaling) and P (BF16) multiply it, so outputs carry BF16 operand
-// rounding (tolerance in kv_cuda_test.cc: max_abs <= 2e-2 for unit
-// inputs, measured far below). Sequences are split over
+// kernel (mma.sync, float32 accumulation) runs: BF16 and TQ tiles are
+// multiplied as BF16 (Q rounded to BF16 after scaling, P BF16; TQ tiles
+// hold the BF16-rounded codebook levels, their row norms applied to the
+// float32 scores and to P before its BF16 rounding); INT and
+// FP8 keys/values are dequantized to FP16 (code * scale + zero rounded
+// once to FP16) against an FP16 Q and FP16 P. Outputs carry that operand
+// rounding (tolerance in kv_cuda_test.cc: max_abs <= 3e-2 for unit inputs,
+// measured below 1.3e-2). FP16 operands overflow for |q * scale|, |k| or |v|
+// beyond 65504 (the output is then NaN/inf, not silently wrong); the
+// metadata's own FP16 range bounds INT values near that. Sequences are
+// split over
 // num_splits x 4 warps (flash-decoding); a reduce kernel merges the
 // partial results. Other head_dims (multiples of 8) use a float32
 // CUDA-core kernel without splits.
-// Workspace: partial results need AttentionWorkspaceBytes(p) bytes. Pass
+// Pages are grouped by encoding class (K format) per sequence, each class
+// its own split-K partitions, so a mixed-format page table costs about the
+// page-weighted mix of the uniform formats' times.
+// Workspace: partial results need AttentionWorkspaceBytes(p) bytes (per
+// query head 8 classes x num_splits x 4 partials of head_dim + 1 floats,
+// plus per-sequence share tables). Pass
 // `workspace` (device, 16-aligned, `workspace_bytes` long) to avoid an
 // allocation; with workspace == nullptr the call allocates and frees it
 // stream-ordered (cudaMallocAsync). Too small a workspace returns
@@ -162,8 +173,8 @@ struct AttentionParams {
   // Optional (added; defaults keep older callers unchanged):
   void* workspace = nullptr;  // see AttentionWorkspaceBytes
   size_t workspace_bytes = 0;
-  // CTAs per (sequence, KV head); 0 = choose from batch * heads and the SM
-  // count. Clamped to [1, 64].
+  // CTAs per (sequence, KV head, encoding class); 0 = choose from
+  // batch * heads and the SM count. Clamped to [1, 64].
   int num_splits = 0;
 };
 absl::Status DecodeAttentionCuda(const AttentionParams& p);

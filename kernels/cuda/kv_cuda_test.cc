@@ -70,9 +70,9 @@ std::vector<Encoding> ValidEncodings(const PageShape& s) {
   return out;
 }
 
-// The tensor-core kernel (head_dim a multiple of 16) rounds Q and P to BF16
-// and K/V tiles to BF16 after dequantization; the CUDA-core kernel is
-// float32 throughout.
+// The tensor-core kernel (head_dim a multiple of 16) rounds Q, P and K/V
+// to BF16 (BF16/TQ tiles) or FP16 (INT/FP8 tiles) operands; the CUDA-core
+// kernel is float32 throughout.
 double AttentionTolerance(int head_dim) {
   return head_dim % 16 == 0 ? 3e-2 : 2e-5;
 }
@@ -405,6 +405,126 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<1>(info.param)) + "_D" +
              std::to_string(std::get<2>(info.param));
     });
+
+// Pages are grouped by encoding class per sequence (each class its own
+// split-K partitions): long mixed sequences whose class runs cross the
+// 32-page descriptor windows, empty pages in the table, a causal cut, an
+// unsupported page inside the attended range (that sequence's output is
+// all NaN), one past the cut (never read: output valid) and a sequence
+// with no pages (zeros), under several split counts.
+TEST_F(KvCudaTest, AttentionGroupsClassesAndPoisons) {
+  const int T = 16, H = 2, D = 64, group = 4, n_q = H * group;
+  const PageShape s{T, H, D};
+  std::mt19937 rng(4242);
+  const std::vector<Encoding> encs = ValidEncodings(s);
+  std::uniform_int_distribution<int> pick(0, encs.size() - 1);
+  const size_t tok = static_cast<size_t>(H) * D;
+  // Per sequence: pages, attended tokens, where a bad page goes (-1 none,
+  // else before that page index), whether it lies inside the attended range.
+  struct Seq {
+    int pages, attend, bad_at;
+  };
+  const std::vector<Seq> seqs = {
+      {70, 70 * T - 5, -1}, {45, 45 * T, 20}, {50, 30 * T + 3, 40}, {0, 0, -1}};
+  const int batch = static_cast<int>(seqs.size());
+  Pool pool;
+  std::vector<uint8_t> host_pool;
+  std::vector<int32_t> indptr = {0}, attend;
+  std::vector<std::vector<PageRef>> refs(batch);
+  std::vector<std::vector<size_t>> ref_offsets(batch);
+  std::vector<DevicePage> extra;  // (table index, page) patched in below
+  std::vector<size_t> extra_at;
+  for (int b = 0; b < batch; ++b) {
+    for (int i = 0; i < seqs[b].pages; ++i) {
+      if (i == seqs[b].bad_at || (b == 0 && i % 17 == 5)) {
+        // b == 0: an empty page; else an unsupported encoding (K format 9).
+        extra_at.push_back(pool.formats.size());
+        extra.push_back(DevicePage{nullptr, b == 0 ? 0 : T, b == 0 ? 1 : 9});
+        pool.Add(Format::kBF16, T, s);
+        host_pool.resize(pool.bytes, 0);
+      }
+      // Runs of one encoding of random length, so class runs cross windows.
+      const Encoding f = encs[(i / 7 + b * 3 + pick(rng) % 2) % encs.size()];
+      const auto k = testing::RandomBf16(rng, T * tok);
+      const auto v = testing::RandomBf16(rng, T * tok);
+      std::vector<uint8_t> page(PageBytes(f, s));
+      EncodePage(f, s, k.data(), v.data(), T, page.data());
+      ref_offsets[b].push_back(host_pool.size());
+      refs[b].push_back(PageRef{f, nullptr, T});
+      pool.Add(f, T, s);
+      host_pool.insert(host_pool.end(), page.begin(), page.end());
+    }
+    indptr.push_back(static_cast<int32_t>(pool.formats.size()));
+    attend.push_back(seqs[b].attend);
+  }
+  for (int b = 0; b < batch; ++b) {
+    for (size_t i = 0; i < refs[b].size(); ++i)
+      refs[b][i].data = host_pool.data() + ref_offsets[b][i];
+  }
+  DeviceBuffer d_pool(pool.bytes);
+  d_pool.Upload(host_pool);
+  auto table = pool.Table(d_pool.as<uint8_t>());
+  for (size_t i = 0; i < extra.size(); ++i) {
+    table[extra_at[i]].num_tokens = extra[i].num_tokens;
+    table[extra_at[i]].format = extra[i].format;
+  }
+  const auto q =
+      testing::RandomFloat(rng, static_cast<size_t>(batch) * n_q * D);
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  DeviceBuffer d_q(q.size() * 4), d_out(q.size() * 4),
+      d_table(table.size() * sizeof(DevicePage)), d_indptr(indptr.size() * 4),
+      d_attend(attend.size() * 4);
+  d_q.Upload(q);
+  d_table.Upload(table);
+  d_indptr.Upload(indptr);
+  d_attend.Upload(attend);
+  for (int splits : {1, 3, 0}) {
+    SCOPED_TRACE(::testing::Message() << "num_splits " << splits);
+    d_out.Upload(std::vector<float>(q.size(), 12345.f));
+    AttentionParams p;
+    p.shape = s;
+    p.batch = batch;
+    p.n_q_heads = n_q;
+    p.scale = scale;
+    p.q = d_q.as<float>();
+    p.out = d_out.as<float>();
+    p.pages = d_table.as<DevicePage>();
+    p.page_indptr = d_indptr.as<int32_t>();
+    p.attend_tokens = d_attend.as<int32_t>();
+    p.num_splits = splits;
+    ASSERT_THAT(DecodeAttentionCuda(p), IsOk());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto got = d_out.Download<float>(q.size());
+    for (int b = 0; b < batch; ++b) {
+      SCOPED_TRACE(::testing::Message() << "sequence " << b);
+      const float* g = got.data() + static_cast<size_t>(b) * n_q * D;
+      if (b == 1) {  // the bad page is attended: all NaN
+        for (int i = 0; i < n_q * D; ++i) ASSERT_TRUE(std::isnan(g[i])) << i;
+        continue;
+      }
+      if (b == 3) {  // no pages: zeros
+        for (int i = 0; i < n_q * D; ++i) ASSERT_EQ(g[i], 0.f) << i;
+        continue;
+      }
+      std::vector<float> ref_out(static_cast<size_t>(n_q) * D, NAN);
+      DecodeParams rp;
+      rp.q = q.data() + static_cast<size_t>(b) * n_q * D;
+      rp.out = ref_out.data();
+      rp.n_q_heads = n_q;
+      rp.shape = s;
+      rp.scale = scale;
+      rp.pages = refs[b].data();
+      rp.num_pages = static_cast<int>(refs[b].size());
+      rp.attend_tokens = attend[b];
+      DecodeAttentionRef(rp);
+      const std::vector<double> ref64(ref_out.begin(), ref_out.end());
+      const auto vs_ref = testing::Compare(g, ref64);
+      ASSERT_TRUE(vs_ref.all_finite);
+      EXPECT_GT(vs_ref.norm, 1e-3);
+      EXPECT_LE(vs_ref.max_abs, AttentionTolerance(D));
+    }
+  }
+}
 
 // In-place demotion of pages of every format to every other, against
 // DecodePage -> round to BF16 -> EncodePage on the CPU (bytes equal).

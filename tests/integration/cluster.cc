@@ -25,26 +25,29 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
   if (!dir.ok()) return dir.status();
   c->dir_ = std::move(*dir);
 
-  auto manager = Process::Start(
-      "kvmanager", "kvmanager",
-      {"--listen=127.0.0.1:0",
-       absl::StrCat("--worker_timeout_ms=", options.worker_timeout_ms),
-       absl::StrCat("--heartbeat_interval_ms=", options.heartbeat_interval_ms)},
-      c->dir());
+  std::vector<std::string> manager_args = {
+      "--listen=127.0.0.1:0",
+      absl::StrCat("--worker_timeout_ms=", options.worker_timeout_ms),
+      absl::StrCat("--heartbeat_interval_ms=", options.heartbeat_interval_ms)};
+  manager_args.insert(manager_args.end(), options.manager_flags.begin(),
+                      options.manager_flags.end());
+  auto manager =
+      Process::Start("kvmanager", "kvmanager", manager_args, c->dir());
   if (!manager.ok()) return manager.status();
   c->manager_ = std::move(*manager);
   c->stub_ = triax::v1::Manager::NewStub(grpc::CreateChannel(
       c->manager_address(), grpc::InsecureChannelCredentials()));
 
   for (int i = 0; i < options.num_workers; ++i) {
-    auto w = Process::Start(
-        WorkerId(i), "kvworker",
-        {"--listen=127.0.0.1:0",
-         absl::StrCat("--manager=", c->manager_address()),
-         absl::StrCat("--worker_id=", WorkerId(i)),
-         absl::StrCat("--pool_mb=", options.pool_mb),
-         absl::StrCat("--window_tokens=", options.window_tokens)},
-        c->dir());
+    std::vector<std::string> worker_args = {
+        "--listen=127.0.0.1:0",
+        absl::StrCat("--manager=", c->manager_address()),
+        absl::StrCat("--worker_id=", WorkerId(i)),
+        absl::StrCat("--pool_mb=", options.pool_mb),
+        absl::StrCat("--window_tokens=", options.window_tokens)};
+    worker_args.insert(worker_args.end(), options.worker_flags.begin(),
+                       options.worker_flags.end());
+    auto w = Process::Start(WorkerId(i), "kvworker", worker_args, c->dir());
     if (!w.ok()) return w.status();
     c->workers_.push_back(std::move(*w));
   }

@@ -24,6 +24,9 @@ struct ClusterOptions {
   int heartbeat_interval_ms = 100;
   int pool_mb = 64;
   int window_tokens = 32;
+  // Extra command-line flags, appended after the defaults (so they win).
+  std::vector<std::string> manager_flags;
+  std::vector<std::string> worker_flags;
 };
 
 class Cluster {

@@ -147,5 +147,40 @@ TEST_F(KvctlTest, PoliciesPolicyPutAndDemote) {
   EXPECT_THAT((*client)->Close(*seq), IsOk());
 }
 
+TEST_F(KvctlTest, PressureShowsPoolsTenantsAndTheRanking) {
+  ASSERT_EQ(Kvctl({"tenant-create", "ops", "--device_floor_bytes=1024",
+                   "--device_ceiling_bytes=10000000"}),
+            0)
+      << err_;
+  auto client = cluster_->NewClient("ops");
+  ASSERT_THAT(client, IsOk());
+  auto seq = (*client)->Open(SmallModel(),
+                             {MakeSpan(triax::v1::ROLE_SYSTEM, 16),
+                              MakeSpan(triax::v1::ROLE_USER, 48)},
+                             "bf16", 16);
+  ASSERT_THAT(seq, IsOk());
+
+  // The plan shows where each block is: on the device, not evicted.
+  ASSERT_EQ(Kvctl({"sequence", seq->sequence_id}), 0) << err_;
+  EXPECT_THAT(out_, HasSubstr("TIER    EVICTED"));
+  EXPECT_THAT(out_, ContainsRegex("bf16 +bf16 +- +- +1 +device +no"));
+
+  ASSERT_EQ(Kvctl({"pressure", "--top=5"}), 0) << err_;
+  EXPECT_THAT(out_, ContainsRegex("mode: +(demote-first|graph-evict|lru)"));
+  EXPECT_THAT(out_, ContainsRegex("snapshot: +[0-9]+ blocks"));
+  EXPECT_THAT(out_, HasSubstr("applied:"));
+  EXPECT_THAT(out_, HasSubstr("POOLS\nWORKER  TIER"));
+  EXPECT_THAT(out_, ContainsRegex("w0 +device +[0-9.]+ [KMG]?i?B"));
+  EXPECT_THAT(out_, ContainsRegex("ops +device +[0-9.]+ [KMG]?i?B +1.00 KiB"));
+  EXPECT_THAT(out_, HasSubstr("above floor by"));
+  EXPECT_THAT(out_, HasSubstr("cheapest first)\n#  LINEAGE"));
+
+  // Bad usage: exit 2.
+  EXPECT_EQ(Kvctl({"pressure", "--top=0"}), 2);
+  EXPECT_THAT(err_, HasSubstr("--top=0"));
+  EXPECT_EQ(Kvctl({"pressure", "extra"}), 2);
+  EXPECT_THAT((*client)->Close(*seq), IsOk());
+}
+
 }  // namespace
 }  // namespace triax::testing

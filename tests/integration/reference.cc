@@ -80,6 +80,11 @@ std::vector<double> ReferenceAttention(const triax::v1::ModelShape& model,
   return out;
 }
 
+AttendTolerance ToleranceFor(const std::string& backend) {
+  if (backend == "cpu") return AttendTolerance{1e-4, 1e-3, 2e-3};
+  return AttendTolerance{3e-2, 3e-2, 1e-2};
+}
+
 double RelativeError(const std::vector<float>& a,
                      const std::vector<double>& b) {
   double num = 0, den = 0;

@@ -35,6 +35,18 @@ std::vector<double> ReferenceAttention(const triax::v1::ModelShape& model,
                                        const std::vector<float>& k,
                                        const std::vector<float>& v);
 
+// Written tolerances of a worker's Attend against the float64 reference over
+// the values its pages decode to, per backend: "cpu" computes in float32
+// (kernels/ref); "cuda" on tensor cores with BF16/FP16 operands and FP32
+// accumulation (kernels_cuda_test's bound: max_abs <= 3e-2). Unknown
+// backends get the CUDA (looser) bounds.
+struct AttendTolerance {
+  double atol;      // for WorstToleranceRatio
+  double rtol;      //   "
+  double relative;  // bound on RelativeError
+};
+AttendTolerance ToleranceFor(const std::string& backend);
+
 // ||a - b||_2 / ||b||_2 (a float32 output against a float64 reference).
 double RelativeError(const std::vector<float>& a, const std::vector<double>& b);
 // max_i |a_i - b_i| / (atol + rtol * |b_i|); <= 1 means within tolerance.

@@ -37,6 +37,9 @@ class SessionTest : public ::testing::Test {
     auto c = Cluster::Start(o);
     ASSERT_THAT(c, IsOk());
     cluster_ = std::move(*c);
+    auto worker = cluster_->GetWorker("w0");
+    ASSERT_THAT(worker, IsOk());
+    tol_ = ToleranceFor(worker->backend());
     ASSERT_THAT(cluster_->CreateTenant("acme"), IsOk());
     auto cl = cluster_->NewClient("acme");
     ASSERT_THAT(cl, IsOk());
@@ -79,6 +82,7 @@ class SessionTest : public ::testing::Test {
 
   triax::v1::ModelShape model_ = SmallModel();
   std::mt19937 rng_{20261122};
+  AttendTolerance tol_ = ToleranceFor("cpu");
   std::unique_ptr<Cluster> cluster_;
   std::unique_ptr<client::Client> client_;
   Written written_;
@@ -139,7 +143,7 @@ TEST_F(SessionTest, Bf16SessionOpenWriteAttendReadExtendForkClose) {
     auto ref =
         ReferenceAttention(model_, q, pos, RoundToBf16(written_.k[layer]),
                            RoundToBf16(written_.v[layer]));
-    EXPECT_LE(WorstToleranceRatio(out, ref, 1e-4, 1e-3), 1.0)
+    EXPECT_LE(WorstToleranceRatio(out, ref, tol_.atol, tol_.rtol), 1.0)
         << "layer " << layer;
     EXPECT_GT(RelativeError(std::vector<float>(out.size(), 0.f), ref), 0.5)
         << "reference is all zero";
@@ -201,7 +205,7 @@ TEST_F(SessionTest, Bf16SessionOpenWriteAttendReadExtendForkClose) {
     ASSERT_THAT(client_->Attend(seq, a), IsOk());
     auto ref = ReferenceAttention(model_, q, dpos, RoundToBf16(written_.k[0]),
                                   RoundToBf16(written_.v[0]));
-    EXPECT_LE(WorstToleranceRatio(out, ref, 1e-4, 1e-3), 1.0);
+    EXPECT_LE(WorstToleranceRatio(out, ref, tol_.atol, tol_.rtol), 1.0);
   }
 
   // Fork everything: blocks are shared, attention is identical.
@@ -235,7 +239,7 @@ TEST_F(SessionTest, Bf16SessionOpenWriteAttendReadExtendForkClose) {
     auto out = Attend(*cut, 0, p, q);
     auto ref = ReferenceAttention(model_, q, p, RoundToBf16(written_.k[0]),
                                   RoundToBf16(written_.v[0]));
-    EXPECT_LE(WorstToleranceRatio(out, ref, 1e-4, 1e-3), 1.0);
+    EXPECT_LE(WorstToleranceRatio(out, ref, tol_.atol, tol_.rtol), 1.0);
   }
 
   // Close all three: usage and inventory go back to zero.
@@ -334,7 +338,7 @@ TEST_P(QuantizedSessionTest, AttentionWithinBudget) {
     auto ref_q = ReferenceAttention(model_, q, pos, qk, qv);
     auto ref_exact = ReferenceAttention(model_, q, pos, exact_k,
                                         RoundToBf16(written_.v[layer]));
-    EXPECT_LE(WorstToleranceRatio(out, ref_q, 1e-4, 1e-3), 1.0)
+    EXPECT_LE(WorstToleranceRatio(out, ref_q, tol_.atol, tol_.rtol), 1.0)
         << "layer " << layer;
     const double err = RelativeError(out, ref_exact);
     std::printf("policy %s layer %u relative error %.4f (budget %.2f)\n",

@@ -1,0 +1,95 @@
+#include "bench/pressure/replay/fp32_kv_store.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "common/status_matchers.h"
+
+namespace triax::bench::replay {
+namespace {
+
+using ::testing::HasSubstr;
+using triax::testing::IsOk;
+using triax::testing::StatusIs;
+
+frontend::ModelConfig Config() {
+  frontend::ModelConfig c;
+  c.dim = 64;  // 4 heads of 16
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.n_layers = 2;
+  c.hidden_dim = 8;
+  c.vocab_size = 8;
+  c.max_seq_len = 256;
+  return c;
+}
+
+// Same writes and queries into LocalKvStore and Fp32KvStore (1 and 3
+// threads): outputs agree to fp32 rounding.
+TEST(Fp32KvStore, MatchesLocalKvStore) {
+  const frontend::ModelConfig c = Config();
+  const int kv_dim = c.kv_dim();
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  frontend::LocalKvStore ref(c);
+  Fp32KvStore one(c, 1), three(c, 3);
+  int64_t pos = 0;
+  for (int n : {5, 1, 17, 40}) {  // chunks, as a prefill writes them
+    for (int layer = 0; layer < c.n_layers; ++layer) {
+      std::vector<float> k(n * kv_dim), v(n * kv_dim), q(n * c.dim);
+      for (auto& x : k) x = nd(rng);
+      for (auto& x : v) x = nd(rng);
+      for (auto& x : q) x = 2.0f * nd(rng);
+      std::vector<int64_t> positions(n);
+      for (int i = 0; i < n; ++i) positions[i] = pos + i;
+      std::vector<float> want(n * c.dim), got1(n * c.dim), got3(n * c.dim);
+      ASSERT_THAT(ref.Write(layer, pos, n, k.data(), v.data()), IsOk());
+      ASSERT_THAT(one.Write(layer, pos, n, k.data(), v.data()), IsOk());
+      ASSERT_THAT(three.Write(layer, pos, n, k.data(), v.data()), IsOk());
+      ASSERT_THAT(ref.Attend(layer, n, positions.data(), q.data(), want.data()),
+                  IsOk());
+      ASSERT_THAT(one.Attend(layer, n, positions.data(), q.data(), got1.data()),
+                  IsOk());
+      ASSERT_THAT(
+          three.Attend(layer, n, positions.data(), q.data(), got3.data()),
+          IsOk());
+      for (size_t j = 0; j < want.size(); ++j) {
+        ASSERT_NEAR(got1[j], want[j], 1e-5f * (1 + std::fabs(want[j]))) << j;
+        ASSERT_EQ(got3[j], got1[j]) << j;  // threads split queries only
+      }
+    }
+    pos += n;
+  }
+  EXPECT_EQ(one.written(1), pos);
+}
+
+TEST(Fp32KvStore, BadInput) {
+  Fp32KvStore s(Config(), 2);
+  std::vector<float> kv(64), q(64), out(64);
+  EXPECT_THAT(
+      s.Write(2, 0, 1, kv.data(), kv.data()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer=2")));
+  EXPECT_THAT(s.Write(0, 0, 0, kv.data(), kv.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("n=0")));
+  EXPECT_THAT(
+      s.Write(0, 3, 1, kv.data(), kv.data()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("first_pos=3")));
+  ASSERT_THAT(s.Write(0, 0, 1, kv.data(), kv.data()), IsOk());
+  EXPECT_THAT(s.Write(0, 0, 1, kv.data(), kv.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("first_pos=0")));  // no rewrites
+  const int64_t p1 = 1;
+  EXPECT_THAT(s.Attend(0, 1, &p1, q.data(), out.data()),
+              StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("position 1")));
+  EXPECT_THAT(
+      s.Attend(-1, 1, &p1, q.data(), out.data()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer=-1")));
+  const int64_t p0 = 0;
+  EXPECT_THAT(s.Attend(0, 1, &p0, q.data(), out.data()), IsOk());
+}
+
+}  // namespace
+}  // namespace triax::bench::replay

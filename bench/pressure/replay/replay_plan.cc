@@ -1,0 +1,215 @@
+#include "bench/pressure/replay/replay_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+namespace triax::bench::replay {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+std::string Mib(uint64_t bytes) {
+  return absl::StrFormat("%.1f MiB", bytes / kMiB);
+}
+
+}  // namespace
+
+const std::vector<std::string>& CalibrationIds() {
+  static const auto* ids = new std::vector<std::string>{
+      "multi_turn_base_1",   "multi_turn_base_25", "multi_turn_base_33",
+      "multi_turn_base_67",  "multi_turn_base_71", "multi_turn_base_102",
+      "multi_turn_base_114", "multi_turn_base_142"};
+  return *ids;
+}
+
+absl::StatusOr<std::vector<std::string>> ParseSessionIds(
+    const std::string& flag, const std::string& csv, int max_sessions) {
+  std::vector<std::string> out;
+  std::set<std::string> seen;
+  const std::set<std::string> calibration(CalibrationIds().begin(),
+                                          CalibrationIds().end());
+  for (absl::string_view part : absl::StrSplit(csv, ',', absl::SkipEmpty())) {
+    const std::string id(absl::StripAsciiWhitespace(part));
+    uint32_t n;
+    constexpr absl::string_view kPrefix = "multi_turn_base_";
+    if (!absl::StartsWith(id, kPrefix) ||
+        !absl::SimpleAtoi(id.substr(kPrefix.size()), &n)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": \"", id, "\" is not multi_turn_base_<n>"));
+    }
+    if (calibration.count(id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": \"", id,
+                       "\" is a calibration conversation of kvproxy-18m "
+                       "(bench/results/calibration.md); pick another"));
+    }
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": \"", id, "\" is listed twice"));
+    }
+    out.push_back(id);
+  }
+  if (out.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": \"", csv, "\" names no conversation"));
+  }
+  if (max_sessions > 0 && out.size() > static_cast<size_t>(max_sessions)) {
+    out.resize(max_sessions);
+  }
+  return out;
+}
+
+uint64_t Bf16PlanBytes(uint64_t tokens, uint32_t block_tokens,
+                       uint64_t bf16_block_bytes, int n_layers) {
+  if (tokens == 0 || block_tokens == 0 || bf16_block_bytes == 0 ||
+      n_layers <= 0) {
+    return 0;
+  }
+  const uint64_t blocks = (tokens + block_tokens - 1) / block_tokens;
+  return blocks * bf16_block_bytes * static_cast<uint64_t>(n_layers);
+}
+
+absl::StatusOr<PoolSize> SizePool(uint64_t total_bytes, double fraction) {
+  if (total_bytes == 0) {
+    return absl::InvalidArgumentError("pool size: total_bytes=0");
+  }
+  if (!(fraction > 0 && fraction <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pool size: fraction=", fraction, " is not in (0, 1]"));
+  }
+  PoolSize p;
+  p.total_bytes = total_bytes;
+  p.fraction = fraction;
+  p.pool_mb = static_cast<int>(std::ceil(total_bytes * fraction / kMiB));
+  if (p.pool_mb < 1) p.pool_mb = 1;
+  return p;
+}
+
+std::string PoolSize::Explain(int sessions, uint64_t tokens) const {
+  const double pool = pool_mb * kMiB;
+  return absl::StrFormat(
+      "%d sessions, %d tokens, BF16 final KV %s x %.3f = %s -> --pool_mb=%d "
+      "(holds %.1f%% of it)",
+      sessions, tokens, Mib(total_bytes), fraction,
+      Mib(static_cast<uint64_t>(total_bytes * fraction)), pool_mb,
+      100.0 * pool / total_bytes);
+}
+
+std::vector<Step> RoundRobin(const std::vector<int>& turns) {
+  std::vector<Step> steps;
+  int max_turns = 0;
+  for (int t : turns) max_turns = std::max(max_turns, t);
+  for (int t = 0; t < max_turns; ++t) {
+    for (size_t s = 0; s < turns.size(); ++s) {
+      if (t < turns[s]) steps.push_back({static_cast<int>(s), t});
+    }
+  }
+  return steps;
+}
+
+void ModeResult::AddScore(int session, int turn, double service_nll,
+                          double reference_nll) {
+  const double d = service_nll - reference_nll;
+  ++scored;
+  dnll_sum += d;
+  if (turn >= 1) {
+    ++scored_late;
+    dnll_late_sum += d;
+  }
+  auto& t = by_turn[{session, turn}];
+  t.first += d;
+  ++t.second;
+}
+
+CommonTurns CommonLaterTurns(const std::vector<ModeResult>& results) {
+  CommonTurns c;
+  c.mean_dnll.assign(results.size(), std::nan(""));
+  if (results.empty()) return c;
+  std::vector<std::pair<int, int>> common;
+  for (const auto& [key, v] : results[0].by_turn) {
+    if (key.second < 1) continue;
+    bool everywhere = true;
+    for (size_t i = 1; i < results.size() && everywhere; ++i) {
+      everywhere = results[i].by_turn.count(key) > 0;
+    }
+    if (everywhere) common.push_back(key);
+  }
+  c.turns = static_cast<int>(common.size());
+  for (size_t i = 0; i < results.size(); ++i) {
+    double sum = 0;
+    int64_t n = 0;
+    for (const auto& key : common) {
+      const auto& v = results[i].by_turn.at(key);
+      sum += v.first;
+      n += v.second;
+    }
+    if (i == 0) c.tokens = n;
+    if (n > 0) c.mean_dnll[i] = sum / n;
+  }
+  return c;
+}
+
+std::string ResultsTable(const std::vector<ModeResult>& results) {
+  std::string md =
+      "| mode | policy | sessions | admitted (after wait) | rejected at "
+      "Open / Extend / resume | other failures | completed | turns | tokens | "
+      "tokens "
+      "scored | mean ΔNLL all turns | mean ΔNLL turns ≥ 2 (scored) | mean "
+      "ΔNLL on the later turns every row replayed | "
+      "demotions | spills | restores | evictions | worker spills / "
+      "restores / evictions / checksum failures | peak device (pool) | wall "
+      "s |\n"
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+      "---:|---:|---:|---:|---:|---:|\n";
+  const CommonTurns common = CommonLaterTurns(results);
+  for (size_t i = 0; i < results.size(); ++i) {
+    const ModeResult& r = results[i];
+    const double cd = common.mean_dnll[i];
+    const std::string common_cell =
+        std::isnan(cd) ? std::string("-")
+                       : absl::StrFormat("%+.4f (%d turns, %d tokens)", cd,
+                                         common.turns, common.tokens);
+    md += absl::StrFormat(
+        "| %s | %s | %d | %d (%d) | %d / %d / %d | %d | %d | %d | %d | %d | "
+        "%+.4f | %+.4f (%d) | %s | %d | %d | %d | %d | %d / %d / %d / %d | "
+        "%s (%s) | %.0f |\n",
+        r.mode, r.policy, r.sessions, r.admitted, r.admitted_after_wait,
+        r.rejected_open, r.rejected_extend, r.rejected_resume, r.failed,
+        r.completed, r.turns, r.tokens, r.scored, r.mean_dnll(),
+        r.mean_dnll_late(), r.scored_late, common_cell, r.demotions, r.spills,
+        r.restores, r.evictions, r.worker_spills, r.worker_restores,
+        r.worker_evictions, r.checksum_failures, Mib(r.peak_device_bytes),
+        Mib(r.pool_bytes), r.seconds);
+  }
+  std::set<std::string> keys;
+  for (const ModeResult& r : results) {
+    for (const auto& [k, v] : r.final_blocks) keys.insert(k);
+  }
+  if (keys.empty()) return md;
+  md += "\nFinal plans of the sessions still open at the end (blocks):\n\n";
+  md += absl::StrCat("| mode | policy | ", absl::StrJoin(keys, " | "),
+                     " |\n|---|---|");
+  for (size_t i = 0; i < keys.size(); ++i) md += "---:|";
+  md += "\n";
+  for (const ModeResult& r : results) {
+    md += absl::StrCat("| ", r.mode, " | ", r.policy, " |");
+    for (const auto& k : keys) {
+      auto it = r.final_blocks.find(k);
+      md +=
+          absl::StrCat(" ", it == r.final_blocks.end() ? 0 : it->second, " |");
+    }
+    md += "\n";
+  }
+  return md;
+}
+
+}  // namespace triax::bench::replay

@@ -1,0 +1,794 @@
+#include "kvmanager/pressure.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <utility>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+#include "absl/strings/str_cat.h"
+
+namespace triax::manager {
+
+absl::StatusOr<PressureMode> ParsePressureMode(absl::string_view name) {
+  if (name == "demote-first") return PressureMode::kDemoteFirst;
+  if (name == "graph-evict") return PressureMode::kGraphEvict;
+  if (name == "lru") return PressureMode::kLru;
+  return absl::InvalidArgumentError(
+      absl::StrCat("pressure mode \"", name,
+                   "\" is not one of demote-first, graph-evict, lru"));
+}
+
+const char* PressureModeName(PressureMode mode) {
+  switch (mode) {
+    case PressureMode::kDemoteFirst:
+      return "demote-first";
+    case PressureMode::kGraphEvict:
+      return "graph-evict";
+    case PressureMode::kLru:
+      return "lru";
+  }
+  return "unknown";
+}
+
+// --- BlockGraph --------------------------------------------------------------
+
+namespace {
+
+bool IsStructural(EdgeKind k) { return k != EdgeKind::kCoAttention; }
+
+// Whether edge (sa, wa, ida) goes before (sb, wb, idb) when one must go.
+bool Weaker(bool sa, double wa, uint64_t ida, bool sb, double wb,
+            uint64_t idb) {
+  if (sa != sb) return !sa;
+  if (wa != wb) return wa < wb;
+  return ida > idb;
+}
+
+double Decay(double value, int64_t since_ms, int64_t now_ms,
+             double half_life_ms) {
+  if (!(half_life_ms > 0) || now_ms <= since_ms) return value;
+  return value *
+         std::exp2(-static_cast<double>(now_ms - since_ms) / half_life_ms);
+}
+
+}  // namespace
+
+BlockGraph::BlockGraph(const Options& options) : options_(options) {}
+
+void BlockGraph::AddBlock(uint64_t lineage_id, int64_t now_ms) {
+  auto [it, inserted] = nodes_.try_emplace(lineage_id);
+  if (inserted) it->second.node.last_access_ms = now_ms;
+}
+
+void BlockGraph::RemoveBlock(uint64_t lineage_id) {
+  auto it = nodes_.find(lineage_id);
+  if (it == nodes_.end()) return;
+  for (const Edge& e : it->second.edges) EraseEdge(e.to, lineage_id);
+  edge_count_ -= it->second.edges.size();
+  nodes_.erase(it);
+}
+
+void BlockGraph::EraseEdge(uint64_t from, uint64_t to) {
+  auto it = nodes_.find(from);
+  if (it == nodes_.end()) return;
+  Entry& e = it->second;
+  for (size_t i = 0; i < e.edges.size(); ++i) {
+    if (e.edges[i].to != to) continue;
+    e.edges[i] = e.edges.back();
+    e.edges.pop_back();
+    break;
+  }
+  double sum = 0;
+  for (const Edge& x : e.edges) sum += x.weight;
+  e.weighted_degree = sum;
+}
+
+bool BlockGraph::Admits(const Entry& e, EdgeKind kind, double weight,
+                        int* victim) const {
+  *victim = -1;
+  if (e.edges.size() < options_.max_degree) return true;
+  if (e.edges.empty()) return false;  // max_degree == 0
+  size_t v = 0;
+  for (size_t i = 1; i < e.edges.size(); ++i) {
+    const Edge& a = e.edges[i];
+    const Edge& b = e.edges[v];
+    if (Weaker(IsStructural(a.kind), a.weight, a.to, IsStructural(b.kind),
+               b.weight, b.to)) {
+      v = i;
+    }
+  }
+  const Edge& ve = e.edges[v];
+  const bool s = IsStructural(kind);
+  const bool vs = IsStructural(ve.kind);
+  const bool stronger = s != vs ? s : static_cast<float>(weight) > ve.weight;
+  if (!stronger) return false;
+  *victim = static_cast<int>(v);
+  return true;
+}
+
+void BlockGraph::Link(uint64_t a, uint64_t b, EdgeKind kind, double weight) {
+  if (a == b || !(weight > 0) || !std::isfinite(weight)) return;
+  auto ia = nodes_.find(a);
+  auto ib = nodes_.find(b);
+  if (ia == nodes_.end() || ib == nodes_.end()) return;
+  Entry& ea = ia->second;
+  Entry& eb = ib->second;
+  auto strengthen = [&](Entry& e, uint64_t to) {
+    double sum = 0;
+    for (Edge& x : e.edges) {
+      if (x.to == to) {
+        x.weight += static_cast<float>(weight);
+        if (x.kind == EdgeKind::kCoAttention) x.kind = kind;
+      }
+      sum += x.weight;
+    }
+    e.weighted_degree = sum;
+  };
+  for (const Edge& x : ea.edges) {
+    if (x.to == b) {
+      strengthen(ea, b);
+      strengthen(eb, a);
+      return;
+    }
+  }
+  int va = -1;
+  int vb = -1;
+  if (!Admits(ea, kind, weight, &va) || !Admits(eb, kind, weight, &vb)) {
+    return;
+  }
+  // No edge a-b exists, so dropping a's victim leaves b's list unchanged
+  // (and vice versa): both indices stay valid.
+  const uint64_t victim_b = vb >= 0 ? eb.edges[vb].to : 0;
+  if (va >= 0) {
+    const uint64_t t = ea.edges[va].to;
+    EraseEdge(a, t);
+    EraseEdge(t, a);
+    --edge_count_;
+  }
+  if (vb >= 0) {
+    EraseEdge(b, victim_b);
+    EraseEdge(victim_b, b);
+    --edge_count_;
+  }
+  ea.edges.push_back(Edge{b, kind, static_cast<float>(weight)});
+  eb.edges.push_back(Edge{a, kind, static_cast<float>(weight)});
+  ea.weighted_degree += ea.edges.back().weight;
+  eb.weighted_degree += eb.edges.back().weight;
+  ++edge_count_;
+}
+
+void BlockGraph::RecordAccess(const std::vector<uint64_t>& lineage_ids,
+                              const std::vector<float>& weights,
+                              int64_t now_ms) {
+  const size_t n = lineage_ids.size();
+  if (n == 0) return;
+  const bool given = weights.size() == n;
+  std::vector<std::pair<uint64_t, double>> items;
+  items.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (!nodes_.contains(lineage_ids[i])) continue;
+    double w = given ? static_cast<double>(weights[i]) : 1.0 / n;
+    if (!(w >= 0) || !std::isfinite(w)) w = 0;
+    items.emplace_back(lineage_ids[i], w);
+  }
+  if (items.empty()) return;
+  std::sort(items.begin(), items.end());
+  size_t m = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (m > 0 && items[m - 1].first == items[i].first) {
+      items[m - 1].second += items[i].second;
+    } else {
+      items[m++] = items[i];
+    }
+  }
+  items.resize(m);
+  for (const auto& [id, w] : items) {
+    Node& node = nodes_.find(id)->second.node;
+    node.mass = Decay(node.mass, node.last_access_ms, now_ms,
+                      options_.mass_half_life_ms) +
+                w;
+    if (node.hits < std::numeric_limits<uint32_t>::max()) ++node.hits;
+    node.last_access_ms = std::max(node.last_access_ms, now_ms);
+  }
+  std::sort(items.begin(), items.end(), [](const auto& x, const auto& y) {
+    if (x.second != y.second) return x.second > y.second;
+    return x.first < y.first;
+  });
+  const double wmax = items[0].second;
+  if (!(wmax > 0)) return;
+  const size_t k = std::min<size_t>(options_.max_degree, m);
+  for (size_t p = 1; p < m; ++p) {
+    const double sp = items[p].second / wmax;
+    if (!(sp > 0)) break;  // sorted: the rest are zero too
+    for (size_t q = 0; q < std::min(p, k); ++q) {
+      Link(items[p].first, items[q].first, EdgeKind::kCoAttention,
+           sp * (items[q].second / wmax));
+    }
+  }
+}
+
+const BlockGraph::Node* BlockGraph::Find(uint64_t lineage_id) const {
+  auto it = nodes_.find(lineage_id);
+  return it == nodes_.end() ? nullptr : &it->second.node;
+}
+
+std::vector<uint64_t> BlockGraph::Neighbours(uint64_t lineage_id) const {
+  auto it = nodes_.find(lineage_id);
+  if (it == nodes_.end()) return {};
+  std::vector<Edge> edges = it->second.edges;
+  std::sort(edges.begin(), edges.end(), [](const Edge& a, const Edge& b) {
+    if (a.weight != b.weight) return a.weight > b.weight;
+    return a.to < b.to;
+  });
+  std::vector<uint64_t> out;
+  out.reserve(edges.size());
+  for (const Edge& e : edges) out.push_back(e.to);
+  return out;
+}
+
+double BlockGraph::Importance(const Node& node, double weighted_degree,
+                              int64_t now_ms) const {
+  return std::log1p(static_cast<double>(node.hits)) +
+         Decay(node.mass, node.last_access_ms, now_ms,
+               options_.mass_half_life_ms) +
+         0.5 * std::log1p(std::max(0.0, weighted_degree));
+}
+
+double BlockGraph::Importance(uint64_t lineage_id, int64_t now_ms) const {
+  auto it = nodes_.find(lineage_id);
+  if (it == nodes_.end()) return 0;
+  return Importance(it->second.node, it->second.weighted_degree, now_ms);
+}
+
+bool BlockGraph::Snapshot(uint64_t lineage_id, int64_t now_ms,
+                          BlockView* view) const {
+  auto it = nodes_.find(lineage_id);
+  if (it == nodes_.end()) return false;
+  const Node& node = it->second.node;
+  view->importance = Importance(node, it->second.weighted_degree, now_ms);
+  view->hits = node.hits;
+  view->last_access_ms = node.last_access_ms;
+  return true;
+}
+
+double BlockGraph::WeightedDegree(uint64_t lineage_id) const {
+  auto it = nodes_.find(lineage_id);
+  return it == nodes_.end() ? 0 : it->second.weighted_degree;
+}
+
+size_t BlockGraph::size() const { return nodes_.size(); }
+size_t BlockGraph::edges() const { return edge_count_; }
+
+// --- Rank --------------------------------------------------------------------
+
+namespace {
+
+constexpr uint32_t kNoOption = std::numeric_limits<uint32_t>::max();
+
+// One block's chosen action, before ordering (48 bytes).
+struct Candidate {
+  uint64_t lineage_id;
+  double cost;  // final cost (kLru: age in ms)
+  uint64_t bytes_freed;
+  uint32_t block;
+  uint32_t sequence;
+  uint32_t option;  // index into the flattened options, or kNoOption
+  uint32_t bucket;  // ((worker * kNumTiers + tier) << 1) | below_floor
+  uint8_t action;
+};
+
+// Asks for transparent huge pages on the 2 MiB-aligned interior of a buffer
+// that is about to be written for the first time: on the 2-core dev VM,
+// first-touch faults of 4 KiB pages cost ~50 ms per 64 MiB, a third of the
+// ranking time at 1M blocks before this (bench/results/pressure.md).
+void AdviseHugePages(const void* p, size_t bytes) {
+#ifdef __linux__
+  constexpr uintptr_t k2M = uintptr_t{2} << 20;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t lo = (begin + k2M - 1) & ~(k2M - 1);
+  const uintptr_t hi = (begin + bytes) & ~(k2M - 1);
+  if (hi > lo) {
+    madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  }
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+template <typename T>
+void ReserveHuge(std::vector<T>* v, size_t n) {
+  if (v->capacity() >= n) return;
+  std::vector<T>().swap(*v);
+  v->reserve(n);
+  AdviseHugePages(v->data(), n * sizeof(T));
+}
+
+// Order-preserving image of float(v) as an unsigned integer.
+inline uint32_t OrderedBits(double v) {
+  const float f = static_cast<float>(v) + 0.0f;  // -0 -> +0
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Stable LSD radix sort of a[0, n) by the high 32 bits (digits of 11, 11
+// and 10 bits); passes whose digit is the same for every item are skipped.
+void RadixSortHigh32(uint64_t* a, uint64_t* tmp, size_t n) {
+  static constexpr int kShift[3] = {32, 43, 54};
+  static constexpr uint32_t kMask[3] = {2047, 2047, 1023};
+  uint32_t hist[3 * 2048] = {};
+  uint32_t* h[3] = {hist, hist + 2048, hist + 4096};
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t x = a[i];
+    ++h[0][(x >> 32) & 2047];
+    ++h[1][(x >> 43) & 2047];
+    ++h[2][(x >> 54) & 1023];
+  }
+  uint64_t* src = a;
+  uint64_t* dst = tmp;
+  for (int p = 0; p < 3; ++p) {
+    const uint32_t buckets = kMask[p] + 1;
+    bool trivial = false;
+    uint32_t sum = 0;
+    for (uint32_t d = 0; d < buckets; ++d) {
+      if (h[p][d] == n) trivial = true;
+      const uint32_t c = h[p][d];
+      h[p][d] = sum;
+      sum += c;
+    }
+    if (trivial) continue;
+    const int shift = kShift[p];
+    const uint64_t mask = kMask[p];
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t x = src[i];
+      dst[h[p][(x >> shift) & mask]++] = x;
+    }
+    std::swap(src, dst);
+  }
+  if (src != a) std::memcpy(a, src, n * sizeof(uint64_t));
+}
+
+absl::Status BadOption(absl::string_view field, double value,
+                       absl::string_view want) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("ranker option ", field, " = ", value, " must be ", want));
+}
+
+bool FiniteNonNegative(double v) { return v >= 0 && std::isfinite(v); }
+
+absl::Status ValidateOptions(const RankerOptions& o) {
+  const int mode = static_cast<int>(o.mode);
+  if (mode < 0 || mode > 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ranker option mode = ", mode, " is unknown"));
+  }
+  if (!FiniteNonNegative(o.spill_host_penalty)) {
+    return BadOption("spill_host_penalty", o.spill_host_penalty,
+                     "finite and >= 0");
+  }
+  if (!FiniteNonNegative(o.spill_disk_penalty)) {
+    return BadOption("spill_disk_penalty", o.spill_disk_penalty,
+                     "finite and >= 0");
+  }
+  if (!(o.reuse_half_life_ms > 0) || !std::isfinite(o.reuse_half_life_ms)) {
+    return BadOption("reuse_half_life_ms", o.reuse_half_life_ms,
+                     "finite and > 0");
+  }
+  if (!FiniteNonNegative(o.evict_factor)) {
+    return BadOption("evict_factor", o.evict_factor, "finite and >= 0");
+  }
+  if (!FiniteNonNegative(o.default_evict_distortion)) {
+    return BadOption("default_evict_distortion", o.default_evict_distortion,
+                     "finite and >= 0");
+  }
+  if (!FiniteNonNegative(o.importance_weight)) {
+    return BadOption("importance_weight", o.importance_weight,
+                     "finite and >= 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OutOfRange(absl::string_view what, size_t i,
+                        absl::string_view field, int64_t value, size_t n,
+                        absl::string_view of) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, "[", i, "].", field, " = ", value,
+                   " is out of range (", n, " ", of, ")"));
+}
+
+absl::Status BadNumber(absl::string_view what, size_t i,
+                       absl::string_view field, double value) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      what, "[", i, "].", field, " = ", value, " must be finite and >= 0"));
+}
+
+// Per-block scoring state derived once per Rank.
+struct Prepared {
+  // Flattened options of every set.
+  std::vector<uint64_t> opt_bytes;
+  std::vector<double> opt_distortion;
+  std::vector<Encoding> opt_encoding;
+  std::vector<uint32_t> set_begin;  // size sets + 1
+  std::vector<double> set_evict;    // resolved eviction distortion
+  // Per worker.
+  std::vector<uint8_t> host_present, disk_present;
+  std::vector<uint64_t> host_room, disk_room;
+  // Per tenant and tier (index tenant * kNumTiers + tier).
+  std::vector<uint8_t> above;
+  std::vector<double> inv_divisor;
+  bool protected_role[kNumRoles] = {};
+};
+
+absl::Status Prepare(const PressureInput& in, const RankerOptions& o,
+                     Prepared* p) {
+  const size_t sets = in.option_sets.size();
+  p->set_begin.assign(sets + 1, 0);
+  p->set_evict.assign(sets, 0);
+  for (size_t s = 0; s < sets; ++s) {
+    const OptionSet& set = in.option_sets[s];
+    if (!FiniteNonNegative(set.evict_distortion)) {
+      return BadNumber("option_sets", s, "evict_distortion",
+                       set.evict_distortion);
+    }
+    if (p->opt_bytes.size() + set.options.size() >= kNoOption) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "option_sets hold more than ", kNoOption - 1, " options"));
+    }
+    p->set_begin[s] = static_cast<uint32_t>(p->opt_bytes.size());
+    double max_d = 0;
+    for (size_t j = 0; j < set.options.size(); ++j) {
+      const DemoteOption& opt = set.options[j];
+      if (!FiniteNonNegative(opt.distortion)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "option_sets[", s, "].options[", j,
+            "].distortion = ", opt.distortion, " must be finite and >= 0"));
+      }
+      max_d = std::max(max_d, opt.distortion);
+      p->opt_bytes.push_back(opt.bytes);
+      p->opt_distortion.push_back(opt.distortion);
+      p->opt_encoding.push_back(opt.encoding);
+    }
+    double ev = set.evict_distortion;
+    if (!(ev > 0)) {
+      ev = max_d > 0 ? o.evict_factor * max_d : o.default_evict_distortion;
+    }
+    p->set_evict[s] = ev;
+  }
+  p->set_begin[sets] = static_cast<uint32_t>(p->opt_bytes.size());
+
+  for (size_t i = 0; i < in.sequences.size(); ++i) {
+    const SequenceView& seq = in.sequences[i];
+    if (seq.tenant >= in.tenants.size()) {
+      return OutOfRange("sequences", i, "tenant", seq.tenant, in.tenants.size(),
+                        "tenants");
+    }
+    if (seq.worker >= in.workers.size()) {
+      return OutOfRange("sequences", i, "worker", seq.worker, in.workers.size(),
+                        "workers");
+    }
+  }
+
+  const size_t nw = in.workers.size();
+  p->host_present.assign(nw, 0);
+  p->disk_present.assign(nw, 0);
+  p->host_room.assign(nw, 0);
+  p->disk_room.assign(nw, 0);
+  const int host = static_cast<int>(Tier::kHost);
+  const int disk = static_cast<int>(Tier::kDisk);
+  for (size_t w = 0; w < nw; ++w) {
+    const WorkerView& wv = in.workers[w];
+    p->host_present[w] = wv.capacity[host] > 0;
+    p->disk_present[w] = wv.capacity[disk] > 0;
+    p->host_room[w] = wv.capacity[host] > wv.used[host]
+                          ? wv.capacity[host] - wv.used[host]
+                          : 0;
+    p->disk_room[w] = wv.capacity[disk] > wv.used[disk]
+                          ? wv.capacity[disk] - wv.used[disk]
+                          : 0;
+  }
+
+  const size_t nt = in.tenants.size();
+  p->above.assign(nt * kNumTiers, 0);
+  p->inv_divisor.assign(nt * kNumTiers, 1.0);
+  for (size_t t = 0; t < nt; ++t) {
+    const TenantView& tv = in.tenants[t];
+    for (int tier = 0; tier < kNumTiers; ++tier) {
+      const uint64_t used = tv.used[tier];
+      const uint64_t floor = tv.floor[tier];
+      if (used <= floor) continue;
+      p->above[t * kNumTiers + tier] = 1;
+      if (floor > 0) {
+        const double overage = static_cast<double>(used - floor);
+        p->inv_divisor[t * kNumTiers + tier] =
+            1.0 / (1.0 + overage / static_cast<double>(floor));
+      }
+    }
+  }
+  for (Role r : o.protected_roles) {
+    const int v = static_cast<int>(r);
+    if (v >= 0 && v < kNumRoles) p->protected_role[v] = true;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+struct RankScratch::Buffers {
+  std::vector<Candidate> cand;
+  std::vector<uint64_t> items;
+  std::vector<uint64_t> tmp;
+};
+
+RankScratch::RankScratch() : buffers_(std::make_unique<Buffers>()) {}
+RankScratch::~RankScratch() = default;
+
+absl::StatusOr<Ranking> Rank(const PressureInput& input,
+                             const RankerOptions& options) {
+  RankScratch scratch;
+  return Rank(input, options, &scratch);
+}
+
+absl::StatusOr<Ranking> Rank(const PressureInput& input,
+                             const RankerOptions& options,
+                             RankScratch* scratch) {
+  const auto start = std::chrono::steady_clock::now();
+  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  const size_t nb = input.blocks.size();
+  if (nb >= std::numeric_limits<uint32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("blocks holds ", nb, " entries; at most ",
+                     std::numeric_limits<uint32_t>::max() - 1));
+  }
+  Prepared p;
+  if (absl::Status s = Prepare(input, options, &p); !s.ok()) return s;
+
+  const PressureMode mode = options.mode;
+  const int64_t now = input.now_ms;
+  const double reuse_scale = 1.0 / options.reuse_half_life_ms;
+  const size_t n_sets = input.option_sets.size();
+  const size_t n_seqs = input.sequences.size();
+
+  // 1. Score: at most one candidate per block.
+  std::vector<Candidate>& cand = scratch->buffers_->cand;
+  cand.clear();
+  ReserveHuge(&cand, nb);
+  for (size_t i = 0; i < nb; ++i) {
+    const BlockView& b = input.blocks[i];
+    if (b.sequence >= n_seqs) {
+      return OutOfRange("blocks", i, "sequence", b.sequence, n_seqs,
+                        "sequences");
+    }
+    if (b.option_set < -1 ||
+        (b.option_set >= 0 && static_cast<size_t>(b.option_set) >= n_sets)) {
+      return OutOfRange("blocks", i, "option_set", b.option_set, n_sets,
+                        "option sets");
+    }
+    const int tier = static_cast<int>(b.tier);
+    if (tier < static_cast<int>(Tier::kDevice) ||
+        tier > static_cast<int>(Tier::kDisk)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("blocks[", i, "].tier = ", tier,
+                       " is not TIER_DEVICE, TIER_HOST or TIER_DISK"));
+    }
+    if (!FiniteNonNegative(b.distortion)) {
+      return BadNumber("blocks", i, "distortion", b.distortion);
+    }
+    if (!FiniteNonNegative(b.importance)) {
+      return BadNumber("blocks", i, "importance", b.importance);
+    }
+    if (b.refcount > 1 || !b.sealed || b.bytes == 0 || b.tier == Tier::kDisk) {
+      continue;
+    }
+    const SequenceView& seq = input.sequences[b.sequence];
+    const int role = static_cast<int>(b.tag.role);
+    const bool protect =
+        role >= 0 && role < kNumRoles && p.protected_role[role];
+    const bool device = b.tier == Tier::kDevice;
+    const double tokens = static_cast<double>(b.tokens);
+    const double bytes = static_cast<double>(b.bytes);
+
+    Candidate c;
+    c.lineage_id = b.lineage_id;
+    c.block = static_cast<uint32_t>(i);
+    c.sequence = b.sequence;
+    c.option = kNoOption;
+    c.bytes_freed = b.bytes;
+
+    if (mode == PressureMode::kLru) {
+      if (protect) continue;
+      const int64_t last = std::max(b.last_access_ms, seq.last_access_ms);
+      c.cost = now > last ? static_cast<double>(now - last) : 0.0;
+      c.action = static_cast<uint8_t>(PressureAction::kEvict);
+    } else {
+      double best = std::numeric_limits<double>::infinity();
+      uint64_t best_freed = 0;
+      uint8_t best_action = 0;
+      uint32_t best_option = kNoOption;
+      auto consider = [&](double raw, uint64_t freed, PressureAction a,
+                          uint32_t opt) {
+        if (raw < best || (raw == best && freed > best_freed)) {
+          best = raw;
+          best_freed = freed;
+          best_action = static_cast<uint8_t>(a);
+          best_option = opt;
+        }
+      };
+      if (mode == PressureMode::kDemoteFirst) {
+        if (device && b.option_set >= 0) {
+          const uint32_t begin = p.set_begin[b.option_set];
+          const uint32_t end = p.set_begin[b.option_set + 1];
+          for (uint32_t k = begin; k < end; ++k) {
+            const uint64_t ob = p.opt_bytes[k];
+            if (ob >= b.bytes) continue;
+            const uint64_t freed = b.bytes - ob;
+            const double d = std::max(0.0, p.opt_distortion[k] - b.distortion);
+            consider(tokens * d / static_cast<double>(freed), freed,
+                     PressureAction::kDemote, k);
+          }
+        }
+        const bool host_ok = device && p.host_present[seq.worker] &&
+                             p.host_room[seq.worker] >= b.bytes;
+        const bool disk_ok =
+            p.disk_present[seq.worker] && p.disk_room[seq.worker] >= b.bytes;
+        if (host_ok || disk_ok) {
+          const int64_t last = std::max(b.last_access_ms, seq.last_access_ms);
+          const double idle =
+              now > last ? static_cast<double>(now - last) : 0.0;
+          const double reuse = std::exp2(-idle * reuse_scale);
+          if (host_ok) {
+            consider(tokens * options.spill_host_penalty * reuse / bytes,
+                     b.bytes, PressureAction::kSpillHost, kNoOption);
+          }
+          if (disk_ok) {
+            consider(tokens * options.spill_disk_penalty * reuse / bytes,
+                     b.bytes, PressureAction::kSpillDisk, kNoOption);
+          }
+        }
+      }
+      if (!protect) {
+        const double ev = b.option_set >= 0 ? p.set_evict[b.option_set]
+                                            : options.default_evict_distortion;
+        consider(tokens * ev / bytes, b.bytes, PressureAction::kEvict,
+                 kNoOption);
+      }
+      if (best_action == 0) continue;  // nothing allowed
+      const double weight = 1.0 + options.importance_weight * b.importance;
+      c.cost = best * weight * p.inv_divisor[seq.tenant * kNumTiers + tier];
+      if (!(c.cost >= 0)) c.cost = std::numeric_limits<double>::infinity();
+      c.bytes_freed = best_freed;
+      c.action = best_action;
+      c.option = best_option;
+    }
+    const bool above = p.above[seq.tenant * kNumTiers + tier] != 0;
+    c.bucket = ((seq.worker * kNumTiers + static_cast<uint32_t>(tier)) << 1) |
+               (above ? 0u : 1u);
+    cand.push_back(c);
+  }
+
+  // 2. Split by bucket (worker, tier, below_floor) with (key, index) items.
+  const size_t nw = input.workers.size();
+  const size_t n_buckets = nw * kNumTiers * 2;
+  std::vector<uint32_t> bucket_begin(n_buckets + 1, 0);
+  for (const Candidate& c : cand) ++bucket_begin[c.bucket + 1];
+  for (size_t k = 0; k < n_buckets; ++k) {
+    bucket_begin[k + 1] += bucket_begin[k];
+  }
+  const size_t nc = cand.size();
+  std::vector<uint64_t>& items = scratch->buffers_->items;
+  ReserveHuge(&items, nc);
+  items.resize(nc);
+  {
+    std::vector<uint32_t> fill(bucket_begin.begin(), bucket_begin.end() - 1);
+    const bool lru = mode == PressureMode::kLru;
+    for (size_t i = 0; i < nc; ++i) {
+      const Candidate& c = cand[i];
+      const uint32_t key = OrderedBits(lru ? -c.cost : c.cost);
+      items[fill[c.bucket]++] = (static_cast<uint64_t>(key) << 32) | i;
+    }
+  }
+
+  // 3. Order each bucket by (key, candidate index).
+  std::vector<uint64_t>& tmp = scratch->buffers_->tmp;
+  for (size_t k = 0; k < n_buckets; ++k) {
+    const size_t lo = bucket_begin[k];
+    const size_t len = bucket_begin[k + 1] - lo;
+    if (len < 2) continue;
+    if (len < 2048) {
+      std::sort(items.begin() + lo, items.begin() + lo + len);
+    } else {
+      if (tmp.size() < len) {
+        ReserveHuge(&tmp, len);
+        tmp.resize(len);
+      }
+      RadixSortHigh32(items.data() + lo, tmp.data(), len);
+    }
+  }
+
+  // 4. Gather into the pools, then order runs of equal float keys exactly.
+  Ranking ranking;
+  ranking.built_ms = now;
+  ranking.blocks = nb;
+  ranking.pools.assign(nw, std::vector<std::vector<RankedAction>>(kNumTiers));
+  const bool lru = mode == PressureMode::kLru;
+  for (size_t w = 0; w < nw; ++w) {
+    for (int t = 0; t < kNumTiers; ++t) {
+      const size_t k0 = ((w * kNumTiers + t) << 1);
+      const size_t lo = bucket_begin[k0];
+      const size_t hi = bucket_begin[k0 + 2];
+      if (lo == hi) continue;
+      std::vector<RankedAction>& pool = ranking.pools[w][t];
+      ReserveHuge(&pool, hi - lo);
+      const size_t split = bucket_begin[k0 + 1];
+      constexpr size_t kAhead = 16;
+      for (size_t j = lo; j < hi; ++j) {
+        if (j + kAhead < hi) {
+          __builtin_prefetch(&cand[static_cast<uint32_t>(items[j + kAhead])]);
+        }
+        const Candidate& c = cand[static_cast<uint32_t>(items[j])];
+        RankedAction& a = pool.emplace_back();
+        a.lineage_id = c.lineage_id;
+        a.block = c.block;
+        a.sequence = c.sequence;
+        a.action = static_cast<PressureAction>(c.action);
+        if (c.option != kNoOption) a.encoding = p.opt_encoding[c.option];
+        a.from = static_cast<Tier>(t);
+        a.bytes_freed = c.bytes_freed;
+        a.cost = c.cost;
+        a.above_floor = j < split;
+      }
+      auto before = [lru](const RankedAction& x, const RankedAction& y) {
+        if (x.cost != y.cost) return lru ? x.cost > y.cost : x.cost < y.cost;
+        return x.lineage_id < y.lineage_id;
+      };
+      size_t i = 0;
+      while (i < pool.size()) {
+        size_t j = i + 1;
+        const float fi = static_cast<float>(pool[i].cost);
+        while (j < pool.size() && pool[j].above_floor == pool[i].above_floor &&
+               static_cast<float>(pool[j].cost) == fi) {
+          ++j;
+        }
+        if (j - i > 1 &&
+            !std::is_sorted(pool.begin() + i, pool.begin() + j, before)) {
+          std::sort(pool.begin() + i, pool.begin() + j, before);
+        }
+        i = j;
+      }
+    }
+  }
+  ranking.ranking_ms = std::chrono::duration<double, std::milli>(
+                           std::chrono::steady_clock::now() - start)
+                           .count();
+  return ranking;
+}
+
+absl::Status ValidateWatermarks(const Watermarks& w) {
+  if (!(w.low > 0) || !(w.low <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("watermark low = ", w.low, " must be in (0, 1]"));
+  }
+  if (!(w.high >= w.low) || !(w.high <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "watermark high = ", w.high, " must be in [low = ", w.low, ", 1]"));
+  }
+  return absl::OkStatus();
+}
+
+uint64_t ReclaimTarget(const Watermarks& w, uint64_t capacity, uint64_t used) {
+  if (capacity == 0) return 0;
+  const double cap = static_cast<double>(capacity);
+  if (static_cast<double>(used) <= w.high * cap) return 0;
+  const double low = std::floor(std::max(0.0, w.low) * cap);
+  const uint64_t low_bytes = low >= cap ? capacity : static_cast<uint64_t>(low);
+  return used > low_bytes ? used - low_bytes : 0;
+}
+
+}  // namespace triax::manager

@@ -1,0 +1,390 @@
+// Memory pressure in the manager (DESIGN.md §3.4-5): the block graph, the
+// ranking of reclaim actions, and reclaim selection. No gRPC, no I/O, no
+// locks of its own beyond what is stated per class.
+//
+// Actions on a block (each frees device-pool bytes, except spills out of
+// the host tier, which free host-tier bytes):
+//   DEMOTE      re-encode into a smaller encoding; quality cost from the
+//               calibration table: tokens * (D_tag(new) - D_tag(current)).
+//   SPILL_HOST  move the pages to the worker's host tier; no quality cost,
+//   SPILL_DISK  but a restore cost if the block is used again:
+//               tokens * spill_{host,disk}_penalty * reuse, where reuse is
+//               the probability the block is attended again soon:
+//               reuse = 2^(-idle / reuse_half_life_ms), idle = now -
+//               max(sequence.last_access_ms, block.last_access_ms) (>= 0);
+//               the graph raises it through the weight below.
+//   EVICT       drop the block: its tokens are no longer attended. Cost
+//               tokens * evict_distortion of its tag (by default
+//               evict_factor x the tag's largest calibrated distortion).
+//               Blocks of protected roles are never evicted.
+// Every cost is multiplied by the block's graph weight
+// (1 + importance_weight * importance) and divided by the bytes the action
+// frees: the ranking key is "quality lost per byte freed". A block's
+// candidate (at most one per block) is its cheapest allowed action.
+//
+// Modes (the pressure benchmark compares them):
+//   kDemoteFirst  all four actions, ranked by cost per byte.
+//   kGraphEvict   EVICT only, ranked by the graph-weighted cost per byte.
+//   kLru          EVICT only, least recently accessed block first.
+//
+// Tenants: a candidate whose tenant uses more than its floor on the
+// candidate's tier ranks before every candidate of a tenant at or below its
+// floor ("tenants above their floor give memory first"); within a class,
+// by cost per byte, the more a tenant is over its floor the cheaper (cost
+// divided by 1 + overage / floor).
+//
+// Which blocks are candidates, and where:
+//   - never: refcount > 1 (shared with a fork), unsealed (in the worker's
+//     BF16 window), bytes == 0, or on TIER_DISK (the last tier);
+//   - TIER_DEVICE blocks -> pools[worker][TIER_DEVICE]: DEMOTE to every
+//     option of its option set with fewer bytes than `bytes` (cost
+//     tokens * max(0, D(new) - D(current)), frees bytes - option.bytes);
+//     SPILL_HOST when the worker's host tier is present (capacity > 0) and
+//     has room for the block now (capacity - used >= bytes); SPILL_DISK
+//     likewise for the disk tier; EVICT unless the role is protected.
+//   - TIER_HOST blocks -> pools[worker][TIER_HOST]: SPILL_DISK (as above)
+//     and EVICT (unless protected).
+//   Room in a spill tier is checked per block against the snapshot; the
+//   caller checks the sum when it applies a batch.
+//
+// Ordering inside a pool (a total order, so the ranking is deterministic):
+//   above_floor first, then the key ascending (kLru: the last access
+//   max(block, sequence) ascending, i.e. `cost` = age descending), then
+//   lineage_id ascending. A block's own action is chosen by the smallest
+//   cost per byte; ties go to the action freeing more bytes, then to
+//   DEMOTE < SPILL_HOST < SPILL_DISK < EVICT, then to the earlier option
+//   of the option set.
+//
+// Cost of Rank (1M blocks in <= 50 ms on one core is the design target,
+// bench/results/pressure.md): one O(N) pass scores every block into a
+// compact candidate array (one candidate per block); a counting pass
+// splits the candidates by (worker, tier, above_floor); each part is
+// ordered by a stable LSD radix sort (3 passes of 11/11/10 bits) of
+// (32-bit order-preserving image of float(key), candidate index) pairs,
+// small parts by std::sort of the same pairs; the RankedActions are then
+// gathered in that order. float(key) is monotone in the double key, so the
+// only misordering left is inside runs of equal float keys: a final pass
+// re-sorts each such run by (double key, lineage_id) unless it is already
+// in order (runs are short unless many keys are exactly equal, e.g. a
+// sequence's blocks in kLru mode; they are already in lineage order when
+// the input lists blocks by lineage). Full order, not a bounded prefix: a
+// reclaim for one tenant's ceiling skips other tenants' candidates and may
+// go deep into the pool. Buffers are reused through RankScratch and new
+// ones get transparent huge pages (first-touch faults dominated before).
+// Measured on the 2-core dev VM (single thread, p50): 1M blocks 88 ms
+// demote-first, 72 ms graph-evict, 64 ms lru; 100k blocks 3-7 ms; the
+// 50 ms target is not met at 1M there (the pass over 1M BlockViews and the
+// 60 MB of RankedActions are memory-bound on that VM).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kvmanager/types.h"
+
+namespace triax::manager {
+
+enum class PressureMode : int { kDemoteFirst = 0, kGraphEvict = 1, kLru = 2 };
+// "demote-first", "graph-evict", "lru"; INVALID_ARGUMENT naming the value.
+absl::StatusOr<PressureMode> ParsePressureMode(absl::string_view name);
+const char* PressureModeName(PressureMode mode);
+
+// Values equal triax.v1.PressureAction.
+enum class PressureAction : int {
+  kUnspecified = 0,
+  kDemote = 1,
+  kSpillHost = 2,
+  kSpillDisk = 3,
+  kEvict = 4,
+};
+
+struct BlockView;
+
+// Edges of the block graph.
+enum class EdgeKind : int {
+  kCoAttention = 0,     // attended together (ReportAccess), weighted
+  kToolCallResult = 1,  // a tool call block -> the tool result that answers it
+  kSpill = 2,           // spilled in the same batch: restored together
+};
+
+// The block graph: nodes are blocks (lineage ids), with hits and a decayed
+// attention mass; explicit edges are co-attention, tool call -> tool result
+// and spill links. Temporal adjacency (block i <-> i+1 of a sequence) and
+// prefix sharing (refcount) are implicit: the ranker sees index and
+// refcount in BlockView. Memory: O(blocks + edges), each block keeps at
+// most max_degree edges (the weakest co-attention edge goes first).
+//
+// Edges: at most one per pair of blocks, undirected, with a weight (sum of
+// the Link / co-attention increments) and a kind (a structural kind,
+// kToolCallResult or kSpill, replaces kCoAttention when linked again; the
+// first structural kind stays). Degree cap: when a block already has
+// max_degree neighbours, the new edge replaces the block's weakest edge if
+// it is stronger, else it is not added (at either end). Strength orders
+// structural edges above co-attention ones, then by weight; among equal
+// strengths the larger neighbour id goes first.
+//
+// Importance (>= 0) of a block at now_ms:
+//   log1p(hits) + mass * 2^(-(now_ms - last_access_ms) / mass_half_life_ms)
+//   + 0.5 * log1p(sum of its edge weights)
+// (idle time clamped at 0).
+//
+// Thread contract: not thread-safe; the manager core calls it under its
+// mutex. Every call is O(degree^2) or O(n log n + n * max_degree * degree)
+// for n lineage_ids in the call.
+class BlockGraph {
+ public:
+  struct Options {
+    uint32_t max_degree = 16;
+    double mass_half_life_ms = 60'000;  // decay of attention mass
+  };
+  BlockGraph() : BlockGraph(Options{}) {}
+  explicit BlockGraph(const Options& options);
+
+  void AddBlock(uint64_t lineage_id, int64_t now_ms);
+  // Removes the node and every edge touching it. No-op when unknown.
+  void RemoveBlock(uint64_t lineage_id);
+  // Adds (or strengthens by `weight`) an undirected edge; no-op when either
+  // end is unknown, a == b, or weight is not a finite positive number.
+  void Link(uint64_t a, uint64_t b, EdgeKind kind, double weight = 1.0);
+  // A hit on every listed block (unknown ids are skipped; a repeated id
+  // counts once, with its weights summed), attention mass (first decayed
+  // to now_ms) += weights[i] (equal shares 1/n when weights is empty or of
+  // another length; negative or non-finite weights count as 0), and
+  // co-attention edges between the listed blocks: with the known blocks
+  // sorted by weight descending (ties: id ascending) and share = weight /
+  // largest weight, each block is linked to the first min(max_degree, n)
+  // blocks before it in that order, the edge strengthened by
+  // share_a * share_b (pairs with a zero share are not linked).
+  // last_access_ms becomes max(last_access_ms, now_ms).
+  void RecordAccess(const std::vector<uint64_t>& lineage_ids,
+                    const std::vector<float>& weights, int64_t now_ms);
+
+  struct Node {
+    uint32_t hits = 0;
+    double mass = 0;             // decayed to last_access_ms
+    int64_t last_access_ms = 0;  // creation time until the first access
+  };
+  // nullptr when unknown.
+  const Node* Find(uint64_t lineage_id) const;
+  // Neighbours of a block (any kind), strongest first.
+  std::vector<uint64_t> Neighbours(uint64_t lineage_id) const;
+  // Importance >= 0 at `now_ms` (formula above); 0 when unknown.
+  double Importance(uint64_t lineage_id, int64_t now_ms) const;
+  // The same from a node and its weighted degree (one map probe for
+  // callers that snapshot many blocks: see Snapshot).
+  double Importance(const Node& node, double weighted_degree,
+                    int64_t now_ms) const;
+  // Fills a BlockView's importance, hits and last_access_ms from the
+  // graph; returns false (and leaves `view` untouched) when unknown.
+  bool Snapshot(uint64_t lineage_id, int64_t now_ms, BlockView* view) const;
+  // Sum of the weights of a block's edges; 0 when unknown.
+  double WeightedDegree(uint64_t lineage_id) const;
+  size_t size() const;
+  size_t edges() const;
+
+ private:
+  struct Edge {
+    uint64_t to;
+    EdgeKind kind;
+    float weight;
+  };
+  struct Entry {
+    Node node;
+    std::vector<Edge> edges;
+    double weighted_degree = 0;  // sum of edges[i].weight
+  };
+  // Whether a new edge of (kind, weight) fits at `e`, and which edge (index
+  // into e.edges, or -1 when there is room) it replaces.
+  bool Admits(const Entry& e, EdgeKind kind, double weight, int* victim) const;
+  void EraseEdge(uint64_t from, uint64_t to);
+  Options options_;
+  absl::flat_hash_map<uint64_t, Entry> nodes_;
+  size_t edge_count_ = 0;
+};
+
+// One demotion target of a tag for a sequence's shape.
+struct DemoteOption {
+  Encoding encoding;
+  uint64_t bytes = 0;     // n_layers * PageBytes(encoding, shape)
+  double distortion = 0;  // calibration D_tag(encoding), per token
+};
+
+// The options of one (calibration table, shape, tag): every calibrated
+// encoding, sorted by bytes descending, and the tag's eviction distortion.
+struct OptionSet {
+  std::vector<DemoteOption> options;
+  double evict_distortion = 0;  // per token
+};
+
+// One block as the ranker sees it. Filled by the manager core.
+struct BlockView {
+  uint64_t lineage_id = 0;
+  uint32_t sequence = 0;  // index into PressureInput::sequences
+  uint32_t index = 0;     // position in its sequence
+  Tag tag;
+  Tier tier = Tier::kDevice;  // where the pages are
+  uint32_t tokens = 0;
+  uint32_t refcount = 1;  // > 1: shared with a fork; never acted on
+  bool sealed = true;     // false: still in the worker's BF16 window
+  Encoding encoding;
+  uint64_t bytes = 0;  // current bytes (n_layers pages)
+  // Index into PressureInput::option_sets, or -1 when the block's sequence
+  // has no calibration table (then DEMOTE is not offered and the eviction
+  // distortion is default_evict_distortion).
+  int32_t option_set = -1;
+  double distortion = 0;  // D_tag(current encoding); 0 when unknown
+  // From BlockGraph at snapshot time.
+  double importance = 0;
+  uint32_t hits = 0;
+  int64_t last_access_ms = 0;
+};
+
+struct SequenceView {
+  std::string sequence_id;
+  uint32_t tenant = 0;         // index into PressureInput::tenants
+  uint32_t worker = 0;         // index into PressureInput::workers
+  int64_t last_access_ms = 0;  // last Attend report / Extend / Open
+};
+
+struct TenantView {
+  std::string tenant_id;
+  // Indexed by Tier value; ceiling 0 means unlimited.
+  uint64_t floor[kNumTiers] = {};
+  uint64_t ceiling[kNumTiers] = {};
+  uint64_t used[kNumTiers] = {};
+};
+
+struct WorkerView {
+  std::string worker_id;
+  // Indexed by Tier value: capacity 0 means the tier is absent (no spills
+  // to it).
+  uint64_t capacity[kNumTiers] = {};
+  uint64_t used[kNumTiers] = {};
+};
+
+struct PressureInput {
+  int64_t now_ms = 0;
+  std::vector<OptionSet> option_sets;
+  std::vector<SequenceView> sequences;
+  std::vector<TenantView> tenants;
+  std::vector<WorkerView> workers;
+  std::vector<BlockView> blocks;
+};
+
+struct RankerOptions {
+  PressureMode mode = PressureMode::kDemoteFirst;
+  // Roles never evicted (demote and spill still allowed).
+  std::vector<Role> protected_roles = {Role::kSystem, Role::kToolSchema};
+  double spill_host_penalty = 1e-3;  // distortion-equivalent per token
+  double spill_disk_penalty = 4e-3;  //   of a restore, times reuse
+  double reuse_half_life_ms = 30'000;
+  double evict_factor = 4.0;  // x the tag's largest calibrated distortion
+  double default_evict_distortion = 1.0;  // tags without a calibration
+  double importance_weight = 1.0;  // weight = 1 + importance_weight * imp
+};
+
+// One ranked candidate.
+struct RankedAction {
+  uint64_t lineage_id = 0;
+  uint32_t block = 0;     // index into PressureInput::blocks
+  uint32_t sequence = 0;  // index into PressureInput::sequences
+  PressureAction action = PressureAction::kUnspecified;
+  Encoding encoding;          // kDemote: the target; otherwise default (unused)
+  Tier from = Tier::kDevice;  // the tier whose bytes it frees
+  uint64_t bytes_freed = 0;
+  // Quality lost per byte freed, after the graph weight and the tenant
+  // overage divisor; kLru: the age now_ms - last access in ms (>= 0).
+  double cost = 0;
+  bool above_floor = false;  // the tenant is above its floor on `from`
+};
+
+// The ranking of one snapshot: per worker and tier, candidates in the order
+// they should be taken. Immutable once built; the hot path reads it through
+// a shared_ptr<const Ranking>.
+struct Ranking {
+  int64_t built_ms = 0;
+  double ranking_ms = 0;  // wall time of Rank
+  size_t blocks = 0;
+  // pools[worker][tier]: tier 1 (device) and 2 (host; spills to disk or
+  // evictions of host blocks).
+  std::vector<std::vector<std::vector<RankedAction>>> pools;
+};
+
+// Ranks every block of `input` (O(blocks) plus a radix sort of each pool's
+// candidates; see the top of the file). pools has one entry per worker,
+// each kNumTiers vectors (TIER_UNSPECIFIED and TIER_DISK stay empty).
+// INVALID_ARGUMENT, naming the field and the value, for: an out-of-range
+// index (blocks[i].sequence, blocks[i].option_set, sequences[i].tenant,
+// sequences[i].worker), blocks[i].tier not DEVICE/HOST/DISK, a negative or
+// non-finite distortion, importance, option distortion or evict
+// distortion, more than 65535 options in a set, more than 2^32 - 1
+// blocks, and bad options (negative or non-finite penalties, factor or
+// weight; reuse_half_life_ms <= 0; an unknown mode).
+absl::StatusOr<Ranking> Rank(const PressureInput& input,
+                             const RankerOptions& options);
+
+// Working memory of Rank (about 64 bytes per block), kept between calls by
+// a ranking thread so that each Rank does not page-fault fresh buffers.
+// Thread contract: one Rank at a time per scratch.
+class RankScratch {
+ public:
+  RankScratch();
+  ~RankScratch();
+  RankScratch(const RankScratch&) = delete;
+  RankScratch& operator=(const RankScratch&) = delete;
+
+ private:
+  friend absl::StatusOr<Ranking> Rank(const PressureInput& input,
+                                      const RankerOptions& options,
+                                      RankScratch* scratch);
+  struct Buffers;
+  std::unique_ptr<Buffers> buffers_;
+};
+// The same, reusing `scratch` (required, non-null).
+absl::StatusOr<Ranking> Rank(const PressureInput& input,
+                             const RankerOptions& options,
+                             RankScratch* scratch);
+
+// Picks, from ranking.pools[worker][tier], the shortest prefix of
+// candidates whose bytes_freed sum to at least `bytes_needed`, skipping
+// candidates for which `skip(action)` is true (e.g. blocks that changed
+// since the snapshot, or of other tenants when reclaiming for a tenant's
+// ceiling). Returns fewer bytes than needed when the pool cannot free
+// enough (the caller reports the shortfall).
+template <typename Skip>
+std::vector<RankedAction> SelectReclaim(const Ranking& ranking, uint32_t worker,
+                                        Tier tier, uint64_t bytes_needed,
+                                        Skip skip) {
+  std::vector<RankedAction> out;
+  if (worker >= ranking.pools.size()) return out;
+  const auto& by_tier = ranking.pools[worker];
+  const int t = static_cast<int>(tier);
+  if (t < 0 || static_cast<size_t>(t) >= by_tier.size()) return out;
+  uint64_t freed = 0;
+  for (const RankedAction& a : by_tier[t]) {
+    if (freed >= bytes_needed) break;
+    if (skip(a)) continue;
+    out.push_back(a);
+    freed += a.bytes_freed;
+  }
+  return out;
+}
+
+// Watermarks of a pool: above high, reclaim down to low.
+struct Watermarks {
+  double high = 0.90;  // fractions of capacity, 0 < low <= high <= 1
+  double low = 0.80;
+};
+// INVALID_ARGUMENT naming the field and value unless 0 < low <= high <= 1.
+absl::Status ValidateWatermarks(const Watermarks& w);
+// Bytes to reclaim in a pool: used - floor(low * capacity) when used >
+// high * capacity, else 0 (also 0 when capacity is 0).
+uint64_t ReclaimTarget(const Watermarks& w, uint64_t capacity, uint64_t used);
+
+}  // namespace triax::manager

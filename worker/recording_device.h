@@ -1,0 +1,123 @@
+// Test helper: a Device that runs everything on a CpuDevice and records the
+// batches DecodeAttentionBatch and DemotePages receive; SetUnhealthy makes
+// Health() (and every later compute call) report UNAVAILABLE the way a
+// poisoned CUDA backend does. Header-only, for worker tests.
+//
+// Thread contract: thread-safe (the record and health have their own mutex).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "worker/device.h"
+
+namespace triax::worker {
+
+class RecordingDevice final : public Device {
+ public:
+  const char* Name() const override { return "cpu"; }
+
+  // Sizes of the DecodeAttentionBatch / DemotePages calls so far.
+  std::vector<size_t> attention_batches() const {
+    absl::MutexLock lock(&mu_);
+    return attention_batches_;
+  }
+  std::vector<size_t> demote_batches() const {
+    absl::MutexLock lock(&mu_);
+    return demote_batches_;
+  }
+  void ClearRecord() {
+    absl::MutexLock lock(&mu_);
+    attention_batches_.clear();
+    demote_batches_.clear();
+  }
+  void SetUnhealthy(std::string why) {
+    absl::MutexLock lock(&mu_);
+    unhealthy_ = std::move(why);
+  }
+
+  absl::Status Health() const override {
+    absl::MutexLock lock(&mu_);
+    if (unhealthy_.empty()) return absl::OkStatus();
+    return absl::UnavailableError(unhealthy_);
+  }
+  absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override {
+    return cpu_.AllocateArena(bytes);
+  }
+  void FreeArena(uint8_t* base, size_t bytes) override {
+    cpu_.FreeArena(base, bytes);
+  }
+  absl::Status EncodePage(const kernels::Encoding& e,
+                          const kernels::PageShape& shape,
+                          const uint16_t* k_bf16, const uint16_t* v_bf16,
+                          int num_tokens, uint8_t* page) override {
+    if (absl::Status s = Health(); !s.ok()) return s;
+    return cpu_.EncodePage(e, shape, k_bf16, v_bf16, num_tokens, page);
+  }
+  absl::Status DecodePage(const kernels::Encoding& e,
+                          const kernels::PageShape& shape, const uint8_t* page,
+                          int num_tokens, float* k_out, float* v_out) override {
+    if (absl::Status s = Health(); !s.ok()) return s;
+    return cpu_.DecodePage(e, shape, page, num_tokens, k_out, v_out);
+  }
+  absl::Status WriteBf16Tokens(const kernels::PageShape& shape,
+                               const uint16_t* k_bf16, const uint16_t* v_bf16,
+                               int first_slot, int num_tokens,
+                               uint8_t* page) override {
+    if (absl::Status s = Health(); !s.ok()) return s;
+    return cpu_.WriteBf16Tokens(shape, k_bf16, v_bf16, first_slot, num_tokens,
+                                page);
+  }
+  absl::Status CopyPage(uint8_t* dst, const uint8_t* src,
+                        size_t bytes) override {
+    if (absl::Status s = Health(); !s.ok()) return s;
+    return cpu_.CopyPage(dst, src, bytes);
+  }
+  absl::Status DecodeAttention(const kernels::DecodeParams& p) override {
+    if (absl::Status s = Health(); !s.ok()) return s;
+    return cpu_.DecodeAttention(p);
+  }
+  absl::Status DecodeAttentionBatch(
+      absl::Span<const kernels::DecodeParams> batch) override {
+    {
+      absl::MutexLock lock(&mu_);
+      attention_batches_.push_back(batch.size());
+    }
+    return Device::DecodeAttentionBatch(batch);
+  }
+  absl::Status DemotePages(const kernels::PageShape& shape,
+                           absl::Span<const DemoteJob> jobs) override {
+    {
+      absl::MutexLock lock(&mu_);
+      demote_batches_.push_back(jobs.size());
+    }
+    return Device::DemotePages(shape, jobs);
+  }
+  absl::Status CopyToHost(void* host_dst, const uint8_t* dev_src,
+                          size_t bytes) override {
+    if (absl::Status s = Health(); !s.ok()) return s;
+    return cpu_.CopyToHost(host_dst, dev_src, bytes);
+  }
+  absl::Status CopyFromHost(uint8_t* dev_dst, const void* host_src,
+                            size_t bytes) override {
+    if (absl::Status s = Health(); !s.ok()) return s;
+    return cpu_.CopyFromHost(dev_dst, host_src, bytes);
+  }
+  absl::StatusOr<uint8_t*> AllocateHostTier(size_t bytes) override {
+    return cpu_.AllocateHostTier(bytes);
+  }
+  void FreeHostTier(uint8_t* base, size_t bytes) override {
+    cpu_.FreeHostTier(base, bytes);
+  }
+
+ private:
+  CpuDevice cpu_;
+  mutable absl::Mutex mu_;
+  std::vector<size_t> attention_batches_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> demote_batches_ ABSL_GUARDED_BY(mu_);
+  std::string unhealthy_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace triax::worker

@@ -1,0 +1,586 @@
+#include "worker/tier_store.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <system_error>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/ids.h"
+#include "common/status_macros.h"
+#include "worker/checksum.h"
+
+namespace triax::worker {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kMagic[8] = {'T', 'R', 'X', 'K', 'V', 'P', 'G', '1'};
+constexpr uint32_t kVersion = 1;
+constexpr char kSuffix[] = ".kvpage";
+constexpr char kTmpSuffix[] = ".kvpage.tmp";
+constexpr size_t kHostAlign = 256;
+
+size_t RoundUp(size_t n) { return (n + kHostAlign - 1) & ~(kHostAlign - 1); }
+
+std::string Errno(int e) { return std::strerror(e); }
+
+absl::Status FsError(int e, absl::string_view what, absl::string_view path) {
+  const std::string msg =
+      absl::StrCat("disk tier: ", what, " ", Quote(path), ": ", Errno(e));
+  if (e == ENOSPC || e == EDQUOT) return absl::ResourceExhaustedError(msg);
+  return absl::InternalError(msg);
+}
+
+void PutU32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+void PutU64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint32_t GetU32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t{p[i]} << (8 * i);
+  return v;
+}
+uint64_t GetU64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= uint64_t{p[i]} << (8 * i);
+  return v;
+}
+
+std::string What(const BlockLabel& label) {
+  return absl::StrCat("sequence_id=", Quote(label.sequence_id), " block ",
+                      label.index, " (lineage_id=", label.lineage_id, ")");
+}
+
+absl::Status WriteAll(int fd, const uint8_t* p, size_t n,
+                      const std::string& path) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return FsError(errno, "write", path);
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+bool IsOurFile(const fs::path& p) {
+  const std::string name = p.filename().string();
+  return absl::EndsWith(name, kSuffix) || absl::EndsWith(name, kTmpSuffix);
+}
+
+// Removes our page files in `dir`; returns how many.
+int RemovePageFiles(const fs::path& dir) {
+  int removed = 0;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    std::error_code fec;
+    if (it->is_regular_file(fec) && IsOurFile(it->path())) {
+      if (fs::remove(it->path(), fec)) ++removed;
+    }
+  }
+  return removed;
+}
+
+}  // namespace
+
+const char* TierName(Tier t) {
+  switch (t) {
+    case Tier::kDevice:
+      return "device";
+    case Tier::kHost:
+      return "host";
+    case Tier::kDisk:
+      return "disk";
+    case Tier::kUnspecified:
+      break;
+  }
+  return "unspecified";
+}
+
+uint64_t SpilledBlock::bytes() const {
+  uint64_t n = 0;
+  for (const SpilledPage& p : pages) n += p.bytes;
+  return n;
+}
+
+TierStore::TierStore(Device* device, TierStoreOptions options)
+    : device_(device), options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Create(
+    Device* device, TierStoreOptions options) {
+  if (!options.owner.empty()) {
+    TRIAX_RETURN_IF_ERROR(ValidateId("tier owner", options.owner));
+  }
+  std::unique_ptr<TierStore> store(new TierStore(device, std::move(options)));
+  if (store->options_.host_capacity_bytes > 0) {
+    const size_t bytes = store->options_.host_capacity_bytes;
+    absl::StatusOr<uint8_t*> base = device->AllocateHostTier(bytes);
+    if (!base.ok()) {
+      return absl::Status(base.status().code(),
+                          absl::StrCat("host tier of ", bytes,
+                                       " bytes: ", base.status().message()));
+    }
+    store->host_base_ = *base;
+    store->host_capacity_ = bytes;
+    absl::MutexLock lock(&store->mu_);
+    store->host_arena_ = std::make_unique<Arena>(bytes);
+    store->host_.capacity_bytes = bytes;
+  }
+  if (!store->options_.disk_dir.empty() &&
+      store->options_.disk_capacity_bytes > 0) {
+    TRIAX_RETURN_IF_ERROR(store->SetUpDisk());
+  }
+  return store;
+}
+
+absl::Status TierStore::SetUpDisk() {
+  const std::string owner = options_.owner.empty()
+                                ? absl::StrCat("pid-", ::getpid())
+                                : options_.owner;
+  const fs::path root(options_.disk_dir);
+  const fs::path dir = root / owner;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) {
+    return absl::InternalError(absl::StrCat(
+        "disk tier: cannot create ", Quote(dir.string()), ": ", ec.message()));
+  }
+  RemovePageFiles(dir);
+  // Leftovers of earlier workers that named their directory by pid and are
+  // gone (a crash skips the cleanup on Release).
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    int pid = 0;
+    if (!absl::StartsWith(name, "pid-") || it->path() == dir ||
+        !absl::SimpleAtoi(absl::string_view(name).substr(4), &pid) ||
+        pid <= 0) {
+      continue;
+    }
+    if (::kill(pid, 0) != 0 && errno == ESRCH) {
+      RemovePageFiles(it->path());
+      std::error_code rec;
+      fs::remove(it->path(), rec);  // only when now empty
+    }
+  }
+  dir_ = dir.string();
+  absl::MutexLock lock(&mu_);
+  disk_.capacity_bytes = options_.disk_capacity_bytes;
+  return absl::OkStatus();
+}
+
+TierStore::~TierStore() {
+  if (host_base_ != nullptr) device_->FreeHostTier(host_base_, host_capacity_);
+  if (!dir_.empty()) {
+    std::error_code ec;
+    fs::remove(dir_, ec);  // succeeds only when every page was released
+  }
+}
+
+bool TierStore::Enabled(Tier tier) const {
+  if (tier == Tier::kHost) return host_base_ != nullptr;
+  if (tier == Tier::kDisk) return !dir_.empty();
+  return false;
+}
+
+absl::Status TierStore::CheckTier(Tier tier) const {
+  if (tier != Tier::kHost && tier != Tier::kDisk) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tier=", static_cast<int>(tier), " (", TierName(tier),
+                     ") is not a spill tier (2 host, 3 disk)"));
+  }
+  if (!Enabled(tier)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the ", TierName(tier), " tier is disabled on this worker (",
+        tier == Tier::kHost ? "--host_tier_mb=0"
+                            : "no --disk_tier_dir or --disk_tier_mb=0",
+        ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TierStore::CheckHostRoom(uint64_t extents, uint64_t block_bytes,
+                                      const BlockLabel& label) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t free_bytes = host_arena_->free_bytes();
+  if (extents <= free_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "host tier: ", What(label), " needs ", block_bytes, " bytes (", extents,
+      " in 256-byte extents); ", free_bytes, " of ", host_capacity_,
+      " bytes are free, ", extents - free_bytes, " bytes over"));
+}
+
+absl::Status TierStore::ReserveHost(size_t extent, size_t* offset,
+                                    const BlockLabel& label) {
+  absl::MutexLock lock(&mu_);
+  if (host_arena_->Take(extent, offset)) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "host tier: ", What(label), " needs an extent of ", extent, " bytes; ",
+      host_arena_->free_bytes(), " of ", host_capacity_,
+      " bytes are free but the largest free run is ",
+      host_arena_->LargestFreeRun(), " bytes (fragmented)"));
+}
+
+absl::Status TierStore::ReserveDisk(uint64_t bytes, const BlockLabel& label) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t free_bytes = disk_.capacity_bytes - disk_.used_bytes;
+  if (bytes > free_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("disk tier: ", What(label), " needs ", bytes, " bytes; ",
+                     free_bytes, " of ", disk_.capacity_bytes,
+                     " bytes are free, ", bytes - free_bytes, " bytes over"));
+  }
+  disk_.used_bytes += bytes;
+  return absl::OkStatus();
+}
+
+std::string TierStore::PagePath(const BlockLabel& label, uint32_t layer) {
+  uint64_t n;
+  {
+    absl::MutexLock lock(&mu_);
+    n = next_file_++;
+  }
+  return (fs::path(dir_) / absl::StrCat(label.sequence_id, ".",
+                                        label.lineage_id, ".L", layer, ".", n,
+                                        kSuffix))
+      .string();
+}
+
+absl::Status TierStore::WriteFile(const std::string& path, const uint8_t* data,
+                                  size_t bytes, uint32_t crc, uint32_t layer,
+                                  uint64_t lineage_id) {
+  uint8_t header[kHeaderBytes];
+  std::memcpy(header, kMagic, 8);
+  PutU32(header + 8, kVersion);
+  PutU32(header + 12, layer);
+  PutU64(header + 16, lineage_id);
+  PutU64(header + 24, bytes);
+  PutU32(header + 32, crc);
+  PutU32(header + 36, Crc32c(header, 36));
+  const std::string tmp =
+      path.substr(0, path.size() - std::strlen(kSuffix)) + kTmpSuffix;
+  const int fd =
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return FsError(errno, "cannot create", tmp);
+  absl::Status s = WriteAll(fd, header, kHeaderBytes, tmp);
+  if (s.ok()) s = WriteAll(fd, data, bytes, tmp);
+  if (s.ok() && options_.fsync && ::fsync(fd) != 0) {
+    s = FsError(errno, "fsync", tmp);
+  }
+  if (::close(fd) != 0 && s.ok()) s = FsError(errno, "close", tmp);
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
+    s = FsError(errno, "cannot rename to final name", tmp);
+  }
+  if (!s.ok()) ::unlink(tmp.c_str());
+  return s;
+}
+
+absl::Status TierStore::ReadFile(const SpilledPage& page, uint32_t layer,
+                                 const BlockLabel& label,
+                                 std::vector<uint8_t>* out) {
+  const std::string where =
+      absl::StrCat(What(label), " layer ", layer, " in the disk tier (file ",
+                   Quote(page.path), ")");
+  const int fd = ::open(page.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int e = errno;
+    if (e == ENOENT) {
+      return absl::DataLossError(
+          absl::StrCat(where, " is missing; the block stays spilled"));
+    }
+    return FsError(e, "cannot open", page.path);
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return FsError(e, "fstat", page.path);
+  }
+  const uint64_t want = kHeaderBytes + page.bytes;
+  if (static_cast<uint64_t>(st.st_size) != want) {
+    ::close(fd);
+    return absl::DataLossError(absl::StrCat(where, " has ", st.st_size,
+                                            " bytes, expected ", want,
+                                            "; the block stays spilled"));
+  }
+  out->resize(want);
+  size_t done = 0;
+  while (done < want) {
+    const ssize_t r = ::read(fd, out->data() + done, want - done);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      const int e = r < 0 ? errno : EIO;
+      ::close(fd);
+      return FsError(e, "read", page.path);
+    }
+    done += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  const uint8_t* h = out->data();
+  if (std::memcmp(h, kMagic, 8) != 0 || GetU32(h + 8) != kVersion ||
+      GetU32(h + 36) != Crc32c(h, 36) || GetU32(h + 12) != layer ||
+      GetU64(h + 16) != label.lineage_id || GetU64(h + 24) != page.bytes ||
+      GetU32(h + 32) != page.crc) {
+    return absl::DataLossError(
+        absl::StrCat(where,
+                     ": the header is damaged or names another page; checksum "
+                     "failure, the block stays spilled and is not served"));
+  }
+  const uint32_t got = Crc32c(h + kHeaderBytes, page.bytes);
+  if (got != page.crc) {
+    return absl::DataLossError(
+        absl::StrCat(where, ": checksum mismatch (CRC32C stored ",
+                     absl::Hex(page.crc, absl::kZeroPad8), ", computed ",
+                     absl::Hex(got, absl::kZeroPad8),
+                     "); the block stays spilled and is not served"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const uint8_t*> TierStore::LoadVerified(
+    const SpilledBlock& block, uint32_t layer, const BlockLabel& label,
+    std::vector<uint8_t>* buf) {
+  const SpilledPage& page = block.pages[layer];
+  if (block.tier == Tier::kHost) {
+    const uint8_t* p = host_base_ + page.host_offset;
+    const uint32_t got = Crc32c(p, page.bytes);
+    if (got != page.crc) {
+      return absl::DataLossError(
+          absl::StrCat(What(label), " layer ", layer,
+                       " in the host tier: checksum mismatch (CRC32C stored ",
+                       absl::Hex(page.crc, absl::kZeroPad8), ", computed ",
+                       absl::Hex(got, absl::kZeroPad8),
+                       "); the block stays spilled and is not served"));
+    }
+    return p;
+  }
+  TRIAX_RETURN_IF_ERROR(ReadFile(page, layer, label, buf));
+  return static_cast<const uint8_t*>(buf->data() + kHeaderBytes);
+}
+
+absl::Status TierStore::Put(Tier to, const uint8_t* host_src, size_t bytes,
+                            uint32_t crc, uint32_t layer,
+                            const BlockLabel& label, SpilledPage* page) {
+  page->bytes = bytes;
+  page->crc = crc;
+  if (to == Tier::kHost) {
+    std::memcpy(host_base_ + page->host_offset, host_src, bytes);
+    return absl::OkStatus();
+  }
+  return WriteFile(page->path, host_src, bytes, crc, layer, label.lineage_id);
+}
+
+void TierStore::FreePage(Tier tier, const SpilledPage& page) {
+  if (tier == Tier::kHost) {
+    absl::MutexLock lock(&mu_);
+    host_arena_->Give(page.host_offset, page.host_extent);
+    host_.used_bytes -= page.bytes;
+    host_.pages -= 1;
+  } else if (tier == Tier::kDisk) {
+    if (!page.path.empty()) ::unlink(page.path.c_str());
+    absl::MutexLock lock(&mu_);
+    disk_.used_bytes -= page.bytes;
+    disk_.pages -= 1;
+  }
+}
+
+absl::StatusOr<SpilledBlock> TierStore::Spill(
+    Tier tier, absl::Span<const uint8_t* const> pages,
+    absl::Span<const size_t> bytes, const BlockLabel& label) {
+  TRIAX_RETURN_IF_ERROR(CheckTier(tier));
+  if (pages.size() != bytes.size() || pages.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("Spill ", What(label), ": ",
+                                                   pages.size(), " pages but ",
+                                                   bytes.size(), " sizes"));
+  }
+  uint64_t total = 0;
+  for (size_t b : bytes) total += b;
+  SpilledBlock block;
+  block.tier = tier;
+  // Reserve the whole block first, so a full tier changes nothing.
+  if (tier == Tier::kDisk) {
+    TRIAX_RETURN_IF_ERROR(ReserveDisk(total, label));
+  } else {
+    uint64_t extents = 0;
+    for (size_t b : bytes) extents += RoundUp(b);
+    TRIAX_RETURN_IF_ERROR(CheckHostRoom(extents, total, label));
+  }
+  auto undo = [&] {
+    for (const SpilledPage& p : block.pages) FreePage(tier, p);
+    block.pages.clear();
+  };
+  for (size_t l = 0; l < pages.size(); ++l) {
+    SpilledPage p;
+    p.bytes = bytes[l];
+    if (tier == Tier::kHost) {
+      p.host_extent = RoundUp(bytes[l]);
+      if (absl::Status s = ReserveHost(p.host_extent, &p.host_offset, label);
+          !s.ok()) {
+        undo();
+        return s;
+      }
+      absl::MutexLock lock(&mu_);
+      host_.used_bytes += p.bytes;
+      host_.pages += 1;
+    } else {
+      p.path = PagePath(label, static_cast<uint32_t>(l));
+      absl::MutexLock lock(&mu_);
+      disk_.pages += 1;  // used_bytes was reserved above
+    }
+    block.pages.push_back(std::move(p));
+  }
+  std::vector<uint8_t> staging;
+  for (size_t l = 0; l < pages.size(); ++l) {
+    SpilledPage& p = block.pages[l];
+    absl::Status s;
+    if (tier == Tier::kHost) {
+      uint8_t* dst = host_base_ + p.host_offset;
+      s = device_->CopyToHost(dst, pages[l], p.bytes);
+      if (s.ok()) p.crc = Crc32c(dst, p.bytes);
+    } else {
+      staging.resize(p.bytes);
+      s = device_->CopyToHost(staging.data(), pages[l], p.bytes);
+      if (s.ok()) {
+        p.crc = Crc32c(staging.data(), p.bytes);
+        s = WriteFile(p.path, staging.data(), p.bytes, p.crc,
+                      static_cast<uint32_t>(l), label.lineage_id);
+      }
+    }
+    if (!s.ok()) {
+      undo();
+      return absl::Status(
+          s.code(),
+          absl::StrCat("Spill ", What(label), " layer ", l, " to the ",
+                       TierName(tier), " tier: ", s.message()));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  (tier == Tier::kHost ? host_ : disk_).blocks += 1;
+  return block;
+}
+
+absl::Status TierStore::Restore(const SpilledBlock& block,
+                                absl::Span<uint8_t* const> dst,
+                                const BlockLabel& label) {
+  if (block.tier != Tier::kHost && block.tier != Tier::kDisk) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Restore ", What(label), ": the block is not in a spill tier"));
+  }
+  if (dst.size() != block.pages.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Restore ", What(label), ": ", dst.size(),
+                     " destination pages for ", block.pages.size()));
+  }
+  std::vector<uint8_t> buf;
+  for (size_t l = 0; l < block.pages.size(); ++l) {
+    TRIAX_ASSIGN_OR_RETURN(
+        const uint8_t* src,
+        LoadVerified(block, static_cast<uint32_t>(l), label, &buf));
+    TRIAX_RETURN_IF_ERROR(
+        device_->CopyFromHost(dst[l], src, block.pages[l].bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SpilledBlock> TierStore::Move(const SpilledBlock& block, Tier to,
+                                             const BlockLabel& label) {
+  TRIAX_RETURN_IF_ERROR(CheckTier(to));
+  if (block.tier != Tier::kHost && block.tier != Tier::kDisk) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Move ", What(label), ": the block is not in a spill tier"));
+  }
+  if (to == block.tier) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Move ", What(label), ": already in the ", TierName(to), " tier"));
+  }
+  const uint64_t total = block.bytes();
+  SpilledBlock moved;
+  moved.tier = to;
+  if (to == Tier::kDisk) {
+    TRIAX_RETURN_IF_ERROR(ReserveDisk(total, label));
+  } else {
+    uint64_t extents = 0;
+    for (const SpilledPage& p : block.pages) extents += RoundUp(p.bytes);
+    TRIAX_RETURN_IF_ERROR(CheckHostRoom(extents, total, label));
+  }
+  auto undo = [&] {
+    for (const SpilledPage& p : moved.pages) FreePage(to, p);
+    moved.pages.clear();
+  };
+  for (size_t l = 0; l < block.pages.size(); ++l) {
+    SpilledPage p;
+    p.bytes = block.pages[l].bytes;
+    if (to == Tier::kHost) {
+      p.host_extent = RoundUp(p.bytes);
+      if (absl::Status s = ReserveHost(p.host_extent, &p.host_offset, label);
+          !s.ok()) {
+        undo();
+        return s;
+      }
+      absl::MutexLock lock(&mu_);
+      host_.used_bytes += p.bytes;
+      host_.pages += 1;
+    } else {
+      p.path = PagePath(label, static_cast<uint32_t>(l));
+      absl::MutexLock lock(&mu_);
+      disk_.pages += 1;
+    }
+    moved.pages.push_back(std::move(p));
+  }
+  std::vector<uint8_t> buf;
+  for (size_t l = 0; l < block.pages.size(); ++l) {
+    absl::StatusOr<const uint8_t*> src =
+        LoadVerified(block, static_cast<uint32_t>(l), label, &buf);
+    absl::Status s = src.status();
+    if (s.ok()) {
+      s = Put(to, *src, block.pages[l].bytes, block.pages[l].crc,
+              static_cast<uint32_t>(l), label, &moved.pages[l]);
+    }
+    if (!s.ok()) {
+      undo();
+      return s;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  (to == Tier::kHost ? host_ : disk_).blocks += 1;
+  return moved;
+}
+
+void TierStore::Release(SpilledBlock* block) {
+  if (block->tier != Tier::kHost && block->tier != Tier::kDisk) return;
+  for (const SpilledPage& p : block->pages) FreePage(block->tier, p);
+  {
+    absl::MutexLock lock(&mu_);
+    (block->tier == Tier::kHost ? host_ : disk_).blocks -= 1;
+  }
+  block->pages.clear();
+  block->tier = Tier::kUnspecified;
+}
+
+TierUsage TierStore::Usage(Tier tier) const {
+  absl::MutexLock lock(&mu_);
+  if (tier == Tier::kHost) return host_;
+  if (tier == Tier::kDisk) return disk_;
+  return TierUsage{};
+}
+
+absl::Span<uint8_t> TierStore::HostPageBytes(const SpilledPage& page) {
+  if (host_base_ == nullptr) return {};
+  return absl::MakeSpan(host_base_ + page.host_offset, page.bytes);
+}
+
+}  // namespace triax::worker
