@@ -33,6 +33,31 @@ struct ManagerCore::Snapshot {
 namespace {
 
 constexpr size_t kMaxReportIds = 4096;
+// Temporal adjacency in the block graph: a block gains this share of the
+// importance of its more important neighbour in the sequence (index +-1),
+// so the blocks around an attended one are kept too.
+constexpr double kAdjacencyShare = 0.5;
+
+// Applies kAdjacencyShare to views[first..] (one sequence's blocks, in
+// index order; neighbours absent from the views do not count).
+void AddTemporalAdjacency(std::vector<BlockView>* views, size_t first) {
+  const size_t n = views->size() - first;
+  if (n < 2) return;
+  std::vector<double> own(n);
+  for (size_t j = 0; j < n; ++j) own[j] = (*views)[first + j].importance;
+  for (size_t j = 0; j < n; ++j) {
+    BlockView& v = (*views)[first + j];
+    double nb = 0;
+    if (j > 0 && (*views)[first + j - 1].index + 1 == v.index) {
+      nb = std::max(nb, own[j - 1]);
+    }
+    if (j + 1 < n && (*views)[first + j + 1].index == v.index + 1) {
+      nb = std::max(nb, own[j + 1]);
+    }
+    v.importance += kAdjacencyShare * nb;
+  }
+}
+
 // Blocks copied per hold of the core mutex by RefreshRanking.
 constexpr size_t kSnapshotChunkBlocks = 4096;
 
@@ -234,6 +259,7 @@ double ManagerCore::RefreshRanking() {
         sv.last_access_ms = s.last_access_ms;
         input.sequences.push_back(sv);
         snap->sequence_ids.push_back(s.id);
+        const size_t first_view = input.blocks.size();
         for (const Block* b : s.blocks) {
           if (b->refcount != 1 || b->evicted || b->busy != 0) continue;
           BlockView v;
@@ -258,6 +284,7 @@ double ManagerCore::RefreshRanking() {
           graph_.Snapshot(b->lineage_id, now, &v);
           input.blocks.push_back(v);
         }
+        AddTemporalAdjacency(&input.blocks, first_view);
       }
       snap->longest_hold_ms =
           std::max(snap->longest_hold_ms,

@@ -515,6 +515,36 @@ TEST_F(PressureTest, ReportedBlocksPrefetchTheirSpilledGraphNeighbours) {
   Finish(*plan);
 }
 
+TEST_F(PressureTest, AttendedBlocksAndTheirTemporalNeighboursRankLater) {
+  ManagerOptions options;
+  options.ranker.mode = PressureMode::kGraphEvict;
+  Make(options, 100);
+  Tenant("t");
+  ASSERT_THAT(Open("t"), IsOk());  // seq-1: blocks 1..9
+  ASSERT_THAT(Open("t"), IsOk());  // seq-2: blocks 10..18, the same layout
+  // seq-1's block 3 (lineage 3) is attended; seq-2 is not.
+  ReportAccessRequest report;
+  report.tenant_id = "t";
+  report.sequence_id = "seq-1";
+  report.lineage_ids = {3};
+  for (int i = 0; i < 5; ++i) ASSERT_THAT(core_->ReportAccess(report), IsOk());
+  core_->RefreshRanking();
+  const PressureState st = core_->GetPressure(1000);
+  auto cost = [&](uint64_t lineage) {
+    for (const RankedActionInfo& a : st.ranked) {
+      if (a.lineage_id == lineage) return a.cost;
+    }
+    ADD_FAILURE() << "lineage " << lineage << " not ranked";
+    return 0.0;
+  };
+  // Same tag, same bytes: only the graph tells them apart.
+  EXPECT_GT(cost(3), cost(12));  // the attended block itself
+  EXPECT_GT(cost(2), cost(11));  // its neighbours, by adjacency
+  EXPECT_GT(cost(4), cost(13));
+  EXPECT_LT(cost(2), cost(3));   // a neighbour keeps half
+  EXPECT_DOUBLE_EQ(cost(5), cost(14));  // two away: no effect
+}
+
 TEST_F(PressureTest, ReportAccessBadInput) {
   Make(ManagerOptions{}, 100);
   Tenant("t");

@@ -116,8 +116,10 @@ enum class EdgeKind : int {
 // The block graph: nodes are blocks (lineage ids), with hits and a decayed
 // attention mass; explicit edges are co-attention, tool call -> tool result
 // and spill links. Temporal adjacency (block i <-> i+1 of a sequence) and
-// prefix sharing (refcount) are implicit: the ranker sees index and
-// refcount in BlockView. Memory: O(blocks + edges), each block keeps at
+// prefix sharing (refcount) are implicit: the manager's snapshot adds half
+// the importance of a block's more important neighbour (index +-1) to its
+// own (manager_pressure.cc AddTemporalAdjacency), and shared blocks
+// (refcount > 1) are never candidates. Memory: O(blocks + edges), each block keeps at
 // most max_degree edges (the weakest co-attention edge goes first).
 //
 // Edges: at most one per pair of blocks, undirected, with a weight (sum of
