@@ -329,7 +329,11 @@ bool ManagerCore::ActionValidLocked(const RankedAction& a, const Block& b,
   }
   if (s.state != SequenceState::kOpen) return false;
   if (a.action == PressureAction::kDemote) {
-    return b.tier == Tier::kDevice && b.bytes > a.bytes_freed;
+    // The block may have been re-encoded since the snapshot (aging, an
+    // earlier plan): only a target smaller than its encoding now is a
+    // demotion. (Busy blocks cannot change until FinishTierPlan.)
+    return b.tier == Tier::kDevice &&
+           PageBytesOf(s.model, s.block_tokens, a.encoding) < b.bytes;
   }
   if (a.action == PressureAction::kSpillHost ||
       a.action == PressureAction::kSpillDisk) {

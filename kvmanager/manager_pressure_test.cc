@@ -153,6 +153,40 @@ TEST_F(PressureTest, AboveHighWatermarkDemotesDownToLowWatermark) {
   EXPECT_EQ(core_->PlanPressure().token, 0u);
 }
 
+TEST_F(PressureTest, BlocksReencodedSinceTheSnapshotAreNotPromoted) {
+  Make(ManagerOptions{}, 37);
+  Tenant("t");
+  for (int i = 0; i < 4; ++i) ASSERT_THAT(Open("t"), IsOk());  // 36 of 37
+  core_->RefreshRanking();  // ranks seq-1's blocks as BF16 -> INT8
+  // Meanwhile two of seq-1's rankable blocks go to FP8, which is smaller
+  // than the snapshot's target INT8 (the pool stays above its high
+  // watermark).
+  DemoteBlocksRequest demote;
+  demote.tenant_id = "t";
+  demote.sequence_id = "seq-1";
+  for (uint64_t l = 1; l <= 2; ++l) {
+    BlockEncoding be;
+    be.lineage_id = l;
+    be.encoding.format = Format::kFP8;
+    demote.blocks.push_back(be);
+  }
+  auto prepared = core_->PrepareDemote(demote);
+  ASSERT_THAT(prepared, IsOk());
+  ASSERT_THAT(core_->CommitDemote(prepared->token), IsOk());
+  const uint64_t before = Used("t", Tier::kDevice);
+  TierPlan plan = core_->PlanPressure();  // the stale snapshot
+  ASSERT_NE(plan.token, 0u);
+  for (const TierCommand& c : plan.commands) {
+    for (const BlockPlan& b : c.blocks) {
+      EXPECT_FALSE(c.sequence_id == "seq-1" && b.lineage_id <= 2)
+          << "lineage " << b.lineage_id << " would be re-encoded upwards";
+    }
+  }
+  Finish(plan);
+  EXPECT_LT(Used("t", Tier::kDevice), before);
+  EXPECT_EQ(Used("t", Tier::kDevice), Reserved());
+}
+
 TEST_F(PressureTest, IdleSequenceIsSpilledActiveOneIsNot) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
   Tenant("t");
@@ -541,7 +575,7 @@ TEST_F(PressureTest, AttendedBlocksAndTheirTemporalNeighboursRankLater) {
   EXPECT_GT(cost(3), cost(12));  // the attended block itself
   EXPECT_GT(cost(2), cost(11));  // its neighbours, by adjacency
   EXPECT_GT(cost(4), cost(13));
-  EXPECT_LT(cost(2), cost(3));   // a neighbour keeps half
+  EXPECT_LT(cost(2), cost(3));          // a neighbour keeps half
   EXPECT_DOUBLE_EQ(cost(5), cost(14));  // two away: no effect
 }
 
