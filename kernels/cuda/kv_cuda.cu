@@ -960,9 +960,11 @@ struct MmaSmem {
   static constexpr int kQ = kSmall ? 0 : kQp + kTileBytes;  // Q, bf16
   static constexpr int kQr = kSmall ? 0 : kQ + kTileBytes;  // Q' = R Q, bf16
   static constexpr int kWarp0 = kSmall ? kTileBytes : kQr + kTileBytes;
-  // Per warp: a byte ring of raw page bytes filled by cp.async (two BF16
-  // tiles of K and V fit, more of the smaller formats), one decoded tile
-  // (TQ keys, then non-BF16 values), and one TileDesc per tile in flight.
+  // Per warp: a byte ring of raw page bytes filled by cp.async, or by
+  // cp.async.bulk in the kSmall configuration (two BF16 tiles of K and V
+  // fit, more of the smaller formats), one decoded tile (TQ keys, then
+  // non-BF16 values), and one TileDesc (with its mbarrier) per tile in
+  // flight.
   static constexpr int kRing =
       kSmall ? 5 * kTileBytes / 2 : 4 * kTileBytes + 512;
   static constexpr int kDec = kRing;
@@ -994,7 +996,10 @@ struct TileDesc {
   int32_t nt;
   uint32_t end;  // ring bytes allocated through this tile (monotonic)
   uint16_t pos[6];
-  uint16_t pad[4];
+  // mbarrier of this slot (MmaAttentionKernel): one phase per staged tile;
+  // tiles without a swizzled BF16 range land by cp.async.bulk and complete
+  // the phase by transaction bytes, the others arrive on it at once.
+  uint64_t bar;
 };
 static_assert(sizeof(TileDesc) == 32, "TileDesc is 32 bytes");
 
@@ -1014,6 +1019,43 @@ __device__ __forceinline__ void CpCommit() {
 template <int N>
 __device__ __forceinline__ void CpWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// mbarrier helpers (shared-memory addresses).
+__device__ __forceinline__ void BarInit(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void BarArrive(uint32_t bar) {
+  asm volatile(
+      "{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(
+          bar)
+      : "memory");
+}
+__device__ __forceinline__ void BarArriveTx(uint32_t bar, uint32_t bytes) {
+  asm volatile(
+      "{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], "
+      "%1;\n}\n" ::"r"(bar),
+      "r"(bytes)
+      : "memory");
+}
+// Waits for the completion of the phase of parity `parity`.
+__device__ __forceinline__ void BarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nKV_BAR_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra KV_BAR_WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// bytes (a multiple of 16, both addresses 16-byte aligned) global ->
+// shared through the TMA unit, completing `bytes` transactions on bar.
+__device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src,
+                                         uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+      "[%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
 }
 // Waits until at most n (< kMaxInFlight) groups are pending.
 __device__ __forceinline__ void CpWaitAtMost(int n) {
@@ -1751,6 +1793,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
   const uint32_t ring_addr = SmemAddr(ring);
   uint8_t* sDec = wbase + Sm::kDec;
   TileDesc* descs = reinterpret_cast<TileDesc*>(wbase + Sm::kDesc);
+  const uint32_t bar0 = SmemAddr(&descs[0].bar);
+  if constexpr (kSmall) {
+    if (lane < kMaxInFlight) BarInit(bar0 + lane * sizeof(TileDesc));
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncwarp();
+  }
 
   const int S = a.splits * kMmaWarps, v = split * kMmaWarps + warp;
   const int part = cls * S + v, parts = kClasses * S;
@@ -1907,10 +1955,24 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
         dd->nt = nt;
         dd->end = head;
       }
-      if (bf_mask == 0) {
-        // No swizzled BF16 range: the tile's 16-byte chunks, all ranges
-        // in a row, round-robin over the lanes. Chunk at ring byte cb of
-        // range i comes from page byte (off_i & ~15) + cb - excl_i.
+      const uint32_t bar = bar0 + static_cast<uint32_t>(issued % kMaxInFlight) *
+                                      sizeof(TileDesc);
+      if (kSmall && bf_mask == 0) {
+        // No swizzled BF16 range: lane i < 6 copies range i whole through
+        // the TMA unit (16-byte aligned chunks of the page, back to back
+        // in the ring); lane 0 expects the tile's bytes on the slot's
+        // mbarrier. The proxy fence orders this warp's earlier generic
+        // reads of the ring bytes before the async-proxy writes.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        if (lane == 0) BarArriveTx(bar, total);
+        if (lane < 6 && r_size != 0) {
+          BulkCopy(ring_addr + pos + excl, pdata + (r_off & ~15u), r_size, bar);
+        }
+      } else if (!kSmall && bf_mask == 0) {
+        // BF16/TQ configuration, no swizzled BF16 range (TQ pages): the
+        // tile's 16-byte chunks, all ranges in a row, round-robin over the
+        // lanes. Chunk at ring byte cb of range i comes from page byte
+        // (off_i & ~15) + cb - excl_i.
         const uint32_t r_delta = (r_off & ~15u) - excl;
         uint32_t e[6], dl[6];
 #pragma unroll
@@ -1925,6 +1987,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
           CpAsync16(ring_addr + pos + cb, pdata + (dsel + cb), 16);
         }
       } else {
+        if (kSmall && lane == 0) BarArrive(bar);
 #pragma unroll
         for (int i = 0; i < 6; ++i) {
           const uint32_t sz = __shfl_sync(0xffffffffu, r_size, i);
@@ -1973,6 +2036,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
     fill();
     if (issued == consumed) break;
     CpWaitAtMost(issued - consumed - 1);
+    if constexpr (kSmall) {
+      BarWait(bar0 + static_cast<uint32_t>(consumed % kMaxInFlight) *
+                         sizeof(TileDesc),
+              static_cast<uint32_t>(consumed / kMaxInFlight) & 1u);
+    }
     __syncwarp();
     const TileDesc d = descs[consumed % kMaxInFlight];
     const DevEnc e = Unpack(d.format);
