@@ -1,11 +1,13 @@
 #include "kvmanager/pressure.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <thread>
 #include <utility>
 
 #ifdef __linux__
@@ -393,6 +395,11 @@ absl::Status ValidateOptions(const RankerOptions& o) {
     return BadOption("importance_weight", o.importance_weight,
                      "finite and >= 0");
   }
+  if (o.threads < 1 || o.threads > kMaxRankThreads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ranker option threads = ", o.threads, " must be in [1, ",
+                     kMaxRankThreads, "]"));
+  }
   return absl::OkStatus();
 }
 
@@ -519,48 +526,32 @@ absl::Status Prepare(const PressureInput& in, const RankerOptions& o,
   return absl::OkStatus();
 }
 
-}  // namespace
-
-struct RankScratch::Buffers {
-  std::vector<Candidate> cand;
-  std::vector<uint64_t> items;
-  std::vector<uint64_t> tmp;
+// Everything a scoring pass reads (shared, read-only, by every part).
+struct ScoreContext {
+  const PressureInput* input;
+  const RankerOptions* options;
+  const Prepared* p;
 };
 
-RankScratch::RankScratch() : buffers_(std::make_unique<Buffers>()) {}
-RankScratch::~RankScratch() = default;
-
-absl::StatusOr<Ranking> Rank(const PressureInput& input,
-                             const RankerOptions& options) {
-  RankScratch scratch;
-  return Rank(input, options, &scratch);
-}
-
-absl::StatusOr<Ranking> Rank(const PressureInput& input,
-                             const RankerOptions& options,
-                             RankScratch* scratch) {
-  const auto start = std::chrono::steady_clock::now();
-  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
-  const size_t nb = input.blocks.size();
-  if (nb >= std::numeric_limits<uint32_t>::max()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("blocks holds ", nb, " entries; at most ",
-                     std::numeric_limits<uint32_t>::max() - 1));
-  }
-  Prepared p;
-  if (absl::Status s = Prepare(input, options, &p); !s.ok()) return s;
-
+// Scores blocks [b0, b1) into out[0, n) (candidate order = block order),
+// with key_bucket[i] = (OrderedBits of out[i]'s sort key << 32) | bucket
+// (the split pass reads these 8 bytes, not the 48-byte candidate), and
+// counts them per bucket into counts[0, n_buckets) (zeroed by the caller).
+// Returns the error of the first bad block of the range.
+absl::Status ScoreRange(const ScoreContext& ctx, size_t b0, size_t b1,
+                        Candidate* out, uint64_t* key_bucket, uint32_t* counts,
+                        size_t* n_out) {
+  const PressureInput& input = *ctx.input;
+  const RankerOptions& options = *ctx.options;
+  const Prepared& p = *ctx.p;
   const PressureMode mode = options.mode;
   const int64_t now = input.now_ms;
   const double reuse_scale = 1.0 / options.reuse_half_life_ms;
   const size_t n_sets = input.option_sets.size();
   const size_t n_seqs = input.sequences.size();
-
-  // 1. Score: at most one candidate per block.
-  std::vector<Candidate>& cand = scratch->buffers_->cand;
-  cand.clear();
-  ReserveHuge(&cand, nb);
-  for (size_t i = 0; i < nb; ++i) {
+  size_t n = 0;
+  *n_out = 0;
+  for (size_t i = b0; i < b1; ++i) {
     const BlockView& b = input.blocks[i];
     if (b.sequence >= n_seqs) {
       return OutOfRange("blocks", i, "sequence", b.sequence, n_seqs,
@@ -670,100 +661,236 @@ absl::StatusOr<Ranking> Rank(const PressureInput& input,
     const bool above = p.above[seq.tenant * kNumTiers + tier] != 0;
     c.bucket = ((seq.worker * kNumTiers + static_cast<uint32_t>(tier)) << 1) |
                (above ? 0u : 1u);
-    cand.push_back(c);
+    ++counts[c.bucket];
+    key_bucket[n] = (static_cast<uint64_t>(OrderedBits(
+                         mode == PressureMode::kLru ? -c.cost : c.cost))
+                     << 32) |
+                    c.bucket;
+    out[n++] = c;
   }
+  *n_out = n;
+  return absl::OkStatus();
+}
 
-  // 2. Split by bucket (worker, tier, below_floor) with (key, index) items.
+// Runs fn(0) .. fn(parts - 1), fn(0) on the calling thread and the others
+// on threads started for the call; returns when all are done.
+template <typename Fn>
+void RunParts(size_t parts, const Fn& fn) {
+  if (parts <= 1) {
+    fn(0);
+    return;
+  }
+  std::vector<std::thread> helpers;
+  helpers.reserve(parts - 1);
+  for (size_t r = 1; r < parts; ++r) helpers.emplace_back([&fn, r] { fn(r); });
+  fn(0);
+  for (std::thread& t : helpers) t.join();
+}
+
+// Orders the items of one bucket by (key, candidate index).
+void SortBucket(uint64_t* items, size_t len, std::vector<uint64_t>* tmp) {
+  if (len < 2) return;
+  if (len < 2048) {
+    std::sort(items, items + len);
+    return;
+  }
+  if (tmp->size() < len) {
+    ReserveHuge(tmp, len);
+    tmp->resize(len);
+  }
+  RadixSortHigh32(items, tmp->data(), len);
+}
+
+}  // namespace
+
+// Candidates live in a raw array (no value-initialization of the whole
+// buffer per Rank); part r of a parallel scoring pass writes from
+// cand[r's first block], so the candidate indices used as the sort's
+// tie-break are increasing in block order, with gaps.
+struct RankScratch::Buffers {
+  std::unique_ptr<Candidate[]> cand;
+  std::unique_ptr<uint64_t[]> key_bucket;  // per candidate slot
+  size_t cand_capacity = 0;
+  std::vector<uint64_t> items;
+  std::vector<std::vector<uint64_t>> tmp;  // one per thread
+
+  Candidate* Candidates(size_t n) {
+    if (cand_capacity < n) {
+      cand.reset();
+      key_bucket.reset();
+      cand.reset(new Candidate[n]);
+      key_bucket.reset(new uint64_t[n]);
+      cand_capacity = n;
+      AdviseHugePages(cand.get(), n * sizeof(Candidate));
+      AdviseHugePages(key_bucket.get(), n * sizeof(uint64_t));
+    }
+    return cand.get();
+  }
+};
+
+RankScratch::RankScratch() : buffers_(std::make_unique<Buffers>()) {}
+RankScratch::~RankScratch() = default;
+
+absl::StatusOr<Ranking> Rank(const PressureInput& input,
+                             const RankerOptions& options) {
+  RankScratch scratch;
+  return Rank(input, options, &scratch);
+}
+
+absl::StatusOr<Ranking> Rank(const PressureInput& input,
+                             const RankerOptions& options,
+                             RankScratch* scratch) {
+  const auto start = std::chrono::steady_clock::now();
+  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  const size_t nb = input.blocks.size();
+  if (nb >= std::numeric_limits<uint32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("blocks holds ", nb, " entries; at most ",
+                     std::numeric_limits<uint32_t>::max() - 1));
+  }
+  Prepared p;
+  if (absl::Status s = Prepare(input, options, &p); !s.ok()) return s;
+  RankScratch::Buffers& buf = *scratch->buffers_;
+
+  const PressureMode mode = options.mode;
+  const bool lru = mode == PressureMode::kLru;
   const size_t nw = input.workers.size();
   const size_t n_buckets = nw * kNumTiers * 2;
-  std::vector<uint32_t> bucket_begin(n_buckets + 1, 0);
-  for (const Candidate& c : cand) ++bucket_begin[c.bucket + 1];
-  for (size_t k = 0; k < n_buckets; ++k) {
-    bucket_begin[k + 1] += bucket_begin[k];
+
+  // Threads: at most options.threads, and one per parallel_min_blocks.
+  size_t threads = static_cast<size_t>(options.threads);
+  if (options.parallel_min_blocks > 0) {
+    threads = std::min(threads,
+                       std::max<size_t>(1, nb / options.parallel_min_blocks));
   }
-  const size_t nc = cand.size();
-  std::vector<uint64_t>& items = scratch->buffers_->items;
+  threads = std::max<size_t>(1, std::min(threads, std::max<size_t>(1, nb)));
+  if (buf.tmp.size() < threads) buf.tmp.resize(threads);
+
+  // 1. Score: at most one candidate per block, parts of equal block ranges
+  // in parallel; each part counts its candidates per bucket.
+  Candidate* cand = buf.Candidates(std::max<size_t>(1, nb));
+  uint64_t* key_bucket = buf.key_bucket.get();
+  std::vector<size_t> part_begin(threads + 1);
+  for (size_t r = 0; r <= threads; ++r) part_begin[r] = nb * r / threads;
+  std::vector<size_t> part_n(threads, 0);
+  std::vector<uint32_t> counts(threads * n_buckets, 0);
+  std::vector<absl::Status> part_status(threads);
+  const ScoreContext ctx{&input, &options, &p};
+  RunParts(threads, [&](size_t r) {
+    part_status[r] = ScoreRange(
+        ctx, part_begin[r], part_begin[r + 1], cand + part_begin[r],
+        key_bucket + part_begin[r], counts.data() + r * n_buckets, &part_n[r]);
+  });
+  // The first bad block overall is the first in the earliest failing part.
+  for (const absl::Status& s : part_status) {
+    if (!s.ok()) return s;
+  }
+
+  // 2. Split by bucket (worker, tier, below_floor) with (key, index) items;
+  // part r's items of a bucket follow those of parts < r (block order).
+  std::vector<uint32_t> bucket_begin(n_buckets + 1, 0);
+  std::vector<uint32_t> fill(threads * n_buckets);
+  for (size_t k = 0; k < n_buckets; ++k) {
+    uint32_t at = bucket_begin[k];
+    for (size_t r = 0; r < threads; ++r) {
+      fill[r * n_buckets + k] = at;
+      at += counts[r * n_buckets + k];
+    }
+    bucket_begin[k + 1] = at;
+  }
+  const size_t nc = bucket_begin[n_buckets];
+  std::vector<uint64_t>& items = buf.items;
   ReserveHuge(&items, nc);
   items.resize(nc);
-  {
-    std::vector<uint32_t> fill(bucket_begin.begin(), bucket_begin.end() - 1);
-    const bool lru = mode == PressureMode::kLru;
-    for (size_t i = 0; i < nc; ++i) {
-      const Candidate& c = cand[i];
-      const uint32_t key = OrderedBits(lru ? -c.cost : c.cost);
-      items[fill[c.bucket]++] = (static_cast<uint64_t>(key) << 32) | i;
+  RunParts(threads, [&](size_t r) {
+    uint32_t* f = fill.data() + r * n_buckets;
+    const uint64_t* kb = key_bucket + part_begin[r];
+    const uint64_t base = part_begin[r];
+    for (size_t i = 0; i < part_n[r]; ++i) {
+      const uint64_t x = kb[i];
+      items[f[static_cast<uint32_t>(x)]++] =
+          (x & 0xFFFFFFFF00000000ull) | (base + i);
     }
-  }
+  });
 
-  // 3. Order each bucket by (key, candidate index).
-  std::vector<uint64_t>& tmp = scratch->buffers_->tmp;
-  for (size_t k = 0; k < n_buckets; ++k) {
-    const size_t lo = bucket_begin[k];
-    const size_t len = bucket_begin[k + 1] - lo;
-    if (len < 2) continue;
-    if (len < 2048) {
-      std::sort(items.begin() + lo, items.begin() + lo + len);
-    } else {
-      if (tmp.size() < len) {
-        ReserveHuge(&tmp, len);
-        tmp.resize(len);
-      }
-      RadixSortHigh32(items.data() + lo, tmp.data(), len);
-    }
-  }
-
-  // 4. Gather into the pools, then order runs of equal float keys exactly.
+  // 3-4. Per pool (worker, tier): order each of its two buckets by (key,
+  // candidate index), gather the RankedActions in that order and order each
+  // run of equal float keys exactly by (double key, lineage_id). Pools are
+  // independent: threads take them largest first from a shared counter.
   Ranking ranking;
-  ranking.built_ms = now;
+  ranking.built_ms = input.now_ms;
   ranking.blocks = nb;
   ranking.pools.assign(nw, std::vector<std::vector<RankedAction>>(kNumTiers));
-  const bool lru = mode == PressureMode::kLru;
-  for (size_t w = 0; w < nw; ++w) {
-    for (int t = 0; t < kNumTiers; ++t) {
-      const size_t k0 = ((w * kNumTiers + t) << 1);
-      const size_t lo = bucket_begin[k0];
-      const size_t hi = bucket_begin[k0 + 2];
-      if (lo == hi) continue;
-      std::vector<RankedAction>& pool = ranking.pools[w][t];
-      ReserveHuge(&pool, hi - lo);
-      const size_t split = bucket_begin[k0 + 1];
-      constexpr size_t kAhead = 16;
-      for (size_t j = lo; j < hi; ++j) {
-        if (j + kAhead < hi) {
-          __builtin_prefetch(&cand[static_cast<uint32_t>(items[j + kAhead])]);
-        }
-        const Candidate& c = cand[static_cast<uint32_t>(items[j])];
-        RankedAction& a = pool.emplace_back();
-        a.lineage_id = c.lineage_id;
-        a.block = c.block;
-        a.sequence = c.sequence;
-        a.action = static_cast<PressureAction>(c.action);
-        if (c.option != kNoOption) a.encoding = p.opt_encoding[c.option];
-        a.from = static_cast<Tier>(t);
-        a.bytes_freed = c.bytes_freed;
-        a.cost = c.cost;
-        a.above_floor = j < split;
-      }
-      auto before = [lru](const RankedAction& x, const RankedAction& y) {
-        if (x.cost != y.cost) return lru ? x.cost > y.cost : x.cost < y.cost;
-        return x.lineage_id < y.lineage_id;
-      };
-      size_t i = 0;
-      while (i < pool.size()) {
-        size_t j = i + 1;
-        const float fi = static_cast<float>(pool[i].cost);
-        while (j < pool.size() && pool[j].above_floor == pool[i].above_floor &&
-               static_cast<float>(pool[j].cost) == fi) {
-          ++j;
-        }
-        if (j - i > 1 &&
-            !std::is_sorted(pool.begin() + i, pool.begin() + j, before)) {
-          std::sort(pool.begin() + i, pool.begin() + j, before);
-        }
-        i = j;
-      }
+  std::vector<uint32_t> order;  // pool index w * kNumTiers + t
+  for (size_t q = 0; q < nw * kNumTiers; ++q) {
+    if (bucket_begin[2 * q] != bucket_begin[2 * q + 2]) {
+      order.push_back(static_cast<uint32_t>(q));
     }
   }
+  auto pool_len = [&](uint32_t q) {
+    return bucket_begin[2 * q + 2] - bucket_begin[2 * q];
+  };
+  std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    return pool_len(a) > pool_len(b);
+  });
+  auto before = [lru](const RankedAction& x, const RankedAction& y) {
+    if (x.cost != y.cost) return lru ? x.cost > y.cost : x.cost < y.cost;
+    return x.lineage_id < y.lineage_id;
+  };
+  std::atomic<size_t> next{0};
+  const size_t pool_threads = std::min(threads, order.size());
+  RunParts(pool_threads, [&](size_t r) {
+    std::vector<uint64_t>* tmp = &buf.tmp[r];
+    for (size_t o = next.fetch_add(1, std::memory_order_relaxed);
+         o < order.size(); o = next.fetch_add(1, std::memory_order_relaxed)) {
+      const uint32_t q = order[o];
+      const size_t w = q / kNumTiers;
+      const int t = static_cast<int>(q % kNumTiers);
+      const size_t lo = bucket_begin[2 * q];
+      const size_t split = bucket_begin[2 * q + 1];
+      const size_t hi = bucket_begin[2 * q + 2];
+      SortBucket(items.data() + lo, split - lo, tmp);
+      SortBucket(items.data() + split, hi - split, tmp);
+      std::vector<RankedAction>& pool = ranking.pools[w][t];
+      ReserveHuge(&pool, hi - lo);
+      // A run [run, j) of equal float keys (equal high 32 bits of items)
+      // inside one bucket is re-sorted by the exact order when needed,
+      // while its RankedActions are still in cache.
+      auto close_run = [&](size_t run, size_t j) {
+        if (j - run < 2) return;
+        auto b = pool.begin() + (run - lo);
+        auto e = pool.begin() + (j - lo);
+        if (!std::is_sorted(b, e, before)) std::sort(b, e, before);
+      };
+      constexpr size_t kAhead = 16;
+      for (const auto& [b_lo, b_hi] :
+           {std::pair<size_t, size_t>{lo, split}, {split, hi}}) {
+        size_t run = b_lo;
+        for (size_t j = b_lo; j < b_hi; ++j) {
+          if (j + kAhead < hi) {
+            __builtin_prefetch(&cand[static_cast<uint32_t>(items[j + kAhead])]);
+          }
+          const Candidate& c = cand[static_cast<uint32_t>(items[j])];
+          if ((items[j] >> 32) != (items[run] >> 32)) {
+            close_run(run, j);
+            run = j;
+          }
+          RankedAction a;
+          a.lineage_id = c.lineage_id;
+          a.bytes_freed = c.bytes_freed;
+          a.cost = c.cost;
+          a.block = c.block;
+          a.sequence = c.sequence;
+          a.from = static_cast<Tier>(t);
+          if (c.option != kNoOption) a.encoding = p.opt_encoding[c.option];
+          a.action = static_cast<PressureAction>(c.action);
+          a.above_floor = j < split;
+          pool.push_back(a);
+        }
+        close_run(run, b_hi);
+      }
+    }
+  });
   ranking.ranking_ms = std::chrono::duration<double, std::milli>(
                            std::chrono::steady_clock::now() - start)
                            .count();

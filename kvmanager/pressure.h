@@ -55,26 +55,32 @@
 //   DEMOTE < SPILL_HOST < SPILL_DISK < EVICT, then to the earlier option
 //   of the option set.
 //
-// Cost of Rank (1M blocks in <= 50 ms on one core is the design target,
+// Cost of Rank (1M blocks in <= 50 ms is the design target,
 // bench/results/pressure.md): one O(N) pass scores every block into a
-// compact candidate array (one candidate per block); a counting pass
-// splits the candidates by (worker, tier, above_floor); each part is
-// ordered by a stable LSD radix sort (3 passes of 11/11/10 bits) of
-// (32-bit order-preserving image of float(key), candidate index) pairs,
-// small parts by std::sort of the same pairs; the RankedActions are then
-// gathered in that order. float(key) is monotone in the double key, so the
-// only misordering left is inside runs of equal float keys: a final pass
-// re-sorts each such run by (double key, lineage_id) unless it is already
-// in order (runs are short unless many keys are exactly equal, e.g. a
-// sequence's blocks in kLru mode; they are already in lineage order when
-// the input lists blocks by lineage). Full order, not a bounded prefix: a
-// reclaim for one tenant's ceiling skips other tenants' candidates and may
-// go deep into the pool. Buffers are reused through RankScratch and new
-// ones get transparent huge pages (first-touch faults dominated before).
-// Measured on the 2-core dev VM (single thread, p50): 1M blocks 88 ms
-// demote-first, 72 ms graph-evict, 64 ms lru; 100k blocks 3-7 ms; the
-// 50 ms target is not met at 1M there (the pass over 1M BlockViews and the
-// 60 MB of RankedActions are memory-bound on that VM).
+// compact candidate array (one candidate per block) and an 8-byte
+// (float key, bucket) array; a counting pass splits the candidates by
+// (worker, tier, above_floor); each part is ordered by a stable LSD radix
+// sort (3 passes of 11/11/10 bits) of (32-bit order-preserving image of
+// float(key), candidate index) pairs, small parts by std::sort of the same
+// pairs; the RankedActions are then gathered in that order. float(key) is
+// monotone in the double key, so the only misordering left is inside runs
+// of equal float keys: each such run is re-sorted by (double key,
+// lineage_id) as it is gathered, unless it is already in order (runs are
+// short unless many keys are exactly equal, e.g. a sequence's blocks in
+// kLru mode; they are already in lineage order when the input lists blocks
+// by lineage). Full order, not a bounded prefix: a reclaim for one
+// tenant's ceiling skips other tenants' candidates and may go deep into
+// the pool. Buffers are reused through RankScratch and new ones get
+// transparent huge pages (first-touch faults dominated before).
+// Threads (RankerOptions::threads): the scoring and split passes run over
+// equal block ranges, one per thread (candidate indices stay increasing in
+// block order, so the sort's tie-break is unchanged); sort, gather and the
+// equal-key runs run per pool, pools handed out largest first. Every pool
+// is built by one thread from the same items, so the ranking does not
+// depend on the thread count.
+// Measured on the 2-core dev VM (p50, 1M blocks): one thread 73 ms
+// demote-first, 60 ms graph-evict, 45 ms lru; two threads 35-37, 28-29 and
+// 20 ms; 100k blocks 3-6 ms (one thread: below 2 x parallel_min_blocks).
 #pragma once
 
 #include <cstdint>
@@ -119,8 +125,8 @@ enum class EdgeKind : int {
 // prefix sharing (refcount) are implicit: the manager's snapshot adds half
 // the importance of a block's more important neighbour (index +-1) to its
 // own (manager_pressure.cc AddTemporalAdjacency), and shared blocks
-// (refcount > 1) are never candidates. Memory: O(blocks + edges), each block keeps at
-// most max_degree edges (the weakest co-attention edge goes first).
+// (refcount > 1) are never candidates. Memory: O(blocks + edges), each block
+// keeps at most max_degree edges (the weakest co-attention edge goes first).
 //
 // Edges: at most one per pair of blocks, undirected, with a weight (sum of
 // the Link / co-attention increments) and a kind (a structural kind,
@@ -289,20 +295,29 @@ struct RankerOptions {
   double evict_factor = 4.0;  // x the tag's largest calibrated distortion
   double default_evict_distortion = 1.0;  // tags without a calibration
   double importance_weight = 1.0;  // weight = 1 + importance_weight * imp
+  // Threads of one Rank (the caller plus threads - 1 started for the call),
+  // 1..kMaxRankThreads; 1 is the single-threaded path. The ranking is the
+  // same for every value (bit-identical pools, order and costs). Rank uses
+  // at most one thread per parallel_min_blocks blocks (0: no such limit),
+  // since starting a thread (~50 us) outweighs the work on small snapshots.
+  int threads = 2;
+  size_t parallel_min_blocks = 65536;
 };
+inline constexpr int kMaxRankThreads = 64;
 
-// One ranked candidate.
+// One ranked candidate. Fields ordered widest first (56 bytes, not 64:
+// the gather writes one per candidate).
 struct RankedAction {
   uint64_t lineage_id = 0;
-  uint32_t block = 0;     // index into PressureInput::blocks
-  uint32_t sequence = 0;  // index into PressureInput::sequences
-  PressureAction action = PressureAction::kUnspecified;
-  Encoding encoding;          // kDemote: the target; otherwise default (unused)
-  Tier from = Tier::kDevice;  // the tier whose bytes it frees
   uint64_t bytes_freed = 0;
   // Quality lost per byte freed, after the graph weight and the tenant
   // overage divisor; kLru: the age now_ms - last access in ms (>= 0).
   double cost = 0;
+  uint32_t block = 0;         // index into PressureInput::blocks
+  uint32_t sequence = 0;      // index into PressureInput::sequences
+  Tier from = Tier::kDevice;  // the tier whose bytes it frees
+  Encoding encoding;          // kDemote: the target; otherwise default (unused)
+  PressureAction action = PressureAction::kUnspecified;
   bool above_floor = false;  // the tenant is above its floor on `from`
 };
 
@@ -333,7 +348,10 @@ absl::StatusOr<Ranking> Rank(const PressureInput& input,
 
 // Working memory of Rank (about 64 bytes per block), kept between calls by
 // a ranking thread so that each Rank does not page-fault fresh buffers.
-// Thread contract: one Rank at a time per scratch.
+// Thread contract: one Rank at a time per scratch. Rank itself starts up to
+// threads - 1 std::threads per parallel pass and joins them before it
+// returns (no thread outlives the call); they only read `input` and write
+// disjoint parts of the scratch and of the new Ranking.
 class RankScratch {
  public:
   RankScratch();

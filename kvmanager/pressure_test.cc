@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <set>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 
 namespace triax::manager {
@@ -925,6 +927,96 @@ TEST(RankRandomTest, ScratchReuseGivesTheSameRanking) {
         }
       }
     }
+  }
+}
+
+// Every field of every RankedAction, bit for bit (costs compared as bits).
+void ExpectSameRanking(const Ranking& a, const Ranking& b) {
+  ASSERT_EQ(a.pools.size(), b.pools.size());
+  ASSERT_EQ(a.blocks, b.blocks);
+  for (size_t w = 0; w < a.pools.size(); ++w) {
+    ASSERT_EQ(a.pools[w].size(), b.pools[w].size());
+    for (size_t t = 0; t < a.pools[w].size(); ++t) {
+      const auto& pa = a.pools[w][t];
+      const auto& pb = b.pools[w][t];
+      ASSERT_EQ(pa.size(), pb.size()) << "pool " << w << "/" << t;
+      for (size_t i = 0; i < pa.size(); ++i) {
+        SCOPED_TRACE(::testing::Message()
+                     << "pool " << w << "/" << t << " position " << i);
+        const RankedAction& x = pa[i];
+        const RankedAction& y = pb[i];
+        ASSERT_EQ(x.lineage_id, y.lineage_id);
+        ASSERT_EQ(x.block, y.block);
+        ASSERT_EQ(x.sequence, y.sequence);
+        ASSERT_EQ(x.action, y.action);
+        ASSERT_TRUE(x.encoding == y.encoding);
+        ASSERT_EQ(x.from, y.from);
+        ASSERT_EQ(x.bytes_freed, y.bytes_freed);
+        uint64_t cx, cy;
+        std::memcpy(&cx, &x.cost, sizeof(cx));
+        std::memcpy(&cy, &y.cost, sizeof(cy));
+        ASSERT_EQ(cx, cy);
+        ASSERT_EQ(x.above_floor, y.above_floor);
+      }
+    }
+  }
+}
+
+TEST(RankRandomTest, ThreadsGiveTheSameRankingAsOneThread) {
+  // parallel_min_blocks = 0 forces the parallel path on small inputs: the
+  // block ranges split mid-sequence and the pools spread over the threads.
+  RankScratch scratch;
+  for (size_t n : {20'000u, 7u, 1u, 0u}) {
+    const PressureInput in = RandomInput(31 + static_cast<uint32_t>(n), n);
+    for (PressureMode m : kAllModes) {
+      SCOPED_TRACE(::testing::Message()
+                   << PressureModeName(m) << " blocks " << n);
+      RankerOptions one = Mode(m);
+      one.threads = 1;
+      auto ref = Rank(in, one);
+      ASSERT_THAT(ref, IsOk());
+      for (int threads : {2, 3}) {
+        SCOPED_TRACE(::testing::Message() << "threads " << threads);
+        RankerOptions o = Mode(m);
+        o.threads = threads;
+        o.parallel_min_blocks = 0;
+        auto got = Rank(in, o, &scratch);
+        ASSERT_THAT(got, IsOk());
+        ExpectSameRanking(*ref, *got);
+      }
+    }
+  }
+}
+
+TEST(RankRandomTest, ThreadsReportTheFirstBadBlock) {
+  PressureInput in = RandomInput(5, 1000);
+  in.blocks[900].sequence = 99;    // in the second half
+  in.blocks[700].importance = -1;  // in the second half, earlier
+  RankerOptions o;
+  o.parallel_min_blocks = 0;
+  for (int threads : {1, 2, 3}) {
+    o.threads = threads;
+    EXPECT_THAT(Rank(in, o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("blocks[700].importance")))
+        << threads;
+  }
+  in.blocks[10].option_set = 6;  // in the first part
+  for (int threads : {1, 2, 3}) {
+    o.threads = threads;
+    EXPECT_THAT(Rank(in, o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("blocks[10].option_set")))
+        << threads;
+  }
+}
+
+TEST(RankTest, RejectsBadThreadCounts) {
+  const PressureInput in = RandomInput(3, 10);
+  for (int threads : {0, -1, kMaxRankThreads + 1}) {
+    RankerOptions o;
+    o.threads = threads;
+    EXPECT_THAT(Rank(in, o),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("threads = ", threads))));
   }
 }
 

@@ -5,9 +5,9 @@
 // tag, shared / unsealed / protected / spilled blocks) and a BlockGraph
 // with co-attention and tool-call -> tool-result edges, then prints a
 // markdown table: graph build time, the time to snapshot the graph
-// importances into the blocks, and per mode the median and p90 of Rank()
-// and of SelectReclaim() over all device pools. Not a test; see
-// bench/results/pressure.md.
+// importances into the blocks, and per mode and thread count the median
+// and p90 of Rank() and of SelectReclaim() over all device pools. Not a test;
+// see bench/results/pressure.md.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -28,6 +28,8 @@
 ABSL_FLAG(std::string, blocks, "10000,100000,1000000",
           "comma-separated snapshot sizes (blocks)");
 ABSL_FLAG(int, runs, 9, "Rank() runs per mode and size");
+ABSL_FLAG(std::string, threads, "1,2",
+          "comma-separated RankerOptions::threads values (a row each)");
 ABSL_FLAG(int, workers, 8, "workers (device pools)");
 ABSL_FLAG(int, tenants, 16, "tenants");
 ABSL_FLAG(int, blocks_per_sequence, 64, "mean blocks per sequence");
@@ -312,12 +314,24 @@ int main(int argc, char** argv) {
     sizes.push_back(n);
   }
   const int runs = std::max(1, absl::GetFlag(FLAGS_runs));
+  std::vector<int> thread_counts;
+  for (absl::string_view part :
+       absl::StrSplit(absl::GetFlag(FLAGS_threads), ',', absl::SkipEmpty())) {
+    int t = 0;
+    if (!absl::SimpleAtoi(part, &t) || t < 1) {
+      std::fprintf(stderr, "--threads: bad value \"%.*s\"\n",
+                   static_cast<int>(part.size()), part.data());
+      return 2;
+    }
+    thread_counts.push_back(t);
+  }
 
   std::printf(
-      "| blocks | mode | candidates | graph build ms | importance snapshot "
+      "| blocks | mode | threads | candidates | graph build ms | importance "
+      "snapshot "
       "ms | Rank ms p50 | Rank ms p90 | SelectReclaim ms p50 (all device "
       "pools, 5%% of used) |\n");
-  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|---:|\n");
   for (size_t n : sizes) {
     World world;
     Build(n, absl::GetFlag(FLAGS_seed), &world);
@@ -339,48 +353,52 @@ int main(int argc, char** argv) {
     }
     for (PressureMode mode : {PressureMode::kDemoteFirst,
                               PressureMode::kGraphEvict, PressureMode::kLru}) {
-      RankerOptions opts;
-      opts.mode = mode;
-      std::vector<double> rank_ms;
-      std::vector<double> select_ms;
-      size_t candidates = 0;
-      RankScratch scratch;
-      for (int r = 0; r < runs; ++r) {
-        const auto t0 = Clock::now();
-        absl::StatusOr<Ranking> ranking = Rank(in, opts, &scratch);
-        const auto t1 = Clock::now();
-        if (!ranking.ok()) {
-          std::fprintf(stderr, "Rank: %s\n",
-                       std::string(ranking.status().message()).c_str());
-          return 1;
+      for (int threads : thread_counts) {
+        RankerOptions opts;
+        opts.mode = mode;
+        opts.threads = threads;
+        std::vector<double> rank_ms;
+        std::vector<double> select_ms;
+        size_t candidates = 0;
+        RankScratch scratch;
+        for (int r = 0; r < runs; ++r) {
+          const auto t0 = Clock::now();
+          absl::StatusOr<Ranking> ranking = Rank(in, opts, &scratch);
+          const auto t1 = Clock::now();
+          if (!ranking.ok()) {
+            std::fprintf(stderr, "Rank: %s\n",
+                         std::string(ranking.status().message()).c_str());
+            return 1;
+          }
+          rank_ms.push_back(Ms(t0, t1));
+          candidates = 0;
+          for (const auto& by_tier : ranking->pools) {
+            for (const auto& pool : by_tier) candidates += pool.size();
+          }
+          // Reclaim 5% of each worker's used device bytes.
+          const auto s0 = Clock::now();
+          size_t picked = 0;
+          for (uint32_t w = 0; w < in.workers.size(); ++w) {
+            const uint64_t need = world.device_used[w] / 20;
+            picked += SelectReclaim(*ranking, w, Tier::kDevice, need,
+                                    [&](const RankedAction& a) {
+                                      return changed.contains(a.lineage_id);
+                                    })
+                          .size();
+          }
+          select_ms.push_back(Ms(s0, Clock::now()));
+          if (picked == 0) {
+            std::fprintf(stderr, "SelectReclaim picked nothing\n");
+            return 1;
+          }
         }
-        rank_ms.push_back(Ms(t0, t1));
-        candidates = 0;
-        for (const auto& by_tier : ranking->pools) {
-          for (const auto& pool : by_tier) candidates += pool.size();
-        }
-        // Reclaim 5% of each worker's used device bytes.
-        const auto s0 = Clock::now();
-        size_t picked = 0;
-        for (uint32_t w = 0; w < in.workers.size(); ++w) {
-          const uint64_t need = world.device_used[w] / 20;
-          picked += SelectReclaim(*ranking, w, Tier::kDevice, need,
-                                  [&](const RankedAction& a) {
-                                    return changed.contains(a.lineage_id);
-                                  })
-                        .size();
-        }
-        select_ms.push_back(Ms(s0, Clock::now()));
-        if (picked == 0) {
-          std::fprintf(stderr, "SelectReclaim picked nothing\n");
-          return 1;
-        }
+        std::printf(
+            "| %zu | %s | %d | %zu | %.1f | %.2f | %.2f | %.2f | %.3f |\n", n,
+            PressureModeName(mode), threads, candidates, world.graph_build_ms,
+            Percentile(snap, 0.5), Percentile(rank_ms, 0.5),
+            Percentile(rank_ms, 0.9), Percentile(select_ms, 0.5));
+        std::fflush(stdout);
       }
-      std::printf("| %zu | %s | %zu | %.1f | %.2f | %.2f | %.2f | %.3f |\n", n,
-                  PressureModeName(mode), candidates, world.graph_build_ms,
-                  Percentile(snap, 0.5), Percentile(rank_ms, 0.5),
-                  Percentile(rank_ms, 0.9), Percentile(select_ms, 0.5));
-      std::fflush(stdout);
     }
   }
   return 0;
