@@ -135,7 +135,8 @@
 // Thread contract: thread-safe; one mutex guards all state, and no call does
 // work proportional to the total number of blocks (List* calls are
 // proportional to what they return) except RefreshRanking's snapshot copy
-// (O(blocks) under the mutex; the ranking itself runs outside it). Lock order:
+// (O(blocks), in chunks of 4,096 blocks with the mutex released in between;
+// the ranking itself runs outside it). Lock order:
 // ManagerCore::mu_ -> EventLog (its own mutex; subscriber notify callbacks run
 // under mu_ and must not call back into the core).
 #pragma once

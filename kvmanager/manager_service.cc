@@ -27,6 +27,13 @@ Req TierRequest(const TierCommand& c) {
   return req;
 }
 
+bool HasSpilledBlocks(const SequenceInfo& s) {
+  for (const BlockPlan& b : s.blocks) {
+    if (b.tier != Tier::kDevice && !b.evicted) return true;
+  }
+  return false;
+}
+
 // Reclaim-and-retry rounds of an admission: each round takes one action per
 // block (e.g. BF16 -> FP8, then FP8 -> INT4, ...).
 constexpr int kAdmissionRounds = 8;
@@ -415,10 +422,11 @@ grpc::ServerUnaryReactor* ManagerService::ExtendSequence(
 void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
                                   v1::ExtendSequenceResponse* resp,
                                   absl::StatusOr<ExtendSequenceResult> r) {
-  if (r.ok()) {
+  if (r.ok() && HasSpilledBlocks(r->sequence)) {
     // The session is active again: bring its spilled blocks back (in the
     // background; a frontend that must not race its next Attend reports
-    // active=true first, which waits).
+    // active=true first, which waits). Extends of sequences with nothing
+    // spilled (the common case) never touch the executor.
     const std::string seq = r->sequence.sequence_id;
     Post([this, seq] { RestoreWithReclaim(seq); });
   }
