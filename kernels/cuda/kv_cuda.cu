@@ -923,22 +923,36 @@ __global__ void __launch_bounds__(kAttnThreads)
 
 constexpr int kMmaWarps = 4;
 constexpr int kMaxInFlight = 16;
-constexpr int kPlans = 8;  // per-warp TilePlan cache (formats)
+constexpr int kPlans = 8;        // per-warp TilePlan cache (formats)
+constexpr int kPlanBytes = 256;  // shared-memory slot of one TilePlan
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 // Encoding classes: pages are grouped by their K format (any byte value
 // maps to one of kClasses), each class of a sequence is its own set of
 // split-K partitions, and CTAs are ordered class-major so that the SMs run
 // one class's code at a time (mixed pools otherwise thrash the instruction
-// cache switching formats tile by tile).
+// cache switching formats tile by tile). Classes 1-4 (K INT4, INT2, FP8,
+// INT8) run the transposed kSmall kernel, which needs INT/FP8 values too
+// and head_dim >= 64 (small_ok); other pages with such keys join class 0,
+// whose kernel takes every format.
 constexpr int kClasses = 8;
-__host__ __device__ __forceinline__ int ClassOf(int32_t packed_format) {
-  return ((static_cast<uint32_t>(packed_format) & 0xffu) - 1u) & (kClasses - 1);
+__host__ __device__ __forceinline__ int ClassOf(int32_t packed_format,
+                                                bool small_ok) {
+  const uint32_t p = static_cast<uint32_t>(packed_format);
+  const uint32_t fk = p & 0xffu;
+  uint32_t fv = (p >> 8) & 0xffu;
+  if (fv == 0) fv = fk;
+  const bool k_small = fk >= 2 && fk <= 5, v_small = fv >= 2 && fv <= 5;
+  if (k_small && !(small_ok && v_small)) return 0;
+  return (fk - 1u) & (kClasses - 1);
 }
+// head_dims whose kSmall kernel is built (ValuesRegT: runs of >= 2 bytes).
+__host__ __device__ constexpr bool SmallOk(int d) { return d >= 64; }
 
 struct MmaArgs {
   PageShape shape;
   int batch, n_q_heads, group, row_blocks, splits;
+  int cls0;                  // kSmall: first class of the launch
   const uint32_t* cls_mask;  // [batch]: bit c set when class c has pages
   const int2* part_plan;     // [batch][kClasses][S + 1], PartitionKernel
   float scale_log2;
@@ -956,36 +970,45 @@ struct MmaArgs {
 template <int kD, bool kSmall>
 struct MmaSmem {
   static constexpr int kTileBytes = 16 * kD * 2;  // one bf16 [16][kD] tile
-  static constexpr int kQp = 0;                   // Q, fp16, dims permuted
-  static constexpr int kQ = kSmall ? 0 : kQp + kTileBytes;  // Q, bf16
-  static constexpr int kQr = kSmall ? 0 : kQ + kTileBytes;  // Q' = R Q, bf16
-  static constexpr int kWarp0 = kSmall ? kTileBytes : kQr + kTileBytes;
+  // Query tiles (the kSmall configuration keeps its query in registers).
+  static constexpr int kQp = 0;                // Q, fp16, dims permuted
+  static constexpr int kQ = kQp + kTileBytes;  // Q, bf16
+  static constexpr int kQr = kQ + kTileBytes;  // Q' = R Q, bf16
+  static constexpr int kWarp0 = kSmall ? 0 : kQr + kTileBytes;
   // Per warp: a byte ring of raw page bytes filled by cp.async, or by
   // cp.async.bulk in the kSmall configuration (two BF16 tiles of K and V
   // fit, more of the smaller formats), one decoded tile (TQ keys, then
-  // non-BF16 values), and one TileDesc (with its mbarrier) per tile in
-  // flight.
+  // non-BF16 values; none in kSmall, whose operands are built in
+  // registers), and one TileDesc (with its mbarrier) per tile in flight.
   static constexpr int kRing =
       kSmall ? 5 * kTileBytes / 2 : 4 * kTileBytes + 512;
   static constexpr int kDec = kRing;
-  static constexpr int kDesc = kDec + kTileBytes;
+  static constexpr int kDesc = kDec + (kSmall ? 0 : kTileBytes);
   static constexpr int kPlan = kDesc + kMaxInFlight * 32;  // TilePlan[]
-  static constexpr int kWarpBytes = kPlan + kPlans * 128;
+  static constexpr int kWarpBytes = kPlan + kPlans * kPlanBytes;
   static constexpr int kCb = kWarp0 + kMmaWarps * kWarpBytes;  // float[3][16]
   static constexpr int kSign = kCb + 48 * 4;                   // float[kD]
   static constexpr int kTotal = kSign + kD * 4;
   // The largest tile (K and V BF16, or INT8 with metadata) fits the ring,
   // and so does the float32 Q staged through warp 0's ring.
   static_assert(kRing >= 2 * kTileBytes + 4 * (2 * kD + 32), "ring too small");
-  static_assert(kRing >= 16 * kD * 4, "ring holds the float32 Q");
+  static_assert(kSmall || kRing >= 16 * kD * 4, "ring holds the float32 Q");
   static_assert(kRing + kTileBytes <= 65535, "TileDesc offsets are 16-bit");
 };
 
 // Classes of each configuration: kSmall runs classes 1-4 (K INT4, INT2,
-// FP8, INT8), the other 0 and 5-7 (K BF16, TQ4, TQ3, TQ2).
+// FP8, INT8) in two launches (MmaArgs::cls0, two classes each), the other
+// 0 and 5-7 (K BF16, TQ4, TQ3, TQ2) in one.
 constexpr int kLaunchClasses = 4;
 __host__ __device__ __forceinline__ int LaunchClass(bool small, int i) {
   return small ? 1 + i : (i == 0 ? 0 : 4 + i);
+}
+// Registers of the kSmall kernel are capped for this many CTAs per SM:
+// measured on the H100 (batch 64 x 32k), INT4/INT2 keys run fastest at 4
+// (16 warps, 128 registers), FP8/INT8 keys at 3 (fewer spills and moves
+// matter more than warps for their larger tiles).
+constexpr int kSmallCtas(int d, bool low_bit) {
+  return d > 128 ? 2 : (low_bit ? 4 : 3);
 }
 
 // One staged tile: its page's packed format, its valid rows and where each
@@ -1024,12 +1047,6 @@ __device__ __forceinline__ void CpWait() {
 __device__ __forceinline__ void BarInit(uint32_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar)
                : "memory");
-}
-__device__ __forceinline__ void BarArrive(uint32_t bar) {
-  asm volatile(
-      "{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(
-          bar)
-      : "memory");
 }
 __device__ __forceinline__ void BarArriveTx(uint32_t bar, uint32_t bytes) {
   asm volatile(
@@ -1454,6 +1471,262 @@ __device__ __forceinline__ void DecodeValuesF16Any(int f, const uint8_t* codes,
 #undef KV_VALUES
 }
 
+// ---- Transposed tiles (kSmall CTAs: INT/FP8 keys and values) --------------
+//
+// With at most 8 query heads per CTA, the tile's tokens take the mma's M
+// side and the query heads its N side: S^T = K Q^T and O^T += V^T P^T, each
+// an m16n8k16 per 16 dims, half the mma count of the query-rows layout
+// (whose 16 rows held 4 or 8 heads) and no shared-memory staging for the
+// values. Keys: lane (g, q) = (lane / 4, lane % 4) builds the A operand
+// from tokens g and g + 8, dims of its run [q * kD / 4, (q + 1) * kD / 4)
+// (PermDim order, as ScoresReg); the query tile is the B operand, kept in
+// registers for the CTA's life (QueryRegsT). S^T leaves the accumulators
+// with lane (g, q) holding tokens g, g + 8 of query heads 2q, 2q + 1; the
+// softmax runs per column, and P^T is packed to fp16 and transposed into
+// the B operand with movmatrix. Values: lane (g, q) owns the run of
+// kD / 8 dims [g * kD / 8, (g + 1) * kD / 8) for tokens 2q, 2q + 1,
+// 2q + 8, 2q + 9; each A register is one dim of a token pair, built from
+// the two tokens' code bytes with one byte permute (ValuesRegT). Output row
+// (dim) 2i, 2i + 1 of m-tile i is dim g * kD / 8 + 2i, + 1 of that run.
+// Token slot m of the mma (S^T row, P^T row) holds token TokOf(m): swapping
+// slots 2j and 2j + 1 for odd j puts the four rows that the lanes of one
+// group g read in one load on both halves of the banks (value rows of
+// INT4 are 64 bytes: without it the 4 lanes share a bank pair).
+__device__ __forceinline__ int TokOf(int m) { return m ^ ((m >> 1) & 1); }
+
+// Transposes an 8x8 b16 matrix held one row pair per lane (row lane / 4,
+// columns 2 (lane % 4), + 1) into the same layout.
+__device__ __forceinline__ uint32_t Movm(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n"
+               : "=r"(y)
+               : "r"(x));
+  return y;
+}
+
+// B operand of S^T = K Q^T for query head `row` (< nrows, else zeros) of
+// the CTA's row block: pair p of lane q's run (PermDim order), scaled.
+template <int kD>
+__device__ __forceinline__ void QueryRegsT(const float* q_row, bool in,
+                                           float scale, int lane,
+                                           uint32_t (&qb)[kD / 8]) {
+  const float* run = q_row + (lane % 4) * (kD / 4);
+#pragma unroll
+  for (int p = 0; p < kD / 8; ++p) {
+    const float2 v = in ? *reinterpret_cast<const float2*>(run + 2 * p)
+                        : make_float2(0.f, 0.f);
+    qb[p] = PackHalf(v.x * scale, v.y * scale);
+  }
+}
+
+// S^T += K Q^T for one staged tile whose keys are INT (F 2, 3, 5) or FP8
+// (F 4): s[0], s[1] = token TokOf(g), query heads 2q, 2q + 1; s[2], s[3] =
+// token TokOf(g) + 8. Same operands as ScoresReg, in the A slot. Rows >= nt
+// yield garbage that the caller masks.
+template <int F, int kD, bool kFp8Meta>
+__device__ __forceinline__ void ScoresRegT(const uint8_t* codes,
+                                           const uint8_t* sc, const uint8_t* zr,
+                                           const uint32_t (&qb)[kD / 8],
+                                           int lane, float (&s)[4]) {
+  constexpr int kRowBytes = kD * FmtBits<F>::v / 8;
+  constexpr int kR = kRowBytes / 4;  // bytes of a lane's run of dims
+  const int g = lane / 4, q = lane % 4, t = TokOf(g);
+  uint32_t w[2][kR >= 4 ? kR / 4 : 1];
+  LoadRun<kR>(codes + t * kRowBytes + q * kR, w[0]);
+  LoadRun<kR>(codes + (t + 8) * kRowBytes + q * kR, w[1]);
+  const int m0 = q * (kD / 4);  // first channel of the run
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    __half2 s2[2], z2[2];
+    if constexpr (F != 4) {
+      MetaQuad<kFp8Meta>(sc, m0 + 4 * kk, s2);
+      MetaQuad<kFp8Meta>(zr, m0 + 4 * kk, z2);
+    }
+    uint32_t af[4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int p = 2 * kk + r;
+        if constexpr (F == 4) {
+          af[2 * r + j] =
+              Half2AsU32(Fp8x2ToHalf2(w[j][p / 2] >> (16 * (p % 2))));
+        } else {
+          af[2 * r + j] =
+              Half2AsU32(__hfma2(CodePair<F>(w[j], p), s2[r], z2[r]));
+        }
+      }
+    }
+    MmaF16(s, af, qb[2 * kk], qb[2 * kk + 1]);
+  }
+  if constexpr (F == 4) {
+    const float f = *reinterpret_cast<const float*>(sc);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] *= f;
+  }
+}
+
+template <int kD>
+__device__ __forceinline__ void ScoresRegTAny(int f, const uint8_t* codes,
+                                              const uint8_t* sc,
+                                              const uint8_t* zr, int sdt,
+                                              const uint32_t (&qb)[kD / 8],
+                                              int lane, float (&s)[4]) {
+#define KV_SCORES(F, M) ScoresRegT<F, kD, M>(codes, sc, zr, qb, lane, s)
+  const bool m8 = sdt == 2;
+  switch (f) {
+    case 2:
+      m8 ? KV_SCORES(2, true) : KV_SCORES(2, false);
+      break;
+    case 3:
+      m8 ? KV_SCORES(3, true) : KV_SCORES(3, false);
+      break;
+    case 4:
+      KV_SCORES(4, false);
+      break;
+    default:
+      m8 ? KV_SCORES(5, true) : KV_SCORES(5, false);
+      break;
+  }
+#undef KV_SCORES
+}
+
+// Two metadata elements as an fp16 pair (i0 in the low half).
+template <bool kFp8Meta>
+__device__ __forceinline__ __half2 MetaPair(const uint8_t* base, int i0,
+                                            int i1) {
+  return __halves2half2(MetaHalf<kFp8Meta>(base, i0),
+                        MetaHalf<kFp8Meta>(base, i1));
+}
+
+// O^T += V^T P^T for one staged tile whose values are INT (F 2, 3, 5) or
+// FP8 (F 4). pb0/pb1: the B operand (P^T, fp16; token slots 2q, 2q + 1
+// and 2q + 8, 2q + 9 of query head g, tokens TokOf(slot)). Tokens >= nt read
+// token nt - 1 again (finite values; their probabilities are 0). sc/zr: the
+// rows' per-group scale/zero (2^lg_gv dims per group; a lane's run lies in one
+// group) or the head's FP8 float scale.
+template <int F, int kD, bool kFp8Meta>
+__device__ __forceinline__ void ValuesRegT(const uint8_t* codes,
+                                           const uint8_t* sc, const uint8_t* zr,
+                                           int lg_gv, int nt, uint32_t pb0,
+                                           uint32_t pb1, int lane,
+                                           float (&o)[kD / 16][4]) {
+  constexpr int kBits = FmtBits<F>::v;
+  constexpr int kRowBytes = kD * kBits / 8;
+  constexpr int kRv = kD / 8;           // dims of a lane's run
+  constexpr int kRb = kRv * kBits / 8;  // bytes of a lane's run (>= 2)
+  constexpr int kW = kRb >= 4 ? kRb / 4 : 1;
+  constexpr int kHw = kRb / 2;    // half-words (2 bytes) per run
+  constexpr int kDh = kRv / kHw;  // dims per half-word
+  static_assert(kRb >= 2, "ValuesRegT needs runs of two bytes or more");
+  const int g = lane / 4, q = lane % 4;
+  // Token pair tp: tokens 2q + 8 tp (low half), 2q + 8 tp + 1 (high half).
+  int tok[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    tok[k] = min(TokOf(2 * q + 8 * (k / 2) + k % 2), nt - 1);
+  uint32_t w[4][kW];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    LoadRun<kRb>(codes + tok[k] * kRowBytes + g * kRb, w[k]);
+  __half2 s2[2], z2[2];
+  if constexpr (F == 4) {
+    s2[0] = s2[1] = __float2half2_rn(*reinterpret_cast<const float*>(sc));
+  } else {
+    const int per_row = kD >> lg_gv, mcol = (g * kRv) >> lg_gv;
+#pragma unroll
+    for (int tp = 0; tp < 2; ++tp) {
+      const int i0 = tok[2 * tp] * per_row + mcol,
+                i1 = tok[2 * tp + 1] * per_row + mcol;
+      s2[tp] = MetaPair<kFp8Meta>(sc, i0, i1);
+      z2[tp] = MetaPair<kFp8Meta>(zr, i0, i1);
+    }
+  }
+  // v[tp][e]: dim e of the run for token pair tp, exact codes then values.
+  uint32_t v[2][kRv];
+#pragma unroll
+  for (int tp = 0; tp < 2; ++tp) {
+#pragma unroll
+    for (int hw = 0; hw < kHw; ++hw) {
+      const uint32_t a = w[2 * tp][hw / 2], b = w[2 * tp + 1][hw / 2];
+      const int e0 = hw * kDh;
+      if constexpr (F == 4) {
+        // Bytes a0 b0 a1 b1 of the half-word: one E4M3 pair per dim.
+        const uint32_t y = __byte_perm(a, b, (hw % 2) ? 0x7362u : 0x5140u);
+        v[tp][e0] = Half2AsU32(__hmul2(Fp8x2ToHalf2(y), s2[tp]));
+        v[tp][e0 + 1] = Half2AsU32(__hmul2(Fp8x2ToHalf2(y >> 16), s2[tp]));
+      } else {
+        // Half-word hw of both tokens: low 16 bits token a, high token b.
+        const uint32_t x = __byte_perm(a, b, (hw % 2) ? 0x7632u : 0x5410u);
+        __half2 c[kDh];
+        if constexpr (F == 5) {  // int8: bytes 0 and 1 under 0x64
+          c[0] = U32AsHalf2(__byte_perm(x, 0x64646464u, 0x4240u));
+          c[1] = U32AsHalf2(__byte_perm(x, 0x64646464u, 0x4341u));
+          c[0] = __hsub2(c[0], U32AsHalf2(0x64006400u));
+          c[1] = __hsub2(c[1], U32AsHalf2(0x64006400u));
+        } else if constexpr (F == 2) {  // int4: nibbles of bytes 0, 1
+          const uint32_t y = x >> 8;
+          const uint32_t m0 = 0x64006400u, m1 = 0x54005400u;
+          c[0] = __hsub2(U32AsHalf2(AndOr(x, 0x000f000fu, m0)), U32AsHalf2(m0));
+          c[1] = __hsub2(U32AsHalf2(AndOr(x, 0x00f000f0u, m1)), U32AsHalf2(m1));
+          c[2] = __hsub2(U32AsHalf2(AndOr(y, 0x000f000fu, m0)), U32AsHalf2(m0));
+          c[3] = __hsub2(U32AsHalf2(AndOr(y, 0x00f000f0u, m1)), U32AsHalf2(m1));
+        } else {  // int2: bit pairs of bytes 0, 1
+          const uint32_t y = x >> 8;
+          constexpr uint32_t kMask[4] = {0x00030003u, 0x000c000cu, 0x00300030u,
+                                         0x00c000c0u};
+          constexpr uint32_t kMagic[4] = {0x64006400u, 0x5c005c00u, 0x54005400u,
+                                          0x4c004c00u};
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            c[k] = __hsub2(U32AsHalf2(AndOr(x, kMask[k], kMagic[k])),
+                           U32AsHalf2(kMagic[k]));
+            c[4 + k] = __hsub2(U32AsHalf2(AndOr(y, kMask[k], kMagic[k])),
+                               U32AsHalf2(kMagic[k]));
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kDh; ++k)
+          v[tp][e0 + k] = Half2AsU32(__hfma2(c[k], s2[tp], z2[tp]));
+      }
+    }
+  }
+  const uint32_t pb[2] = {pb0, pb1};
+#pragma unroll
+  for (int i = 0; i < kRv / 2; ++i) {
+    const uint32_t af[4] = {v[0][2 * i], v[0][2 * i + 1], v[1][2 * i],
+                            v[1][2 * i + 1]};
+    MmaF16(o[i], af, pb[0], pb[1]);
+  }
+}
+
+template <int kD>
+__device__ __forceinline__ void ValuesRegTAny(int f, const uint8_t* codes,
+                                              const uint8_t* sc,
+                                              const uint8_t* zr, int sdt,
+                                              int lg_gv, int nt, uint32_t pb0,
+                                              uint32_t pb1, int lane,
+                                              float (&o)[kD / 16][4]) {
+#define KV_VALUES(F, M) \
+  ValuesRegT<F, kD, M>(codes, sc, zr, lg_gv, nt, pb0, pb1, lane, o)
+  const bool m8 = sdt == 2;
+  switch (f) {
+    case 2:
+      m8 ? KV_VALUES(2, true) : KV_VALUES(2, false);
+      break;
+    case 3:
+      m8 ? KV_VALUES(3, true) : KV_VALUES(3, false);
+      break;
+    case 4:
+      KV_VALUES(4, false);
+      break;
+    default:
+      m8 ? KV_VALUES(5, true) : KV_VALUES(5, false);
+      break;
+  }
+#undef KV_VALUES
+}
+
 // Dequantizes one staged TQ tile (F 6, 7, 8) of one tensor from the warp's
 // ring into a swizzled BF16 tile (rows >= nt zero). `codes` points at row 0
 // of the tile, `sc` at the rows' FP16 norms. All reads are shared memory;
@@ -1649,14 +1922,22 @@ __device__ __forceinline__ void RotateAcc(float (&o)[kD / 8][4], bool back,
 // scale or the TQ norms; unused ranges have length 0). The range of rows
 // [t0, t0 + nt) starts at off + t0 * row (+ (t0 >> kg_shift) * kg_bytes
 // for INT key metadata: the key group) and is fixed + nt * per bytes long.
+//
+// Whole tiles (pages whose token count T is a multiple of 16, or below 16):
+// every tile copies rows [t0, t0 + min(16, T)) of each range whatever its
+// valid rows, and t0 * row (+ the key group's offset) is a multiple of 16,
+// so each range keeps the 16-byte alignment it has at t0 = 0: its ring
+// bytes (whole_size), place in the tile (whole_excl) and the tile's ring
+// bytes (whole_total) are fixed per format, and the producer needs no scan.
 struct TilePlan {
   int32_t fmt;       // packed format described
   uint32_t bound;    // ring bytes of a 16-row tile, an upper bound
   uint32_t bf_mask;  // bit 0: K is BF16, bit 1: V is BF16
   uint32_t kg_shift, kg_bytes;
   uint32_t off[6], row[6], fixed[6], per[6];
+  uint32_t whole_size[6], whole_excl[6], whole_total;
 };
-static_assert(sizeof(TilePlan) <= 128, "TilePlan fits its slot");
+static_assert(sizeof(TilePlan) <= kPlanBytes, "TilePlan fits its slot");
 
 template <int kD>
 __device__ TilePlan MakeTilePlan(int32_t fmt, const PageShape& s, int h) {
@@ -1712,11 +1993,26 @@ __device__ TilePlan MakeTilePlan(int32_t fmt, const PageShape& s, int h) {
       pl.bound += len + 30;  // 16-byte alignment of both ends
     }
   }
+  const uint32_t rows = min(16u, T);
+  pl.whole_total = 0;
+  for (int i = 0; i < 6; ++i) {
+    const uint32_t len = pl.fixed[i] + rows * pl.per[i];
+    uint32_t size = 0;
+    if (i < 2 && ((pl.bf_mask >> i) & 1u)) {
+      size = 16 * kD * 2;
+    } else if (len > 0) {
+      size = ((pl.off[i] + len + 15) & ~15u) - (pl.off[i] & ~15u);
+    }
+    pl.whole_size[i] = size;
+    pl.whole_excl[i] = pl.whole_total;
+    pl.whole_total += size;
+  }
   return pl;
 }
 
-template <int kD, bool kSmall>
-__global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
+// kCtas: CTAs per SM the registers are capped for (kSmallCtas).
+template <int kD, bool kSmall, int kCtas>
+__global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
     MmaAttentionKernel(const MmaArgs a) {
   extern __shared__ __align__(16) uint8_t sm[];
   using Sm = MmaSmem<kD, kSmall>;
@@ -1733,13 +2029,16 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
   x /= a.row_blocks;
   const int b = x % a.batch;
   // Outermost: CTAs run class by class.
-  const int cls = LaunchClass(kSmall, x / a.batch);
+  const int cls =
+      kSmall ? a.cls0 + x / a.batch : LaunchClass(false, x / a.batch);
   // No page of this class in the sequence: its partitions are skipped by
   // the reduce (same mask), nothing to write.
   if (((a.cls_mask[b] >> cls) & 1u) == 0) return;
-  const int row0 = rb * 16, nrows = min(16, a.group - row0);
+  // Query heads per CTA: 16 mma rows, or 8 mma columns (kSmall).
+  constexpr int kRows = kSmall ? 8 : 16;
+  const int row0 = rb * kRows, nrows = min(kRows, a.group - row0);
   const bool hi_rows = nrows > 8;  // mma rows 8-15 hold query heads
-  const bool tq_ok = TqDim(kD);
+  const bool tq_ok = !kSmall && TqDim(kD);
   // Q' = R Q only for classes whose keys are TQ (K format 6-8).
   const bool tq_keys = !kSmall && tq_ok && IsTq(cls + 1);
   float* s_cb = reinterpret_cast<float*>(sm + Sm::kCb);
@@ -1750,43 +2049,48 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
       s_cb[i] = g_tq_cb[l][i / 16][i % 16];
     for (int i = tid; i < kD; i += blockDim.x) s_sign[i] = g_tq_sign[l][i];
   }
-  // Q (scaled, rows >= nrows zero) via warp 0's ring, then Q' = R Q.
-  float* qf = reinterpret_cast<float*>(sm + Sm::kWarp0);
+  // Q (scaled, rows >= nrows zero): kSmall lanes hold their B operand
+  // (QueryRegsT); else via warp 0's ring into shared tiles, then Q' = R Q.
   const size_t qbase =
       (static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0) * kD;
-  for (int i = tid; i < 16 * kD; i += blockDim.x)
-    qf[i] = i / kD < nrows ? a.q[qbase + i] * a.scale_log2 : 0.f;
-  __syncthreads();
-  for (int i = tid; i < 16 * kNt; i += blockDim.x) {
-    const int r = i / kNt, c = i % kNt;
-    if (!kSmall) {
-      *reinterpret_cast<uint4*>(sm + Sm::kQ + TileOff<kD>(r, c)) =
-          Pack8(qf + r * kD + c * 8);
-    }
-    uint32_t w[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int col = c * 8 + 2 * u;
-      w[u] = PackHalf(qf[r * kD + PermDim<kD>(col)],
-                      qf[r * kD + PermDim<kD>(col + 1)]);
-    }
-    *reinterpret_cast<uint4*>(sm + Sm::kQp + TileOff<kD>(r, c)) =
-        make_uint4(w[0], w[1], w[2], w[3]);
-  }
-  if (tq_keys) {
+  uint32_t qb[kSmall ? kD / 8 : 1];
+  if constexpr (kSmall) {
+    QueryRegsT<kD>(a.q + qbase + (lane / 4) * kD, lane / 4 < nrows,
+                   a.scale_log2, lane, qb);
+  } else {
+    float* qf = reinterpret_cast<float*>(sm + Sm::kWarp0);
+    for (int i = tid; i < 16 * kD; i += blockDim.x)
+      qf[i] = i / kD < nrows ? a.q[qbase + i] * a.scale_log2 : 0.f;
     __syncthreads();
-    for (int i = tid; i < 16 * kD; i += blockDim.x) qf[i] *= s_sign[i % kD];
-    __syncthreads();
-    SmemFwht<kD>(qf, 16, tid, blockDim.x, [] { __syncthreads(); });
-    const float nrm = rsqrtf(static_cast<float>(kD));
     for (int i = tid; i < 16 * kNt; i += blockDim.x) {
       const int r = i / kNt, c = i % kNt;
-      float v[8];
-      for (int j = 0; j < 8; ++j) v[j] = qf[r * kD + c * 8 + j] * nrm;
-      *reinterpret_cast<uint4*>(sm + Sm::kQr + TileOff<kD>(r, c)) = Pack8(v);
+      *reinterpret_cast<uint4*>(sm + Sm::kQ + TileOff<kD>(r, c)) =
+          Pack8(qf + r * kD + c * 8);
+      uint32_t w[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int col = c * 8 + 2 * u;
+        w[u] = PackHalf(qf[r * kD + PermDim<kD>(col)],
+                        qf[r * kD + PermDim<kD>(col + 1)]);
+      }
+      *reinterpret_cast<uint4*>(sm + Sm::kQp + TileOff<kD>(r, c)) =
+          make_uint4(w[0], w[1], w[2], w[3]);
     }
+    if (tq_keys) {
+      __syncthreads();
+      for (int i = tid; i < 16 * kD; i += blockDim.x) qf[i] *= s_sign[i % kD];
+      __syncthreads();
+      SmemFwht<kD>(qf, 16, tid, blockDim.x, [] { __syncthreads(); });
+      const float nrm = rsqrtf(static_cast<float>(kD));
+      for (int i = tid; i < 16 * kNt; i += blockDim.x) {
+        const int r = i / kNt, c = i % kNt;
+        float v[8];
+        for (int j = 0; j < 8; ++j) v[j] = qf[r * kD + c * 8 + j] * nrm;
+        *reinterpret_cast<uint4*>(sm + Sm::kQr + TileOff<kD>(r, c)) = Pack8(v);
+      }
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   uint8_t* wbase = sm + Sm::kWarp0 + warp * Sm::kWarpBytes;
   uint8_t* ring = wbase;
@@ -1827,6 +2131,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
   int lane_n = 0, lane_incl = 0;
   unsigned cls_lanes = 0;
   uint32_t head = 0, tail = 0;  // ring bytes allocated / released
+  uint32_t hpos = 0;            // ring offset of head (head mod kRing)
+  const bool whole_tiles = T % 16 == 0 || T < 16;  // see TilePlan
   int issued = 0, consumed = 0;
 
   // Stages tiles until kMaxInFlight are pending, the ring is full or the
@@ -1850,7 +2156,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
             if (lane >= o) lane_incl += y;
           }
           cls_lanes = __ballot_sync(
-              0xffffffffu, lane_n > 0 && ClassOf(lane_pg.format) == cls);
+              0xffffffffu,
+              lane_n > 0 && ClassOf(lane_pg.format, SmallOk(kD)) == cls);
         }
         int src = pi - win;
         if (((cls_lanes >> src) & 1u) == 0) {
@@ -1906,45 +2213,64 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
         t0 = 0;
         page_ready = true;
       }
-      if (issued == consumed) head = tail = 0;
-      uint32_t pos = head % Sm::kRing;
+      if (issued == consumed) head = tail = hpos = 0;
+      uint32_t pos = hpos;
+      const bool whole = kSmall && whole_tiles;
       {  // ring full for a 16-row tile of this format?
-        const uint32_t bound = plan->bound;
+        const uint32_t bound = whole ? plan->whole_total : plan->bound;
         const uint32_t wrap = pos + bound > Sm::kRing ? Sm::kRing - pos : 0;
         if (head - tail + bound + wrap > Sm::kRing) break;
       }
       const int nt = min(16, valid - t0);
       const uint32_t bf_mask = plan->bf_mask;
-      const uint32_t kg_off =
-          (static_cast<uint32_t>(t0) >> plan->kg_shift) * plan->kg_bytes;
       // Lane i < 6 works out range i (page offset, ring bytes); the ring
-      // places the ranges back to back (exclusive scan over lanes 0-7).
-      const bool r_bf = lane < 2 && ((bf_mask >> lane) & 1u);
-      uint32_t r_off = 0, r_size = 0;
-      if (lane < 6) {
-        r_off = plan->off[lane] + t0 * plan->row[lane] +
-                (lane == 2 || lane == 3 ? kg_off : 0u);
-        const uint32_t len = plan->fixed[lane] + nt * plan->per[lane];
-        if (r_bf) {
-          r_size = Sm::kTileBytes;
-        } else if (len != 0) {
-          r_size = ((r_off + len + 15) & ~15u) - (r_off & ~15u);
+      // places the ranges back to back (from the plan for whole tiles, else
+      // an exclusive scan over lanes 0-7).
+      const bool r_bf = !whole && lane < 2 && ((bf_mask >> lane) & 1u);
+      uint32_t r_off = 0, r_size = 0, excl = 0, total;
+      if (whole) {
+        if (lane < 6) {
+          r_off = plan->off[lane];
+          if (t0 != 0) {
+            r_off += t0 * plan->row[lane];
+            if (lane == 2 || lane == 3) {
+              r_off += (static_cast<uint32_t>(t0) >> plan->kg_shift) *
+                       plan->kg_bytes;
+            }
+          }
+          r_size = plan->whole_size[lane];
+          excl = plan->whole_excl[lane];
         }
-      }
-      uint32_t incl = r_size;
+        total = plan->whole_total;
+      } else {
+        const uint32_t kg_off =
+            (static_cast<uint32_t>(t0) >> plan->kg_shift) * plan->kg_bytes;
+        if (lane < 6) {
+          r_off = plan->off[lane] + t0 * plan->row[lane] +
+                  (lane == 2 || lane == 3 ? kg_off : 0u);
+          const uint32_t len = plan->fixed[lane] + nt * plan->per[lane];
+          if (r_bf) {
+            r_size = Sm::kTileBytes;
+          } else if (len != 0) {
+            r_size = ((r_off + len + 15) & ~15u) - (r_off & ~15u);
+          }
+        }
+        uint32_t incl = r_size;
 #pragma unroll
-      for (int o = 1; o < 8; o <<= 1) {
-        const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
+        for (int o = 1; o < 8; o <<= 1) {
+          const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += y;
+        }
+        total = __shfl_sync(0xffffffffu, incl, 7);
+        excl = incl - r_size;  // ring bytes before range lane
       }
-      const uint32_t total = __shfl_sync(0xffffffffu, incl, 7);
-      const uint32_t excl = incl - r_size;  // ring bytes before range lane
       uint32_t need = total;
       if (pos + total > Sm::kRing) {
         need += Sm::kRing - pos;
         pos = 0;
       }
       head += need;
+      hpos = pos + total;
       TileDesc* dd = descs + issued % kMaxInFlight;
       if (lane < 6) {
         dd->pos[lane] =
@@ -1957,7 +2283,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
       }
       const uint32_t bar = bar0 + static_cast<uint32_t>(issued % kMaxInFlight) *
                                       sizeof(TileDesc);
-      if (kSmall && bf_mask == 0) {
+      if (kSmall) {  // no BF16 range in kSmall classes (ClassOf)
         // No swizzled BF16 range: lane i < 6 copies range i whole through
         // the TMA unit (16-byte aligned chunks of the page, back to back
         // in the ring); lane 0 expects the tile's bytes on the slot's
@@ -1987,7 +2313,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
           CpAsync16(ring_addr + pos + cb, pdata + (dsel + cb), 16);
         }
       } else {
-        if (kSmall && lane == 0) BarArrive(bar);
 #pragma unroll
         for (int i = 0; i < 6; ++i) {
           const uint32_t sz = __shfl_sync(0xffffffffu, r_size, i);
@@ -2012,7 +2337,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
           }
         }
       }
-      CpCommit();
+      if constexpr (!kSmall) CpCommit();
       ++issued;
       t0 += 16;
       if (t0 >= valid) {
@@ -2022,10 +2347,15 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
     }
   };
 
+  // Running max and sum: of mma rows lane / 4 and lane / 4 + 8, or
+  // (kSmall) of query heads 2 (lane % 4) and 2 (lane % 4) + 1.
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float o[kNt][4];
+  // O (rows = query heads, kD / 8 n-tiles) or O^T (kSmall: rows = dims,
+  // kD / 16 m-tiles).
+  constexpr int kAcc = kSmall ? kD / 16 : kNt;
+  float o[kAcc][4];
 #pragma unroll
-  for (int j = 0; j < kNt; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  for (int j = 0; j < kAcc; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   // kSmall == false: o holds H S (P V) (TQ value domain) while rot.
   bool rot = false;
 
@@ -2035,7 +2365,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
   for (;;) {
     fill();
     if (issued == consumed) break;
-    CpWaitAtMost(issued - consumed - 1);
+    if constexpr (!kSmall) CpWaitAtMost(issued - consumed - 1);
     if constexpr (kSmall) {
       BarWait(bar0 + static_cast<uint32_t>(consumed % kMaxInFlight) *
                          sizeof(TileDesc),
@@ -2046,203 +2376,276 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kSmall&& kD <= 128 ? 3 : 1)
     const DevEnc e = Unpack(d.format);
     const int nt = d.nt;
     const int lg_gv = 31 - __clz(min(e.group, kD));  // group: power of 2
-    // S = Q K^T: rows = query heads, cols = tokens (two n-tiles of 8).
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    // kSmall CTAs never see BF16/TQ keys (their class is the K format).
-    if (!kSmall && (e.k == 1 || IsTq(e.k))) {
-      uint32_t k_addr;
-      if (e.k == 1) {
-        k_addr = ring_addr + d.pos[0];
-      } else {
-        // Levels only; the row norms scale S's columns below.
-        DecodeStagedAny<true, kD, false>(e.k, ring + d.pos[0], ring + d.pos[2],
-                                         nt, sDec, s_cb, s_sign, lane);
-        k_addr = SmemAddr(sDec);
-        __syncwarp();
+    if constexpr (kSmall) {
+      // Transposed tile (see ValuesRegT): S^T = K Q^T, softmax per column,
+      // O^T += V^T P^T. Keys and values are INT or FP8 (ClassOf).
+      const int g = lane / 4;
+      float st[4] = {0.f, 0.f, 0.f, 0.f};
+      ScoresRegTAny<kD>(e.k, ring + d.pos[0], ring + d.pos[2], ring + d.pos[3],
+                        e.sdt, qb, lane, st);
+      if (TokOf(g) >= nt) st[0] = st[1] = -INFINITY;
+      if (TokOf(g) + 8 >= nt) st[2] = st[3] = -INFINITY;
+      float corr[2], p[4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float mx = fmaxf(st[j], st[2 + j]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m[j], mx);
+        corr[j] = exp2f(m[j] - m_new);
+        p[j] = exp2f(st[j] - m_new);
+        p[2 + j] = exp2f(st[2 + j] - m_new);
+        float sum = p[j] + p[2 + j];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+        l[j] = l[j] * corr[j] + sum;
+        m[j] = m_new;
       }
-      const uint32_t qa = e.k == 1 ? q_addr : qr_addr;
+      if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t af[4], bfr[4];
-        Ldm4(qa + TileOff<kD>(lane % 16, kk * 2 + lane / 16), af);
-        Ldm4(k_addr + TileOff<kD>((lane % 8) + (lane / 16) * 8,
-                                  kk * 2 + (lane / 8) % 2),
-             bfr);
-        Mma(sc[0], af, bfr[0], bfr[1]);
-        Mma(sc[1], af, bfr[2], bfr[3]);
+        for (int i = 0; i < kAcc; ++i) {
+          o[i][0] *= corr[0];
+          o[i][1] *= corr[1];
+          o[i][2] *= corr[0];
+          o[i][3] *= corr[1];
+        }
       }
-      if (e.k != 1) {
-        // S column t *= norm_t (q' . (norm level) = norm (q' . level));
-        // columns >= nt are masked below whatever their norm bytes.
-        const uint8_t* nk = ring + d.pos[2];
+      // P^T as the B operand: tokens 0-7 and 8-15 of query head g.
+      const uint32_t pb0 = Movm(PackHalf(p[0], p[1]));
+      const uint32_t pb1 = Movm(PackHalf(p[2], p[3]));
+      ValuesRegTAny<kD>(e.v, ring + d.pos[1], ring + d.pos[4], ring + d.pos[5],
+                        e.sdt, lg_gv, nt, pb0, pb1, lane, o);
+    } else {
+      // S = Q K^T: rows = query heads, cols = tokens (two n-tiles of 8).
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      // kSmall CTAs never see BF16/TQ keys (their class is the K format).
+      if (!kSmall && (e.k == 1 || IsTq(e.k))) {
+        uint32_t k_addr;
+        if (e.k == 1) {
+          k_addr = ring_addr + d.pos[0];
+        } else {
+          // Levels only; the row norms scale S's columns below.
+          DecodeStagedAny<true, kD, false>(e.k, ring + d.pos[0],
+                                           ring + d.pos[2], nt, sDec, s_cb,
+                                           s_sign, lane);
+          k_addr = SmemAddr(sDec);
+          __syncwarp();
+        }
+        const uint32_t qa = e.k == 1 ? q_addr : qr_addr;
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          uint32_t af[4], bfr[4];
+          Ldm4(qa + TileOff<kD>(lane % 16, kk * 2 + lane / 16), af);
+          Ldm4(k_addr + TileOff<kD>((lane % 8) + (lane / 16) * 8,
+                                    kk * 2 + (lane / 8) % 2),
+               bfr);
+          Mma(sc[0], af, bfr[0], bfr[1]);
+          Mma(sc[1], af, bfr[2], bfr[3]);
+        }
+        if (e.k != 1) {
+          // S column t *= norm_t (q' . (norm level) = norm (q' . level));
+          // columns >= nt are masked below whatever their norm bytes.
+          const uint8_t* nk = ring + d.pos[2];
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float nm =
-                HalfBits(LoadU16(nk + 2 * (8 * j + 2 * (lane % 4) + c)));
-            sc[j][c] *= nm;
-            sc[j][2 + c] *= nm;
+          for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float nm =
+                  HalfBits(LoadU16(nk + 2 * (8 * j + 2 * (lane % 4) + c)));
+              sc[j][c] *= nm;
+              sc[j][2 + c] *= nm;
+            }
           }
         }
-      }
-      __syncwarp();  // sDec reads done before the values reuse it
-    } else {
-      ScoresRegAny<kD>(e.k, ring + d.pos[0], ring + d.pos[2], ring + d.pos[3],
-                       e.sdt, qp_addr, lane, sc);
-    }
-    // Values: BF16 in place (bf16 P), TQ rotated back into a bf16 tile
-    // (bf16 P), INT and FP8 dequantized into an fp16 tile (fp16 P).
-    uint32_t v_addr;
-    const bool v16 = e.v != 1 && !IsTq(e.v);
-    if (e.v == 1) {
-      v_addr = ring_addr + d.pos[1];
-    } else {
-      if (v16) {
-        DecodeValuesF16Any<kD>(e.v, ring + d.pos[1], ring + d.pos[4],
-                               ring + d.pos[5], e.sdt, lg_gv, nt, sDec, lane);
-      } else if constexpr (kSmall) {
-        DecodeStagedAny<false, kD>(e.v, ring + d.pos[1], ring + d.pos[4], nt,
-                                   sDec, s_cb, s_sign, lane);
+        __syncwarp();  // sDec reads done before the values reuse it
       } else {
-        // TQ values stay rotated (RotateAcc) and unscaled: the row norms
-        // scale P's columns below.
-        DecodeStagedAny<true, kD, false>(e.v, ring + d.pos[1], ring + d.pos[4],
-                                         nt, sDec, s_cb, s_sign, lane);
+        ScoresRegAny<kD>(e.k, ring + d.pos[0], ring + d.pos[2], ring + d.pos[3],
+                         e.sdt, qp_addr, lane, sc);
       }
-      v_addr = SmemAddr(sDec);
-      __syncwarp();
-    }
-    // Online softmax; lane holds rows lane/4 (i=0) and lane/4+8 (i=1).
-    // Rows 8-15 are only computed when they hold query heads (group > 8).
-    float corr[2], p[2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (i == 1 && !hi_rows) {
-        corr[1] = 1.f;
-        p[0][2] = p[0][3] = p[1][2] = p[1][3] = 0.f;
-        break;
-      }
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int col = 8 * j + 2 * (lane % 4) + c;
-          float& s_ = sc[j][2 * i + c];
-          if (col >= nt) s_ = -INFINITY;
-          mx = fmaxf(mx, s_);
+      // Values: BF16 in place (bf16 P), TQ rotated back into a bf16 tile
+      // (bf16 P), INT and FP8 dequantized into an fp16 tile (fp16 P).
+      uint32_t v_addr;
+      const bool v16 = e.v != 1 && !IsTq(e.v);
+      if (e.v == 1) {
+        v_addr = ring_addr + d.pos[1];
+      } else {
+        if (v16) {
+          DecodeValuesF16Any<kD>(e.v, ring + d.pos[1], ring + d.pos[4],
+                                 ring + d.pos[5], e.sdt, lg_gv, nt, sDec, lane);
+        } else if constexpr (kSmall) {
+          DecodeStagedAny<false, kD>(e.v, ring + d.pos[1], ring + d.pos[4], nt,
+                                     sDec, s_cb, s_sign, lane);
+        } else {
+          // TQ values stay rotated (RotateAcc) and unscaled: the row norms
+          // scale P's columns below.
+          DecodeStagedAny<true, kD, false>(e.v, ring + d.pos[1],
+                                           ring + d.pos[4], nt, sDec, s_cb,
+                                           s_sign, lane);
         }
+        v_addr = SmemAddr(sDec);
+        __syncwarp();
       }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[i], mx);
-      corr[i] = exp2f(m[i] - m_new);
-      float sum = 0.f;
+      // Online softmax; lane holds rows lane/4 (i=0) and lane/4+8 (i=1).
+      // Rows 8-15 are only computed when they hold query heads (group > 8).
+      float corr[2], p[2][4];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          p[j][2 * i + c] = exp2f(sc[j][2 * i + c] - m_new);
-          sum += p[j][2 * i + c];
+      for (int i = 0; i < 2; ++i) {
+        if (i == 1 && !hi_rows) {
+          corr[1] = 1.f;
+          p[0][2] = p[0][3] = p[1][2] = p[1][3] = 0.f;
+          break;
         }
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      l[i] = l[i] * corr[i] + sum;
-      m[i] = m_new;
-    }
-    // Rescale only when some row's running max moved (corr != 1).
-    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < kNt; ++j) {
-        o[j][0] *= corr[0];
-        o[j][1] *= corr[0];
-      }
-      if (hi_rows) {
-#pragma unroll
-        for (int j = 0; j < kNt; ++j) {
-          o[j][2] *= corr[1];
-          o[j][3] *= corr[1];
-        }
-      }
-    }
-    if constexpr (!kSmall) {
-      const bool vtq = IsTq(e.v);
-      if (vtq != rot) {
-        RotateAcc<kD>(o, rot, s_sign, lane);
-        rot = vtq;
-      }
-      if (vtq) {
-        // P column t *= norm_t (after l took the plain sum); columns >= nt
-        // have p = 0 and must not meet non-finite norm bytes.
-        const uint8_t* nv = ring + d.pos[4];
+        float mx = -INFINITY;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int col = 8 * j + 2 * (lane % 4) + c;
-            const float nm = col < nt ? HalfBits(LoadU16(nv + 2 * col)) : 0.f;
-            p[j][c] *= nm;
-            p[j][2 + c] *= nm;
+            float& s_ = sc[j][2 * i + c];
+            if (col >= nt) s_ = -INFINITY;
+            mx = fmaxf(mx, s_);
+          }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[i], mx);
+        corr[i] = exp2f(m[i] - m_new);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            p[j][2 * i + c] = exp2f(sc[j][2 * i + c] - m_new);
+            sum += p[j][2 * i + c];
+          }
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l[i] = l[i] * corr[i] + sum;
+        m[i] = m_new;
+      }
+      // Rescale only when some row's running max moved (corr != 1).
+      if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < kNt; ++j) {
+          o[j][0] *= corr[0];
+          o[j][1] *= corr[0];
+        }
+        if (hi_rows) {
+#pragma unroll
+          for (int j = 0; j < kNt; ++j) {
+            o[j][2] *= corr[1];
+            o[j][3] *= corr[1];
           }
         }
       }
-    }
-    if (v16) {
-      const uint32_t pa[4] = {
-          PackHalf(p[0][0], p[0][1]), PackHalf(p[0][2], p[0][3]),
-          PackHalf(p[1][0], p[1][1]), PackHalf(p[1][2], p[1][3])};
+      if constexpr (!kSmall) {
+        const bool vtq = IsTq(e.v);
+        if (vtq != rot) {
+          RotateAcc<kD>(o, rot, s_sign, lane);
+          rot = vtq;
+        }
+        if (vtq) {
+          // P column t *= norm_t (after l took the plain sum); columns >= nt
+          // have p = 0 and must not meet non-finite norm bytes.
+          const uint8_t* nv = ring + d.pos[4];
 #pragma unroll
-      for (int j = 0; j < kNt; j += 2) {
-        uint32_t bfr[4];
-        Ldm4T(v_addr +
-                  TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8, j + lane / 16),
-              bfr);
-        MmaF16(o[j], pa, bfr[0], bfr[1]);
-        MmaF16(o[j + 1], pa, bfr[2], bfr[3]);
+          for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int col = 8 * j + 2 * (lane % 4) + c;
+              const float nm = col < nt ? HalfBits(LoadU16(nv + 2 * col)) : 0.f;
+              p[j][c] *= nm;
+              p[j][2 + c] *= nm;
+            }
+          }
+        }
       }
-    } else {
-      const uint32_t pa[4] = {
-          PackBf16(p[0][0], p[0][1]), PackBf16(p[0][2], p[0][3]),
-          PackBf16(p[1][0], p[1][1]), PackBf16(p[1][2], p[1][3])};
+      if (v16) {
+        const uint32_t pa[4] = {
+            PackHalf(p[0][0], p[0][1]), PackHalf(p[0][2], p[0][3]),
+            PackHalf(p[1][0], p[1][1]), PackHalf(p[1][2], p[1][3])};
 #pragma unroll
-      for (int j = 0; j < kNt; j += 2) {
-        uint32_t bfr[4];
-        Ldm4T(v_addr +
-                  TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8, j + lane / 16),
-              bfr);
-        Mma(o[j], pa, bfr[0], bfr[1]);
-        Mma(o[j + 1], pa, bfr[2], bfr[3]);
+        for (int j = 0; j < kNt; j += 2) {
+          uint32_t bfr[4];
+          Ldm4T(v_addr + TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8,
+                                     j + lane / 16),
+                bfr);
+          MmaF16(o[j], pa, bfr[0], bfr[1]);
+          MmaF16(o[j + 1], pa, bfr[2], bfr[3]);
+        }
+      } else {
+        const uint32_t pa[4] = {
+            PackBf16(p[0][0], p[0][1]), PackBf16(p[0][2], p[0][3]),
+            PackBf16(p[1][0], p[1][1]), PackBf16(p[1][2], p[1][3])};
+#pragma unroll
+        for (int j = 0; j < kNt; j += 2) {
+          uint32_t bfr[4];
+          Ldm4T(v_addr + TileOff<kD>((lane % 8) + ((lane / 8) % 2) * 8,
+                                     j + lane / 16),
+                bfr);
+          Mma(o[j], pa, bfr[0], bfr[1]);
+          Mma(o[j + 1], pa, bfr[2], bfr[3]);
+        }
       }
     }
     __syncwarp();  // tile reads done before its ring bytes are reused
     tail = d.end;
     ++consumed;
   }
-  CpWait<0>();
-  if (rot) RotateAcc<kD>(o, true, s_sign, lane);
   const float nan = __uint_as_float(0x7fc00000u);
+  if constexpr (kSmall) {
+    // O^T: m-tile i, lane (g, q) holds dims g * kD / 8 + 2i, + 1 of query
+    // heads 2q (o[i][0], o[i][2]) and 2q + 1 (o[i][1], o[i][3]).
+    const int g = lane / 4;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = lane / 4 + 8 * i;
-    if (r >= nrows) continue;
-    const size_t qh =
-        static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0 + r;
-    const size_t slot = qh * parts + part;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    if (lane % 4 == 0) {
-      a.ws_lse[slot] =
-          poisoned ? nan : (l[i] > 0.f ? m[i] + __log2f(l[i]) : -INFINITY);
+    for (int j = 0; j < 2; ++j) {
+      const int r = 2 * (lane % 4) + j;
+      if (r >= nrows) continue;
+      const size_t qh =
+          static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0 + r;
+      const size_t slot = qh * parts + part;
+      const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+      if (g == 0) {
+        a.ws_lse[slot] =
+            poisoned ? nan : (l[j] > 0.f ? m[j] + __log2f(l[j]) : -INFINITY);
+      }
+      float* dst = a.ws_o + slot * kD + g * (kD / 8);
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) {
+        const float2 val = poisoned
+                               ? make_float2(nan, nan)
+                               : make_float2(o[i][j] * inv, o[i][2 + j] * inv);
+        *reinterpret_cast<float2*>(dst + 2 * i) = val;
+      }
     }
-    float* dst = a.ws_o + slot * kD;
+    return;
+  } else {
+    CpWait<0>();
+    if (rot) RotateAcc<kD>(o, true, s_sign, lane);
 #pragma unroll
-    for (int j = 0; j < kNt; ++j) {
-      const int d = 8 * j + 2 * (lane % 4);
-      const float2 val =
-          poisoned ? make_float2(nan, nan)
-                   : make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
-      *reinterpret_cast<float2*>(dst + d) = val;
+    for (int i = 0; i < 2; ++i) {
+      const int r = lane / 4 + 8 * i;
+      if (r >= nrows) continue;
+      const size_t qh =
+          static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0 + r;
+      const size_t slot = qh * parts + part;
+      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      if (lane % 4 == 0) {
+        a.ws_lse[slot] =
+            poisoned ? nan : (l[i] > 0.f ? m[i] + __log2f(l[i]) : -INFINITY);
+      }
+      float* dst = a.ws_o + slot * kD;
+#pragma unroll
+      for (int j = 0; j < kNt; ++j) {
+        const int d = 8 * j + 2 * (lane % 4);
+        const float2 val =
+            poisoned ? make_float2(nan, nan)
+                     : make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+        *reinterpret_cast<float2*>(dst + d) = val;
+      }
     }
   }
 }
@@ -2259,7 +2662,8 @@ __global__ void __launch_bounds__(kPartThreads)
     PartitionKernel(const DevicePage* __restrict__ pages,
                     const int32_t* __restrict__ indptr,
                     const int32_t* __restrict__ attend, int T, int parts,
-                    int2* __restrict__ plan, uint32_t* __restrict__ mask) {
+                    bool small_ok, int2* __restrict__ plan,
+                    uint32_t* __restrict__ mask) {
   constexpr int kW = kPartThreads / 32;
   __shared__ int s_total[kClasses];     // class pages in the sequence
   __shared__ int s_run[kClasses];       // class pages before this chunk
@@ -2279,8 +2683,8 @@ __global__ void __launch_bounds__(kPartThreads)
     *c = kClasses;  // none
     if (i < P) {
       const int4 pg = __ldg(reinterpret_cast<const int4*>(pages + first + i));
-      *n = min(max(pg.z, 0), T);       // num_tokens
-      if (*n > 0) *c = ClassOf(pg.w);  // format
+      *n = min(max(pg.z, 0), T);                 // num_tokens
+      if (*n > 0) *c = ClassOf(pg.w, small_ok);  // format
     }
   };
   for (int i = tid; i < P; i += kPartThreads) {
@@ -2489,7 +2893,7 @@ int SmCount() {
 }
 
 struct MmaPlan {
-  int group, row_blocks, splits;
+  int group, row_blocks, small_row_blocks, splits;
   size_t ws_bytes;
 };
 
@@ -2497,6 +2901,7 @@ MmaPlan PlanMma(const AttentionParams& p) {
   MmaPlan m;
   m.group = p.n_q_heads / p.shape.heads;
   m.row_blocks = (m.group + 15) / 16;
+  m.small_row_blocks = (m.group + 7) / 8;
   const long long ctas =
       static_cast<long long>(p.batch) * p.shape.heads * m.row_blocks;
   int splits = p.num_splits;
@@ -2520,11 +2925,11 @@ MmaPlan PlanMma(const AttentionParams& p) {
 
 // Launches the classes of one configuration (kLaunchClasses x the CTAs
 // of one class).
-template <int kD, bool kSmall>
+template <int kD, bool kSmall, int kCtas>
 absl::Status LaunchMmaConfig(const MmaArgs& a, long long class_ctas,
-                             cudaStream_t stream) {
+                             int n_classes, cudaStream_t stream) {
   using Sm = MmaSmem<kD, kSmall>;
-  auto* kernel = &MmaAttentionKernel<kD, kSmall>;
+  auto* kernel = &MmaAttentionKernel<kD, kSmall, kCtas>;
   if (Sm::kTotal > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kTotal);
@@ -2534,7 +2939,7 @@ absl::Status LaunchMmaConfig(const MmaArgs& a, long long class_ctas,
                        " bytes of shared memory: ", cudaGetErrorString(e)));
     }
   }
-  kernel<<<static_cast<unsigned>(kLaunchClasses * class_ctas), kMmaWarps * 32,
+  kernel<<<static_cast<unsigned>(n_classes * class_ctas), kMmaWarps * 32,
            Sm::kTotal, stream>>>(a);
   return LaunchStatus("DecodeAttentionCuda");
 }
@@ -2542,7 +2947,7 @@ absl::Status LaunchMmaConfig(const MmaArgs& a, long long class_ctas,
 template <int kD>
 absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
                        float* ws) {
-  MmaArgs a;
+  MmaArgs a{};
   a.shape = p.shape;
   a.batch = p.batch;
   a.n_q_heads = p.n_q_heads;
@@ -2568,13 +2973,27 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
   a.ws_lse = reinterpret_cast<float*>(w8);
   a.ws_o = reinterpret_cast<float*>(w8 + Align16(slots * sizeof(float)));
   PartitionKernel<<<p.batch, kPartThreads, 0, p.stream>>>(
-      p.pages, p.page_indptr, p.attend_tokens, p.shape.tokens, S, part_plan,
-      mask);
+      p.pages, p.page_indptr, p.attend_tokens, p.shape.tokens, S, SmallOk(kD),
+      part_plan, mask);
   KV_RETURN_IF_ERROR(LaunchStatus("DecodeAttentionCuda partition"));
   const long long class_ctas = static_cast<long long>(p.batch) * p.shape.heads *
                                plan.row_blocks * plan.splits;
-  KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, false>(a, class_ctas, p.stream)));
-  KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true>(a, class_ctas, p.stream)));
+  KV_RETURN_IF_ERROR(
+      (LaunchMmaConfig<kD, false, 1>(a, class_ctas, kLaunchClasses, p.stream)));
+  if constexpr (SmallOk(kD)) {
+    // Transposed kernel: 8 query heads per CTA; classes 1-2 (INT4/INT2
+    // keys), then 3-4 (FP8/INT8 keys).
+    MmaArgs as = a;
+    as.row_blocks = plan.small_row_blocks;
+    const long long small_ctas = static_cast<long long>(p.batch) *
+                                 p.shape.heads * as.row_blocks * plan.splits;
+    as.cls0 = 1;
+    KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, true)>(
+        as, small_ctas, 2, p.stream)));
+    as.cls0 = 3;
+    KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, false)>(
+        as, small_ctas, 2, p.stream)));
+  }
   ReduceKernel<<<static_cast<unsigned>(static_cast<size_t>(p.batch) *
                                        p.n_q_heads),
                  std::min(kD, 128), 0, p.stream>>>(S, kD, p.n_q_heads, mask,
@@ -2727,7 +3146,7 @@ absl::Status DecodeAttentionCuda(const AttentionParams& p) {
   KV_RETURN_IF_ERROR(EnsureTqTables());
   const MmaPlan plan = PlanMma(p);
   if (static_cast<long long>(kLaunchClasses) * p.batch * p.shape.heads *
-          plan.row_blocks * plan.splits >
+          plan.small_row_blocks * plan.splits >
       0x7fffffffLL) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch * heads too large: ", p.batch));

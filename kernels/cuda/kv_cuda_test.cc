@@ -397,7 +397,7 @@ TEST_P(KvCudaAttentionTest, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Grid, KvCudaAttentionTest,
-    ::testing::Combine(::testing::Values(1, 7, 16, 48),
+    ::testing::Combine(::testing::Values(1, 7, 16, 40, 48),
                        ::testing::Values(1, 2, 4, 8, 20),
                        ::testing::Values(8, 24, 16, 32, 64, 128, 256)),
     [](const auto& info) {
