@@ -16,9 +16,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -886,11 +888,13 @@ __global__ void __launch_bounds__(kAttnThreads)
 // -------------------------------------------
 //
 // Grid: one CTA per (encoding class c, sequence b, row block rb of <= 16
-// query heads of the group, KV head h, split), class outermost, in two
-// launches of 4 classes each (MmaSmem: kSmall for INT/FP8 keys, 3 CTAs per
-// SM; the other for BF16/TQ keys, 2 CTAs per SM). A page's class is its K
-// format (ClassOf). PartitionKernel first splits each sequence's pages of
-// each class into S = splits * 4 equal shares (page ranges whose class-c
+// query heads of the group (<= 8 in kSmall), KV head h, split), class
+// outermost, in three launches (the BF16/TQ kernel: classes 0, 5-7, 2 CTAs
+// per SM; the transposed kSmall kernel for INT4/INT2 keys, 4 per SM, and
+// for FP8/INT8 keys, 3 per SM), each with its own split count (SplitsFor).
+// A page's class is its K format (ClassOf). PartitionKernel first splits
+// each sequence's pages of each class into S = splits * 4 equal shares
+// (splits of the class's launch; page ranges whose class-c
 // pages number equally, +-1) with the tokens before each share; warp
 // v = split * 4 + warp of a class-c CTA takes share v, skips the other
 // classes' pages in it (a ballot over each 32-descriptor window) and keeps
@@ -951,8 +955,10 @@ __host__ __device__ constexpr bool SmallOk(int d) { return d >= 64; }
 
 struct MmaArgs {
   PageShape shape;
-  int batch, n_q_heads, group, row_blocks, splits;
-  int cls0;                  // kSmall: first class of the launch
+  int batch, n_q_heads, group, row_blocks;
+  int splits;  // CTAs per (sequence, KV head, row block) in this launch
+  int s_max;   // share stride: the largest shares (splits x 4) of any class
+  int cls0;    // kSmall: first class of the launch
   const uint32_t* cls_mask;  // [batch]: bit c set when class c has pages
   const int2* part_plan;     // [batch][kClasses][S + 1], PartitionKernel
   float scale_log2;
@@ -2104,7 +2110,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
     __syncwarp();
   }
 
-  const int S = a.splits * kMmaWarps, v = split * kMmaWarps + warp;
+  const int S = a.s_max, v = split * kMmaWarps + warp;
   const int part = cls * S + v, parts = kClasses * S;
   // This warp's pages: [p0, p1) holds an equal share (+-1) of the
   // sequence's pages of this class, `before` tokens precede p0.
@@ -2650,8 +2656,14 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
   }
 }
 
+// Shares (split-K partitions, splits x 4 warps) of each class: each launch
+// configuration has its own split count (PlanMma).
+struct ClassShares {
+  int s[kClasses];
+};
+
 // One CTA per sequence b: splits its pages of each encoding class c into
-// `parts` shares of equal page count (+-1) for the attention warps, in
+// shares.s[c] shares of equal page count (+-1) for the attention warps, in
 // page order: share v is pages [plan[b][c][v].x, plan[b][c][v + 1].x) of
 // the table, of which those of class c are that warp's, and plan[b][c][v].y
 // tokens (clipped per page to [0, T], capped at attend[b]) precede it.
@@ -2661,8 +2673,8 @@ constexpr int kPartThreads = 512;
 __global__ void __launch_bounds__(kPartThreads)
     PartitionKernel(const DevicePage* __restrict__ pages,
                     const int32_t* __restrict__ indptr,
-                    const int32_t* __restrict__ attend, int T, int parts,
-                    bool small_ok, int2* __restrict__ plan,
+                    const int32_t* __restrict__ attend, int T, int s_max,
+                    ClassShares shares, bool small_ok, int2* __restrict__ plan,
                     uint32_t* __restrict__ mask) {
   constexpr int kW = kPartThreads / 32;
   __shared__ int s_total[kClasses];     // class pages in the sequence
@@ -2674,7 +2686,7 @@ __global__ void __launch_bounds__(kPartThreads)
   const int b = blockIdx.x;
   const int first = indptr[b], P = indptr[b + 1] - first;
   const long long att = attend[b];
-  int2* out = plan + static_cast<size_t>(b) * kClasses * (parts + 1);
+  int2* out = plan + static_cast<size_t>(b) * kClasses * (s_max + 1);
   if (tid < kClasses) s_total[tid] = s_run[tid] = 0;
   if (tid == 0) s_before = 0;
   __syncthreads();
@@ -2699,7 +2711,7 @@ __global__ void __launch_bounds__(kPartThreads)
     mask[b] = m;
   }
   if (tid < kClasses) {
-    out[tid * (parts + 1) + parts] =
+    out[tid * (s_max + 1) + shares.s[tid]] =
         make_int2(first + P, static_cast<int>(att));
   }
   for (int base = 0; base < P; base += kPartThreads) {
@@ -2738,6 +2750,7 @@ __global__ void __launch_bounds__(kPartThreads)
     __syncthreads();
     if (c < kClasses) {
       const long long rank = s_wcnt[warp][c] + rank_w, cnt = s_total[c];
+      const int parts = shares.s[c];
       const long long before = min(s_wtok[warp] + incl - n, att);
       // The shares v whose first class page has this rank:
       // floor(v * cnt / parts) == rank.
@@ -2745,7 +2758,7 @@ __global__ void __launch_bounds__(kPartThreads)
       const int v_end = static_cast<int>(min(
           static_cast<long long>(parts), ((rank + 1) * parts + cnt - 1) / cnt));
       for (int v = v_lo; v < v_end; ++v) {
-        out[c * (parts + 1) + v] =
+        out[c * (s_max + 1) + v] =
             make_int2(first + base + tid, static_cast<int>(before));
       }
     }
@@ -2753,9 +2766,10 @@ __global__ void __launch_bounds__(kPartThreads)
   }
 }
 
-// One CTA per (sequence, query head): merges the S partial results of each
-// class present in the sequence (absent classes' slots are never written).
-__global__ void ReduceKernel(int S, int D, int n_q,
+// One CTA per (sequence, query head): merges the shares.s[c] partial
+// results of each class c present in the sequence (S = the slot stride per
+// class; absent classes' slots are never written).
+__global__ void ReduceKernel(int S, ClassShares shares, int D, int n_q,
                              const uint32_t* __restrict__ cls_mask,
                              const float* __restrict__ ws_o,
                              const float* __restrict__ ws_lse,
@@ -2768,7 +2782,7 @@ __global__ void ReduceKernel(int S, int D, int n_q,
   bool nan = false;
   for (int c = 0; c < kClasses; ++c) {
     if (((present >> c) & 1u) == 0) continue;
-    for (int s = c * S; s < (c + 1) * S; ++s) {
+    for (int s = c * S; s < c * S + shares.s[c]; ++s) {
       nan = nan || isnan(lse[s]);
       mx = fmaxf(mx, lse[s]);
     }
@@ -2778,7 +2792,7 @@ __global__ void ReduceKernel(int S, int D, int n_q,
     if (mx > -INFINITY) {
       for (int c = 0; c < kClasses; ++c) {
         if (((present >> c) & 1u) == 0) continue;
-        for (int s = c * S; s < (c + 1) * S; ++s) {
+        for (int s = c * S; s < c * S + shares.s[c]; ++s) {
           if (lse[s] == -INFINITY) continue;  // empty partition
           const float w = exp2f(lse[s] - mx);
           wsum += w;
@@ -2892,8 +2906,121 @@ int SmCount() {
   return sms;
 }
 
+// CTAs of each launch configuration resident per SM (the BF16/TQ kernel,
+// the transposed kernel for INT4/INT2 keys and for FP8/INT8 keys; 0 when
+// head_dim has no transposed kernel), from the occupancy calculator.
+struct Residency {
+  int sms = 132, big = 1, low_bit = 0, eight_bit = 0;
+};
+
+template <typename Kernel>
+int ResidentCtas(Kernel* kernel, int smem) {
+  if (smem > 48 * 1024) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         smem);
+  }
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kMmaWarps * 32,
+                                                    smem) != cudaSuccess) {
+    cudaGetLastError();  // no device: any positive count will do
+    n = 1;
+  }
+  return std::max(n, 1);
+}
+
+template <int kD>
+Residency QueryResidency() {
+  Residency r;
+  r.sms = SmCount();
+  r.big = ResidentCtas(&MmaAttentionKernel<kD, false, 1>,
+                       MmaSmem<kD, false>::kTotal);
+  if constexpr (SmallOk(kD)) {
+    r.low_bit =
+        ResidentCtas(&MmaAttentionKernel<kD, true, kSmallCtas(kD, true)>,
+                     MmaSmem<kD, true>::kTotal);
+    r.eight_bit =
+        ResidentCtas(&MmaAttentionKernel<kD, true, kSmallCtas(kD, false)>,
+                     MmaSmem<kD, true>::kTotal);
+  }
+  return r;
+}
+
+// Cached per (device, head_dim).
+Residency ResidencyFor(int d) {
+  static std::mutex* mu = new std::mutex();
+  static std::map<std::pair<int, int>, Residency>* cache =
+      new std::map<std::pair<int, int>, Residency>();
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) cudaGetLastError();
+  std::lock_guard<std::mutex> lock(*mu);
+  const auto key = std::make_pair(dev, d);
+  auto it = cache->find(key);
+  if (it != cache->end()) return it->second;
+  Residency r;
+  switch (d) {
+    case 16:
+      r = QueryResidency<16>();
+      break;
+    case 32:
+      r = QueryResidency<32>();
+      break;
+    case 64:
+      r = QueryResidency<64>();
+      break;
+    case 128:
+      r = QueryResidency<128>();
+      break;
+    default:
+      r = QueryResidency<256>();
+      break;
+  }
+  cache->emplace(key, r);
+  return r;
+}
+
+// Fraction of the CTA slots of its waves that n CTAs fill.
+double WaveEfficiency(long long n, long long slots) {
+  const long long waves = (n + slots - 1) / slots;
+  return static_cast<double>(n) / static_cast<double>(waves * slots);
+}
+
+// Splits of one launch configuration: the fewest whose grid (ctas x
+// splits CTAs, per_sm x SMs resident at a time) fills at least 90% of the
+// slots of its waves (so: at least 0.9 of one wave, and a last wave that
+// is not mostly empty); when none does (tiny batches), the best filled.
+// Measured on the H100 (bench/results/attention.md, num_splits sweep):
+// e.g. batch 16 x 8 KV heads picks 2 for the BF16/TQ kernel (2 CTAs per
+// SM: 256 of 264 slots), 3 for FP8/INT8 keys (3 per SM) and 4 for
+// INT4/INT2 keys (4 per SM), each the fastest of 1-24 for its format, where
+// a split count shared by the three configurations lost up to 0.1 of
+// streaming read to half-empty last waves.
+int SplitsFor(long long ctas, int per_sm, int sms) {
+  const long long slots = 1LL * std::max(per_sm, 1) * std::max(sms, 1);
+  int best_s = 1;
+  double best = 0.0;
+  for (int s = 1; s <= kMaxSplits; ++s) {
+    const double e = WaveEfficiency(ctas * s, slots);
+    if (e >= 0.9) return s;
+    if (e > best + 1e-9) {
+      best = e;
+      best_s = s;
+    }
+  }
+  return best_s;
+}
+
+// Launch configurations: 0 the BF16/TQ kernel (classes 0, 5-7), 1 the
+// transposed kernel for INT4/INT2 keys (classes 1-2), 2 for FP8/INT8 keys
+// (classes 3-4).
+constexpr int kConfigs = 3;
+__host__ __device__ constexpr int ConfigOf(int cls) {
+  return cls == 1 || cls == 2 ? 1 : (cls == 3 || cls == 4 ? 2 : 0);
+}
+
 struct MmaPlan {
-  int group, row_blocks, small_row_blocks, splits;
+  int group, row_blocks, small_row_blocks;
+  int splits[kConfigs];  // per launch configuration (ConfigOf)
+  int s_max;             // largest splits x kMmaWarps: the share stride
   size_t ws_bytes;
 };
 
@@ -2902,22 +3029,27 @@ MmaPlan PlanMma(const AttentionParams& p) {
   m.group = p.n_q_heads / p.shape.heads;
   m.row_blocks = (m.group + 15) / 16;
   m.small_row_blocks = (m.group + 7) / 8;
-  const long long ctas =
-      static_cast<long long>(p.batch) * p.shape.heads * m.row_blocks;
-  int splits = p.num_splits;
-  if (splits <= 0) {
-    // About four resident CTAs per SM, two waves.
-    const long long want = 8LL * SmCount();
-    splits = static_cast<int>((want + ctas - 1) / std::max(1LL, ctas));
+  if (p.num_splits > 0) {
+    for (int c = 0; c < kConfigs; ++c)
+      m.splits[c] = std::min(p.num_splits, kMaxSplits);
+  } else {
+    const long long base = static_cast<long long>(p.batch) * p.shape.heads;
+    const Residency r = ResidencyFor(p.shape.head_dim);
+    m.splits[0] = SplitsFor(base * m.row_blocks, r.big, r.sms);
+    m.splits[1] = SplitsFor(base * m.small_row_blocks, r.low_bit, r.sms);
+    m.splits[2] = SplitsFor(base * m.small_row_blocks, r.eight_bit, r.sms);
+    if (r.low_bit == 0) m.splits[1] = m.splits[2] = 1;  // never launched
   }
-  m.splits = std::min(std::max(splits, 1), kMaxSplits);
-  const size_t slots = static_cast<size_t>(p.batch) * p.n_q_heads * kClasses *
-                       m.splits * kMmaWarps;
+  m.s_max = 0;
+  for (int c = 0; c < kConfigs; ++c)
+    m.s_max = std::max(m.s_max, m.splits[c] * kMmaWarps);
+  const size_t slots =
+      static_cast<size_t>(p.batch) * p.n_q_heads * kClasses * m.s_max;
   // Class masks, partition plans, then partial LSEs, then partial outputs
   // (16-aligned each).
   m.ws_bytes = Align16(static_cast<size_t>(p.batch) * 4) +
-               Align16(static_cast<size_t>(p.batch) * kClasses *
-                       (m.splits * kMmaWarps + 1) * sizeof(int2)) +
+               Align16(static_cast<size_t>(p.batch) * kClasses * (m.s_max + 1) *
+                       sizeof(int2)) +
                Align16(slots * sizeof(float)) +
                slots * p.shape.head_dim * sizeof(float);
   return m;
@@ -2953,15 +3085,19 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
   a.n_q_heads = p.n_q_heads;
   a.group = plan.group;
   a.row_blocks = plan.row_blocks;
-  a.splits = plan.splits;
+  a.splits = plan.splits[0];
+  a.s_max = plan.s_max;
   a.scale_log2 = p.scale * kLog2e;
   a.q = p.q;
   a.pages = p.pages;
   a.indptr = p.page_indptr;
   a.attend = p.attend_tokens;
-  const int S = plan.splits * kMmaWarps;
+  const int S = plan.s_max;
   const size_t slots =
       static_cast<size_t>(p.batch) * p.n_q_heads * kClasses * S;
+  ClassShares shares;
+  for (int c = 0; c < kClasses; ++c)
+    shares.s[c] = plan.splits[ConfigOf(c)] * kMmaWarps;
   uint8_t* w8 = reinterpret_cast<uint8_t*>(ws);
   uint32_t* mask = reinterpret_cast<uint32_t*>(w8);
   w8 += Align16(static_cast<size_t>(p.batch) * 4);
@@ -2973,11 +3109,11 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
   a.ws_lse = reinterpret_cast<float*>(w8);
   a.ws_o = reinterpret_cast<float*>(w8 + Align16(slots * sizeof(float)));
   PartitionKernel<<<p.batch, kPartThreads, 0, p.stream>>>(
-      p.pages, p.page_indptr, p.attend_tokens, p.shape.tokens, S, SmallOk(kD),
-      part_plan, mask);
+      p.pages, p.page_indptr, p.attend_tokens, p.shape.tokens, S, shares,
+      SmallOk(kD), part_plan, mask);
   KV_RETURN_IF_ERROR(LaunchStatus("DecodeAttentionCuda partition"));
   const long long class_ctas = static_cast<long long>(p.batch) * p.shape.heads *
-                               plan.row_blocks * plan.splits;
+                               plan.row_blocks * plan.splits[0];
   KV_RETURN_IF_ERROR(
       (LaunchMmaConfig<kD, false, 1>(a, class_ctas, kLaunchClasses, p.stream)));
   if constexpr (SmallOk(kD)) {
@@ -2985,19 +3121,21 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
     // keys), then 3-4 (FP8/INT8 keys).
     MmaArgs as = a;
     as.row_blocks = plan.small_row_blocks;
-    const long long small_ctas = static_cast<long long>(p.batch) *
-                                 p.shape.heads * as.row_blocks * plan.splits;
+    const long long small_ctas =
+        static_cast<long long>(p.batch) * p.shape.heads * as.row_blocks;
     as.cls0 = 1;
+    as.splits = plan.splits[1];
     KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, true)>(
-        as, small_ctas, 2, p.stream)));
+        as, small_ctas * as.splits, 2, p.stream)));
     as.cls0 = 3;
+    as.splits = plan.splits[2];
     KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, false)>(
-        as, small_ctas, 2, p.stream)));
+        as, small_ctas * as.splits, 2, p.stream)));
   }
   ReduceKernel<<<static_cast<unsigned>(static_cast<size_t>(p.batch) *
                                        p.n_q_heads),
-                 std::min(kD, 128), 0, p.stream>>>(S, kD, p.n_q_heads, mask,
-                                                   a.ws_o, a.ws_lse, p.out);
+                 std::min(kD, 128), 0, p.stream>>>(
+      S, shares, kD, p.n_q_heads, mask, a.ws_o, a.ws_lse, p.out);
   return LaunchStatus("DecodeAttentionCuda reduce");
 }
 
@@ -3146,7 +3284,7 @@ absl::Status DecodeAttentionCuda(const AttentionParams& p) {
   KV_RETURN_IF_ERROR(EnsureTqTables());
   const MmaPlan plan = PlanMma(p);
   if (static_cast<long long>(kLaunchClasses) * p.batch * p.shape.heads *
-          plan.small_row_blocks * plan.splits >
+          plan.small_row_blocks * (plan.s_max / kMmaWarps) >
       0x7fffffffLL) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch * heads too large: ", p.batch));

@@ -173,8 +173,10 @@ struct AttentionParams {
   // Optional (added; defaults keep older callers unchanged):
   void* workspace = nullptr;  // see AttentionWorkspaceBytes
   size_t workspace_bytes = 0;
-  // CTAs per (sequence, KV head, encoding class); 0 = choose from
-  // batch * heads and the SM count. Clamped to [1, 64].
+  // CTAs per (sequence, KV head, encoding class); 0 = choose per kernel
+  // configuration from batch * heads, the SM count and that kernel's
+  // resident CTAs per SM (the fewest splits whose grid fills >= 90% of the
+  // slots of its waves). Clamped to [1, 64].
   int num_splits = 0;
 };
 absl::Status DecodeAttentionCuda(const AttentionParams& p);
