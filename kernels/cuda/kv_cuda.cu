@@ -938,7 +938,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 // cache switching formats tile by tile). Classes 1-4 (K INT4, INT2, FP8,
 // INT8) run the transposed kSmall kernel, which needs INT/FP8 values too
 // and head_dim >= 64 (small_ok); other pages with such keys join class 0,
-// whose kernel takes every format.
+// whose kernel takes every format. Likewise classes 5 and 7 (K TQ4, TQ2)
+// run its kTq variant with TQ4/TQ2 values (else they join class 6).
 constexpr int kClasses = 8;
 __host__ __device__ __forceinline__ int ClassOf(int32_t packed_format,
                                                 bool small_ok) {
@@ -948,6 +949,11 @@ __host__ __device__ __forceinline__ int ClassOf(int32_t packed_format,
   if (fv == 0) fv = fk;
   const bool k_small = fk >= 2 && fk <= 5, v_small = fv >= 2 && fv <= 5;
   if (k_small && !(small_ok && v_small)) return 0;
+  // TQ4/TQ2 keys take the transposed kTq kernel with TQ4/TQ2 values only;
+  // with other values they join class 6 (TQ3 keys: the full kernel, whose
+  // CTAs of that class build Q' = R Q).
+  const bool k_tq = fk == 6 || fk == 8, v_tq = fv == 6 || fv == 8;
+  if (small_ok && k_tq && !v_tq) return 6;
   return (fk - 1u) & (kClasses - 1);
 }
 // head_dims whose kSmall kernel is built (ValuesRegT: runs of >= 2 bytes).
@@ -958,7 +964,8 @@ struct MmaArgs {
   int batch, n_q_heads, group, row_blocks;
   int splits;  // CTAs per (sequence, KV head, row block) in this launch
   int s_max;   // share stride: the largest shares (splits x 4) of any class
-  int cls0;    // kSmall: first class of the launch
+  // The launch's classes, 4 bits each (ClassList; outermost grid index).
+  uint32_t classes;
   const uint32_t* cls_mask;  // [batch]: bit c set when class c has pages
   const int2* part_plan;     // [batch][kClasses][S + 1], PartitionKernel
   float scale_log2;
@@ -994,7 +1001,9 @@ struct MmaSmem {
   static constexpr int kWarpBytes = kPlan + kPlans * kPlanBytes;
   static constexpr int kCb = kWarp0 + kMmaWarps * kWarpBytes;  // float[3][16]
   static constexpr int kSign = kCb + 48 * 4;                   // float[kD]
-  static constexpr int kTotal = kSign + kD * 4;
+  // kSmall: the TQ level-pair tables (ScoresTqT): 256 + 16 fp16 pairs.
+  static constexpr int kLut = kSign + kD * 4;
+  static constexpr int kTotal = kLut + (kSmall ? (256 + 16) * 4 : 0);
   // The largest tile (K and V BF16, or INT8 with metadata) fits the ring,
   // and so does the float32 Q staged through warp 0's ring.
   static_assert(kRing >= 2 * kTileBytes + 4 * (2 * kD + 32), "ring too small");
@@ -1002,12 +1011,15 @@ struct MmaSmem {
   static_assert(kRing + kTileBytes <= 65535, "TileDesc offsets are 16-bit");
 };
 
-// Classes of each configuration: kSmall runs classes 1-4 (K INT4, INT2,
-// FP8, INT8) in two launches (MmaArgs::cls0, two classes each), the other
-// 0 and 5-7 (K BF16, TQ4, TQ3, TQ2) in one.
-constexpr int kLaunchClasses = 4;
-__host__ __device__ __forceinline__ int LaunchClass(bool small, int i) {
-  return small ? 1 + i : (i == 0 ? 0 : 4 + i);
+// Classes per launch (MmaArgs::classes): with head_dim >= 64, the full
+// kernel runs classes 0 and 6 (BF16 and TQ3 keys, and the pages that fit
+// no transposed class: INT/FP8 keys join 0, TQ keys 6), the transposed
+// kernel 1-2 (INT4/INT2 keys), 3-4
+// (FP8/INT8 keys) and 5, 7 (TQ4/TQ2, its kTq variant); below 64 the full
+// kernel runs 0 and 5-7 (classes 1-4 get no pages then).
+constexpr int kLaunchClasses = 4;  // the most classes in one launch
+constexpr uint32_t ClassList(int c0, int c1, int c2 = 0, int c3 = 0) {
+  return static_cast<uint32_t>(c0 | c1 << 4 | c2 << 8 | c3 << 12);
 }
 // Registers of the kSmall kernel are capped for this many CTAs per SM:
 // measured on the H100 (batch 64 x 32k), INT4/INT2 keys run fastest at 4
@@ -1031,6 +1043,16 @@ struct TileDesc {
   uint64_t bar;
 };
 static_assert(sizeof(TileDesc) == 32, "TileDesc is 32 bytes");
+
+// 2^x by the SFU alone (ex2.approx.ftz: relative error ~2^-22, results
+// below 2^-126 flushed to 0, 2^-inf = 0). exp2f adds a range check and two
+// multiplies per call to keep denormal results, which softmax weights that
+// small do not need.
+__device__ __forceinline__ float Exp2Fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -1218,6 +1240,26 @@ __device__ __forceinline__ void MetaQuad(const uint8_t* base, int i,
     const uint2 w = *reinterpret_cast<const uint2*>(base + 2 * i);
     out[0] = U32AsHalf2(w.x);
     out[1] = U32AsHalf2(w.y);
+  }
+}
+
+// Eight adjacent metadata elements i..i+7 (i a multiple of 8) as four fp16
+// pairs: one 16-byte (FP16) or 8-byte (FP8) load.
+template <bool kFp8Meta>
+__device__ __forceinline__ void MetaOct(const uint8_t* base, int i,
+                                        __half2 (&out)[4]) {
+  if constexpr (kFp8Meta) {
+    const uint2 w = *reinterpret_cast<const uint2*>(base + i);
+    out[0] = Fp8x2ToHalf2(w.x);
+    out[1] = Fp8x2ToHalf2(w.x >> 16);
+    out[2] = Fp8x2ToHalf2(w.y);
+    out[3] = Fp8x2ToHalf2(w.y >> 16);
+  } else {
+    const uint4 w = *reinterpret_cast<const uint4*>(base + 2 * i);
+    out[0] = U32AsHalf2(w.x);
+    out[1] = U32AsHalf2(w.y);
+    out[2] = U32AsHalf2(w.z);
+    out[3] = U32AsHalf2(w.w);
   }
 }
 
@@ -1541,13 +1583,17 @@ __device__ __forceinline__ void ScoresRegT(const uint8_t* codes,
   LoadRun<kR>(codes + t * kRowBytes + q * kR, w[0]);
   LoadRun<kR>(codes + (t + 8) * kRowBytes + q * kR, w[1]);
   const int m0 = q * (kD / 4);  // first channel of the run
+  __half2 s8[4], z8[4];         // channels m0 + 8 (kk / 2) .. + 7
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
-    __half2 s2[2], z2[2];
     if constexpr (F != 4) {
-      MetaQuad<kFp8Meta>(sc, m0 + 4 * kk, s2);
-      MetaQuad<kFp8Meta>(zr, m0 + 4 * kk, z2);
+      if (kk % 2 == 0) {
+        MetaOct<kFp8Meta>(sc, m0 + 4 * kk, s8);
+        MetaOct<kFp8Meta>(zr, m0 + 4 * kk, z8);
+      }
     }
+    const __half2* s2 = s8 + 2 * (kk % 2);
+    const __half2* z2 = z8 + 2 * (kk % 2);
     uint32_t af[4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -1731,6 +1777,244 @@ __device__ __forceinline__ void ValuesRegTAny(int f, const uint8_t* codes,
       break;
   }
 #undef KV_VALUES
+}
+
+// ---- Transposed TQ tiles (kSmall, kTq: TQ4/TQ2 keys and values) ----------
+//
+// Codes become fp16 levels through a table in shared memory indexed by one
+// byte: kLut4[b] = (level4[b & 15], level4[b >> 4]), kLut2[n] =
+// (level2[n & 3], level2[n >> 2]) — for keys, a byte (TQ4) or nibble (TQ2)
+// of a token's codes is one A register (dims 2p, 2p + 1); for values, the
+// same index is built from one dim of two tokens (low half token a). Keys
+// score against Q' = R Q (QueryRegsRotT) and their row norms scale S^T's
+// rows; value norms scale P (after the softmax sums); values accumulate in
+// the rotated domain and O^T is rotated back once (RotateAccT).
+
+// QueryRegsT for TQ keys: the B operand of Q' = R Q = H (signs * q) /
+// sqrt(D). Lane q holds its run of D / 4 dims; the FWHT's strides below
+// D / 4 run in registers, the two above across lanes q ^ 1, q ^ 2.
+template <int kD>
+__device__ __forceinline__ void QueryRegsRotT(const float* q_row, bool in,
+                                              float scale, const float* sign,
+                                              int lane,
+                                              uint32_t (&qb)[kD / 8]) {
+  constexpr int kR = kD / 4;
+  const int q = lane % 4, d0 = q * kR;
+  float x[kR];
+#pragma unroll
+  for (int j = 0; j < kR; j += 2) {
+    const float2 v = in ? *reinterpret_cast<const float2*>(q_row + d0 + j)
+                        : make_float2(0.f, 0.f);
+    x[j] = v.x * sign[d0 + j];
+    x[j + 1] = v.y * sign[d0 + j + 1];
+  }
+#pragma unroll
+  for (int len = 1; len < kR; len <<= 1) {
+#pragma unroll
+    for (int j = 0; j < kR; ++j) {
+      if ((j & len) == 0) {
+        const float a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 4; m <<= 1) {
+#pragma unroll
+    for (int j = 0; j < kR; ++j) {
+      const float y = __shfl_xor_sync(0xffffffffu, x[j], m);
+      x[j] = (q & m) ? y - x[j] : x[j] + y;
+    }
+  }
+  const float f = scale * rsqrtf(static_cast<float>(kD));
+#pragma unroll
+  for (int p = 0; p < kD / 8; ++p)
+    qb[p] = PackHalf(x[2 * p] * f, x[2 * p + 1] * f);
+}
+
+// S^T += K' Q'^T for one staged TQ4 (F 6) or TQ2 (F 8) key tile, then each
+// row times its token's norm (`norms`: the tile's f16 row norms). Rows >=
+// nt yield garbage that the caller masks.
+template <int F, int kD>
+__device__ __forceinline__ void ScoresTqT(const uint8_t* codes,
+                                          const uint8_t* norms,
+                                          const uint32_t* lut,
+                                          const uint32_t (&qb)[kD / 8],
+                                          int lane, float (&s)[4]) {
+  constexpr int kBits = F == 6 ? 4 : 2;
+  constexpr int kRowBytes = kD * kBits / 8;
+  constexpr int kR = kRowBytes / 4;  // bytes of a lane's run of dims
+  const int g = lane / 4, q = lane % 4, t = TokOf(g);
+  uint32_t w[2][kR >= 4 ? kR / 4 : 1];
+  LoadRun<kR>(codes + t * kRowBytes + q * kR, w[0]);
+  LoadRun<kR>(codes + (t + 8) * kRowBytes + q * kR, w[1]);
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    uint32_t af[4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int p = 2 * kk + r;  // dims 2p, 2p + 1 of the run
+        uint32_t idx;
+        if constexpr (F == 6) {
+          idx = (w[j][p / 4] >> (8 * (p % 4))) & 0xffu;
+        } else {
+          idx = (w[j][p / 8] >> (4 * (p % 8))) & 0xfu;
+        }
+        af[2 * r + j] = lut[idx];
+      }
+    }
+    MmaF16(s, af, qb[2 * kk], qb[2 * kk + 1]);
+  }
+  const float n0 = HalfBits(LoadU16(norms + 2 * t)),
+              n1 = HalfBits(LoadU16(norms + 2 * (t + 8)));
+  s[0] *= n0;
+  s[1] *= n0;
+  s[2] *= n1;
+  s[3] *= n1;
+}
+
+template <int kD>
+__device__ __forceinline__ void ScoresTqTAny(int f, const uint8_t* codes,
+                                             const uint8_t* norms,
+                                             const uint32_t* lut4,
+                                             const uint32_t* lut2,
+                                             const uint32_t (&qb)[kD / 8],
+                                             int lane, float (&s)[4]) {
+  if (f == 6) {
+    ScoresTqT<6, kD>(codes, norms, lut4, qb, lane, s);
+  } else {
+    ScoresTqT<8, kD>(codes, norms, lut2, qb, lane, s);
+  }
+}
+
+// O'^T += V'^T P'^T for one staged TQ4 (F 6) or TQ2 (F 8) value tile (levels
+// only: the caller scaled P by the row norms). Token slots as ValuesRegT.
+template <int F, int kD>
+__device__ __forceinline__ void ValuesTqT(const uint8_t* codes,
+                                          const uint32_t* lut, int nt,
+                                          uint32_t pb0, uint32_t pb1, int lane,
+                                          float (&o)[kD / 16][4]) {
+  constexpr int kBits = F == 6 ? 4 : 2;
+  constexpr int kRowBytes = kD * kBits / 8;
+  constexpr int kRv = kD / 8;           // dims of a lane's run
+  constexpr int kRb = kRv * kBits / 8;  // bytes of a lane's run (>= 2)
+  constexpr int kW = kRb >= 4 ? kRb / 4 : 1;
+  constexpr int kPerWord = 32 / kBits;  // dims per 32-bit word
+  static_assert(kRb >= 2, "ValuesTqT needs runs of two bytes or more");
+  const int g = lane / 4, q = lane % 4;
+  int tok[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    tok[k] = min(TokOf(2 * q + 8 * (k / 2) + k % 2), nt - 1);
+  uint32_t w[4][kW];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    LoadRun<kRb>(codes + tok[k] * kRowBytes + g * kRb, w[k]);
+  uint32_t v[2][kRv];
+#pragma unroll
+  for (int tp = 0; tp < 2; ++tp) {
+#pragma unroll
+    for (int i = 0; i < kW; ++i) {
+      const uint32_t a = w[2 * tp][i], b = w[2 * tp + 1][i];
+      // lo: indices of the even dims of the word, hi: the odd dims (one
+      // byte (TQ4) or nibble (TQ2) each: token a's code low, b's high).
+      uint32_t lo, hi;
+      if constexpr (F == 6) {
+        lo = (a & 0x0f0f0f0fu) | ((b << 4) & 0xf0f0f0f0u);
+        hi = ((a >> 4) & 0x0f0f0f0fu) | (b & 0xf0f0f0f0u);
+      } else {
+        lo = (a & 0x33333333u) | ((b << 2) & 0xccccccccu);
+        hi = ((a >> 2) & 0x33333333u) | (b & 0xccccccccu);
+      }
+#pragma unroll
+      for (int k = 0; k < kPerWord / 2; ++k) {
+        const int e = i * kPerWord + 2 * k;
+        if (e < kRv) {
+          constexpr int kIdxBits = 2 * kBits, kMask = (1 << kIdxBits) - 1;
+          v[tp][e] = lut[(lo >> (kIdxBits * k)) & kMask];
+          v[tp][e + 1] = lut[(hi >> (kIdxBits * k)) & kMask];
+        }
+      }
+    }
+  }
+  const uint32_t pb[2] = {pb0, pb1};
+#pragma unroll
+  for (int i = 0; i < kRv / 2; ++i) {
+    const uint32_t af[4] = {v[0][2 * i], v[0][2 * i + 1], v[1][2 * i],
+                            v[1][2 * i + 1]};
+    MmaF16(o[i], af, pb[0], pb[1]);
+  }
+}
+
+template <int kD>
+__device__ __forceinline__ void ValuesTqTAny(int f, const uint8_t* codes,
+                                             const uint32_t* lut4,
+                                             const uint32_t* lut2, int nt,
+                                             uint32_t pb0, uint32_t pb1,
+                                             int lane, float (&o)[kD / 16][4]) {
+  if (f == 6) {
+    ValuesTqT<6, kD>(codes, lut4, nt, pb0, pb1, lane, o);
+  } else {
+    ValuesTqT<8, kD>(codes, lut2, nt, pb0, pb1, lane, o);
+  }
+}
+
+// O^T = R^T O'^T = signs * H O'^T / sqrt(D) on the transposed accumulator:
+// lane (g, q) holds dims g * D / 8 + e, e = 2i + h (o[i][2h], o[i][2h + 1]
+// for query heads 2q, 2q + 1). Strides below D / 8 in registers, the three
+// above across lanes g ^ 1, g ^ 2, g ^ 4.
+template <int kD>
+__device__ __forceinline__ void RotateAccT(float (&o)[kD / 16][4],
+                                           const float* sign, int lane) {
+  constexpr int kM = kD / 16;
+  const int g = lane / 4;
+#pragma unroll
+  for (int i = 0; i < kM; ++i) {  // stride 1: h = 0 <-> h = 1
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float a = o[i][c], b = o[i][2 + c];
+      o[i][c] = a + b;
+      o[i][2 + c] = a - b;
+    }
+  }
+#pragma unroll
+  for (int len = 1; len < kM; len <<= 1) {  // strides 2 .. D / 16
+#pragma unroll
+    for (int i = 0; i < kM; ++i) {
+      if ((i & len) == 0) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float a = o[i][c], b = o[i + len][c];
+          o[i][c] = a + b;
+          o[i + len][c] = a - b;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 8; m <<= 1) {  // strides D / 8 .. D / 2
+#pragma unroll
+    for (int i = 0; i < kM; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float y = __shfl_xor_sync(0xffffffffu, o[i][c], 4 * m);
+        o[i][c] = (g & m) ? y - o[i][c] : o[i][c] + y;
+      }
+    }
+  }
+  const float f = rsqrtf(static_cast<float>(kD));
+#pragma unroll
+  for (int i = 0; i < kM; ++i) {
+    const float2 sg =
+        *reinterpret_cast<const float2*>(sign + g * (kD / 8) + 2 * i);
+    o[i][0] *= sg.x * f;
+    o[i][1] *= sg.x * f;
+    o[i][2] *= sg.y * f;
+    o[i][3] *= sg.y * f;
+  }
 }
 
 // Dequantizes one staged TQ tile (F 6, 7, 8) of one tensor from the warp's
@@ -2016,8 +2300,9 @@ __device__ TilePlan MakeTilePlan(int32_t fmt, const PageShape& s, int h) {
   return pl;
 }
 
-// kCtas: CTAs per SM the registers are capped for (kSmallCtas).
-template <int kD, bool kSmall, int kCtas>
+// kCtas: CTAs per SM the registers are capped for (kSmallCtas). kTq
+// (kSmall only): the TQ4/TQ2 variant of the transposed kernel.
+template <int kD, bool kSmall, int kCtas, bool kTq = false>
 __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
     MmaAttentionKernel(const MmaArgs a) {
   extern __shared__ __align__(16) uint8_t sm[];
@@ -2035,8 +2320,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
   x /= a.row_blocks;
   const int b = x % a.batch;
   // Outermost: CTAs run class by class.
-  const int cls =
-      kSmall ? a.cls0 + x / a.batch : LaunchClass(false, x / a.batch);
+  const int cls = (a.classes >> (4 * (x / a.batch))) & 0xf;
   // No page of this class in the sequence: its partitions are skipped by
   // the reduce (same mask), nothing to write.
   if (((a.cls_mask[b] >> cls) & 1u) == 0) return;
@@ -2044,7 +2328,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
   constexpr int kRows = kSmall ? 8 : 16;
   const int row0 = rb * kRows, nrows = min(kRows, a.group - row0);
   const bool hi_rows = nrows > 8;  // mma rows 8-15 hold query heads
-  const bool tq_ok = !kSmall && TqDim(kD);
+  const bool tq_ok = (!kSmall || kTq) && TqDim(kD);
   // Q' = R Q only for classes whose keys are TQ (K format 6-8).
   const bool tq_keys = !kSmall && tq_ok && IsTq(cls + 1);
   float* s_cb = reinterpret_cast<float*>(sm + Sm::kCb);
@@ -2055,12 +2339,28 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
       s_cb[i] = g_tq_cb[l][i / 16][i % 16];
     for (int i = tid; i < kD; i += blockDim.x) s_sign[i] = g_tq_sign[l][i];
   }
+  const uint32_t* s_lut4 = reinterpret_cast<const uint32_t*>(sm + Sm::kLut);
+  const uint32_t* s_lut2 = s_lut4 + 256;
+  if constexpr (kTq) {
+    const int l = Log2Dim(kD);
+    const float* cb4 = g_tq_cb[l][2];
+    const float* cb2 = g_tq_cb[l][0];
+    uint32_t* lut = reinterpret_cast<uint32_t*>(sm + Sm::kLut);
+    for (int i = tid; i < 256 + 16; i += blockDim.x) {
+      lut[i] = i < 256 ? PackHalf(cb4[i & 15], cb4[i >> 4])
+                       : PackHalf(cb2[(i - 256) & 3], cb2[(i - 256) >> 2]);
+    }
+    __syncthreads();
+  }
   // Q (scaled, rows >= nrows zero): kSmall lanes hold their B operand
   // (QueryRegsT); else via warp 0's ring into shared tiles, then Q' = R Q.
   const size_t qbase =
       (static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0) * kD;
   uint32_t qb[kSmall ? kD / 8 : 1];
-  if constexpr (kSmall) {
+  if constexpr (kTq) {
+    QueryRegsRotT<kD>(a.q + qbase + (lane / 4) * kD, lane / 4 < nrows,
+                      a.scale_log2, s_sign, lane, qb);
+  } else if constexpr (kSmall) {
     QueryRegsT<kD>(a.q + qbase + (lane / 4) * kD, lane / 4 < nrows,
                    a.scale_log2, lane, qb);
   } else {
@@ -2387,8 +2687,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
       // O^T += V^T P^T. Keys and values are INT or FP8 (ClassOf).
       const int g = lane / 4;
       float st[4] = {0.f, 0.f, 0.f, 0.f};
-      ScoresRegTAny<kD>(e.k, ring + d.pos[0], ring + d.pos[2], ring + d.pos[3],
-                        e.sdt, qb, lane, st);
+      if constexpr (kTq) {
+        ScoresTqTAny<kD>(e.k, ring + d.pos[0], ring + d.pos[2], s_lut4, s_lut2,
+                         qb, lane, st);
+      } else {
+        ScoresRegTAny<kD>(e.k, ring + d.pos[0], ring + d.pos[2],
+                          ring + d.pos[3], e.sdt, qb, lane, st);
+      }
       if (TokOf(g) >= nt) st[0] = st[1] = -INFINITY;
       if (TokOf(g) + 8 >= nt) st[2] = st[3] = -INFINITY;
       float corr[2], p[4];
@@ -2399,9 +2704,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
         const float m_new = fmaxf(m[j], mx);
-        corr[j] = exp2f(m[j] - m_new);
-        p[j] = exp2f(st[j] - m_new);
-        p[2 + j] = exp2f(st[2 + j] - m_new);
+        corr[j] = Exp2Fast(m[j] - m_new);
+        p[j] = Exp2Fast(st[j] - m_new);
+        p[2 + j] = Exp2Fast(st[2 + j] - m_new);
         float sum = p[j] + p[2 + j];
         sum += __shfl_xor_sync(0xffffffffu, sum, 4);
         sum += __shfl_xor_sync(0xffffffffu, sum, 8);
@@ -2418,11 +2723,28 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
           o[i][3] *= corr[1];
         }
       }
+      if constexpr (kTq) {
+        // TQ values: P's rows times the value norms (after l took the plain
+        // sums); rows >= nt have p = 0 and must not meet non-finite norms.
+        const uint8_t* nv = ring + d.pos[4];
+        const int t = TokOf(g);
+        const float n0 = t < nt ? HalfBits(LoadU16(nv + 2 * t)) : 0.f;
+        const float n1 = t + 8 < nt ? HalfBits(LoadU16(nv + 2 * (t + 8))) : 0.f;
+        p[0] *= n0;
+        p[1] *= n0;
+        p[2] *= n1;
+        p[3] *= n1;
+      }
       // P^T as the B operand: tokens 0-7 and 8-15 of query head g.
       const uint32_t pb0 = Movm(PackHalf(p[0], p[1]));
       const uint32_t pb1 = Movm(PackHalf(p[2], p[3]));
-      ValuesRegTAny<kD>(e.v, ring + d.pos[1], ring + d.pos[4], ring + d.pos[5],
-                        e.sdt, lg_gv, nt, pb0, pb1, lane, o);
+      if constexpr (kTq) {
+        ValuesTqTAny<kD>(e.v, ring + d.pos[1], s_lut4, s_lut2, nt, pb0, pb1,
+                         lane, o);
+      } else {
+        ValuesRegTAny<kD>(e.v, ring + d.pos[1], ring + d.pos[4],
+                          ring + d.pos[5], e.sdt, lg_gv, nt, pb0, pb1, lane, o);
+      }
     } else {
       // S = Q K^T: rows = query heads, cols = tokens (two n-tiles of 8).
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -2517,13 +2839,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m[i], mx);
-        corr[i] = exp2f(m[i] - m_new);
+        corr[i] = Exp2Fast(m[i] - m_new);
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            p[j][2 * i + c] = exp2f(sc[j][2 * i + c] - m_new);
+            p[j][2 * i + c] = Exp2Fast(sc[j][2 * i + c] - m_new);
             sum += p[j][2 * i + c];
           }
         }
@@ -2605,6 +2927,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
   if constexpr (kSmall) {
     // O^T: m-tile i, lane (g, q) holds dims g * kD / 8 + 2i, + 1 of query
     // heads 2q (o[i][0], o[i][2]) and 2q + 1 (o[i][1], o[i][3]).
+    if constexpr (kTq) RotateAccT<kD>(o, s_sign, lane);
     const int g = lane / 4;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -2910,7 +3233,7 @@ int SmCount() {
 // the transposed kernel for INT4/INT2 keys and for FP8/INT8 keys; 0 when
 // head_dim has no transposed kernel), from the occupancy calculator.
 struct Residency {
-  int sms = 132, big = 1, low_bit = 0, eight_bit = 0;
+  int sms = 132, big = 1, low_bit = 0, eight_bit = 0, tq = 0;
 };
 
 template <typename Kernel>
@@ -2940,6 +3263,9 @@ Residency QueryResidency() {
                      MmaSmem<kD, true>::kTotal);
     r.eight_bit =
         ResidentCtas(&MmaAttentionKernel<kD, true, kSmallCtas(kD, false)>,
+                     MmaSmem<kD, true>::kTotal);
+    r.tq =
+        ResidentCtas(&MmaAttentionKernel<kD, true, kSmallCtas(kD, true), true>,
                      MmaSmem<kD, true>::kTotal);
   }
   return r;
@@ -3009,12 +3335,16 @@ int SplitsFor(long long ctas, int per_sm, int sms) {
   return best_s;
 }
 
-// Launch configurations: 0 the BF16/TQ kernel (classes 0, 5-7), 1 the
-// transposed kernel for INT4/INT2 keys (classes 1-2), 2 for FP8/INT8 keys
-// (classes 3-4).
-constexpr int kConfigs = 3;
-__host__ __device__ constexpr int ConfigOf(int cls) {
-  return cls == 1 || cls == 2 ? 1 : (cls == 3 || cls == 4 ? 2 : 0);
+// Launch configurations: 0 the full kernel, 1 the transposed kernel for
+// INT4/INT2 keys (classes 1-2), 2 for FP8/INT8 keys (classes 3-4), 3 its
+// TQ variant (classes 5, 7; head_dim >= 64, else they are the full
+// kernel's).
+constexpr int kConfigs = 4;
+__host__ __device__ constexpr int ConfigOf(int cls, bool small_ok) {
+  return cls == 1 || cls == 2                 ? 1
+         : cls == 3 || cls == 4               ? 2
+         : (cls == 5 || cls == 7) && small_ok ? 3
+                                              : 0;
 }
 
 struct MmaPlan {
@@ -3038,7 +3368,8 @@ MmaPlan PlanMma(const AttentionParams& p) {
     m.splits[0] = SplitsFor(base * m.row_blocks, r.big, r.sms);
     m.splits[1] = SplitsFor(base * m.small_row_blocks, r.low_bit, r.sms);
     m.splits[2] = SplitsFor(base * m.small_row_blocks, r.eight_bit, r.sms);
-    if (r.low_bit == 0) m.splits[1] = m.splits[2] = 1;  // never launched
+    m.splits[3] = SplitsFor(base * m.small_row_blocks, r.tq, r.sms);
+    if (r.low_bit == 0) m.splits[1] = m.splits[2] = m.splits[3] = 1;  // unused
   }
   m.s_max = 0;
   for (int c = 0; c < kConfigs; ++c)
@@ -3055,13 +3386,13 @@ MmaPlan PlanMma(const AttentionParams& p) {
   return m;
 }
 
-// Launches the classes of one configuration (kLaunchClasses x the CTAs
-// of one class).
-template <int kD, bool kSmall, int kCtas>
+// Launches the classes of one configuration (n_classes x the CTAs of one
+// class).
+template <int kD, bool kSmall, int kCtas, bool kTq = false>
 absl::Status LaunchMmaConfig(const MmaArgs& a, long long class_ctas,
                              int n_classes, cudaStream_t stream) {
   using Sm = MmaSmem<kD, kSmall>;
-  auto* kernel = &MmaAttentionKernel<kD, kSmall, kCtas>;
+  auto* kernel = &MmaAttentionKernel<kD, kSmall, kCtas, kTq>;
   if (Sm::kTotal > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kTotal);
@@ -3097,7 +3428,7 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
       static_cast<size_t>(p.batch) * p.n_q_heads * kClasses * S;
   ClassShares shares;
   for (int c = 0; c < kClasses; ++c)
-    shares.s[c] = plan.splits[ConfigOf(c)] * kMmaWarps;
+    shares.s[c] = plan.splits[ConfigOf(c, SmallOk(kD))] * kMmaWarps;
   uint8_t* w8 = reinterpret_cast<uint8_t*>(ws);
   uint32_t* mask = reinterpret_cast<uint32_t*>(w8);
   w8 += Align16(static_cast<size_t>(p.batch) * 4);
@@ -3114,23 +3445,32 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
   KV_RETURN_IF_ERROR(LaunchStatus("DecodeAttentionCuda partition"));
   const long long class_ctas = static_cast<long long>(p.batch) * p.shape.heads *
                                plan.row_blocks * plan.splits[0];
-  KV_RETURN_IF_ERROR(
-      (LaunchMmaConfig<kD, false, 1>(a, class_ctas, kLaunchClasses, p.stream)));
   if constexpr (SmallOk(kD)) {
+    a.classes = ClassList(0, 6);
+    KV_RETURN_IF_ERROR(
+        (LaunchMmaConfig<kD, false, 1>(a, class_ctas, 2, p.stream)));
     // Transposed kernel: 8 query heads per CTA; classes 1-2 (INT4/INT2
-    // keys), then 3-4 (FP8/INT8 keys).
+    // keys), 3-4 (FP8/INT8 keys), then 5 and 7 (TQ4/TQ2).
     MmaArgs as = a;
     as.row_blocks = plan.small_row_blocks;
     const long long small_ctas =
         static_cast<long long>(p.batch) * p.shape.heads * as.row_blocks;
-    as.cls0 = 1;
+    as.classes = ClassList(1, 2);
     as.splits = plan.splits[1];
     KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, true)>(
         as, small_ctas * as.splits, 2, p.stream)));
-    as.cls0 = 3;
+    as.classes = ClassList(3, 4);
     as.splits = plan.splits[2];
     KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, false)>(
         as, small_ctas * as.splits, 2, p.stream)));
+    as.classes = ClassList(5, 7);
+    as.splits = plan.splits[3];
+    KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, true), true>(
+        as, small_ctas * as.splits, 2, p.stream)));
+  } else {
+    a.classes = ClassList(0, 5, 6, 7);
+    KV_RETURN_IF_ERROR(
+        (LaunchMmaConfig<kD, false, 1>(a, class_ctas, 4, p.stream)));
   }
   ReduceKernel<<<static_cast<unsigned>(static_cast<size_t>(p.batch) *
                                        p.n_q_heads),
