@@ -559,6 +559,10 @@ absl::Status CudaDevice::AttendGroup(
   auto* indptr = reinterpret_cast<int32_t*>(h + q_bytes + table_bytes);
   int32_t* attend = indptr + n + 1;
   indptr[0] = 0;
+  // The encodings present let the kernel skip launch configurations that
+  // no page needs (one launch per configuration otherwise).
+  uint32_t formats = 0;
+  int32_t last_format = 0;
   for (int i = 0; i < n; ++i) {
     const size_t b = idx[i];
     std::memcpy(h + i * qvalues * 4, batch[b].q, qvalues * 4);
@@ -566,7 +570,13 @@ absl::Status CudaDevice::AttendGroup(
                 tables[b].size() * sizeof(kc::DevicePage));
     indptr[i + 1] = indptr[i] + static_cast<int32_t>(tables[b].size());
     attend[i] = static_cast<int32_t>(batch[b].attend_tokens);
+    for (const kc::DevicePage& dp : tables[b]) {
+      if (dp.format == last_format && formats != 0) continue;
+      last_format = dp.format;
+      formats |= kc::AttentionFormatBit(dp.format, shape.head_dim);
+    }
   }
+  a.formats_present = formats;
   TRIAX_RETURN_IF_ERROR(Check(
       cudaMemcpyAsync(lane.scratch, h, up, cudaMemcpyHostToDevice, lane.stream),
       "DecodeAttention upload"));

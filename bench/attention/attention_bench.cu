@@ -13,6 +13,7 @@
 // Flags: --iters N (default 30)  --quick (batch 16, 32k only)
 //        --batch N, --context N (only that batch / context in the sweep)
 //        --format NAME (only that row of the decode table, e.g. int4)
+//        --no_format_hint (launch every kernel configuration)
 //        --splits_sweep (time num_splits 0 (auto), 1..24 on four shapes)
 // Output: markdown tables on stdout.
 #include <cuda_runtime.h>
@@ -171,6 +172,7 @@ Filled FillPool(const Pool& pool, const PageShape& s, const Fmt& fmt,
 int main(int argc, char** argv) {
   bool quick = false, sweep = false;
   int only_batch = 0, only_ctx = 0;
+  bool format_hint = true;  // AttentionParams::formats_present
   const char* only_fmt = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
@@ -183,6 +185,8 @@ int main(int argc, char** argv) {
       only_fmt = argv[++i];
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
+    } else if (!std::strcmp(argv[i], "--no_format_hint")) {
+      format_hint = false;
     } else if (!std::strcmp(argv[i], "--splits_sweep")) {
       sweep = true;
     } else {
@@ -417,6 +421,16 @@ int main(int argc, char** argv) {
     p.page_indptr = d_indptr;
     p.attend_tokens = d_attend;
     p.num_splits = splits;
+    // The pool's formats, as a caller that knows its pages would pass them.
+    p.formats_present = 0;
+    if (format_hint) {
+      for (Format f : fmt.mixed ? std::vector<Format>(std::begin(kMixChoices),
+                                                      std::end(kMixChoices))
+                                : std::vector<Format>{fmt.f}) {
+        p.formats_present |=
+            kc::AttentionFormatBit(kc::PackEncoding(Encoding(f)), D);
+      }
+    }
     if (const size_t need = kc::AttentionWorkspaceBytes(p); need > ws_bytes) {
       CK(cudaFree(ws));
       ws_bytes = need;

@@ -3092,7 +3092,8 @@ __global__ void __launch_bounds__(kPartThreads)
 // One CTA per (sequence, query head): merges the shares.s[c] partial
 // results of each class c present in the sequence (S = the slot stride per
 // class; absent classes' slots are never written).
-__global__ void ReduceKernel(int S, ClassShares shares, int D, int n_q,
+__global__ void ReduceKernel(int S, ClassShares shares, uint32_t launched,
+                             int D, int n_q,
                              const uint32_t* __restrict__ cls_mask,
                              const float* __restrict__ ws_o,
                              const float* __restrict__ ws_lse,
@@ -3102,9 +3103,12 @@ __global__ void ReduceKernel(int S, ClassShares shares, int D, int n_q,
   const int parts = kClasses * S;
   const float* lse = ws_lse + qh * parts;
   float mx = -INFINITY;
-  bool nan = false;
+  // A class with pages whose kernel was not launched (formats_present left
+  // it out): the sequence's output is NaN, as for unsupported pages.
+  bool nan = (present & ~launched) != 0;
+  const uint32_t live = present & launched;
   for (int c = 0; c < kClasses; ++c) {
-    if (((present >> c) & 1u) == 0) continue;
+    if (((live >> c) & 1u) == 0) continue;
     for (int s = c * S; s < c * S + shares.s[c]; ++s) {
       nan = nan || isnan(lse[s]);
       mx = fmaxf(mx, lse[s]);
@@ -3114,7 +3118,7 @@ __global__ void ReduceKernel(int S, ClassShares shares, int D, int n_q,
     float acc = 0.f, wsum = 0.f;
     if (mx > -INFINITY) {
       for (int c = 0; c < kClasses; ++c) {
-        if (((present >> c) & 1u) == 0) continue;
+        if (((live >> c) & 1u) == 0) continue;
         for (int s = c * S; s < c * S + shares.s[c]; ++s) {
           if (lse[s] == -INFINITY) continue;  // empty partition
           const float w = exp2f(lse[s] - mx);
@@ -3445,10 +3449,23 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
   KV_RETURN_IF_ERROR(LaunchStatus("DecodeAttentionCuda partition"));
   const long long class_ctas = static_cast<long long>(p.batch) * p.shape.heads *
                                plan.row_blocks * plan.splits[0];
+  // Launches whose classes the caller's formats_present leaves out are
+  // skipped; `launched` tells the reduce which classes ran.
+  const uint32_t want = p.formats_present != 0 ? p.formats_present : 0xffu;
+  uint32_t launched = 0;
+  auto wanted = [&](uint32_t classes, int n) {
+    uint32_t bits = 0;
+    for (int i = 0; i < n; ++i) bits |= 1u << ((classes >> (4 * i)) & 0xf);
+    if ((bits & want) == 0) return false;
+    launched |= bits;
+    return true;
+  };
   if constexpr (SmallOk(kD)) {
     a.classes = ClassList(0, 6);
-    KV_RETURN_IF_ERROR(
-        (LaunchMmaConfig<kD, false, 1>(a, class_ctas, 2, p.stream)));
+    if (wanted(a.classes, 2)) {
+      KV_RETURN_IF_ERROR(
+          (LaunchMmaConfig<kD, false, 1>(a, class_ctas, 2, p.stream)));
+    }
     // Transposed kernel: 8 query heads per CTA; classes 1-2 (INT4/INT2
     // keys), 3-4 (FP8/INT8 keys), then 5 and 7 (TQ4/TQ2).
     MmaArgs as = a;
@@ -3457,25 +3474,33 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
         static_cast<long long>(p.batch) * p.shape.heads * as.row_blocks;
     as.classes = ClassList(1, 2);
     as.splits = plan.splits[1];
-    KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, true)>(
-        as, small_ctas * as.splits, 2, p.stream)));
+    if (wanted(as.classes, 2)) {
+      KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, true)>(
+          as, small_ctas * as.splits, 2, p.stream)));
+    }
     as.classes = ClassList(3, 4);
     as.splits = plan.splits[2];
-    KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, false)>(
-        as, small_ctas * as.splits, 2, p.stream)));
+    if (wanted(as.classes, 2)) {
+      KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, false)>(
+          as, small_ctas * as.splits, 2, p.stream)));
+    }
     as.classes = ClassList(5, 7);
     as.splits = plan.splits[3];
-    KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, true), true>(
-        as, small_ctas * as.splits, 2, p.stream)));
+    if (wanted(as.classes, 2)) {
+      KV_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, true), true>(
+          as, small_ctas * as.splits, 2, p.stream)));
+    }
   } else {
     a.classes = ClassList(0, 5, 6, 7);
-    KV_RETURN_IF_ERROR(
-        (LaunchMmaConfig<kD, false, 1>(a, class_ctas, 4, p.stream)));
+    if (wanted(a.classes, 4)) {
+      KV_RETURN_IF_ERROR(
+          (LaunchMmaConfig<kD, false, 1>(a, class_ctas, 4, p.stream)));
+    }
   }
   ReduceKernel<<<static_cast<unsigned>(static_cast<size_t>(p.batch) *
                                        p.n_q_heads),
                  std::min(kD, 128), 0, p.stream>>>(
-      S, shares, kD, p.n_q_heads, mask, a.ws_o, a.ws_lse, p.out);
+      S, shares, launched, kD, p.n_q_heads, mask, a.ws_o, a.ws_lse, p.out);
   return LaunchStatus("DecodeAttentionCuda reduce");
 }
 
@@ -3504,6 +3529,19 @@ size_t AttentionWorkspaceBytes(const AttentionParams& p) {
   }
   return PlanMma(p).ws_bytes;
 }
+
+uint32_t AttentionFormatBit(int32_t packed_format, int head_dim) {
+  return 1u << ClassOf(packed_format, SmallOk(head_dim));
+}
+
+namespace internal {
+int AttentionClassOf(int32_t packed_format, int head_dim) {
+  return ClassOf(packed_format, SmallOk(head_dim));
+}
+int AttentionSplitsFor(long long ctas, int ctas_per_sm, int sms) {
+  return SplitsFor(ctas, ctas_per_sm, sms);
+}
+}  // namespace internal
 
 size_t DemoteScratchBytes(const PageShape& shape, int num_pages) {
   return static_cast<size_t>(std::max(num_pages, 0)) * 2 *

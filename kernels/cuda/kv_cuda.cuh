@@ -173,6 +173,12 @@ struct AttentionParams {
   // Optional (added; defaults keep older callers unchanged):
   void* workspace = nullptr;  // see AttentionWorkspaceBytes
   size_t workspace_bytes = 0;
+  // Optional: the encodings of the table's pages, as the OR of
+  // AttentionFormatBit(page.format, head_dim) over them (a superset is
+  // fine). Kernel configurations that none of them needs are not launched
+  // (fewer launches: ~5 us each on small batches). 0 = unknown: all launch.
+  // A sequence with a page whose bit is missing gets NaN outputs.
+  uint32_t formats_present = 0;
   // CTAs per (sequence, KV head, encoding class); 0 = choose per kernel
   // configuration from batch * heads, the SM count and that kernel's
   // resident CTAs per SM (the fewest splits whose grid fills >= 90% of the
@@ -183,5 +189,22 @@ absl::Status DecodeAttentionCuda(const AttentionParams& p);
 // Workspace bytes DecodeAttentionCuda needs for `p` (same split choice);
 // 0 for the CUDA-core fallback.
 size_t AttentionWorkspaceBytes(const AttentionParams& p);
+
+// Bit of AttentionParams::formats_present for a page's packed format
+// (DevicePage::format) at this head_dim; always non-zero.
+uint32_t AttentionFormatBit(int32_t packed_format, int head_dim);
+
+// Scheduling decisions of DecodeAttentionCuda, exposed for tests.
+namespace internal {
+// Encoding class of a page (packed DevicePage::format) for a head_dim:
+// 1-4 INT4/INT2/FP8/INT8 keys with INT/FP8 values and 5/7 TQ4/TQ2 keys with
+// TQ4/TQ2 values (head_dim >= 64: the transposed kernel); 6 TQ3 keys and
+// other TQ pages; 0 BF16 keys and other INT/FP8 pages.
+int AttentionClassOf(int32_t packed_format, int head_dim);
+// Splits of one launch: the fewest whose grid of ctas x splits CTAs fills
+// >= 90% of the slots of its waves (ctas_per_sm x sms resident), else the
+// best filled; in [1, 64].
+int AttentionSplitsFor(long long ctas, int ctas_per_sm, int sms);
+}  // namespace internal
 
 }  // namespace triax::kernels::cuda

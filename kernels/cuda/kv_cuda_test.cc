@@ -526,6 +526,88 @@ TEST_F(KvCudaTest, AttentionGroupsClassesAndPoisons) {
   }
 }
 
+// formats_present: an exact hint launches fewer kernels and gives the same
+// bits as none; a hint missing a present encoding makes that sequence (and
+// only it) NaN instead of silently dropping its pages.
+TEST_F(KvCudaTest, AttentionFormatHint) {
+  const int T = 16, H = 2, D = 128, group = 4, n_q = H * group;
+  const PageShape s{T, H, D};
+  std::mt19937 rng(777);
+  const size_t tok = static_cast<size_t>(H) * D;
+  // Sequence b uses encs[b] only.
+  const std::vector<Encoding> encs = {Format::kINT4, Format::kBF16,
+                                      Format::kTQ4, Format::kFP8};
+  const int batch = static_cast<int>(encs.size()), pages = 9;
+  Pool pool;
+  std::vector<uint8_t> host_pool;
+  std::vector<int32_t> indptr = {0}, attend;
+  for (int b = 0; b < batch; ++b) {
+    for (int i = 0; i < pages; ++i) {
+      const auto k = testing::RandomBf16(rng, T * tok);
+      const auto v = testing::RandomBf16(rng, T * tok);
+      std::vector<uint8_t> page(PageBytes(encs[b], s));
+      EncodePage(encs[b], s, k.data(), v.data(), T, page.data());
+      pool.Add(encs[b], T, s);
+      host_pool.insert(host_pool.end(), page.begin(), page.end());
+    }
+    indptr.push_back(static_cast<int32_t>(pool.formats.size()));
+    attend.push_back(pages * T - 3);
+  }
+  const auto q =
+      testing::RandomFloat(rng, static_cast<size_t>(batch) * n_q * D);
+  DeviceBuffer d_pool(pool.bytes), d_q(q.size() * 4), d_out(q.size() * 4),
+      d_indptr(indptr.size() * 4), d_attend(attend.size() * 4);
+  d_pool.Upload(host_pool);
+  const auto table = pool.Table(d_pool.as<uint8_t>());
+  DeviceBuffer d_table(table.size() * sizeof(DevicePage));
+  d_table.Upload(table);
+  d_q.Upload(q);
+  d_indptr.Upload(indptr);
+  d_attend.Upload(attend);
+  auto run = [&](uint32_t hint) {
+    d_out.Upload(std::vector<float>(q.size(), 12345.f));
+    AttentionParams p;
+    p.shape = s;
+    p.batch = batch;
+    p.n_q_heads = n_q;
+    p.scale = 1.f / std::sqrt(static_cast<float>(D));
+    p.q = d_q.as<float>();
+    p.out = d_out.as<float>();
+    p.pages = d_table.as<DevicePage>();
+    p.page_indptr = d_indptr.as<int32_t>();
+    p.attend_tokens = d_attend.as<int32_t>();
+    p.formats_present = hint;
+    EXPECT_THAT(DecodeAttentionCuda(p), IsOk());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return d_out.Download<float>(q.size());
+  };
+  uint32_t all = 0;
+  for (const Encoding& e : encs) all |= AttentionFormatBit(PackEncoding(e), D);
+  const auto none = run(0), exact = run(all);
+  const size_t per_seq = static_cast<size_t>(n_q) * D;
+  for (size_t i = 0; i < q.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(none[i])) << i;
+    ASSERT_EQ(std::memcmp(&none[i], &exact[i], 4), 0) << i;
+  }
+  // Leave out each sequence's encoding in turn.
+  for (int missing = 0; missing < batch; ++missing) {
+    SCOPED_TRACE(::testing::Message() << "hint without sequence " << missing);
+    const uint32_t hint =
+        all & ~AttentionFormatBit(PackEncoding(encs[missing]), D);
+    const auto got = run(hint);
+    for (int b = 0; b < batch; ++b) {
+      for (size_t i = b * per_seq; i < (b + 1) * per_seq; ++i) {
+        if (b == missing) {
+          ASSERT_TRUE(std::isnan(got[i])) << "sequence " << b << " at " << i;
+        } else {
+          ASSERT_EQ(std::memcmp(&none[i], &got[i], 4), 0)
+              << "sequence " << b << " at " << i;
+        }
+      }
+    }
+  }
+}
+
 // In-place demotion of pages of every format to every other, against
 // DecodePage -> round to BF16 -> EncodePage on the CPU (bytes equal).
 TEST_F(KvCudaTest, DemoteMatchesReferenceBytes) {
@@ -645,6 +727,95 @@ TEST(KvCudaValidationTest, RejectsBadShapes) {
   d.shape = PageShape{16, 0, 128};
   EXPECT_THAT(DecodePagesCuda(d), StatusIs(absl::StatusCode::kInvalidArgument,
                                            HasSubstr("shape.heads")));
+}
+
+// Host-only: which kernel a page's encoding goes to. The transposed
+// kernel takes INT/FP8 keys with INT/FP8 values (classes 1-4 by K format)
+// and TQ4/TQ2 keys with TQ4/TQ2 values (5, 7) from head_dim 64; every
+// other page goes to the full kernel (class 0, or 6 for TQ keys).
+TEST(KvCudaSchedulingTest, ClassOfRoutesEncodings) {
+  using internal::AttentionClassOf;
+  auto cls = [](Encoding e, int d) {
+    return AttentionClassOf(PackEncoding(e), d);
+  };
+  EXPECT_EQ(cls(Format::kBF16, 128), 0);
+  EXPECT_EQ(cls(Format::kINT4, 128), 1);
+  EXPECT_EQ(cls(Format::kINT2, 128), 2);
+  EXPECT_EQ(cls(Format::kFP8, 128), 3);
+  EXPECT_EQ(cls(Format::kINT8, 128), 4);
+  EXPECT_EQ(cls(Format::kTQ4, 128), 5);
+  EXPECT_EQ(cls(Format::kTQ3, 128), 6);
+  EXPECT_EQ(cls(Format::kTQ2, 128), 7);
+  // Mixed INT/FP8 pairs stay transposed; group and scale dtype do not
+  // matter.
+  EXPECT_EQ(
+      cls(Encoding(Format::kINT4, Format::kINT2, 64, ScaleDtype::kFP8), 128),
+      1);
+  EXPECT_EQ(cls(Encoding(Format::kFP8, Format::kINT4), 64), 3);
+  EXPECT_EQ(cls(Encoding(Format::kTQ4, Format::kTQ2), 256), 5);
+  // Values the transposed kernel cannot build fall back.
+  EXPECT_EQ(cls(Encoding(Format::kINT4, Format::kBF16), 128), 0);
+  EXPECT_EQ(cls(Encoding(Format::kINT8, Format::kTQ4), 128), 0);
+  EXPECT_EQ(cls(Encoding(Format::kTQ4, Format::kINT4), 128), 6);
+  EXPECT_EQ(cls(Encoding(Format::kTQ2, Format::kTQ3), 128), 6);
+  EXPECT_EQ(cls(Encoding(Format::kBF16, Format::kINT4), 128), 0);
+  // Below head_dim 64 there is no transposed kernel: K format decides.
+  EXPECT_EQ(cls(Format::kINT4, 32), 0);
+  EXPECT_EQ(cls(Format::kFP8, 16), 0);
+  EXPECT_EQ(cls(Format::kTQ4, 32), 5);
+  EXPECT_EQ(cls(Encoding(Format::kTQ4, Format::kINT4), 32), 5);
+}
+
+// Host-only: formats_present bits are the classes' bits.
+TEST(KvCudaSchedulingTest, FormatBitIsTheClassBit) {
+  for (int d : {16, 64, 128, 256}) {
+    for (Format f : kAllFormats) {
+      const int32_t packed = PackEncoding(Encoding(f));
+      EXPECT_EQ(AttentionFormatBit(packed, d),
+                1u << internal::AttentionClassOf(packed, d));
+    }
+  }
+  EXPECT_NE(AttentionFormatBit(PackEncoding(Format::kINT4), 128),
+            AttentionFormatBit(PackEncoding(Format::kINT2), 128));
+  EXPECT_EQ(AttentionFormatBit(PackEncoding(Format::kINT4), 32),
+            AttentionFormatBit(PackEncoding(Format::kBF16), 32));
+}
+
+// Host-only: the split count per launch fills its waves (H100: 132 SMs).
+TEST(KvCudaSchedulingTest, SplitsFillWaves) {
+  using internal::AttentionSplitsFor;
+  // batch 16 x 8 KV heads = 128 CTAs per split: 2 / 3 / 4 splits for 2 / 3
+  // / 4 resident CTAs per SM (256 of 264, 384 of 396, 512 of 528 slots).
+  EXPECT_EQ(AttentionSplitsFor(128, 2, 132), 2);
+  EXPECT_EQ(AttentionSplitsFor(128, 3, 132), 3);
+  EXPECT_EQ(AttentionSplitsFor(128, 4, 132), 4);
+  // batch 64 x 8 heads: one split fills two waves of 264 to 97%; at 3 per
+  // SM, 1 split (512 of 792) and 2 (1024 of 1188) are under 90%, 3 is 97%.
+  EXPECT_EQ(AttentionSplitsFor(512, 2, 132), 1);
+  EXPECT_EQ(AttentionSplitsFor(512, 3, 132), 3);
+  // batch 16 x 4 heads.
+  EXPECT_EQ(AttentionSplitsFor(64, 2, 132), 4);
+  EXPECT_EQ(AttentionSplitsFor(64, 3, 132), 6);
+  EXPECT_EQ(AttentionSplitsFor(64, 4, 132), 8);
+  // Batch 1: no split count fills a wave, so the most CTAs.
+  EXPECT_EQ(AttentionSplitsFor(2, 4, 132), 64);
+  // Large grids need no split.
+  EXPECT_EQ(AttentionSplitsFor(100000, 2, 132), 1);
+  // Every choice is in range and fills >= 90% when any count can.
+  for (long long ctas : {1LL, 3LL, 17LL, 96LL, 250LL, 1000LL, 4097LL}) {
+    for (int per_sm : {1, 2, 3, 4}) {
+      const int s = AttentionSplitsFor(ctas, per_sm, 132);
+      ASSERT_GE(s, 1);
+      ASSERT_LE(s, 64);
+      const long long slots = 132LL * per_sm, n = ctas * s;
+      const double fill =
+          static_cast<double>(n) /
+          (static_cast<double>((n + slots - 1) / slots) * slots);
+      if (ctas * 64 >= slots) {
+        EXPECT_GE(fill, 0.9) << ctas << " CTAs, " << per_sm << " per SM";
+      }
+    }
+  }
 }
 
 // Host-only: which encodings the kernels take, and that the layout they
