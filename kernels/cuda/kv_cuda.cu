@@ -2431,6 +2431,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
   TilePlan* plans = reinterpret_cast<TilePlan*>(wbase + Sm::kPlan);
   const TilePlan* plan = plans;
   int slot_fmt = 0, next_slot = 0;
+  uint32_t plan_bound = 0;  // ring bytes a tile of the current plan needs
   DevicePage lane_pg{};
   // Per window: lane's clipped token count, the inclusive prefix of those
   // counts and the lanes holding pages of this CTA's class.
@@ -2515,6 +2516,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
           }
           plan = plans + slot;
           plan_fmt = pfmt;
+          plan_bound = kSmall && whole_tiles ? plan->whole_total : plan->bound;
         }
         t0 = 0;
         page_ready = true;
@@ -2523,7 +2525,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
       uint32_t pos = hpos;
       const bool whole = kSmall && whole_tiles;
       {  // ring full for a 16-row tile of this format?
-        const uint32_t bound = whole ? plan->whole_total : plan->bound;
+        const uint32_t bound = plan_bound;
         const uint32_t wrap = pos + bound > Sm::kRing ? Sm::kRing - pos : 0;
         if (head - tail + bound + wrap > Sm::kRing) break;
       }
