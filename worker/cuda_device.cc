@@ -126,13 +126,14 @@ absl::Status CudaDevice::SupportsAttention(const PageShape& shape,
   return kc::DecodeAttentionCuda(p);
 }
 
-int CudaDevice::AttentionSplits(const PageShape& shape, int n_q_heads) const {
-  const int group = std::max(1, n_q_heads / std::max(1, shape.heads));
-  const long long ctas =
-      static_cast<long long>(std::max(1, shape.heads)) * ((group + 15) / 16);
-  const long long want = 8LL * sm_count_;
-  const long long splits = (want + ctas - 1) / ctas;
-  return static_cast<int>(std::min<long long>(std::max(splits, 1LL), 64));
+int CudaDevice::PagesPerShare(const PageShape& shape) {
+  return std::max(1, 128 / std::max(1, shape.tokens));
+}
+
+int CudaDevice::AttentionSplits(const PageShape& shape, size_t pages) {
+  const size_t pps = static_cast<size_t>(PagesPerShare(shape));
+  const size_t shares = std::max<size_t>(1, (pages + pps - 1) / pps);
+  return static_cast<int>(std::min<size_t>((shares + 3) / 4, 64));
 }
 
 absl::Status CudaDevice::Health() const {
@@ -509,12 +510,15 @@ absl::Status CudaDevice::DecodeAttentionBatch(
   for (const Key& key : order) {
     const std::vector<size_t>& idx = groups[key];
     const kernels::DecodeParams& first = batch[idx[0]];
-    // Chunks bounded by the workspace cap (splits are fixed, so chunking
-    // does not change any output).
+    // Chunks bounded by the workspace cap, sized for the group's longest
+    // table (shares depend on each sequence only, so chunking does not
+    // change any output).
+    size_t longest = 0;
+    for (size_t b : idx) longest = std::max(longest, tables[b].size());
     kc::AttentionParams probe;
     probe.shape = first.shape;
     probe.n_q_heads = first.n_q_heads;
-    probe.num_splits = AttentionSplits(first.shape, first.n_q_heads);
+    probe.num_splits = AttentionSplits(first.shape, longest);
     probe.batch = 1;
     const size_t per_entry =
         std::max<size_t>(1, kc::AttentionWorkspaceBytes(probe));
@@ -551,7 +555,10 @@ absl::Status CudaDevice::AttendGroup(
   a.batch = n;
   a.n_q_heads = first.n_q_heads;
   a.scale = first.scale;
-  a.num_splits = AttentionSplits(shape, first.n_q_heads);
+  size_t longest = 0;
+  for (size_t b : idx) longest = std::max(longest, tables[b].size());
+  a.num_splits = AttentionSplits(shape, longest);
+  a.pages_per_share = PagesPerShare(shape);
   const size_t ws = kc::AttentionWorkspaceBytes(a);
   if (ws > 0) TRIAX_RETURN_IF_ERROR(ReserveWorkspace(lane, ws));
   uint8_t* h = lane.host;

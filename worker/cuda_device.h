@@ -35,15 +35,16 @@
 // Every call waits for its stream before returning, so host buffers are free
 // to reuse and errors surface in the call that caused them.
 //
-// Batch invariance: every attention launch passes num_splits =
-// AttentionSplits(shape, n_q_heads), the split count the kernel would pick
-// for a batch of one (about eight CTAs per SM), instead of letting the
-// kernel choose by batch size. A sequence's output therefore depends only
-// on its own pages and query: batched and one-by-one calls are
-// bit-identical (cuda_device_test checks it). The price: a large batch runs
-// more (smaller) split-K partitions than the occupancy rule would pick and
-// its workspace grows with the batch (about 34 MB per entry for 32 query
-// heads x head_dim 128).
+// Batch invariance: every attention launch passes pages_per_share =
+// PagesPerShare(shape) (one split-K share per ~128 tokens of a sequence's
+// pages of one class) and num_splits = AttentionSplits(shape, pages) for
+// the group's longest table (enough shares for every entry, at most 64
+// splits). The kernel then splits each sequence by its own page count, so
+// its output depends only on its own pages and query: batched and
+// one-by-one calls are bit-identical (cuda_device_test checks it), and a
+// batch of short sequences launches few CTAs (a sequence of ~1k tokens: 2
+// splits, where a fixed count gave 64). Workspace grows with the batch
+// (up to ~34 MB per entry for 32 query heads x head_dim 128 at 64 splits).
 //
 // Errors: encodings the kernels refuse (CheckEncodingCuda: TQ formats, shapes
 // with head_dim not a multiple of 8 in [8, 256], ...) are INVALID_ARGUMENT
@@ -129,14 +130,17 @@ class CudaDevice final : public Device {
  public:
   static constexpr int kLanes = 4;
   // A batch group whose attention workspace would pass this runs as
-  // several launches (still batch-invariant: splits do not change).
+  // several launches (still batch-invariant: shares depend on each
+  // sequence only).
   static constexpr size_t kMaxWorkspaceBytes = size_t{1} << 30;
   static constexpr size_t kMaxDemoteScratchBytes = size_t{64} << 20;
 
-  // The split-K count every attention launch uses for (shape, n_q_heads):
-  // ceil(8 * SMs / (heads * ceil(group / 16))) clamped to [1, 64], the
-  // kernel's own rule for a batch of one.
-  int AttentionSplits(const kernels::PageShape& shape, int n_q_heads) const;
+  // Pages per split-K share: max(1, 128 / shape.tokens).
+  static int PagesPerShare(const kernels::PageShape& shape);
+  // The split count that gives a table of `pages` pages all its shares
+  // (ceil(ceil(pages / PagesPerShare) / 4)), clamped to [1, 64]; a group
+  // uses it for its longest table.
+  static int AttentionSplits(const kernels::PageShape& shape, size_t pages);
 
  private:
   // One stream and the buffers only calls holding it touch.

@@ -2943,6 +2943,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
         a.ws_lse[slot] =
             poisoned ? nan : (l[j] > 0.f ? m[j] + __log2f(l[j]) : -INFINITY);
       }
+      // An empty share (lse -inf) is skipped by the reduce: no output.
+      if (!poisoned && !(l[j] > 0.f)) continue;
       float* dst = a.ws_o + slot * kD + g * (kD / 8);
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) {
@@ -2968,6 +2970,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
         a.ws_lse[slot] =
             poisoned ? nan : (l[i] > 0.f ? m[i] + __log2f(l[i]) : -INFINITY);
       }
+      if (!poisoned && !(l[i] > 0.f)) continue;  // empty share: see above
       float* dst = a.ws_o + slot * kD;
 #pragma unroll
       for (int j = 0; j < kNt; ++j) {
@@ -2999,8 +3002,8 @@ __global__ void __launch_bounds__(kPartThreads)
     PartitionKernel(const DevicePage* __restrict__ pages,
                     const int32_t* __restrict__ indptr,
                     const int32_t* __restrict__ attend, int T, int s_max,
-                    ClassShares shares, bool small_ok, int2* __restrict__ plan,
-                    uint32_t* __restrict__ mask) {
+                    ClassShares shares, int pages_per_share, bool small_ok,
+                    int2* __restrict__ plan, uint32_t* __restrict__ mask) {
   constexpr int kW = kPartThreads / 32;
   __shared__ int s_total[kClasses];     // class pages in the sequence
   __shared__ int s_run[kClasses];       // class pages before this chunk
@@ -3035,9 +3038,20 @@ __global__ void __launch_bounds__(kPartThreads)
     for (int c = 0; c < kClasses; ++c) m |= (s_total[c] > 0 ? 1u : 0u) << c;
     mask[b] = m;
   }
+  // Shares of class c in this sequence: shares.s[c], or with
+  // pages_per_share > 0 one per pages_per_share class pages (at most
+  // shares.s[c]), a count that depends on the sequence alone. Shares past
+  // it start at the terminator: empty.
+  __shared__ int s_parts[kClasses];
   if (tid < kClasses) {
-    out[tid * (s_max + 1) + shares.s[tid]] =
-        make_int2(first + P, static_cast<int>(att));
+    int parts = shares.s[tid];
+    if (pages_per_share > 0) {
+      parts = min(parts, max(1, (s_total[tid] + pages_per_share - 1) /
+                                    pages_per_share));
+    }
+    s_parts[tid] = parts;
+    for (int v = parts; v <= shares.s[tid]; ++v)
+      out[tid * (s_max + 1) + v] = make_int2(first + P, static_cast<int>(att));
   }
   for (int base = 0; base < P; base += kPartThreads) {
     if (tid < kW * kClasses) s_wcnt[tid / kClasses][tid % kClasses] = 0;
@@ -3075,7 +3089,7 @@ __global__ void __launch_bounds__(kPartThreads)
     __syncthreads();
     if (c < kClasses) {
       const long long rank = s_wcnt[warp][c] + rank_w, cnt = s_total[c];
-      const int parts = shares.s[c];
+      const int parts = s_parts[c];
       const long long before = min(s_wtok[warp] + incl - n, att);
       // The shares v whose first class page has this rank:
       // floor(v * cnt / parts) == rank.
@@ -3447,7 +3461,7 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
   a.ws_o = reinterpret_cast<float*>(w8 + Align16(slots * sizeof(float)));
   PartitionKernel<<<p.batch, kPartThreads, 0, p.stream>>>(
       p.pages, p.page_indptr, p.attend_tokens, p.shape.tokens, S, shares,
-      SmallOk(kD), part_plan, mask);
+      std::max(p.pages_per_share, 0), SmallOk(kD), part_plan, mask);
   KV_RETURN_IF_ERROR(LaunchStatus("DecodeAttentionCuda partition"));
   const long long class_ctas = static_cast<long long>(p.batch) * p.shape.heads *
                                plan.row_blocks * plan.splits[0];

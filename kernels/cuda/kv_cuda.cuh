@@ -179,6 +179,13 @@ struct AttentionParams {
   // (fewer launches: ~5 us each on small batches). 0 = unknown: all launch.
   // A sequence with a page whose bit is missing gets NaN outputs.
   uint32_t formats_present = 0;
+  // Optional (with num_splits > 0): split each sequence's pages of a class
+  // into one share per pages_per_share pages (at most num_splits x 4
+  // shares) instead of num_splits x 4. A sequence's output then depends on
+  // its own pages only, not on num_splits, as long as num_splits x 4 covers
+  // every sequence's shares: callers that batch sequences can size
+  // num_splits to the batch and still get the bits a batch of one gives.
+  int pages_per_share = 0;
   // CTAs per (sequence, KV head, encoding class); 0 = choose per kernel
   // configuration from batch * heads, the SM count and that kernel's
   // resident CTAs per SM (the fewest splits whose grid fills >= 90% of the

@@ -608,6 +608,123 @@ TEST_F(KvCudaTest, AttentionFormatHint) {
   }
 }
 
+// pages_per_share: each sequence is split by its own page count, so its
+// output is bit-identical alone or batched, whatever num_splits covers it,
+// and matches the CPU reference.
+TEST_F(KvCudaTest, AttentionPagesPerShareIsBatchInvariant) {
+  const int T = 16, H = 2, D = 128, group = 4, n_q = H * group, pps = 8;
+  const PageShape s{T, H, D};
+  std::mt19937 rng(2024);
+  const size_t tok = static_cast<size_t>(H) * D;
+  const std::vector<Encoding> encs = {Format::kINT4, Format::kBF16,
+                                      Format::kTQ4};
+  const std::vector<int> page_counts = {9, 40, 130};
+  const int batch = static_cast<int>(page_counts.size());
+  Pool pool;
+  std::vector<uint8_t> host_pool;
+  std::vector<int32_t> first_page, attend;
+  std::vector<std::vector<PageRef>> refs(batch);
+  std::vector<std::vector<size_t>> ref_offsets(batch);
+  for (int b = 0; b < batch; ++b) {
+    first_page.push_back(static_cast<int32_t>(pool.formats.size()));
+    for (int i = 0; i < page_counts[b]; ++i) {
+      const Encoding e = encs[(i / 5 + b) % encs.size()];
+      const auto kk = testing::RandomBf16(rng, T * tok);
+      const auto vv = testing::RandomBf16(rng, T * tok);
+      std::vector<uint8_t> page(PageBytes(e, s));
+      EncodePage(e, s, kk.data(), vv.data(), T, page.data());
+      ref_offsets[b].push_back(host_pool.size());
+      refs[b].push_back(PageRef{e, nullptr, T});
+      pool.Add(e, T, s);
+      host_pool.insert(host_pool.end(), page.begin(), page.end());
+    }
+    attend.push_back(page_counts[b] * T - 5);
+  }
+  for (int b = 0; b < batch; ++b) {
+    for (size_t i = 0; i < refs[b].size(); ++i)
+      refs[b][i].data = host_pool.data() + ref_offsets[b][i];
+  }
+  const auto q =
+      testing::RandomFloat(rng, static_cast<size_t>(batch) * n_q * D);
+  DeviceBuffer d_pool(pool.bytes);
+  d_pool.Upload(host_pool);
+  const auto table = pool.Table(d_pool.as<uint8_t>());
+  const size_t per_seq = static_cast<size_t>(n_q) * D;
+  // Runs sequences `seqs` as one batch; returns their outputs in order.
+  auto run = [&](const std::vector<int>& seqs, int splits) {
+    std::vector<DevicePage> t;
+    std::vector<int32_t> indptr = {0}, att;
+    std::vector<float> qb;
+    for (int b : seqs) {
+      t.insert(t.end(), table.begin() + first_page[b],
+               table.begin() + first_page[b] + page_counts[b]);
+      indptr.push_back(static_cast<int32_t>(t.size()));
+      att.push_back(attend[b]);
+      qb.insert(qb.end(), q.begin() + b * per_seq,
+                q.begin() + (b + 1) * per_seq);
+    }
+    DeviceBuffer d_t(t.size() * sizeof(DevicePage)), d_i(indptr.size() * 4),
+        d_a(att.size() * 4), d_q(qb.size() * 4), d_o(qb.size() * 4);
+    d_t.Upload(t);
+    d_i.Upload(indptr);
+    d_a.Upload(att);
+    d_q.Upload(qb);
+    d_o.Upload(std::vector<float>(qb.size(), 12345.f));
+    AttentionParams p;
+    p.shape = s;
+    p.batch = static_cast<int>(seqs.size());
+    p.n_q_heads = n_q;
+    p.scale = 1.f / std::sqrt(static_cast<float>(D));
+    p.q = d_q.as<float>();
+    p.out = d_o.as<float>();
+    p.pages = d_t.as<DevicePage>();
+    p.page_indptr = d_i.as<int32_t>();
+    p.attend_tokens = d_a.as<int32_t>();
+    p.num_splits = splits;
+    p.pages_per_share = pps;
+    EXPECT_THAT(DecodeAttentionCuda(p), IsOk());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return d_o.Download<float>(qb.size());
+  };
+  // Splits that cover sequence b's shares: ceil(ceil(pages / pps) / 4).
+  auto needed = [&](int b) {
+    return ((page_counts[b] + pps - 1) / pps + 3) / 4;
+  };
+  std::vector<std::vector<float>> alone(batch);
+  for (int b = 0; b < batch; ++b) alone[b] = run({b}, needed(b));
+  for (int splits : {needed(2), needed(2) + 7}) {
+    SCOPED_TRACE(::testing::Message() << "num_splits " << splits);
+    const auto all = run({0, 1, 2}, splits);
+    const auto rev = run({2, 0}, splits);
+    for (int b = 0; b < batch; ++b) {
+      ASSERT_EQ(
+          std::memcmp(all.data() + b * per_seq, alone[b].data(), per_seq * 4),
+          0)
+          << "sequence " << b << " batched vs alone";
+    }
+    ASSERT_EQ(std::memcmp(rev.data(), alone[2].data(), per_seq * 4), 0);
+    ASSERT_EQ(std::memcmp(rev.data() + per_seq, alone[0].data(), per_seq * 4),
+              0);
+  }
+  for (int b = 0; b < batch; ++b) {
+    std::vector<float> ref_out(per_seq, NAN);
+    DecodeParams rp;
+    rp.q = q.data() + b * per_seq;
+    rp.out = ref_out.data();
+    rp.n_q_heads = n_q;
+    rp.shape = s;
+    rp.scale = 1.f / std::sqrt(static_cast<float>(D));
+    rp.pages = refs[b].data();
+    rp.num_pages = static_cast<int>(refs[b].size());
+    rp.attend_tokens = attend[b];
+    DecodeAttentionRef(rp);
+    const auto vs_ref = testing::Compare(
+        alone[b].data(), std::vector<double>(ref_out.begin(), ref_out.end()));
+    ASSERT_TRUE(vs_ref.all_finite);
+    EXPECT_LE(vs_ref.max_abs, AttentionTolerance(D)) << "sequence " << b;
+  }
+}
+
 // In-place demotion of pages of every format to every other, against
 // DecodePage -> round to BF16 -> EncodePage on the CPU (bytes equal).
 TEST_F(KvCudaTest, DemoteMatchesReferenceBytes) {
