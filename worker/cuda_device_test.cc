@@ -921,6 +921,23 @@ TEST_F(CudaDeviceTest, SequenceStoresAgree) {
 // UNAVAILABLE instead of serving. Runs in a fresh process (the threadsafe
 // death test style re-executes the binary) so the poisoned context stays
 // there.
+// Host-only (runs without a GPU): the split-K plan of batched attention.
+// One share per ~128 tokens of a sequence's pages; a group's splits give
+// its longest table all its shares, at most 64.
+TEST(CudaDeviceSplitsTest, SharesFollowTheLongestTable) {
+  const PageShape s16{16, 8, 128};
+  EXPECT_EQ(CudaDevice::PagesPerShare(s16), 8);
+  EXPECT_EQ(CudaDevice::PagesPerShare(PageShape{1, 8, 128}), 128);
+  EXPECT_EQ(CudaDevice::PagesPerShare(PageShape{256, 8, 128}), 1);
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 0), 1);
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 1), 1);
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 32), 1);     // 4 shares
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 33), 2);     // 5 shares
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 64), 2);     // ~1k tokens
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 2048), 64);  // 32k tokens
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 100000), 64);
+}
+
 TEST(CudaDeviceDeathTest, StickyErrorMarksTheDeviceUnhealthy) {
   if (absl::Status s = CudaAvailable(); !s.ok()) GTEST_SKIP() << s.message();
   GTEST_FLAG_SET(death_test_style, "threadsafe");

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -889,10 +890,14 @@ __global__ void __launch_bounds__(kAttnThreads)
 //
 // Grid: one CTA per (encoding class c, sequence b, row block rb of <= 16
 // query heads of the group (<= 8 in kSmall), KV head h, split), class
-// outermost, in three launches (the BF16/TQ kernel: classes 0, 5-7, 2 CTAs
-// per SM; the transposed kSmall kernel for INT4/INT2 keys, 4 per SM, and
-// for FP8/INT8 keys, 3 per SM), each with its own split count (SplitsFor).
-// A page's class is its K format (ClassOf). PartitionKernel first splits
+// outermost, in up to four launches (head_dim >= 64: the full kernel for
+// classes 0 and 6, 2 CTAs per SM; the transposed kSmall kernel for INT4/
+// INT2 keys, 4 per SM, for FP8/INT8 keys, 3 per SM, and its TQ variant for
+// TQ4/TQ2, 4 per SM; below 64 the full kernel alone), each with its own
+// split count (SplitsFor) and skipped when AttentionParams::
+// formats_present says no page needs it. A page's class is its K format
+// (ClassOf; pages the transposed kernel cannot take fall back to classes
+// 0 and 6). PartitionKernel first splits
 // each sequence's pages of each class into S = splits * 4 equal shares
 // (splits of the class's launch; page ranges whose class-c
 // pages number equally, +-1) with the tokens before each share; warp
@@ -905,17 +910,18 @@ __global__ void __launch_bounds__(kAttnThreads)
 // absent classes and empty shares). Per 16-token tile a warp
 // gets K and V of its head as mma operands (see below; shared-memory tiles
 // swizzled in 16-byte chunks), computes S = Q K^T with mma.m16n8k16 (rows =
-// query heads, padded to 16), the online softmax on the accumulators, and
+// query heads, padded to 16; the transposed kernel computes S^T, see
+// "Transposed tiles"), the online softmax on the accumulators, and
 // O += P V with P from registers. TQ keys use the rotated query tile
 // Q' = R Q, and their row norms scale S's columns (the key tile holds
 // codebook levels only). TQ value tiles (levels only, the norms scale P's
 // columns) are accumulated in the rotated domain and the accumulator is
-// rotated back once (RotateAcc, kSmall == false; kSmall CTAs, whose TQ
-// values are rare K != V encodings, rotate each value tile back).
+// rotated back once (RotateAcc / RotateAccT).
 //
 // Memory pipeline: each warp streams its tiles' raw page bytes (codes and
 // the tile's scale/zero/norm ranges, whatever the page's format) into a
-// per-warp byte ring in shared memory with cp.async, up to kMaxInFlight
+// per-warp byte ring in shared memory with cp.async (kSmall:
+// cp.async.bulk, one copy per range, whole-tile plans), up to kMaxInFlight
 // tiles ahead (as many as the ring holds: 2 BF16 tiles, ~6 INT4 tiles),
 // page descriptors fetched 32 at a time, byte ranges from a per-warp cache
 // of per-format TilePlans (lanes 0-5 size one range each, a shuffle scan
@@ -977,9 +983,10 @@ struct MmaArgs {
   float* ws_lse;  // [batch][n_q][kClasses][S]
 };
 
-// Two configurations. kSmall (classes with INT or FP8 keys): no BF16 or TQ
-// keys, so no BF16 Q tiles, and a smaller ring (low-bit tiles are small) so
-// that 3 CTAs (12 warps) fit an SM; else the full layout, 2 CTAs per SM.
+// Two configurations. kSmall (the transposed kernel: INT/FP8 or TQ4/TQ2
+// pages): the query lives in registers, no decoded tile, and a smaller
+// ring (low-bit tiles are small) so that 4 CTAs (16 warps) fit an SM; else
+// the full layout, 2 CTAs per SM.
 template <int kD, bool kSmall>
 struct MmaSmem {
   static constexpr int kTileBytes = 16 * kD * 2;  // one bf16 [16][kD] tile
@@ -1383,29 +1390,42 @@ __device__ __forceinline__ void ScoresReg(const uint8_t* codes,
   }
 }
 
+// Calls fn(F, M) with F the INT/FP8 format (2 INT4, 3 INT2, 4 FP8, else
+// INT8) and M whether its metadata is FP8 (sdt 2; FP8 tensors have none),
+// both as std::integral_constant, so one switch serves every *Any helper.
+template <typename Fn>
+__device__ __forceinline__ void DispatchIntFp8(int f, int sdt, Fn&& fn) {
+  using std::integral_constant;
+  const bool m8 = sdt == 2;
+  switch (f) {
+    case 2:
+      m8 ? fn(integral_constant<int, 2>{}, integral_constant<bool, true>{})
+         : fn(integral_constant<int, 2>{}, integral_constant<bool, false>{});
+      break;
+    case 3:
+      m8 ? fn(integral_constant<int, 3>{}, integral_constant<bool, true>{})
+         : fn(integral_constant<int, 3>{}, integral_constant<bool, false>{});
+      break;
+    case 4:
+      fn(integral_constant<int, 4>{}, integral_constant<bool, false>{});
+      break;
+    default:
+      m8 ? fn(integral_constant<int, 5>{}, integral_constant<bool, true>{})
+         : fn(integral_constant<int, 5>{}, integral_constant<bool, false>{});
+      break;
+  }
+}
+
 template <int kD>
 __device__ __forceinline__ void ScoresRegAny(int f, const uint8_t* codes,
                                              const uint8_t* sc,
                                              const uint8_t* zr, int sdt,
                                              uint32_t qp_addr, int lane,
                                              float (&s)[2][4]) {
-#define KV_SCORES(F, M) ScoresReg<F, kD, M>(codes, sc, zr, qp_addr, lane, s)
-  const bool m8 = sdt == 2;
-  switch (f) {
-    case 2:
-      m8 ? KV_SCORES(2, true) : KV_SCORES(2, false);
-      break;
-    case 3:
-      m8 ? KV_SCORES(3, true) : KV_SCORES(3, false);
-      break;
-    case 4:
-      KV_SCORES(4, false);
-      break;
-    default:
-      m8 ? KV_SCORES(5, true) : KV_SCORES(5, false);
-      break;
-  }
-#undef KV_SCORES
+  DispatchIntFp8(f, sdt, [&](auto F, auto M) {
+    ScoresReg<decltype(F)::value, kD, decltype(M)::value>(codes, sc, zr,
+                                                          qp_addr, lane, s);
+  });
 }
 
 // Dequantizes one staged INT (F 2, 3, 5) or FP8 (F 4) value tile from the
@@ -1499,24 +1519,10 @@ __device__ __forceinline__ void DecodeValuesF16Any(int f, const uint8_t* codes,
                                                    const uint8_t* zr, int sdt,
                                                    int lg_gv, int nt,
                                                    uint8_t* out, int lane) {
-#define KV_VALUES(F, M) \
-  DecodeValuesF16<F, kD, M>(codes, sc, zr, lg_gv, nt, out, lane)
-  const bool m8 = sdt == 2;
-  switch (f) {
-    case 2:
-      m8 ? KV_VALUES(2, true) : KV_VALUES(2, false);
-      break;
-    case 3:
-      m8 ? KV_VALUES(3, true) : KV_VALUES(3, false);
-      break;
-    case 4:
-      KV_VALUES(4, false);
-      break;
-    default:
-      m8 ? KV_VALUES(5, true) : KV_VALUES(5, false);
-      break;
-  }
-#undef KV_VALUES
+  DispatchIntFp8(f, sdt, [&](auto F, auto M) {
+    DecodeValuesF16<decltype(F)::value, kD, decltype(M)::value>(
+        codes, sc, zr, lg_gv, nt, out, lane);
+  });
 }
 
 // ---- Transposed tiles (kSmall CTAs: INT/FP8 keys and values) --------------
@@ -1624,23 +1630,10 @@ __device__ __forceinline__ void ScoresRegTAny(int f, const uint8_t* codes,
                                               const uint8_t* zr, int sdt,
                                               const uint32_t (&qb)[kD / 8],
                                               int lane, float (&s)[4]) {
-#define KV_SCORES(F, M) ScoresRegT<F, kD, M>(codes, sc, zr, qb, lane, s)
-  const bool m8 = sdt == 2;
-  switch (f) {
-    case 2:
-      m8 ? KV_SCORES(2, true) : KV_SCORES(2, false);
-      break;
-    case 3:
-      m8 ? KV_SCORES(3, true) : KV_SCORES(3, false);
-      break;
-    case 4:
-      KV_SCORES(4, false);
-      break;
-    default:
-      m8 ? KV_SCORES(5, true) : KV_SCORES(5, false);
-      break;
-  }
-#undef KV_SCORES
+  DispatchIntFp8(f, sdt, [&](auto F, auto M) {
+    ScoresRegT<decltype(F)::value, kD, decltype(M)::value>(codes, sc, zr, qb,
+                                                           lane, s);
+  });
 }
 
 // Two metadata elements as an fp16 pair (i0 in the low half).
@@ -1759,24 +1752,10 @@ __device__ __forceinline__ void ValuesRegTAny(int f, const uint8_t* codes,
                                               int lg_gv, int nt, uint32_t pb0,
                                               uint32_t pb1, int lane,
                                               float (&o)[kD / 16][4]) {
-#define KV_VALUES(F, M) \
-  ValuesRegT<F, kD, M>(codes, sc, zr, lg_gv, nt, pb0, pb1, lane, o)
-  const bool m8 = sdt == 2;
-  switch (f) {
-    case 2:
-      m8 ? KV_VALUES(2, true) : KV_VALUES(2, false);
-      break;
-    case 3:
-      m8 ? KV_VALUES(3, true) : KV_VALUES(3, false);
-      break;
-    case 4:
-      KV_VALUES(4, false);
-      break;
-    default:
-      m8 ? KV_VALUES(5, true) : KV_VALUES(5, false);
-      break;
-  }
-#undef KV_VALUES
+  DispatchIntFp8(f, sdt, [&](auto F, auto M) {
+    ValuesRegT<decltype(F)::value, kD, decltype(M)::value>(
+        codes, sc, zr, lg_gv, nt, pb0, pb1, lane, o);
+  });
 }
 
 // ---- Transposed TQ tiles (kSmall, kTq: TQ4/TQ2 keys and values) ----------
