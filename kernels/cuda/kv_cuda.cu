@@ -3440,7 +3440,7 @@ absl::Status LaunchMma(const AttentionParams& p, const MmaPlan& plan,
   a.ws_o = reinterpret_cast<float*>(w8 + Align16(slots * sizeof(float)));
   PartitionKernel<<<p.batch, kPartThreads, 0, p.stream>>>(
       p.pages, p.page_indptr, p.attend_tokens, p.shape.tokens, S, shares,
-      std::max(p.pages_per_share, 0), SmallOk(kD), part_plan, mask);
+      p.pages_per_share, SmallOk(kD), part_plan, mask);
   KV_RETURN_IF_ERROR(LaunchStatus("DecodeAttentionCuda partition"));
   const long long class_ctas = static_cast<long long>(p.batch) * p.shape.heads *
                                plan.row_blocks * plan.splits[0];
@@ -3628,6 +3628,15 @@ absl::Status DecodeAttentionCuda(const AttentionParams& p) {
   if (p.batch < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch must be >= 0, got ", p.batch));
+  }
+  if (p.pages_per_share < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pages_per_share must be >= 0, got ", p.pages_per_share));
+  }
+  if ((p.formats_present >> kClasses) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "formats_present has bits outside AttentionFormatBit's 8: 0x",
+        absl::Hex(p.formats_present)));
   }
   if (p.n_q_heads < 1 || p.n_q_heads % p.shape.heads != 0) {
     return absl::InvalidArgumentError(

@@ -177,7 +177,8 @@ struct AttentionParams {
   // AttentionFormatBit(page.format, head_dim) over them (a superset is
   // fine). Kernel configurations that none of them needs are not launched
   // (fewer launches: ~5 us each on small batches). 0 = unknown: all launch.
-  // A sequence with a page whose bit is missing gets NaN outputs.
+  // A sequence with a page whose bit is missing gets NaN outputs; bits
+  // above the 8 classes are INVALID_ARGUMENT.
   uint32_t formats_present = 0;
   // Optional (with num_splits > 0): split each sequence's pages of a class
   // into one share per pages_per_share pages (at most num_splits x 4
@@ -185,6 +186,7 @@ struct AttentionParams {
   // its own pages only, not on num_splits, as long as num_splits x 4 covers
   // every sequence's shares: callers that batch sequences can size
   // num_splits to the batch and still get the bits a batch of one gives.
+  // Negative: INVALID_ARGUMENT.
   int pages_per_share = 0;
   // CTAs per (sequence, KV head, encoding class); 0 = choose per kernel
   // configuration from batch * heads, the SM count and that kernel's

@@ -828,6 +828,16 @@ TEST(KvCudaValidationTest, RejectsBadShapes) {
   EXPECT_THAT(
       DecodeAttentionCuda(p),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("non-null")));
+  p.pages_per_share = -3;
+  EXPECT_THAT(DecodeAttentionCuda(p),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("pages_per_share must be >= 0, got -3")));
+  p.pages_per_share = 0;
+  p.formats_present = 1u << 9;
+  EXPECT_THAT(DecodeAttentionCuda(p),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("formats_present has bits outside")));
+  p.formats_present = 0;
 
   EncodePagesParams e;
   e.shape = PageShape{0, 2, 128};
