@@ -64,12 +64,6 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(int ordinal) {
     return absl::InternalError(
         absl::StrCat("cudaSetDevice(", ordinal, "): ", CudaError(e)));
   }
-  int sms = 0;
-  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal);
-  if (e != cudaSuccess || sms < 1) {
-    return absl::InternalError(absl::StrCat(
-        "cuda device ", ordinal, ": cannot read the SM count: ", CudaError(e)));
-  }
   std::vector<std::unique_ptr<Lane>> lanes;
   for (int i = 0; i < kLanes; ++i) {
     auto lane = std::make_unique<Lane>();
@@ -81,13 +75,11 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(int ordinal) {
     }
     lanes.push_back(std::move(lane));
   }
-  return std::unique_ptr<CudaDevice>(
-      new CudaDevice(ordinal, sms, std::move(lanes)));
+  return std::unique_ptr<CudaDevice>(new CudaDevice(ordinal, std::move(lanes)));
 }
 
-CudaDevice::CudaDevice(int ordinal, int sm_count,
-                       std::vector<std::unique_ptr<Lane>> lanes)
-    : ordinal_(ordinal), sm_count_(sm_count), lanes_(std::move(lanes)) {
+CudaDevice::CudaDevice(int ordinal, std::vector<std::unique_ptr<Lane>> lanes)
+    : ordinal_(ordinal), lanes_(std::move(lanes)) {
   absl::MutexLock lock(&lanes_mu_);
   for (const auto& l : lanes_) free_lanes_.push_back(l.get());
 }

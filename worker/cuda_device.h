@@ -170,8 +170,7 @@ class CudaDevice final : public Device {
     Lane* lane_;
   };
 
-  CudaDevice(int ordinal, int sm_count,
-             std::vector<std::unique_ptr<Lane>> lanes);
+  CudaDevice(int ordinal, std::vector<std::unique_ptr<Lane>> lanes);
 
   // UNAVAILABLE once poisoned; else makes the device current on this thread
   // and checks out a free lane (waiting for one).
@@ -198,7 +197,6 @@ class CudaDevice final : public Device {
       const std::vector<std::vector<kernels::cuda::DevicePage>>& tables);
 
   const int ordinal_;
-  const int sm_count_;
   const std::vector<std::unique_ptr<Lane>> lanes_;
 
   absl::Mutex lanes_mu_;

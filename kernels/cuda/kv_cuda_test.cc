@@ -147,6 +147,26 @@ struct Pool {
   }
 };
 
+// Attention over device buffers: q and out f32 [batch][n_q][head_dim], the
+// page table, indptr [batch + 1] and attend [batch]; scale 1 / sqrt(D).
+AttentionParams DeviceAttention(const PageShape& s, int batch, int n_q,
+                                const DeviceBuffer& q, const DeviceBuffer& out,
+                                const DeviceBuffer& table,
+                                const DeviceBuffer& indptr,
+                                const DeviceBuffer& attend) {
+  AttentionParams p;
+  p.shape = s;
+  p.batch = batch;
+  p.n_q_heads = n_q;
+  p.scale = 1.f / std::sqrt(static_cast<float>(s.head_dim));
+  p.q = q.as<float>();
+  p.out = out.as<float>();
+  p.pages = table.as<DevicePage>();
+  p.page_indptr = indptr.as<int32_t>();
+  p.attend_tokens = attend.as<int32_t>();
+  return p;
+}
+
 TEST_F(KvCudaTest, EncodeMatchesReferenceBytes) {
   const uint32_t seed = 101;
   std::printf("seed %u\n", seed);
@@ -348,16 +368,8 @@ TEST_P(KvCudaAttentionTest, MatchesReference) {
   d_indptr.Upload(indptr);
   d_attend.Upload(attend);
 
-  AttentionParams p;
-  p.shape = s;
-  p.batch = batch;
-  p.n_q_heads = n_q;
-  p.scale = scale;
-  p.q = d_q.as<float>();
-  p.out = d_out.as<float>();
-  p.pages = d_table.as<DevicePage>();
-  p.page_indptr = d_indptr.as<int32_t>();
-  p.attend_tokens = d_attend.as<int32_t>();
+  const AttentionParams p =
+      DeviceAttention(s, batch, n_q, d_q, d_out, d_table, d_indptr, d_attend);
   ASSERT_THAT(DecodeAttentionCuda(p), IsOk());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got = d_out.Download<float>(q.size());
@@ -481,16 +493,8 @@ TEST_F(KvCudaTest, AttentionGroupsClassesAndPoisons) {
   for (int splits : {1, 3, 0}) {
     SCOPED_TRACE(::testing::Message() << "num_splits " << splits);
     d_out.Upload(std::vector<float>(q.size(), 12345.f));
-    AttentionParams p;
-    p.shape = s;
-    p.batch = batch;
-    p.n_q_heads = n_q;
-    p.scale = scale;
-    p.q = d_q.as<float>();
-    p.out = d_out.as<float>();
-    p.pages = d_table.as<DevicePage>();
-    p.page_indptr = d_indptr.as<int32_t>();
-    p.attend_tokens = d_attend.as<int32_t>();
+    AttentionParams p =
+        DeviceAttention(s, batch, n_q, d_q, d_out, d_table, d_indptr, d_attend);
     p.num_splits = splits;
     ASSERT_THAT(DecodeAttentionCuda(p), IsOk());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -566,16 +570,8 @@ TEST_F(KvCudaTest, AttentionFormatHint) {
   d_attend.Upload(attend);
   auto run = [&](uint32_t hint) {
     d_out.Upload(std::vector<float>(q.size(), 12345.f));
-    AttentionParams p;
-    p.shape = s;
-    p.batch = batch;
-    p.n_q_heads = n_q;
-    p.scale = 1.f / std::sqrt(static_cast<float>(D));
-    p.q = d_q.as<float>();
-    p.out = d_out.as<float>();
-    p.pages = d_table.as<DevicePage>();
-    p.page_indptr = d_indptr.as<int32_t>();
-    p.attend_tokens = d_attend.as<int32_t>();
+    AttentionParams p =
+        DeviceAttention(s, batch, n_q, d_q, d_out, d_table, d_indptr, d_attend);
     p.formats_present = hint;
     EXPECT_THAT(DecodeAttentionCuda(p), IsOk());
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -670,16 +666,8 @@ TEST_F(KvCudaTest, AttentionPagesPerShareIsBatchInvariant) {
     d_a.Upload(att);
     d_q.Upload(qb);
     d_o.Upload(std::vector<float>(qb.size(), 12345.f));
-    AttentionParams p;
-    p.shape = s;
-    p.batch = static_cast<int>(seqs.size());
-    p.n_q_heads = n_q;
-    p.scale = 1.f / std::sqrt(static_cast<float>(D));
-    p.q = d_q.as<float>();
-    p.out = d_o.as<float>();
-    p.pages = d_t.as<DevicePage>();
-    p.page_indptr = d_i.as<int32_t>();
-    p.attend_tokens = d_a.as<int32_t>();
+    AttentionParams p = DeviceAttention(s, static_cast<int>(seqs.size()), n_q,
+                                        d_q, d_o, d_t, d_i, d_a);
     p.num_splits = splits;
     p.pages_per_share = pps;
     EXPECT_THAT(DecodeAttentionCuda(p), IsOk());
