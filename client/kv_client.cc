@@ -294,19 +294,6 @@ void Client::CloseOnManagerQuietly(const std::string& sequence_id) {
   }).IgnoreError();
 }
 
-kernels::Encoding PlanEncoding(const triax::v1::BlockPlan& b) {
-  kernels::Encoding e;
-  e.k = static_cast<kernels::Format>(b.format());
-  e.v = static_cast<kernels::Format>(
-      b.format_v() != triax::v1::FORMAT_UNSPECIFIED ? b.format_v()
-                                                    : b.format());
-  e.group = static_cast<int>(b.group_size());
-  e.scale_dtype = b.scale_dtype() == triax::v1::SCALE_DTYPE_FP8_E4M3
-                      ? kernels::ScaleDtype::kFP8
-                      : kernels::ScaleDtype::kFP16;
-  return e;
-}
-
 std::string EncodingLabel(const kernels::Encoding& e) {
   char buf[96];
   return kernels::EncodingName(e, buf, sizeof(buf));

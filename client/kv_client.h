@@ -58,6 +58,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "common/model_proto.h"
 #include "kernels/layout.h"
 #include "triax/v1/manager.grpc.pb.h"
 #include "triax/v1/worker.grpc.pb.h"
@@ -95,17 +96,14 @@ struct OpenOptions {
   std::optional<uint32_t> window_tokens;
 };
 
+// kernels::EncodingName as a string ("int4", "k=int4,v=int2,g=64", ...).
+// A block plan's encoding is triax::EncodingFromProto(plan)
+// (common/model_proto.h).
+std::string EncodingLabel(const kernels::Encoding& e);
+
 // The new encoding of one block for DemoteBlocks. format_v
 // FORMAT_UNSPECIFIED means "same as format"; group_size 0 the default (32);
 // scale_dtype unspecified FP16.
-// The kernels' Encoding of a block plan (format_v unspecified = format):
-// the one conversion from the wire plan to kernels/layout.h, for PageBytes
-// and for decoding pages locally.
-kernels::Encoding PlanEncoding(const triax::v1::BlockPlan& b);
-
-// kernels::EncodingName as a string ("int4", "k=int4,v=int2,g=64", ...).
-std::string EncodingLabel(const kernels::Encoding& e);
-
 triax::v1::BlockEncoding MakeBlockEncoding(
     uint64_t lineage_id, triax::v1::Format format,
     triax::v1::Format format_v = triax::v1::FORMAT_UNSPECIFIED,

@@ -149,24 +149,12 @@ TEST(Client, WorkerStubsAreCached) {
 namespace triax::client {
 namespace {
 
-TEST(PlanEncoding, VDefaultsToKAndKeepsGroupAndScale) {
-  triax::v1::BlockPlan b;
-  b.set_format(triax::v1::FORMAT_INT4);
-  kernels::Encoding e = PlanEncoding(b);
-  EXPECT_EQ(e.k, kernels::Format::kINT4);
-  EXPECT_EQ(e.v, kernels::Format::kINT4);
-  EXPECT_EQ(e.scale_dtype, kernels::ScaleDtype::kFP16);
-  EXPECT_EQ(EncodingLabel(e), "int4");
-
-  b.set_format_v(triax::v1::FORMAT_INT2);
-  b.set_group_size(64);
-  b.set_scale_dtype(triax::v1::SCALE_DTYPE_FP8_E4M3);
-  e = PlanEncoding(b);
-  EXPECT_EQ(e.k, kernels::Format::kINT4);
-  EXPECT_EQ(e.v, kernels::Format::kINT2);
-  EXPECT_EQ(e.group, 64);
-  EXPECT_EQ(e.scale_dtype, kernels::ScaleDtype::kFP8);
-  EXPECT_EQ(EncodingLabel(e), "k=int4,v=int2,g=64,scale=fp8");
+TEST(EncodingLabel, NamesUniformAndMixedEncodings) {
+  EXPECT_EQ(EncodingLabel(kernels::Encoding(kernels::Format::kINT4)), "int4");
+  EXPECT_EQ(EncodingLabel(kernels::Encoding(kernels::Format::kINT4,
+                                            kernels::Format::kINT2, 64,
+                                            kernels::ScaleDtype::kFP8)),
+            "k=int4,v=int2,g=64,scale=fp8");
 }
 
 }  // namespace

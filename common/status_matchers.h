@@ -31,4 +31,13 @@ MATCHER(IsOk, "") {
   return s.ok();
 }
 
+// EXPECT_THAT(statusor, IsOkAndHolds(ElementsAre(1, 2)))
+MATCHER_P(IsOkAndHolds, value_matcher, "") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(value_matcher, *arg, result_listener);
+}
+
 }  // namespace triax::testing

@@ -232,9 +232,9 @@ TEST_F(AllocationTest, CalibrationValidationNamesTheFieldAndChangesNothing) {
   const std::vector<Case> cases = {
       {"model", [](auto* t) { t->model = "bad model"; }, "table.model"},
       {"layers", [](auto* t) { t->shape.n_layers = 0; },
-       "table.shape.n_layers 0"},
+       "table.shape.n_layers=0"},
       {"head_dim", [](auto* t) { t->shape.head_dim = 7; },
-       "table.shape.head_dim 7"},
+       "table.shape.head_dim=7"},
       {"block_tokens", [](auto* t) { t->block_tokens = 0; },
        "table.block_tokens 0"},
       {"empty", [](auto* t) { t->entries.clear(); }, "table.entries is empty"},

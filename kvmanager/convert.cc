@@ -8,8 +8,8 @@ namespace {
 EncodingSpec SpecFromWire(int format, int format_v, uint32_t group_size,
                           int scale_dtype) {
   EncodingSpec e;
-  e.format = ToFormat(format);
-  e.format_v = ToFormat(format_v);
+  e.format = FormatFromProto(format);
+  e.format_v = FormatFromProto(format_v);
   e.group_size = group_size;
   e.scale_dtype = scale_dtype;
   return e;
@@ -25,10 +25,6 @@ void SetEncoding(const EncodingSpec& s, P* p) {
 }
 
 }  // namespace
-
-Format ToFormat(int wire) {
-  return static_cast<Format>(wire >= 0 && wire < 255 ? wire : 255);
-}
 
 RegisterWorkerRequest FromProto(const v1::RegisterWorkerRequest& p) {
   RegisterWorkerRequest d;
@@ -49,8 +45,8 @@ Inventory FromProto(const v1::Inventory& p) {
   d.window_bytes = p.window_bytes();
   d.formats.reserve(p.formats_size());
   for (const auto& f : p.formats()) {
-    d.formats.push_back(
-        FormatInventory{ToFormat(f.format()), f.pages_used(), f.bytes_used()});
+    d.formats.push_back(FormatInventory{FormatFromProto(f.format()),
+                                        f.pages_used(), f.bytes_used()});
   }
   d.sequence_ids.assign(p.sequence_ids().begin(), p.sequence_ids().end());
   for (const auto& t : p.tiers()) {
@@ -97,16 +93,6 @@ SetBudgetRequest FromProto(const v1::SetBudgetRequest& p) {
   d.request_id = p.request_id();
   d.tenant_id = p.tenant_id();
   d.budget = FromProto(p.budget());
-  return d;
-}
-
-ModelShape FromProto(const v1::ModelShape& p) {
-  ModelShape d;
-  d.name = p.name();
-  d.n_layers = p.n_layers();
-  d.n_kv_heads = p.n_kv_heads();
-  d.n_q_heads = p.n_q_heads();
-  d.head_dim = p.head_dim();
   return d;
 }
 
@@ -176,31 +162,11 @@ EventFilter FromProto(const v1::WatchEventsRequest& p) {
   return f;
 }
 
-void ToProto(const Tag& d, v1::Tag* p) {
-  p->set_temporal(static_cast<v1::Temporal>(d.temporal));
-  p->set_modality(static_cast<v1::Modality>(d.modality));
-  p->set_role(static_cast<v1::Role>(d.role));
-}
-
-void ToProto(const ModelShape& d, v1::ModelShape* p) {
-  p->set_name(d.name);
-  p->set_n_layers(d.n_layers);
-  p->set_n_kv_heads(d.n_kv_heads);
-  p->set_n_q_heads(d.n_q_heads);
-  p->set_head_dim(d.head_dim);
-}
-
 void ToProto(const BlockPlan& d, v1::BlockPlan* p) {
-  p->set_index(d.index);
-  p->set_lineage_id(d.lineage_id);
-  p->set_first_token(d.first_token);
-  p->set_num_tokens(d.num_tokens);
+  ToProto(static_cast<const BlockSpec&>(d), p);
   p->set_capacity(d.capacity);
   ToProto(d.tag, p->mutable_tag());
-  SetEncoding(SpecOf(d.encoding), p);
   p->set_refcount(d.refcount);
-  p->set_tier(static_cast<v1::Tier>(d.tier));
-  p->set_evicted(d.evicted);
 }
 
 PolicyInfo FromProto(const v1::Policy& p) {
@@ -470,7 +436,7 @@ void ToProto(const PressureState& d, v1::GetPressureResponse* p) {
     if (a.action == PressureAction::kDemote) {
       auto* e = pa->mutable_encoding();
       e->set_lineage_id(a.lineage_id);
-      SetEncoding(SpecOf(a.encoding), e);
+      EncodingToProto(a.encoding, e);
     }
     pa->set_bytes_freed(a.bytes_freed);
     pa->set_cost(a.cost);

@@ -3,6 +3,7 @@
 // core, so an out-of-range wire value is rejected there with the field name.
 #pragma once
 
+#include "common/model_proto.h"
 #include "kvmanager/manager_core.h"
 #include "kvmanager/types.h"
 #include "triax/v1/manager.pb.h"
@@ -10,6 +11,10 @@
 #include "triax/v1/worker.pb.h"
 
 namespace triax::manager {
+
+// The shared vocabulary's converters (ModelShape, Tag, BlockSpec, encodings).
+using triax::FromProto;
+using triax::ToProto;
 
 // Requests.
 RegisterWorkerRequest FromProto(const v1::RegisterWorkerRequest& p);
@@ -22,7 +27,6 @@ ForkSequenceRequest FromProto(const v1::ForkSequenceRequest& p);
 CloseSequenceRequest FromProto(const v1::CloseSequenceRequest& p);
 EventFilter FromProto(const v1::WatchEventsRequest& p);
 Budget FromProto(const v1::Budget& p);
-ModelShape FromProto(const v1::ModelShape& p);
 Span FromProto(const v1::Span& p);
 RenderedText FromProto(const v1::RenderedText& p);
 PutPolicyRequest FromProto(const v1::PutPolicyRequest& p);
@@ -31,12 +35,8 @@ DemoteBlocksRequest FromProto(const v1::DemoteBlocksRequest& p);
 PutCalibrationRequest FromProto(const v1::PutCalibrationRequest& p);
 CalibrationTableInfo FromProto(const v1::CalibrationTable& p);
 ReportAccessRequest FromProto(const v1::ReportAccessRequest& p);
-// Wire enum value -> Format; values outside 0..254 map to 255 (invalid).
-Format ToFormat(int wire);
 
 // Replies and infos.
-void ToProto(const Tag& d, v1::Tag* p);
-void ToProto(const ModelShape& d, v1::ModelShape* p);
 void ToProto(const BlockPlan& d, v1::BlockPlan* p);
 void ToProto(const Budget& d, v1::Budget* p);
 void ToProto(const TenantInfo& d, v1::TenantInfo* p);

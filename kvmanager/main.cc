@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -18,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/port_file.h"
 #include "kvmanager/manager_core.h"
 #include "kvmanager/manager_service.h"
 
@@ -70,20 +70,6 @@ ABSL_FLAG(uint32_t, window_guard_tokens, 64,
 ABSL_FLAG(double, reuse_half_life_ms, 30000,
           "half-life of the reuse probability of an idle sequence's blocks");
 
-namespace {
-
-bool WritePortFile(const std::string& path, int port) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << port << "\n";
-    if (!out.good()) return false;
-  }
-  return std::rename(tmp.c_str(), path.c_str()) == 0;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   using triax::Kv;
@@ -114,8 +100,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     options.ranker.mode = *mode;
-    auto roles =
-        triax::manager::ParseRoleList(absl::GetFlag(FLAGS_protected_roles));
+    auto roles = triax::ParseRoleList(absl::GetFlag(FLAGS_protected_roles));
     if (!roles.ok()) {
       Log(LogLevel::kError, "manager", "bad flags",
           Kv("error", roles.status().ToString()));
@@ -158,11 +143,13 @@ int main(int argc, char** argv) {
   }
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
-  if (!port_file.empty() && !WritePortFile(port_file, port)) {
-    Log(LogLevel::kError, "manager", "cannot write port file",
-        Kv("path", port_file));
-    server->Shutdown();
-    return 1;
+  if (!port_file.empty()) {
+    if (absl::Status s = triax::WritePortFile(port_file, port); !s.ok()) {
+      Log(LogLevel::kError, "manager", "cannot write port file",
+          absl::StrCat(Kv("path", port_file), " ", Kv("error", s.message())));
+      server->Shutdown();
+      return 1;
+    }
   }
   std::cout << "kvmanager listening on " << host << ":" << port << std::endl;
   Log(LogLevel::kInfo, "manager", "listening",

@@ -20,33 +20,6 @@ namespace triax::manager {
 
 namespace {
 
-absl::Status ValidateModel(const ModelShape& m, absl::string_view f = "model") {
-  if (m.n_layers < 1 || m.n_layers > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(f, ".n_layers ", m.n_layers, " is outside 1..1024"));
-  }
-  if (m.n_kv_heads < 1 || m.n_kv_heads > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(f, ".n_kv_heads ", m.n_kv_heads, " is outside 1..1024"));
-  }
-  if (m.n_q_heads == 0 || m.n_q_heads % m.n_kv_heads != 0 ||
-      m.n_q_heads / m.n_kv_heads > 1024) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        f, ".n_q_heads ", m.n_q_heads,
-        " is not a positive multiple (at most 1024x) of n_kv_heads ",
-        m.n_kv_heads));
-  }
-  if (m.head_dim < 2 || m.head_dim > 512 || m.head_dim % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        f, ".head_dim ", m.head_dim, " is not an even number in 2..512"));
-  }
-  if (m.name.size() > 256) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        f, ".name is ", m.name.size(), " bytes long; the limit is 256"));
-  }
-  return absl::OkStatus();
-}
-
 // Validates spans and returns their total token count.
 absl::StatusOr<uint64_t> ValidateSpans(const std::vector<Span>& spans) {
   if (spans.empty()) return absl::InvalidArgumentError("spans is empty");
@@ -258,10 +231,7 @@ absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
 
 Temporal ManagerCore::TemporalFor(uint32_t index, uint32_t turn,
                                   uint32_t current) const {
-  if (index == 0) return Temporal::kSink;
-  if (turn >= current) return Temporal::kCurrentTurn;
-  if (current - turn <= options_.recent_turns) return Temporal::kRecentTurns;
-  return Temporal::kOlder;
+  return triax::TemporalFor(index, turn, current, options_.recent_turns);
 }
 
 Encoding ManagerCore::EncodingOfLocked(const Sequence& s,
@@ -907,7 +877,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
     const OpenSequenceRequest& req, AdmissionShortfall* shortfall) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", req.tenant_id));
-  TRIAX_RETURN_IF_ERROR(ValidateModel(req.model));
+  TRIAX_RETURN_IF_ERROR(ValidateModelShape(req.model));
   std::vector<Span> tagged;
   TRIAX_ASSIGN_OR_RETURN(
       const std::vector<Span>* spans,
@@ -1794,7 +1764,7 @@ absl::StatusOr<uint32_t> ManagerCore::PutCalibration(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   const CalibrationTableInfo& t = req.table;
   TRIAX_RETURN_IF_ERROR(ValidateId("table.model", t.model));
-  TRIAX_RETURN_IF_ERROR(ValidateModel(t.shape, "table.shape"));
+  TRIAX_RETURN_IF_ERROR(ValidateModelShape(t.shape, "table.shape"));
   if (t.block_tokens < 1 || t.block_tokens > kMaxBlockTokens) {
     return absl::InvalidArgumentError(
         absl::StrCat("table.block_tokens ", t.block_tokens, " is outside 1..",

@@ -559,13 +559,13 @@ TEST_F(CoreTest, OpenValidatesEveryField) {
   };
   using R = OpenSequenceRequest;
   const std::vector<std::pair<std::function<void(R&)>, std::string>> cases = {
-      {[](R& r) { r.model.n_layers = 0; }, "model.n_layers 0"},
-      {[](R& r) { r.model.n_layers = 1025; }, "model.n_layers 1025"},
-      {[](R& r) { r.model.n_kv_heads = 0; }, "model.n_kv_heads 0"},
-      {[](R& r) { r.model.n_q_heads = 5; }, "model.n_q_heads 5"},
-      {[](R& r) { r.model.n_q_heads = 0; }, "model.n_q_heads 0"},
-      {[](R& r) { r.model.head_dim = 63; }, "model.head_dim 63"},
-      {[](R& r) { r.model.head_dim = 514; }, "model.head_dim 514"},
+      {[](R& r) { r.model.n_layers = 0; }, "model.n_layers=0"},
+      {[](R& r) { r.model.n_layers = 1025; }, "model.n_layers=1025"},
+      {[](R& r) { r.model.n_kv_heads = 0; }, "model.n_kv_heads=0"},
+      {[](R& r) { r.model.n_q_heads = 5; }, "model.n_q_heads=5"},
+      {[](R& r) { r.model.n_q_heads = 0; }, "model.n_q_heads=0"},
+      {[](R& r) { r.model.head_dim = 63; }, "model.head_dim=63"},
+      {[](R& r) { r.model.head_dim = 514; }, "model.head_dim=514"},
       {[](R& r) { r.spans.clear(); }, "spans is empty"},
       {[](R& r) { r.spans[0].num_tokens = 0; }, "spans[0].num_tokens is 0"},
       {[](R& r) { r.spans[0].role = Role::kUnspecified; },
@@ -683,7 +683,11 @@ TEST(EventLogTest, RetentionDropsOldestAndPrunesTheLineageIndex) {
   ASSERT_EQ(l2.size(), 2u);
   EXPECT_EQ(l2[0].id, 4u);
   EXPECT_EQ(l2[1].id, 7u);
-  log.RecordLastPlan(BlockPlan{0, 2, 0, 5, 16}, "s");
+  BlockPlan last;
+  last.lineage_id = 2;
+  last.num_tokens = 5;
+  last.capacity = 16;
+  log.RecordLastPlan(last, "s");
   ASSERT_TRUE(log.FindLastPlan(2).has_value());
   EXPECT_EQ(log.FindLastPlan(2)->plan.num_tokens, 5u);
   // When the lineage's last event leaves retention, its entry goes too.

@@ -335,10 +335,10 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
        C::INVALID_ARGUMENT, "model is not set"},
       {"open zero layers",
        open_with([](auto& r) { r.mutable_model()->set_n_layers(0); }),
-       C::INVALID_ARGUMENT, "model.n_layers 0"},
+       C::INVALID_ARGUMENT, "model.n_layers=0"},
       {"open odd head_dim",
        open_with([](auto& r) { r.mutable_model()->set_head_dim(7); }),
-       C::INVALID_ARGUMENT, "model.head_dim 7"},
+       C::INVALID_ARGUMENT, "model.head_dim=7"},
       {"open spans and rendered", open_with([](auto& r) {
          r.mutable_rendered()->set_text("<|im_start|>user\nhi<|im_end|>\n");
          r.mutable_rendered()->set_chat_template(v1::CHAT_TEMPLATE_CHATML);

@@ -1,9 +1,11 @@
 // Domain types of the manager core. They mirror triax.v1 (types.proto,
 // manager.proto) field for field, but carry no protobuf dependency: the core
-// takes and returns these, and manager_service converts at the edge. Enum
-// values equal the proto enum values, so conversion is a cast; the core
-// validates the range (a value outside the enum is rejected like an
-// unspecified one).
+// takes and returns these, and manager_service converts at the edge. The
+// vocabulary shared with the worker and the clients (ModelShape, Tier, the
+// tag axes Role / Modality / Temporal, Tag, Encoding, BlockSpec) is defined
+// once in common/model.h. Enum values equal the proto enum values, so
+// conversion is a cast; the core validates the range (a value outside the
+// enum is rejected like an unspecified one).
 #pragma once
 
 #include <cstdint>
@@ -13,46 +15,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/model.h"
 #include "kernels/layout.h"
 
 namespace triax::manager {
-
-using Format = kernels::Format;  // values equal triax.v1.Format (1..8)
-// K format, V format, INT group size, scale dtype (kernels/layout.h). The
-// manager keeps encodings canonical (policy.h: CanonicalEncoding).
-using Encoding = kernels::Encoding;
-using ScaleDtype = kernels::ScaleDtype;
-
-enum class Role : int {
-  kUnspecified = 0,
-  kSystem = 1,
-  kToolSchema = 2,
-  kUser = 3,
-  kAssistant = 4,
-  kReasoning = 5,
-  kToolCall = 6,
-  kToolResult = 7,
-  kDelimiter = 8,
-};
-inline constexpr int kNumRoles = 9;
-
-enum class Modality : int {
-  kUnspecified = 0,
-  kText = 1,
-  kImage = 2,
-  kAudio = 3
-};
-
-enum class Temporal : int {
-  kUnspecified = 0,
-  kSink = 1,
-  kCurrentTurn = 2,
-  kRecentTurns = 3,
-  kOlder = 4,
-};
-
-enum class Tier : int { kUnspecified = 0, kDevice = 1, kHost = 2, kDisk = 3 };
-inline constexpr int kNumTiers = 4;
 
 enum class WorkerState : int { kUnspecified = 0, kUp = 1, kDown = 2 };
 enum class SequenceState : int {
@@ -84,41 +50,8 @@ enum class EventKind : int {
   kBlockEvicted = 18,
 };
 
-// Proto-style names ("ROLE_SYSTEM", "TIER_DEVICE", ...) for error messages and
-// event details; "<NAME>(<int>)" style fallback for out-of-range values.
-std::string RoleName(Role r);
-std::string ModalityName(Modality m);
-std::string TemporalName(Temporal t);
-std::string TierName(Tier t);
-std::string FormatProtoName(Format f);  // "FORMAT_BF16", ...
+// "EVENT_BLOCK_CREATED", ...; "EVENT_KIND(<int>)" when out of range.
 std::string EventKindName(EventKind k);
-
-bool IsValid(Role r);  // kSystem..kDelimiter
-// "system,tool_schema" -> roles (lower-case names of Role without the
-// prefix: system, tool_schema, user, assistant, reasoning, tool_call,
-// tool_result, delimiter); empty -> none. INVALID_ARGUMENT naming an
-// unknown name.
-absl::StatusOr<std::vector<Role>> ParseRoleList(absl::string_view list);
-bool IsValid(Modality m);      // kUnspecified (= text) .. kAudio
-bool IsValid(Tier t);          // kDevice..kDisk
-bool IsValidFormat(Format f);  // kBF16..kTQ2 (1..8)
-
-struct Tag {
-  Temporal temporal = Temporal::kUnspecified;
-  Modality modality = Modality::kText;
-  Role role = Role::kUnspecified;
-  bool operator==(const Tag& o) const {
-    return temporal == o.temporal && modality == o.modality && role == o.role;
-  }
-};
-
-struct ModelShape {
-  std::string name;
-  uint32_t n_layers = 0;    // 1..1024
-  uint32_t n_kv_heads = 0;  // 1..1024
-  uint32_t n_q_heads = 0;   // positive multiple of n_kv_heads
-  uint32_t head_dim = 0;    // even, 2..512
-};
 
 // A run of tokens that share role and modality.
 struct Span {
@@ -150,17 +83,14 @@ struct RenderedText {
   Role continues = Role::kUnspecified;  // the message the text continues
 };
 
-struct BlockPlan {
-  uint32_t index = 0;        // position in the sequence
-  uint64_t lineage_id = 0;   // dense from 1, unique per manager
-  uint64_t first_token = 0;  // absolute token position of the block's start
-  uint32_t num_tokens = 0;   // 1..capacity
-  uint32_t capacity = 0;     // the sequence's block_tokens
+// A block of a sequence's plan: the worker's BlockSpec (tokens, lineage,
+// encoding, tier, eviction) plus what the manager tracks about it.
+// `encoding` is canonical (policy.h: CanonicalEncoding); on the wire it is
+// format, format_v, group_size, scale_dtype.
+struct BlockPlan : BlockSpec {
+  uint32_t capacity = 0;  // the sequence's block_tokens
   Tag tag;
-  Encoding encoding;          // canonical; wire: format, format_v, group, scale
-  uint32_t refcount = 0;      // sequences sharing the block
-  Tier tier = Tier::kDevice;  // where its pages are (spilled: host / disk)
-  bool evicted = false;       // dropped under pressure; not attended
+  uint32_t refcount = 0;  // sequences sharing the block
 };
 
 // An encoding as it comes off the wire (BlockPlan / PolicyRule /

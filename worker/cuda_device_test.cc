@@ -461,7 +461,7 @@ TEST_F(CudaDeviceTest, RefusesWhatTheKernelsDoNotRun) {
   m.head_dim = 36;  // valid for the store, not a multiple of 8
   BlockSpec b;
   b.num_tokens = 16;
-  b.format = static_cast<int>(Format::kBF16);
+  b.encoding = Format::kBF16;
   EXPECT_THAT(store.AllocatePages("t", "s", m, 16, {b}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("not supported by the cuda backend")));
@@ -676,7 +676,7 @@ TEST_F(CudaDeviceTest, StoreDecodeStepBatchedVsPerItem) {
       b.lineage_id = 1 + i;
       b.first_token = i * T;
       b.num_tokens = T;
-      b.format = static_cast<int>(i < 2 ? Format::kBF16 : Format::kINT4);
+      b.encoding = i < 2 ? Format::kBF16 : Format::kINT4;
       plan.push_back(b);
     }
     const std::string id = absl::StrCat("s", s);
@@ -787,10 +787,7 @@ TEST_F(CudaDeviceTest, SequenceStoresAgree) {
     b.lineage_id = 500 + i;
     b.first_token = first;
     b.num_tokens = std::min(T, total - first);
-    b.format = static_cast<int>(encs[i].k);
-    b.format_v = static_cast<int>(encs[i].v);
-    b.group_size = static_cast<uint32_t>(encs[i].group);
-    b.scale_dtype = static_cast<int>(encs[i].scale_dtype);
+    b.encoding = encs[i];
     plan.push_back(b);
   }
   Backend backends[2] = {{gpu_.get()}, {&cpu_}};
@@ -864,11 +861,10 @@ TEST_F(CudaDeviceTest, SequenceStoresAgree) {
   std::vector<BlockSpec> demote(2);
   demote[0].index = 1;
   demote[0].lineage_id = 501;
-  demote[0].format = static_cast<int>(Format::kINT2);
+  demote[0].encoding = Format::kINT2;
   demote[1].index = 5;
   demote[1].lineage_id = 505;
-  demote[1].format = static_cast<int>(Format::kFP8);
-  demote[1].format_v = static_cast<int>(Format::kINT2);
+  demote[1].encoding = Encoding(Format::kFP8, Format::kINT2);
   for (Backend& be : backends) {
     ASSERT_THAT(be.store->Demote("t", "s", demote).status(), IsOk());
   }
@@ -876,8 +872,7 @@ TEST_F(CudaDeviceTest, SequenceStoresAgree) {
 
   // Fork: shared sealed prefix, copied tail with new lineage ids.
   std::vector<BlockSpec> child(plan.begin(), plan.begin() + 5);
-  child[1].format = static_cast<int>(Format::kINT2);
-  child[1].format_v = 0;
+  child[1].encoding = Format::kINT2;
   child[4].lineage_id = 900;
   child[4].num_tokens = 10;
   for (Backend& be : backends) {

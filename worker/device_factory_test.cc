@@ -170,7 +170,7 @@ class UnsupportedPlanTest : public ::testing::Test {
       plan[i].lineage_id = 7 + i;
       plan[i].first_token = 16 * i;
       plan[i].num_tokens = 16;
-      plan[i].format = static_cast<int>(i == 0 ? Format::kINT4 : second);
+      plan[i].encoding = i == 0 ? Format::kINT4 : second;
     }
     return plan;
   }
@@ -210,13 +210,11 @@ TEST_F(UnsupportedPlanTest, DemoteAndForkRefuseToo) {
   BlockSpec to_tq;
   to_tq.index = 0;
   to_tq.lineage_id = 7;
-  to_tq.format = static_cast<int>(Format::kINT8);
-  to_tq.format_v = static_cast<int>(Format::kTQ2);
+  to_tq.encoding = Encoding(Format::kINT8, Format::kTQ2);
   EXPECT_THAT(store_->Demote("t", "s", {to_tq}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("not supported by the picky backend")));
-  EXPECT_EQ(store_->Describe("s")->blocks[0].format,
-            static_cast<int>(Format::kINT4));
+  EXPECT_EQ(store_->Describe("s")->blocks[0].encoding.k, Format::kINT4);
   EXPECT_EQ(store_->Inventory().used_bytes, used);
 
   std::vector<BlockSpec> child = Plan(Format::kTQ3);

@@ -42,12 +42,9 @@ ModelShape Shape(uint32_t layers, uint32_t kv, uint32_t q, uint32_t d) {
   return m;
 }
 
-// A BlockSpec naming `e` (K format, V format only when it differs).
+// A BlockSpec naming `e`.
 BlockSpec WithEncoding(BlockSpec b, const Encoding& e) {
-  b.format = static_cast<int>(e.k);
-  b.format_v = e.v == e.k ? 0 : static_cast<int>(e.v);
-  b.group_size = static_cast<uint32_t>(e.group);
-  b.scale_dtype = static_cast<int>(e.scale_dtype);
+  b.encoding = e;
   return b;
 }
 
@@ -341,17 +338,17 @@ TEST_F(EncodingStoreTest, InvalidEncodingsNameTheBlockAndTheReason) {
                        AllOf(HasSubstr("blocks[0]: encoding tq3"),
                              HasSubstr("head_dim=48"))));
   BlockSpec bad = b;
-  bad.format_v = 9;
+  bad.encoding.v = static_cast<Format>(9);
   EXPECT_THAT(alloc(Shape(1, 1, 1, 64), 16, bad),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("blocks[0].format_v=9")));
   bad = b;
-  bad.group_size = 48;
+  bad.encoding.group = 48;
   EXPECT_THAT(alloc(Shape(1, 1, 1, 64), 16, bad),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("blocks[0].group_size=48")));
   bad = b;
-  bad.scale_dtype = 3;
+  bad.encoding.scale_dtype = static_cast<ScaleDtype>(3);
   EXPECT_THAT(alloc(Shape(1, 1, 1, 64), 16, bad),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("blocks[0].scale_dtype=3")));
@@ -429,15 +426,15 @@ TEST_F(EncodingStoreTest, InstalledAndSharedBlocksKeepTheirEncoding) {
   auto stale = Plan(48, 16, Format::kINT4);
   ASSERT_THAT(store_->AllocatePages(kTenant, "s", m, 16, stale).status(),
               IsOk());
-  EXPECT_EQ(store_->Describe("s")->blocks[0].format, 3);
-  EXPECT_EQ(store_->Describe("s")->blocks[2].format, 2);
+  EXPECT_EQ(store_->Describe("s")->blocks[0].encoding.k, Format::kINT2);
+  EXPECT_EQ(store_->Describe("s")->blocks[2].encoding.k, Format::kINT4);
   // A fork sharing block 0 under a plan naming bf16 shares the int2 page.
   auto child = Plan(32, 16, Format::kBF16);
   child[1].lineage_id = 900;  // copied, in the child's plan encoding
   ASSERT_THAT(store_->Fork(kTenant, "s", "kid", 32, child).status(), IsOk());
   auto d = store_->Describe("kid");
-  EXPECT_EQ(d->blocks[0].format, 3);
-  EXPECT_EQ(d->blocks[1].format, 1);
+  EXPECT_EQ(d->blocks[0].encoding.k, Format::kINT2);
+  EXPECT_EQ(d->blocks[1].encoding.k, Format::kBF16);
   EXPECT_EQ(*store_->TargetPage("kid", 0, 0), *store_->TargetPage("s", 0, 0));
   auto rs = store_->Read(kTenant, "s", 0, 0, 16);
   auto rk = store_->Read(kTenant, "kid", 0, 0, 16);
@@ -477,9 +474,9 @@ TEST_F(EncodingStoreTest, DemoteSealedAndUnsealedBf16ToInt4ToInt2) {
   EXPECT_EQ(r->bytes_delta, 2 * (int64_t(int4) - int64_t(bf16)) + 4 * int4);
   EXPECT_EQ(store_->Inventory().used_bytes, used + r->bytes_delta);
   auto d = store_->Describe("s");
-  EXPECT_EQ(d->blocks[0].format, 2);
-  EXPECT_EQ(d->blocks[1].format, 1);
-  EXPECT_EQ(d->blocks[3].format, 2);
+  EXPECT_EQ(d->blocks[0].encoding.k, Format::kINT4);
+  EXPECT_EQ(d->blocks[1].encoding.k, Format::kBF16);
+  EXPECT_EQ(d->blocks[3].encoding.k, Format::kINT4);
   EXPECT_THAT(d->sealed, ElementsAre(2u, 2u));
   EXPECT_THAT(d->window_pages, ElementsAre(2u, 2u));
   for (uint32_t l = 0; l < 2; ++l) {
@@ -563,11 +560,11 @@ TEST_F(EncodingStoreTest, DemoteInt8ToTq3AndToMixedKv) {
   EXPECT_EQ(inv.encodings.at(mixed).pages, 2u);
   EXPECT_EQ(inv.encodings.at(Format::kINT8).pages, 2u);
   auto d = store_->Describe("s");
-  EXPECT_EQ(d->blocks[0].format, 7);
-  EXPECT_EQ(d->blocks[1].format, 2);
-  EXPECT_EQ(d->blocks[1].format_v, 3);
-  EXPECT_EQ(d->blocks[1].group_size, 64u);
-  EXPECT_EQ(d->blocks[1].scale_dtype, 2);
+  EXPECT_EQ(d->blocks[0].encoding.k, Format::kTQ3);
+  EXPECT_EQ(d->blocks[1].encoding.k, Format::kINT4);
+  EXPECT_EQ(d->blocks[1].encoding.v, Format::kINT2);
+  EXPECT_EQ(d->blocks[1].encoding.group, 64);
+  EXPECT_EQ(d->blocks[1].encoding.scale_dtype, ScaleDtype::kFP8);
   for (uint32_t l = 0; l < 2; ++l) {
     std::vector<uint8_t> p0 = PageOf("s", 0, l), p1 = PageOf("s", 1, l),
                          p2 = PageOf("s", 2, l);
@@ -688,12 +685,12 @@ TEST_F(EncodingStoreTest, DemoteRejectsBadInputWithoutChange) {
                        AllOf(HasSubstr("blocks[0]: encoding tq3"),
                              HasSubstr("head_dim=96"))));
   BlockSpec bad = Target(0, Format::kINT4);
-  bad.format = 9;
+  bad.encoding.k = static_cast<Format>(9);
   EXPECT_THAT(demote(kTenant, "s", {bad}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("blocks[0].format=9")));
   bad = Target(0, Format::kINT4);
-  bad.group_size = 16;
+  bad.encoding.group = 16;
   EXPECT_THAT(demote(kTenant, "s", {bad}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("blocks[0].group_size=16")));
@@ -739,7 +736,7 @@ TEST_F(EncodingStoreTest, DemoteRejectsBadInputWithoutChange) {
   // Nothing changed.
   const auto after = *store_->Describe("s");
   for (size_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(after.blocks[i].format, before.blocks[i].format);
+    EXPECT_EQ(after.blocks[i].encoding, before.blocks[i].encoding);
   }
   EXPECT_EQ(after.sealed, before.sealed);
   EXPECT_EQ(PageOf("s", 0, 1), page0);
@@ -747,7 +744,7 @@ TEST_F(EncodingStoreTest, DemoteRejectsBadInputWithoutChange) {
 
   // And once unshared, demotion goes through.
   EXPECT_THAT(demote(kTenant, "s", {Target(1, Format::kINT4)}), IsOk());
-  EXPECT_EQ(store_->Describe("s")->blocks[1].format, 2);
+  EXPECT_EQ(store_->Describe("s")->blocks[1].encoding.k, Format::kINT4);
 }
 
 }  // namespace

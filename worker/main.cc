@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <string>
 
@@ -18,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/ids.h"
 #include "common/log.h"
+#include "common/port_file.h"
 #include "worker/device.h"
 #include "worker/manager_link.h"
 #include "worker/page_allocator.h"
@@ -69,16 +69,6 @@ int Fail(const std::string& what) {
 std::string HostOf(const std::string& address) {
   const size_t colon = address.rfind(':');
   return colon == std::string::npos ? address : address.substr(0, colon);
-}
-
-bool WritePortFile(const std::string& path, int port) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << port << "\n";
-    if (!out.good()) return false;
-  }
-  return std::rename(tmp.c_str(), path.c_str()) == 0;
 }
 
 }  // namespace
@@ -152,9 +142,11 @@ int main(int argc, char** argv) {
   const std::string bound = absl::StrCat(HostOf(listen), ":", port);
 
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
-  if (!port_file.empty() && !WritePortFile(port_file, port)) {
-    server->Shutdown();
-    return Fail(absl::StrCat("cannot write --port_file=", port_file));
+  if (!port_file.empty()) {
+    if (absl::Status s = triax::WritePortFile(port_file, port); !s.ok()) {
+      server->Shutdown();
+      return Fail(absl::StrCat("cannot write --port_file: ", s.message()));
+    }
   }
 
   std::unique_ptr<ManagerLink> link;
@@ -178,8 +170,10 @@ int main(int argc, char** argv) {
                                  : absl::GetFlag(FLAGS_advertise);
     opts.backend = (*device)->Name();
     opts.capacity_bytes = (*allocator)->capacity();
-    opts.host_capacity_bytes = (*tiers)->Usage(Tier::kHost).capacity_bytes;
-    opts.disk_capacity_bytes = (*tiers)->Usage(Tier::kDisk).capacity_bytes;
+    opts.host_capacity_bytes =
+        (*tiers)->Usage(triax::Tier::kHost).capacity_bytes;
+    opts.disk_capacity_bytes =
+        (*tiers)->Usage(triax::Tier::kDisk).capacity_bytes;
     link = std::make_unique<ManagerLink>(
         opts,
         [&store] {

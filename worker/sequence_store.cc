@@ -26,15 +26,6 @@ uint32_t RetryAfterMs(const absl::Status& status) {
   return ms;
 }
 
-kernels::Encoding SpecEncoding(const BlockSpec& b) {
-  const Format k = static_cast<Format>(b.format);
-  const Format v = b.format_v == 0 ? k : static_cast<Format>(b.format_v);
-  const kernels::ScaleDtype s =
-      b.scale_dtype == 0 ? kernels::ScaleDtype::kFP16
-                         : static_cast<kernels::ScaleDtype>(b.scale_dtype);
-  return Encoding(k, v, static_cast<int>(b.group_size), s);
-}
-
 struct SequenceStore::Block {
   BlockSpec spec;  // encoding fields track `enc`
   Encoding enc;
@@ -70,27 +61,6 @@ struct SequenceStore::Sequence {
 
 namespace {
 
-absl::Status ValidateShape(const ModelShape& m) {
-  if (m.n_layers < 1 || m.n_layers > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.n_layers=", m.n_layers, " is outside 1..1024"));
-  }
-  if (m.n_kv_heads < 1 || m.n_kv_heads > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.n_kv_heads=", m.n_kv_heads, " is outside 1..1024"));
-  }
-  if (m.n_q_heads < m.n_kv_heads || m.n_q_heads % m.n_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model.n_q_heads=", m.n_q_heads,
-        " is not a positive multiple of model.n_kv_heads=", m.n_kv_heads));
-  }
-  if (m.head_dim < 2 || m.head_dim > 512 || m.head_dim % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model.head_dim=", m.head_dim, " is not an even value in 2..512"));
-  }
-  return absl::OkStatus();
-}
-
 bool IsBf16(const Encoding& e) {
   return e.k == Format::kBF16 && e.v == Format::kBF16;
 }
@@ -106,28 +76,8 @@ std::string EncName(const Encoding& e) {
 absl::StatusOr<Encoding> BlockEncoding(const Device& device, const BlockSpec& b,
                                        absl::string_view field,
                                        const PageShape& shape) {
-  if (b.format < 1 || b.format > 8) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".format=", b.format,
-        " is not a format (1 bf16, 2 int4, 3 int2, 4 fp8_e4m3, 5 int8, 6 tq4, "
-        "7 tq3, 8 tq2)"));
-  }
-  if (b.format_v < 0 || b.format_v > 8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".format_v=", b.format_v,
-                     " is not a format (1..8, or 0 for the same as format)"));
-  }
-  if (b.group_size != 0 && b.group_size != 32 && b.group_size != 64 &&
-      b.group_size != 128) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".group_size=", b.group_size, " is not 0 (32), 32, 64 or 128"));
-  }
-  if (b.scale_dtype < 0 || b.scale_dtype > 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".scale_dtype=", b.scale_dtype,
-                     " is not 0 or 1 (fp16) or 2 (fp8_e4m3)"));
-  }
-  const Encoding e = SpecEncoding(b);
+  TRIAX_RETURN_IF_ERROR(ValidateEncodingFields(b.encoding, field));
+  const Encoding& e = b.encoding;
   if (const char* why = kernels::ValidateEncoding(e, shape); why != nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": encoding ", EncName(e),
@@ -141,14 +91,6 @@ absl::StatusOr<Encoding> BlockEncoding(const Device& device, const BlockSpec& b,
                                      " backend: ", s.message()));
   }
   return e;
-}
-
-PageShape ShapeOf(const ModelShape& m, uint32_t block_tokens) {
-  PageShape shape;
-  shape.tokens = static_cast<int>(block_tokens);
-  shape.heads = static_cast<int>(m.n_kv_heads);
-  shape.head_dim = static_cast<int>(m.head_dim);
-  return shape;
 }
 
 absl::Status ValidatePlan(const Device& device,
@@ -177,9 +119,9 @@ absl::Status ValidatePlan(const Device& device,
     TRIAX_RETURN_IF_ERROR(
         BlockEncoding(device, b, absl::StrCat("blocks[", i, "]"), shape)
             .status());
-    if (b.tier < 0 || b.tier > 3) {
+    if (static_cast<int>(b.tier) < 0 || static_cast<int>(b.tier) > 3) {
       return absl::InvalidArgumentError(
-          absl::StrCat("blocks[", i, "].tier=", b.tier,
+          absl::StrCat("blocks[", i, "].tier=", static_cast<int>(b.tier),
                        " is not a tier (0/1 device, 2 host, 3 disk)"));
     }
     next += b.num_tokens;
@@ -305,9 +247,9 @@ absl::StatusOr<AllocateResult> SequenceStore::AllocatePages(
     absl::Span<const BlockSpec> blocks, std::optional<uint32_t> window_tokens) {
   TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", tenant_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("sequence_id", sequence_id));
-  TRIAX_RETURN_IF_ERROR(ValidateShape(model));
+  TRIAX_RETURN_IF_ERROR(ValidateModelShape(model));
   TRIAX_RETURN_IF_ERROR(ValidateBlockTokens(block_tokens));
-  const PageShape shape = ShapeOf(model, block_tokens);
+  const PageShape shape = PageShapeOf(model, block_tokens);
   if (absl::Status s =
           device_->SupportsAttention(shape, static_cast<int>(model.n_q_heads));
       !s.ok()) {
@@ -344,7 +286,7 @@ absl::StatusOr<AllocateResult> SequenceStore::AllocatePages(
       fresh->model = model;
       fresh->block_tokens = block_tokens;
       fresh->window_tokens = window_tokens.value_or(options_.window_tokens);
-      fresh->shape = ShapeOf(model, block_tokens);
+      fresh->shape = PageShapeOf(model, block_tokens);
       fresh->written.assign(model.n_layers, 0);
       fresh->sealed.assign(model.n_layers, 0);
       result = Extend(*fresh, tenant_id, model, block_tokens, blocks);
@@ -403,12 +345,14 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
     }
   }
   for (size_t i = old; i < blocks.size(); ++i) {
-    if (blocks[i].evicted || blocks[i].tier > static_cast<int>(Tier::kDevice)) {
+    if (blocks[i].evicted ||
+        static_cast<int>(blocks[i].tier) > static_cast<int>(Tier::kDevice)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "blocks[", i, "] (lineage_id=", blocks[i].lineage_id,
           ") is not installed on this worker but the plan names it ",
-          blocks[i].evicted ? "evicted"
-                            : absl::StrCat("in tier ", blocks[i].tier),
+          blocks[i].evicted
+              ? "evicted"
+              : absl::StrCat("in tier ", static_cast<int>(blocks[i].tier)),
           "; only installed blocks are spilled or evicted"));
     }
   }
@@ -423,7 +367,7 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
           "] (lineage_id=", last.spec.lineage_id, ") is ",
           last.evicted
               ? "evicted"
-              : absl::StrCat("spilled to the ", TierName(last.tier), " tier"),
+              : absl::StrCat("spilled to the ", TierLabel(last.tier), " tier"),
           " and cannot grow to num_tokens=", blocks[old - 1].num_tokens));
     }
     for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
@@ -446,15 +390,15 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
   uint64_t needed_pages = 0, needed_bytes = 0;
   for (size_t i = old; i < blocks.size(); ++i) {
     needed_pages += seq.model.n_layers;
-    needed_bytes += seq.model.n_layers *
-                    kernels::PageBytes(SpecEncoding(blocks[i]), seq.shape);
+    needed_bytes +=
+        seq.model.n_layers * kernels::PageBytes(blocks[i].encoding, seq.shape);
   }
   auto undo = [&] {
     for (Page* p : reserved) allocator_->Unref(p);
   };
   std::vector<std::vector<Page*>> new_targets;
   for (size_t i = old; i < blocks.size(); ++i) {
-    const Encoding e = SpecEncoding(blocks[i]);
+    const Encoding e = blocks[i].encoding;
     const size_t bytes = kernels::PageBytes(e, seq.shape);
     std::vector<Page*> pages;
     for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
@@ -525,7 +469,7 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
   for (size_t i = old; i < blocks.size(); ++i) {
     Block b;
     b.spec = blocks[i];
-    b.enc = SpecEncoding(blocks[i]);
+    b.enc = blocks[i].encoding;
     b.target = std::move(new_targets[i - old]);
     b.window.assign(seq.model.n_layers, nullptr);
     seq.planned += b.spec.num_tokens;
@@ -755,7 +699,7 @@ absl::StatusOr<DemoteResult> SequenceStore::Demote(
       return absl::FailedPreconditionError(
           absl::StrCat("blocks[", i, "] (index=", want.index,
                        " lineage_id=", want.lineage_id, ") is spilled to the ",
-                       TierName(b.tier), " tier; Restore it before demoting"));
+                       TierLabel(b.tier), " tier; Restore it before demoting"));
     }
     for (uint32_t l = 0; l < layers; ++l) {
       const int refs = allocator_->RefCount(b.target[l]);
@@ -925,10 +869,7 @@ absl::StatusOr<DemoteResult> SequenceStore::Demote(
     const BlockSpec& want = *std::find_if(
         blocks.begin(), blocks.end(),
         [&](const BlockSpec& x) { return x.index == jobs[j].block; });
-    b.spec.format = want.format;
-    b.spec.format_v = want.format_v;
-    b.spec.group_size = want.group_size;
-    b.spec.scale_dtype = want.scale_dtype;
+    b.spec.encoding = want.encoding;
   }
   return result;
 }
@@ -1312,7 +1253,7 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
       return absl::FailedPreconditionError(absl::StrCat(
           "parent block ", i, " (lineage_id=", pb.spec.lineage_id,
           ") lies within num_tokens=", num_tokens, " but is spilled to the ",
-          TierName(pb.tier), " tier; Restore it before forking"));
+          TierLabel(pb.tier), " tier; Restore it before forking"));
     }
   }
   const uint32_t layers = parent.model.n_layers;
@@ -1396,7 +1337,7 @@ absl::StatusOr<ForkResult> SequenceStore::Fork(
         b.enc = parent.blocks[i].enc;
       } else {
         b.spec = blocks[i];
-        b.enc = SpecEncoding(blocks[i]);
+        b.enc = blocks[i].encoding;
       }
       b.window.assign(layers, nullptr);
       b.target.assign(layers, nullptr);
@@ -1597,7 +1538,7 @@ absl::StatusOr<SequenceSnapshot> SequenceStore::Describe(
   s.window_tokens = seq->window_tokens;
   for (const Block& b : seq->blocks) {
     s.blocks.push_back(b.spec);
-    s.blocks.back().tier = static_cast<int>(b.tier);
+    s.blocks.back().tier = b.tier;
     s.blocks.back().evicted = b.evicted;
   }
   s.written = seq->written;
@@ -1703,7 +1644,7 @@ absl::StatusOr<SpillResult> SequenceStore::Spill(
                          LookupOwned(tenant_id, sequence_id));
   if (tier != Tier::kHost && tier != Tier::kDisk) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tier=", static_cast<int>(tier), " (", TierName(tier),
+        absl::StrCat("tier=", static_cast<int>(tier), " (", TierLabel(tier),
                      ") is not a spill tier (2 host, 3 disk)"));
   }
   if (lineage_ids.empty()) {
@@ -1767,7 +1708,7 @@ absl::StatusOr<SpillResult> SequenceStore::Spill(
       return absl::Status(
           c.status().code(),
           absl::StrCat("Spill sequence_id=", Quote(seq.id), " of ", jobs.size(),
-                       " blocks (", need, " bytes) to the ", TierName(tier),
+                       " blocks (", need, " bytes) to the ", TierLabel(tier),
                        " tier; nothing was spilled: ", c.status().message()));
     }
     copies.push_back(*std::move(c));
@@ -2000,7 +1941,7 @@ absl::Status SequenceStore::EnsureResident(
     const Block& blk = seq.blocks[b];
     if (!blk.prefetch_queued) unqueued.push_back(b);
     names.push_back(absl::StrCat(BlockName(blk.spec), " in the ",
-                                 TierName(blk.tier), " tier"));
+                                 TierLabel(blk.tier), " tier"));
   }
   if (unqueued.empty()) {
     // Every block is already on its way: wait for it rather than bounce the

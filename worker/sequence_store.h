@@ -158,6 +158,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "common/model.h"
 #include "kernels/layout.h"
 #include "worker/device.h"
 #include "worker/page_allocator.h"
@@ -166,34 +167,6 @@
 namespace triax::worker {
 
 enum class KvDtype : int { kUnspecified = 0, kF32 = 1, kBF16 = 2 };
-
-struct ModelShape {
-  std::string name;
-  uint32_t n_layers = 0;    // 1..1024
-  uint32_t n_kv_heads = 0;  // 1..1024
-  uint32_t n_q_heads = 0;   // a multiple of n_kv_heads
-  uint32_t head_dim = 0;    // even, 2..512
-};
-
-struct BlockSpec {
-  uint32_t index = 0;  // == position in the plan
-  uint64_t lineage_id = 0;
-  uint64_t first_token = 0;  // == sum of the previous blocks' num_tokens
-  uint32_t num_tokens = 0;   // 1..block_tokens
-  int format = 0;            // K format: kernels::Format value (1..8)
-  int format_v = 0;          // V format (1..8); 0 = same as format
-  uint32_t group_size = 0;   // INT group: 0 (= 32), 32, 64 or 128
-  int scale_dtype = 0;       // kernels::ScaleDtype value; 0 = FP16
-  // Tier value (0 unspecified = device, 1 device, 2 host, 3 disk) and
-  // eviction. Input: only installed blocks may differ from device/not
-  // evicted (the installed state wins). Describe: the current state (an
-  // evicted block has tier 0).
-  int tier = 0;
-  bool evicted = false;
-};
-
-// The encoding a spec names (no validation; fields must be in range).
-kernels::Encoding SpecEncoding(const BlockSpec& b);
 
 // One chunk of K/V for one layer. k and v hold num_tokens * n_kv_heads *
 // head_dim values of `dtype`; F32 is rounded to BF16 on write.

@@ -25,7 +25,8 @@ using ::testing::HasSubstr;
 using triax::testing::IsOk;
 using triax::testing::StatusIs;
 
-constexpr int kBf16 = 1, kInt4 = 2, kInt2 = 3;
+constexpr Format kBf16 = Format::kBF16, kInt4 = Format::kINT4,
+                 kInt2 = Format::kINT2;
 constexpr char kTenant[] = "tenant-a";
 
 ModelShape Shape(uint32_t layers, uint32_t kv_heads, uint32_t q_heads,
@@ -40,8 +41,9 @@ ModelShape Shape(uint32_t layers, uint32_t kv_heads, uint32_t q_heads,
 }
 
 // Blocks of the given sizes and formats; lineage ids start at `lineage0`.
-std::vector<BlockSpec> Plan(const std::vector<std::pair<uint32_t, int>>& sizes,
-                            uint64_t lineage0 = 100) {
+std::vector<BlockSpec> Plan(
+    const std::vector<std::pair<uint32_t, Format>>& sizes,
+    uint64_t lineage0 = 100) {
   std::vector<BlockSpec> plan;
   uint64_t first = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
@@ -50,7 +52,7 @@ std::vector<BlockSpec> Plan(const std::vector<std::pair<uint32_t, int>>& sizes,
     b.lineage_id = lineage0 + i;
     b.first_token = first;
     b.num_tokens = sizes[i].first;
-    b.format = sizes[i].second;
+    b.encoding = sizes[i].second;
     first += b.num_tokens;
     plan.push_back(b);
   }
@@ -58,8 +60,8 @@ std::vector<BlockSpec> Plan(const std::vector<std::pair<uint32_t, int>>& sizes,
 }
 
 // Full blocks of `t` tokens covering `tokens`, the last one partial.
-std::vector<BlockSpec> UniformPlan(uint32_t tokens, uint32_t t, int format) {
-  std::vector<std::pair<uint32_t, int>> sizes;
+std::vector<BlockSpec> UniformPlan(uint32_t tokens, uint32_t t, Format format) {
+  std::vector<std::pair<uint32_t, Format>> sizes;
   for (uint32_t done = 0; done < tokens; done += t) {
     sizes.push_back({std::min(t, tokens - done), format});
   }
@@ -326,9 +328,9 @@ TEST_F(StoreTest, QuantizedAttentionWithinBudget) {
   // float64 reference; budgets are ~1.4x the errors measured with these
   // seeds (int4 0.108, int2 0.521).
   const ModelShape m = Shape(1, 2, 4, 64);
-  for (auto [format, budget] : {std::pair<int, double>{kInt4, 0.15},
-                                std::pair<int, double>{kInt2, 0.75}}) {
-    SCOPED_TRACE(format);
+  for (auto [format, budget] : {std::pair<Format, double>{kInt4, 0.15},
+                                std::pair<Format, double>{kInt2, 0.75}}) {
+    SCOPED_TRACE(kernels::FormatName(format));
     Make(0);
     ASSERT_THAT(
         store_->AllocatePages(kTenant, "s", m, 16, UniformPlan(96, 16, format))
@@ -343,8 +345,8 @@ TEST_F(StoreTest, QuantizedAttentionWithinBudget) {
     ExpectFiniteNonZero(*out);
     auto want = RefAttention(m, q, kv[0].kr, kv[0].vr, 96, 1.0 / 8.0);
     const double err = RelError(*out, want);
-    std::printf("format %d relative error %.4f (budget %.2f)\n", format, err,
-                budget);
+    std::printf("format %s relative error %.4f (budget %.2f)\n",
+                kernels::FormatName(format), err, budget);
     EXPECT_LT(err, budget);
     EXPECT_GT(err, 1e-4);  // it really went through quantization
   }
@@ -387,7 +389,7 @@ TEST_F(StoreTest, MixedPlanAttentionEqualsKernelOverTheSamePages) {
     for (uint32_t b = 0; b < 4; ++b) {
       auto page = store_->TargetPage("s", b, l);
       ASSERT_THAT(page.status(), IsOk());
-      refs.push_back({static_cast<Format>(plan[b].format), (*page)->data, 16});
+      refs.push_back({plan[b].encoding, (*page)->data, 16});
     }
     const size_t per = size_t{m.n_q_heads} * m.head_dim;
     for (size_t i = 0; i < 2; ++i) {
@@ -430,7 +432,7 @@ TEST_F(StoreTest, OddSpansAndChunksReadBackWithinFormatTolerance) {
   ASSERT_THAT(r.status(), IsOk());
   const size_t per = 3 * 32;
   for (const BlockSpec& b : plan) {
-    const bool sealed_quant = b.index < 4 && b.format != kBf16;
+    const bool sealed_quant = b.index < 4 && b.encoding.k != kBf16;
     double max_err = 0;
     for (size_t i = b.first_token * per;
          i < (b.first_token + b.num_tokens) * per; ++i) {
@@ -441,7 +443,7 @@ TEST_F(StoreTest, OddSpansAndChunksReadBackWithinFormatTolerance) {
       EXPECT_EQ(max_err, 0.0) << "block " << b.index;
     } else {
       // Half a quantization step of a ~[-4, 4] range, plus fp16 metadata.
-      const double step = 8.0 / ((b.format == kInt4 ? 15 : 3));
+      const double step = 8.0 / ((b.encoding.k == kInt4 ? 15 : 3));
       EXPECT_LT(max_err, 0.5 * step + 0.05) << "block " << b.index;
       EXPECT_GT(max_err, 0.0) << "block " << b.index;
     }
@@ -510,7 +512,7 @@ TEST_F(StoreTest, AllocateMismatchesAreRejected) {
           ->AllocatePages(kTenant, "s", m, 16, Plan({{16, kInt2}, {4, kInt4}}))
           .status(),
       IsOk());
-  EXPECT_EQ(store_->Describe("s")->blocks[0].format, kInt4);
+  EXPECT_EQ(store_->Describe("s")->blocks[0].encoding.k, kInt4);
   EXPECT_THAT(
       store_->AllocatePages(kTenant, "s", m, 16, Plan({{16, kInt4}})).status(),
       StatusIs(absl::StatusCode::kFailedPrecondition,
@@ -542,10 +544,12 @@ TEST_F(StoreTest, AllocateMismatchesAreRejected) {
       store_->AllocatePages(kTenant, "t", m, 16, Plan({{0, kInt4}})).status(),
       StatusIs(absl::StatusCode::kInvalidArgument,
                HasSubstr("blocks[0].num_tokens=0")));
-  EXPECT_THAT(
-      store_->AllocatePages(kTenant, "t", m, 16, Plan({{4, 0}})).status(),
-      StatusIs(absl::StatusCode::kInvalidArgument,
-               HasSubstr("blocks[0].format=0")));
+  EXPECT_THAT(store_
+                  ->AllocatePages(kTenant, "t", m, 16,
+                                  Plan({{4, static_cast<Format>(0)}}))
+                  .status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("blocks[0].format=0")));
   EXPECT_THAT(store_->AllocatePages(kTenant, "t", m, 16, {}).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("blocks is empty")));

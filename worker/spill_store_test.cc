@@ -56,7 +56,7 @@ std::vector<BlockSpec> Plan(const std::vector<int>& formats,
     b.lineage_id = 100 + i;
     b.first_token = 16 * i;
     b.num_tokens = i + 1 == formats.size() ? last_tokens : 16;
-    b.format = formats[i];
+    b.encoding = static_cast<Format>(formats[i]);
     plan.push_back(b);
   }
   return plan;
@@ -189,7 +189,7 @@ class SpillTest : public ::testing::Test {
 
   int BlockTier(const std::string& seq, size_t b) {
     auto d = store_->Describe(seq);
-    return d.ok() ? d->blocks[b].tier : -1;
+    return d.ok() ? static_cast<int>(d->blocks[b].tier) : -1;
   }
 
   CpuDevice device_;
@@ -487,7 +487,7 @@ TEST_F(SpillTest, EvictedBlocksAreSkippedButPositionsCount) {
       store_->Spill(kTenant, "s", evict_ids, Tier::kHost),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("evicted")));
   std::vector<BlockSpec> demote = {Plan(kFormats)[1]};
-  demote[0].format = kInt2;
+  demote[0].encoding = static_cast<Format>(kInt2);
   EXPECT_THAT(
       store_->Demote(kTenant, "s", demote),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("evicted")));
@@ -567,7 +567,7 @@ TEST_F(SpillTest, RefusalsNameTheBlockAndChangeNothing) {
   // Spilled: no demote, no fork over it, no growing it.
   ASSERT_THAT(store_->Spill(kTenant, "s", ok, Tier::kHost).status(), IsOk());
   std::vector<BlockSpec> demote = {Plan(kFormats)[0]};
-  demote[0].format = kInt4;
+  demote[0].encoding = static_cast<Format>(kInt4);
   EXPECT_THAT(store_->Demote(kTenant, "s", demote),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("Restore it before demoting")));
@@ -596,13 +596,13 @@ TEST_F(SpillTest, PlansNamingOtherTierStatesAreAcceptedForInstalledBlocks) {
   ASSERT_THAT(store_->AllocatePages(kTenant, "s", Model(), 16, plan).status(),
               IsOk());
   plan[0].evicted = true;
-  plan[1].tier = static_cast<int>(Tier::kHost);
+  plan[1].tier = Tier::kHost;
   ASSERT_THAT(store_->AllocatePages(kTenant, "s", Model(), 16, plan).status(),
               IsOk());
   auto d = store_->Describe("s");
-  EXPECT_EQ(d->blocks[0].tier, static_cast<int>(Tier::kDisk));
+  EXPECT_EQ(d->blocks[0].tier, Tier::kDisk);
   EXPECT_FALSE(d->blocks[0].evicted);
-  EXPECT_EQ(d->blocks[1].tier, static_cast<int>(Tier::kDevice));
+  EXPECT_EQ(d->blocks[1].tier, Tier::kDevice);
   // A new block cannot arrive spilled or evicted.
   std::vector<BlockSpec> grown = plan;
   grown[4].num_tokens = 16;
@@ -610,18 +610,18 @@ TEST_F(SpillTest, PlansNamingOtherTierStatesAreAcceptedForInstalledBlocks) {
   extra.index = 5;
   extra.lineage_id = 105;
   extra.first_token = 80;
-  extra.tier = static_cast<int>(Tier::kHost);
+  extra.tier = Tier::kHost;
   grown.push_back(extra);
   EXPECT_THAT(store_->AllocatePages(kTenant, "s", Model(), 16, grown),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("blocks[5]"), HasSubstr("tier 2"))));
-  grown[5].tier = 0;
+  grown[5].tier = Tier::kUnspecified;
   grown[5].evicted = true;
   EXPECT_THAT(
       store_->AllocatePages(kTenant, "s", Model(), 16, grown),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("evicted")));
   grown[5].evicted = false;
-  grown[5].tier = 7;
+  grown[5].tier = static_cast<Tier>(7);
   EXPECT_THAT(store_->AllocatePages(kTenant, "s", Model(), 16, grown),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("blocks[5].tier=7")));

@@ -97,20 +97,6 @@ int RemovePageFiles(const fs::path& dir) {
 
 }  // namespace
 
-const char* TierName(Tier t) {
-  switch (t) {
-    case Tier::kDevice:
-      return "device";
-    case Tier::kHost:
-      return "host";
-    case Tier::kDisk:
-      return "disk";
-    case Tier::kUnspecified:
-      break;
-  }
-  return "unspecified";
-}
-
 uint64_t SpilledBlock::bytes() const {
   uint64_t n = 0;
   for (const SpilledPage& p : pages) n += p.bytes;
@@ -200,12 +186,12 @@ bool TierStore::Enabled(Tier tier) const {
 absl::Status TierStore::CheckTier(Tier tier) const {
   if (tier != Tier::kHost && tier != Tier::kDisk) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tier=", static_cast<int>(tier), " (", TierName(tier),
+        absl::StrCat("tier=", static_cast<int>(tier), " (", TierLabel(tier),
                      ") is not a spill tier (2 host, 3 disk)"));
   }
   if (!Enabled(tier)) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "the ", TierName(tier), " tier is disabled on this worker (",
+        "the ", TierLabel(tier), " tier is disabled on this worker (",
         tier == Tier::kHost ? "--host_tier_mb=0"
                             : "no --disk_tier_dir or --disk_tier_mb=0",
         ")"));
@@ -465,7 +451,7 @@ absl::StatusOr<SpilledBlock> TierStore::Spill(
       return absl::Status(
           s.code(),
           absl::StrCat("Spill ", What(label), " layer ", l, " to the ",
-                       TierName(tier), " tier: ", s.message()));
+                       TierLabel(tier), " tier: ", s.message()));
     }
   }
   absl::MutexLock lock(&mu_);
@@ -505,7 +491,7 @@ absl::StatusOr<SpilledBlock> TierStore::Move(const SpilledBlock& block, Tier to,
   }
   if (to == block.tier) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "Move ", What(label), ": already in the ", TierName(to), " tier"));
+        "Move ", What(label), ": already in the ", TierLabel(to), " tier"));
   }
   const uint64_t total = block.bytes();
   SpilledBlock moved;

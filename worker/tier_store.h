@@ -63,14 +63,11 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "common/model.h"
 #include "worker/device.h"
 #include "worker/page_allocator.h"
 
 namespace triax::worker {
-
-// Numeric values equal the proto's Tier.
-enum class Tier : int { kUnspecified = 0, kDevice = 1, kHost = 2, kDisk = 3 };
-const char* TierName(Tier t);  // "device", "host", "disk", "unspecified"
 
 struct TierStoreOptions {
   uint64_t host_capacity_bytes = 0;  // 0: no host tier

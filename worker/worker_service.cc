@@ -8,39 +8,17 @@
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/ids.h"
+#include "common/model_proto.h"
 #include "kernels/numeric.h"
 
 namespace triax::worker {
 namespace {
 
-ModelShape ShapeFromProto(const v1::ModelShape& m) {
-  ModelShape s;
-  s.name = m.name();
-  s.n_layers = m.n_layers();
-  s.n_kv_heads = m.n_kv_heads();
-  s.n_q_heads = m.n_q_heads();
-  s.head_dim = m.head_dim();
-  return s;
-}
-
 std::vector<BlockSpec> PlanFromProto(
     const google::protobuf::RepeatedPtrField<v1::BlockPlan>& blocks) {
   std::vector<BlockSpec> plan;
   plan.reserve(blocks.size());
-  for (const v1::BlockPlan& b : blocks) {
-    BlockSpec s;
-    s.index = b.index();
-    s.lineage_id = b.lineage_id();
-    s.first_token = b.first_token();
-    s.num_tokens = b.num_tokens();
-    s.format = static_cast<int>(b.format());
-    s.format_v = static_cast<int>(b.format_v());
-    s.group_size = b.group_size();
-    s.scale_dtype = static_cast<int>(b.scale_dtype());
-    s.tier = static_cast<int>(b.tier());
-    s.evicted = b.evicted();
-    plan.push_back(s);
-  }
+  for (const v1::BlockPlan& b : blocks) plan.push_back(FromProto(b));
   return plan;
 }
 
@@ -108,7 +86,7 @@ grpc::Status WorkerService::AllocatePages(grpc::ServerContext*,
   std::optional<uint32_t> window;
   if (req->has_window_tokens()) window = req->window_tokens();
   absl::StatusOr<AllocateResult> r = store_->AllocatePages(
-      req->tenant_id(), req->sequence_id(), ShapeFromProto(req->model()),
+      req->tenant_id(), req->sequence_id(), FromProto(req->model()),
       req->block_tokens(), plan, window);
   if (!r.ok()) return ToGrpcStatus(r.status());
   resp->set_pages_allocated(r->pages_allocated);

@@ -196,7 +196,7 @@ class Runner {
             static_cast<int>(b.capacity() ? b.capacity() : info.block_tokens());
         ps.heads = mc.n_kv_heads;
         ps.head_dim = mc.head_dim();
-        const kernels::Encoding e = client::PlanEncoding(b);
+        const kernels::Encoding e = EncodingFromProto(b);
         c->plan_bytes += kernels::PageBytes(e, ps) * mc.n_layers;
         c->tokens_by_encoding[client::EncodingLabel(e)] += b.num_tokens();
       }

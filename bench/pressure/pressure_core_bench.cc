@@ -29,6 +29,11 @@ ABSL_FLAG(std::string, mode, "demote-first",
 namespace {
 
 using namespace triax::manager;  // NOLINT
+using triax::Format;
+using triax::Modality;
+using triax::ModelShape;
+using triax::Role;
+using triax::Tier;
 
 double Ms(std::chrono::steady_clock::time_point a,
           std::chrono::steady_clock::time_point b) {

@@ -301,6 +301,7 @@ void Build(size_t n_blocks, uint64_t seed, World* world) {
 
 int main(int argc, char** argv) {
   using namespace triax::manager;  // NOLINT(build/namespaces)
+  using triax::Tier;
   absl::ParseCommandLine(argc, argv);
   std::vector<size_t> sizes;
   for (absl::string_view part :

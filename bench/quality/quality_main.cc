@@ -93,7 +93,6 @@ using frontend::Model;
 using frontend::ModelConfig;
 using frontend::RenderedConversation;
 using frontend::ServiceKvStore;
-using frontend::SpanRole;
 using frontend::TeeKvStore;
 using frontend::Transformer;
 
@@ -135,8 +134,8 @@ struct Dataset {
 
 Window TextWindow(std::vector<int> tokens) {
   Window w;
-  w.spans = {frontend::ServiceSpan(SpanRole::kUser,
-                                   static_cast<uint32_t>(tokens.size()))};
+  w.spans = {
+      frontend::ServiceSpan(Role::kUser, static_cast<uint32_t>(tokens.size()))};
   w.focus.assign(tokens.size(), false);
   w.tokens = std::move(tokens);
   return w;
@@ -419,7 +418,7 @@ class Runner {
             bs.tokens = static_cast<int>(b.capacity() ? b.capacity()
                                                       : info.block_tokens());
             cr.plan_bytes +=
-                kernels::PageBytes(client::PlanEncoding(b), bs) * mc.n_layers;
+                kernels::PageBytes(EncodingFromProto(b), bs) * mc.n_layers;
           }
           return absl::OkStatus();
         }();
@@ -609,7 +608,7 @@ absl::StatusOr<std::vector<Dataset>> KvproxyDatasets(
       // The whole conversation in one window; BOS joins the first span (the
       // system header delimiter); tool-call tokens are the focus.
       frontend::BfclSessionOptions o;
-      o.focus_roles = {SpanRole::kToolCall};
+      o.focus_roles = {Role::kToolCall};
       TRIAX_ASSIGN_OR_RETURN(frontend::BfclSession session,
                              frontend::MakeBfclSession(conv, o));
       Window w;

@@ -16,58 +16,12 @@ namespace {
 
 constexpr int kMaxBlockTokens = 4096;
 
-const char* ModalityName(int m) {
-  switch (m) {
-    case 1:
-      return "text";
-    case 2:
-      return "image";
-    case 3:
-      return "audio";
-    default:
-      return "unspecified";
-  }
-}
-
 std::string EncName(const kernels::Encoding& e) {
   char buf[96];
   return kernels::EncodingName(e, buf, sizeof(buf));
 }
 
 }  // namespace
-
-const char* TemporalName(Temporal t) {
-  switch (t) {
-    case Temporal::kSink:
-      return "sink";
-    case Temporal::kCurrentTurn:
-      return "current_turn";
-    case Temporal::kRecentTurns:
-      return "recent_turns";
-    case Temporal::kOlder:
-      return "older";
-  }
-  return "unspecified";
-}
-
-bool TagKey::operator<(const TagKey& o) const {
-  return std::make_tuple(static_cast<int>(temporal), modality, role) <
-         std::make_tuple(static_cast<int>(o.temporal), o.modality, o.role);
-}
-
-std::string TagName(const TagKey& t) {
-  return absl::StrCat(
-      TemporalName(t.temporal), "/", ModalityName(t.modality), "/",
-      frontend::SpanRoleName(static_cast<frontend::SpanRole>(t.role)));
-}
-
-Temporal TemporalFor(uint32_t block_index, uint32_t turn, uint32_t current,
-                     uint32_t recent_turns) {
-  if (block_index == 0) return Temporal::kSink;
-  if (turn >= current) return Temporal::kCurrentTurn;
-  if (current - turn <= recent_turns) return Temporal::kRecentTurns;
-  return Temporal::kOlder;
-}
 
 absl::StatusOr<std::vector<CalBlock>> PlanBlocks(
     const frontend::RenderedConversation& conv, int bos_tokens,
@@ -101,8 +55,8 @@ absl::StatusOr<std::vector<CalBlock>> PlanBlocks(
       for (int64_t done = 0; done < n;) {
         const int take =
             static_cast<int>(std::min<int64_t>(block_tokens, n - done));
-        blocks.push_back(CalBlock{pos, take, static_cast<int>(s.role),
-                                  kModalityText, static_cast<uint32_t>(t)});
+        blocks.push_back(CalBlock{pos, take, s.role, Modality::kText,
+                                  static_cast<uint32_t>(t)});
         pos += take;
         done += take;
       }
@@ -111,14 +65,14 @@ absl::StatusOr<std::vector<CalBlock>> PlanBlocks(
   return blocks;
 }
 
-std::vector<TagKey> TagBlocks(const std::vector<CalBlock>& blocks,
-                              uint32_t current, uint32_t recent_turns) {
-  std::vector<TagKey> tags;
+std::vector<Tag> TagBlocks(const std::vector<CalBlock>& blocks,
+                           uint32_t current, uint32_t recent_turns) {
+  std::vector<Tag> tags;
   tags.reserve(blocks.size());
   for (size_t i = 0; i < blocks.size(); ++i) {
-    tags.push_back(TagKey{TemporalFor(static_cast<uint32_t>(i), blocks[i].turn,
-                                      current, recent_turns),
-                          blocks[i].modality, blocks[i].role});
+    tags.push_back(Tag{TemporalFor(static_cast<uint32_t>(i), blocks[i].turn,
+                                   current, recent_turns),
+                       blocks[i].modality, blocks[i].role});
   }
   return tags;
 }
@@ -263,7 +217,7 @@ struct QueryPlan {
   int64_t pos = 0;
   int num_blocks = 0;               // blocks with first <= pos
   std::vector<int> block_tag;       // local tag index per block
-  std::vector<TagKey> tags;         // local tags
+  std::vector<Tag> tags;            // local tags
   std::vector<int64_t> tag_tokens;  // attended tokens per local tag
 };
 
@@ -386,16 +340,16 @@ absl::Status Calibrator::AddConversation(const std::vector<CalBlock>& blocks,
 
   // Plans: tags per query (the query's turn is current).
   std::vector<QueryPlan> plans(qpos.size());
-  std::map<TagKey, std::vector<int>> seen;  // tag -> attended tokens per block
+  std::map<Tag, std::vector<int>> seen;  // tag -> attended tokens per block
   size_t bi = 0;
   for (size_t qi = 0; qi < qpos.size(); ++qi) {
     QueryPlan& qp = plans[qi];
     qp.pos = qpos[qi];
     while (bi + 1 < blocks.size() && blocks[bi + 1].first <= qp.pos) ++bi;
     qp.num_blocks = static_cast<int>(bi + 1);
-    const std::vector<TagKey> tags =
+    const std::vector<Tag> tags =
         TagBlocks(blocks, blocks[bi].turn, options_.recent_turns);
-    std::map<TagKey, int> local;
+    std::map<Tag, int> local;
     for (int b = 0; b < qp.num_blocks; ++b) {
       auto [it, fresh] =
           local.emplace(tags[b], static_cast<int>(qp.tags.size()));

@@ -10,7 +10,7 @@
 //     BOS token joins the first span (as kvdemo opens its sequences).
 //   - Block index 0 is TEMPORAL_SINK; blocks of the current turn are
 //     CURRENT_TURN; of the `recent_turns` turns before it RECENT_TURNS; the
-//     rest OLDER (ManagerCore::TemporalFor).
+//     rest OLDER (TemporalFor, common/model.h).
 //   - The current turn is the turn of the query being measured: a query in
 //     turn t sees the plan the manager holds while turn t is processed.
 //   - Role = the span's role; modality is always text here.
@@ -50,43 +50,17 @@
 #include "absl/status/statusor.h"
 #include "client/frontend/bfcl.h"
 #include "client/frontend/forward.h"
+#include "common/model.h"
 #include "kernels/layout.h"
 
 namespace triax::calibrate {
-
-// Values equal triax.v1.Temporal / Modality / Role.
-enum class Temporal : int {
-  kSink = 1,
-  kCurrentTurn = 2,
-  kRecentTurns = 3,
-  kOlder = 4,
-};
-const char* TemporalName(Temporal t);  // "sink", "current_turn", ...
-inline constexpr int kModalityText = 1;
-
-struct TagKey {
-  Temporal temporal = Temporal::kSink;
-  int modality = kModalityText;
-  int role = 0;  // triax.v1.Role
-  bool operator<(const TagKey& o) const;
-  bool operator==(const TagKey& o) const {
-    return temporal == o.temporal && modality == o.modality && role == o.role;
-  }
-};
-// e.g. "older/text/tool_schema".
-std::string TagName(const TagKey& t);
-
-// ManagerCore::TemporalFor: block 0 is the sink; turn >= current is
-// current; current - turn <= recent_turns is recent; else older.
-Temporal TemporalFor(uint32_t block_index, uint32_t turn, uint32_t current,
-                     uint32_t recent_turns);
 
 // One planned block: tokens [first, first + tokens), one span's role.
 struct CalBlock {
   int64_t first = 0;
   int tokens = 0;
-  int role = 0;  // triax.v1.Role
-  int modality = kModalityText;
+  Role role = Role::kUnspecified;
+  Modality modality = Modality::kText;
   uint32_t turn = 0;
 };
 
@@ -100,8 +74,8 @@ absl::StatusOr<std::vector<CalBlock>> PlanBlocks(
     int block_tokens);
 
 // The tag of every block when the current turn is `current`.
-std::vector<TagKey> TagBlocks(const std::vector<CalBlock>& blocks,
-                              uint32_t current, uint32_t recent_turns);
+std::vector<Tag> TagBlocks(const std::vector<CalBlock>& blocks,
+                           uint32_t current, uint32_t recent_turns);
 
 // BFCL conversations kept for evaluation (models/kvproxy-18m/README.md): the
 // multi-turn base and long-context pairs 3, 8, 15, 17, 42, 46, 50, 59, 121,
@@ -159,7 +133,7 @@ struct CalibratorOptions {
 std::vector<kernels::Encoding> DefaultEncodings();
 
 struct CalibrationResultEntry {
-  TagKey tag;
+  Tag tag;
   kernels::Encoding encoding;
   double distortion = 0;  // see the file comment
   double mean_error = 0;  // sum err / measured (query, layer) samples
@@ -185,7 +159,7 @@ class Calibrator {
   absl::Status AddConversation(const std::vector<CalBlock>& blocks,
                                const CaptureKvStore& capture);
 
-  // One entry per (tag with tokens, encoding), tags in TagKey order and
+  // One entry per (tag with tokens, encoding), tags in Tag order and
   // encodings in option order.
   std::vector<CalibrationResultEntry> Entries() const;
   int64_t measured_queries() const { return measured_queries_; }
@@ -203,7 +177,7 @@ class Calibrator {
 
   frontend::ModelConfig config_;
   CalibratorOptions options_;
-  std::map<TagKey, TagAcc> acc_;
+  std::map<Tag, TagAcc> acc_;
   int64_t measured_queries_ = 0;  // query positions
   int64_t measured_samples_ = 0;  // (query, layer) pairs
 };

@@ -36,10 +36,10 @@ v1::CalibrationTable MakeTable() {
   m.source.set_created_unix_ms(1700000000000);
   std::vector<CalibrationResultEntry> es;
   double d = 0;
-  for (int role : {1, 2, 8}) {
+  for (Role role : {Role::kSystem, Role::kToolSchema, Role::kDelimiter}) {
     for (const kernels::Encoding& e : DefaultEncodings()) {
       CalibrationResultEntry r;
-      r.tag = TagKey{Temporal::kOlder, kModalityText, role};
+      r.tag = Tag{Temporal::kOlder, Modality::kText, role};
       r.encoding = e;
       r.distortion = e == kernels::Encoding(kernels::Format::kBF16) ? 0 : d;
       d += 0.125;

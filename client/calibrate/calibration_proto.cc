@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/model_proto.h"
 #include "common/status_macros.h"
 #include "kernels/layout.h"
 
@@ -32,9 +33,7 @@ std::string EncodingLabel(const v1::CalibrationEntry& e) {
 }
 
 std::string TagLabel(const v1::Tag& t) {
-  return TagName(TagKey{static_cast<Temporal>(t.temporal()),
-                        static_cast<int>(t.modality()),
-                        static_cast<int>(t.role())});
+  return triax::TagLabel(triax::FromProto(t));
 }
 
 }  // namespace

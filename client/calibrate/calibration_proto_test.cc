@@ -37,14 +37,14 @@ TableMeta Meta() {
 
 std::vector<CalibrationResultEntry> Entries() {
   std::vector<CalibrationResultEntry> es;
-  const TagKey sink{Temporal::kSink, kModalityText, 8};
-  const TagKey older{Temporal::kOlder, kModalityText, 2};
+  const Tag sink{Temporal::kSink, Modality::kText, Role::kDelimiter};
+  const Tag older{Temporal::kOlder, Modality::kText, Role::kToolSchema};
   const std::vector<std::pair<kernels::Encoding, double>> encs = {
       {Format::kBF16, 0.0},
       {Format::kFP8, 0.01},
       {Format::kINT4, 0.1},
       {kernels::Encoding(Format::kINT4, Format::kINT2), 0.4}};
-  for (const TagKey& t : {sink, older}) {
+  for (const Tag& t : {sink, older}) {
     for (const auto& [e, d] : encs) {
       CalibrationResultEntry r;
       r.tag = t;

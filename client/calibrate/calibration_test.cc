@@ -20,13 +20,13 @@ namespace {
 using frontend::RenderedConversation;
 using frontend::RenderedTurn;
 using frontend::RoleSpan;
-using frontend::SpanRole;
 using ::testing::HasSubstr;
 using ::triax::testing::IsOk;
 using ::triax::testing::StatusIs;
 
-constexpr int kDelim = 8, kSystem = 1, kSchema = 2, kUser = 3, kCall = 6,
-              kResult = 7;
+constexpr Role kDelim = Role::kDelimiter, kSystem = Role::kSystem,
+               kSchema = Role::kToolSchema, kUser = Role::kUser,
+               kCall = Role::kToolCall, kResult = Role::kToolResult;
 
 // A conversation of `turns` turns laid out like the BFCL converter: turn 0
 // holds a system header, schema and the first exchange; later turns an
@@ -36,7 +36,7 @@ RenderedConversation MakeConversation(int turns, int schema_bytes,
   RenderedConversation c;
   c.id = "synthetic";
   size_t pos = 0;
-  auto add = [&](RenderedTurn* t, SpanRole r, size_t n) {
+  auto add = [&](RenderedTurn* t, Role r, size_t n) {
     t->spans.push_back(RoleSpan{r, pos, n});
     pos += n;
   };
@@ -44,18 +44,18 @@ RenderedConversation MakeConversation(int turns, int schema_bytes,
     RenderedTurn turn;
     turn.begin = pos;
     if (t == 0) {
-      add(&turn, SpanRole::kDelimiter, 19);
-      add(&turn, SpanRole::kSystem, 40);
-      add(&turn, SpanRole::kToolSchema, schema_bytes);
-      add(&turn, SpanRole::kDelimiter, 11);
+      add(&turn, Role::kDelimiter, 19);
+      add(&turn, Role::kSystem, 40);
+      add(&turn, Role::kToolSchema, schema_bytes);
+      add(&turn, Role::kDelimiter, 11);
     }
-    add(&turn, SpanRole::kDelimiter, 17);
-    add(&turn, SpanRole::kUser, exchange_bytes);
-    add(&turn, SpanRole::kDelimiter, 33);
-    add(&turn, SpanRole::kToolCall, exchange_bytes / 2 + 3);
-    add(&turn, SpanRole::kDelimiter, 29);
-    add(&turn, SpanRole::kToolResult, 16);
-    add(&turn, SpanRole::kDelimiter, 11);
+    add(&turn, Role::kDelimiter, 17);
+    add(&turn, Role::kUser, exchange_bytes);
+    add(&turn, Role::kDelimiter, 33);
+    add(&turn, Role::kToolCall, exchange_bytes / 2 + 3);
+    add(&turn, Role::kDelimiter, 29);
+    add(&turn, Role::kToolResult, 16);
+    add(&turn, Role::kDelimiter, 11);
     turn.end = pos;
     c.turns.push_back(turn);
   }
@@ -112,7 +112,7 @@ TEST(PlanBlocksTest, CutsPerSpanWithBosInFirstSpanAndTagsLikeTheManager) {
 
   // Current turn 2, recent_turns 1: turn 1 recent, turn 0 older, block 0
   // sink.
-  const std::vector<TagKey> tags = TagBlocks(*blocks, 2, 1);
+  const std::vector<Tag> tags = TagBlocks(*blocks, 2, 1);
   ASSERT_EQ(tags.size(), blocks->size());
   EXPECT_EQ(tags[0].temporal, Temporal::kSink);
   EXPECT_EQ(tags[0].role, kDelim);
@@ -123,9 +123,9 @@ TEST(PlanBlocksTest, CutsPerSpanWithBosInFirstSpanAndTagsLikeTheManager) {
                                    : Temporal::kOlder;
     EXPECT_EQ(tags[i].temporal, want) << i;
     EXPECT_EQ(tags[i].role, (*blocks)[i].role);
-    EXPECT_EQ(tags[i].modality, kModalityText);
+    EXPECT_EQ(tags[i].modality, Modality::kText);
   }
-  EXPECT_EQ(TagName(tags[2]), "older/text/system");
+  EXPECT_EQ(TagLabel(tags[2]), "older/text/system");
 }
 
 TEST(PlanBlocksTest, RejectsBadArguments) {
@@ -212,7 +212,7 @@ Captured Capture(const RenderedConversation& conv, int layers,
 }
 
 const CalibrationResultEntry* Find(
-    const std::vector<CalibrationResultEntry>& es, Temporal t, int role,
+    const std::vector<CalibrationResultEntry>& es, Temporal t, Role role,
     kernels::Encoding e) {
   for (const auto& r : es) {
     if (r.tag.temporal == t && r.tag.role == role && r.encoding == e) return &r;
@@ -236,16 +236,16 @@ TEST(CalibratorTest, SyntheticModelDistortionsAreOrdered) {
   ASSERT_FALSE(es.empty());
   std::map<std::string, int> tags;
   for (const auto& r : es) {
-    tags[TagName(r.tag)]++;
-    EXPECT_NE(r.tag.temporal, Temporal::kOlder) << TagName(r.tag);
-    EXPECT_NE(r.tag.role, 4) << "no assistant tokens";
+    tags[TagLabel(r.tag)]++;
+    EXPECT_NE(r.tag.temporal, Temporal::kOlder) << TagLabel(r.tag);
+    EXPECT_NE(r.tag.role, Role::kAssistant) << "no assistant tokens";
     EXPECT_TRUE(std::isfinite(r.distortion));
     EXPECT_GE(r.tokens, 1u);
     EXPECT_GE(r.queries, 1u);
     if (r.encoding == kernels::Encoding(Format::kBF16)) {
-      EXPECT_EQ(r.distortion, 0.0) << TagName(r.tag);
+      EXPECT_EQ(r.distortion, 0.0) << TagLabel(r.tag);
     } else {
-      EXPECT_GT(r.distortion, 0.0) << TagName(r.tag);
+      EXPECT_GT(r.distortion, 0.0) << TagLabel(r.tag);
     }
   }
   for (const auto& [name, n] : tags) {
@@ -254,24 +254,28 @@ TEST(CalibratorTest, SyntheticModelDistortionsAreOrdered) {
   EXPECT_EQ(tags.count("sink/text/delimiter"), 1u);
   EXPECT_EQ(tags.count("current_turn/text/tool_schema"), 1u);
   EXPECT_EQ(tags.count("recent_turns/text/tool_schema"), 1u);
-  for (const auto& [t, role] :
-       std::vector<std::pair<Temporal, int>>{{Temporal::kSink, kDelim},
-                                             {Temporal::kCurrentTurn, kSchema},
-                                             {Temporal::kRecentTurns, kUser},
-                                             {Temporal::kCurrentTurn, kCall}}) {
+  for (const auto& [t, role] : std::vector<std::pair<Temporal, Role>>{
+           {Temporal::kSink, kDelim},
+           {Temporal::kCurrentTurn, kSchema},
+           {Temporal::kRecentTurns, kUser},
+           {Temporal::kCurrentTurn, kCall}}) {
     const auto* i8 = Find(es, t, role, Format::kINT8);
     const auto* i4 = Find(es, t, role, Format::kINT4);
     const auto* i2 = Find(es, t, role, Format::kINT2);
     const auto* t2 = Find(es, t, role, Format::kTQ2);
     const auto* t4 = Find(es, t, role, Format::kTQ4);
-    ASSERT_TRUE(i8 && i4 && i2 && t2 && t4) << TemporalName(t) << " " << role;
-    EXPECT_LT(i8->distortion, i4->distortion) << TemporalName(t) << role;
-    EXPECT_LT(i4->distortion, i2->distortion) << TemporalName(t) << role;
-    EXPECT_LT(t4->distortion, t2->distortion) << TemporalName(t) << role;
+    ASSERT_TRUE(i8 && i4 && i2 && t2 && t4)
+        << TemporalLabel(t) << " " << RoleLabel(role);
+    EXPECT_LT(i8->distortion, i4->distortion)
+        << TemporalLabel(t) << RoleLabel(role);
+    EXPECT_LT(i4->distortion, i2->distortion)
+        << TemporalLabel(t) << RoleLabel(role);
+    EXPECT_LT(t4->distortion, t2->distortion)
+        << TemporalLabel(t) << RoleLabel(role);
   }
   // The tags' shares add up to one per (query, layer).
   std::map<std::string, double> share;
-  for (const auto& r : es) share[TagName(r.tag)] = r.mean_share;
+  for (const auto& r : es) share[TagLabel(r.tag)] = r.mean_share;
   double total = 0;
   for (const auto& [name, s] : share) total += s;
   EXPECT_NEAR(total, 1.0, 1e-9);
@@ -315,7 +319,7 @@ TEST(CalibratorTest, MatchesDecodeAttentionRefOverMixedPages) {
   const std::vector<CalibrationResultEntry> es = cal->Entries();
 
   const uint32_t current = c.blocks.back().turn;
-  const std::vector<TagKey> tags = TagBlocks(c.blocks, current, 2);
+  const std::vector<Tag> tags = TagBlocks(c.blocks, current, 2);
   const kernels::PageShape shape{16, cfg.n_kv_heads, cfg.head_dim()};
   const int kv_dim = cfg.kv_dim();
   std::vector<uint16_t> kb(c.capture->k(0).size()), vb(kb.size());
@@ -323,7 +327,7 @@ TEST(CalibratorTest, MatchesDecodeAttentionRefOverMixedPages) {
     kb[i] = kernels::FloatToBf16(c.capture->k(0)[i]);
     vb[i] = kernels::FloatToBf16(c.capture->v(0)[i]);
   }
-  auto attend = [&](const TagKey* only, const kernels::Encoding& e) {
+  auto attend = [&](const Tag* only, const kernels::Encoding& e) {
     std::vector<std::vector<uint8_t>> pages;
     std::vector<kernels::PageRef> refs;
     for (size_t b = 0; b < c.blocks.size(); ++b) {
@@ -364,7 +368,7 @@ TEST(CalibratorTest, MatchesDecodeAttentionRefOverMixedPages) {
       d2 += double(o[i] - ref[i]) * (o[i] - ref[i]);
     const double want = (d2 / ref2) / r.mean_share;
     EXPECT_NEAR(r.distortion, want, 0.02 * want + 1e-9)
-        << TagName(r.tag) << " " << static_cast<int>(r.encoding.k);
+        << TagLabel(r.tag) << " " << static_cast<int>(r.encoding.k);
     ++checked;
   }
   EXPECT_GE(checked, 20);

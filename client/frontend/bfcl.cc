@@ -205,7 +205,7 @@ void Dump(const ojson& j, std::string* out) {
 // turn (a span never straddles two turns).
 class Builder {
  public:
-  void Add(SpanRole role, absl::string_view piece) {
+  void Add(Role role, absl::string_view piece) {
     if (piece.empty()) return;
     if (spans_.size() > turn_span_ && spans_.back().role == role) {
       spans_.back().length += piece.size();
@@ -232,12 +232,12 @@ class Builder {
   size_t turn_begin_ = 0, turn_span_ = 0;
 };
 
-absl::StatusOr<SpanRole> MessageRole(const std::string& role,
-                                     absl::string_view id) {
-  if (role == "user") return SpanRole::kUser;
-  if (role == "system") return SpanRole::kSystem;
-  if (role == "assistant") return SpanRole::kAssistant;
-  if (role == "tool") return SpanRole::kToolResult;
+absl::StatusOr<Role> MessageRole(const std::string& role,
+                                 absl::string_view id) {
+  if (role == "user") return Role::kUser;
+  if (role == "system") return Role::kSystem;
+  if (role == "assistant") return Role::kAssistant;
+  if (role == "tool") return Role::kToolResult;
   return absl::InvalidArgumentError(
       absl::StrCat("entry ", id, ": message role '", role,
                    "' is not one of "
@@ -267,28 +267,6 @@ std::string Exchange(const std::vector<BfclMessage>& messages,
 }
 
 }  // namespace
-
-const char* SpanRoleName(SpanRole r) {
-  switch (r) {
-    case SpanRole::kSystem:
-      return "system";
-    case SpanRole::kToolSchema:
-      return "tool_schema";
-    case SpanRole::kUser:
-      return "user";
-    case SpanRole::kAssistant:
-      return "assistant";
-    case SpanRole::kReasoning:
-      return "reasoning";
-    case SpanRole::kToolCall:
-      return "tool_call";
-    case SpanRole::kToolResult:
-      return "tool_result";
-    case SpanRole::kDelimiter:
-      return "delimiter";
-  }
-  return "unknown";
-}
 
 std::vector<RoleSpan> RenderedConversation::AllSpans() const {
   std::vector<RoleSpan> all;
@@ -468,30 +446,30 @@ absl::StatusOr<RenderedConversation> RenderBfcl(
   rc.docs_kept = docs_kept;
 
   Builder b;
-  b.Add(SpanRole::kDelimiter, "<|im_start|>system\n");
-  b.Add(SpanRole::kSystem, kSystemInstruction);
+  b.Add(Role::kDelimiter, "<|im_start|>system\n");
+  b.Add(Role::kSystem, kSystemInstruction);
   for (int i = 0; i < docs_kept; ++i) {
-    if (i > 0) b.Add(SpanRole::kToolSchema, "\n");
-    b.Add(SpanRole::kToolSchema, doc_lines[i]);
+    if (i > 0) b.Add(Role::kToolSchema, "\n");
+    b.Add(Role::kToolSchema, doc_lines[i]);
   }
-  b.Add(SpanRole::kDelimiter, "<|im_end|>\n");
+  b.Add(Role::kDelimiter, "<|im_end|>\n");
   for (int t = 0; t < turns_kept; ++t) {
     for (const auto& m : entry.turns[t]) {
       auto role = MessageRole(m.role, entry.id);
       if (!role.ok()) return role.status();
       const std::string header = absl::StrCat("<|im_start|>", m.role, "\n");
-      b.Add(SpanRole::kDelimiter, header);
+      b.Add(Role::kDelimiter, header);
       b.Add(*role, m.content);
-      b.Add(SpanRole::kDelimiter, "<|im_end|>\n");
+      b.Add(Role::kDelimiter, "<|im_end|>\n");
     }
-    b.Add(SpanRole::kDelimiter, "<|im_start|>assistant\n");
-    b.Add(SpanRole::kToolCall,
+    b.Add(Role::kDelimiter, "<|im_start|>assistant\n");
+    b.Add(Role::kToolCall,
           absl::StrCat("<tool_call>\n[",
                        absl::StrJoin(answer.ground_truth[t], ", "),
                        "]\n</tool_call>"));
-    b.Add(SpanRole::kDelimiter, "<|im_end|>\n<|im_start|>tool\n");
-    b.Add(SpanRole::kToolResult, "{\"status\": \"ok\"}");
-    b.Add(SpanRole::kDelimiter, "<|im_end|>\n");
+    b.Add(Role::kDelimiter, "<|im_end|>\n<|im_start|>tool\n");
+    b.Add(Role::kToolResult, "{\"status\": \"ok\"}");
+    b.Add(Role::kDelimiter, "<|im_end|>\n");
     b.EndTurn(&rc.turns);
   }
   rc.text = std::move(b.text());

@@ -34,28 +34,15 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/model.h"
 #include "nlohmann/json.hpp"
 
 namespace triax::frontend {
 
-// Values equal triax.v1.Role (proto/triax/v1/types.proto), so the service
-// adapter can cast; this header stays free of protobuf.
-enum class SpanRole : int {
-  kSystem = 1,
-  kToolSchema = 2,
-  kUser = 3,
-  kAssistant = 4,
-  kReasoning = 5,
-  kToolCall = 6,
-  kToolResult = 7,
-  kDelimiter = 8,
-};
-const char* SpanRoleName(SpanRole r);
-
 struct RoleSpan {
-  SpanRole role;
-  size_t begin = 0;   // byte offset in the rendered text
-  size_t length = 0;  // bytes (= tokens for a byte-level model)
+  Role role = Role::kUnspecified;  // common/model.h
+  size_t begin = 0;                // byte offset in the rendered text
+  size_t length = 0;               // bytes (= tokens for a byte-level model)
 };
 
 struct RenderedTurn {

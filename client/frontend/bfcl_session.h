@@ -24,7 +24,7 @@ namespace triax::frontend {
 // `num_tokens` consecutive tokens of one role (a triax.v1.Span without the
 // protobuf; client/frontend/service_types.h converts).
 struct TokenSpan {
-  SpanRole role = SpanRole::kSystem;
+  Role role = Role::kSystem;
   uint32_t num_tokens = 0;
 };
 
@@ -47,8 +47,7 @@ struct BfclSession {
 
 struct BfclSessionOptions {
   // Roles whose tokens are focus tokens.
-  std::vector<SpanRole> focus_roles = {SpanRole::kAssistant,
-                                       SpanRole::kToolCall};
+  std::vector<Role> focus_roles = {Role::kAssistant, Role::kToolCall};
   // Keep at most this many turns (the text is cut after the last kept one);
   // 0 keeps all.
   int max_turns = 0;

@@ -24,16 +24,16 @@ RenderedConversation TwoTurns() {
   RenderedTurn t0;
   t0.begin = 0;
   t0.end = 9;
-  t0.spans = {{SpanRole::kSystem, 0, 3},
-              {SpanRole::kUser, 3, 2},
-              {SpanRole::kToolCall, 5, 2},
-              {SpanRole::kToolResult, 7, 2}};
+  t0.spans = {{Role::kSystem, 0, 3},
+              {Role::kUser, 3, 2},
+              {Role::kToolCall, 5, 2},
+              {Role::kToolResult, 7, 2}};
   RenderedTurn t1;
   t1.begin = 9;
   t1.end = 14;
-  t1.spans = {{SpanRole::kUser, 9, 2},
-              {SpanRole::kAssistant, 11, 2},
-              {SpanRole::kDelimiter, 13, 1}};
+  t1.spans = {{Role::kUser, 9, 2},
+              {Role::kAssistant, 11, 2},
+              {Role::kDelimiter, 13, 1}};
   c.turns = {t0, t1};
   return c;
 }
@@ -71,9 +71,9 @@ TEST(BfclSessionTest, TokensSpansRangesAndFocus) {
   EXPECT_EQ(s->turns[0].end, 10);
   EXPECT_THAT(Sizes(s->turns[1].spans), ElementsAre(2, 2, 1));
   EXPECT_THAT(Roles(s->turns[1].spans),
-              ElementsAre(static_cast<int>(SpanRole::kUser),
-                          static_cast<int>(SpanRole::kAssistant),
-                          static_cast<int>(SpanRole::kDelimiter)));
+              ElementsAre(static_cast<int>(Role::kUser),
+                          static_cast<int>(Role::kAssistant),
+                          static_cast<int>(Role::kDelimiter)));
   EXPECT_EQ(s->turns[1].first, 10);
   EXPECT_EQ(s->turns[1].end, 15);
   // Tool-call bytes 5, 6 and assistant bytes 11, 12, shifted by BOS.
@@ -84,7 +84,7 @@ TEST(BfclSessionTest, TokensSpansRangesAndFocus) {
 
 TEST(BfclSessionTest, FocusRolesAndMaxTurns) {
   BfclSessionOptions o;
-  o.focus_roles = {SpanRole::kToolCall};
+  o.focus_roles = {Role::kToolCall};
   o.max_turns = 1;
   auto s = MakeBfclSession(TwoTurns(), o);
   ASSERT_TRUE(s.ok()) << s.status();

@@ -36,19 +36,19 @@ void ExpectExactCover(const RenderedConversation& rc) {
   EXPECT_EQ(at, rc.text.size());
 }
 
-SpanRole RoleAt(const RenderedConversation& rc, size_t byte) {
+Role RoleAt(const RenderedConversation& rc, size_t byte) {
   for (const auto& s : rc.AllSpans()) {
     if (byte >= s.begin && byte < s.begin + s.length) return s.role;
   }
   ADD_FAILURE() << "byte " << byte << " not covered";
-  return SpanRole::kReasoning;
+  return Role::kReasoning;
 }
 
-SpanRole RoleOf(const RenderedConversation& rc, const std::string& needle) {
+Role RoleOf(const RenderedConversation& rc, const std::string& needle) {
   const size_t at = rc.text.find(needle);
   EXPECT_NE(at, std::string::npos) << needle;
-  if (at == std::string::npos) return SpanRole::kReasoning;
-  const SpanRole r = RoleAt(rc, at);
+  if (at == std::string::npos) return Role::kReasoning;
+  const Role r = RoleAt(rc, at);
   for (size_t b = at; b < at + needle.size(); ++b)
     EXPECT_EQ(RoleAt(rc, b), r) << needle;
   return r;
@@ -86,14 +86,14 @@ TEST(BfclTest, RendersChatMlWithRoles) {
   EXPECT_EQ(rc->text, want);
   ExpectExactCover(*rc);
   ASSERT_EQ(rc->turns.size(), 2u);
-  EXPECT_EQ(RoleOf(*rc, "<|im_start|>system\n"), SpanRole::kDelimiter);
-  EXPECT_EQ(RoleOf(*rc, "You are a helpful"), SpanRole::kSystem);
-  EXPECT_EQ(RoleOf(*rc, "{\"name\": \"mul\""), SpanRole::kToolSchema);
-  EXPECT_EQ(RoleOf(*rc, "Go to docs"), SpanRole::kUser);
-  EXPECT_EQ(RoleOf(*rc, "[ls(a=True), pwd()]"), SpanRole::kToolCall);
-  EXPECT_EQ(RoleOf(*rc, "{\"status\": \"ok\"}"), SpanRole::kToolResult);
+  EXPECT_EQ(RoleOf(*rc, "<|im_start|>system\n"), Role::kDelimiter);
+  EXPECT_EQ(RoleOf(*rc, "You are a helpful"), Role::kSystem);
+  EXPECT_EQ(RoleOf(*rc, "{\"name\": \"mul\""), Role::kToolSchema);
+  EXPECT_EQ(RoleOf(*rc, "Go to docs"), Role::kUser);
+  EXPECT_EQ(RoleOf(*rc, "[ls(a=True), pwd()]"), Role::kToolCall);
+  EXPECT_EQ(RoleOf(*rc, "{\"status\": \"ok\"}"), Role::kToolResult);
   EXPECT_EQ(RoleOf(*rc, "<|im_end|>\n<|im_start|>assistant\n"),
-            SpanRole::kDelimiter);
+            Role::kDelimiter);
   // Turn 1 starts with the second user message's header.
   EXPECT_EQ(rc->text.substr(rc->turns[1].begin, 17), "<|im_start|>user\n");
 }
@@ -174,8 +174,8 @@ TEST(BfclRealDataTest, DocLinesRoundTripAndHeldOutEntryRenders) {
   }
   ExpectExactCover(*rc);
   EXPECT_EQ(rc->turns_total, 2);
-  EXPECT_EQ(RoleOf(*rc, "{\"name\": \"cd\""), SpanRole::kToolSchema);
-  EXPECT_EQ(rc->turns[0].spans.front().role, SpanRole::kDelimiter);
+  EXPECT_EQ(RoleOf(*rc, "{\"name\": \"cd\""), Role::kToolSchema);
+  EXPECT_EQ(rc->turns[0].spans.front().role, Role::kDelimiter);
 
   auto cut = d->Render("multi_turn_base_3", 2047);
   ASSERT_TRUE(cut.ok()) << cut.status();

@@ -97,7 +97,7 @@ v1::ModelShape Shape(const Model& m) {
   return s;
 }
 
-v1::Span MakeSpan(SpanRole role, uint32_t n) {
+v1::Span MakeSpan(Role role, uint32_t n) {
   v1::Span s;
   s.set_role(static_cast<v1::Role>(role));
   s.set_modality(v1::MODALITY_TEXT);
@@ -168,7 +168,7 @@ KvBytes CountKvBytes(const v1::SequenceInfo& info, const ModelConfig& c) {
         static_cast<int>(b.capacity() ? b.capacity() : info.block_tokens());
     shape.heads = c.n_kv_heads;
     shape.head_dim = c.head_dim();
-    const kernels::Encoding e = client::PlanEncoding(b);
+    const kernels::Encoding e = EncodingFromProto(b);
     const bool valid = kernels::ValidateEncoding(e, shape) == nullptr;
     const std::string name =
         valid ? client::EncodingLabel(e)
@@ -213,7 +213,7 @@ absl::StatusOr<GreedyResult> Greedy(Transformer* tf, const Tokenizer& tok,
   const auto t0 = Clock::now();
   for (int pos = 0; pos < steps; ++pos) {
     if (seq != nullptr && pos > 0) {
-      TRIAX_RETURN_IF_ERROR(c->Extend(seq, {MakeSpan(SpanRole::kAssistant, 1)},
+      TRIAX_RETURN_IF_ERROR(c->Extend(seq, {MakeSpan(Role::kAssistant, 1)},
                                       /*new_turn=*/false,
                                       /*continue_last_span=*/true));
     }
@@ -260,7 +260,7 @@ absl::Status StepGreedy(const Model& model, const Tokenizer& tok,
   std::printf("-- service KV, policy bf16:\n");
   TRIAX_ASSIGN_OR_RETURN(
       client::SequenceHandle seq,
-      c->Open(Shape(model), {MakeSpan(SpanRole::kUser, 1)}, "bf16"));
+      c->Open(Shape(model), {MakeSpan(Role::kUser, 1)}, "bf16"));
   ServiceKvStore remote(c, &seq, model.config.n_kv_heads,
                         model.config.head_dim());
   auto sr = Greedy(&tf, tok, &remote, c, &seq, steps, true);
@@ -380,7 +380,7 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
   // Counted targets: the tool-call bytes (token index = byte offset + 1).
   std::vector<bool> counted(tokens.size(), false);
   for (const RoleSpan& s : conv.AllSpans()) {
-    if (s.role != SpanRole::kToolCall) continue;
+    if (s.role != Role::kToolCall) continue;
     for (size_t b = s.begin; b < s.begin + s.length; ++b) counted[b + 1] = true;
   }
   Transformer tf(model.get(), threads);
@@ -520,10 +520,9 @@ absl::Status StepNll(const Model& model, const Tokenizer& tok,
       } else {
         TRIAX_ASSIGN_OR_RETURN(
             client::SequenceHandle seq,
-            c->Open(
-                Shape(model),
-                {MakeSpan(SpanRole::kUser, static_cast<uint32_t>(w.size()))},
-                policy));
+            c->Open(Shape(model),
+                    {MakeSpan(Role::kUser, static_cast<uint32_t>(w.size()))},
+                    policy));
         ServiceKvStore kv(c, &seq, model.config.n_kv_heads,
                           model.config.head_dim());
         const auto t0 = Clock::now();
@@ -547,7 +546,7 @@ absl::Status StepNll(const Model& model, const Tokenizer& tok,
     } else {
       TRIAX_ASSIGN_OR_RETURN(
           client::SequenceHandle seq,
-          c->Open(Shape(model), {MakeSpan(SpanRole::kUser, 1)}, policy));
+          c->Open(Shape(model), {MakeSpan(Role::kUser, 1)}, policy));
       ServiceKvStore kv(c, &seq, model.config.n_kv_heads,
                         model.config.head_dim());
       auto gr = Greedy(&tf, tok, &kv, c, &seq, decode_steps, false);

@@ -12,7 +12,7 @@ v1::ModelShape ServiceShape(const Model& model) {
   return s;
 }
 
-v1::Span ServiceSpan(SpanRole role, uint32_t num_tokens) {
+v1::Span ServiceSpan(Role role, uint32_t num_tokens) {
   v1::Span s;
   s.set_role(static_cast<v1::Role>(role));
   s.set_modality(v1::MODALITY_TEXT);

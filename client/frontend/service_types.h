@@ -20,7 +20,7 @@ v1::ModelShape ServiceShape(const Model& model);
 
 // A text span: role cast to triax.v1.Role (the values are equal), modality
 // MODALITY_TEXT, `num_tokens` tokens.
-v1::Span ServiceSpan(SpanRole role, uint32_t num_tokens);
+v1::Span ServiceSpan(Role role, uint32_t num_tokens);
 std::vector<v1::Span> ServiceSpans(const std::vector<TokenSpan>& spans);
 
 }  // namespace triax::frontend

@@ -141,7 +141,7 @@ TEST(AllocationIntegrationTest, NewTurnDemotesOnTheWorkerAndAttendFollows) {
     for (const auto& b : h.blocks) {
       if (b.first_token() >= 640) continue;
       const size_t off = b.first_token() * elems;
-      EXPECT_TRUE(RoundTripPage(client::PlanEncoding(b), shape, &wk[l][off],
+      EXPECT_TRUE(RoundTripPage(EncodingFromProto(b), shape, &wk[l][off],
                                 &wv[l][off], static_cast<int>(b.num_tokens()),
                                 &(*k)[off], &(*v)[off])
                       .ok());
@@ -186,7 +186,7 @@ TEST(AllocationIntegrationTest, NewTurnDemotesOnTheWorkerAndAttendFollows) {
   uint64_t new_bytes = 0;
   for (size_t i = 40; i < seq.blocks.size(); ++i) {
     new_bytes += model.n_layers() *
-                 kernels::PageBytes(client::PlanEncoding(seq.blocks[i]), shape);
+                 kernels::PageBytes(EncodingFromProto(seq.blocks[i]), shape);
   }
   int64_t freed = 0;
   for (int i = 1; i < 4; ++i) {
@@ -194,10 +194,10 @@ TEST(AllocationIntegrationTest, NewTurnDemotesOnTheWorkerAndAttendFollows) {
     EXPECT_EQ(seq.blocks[i].tag().temporal(), triax::v1::TEMPORAL_RECENT_TURNS);
     EXPECT_EQ(seq.blocks[i].format(), triax::v1::FORMAT_INT2) << i;
     freed += static_cast<int64_t>(model.n_layers()) *
-             (static_cast<int64_t>(kernels::PageBytes(
-                  client::PlanEncoding(old_plan[i]), shape)) -
-              static_cast<int64_t>(kernels::PageBytes(
-                  client::PlanEncoding(seq.blocks[i]), shape)));
+             (static_cast<int64_t>(
+                  kernels::PageBytes(EncodingFromProto(old_plan[i]), shape)) -
+              static_cast<int64_t>(
+                  kernels::PageBytes(EncodingFromProto(seq.blocks[i]), shape)));
   }
   EXPECT_GT(freed, 0);
   for (int i = 4; i < 40; ++i) {
@@ -243,8 +243,8 @@ TEST(AllocationIntegrationTest, NewTurnDemotesOnTheWorkerAndAttendFollows) {
     ASSERT_LT(d.index(), seq.blocks.size());
     const auto& was = seq.blocks[d.index()];
     EXPECT_EQ(d.lineage_id(), was.lineage_id());
-    EXPECT_LT(kernels::PageBytes(client::PlanEncoding(d), shape),
-              kernels::PageBytes(client::PlanEncoding(was), shape))
+    EXPECT_LT(kernels::PageBytes(EncodingFromProto(d), shape),
+              kernels::PageBytes(EncodingFromProto(was), shape))
         << d.index();
     EXPECT_EQ(resp.sequence().blocks(d.index()).format(), d.format());
   }

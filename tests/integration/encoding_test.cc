@@ -65,7 +65,7 @@ class EncodingTest : public ::testing::Test {
     for (uint32_t l = 0; l < model_.n_layers(); ++l) {
       for (const auto& b : seq.blocks) {
         const size_t off = b.first_token() * Elems();
-        EXPECT_TRUE(RoundTripPage(client::PlanEncoding(b), shape_,
+        EXPECT_TRUE(RoundTripPage(EncodingFromProto(b), shape_,
                                   &written_k_[l][off], &written_v_[l][off],
                                   static_cast<int>(b.num_tokens()),
                                   &(*k)[l][off], &(*v)[l][off])
@@ -203,9 +203,9 @@ TEST_F(EncodingTest, MixedPolicyAttendThenDemoteThroughTheManager) {
                        (2 * static_cast<int64_t>(kernels::PageBytes(
                                 kernels::Format::kINT2, shape_)) -
                         static_cast<int64_t>(kernels::PageBytes(
-                            client::PlanEncoding(old_plan[1]), shape_)) -
+                            EncodingFromProto(old_plan[1]), shape_)) -
                         static_cast<int64_t>(kernels::PageBytes(
-                            client::PlanEncoding(old_plan[2]), shape_)));
+                            EncodingFromProto(old_plan[2]), shape_)));
   EXPECT_EQ(*delta, want);
   auto tenant_after = cluster_->GetTenant("acme");
   ASSERT_THAT(tenant_after, IsOk());

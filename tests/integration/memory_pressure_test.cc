@@ -179,7 +179,7 @@ class MemoryPressureTest : public ::testing::Test {
           if (!evicted[i]) {
             std::vector<float> dk(n * Elems()), dv(n * Elems());
             ASSERT_THAT(RoundTripPage(
-                            client::PlanEncoding(b), shape_,
+                            EncodingFromProto(b), shape_,
                             &s.k[l][first * Elems()], &s.v[l][first * Elems()],
                             static_cast<int>(n), dk.data(), dv.data()),
                         IsOk());

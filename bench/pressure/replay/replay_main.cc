@@ -525,7 +525,7 @@ absl::Status RunRow(const Setup& setup, const Row& row, ModeResult* r) {
           } else if (b.tier() == v1::TIER_DISK) {
             key = "disk";
           } else {
-            key = client::EncodingLabel(client::PlanEncoding(b));
+            key = client::EncodingLabel(EncodingFromProto(b));
           }
           ++r->final_blocks[key];
         }
