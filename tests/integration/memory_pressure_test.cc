@@ -287,9 +287,21 @@ TEST_F(MemoryPressureTest, DemotesAndSpillsUnderPressureThenRestoresOnAttend) {
   ASSERT_THAT(phase1, IsOk());
   EXPECT_EQ(phase1->mode(), "demote-first");
   EXPECT_GT(phase1->demotions(), 0u);
-  // Phase 2: after 10 reuse half-lives every earlier sequence is cold, so
-  // the next pressure spills them (nearly free) rather than demote further.
-  absl::SleepFor(absl::Milliseconds(1000));
+  // Phase 2: once the earlier sequences are cold (a few reuse half-lives
+  // idle), spilling them is nearly free, so the manager's ranking puts a
+  // spill first; the next pressure then spills rather than demotes further.
+  ASSERT_THAT(
+      Cluster::WaitFor("a spill ranked cheapest", absl::Seconds(20),
+                       [&]() -> absl::StatusOr<bool> {
+                         auto p = Pressure();
+                         if (!p.ok()) return p.status();
+                         return p->ranked_size() > 0 &&
+                                (p->ranked(0).action() ==
+                                     triax::v1::PRESSURE_ACTION_SPILL_HOST ||
+                                 p->ranked(0).action() ==
+                                     triax::v1::PRESSURE_ACTION_SPILL_DISK);
+                       }),
+      IsOk());
   for (int i = 0; i < 5; ++i) ASSERT_THAT(OpenAndWrite(), IsOk()) << i;
   ASSERT_THAT(Cluster::WaitFor("spills under pressure", absl::Seconds(20),
                                [&]() -> absl::StatusOr<bool> {
