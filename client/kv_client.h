@@ -20,7 +20,7 @@
 // from the first attempt; then the UNAVAILABLE is returned with the delay in
 // the message ("retry after N ms; gave up after R retries ..."). This holds
 // for Attends that carry an append too: the worker checks residency before
-// it writes (worker/sequence_store.cc, EnsureResident ahead of the append),
+// it writes (worker/store_attend.cc, EnsureResident ahead of the append),
 // so that answer means nothing was written. A transport-level UNAVAILABLE of
 // an appending Attend is still not retried (the write may have landed).
 //

@@ -46,6 +46,15 @@ int ManagerLink::heartbeats() const {
   return heartbeats_;
 }
 
+bool ManagerLink::WaitForCounts(int registrations, int heartbeats,
+                                absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return registrations_ >= registrations && heartbeats_ >= heartbeats;
+  };
+  return mu_.AwaitWithTimeout(absl::Condition(&reached), timeout);
+}
+
 bool ManagerLink::WaitStop(int ms) {
   absl::MutexLock lock(&mu_);
   mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(ms));

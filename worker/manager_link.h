@@ -19,6 +19,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "triax/v1/manager.grpc.pb.h"
 
 namespace triax::worker {
@@ -54,6 +55,10 @@ class ManagerLink {
 
   int registrations() const;  // successful RegisterWorker calls
   int heartbeats() const;     // successful Heartbeat calls
+  // Waits until at least `registrations` RegisterWorker and `heartbeats`
+  // Heartbeat calls succeeded; false when `timeout` passed first.
+  bool WaitForCounts(int registrations, int heartbeats,
+                     absl::Duration timeout) const;
 
  private:
   void Run();

@@ -136,23 +136,23 @@
 // address, for a freed and re-created id); no other operation holds two
 // live sequences' mutexes. Lock order: sequences' mutexes -> the store's mutex
 // -> the prefetch queue's mutex -> page seal mutex
-// -> allocator mutex (-> the tier store's). The store and queue mutexes are
+// -> allocator mutex (-> the tier store's); the self-restored list's mutex
+// is a leaf (nothing is taken under it). The store and queue mutexes are
 // never held while taking a sequence's. One prefetch thread (unless
 // StoreOptions::prefetch_thread is false) serves background restores.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -162,9 +162,16 @@
 #include "kernels/layout.h"
 #include "worker/device.h"
 #include "worker/page_allocator.h"
+#include "worker/prefetch_queue.h"
 #include "worker/tier_store.h"
 
 namespace triax::worker {
+
+namespace store_internal {
+struct Sequence;
+struct PreparedAttend;
+class LockedSequence;
+}  // namespace store_internal
 
 enum class KvDtype : int { kUnspecified = 0, kF32 = 1, kBF16 = 2 };
 
@@ -392,46 +399,69 @@ class SequenceStore {
                                             uint32_t block);
 
  private:
-  struct Sequence;
-  struct Block;
-  struct PreparedAttend;
-  struct PrefetchJob {
-    std::shared_ptr<Sequence> seq;
-    std::vector<uint64_t> lineage_ids;
-  };
+  using Sequence = store_internal::Sequence;
+  using LockedSequence = store_internal::LockedSequence;
+  using PreparedAttend = store_internal::PreparedAttend;
 
+  // Lookup, and the preamble of every operation on one of a tenant's
+  // sequences (sequence_store.cc).
   absl::StatusOr<std::shared_ptr<Sequence>> Lookup(
       absl::string_view sequence_id) const;
+  // Lookup after checking both ids (INVALID_ARGUMENT naming the field).
   absl::StatusOr<std::shared_ptr<Sequence>> LookupOwned(
       absl::string_view tenant_id, absl::string_view sequence_id) const;
+  // LookupOwned, then `check_args` (the operation's own argument checks,
+  // answered before the sequence's mutex is taken), then LockOwned(seq).
+  absl::StatusOr<LockedSequence> LockOwned(
+      absl::string_view tenant_id, absl::string_view sequence_id,
+      absl::FunctionRef<absl::Status()> check_args);
+  absl::StatusOr<LockedSequence> LockOwned(absl::string_view tenant_id,
+                                           absl::string_view sequence_id);
+  // Takes seq's mutex and checks it is live and the tenant's (CheckOwner);
+  // on an error the mutex is released again.
+  static absl::StatusOr<LockedSequence> LockOwned(std::shared_ptr<Sequence> seq,
+                                                  absl::string_view tenant_id);
 
   absl::StatusOr<AllocateResult> Extend(Sequence& seq,
                                         absl::string_view tenant_id,
                                         const ModelShape& model,
                                         uint32_t block_tokens,
                                         absl::Span<const BlockSpec> blocks);
+  // Unlists a sequence already marked freed and releases its pages.
+  FreeResult Retire(const std::shared_ptr<Sequence>& seq);
+  FreeResult ReleaseAll(Sequence& seq);
+
+  // The BF16 window and sealing (store_window.cc).
   absl::Status WriteLocked(Sequence& seq, const KvWrite& chunk,
                            absl::string_view prefix);
   absl::Status SealReady(Sequence& seq, uint32_t layer);
-  // Attend's part before the device runs, with seq.mu held: validates
-  // `spec`, makes the attended blocks resident, writes the append and fills
-  // `out` with the item's page list and per-query token counts.
-  absl::Status PrepareAttend(const std::shared_ptr<Sequence>& seq_ptr,
-                             absl::string_view tenant_id,
-                             const AttendSpec& spec, PreparedAttend* out);
-  // Writes the first `tokens` tokens of src's block `block` on `layer` into
-  // the BF16 page `dst` (slots from 0).
-  absl::Status CopyTokensAsBf16(const Sequence& src, uint32_t block,
-                                uint32_t layer, uint32_t tokens, uint8_t* dst);
   // BF16 copies of the first `tokens` tokens of a page.
   absl::Status PageToBf16(const kernels::Encoding& encoding,
                           const kernels::PageShape& shape, const uint8_t* page,
                           uint32_t tokens, std::vector<uint16_t>* k,
                           std::vector<uint16_t>* v);
-  FreeResult ReleaseAll(Sequence& seq);
 
-  // Block indices of `lineage_ids` (INVALID_ARGUMENT for a repeat,
-  // NOT_FOUND for one the sequence does not have).
+  // Fork (store_fork.cc). Writes the first `tokens` tokens of src's block
+  // `block` on `layer` into the BF16 page `dst` (slots from 0).
+  absl::Status CopyTokensAsBf16(const Sequence& src, uint32_t block,
+                                uint32_t layer, uint32_t tokens, uint8_t* dst);
+  // Fills the child's pages of `layer` from the parent's, sealing what can
+  // be; `shared[i]`: block i shares the parent's pages.
+  absl::Status FillForkLayer(const Sequence& parent, Sequence& child,
+                             const std::vector<bool>& shared, uint32_t layer,
+                             ForkResult* result);
+
+  // Attention (store_attend.cc). Attend's part before the device runs, with
+  // seq.mu held: validates `spec`, makes the attended blocks resident,
+  // writes the append and fills `out` with the item's page list and
+  // per-query token counts.
+  absl::Status PrepareAttend(const std::shared_ptr<Sequence>& seq_ptr,
+                             absl::string_view tenant_id,
+                             const AttendSpec& spec, PreparedAttend* out);
+
+  // Spill tiers (store_spill.cc). Block indices of `lineage_ids`
+  // (INVALID_ARGUMENT for a repeat, NOT_FOUND for one the sequence does not
+  // have).
   absl::StatusOr<std::vector<size_t>> BlocksOf(
       const Sequence& seq, absl::Span<const uint64_t> lineage_ids) const;
   // FAILED_PRECONDITION unless block `b` is sealed on every layer and not
@@ -446,14 +476,15 @@ class SequenceStore {
                                               const std::vector<size_t>& blocks,
                                               bool on_its_own = true);
   // Makes the spilled blocks overlapping tokens [from, to) resident per
-  // restore_on_attend (see the header comment); `op` names the caller.
+  // restore_on_attend (see the header comment).
   absl::Status EnsureResident(const std::shared_ptr<Sequence>& seq,
                               uint64_t from, uint64_t to);
   // Queues a background restore of blocks (marks them queued).
   void QueuePrefetch(const std::shared_ptr<Sequence>& seq,
                      const std::vector<size_t>& blocks);
-  void RunPrefetch(const PrefetchJob& job);
-  void PrefetchLoop();
+  // A queued background restore: the blocks of `lineage_ids` still queued
+  // and spilled, one at a time.
+  void RunPrefetch(Sequence& seq, const std::vector<uint64_t>& lineage_ids);
 
   Device* const device_;
   PageAllocator* const allocator_;
@@ -468,11 +499,7 @@ class SequenceStore {
   std::atomic<uint64_t> spills_{0}, restores_{0}, checksum_failures_{0},
       evictions_{0};
 
-  absl::Mutex prefetch_mu_;
-  std::deque<PrefetchJob> prefetch_queue_ ABSL_GUARDED_BY(prefetch_mu_);
-  int prefetch_running_ ABSL_GUARDED_BY(prefetch_mu_) = 0;
-  bool prefetch_stop_ ABSL_GUARDED_BY(prefetch_mu_) = false;
-  std::thread prefetch_thread_;
+  PrefetchQueue prefetch_;
 };
 
 }  // namespace triax::worker

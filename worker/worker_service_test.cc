@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kernels/numeric.h"
 #include "triax/v1/manager.grpc.pb.h"
 #include "worker/manager_link.h"
@@ -955,11 +955,7 @@ TEST_F(ServiceTest, ManagerLinkRegistersRetriesAndReregisters) {
       });
   device_.SetUnhealthy("device poisoned: test");
   link.Start();
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while ((link.registrations() < 2 || link.heartbeats() < 2) &&
-         absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  EXPECT_TRUE(link.WaitForCounts(2, 2, absl::Seconds(10)));
   link.Stop();
   EXPECT_EQ(link.registrations(), 2);  // first, then after NOT_FOUND
   EXPECT_GE(link.heartbeats(), 2);

@@ -1,0 +1,330 @@
+// SequenceStore's reads of the pages for a caller: Attend, AttendBatch (see
+// "Batched attention" in sequence_store.h) and Read. PrepareAttend does an
+// item's work before the device runs (validation, residency, the append);
+// AttendBatch then runs every prepared item's queries as one
+// Device::DecodeAttentionBatch.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/ids.h"
+#include "common/status_macros.h"
+#include "worker/sequence_store.h"
+#include "worker/sequence_store_internal.h"
+
+namespace triax::worker {
+
+using kernels::Encoding;
+using kernels::Format;
+using store_internal::Block;
+using store_internal::BlockOf;
+using store_internal::CheckOwner;
+using store_internal::IsBf16;
+
+namespace store_internal {
+
+// An item ready for the device: its query/output buffers, page list and
+// per-query attended token counts.
+struct PreparedAttend {
+  size_t item = 0;
+  kernels::PageShape shape;
+  int n_q_heads = 0;
+  float scale = 0.f;
+  std::vector<float> q, out;  // [num_queries][n_q_heads][head_dim]
+  std::vector<kernels::PageRef> refs;
+  std::vector<long> attend;  // per query
+};
+
+}  // namespace store_internal
+
+absl::Status SequenceStore::PrepareAttend(
+    const std::shared_ptr<Sequence>& seq_ptr, absl::string_view tenant_id,
+    const AttendSpec& spec,
+    PreparedAttend* prep) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  Sequence& seq = *seq_ptr;
+  TRIAX_RETURN_IF_ERROR(CheckOwner(seq, tenant_id));
+  const ModelShape& m = seq.model;
+  if (spec.layer >= m.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer=", spec.layer, " is >= model.n_layers=", m.n_layers));
+  }
+  if (spec.num_queries == 0) {
+    return absl::InvalidArgumentError("num_queries=0; must be >= 1");
+  }
+  const size_t qvalues =
+      static_cast<size_t>(spec.num_queries) * m.n_q_heads * m.head_dim;
+  if (spec.queries.size() != qvalues * 4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "queries has ", spec.queries.size(), " bytes; expected ", qvalues * 4,
+        " (num_queries=", spec.num_queries, " x n_q_heads=", m.n_q_heads,
+        " x head_dim=", m.head_dim, " x 4 bytes float32)"));
+  }
+  if (!spec.positions.empty() && spec.positions.size() != spec.num_queries) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("positions has ", spec.positions.size(),
+                     " entries; expected 0 or num_queries=", spec.num_queries));
+  }
+  if (!std::isfinite(spec.scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scale=", spec.scale, " is not finite"));
+  }
+  uint64_t after = seq.written[spec.layer];
+  if (spec.append != nullptr) {
+    if (spec.append->layer != spec.layer) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("append.layer=", spec.append->layer,
+                       " differs from layer=", spec.layer));
+    }
+    after += spec.append->num_tokens;
+  }
+  if (after == 0) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "layer ", spec.layer, " has no written tokens to attend to"));
+  }
+  for (size_t i = 0; i < spec.positions.size(); ++i) {
+    if (spec.positions[i] >= after) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "positions[", i, "]=", spec.positions[i], " is not written: layer ",
+          spec.layer, " has ", after, " tokens"));
+    }
+  }
+  // Spilled blocks come back (or the call is refused) before the append, so
+  // an UNAVAILABLE answer changes nothing and the retry can append again.
+  uint64_t upto = after;
+  if (!spec.positions.empty()) {
+    upto = *std::max_element(spec.positions.begin(), spec.positions.end()) + 1;
+  }
+  TRIAX_RETURN_IF_ERROR(EnsureResident(seq_ptr, 0, upto));
+  if (spec.append != nullptr) {
+    TRIAX_RETURN_IF_ERROR(WriteLocked(seq, *spec.append, "append."));
+  }
+
+  const uint32_t layer = spec.layer;
+  const uint64_t written = seq.written[layer];
+  std::vector<kernels::PageRef>& refs = prep->refs;
+  std::vector<const Block*> evicted;  // skipped; their positions still count
+  for (size_t b = 0; b < seq.blocks.size(); ++b) {
+    const Block& blk = seq.blocks[b];
+    // Blocks past the last attended position may be spilled (only those up
+    // to it were made resident) and are not read.
+    if (blk.spec.first_token >= std::min(written, upto)) break;
+    if (blk.spec.evicted) {
+      evicted.push_back(&blk);
+      continue;
+    }
+    kernels::PageRef r;
+    r.num_tokens = static_cast<int>(std::min<uint64_t>(
+        blk.spec.num_tokens, written - blk.spec.first_token));
+    if (b < seq.sealed[layer] || IsBf16(blk.spec.encoding)) {
+      r.encoding = blk.spec.encoding;
+      r.data = blk.target[layer]->data;
+    } else {
+      r.encoding = Format::kBF16;
+      r.data = blk.window[layer]->data;
+    }
+    refs.push_back(r);
+  }
+  for (uint32_t i = 0; i < spec.num_queries; ++i) {
+    const uint64_t through =
+        spec.positions.empty() ? written : spec.positions[i] + 1;
+    uint64_t skipped = 0;
+    for (const Block* e : evicted) {
+      if (e->spec.first_token >= through) break;
+      skipped += std::min(e->end(), through) - e->spec.first_token;
+    }
+    if (skipped == through) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "query ", i, " at position ", through - 1,
+          " has no tokens to attend to: every block up to it is evicted"));
+    }
+    prep->attend.push_back(static_cast<long>(through - skipped));
+  }
+  prep->shape = seq.shape;
+  prep->n_q_heads = static_cast<int>(m.n_q_heads);
+  prep->scale = spec.scale != 0.f
+                    ? spec.scale
+                    : 1.f / std::sqrt(static_cast<float>(m.head_dim));
+  prep->q.resize(qvalues);
+  std::memcpy(prep->q.data(), spec.queries.data(), qvalues * 4);
+  prep->out.assign(qvalues, 0.f);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> SequenceStore::Attend(
+    absl::string_view tenant_id, absl::string_view sequence_id,
+    const AttendSpec& spec) {
+  AttendBatchItem item;
+  item.sequence_id = sequence_id;
+  item.spec = spec;
+  return std::move(AttendBatch(tenant_id, absl::MakeConstSpan(&item, 1))[0]);
+}
+
+std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatch(
+    absl::string_view tenant_id,
+    absl::Span<const AttendBatchItem> items) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::vector<absl::StatusOr<std::vector<float>>> results(
+      items.size(), absl::InternalError("item not run"));
+  std::vector<std::shared_ptr<Sequence>> seqs(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    absl::StatusOr<std::shared_ptr<Sequence>> seq =
+        LookupOwned(tenant_id, items[i].sequence_id);
+    if (seq.ok()) {
+      seqs[i] = *std::move(seq);
+    } else {
+      results[i] = seq.status();
+    }
+  }
+  // Every sequence's mutex, in one global order (id, then address).
+  std::vector<Sequence*> locks;
+  for (const auto& s : seqs) {
+    if (s != nullptr) locks.push_back(s.get());
+  }
+  std::sort(locks.begin(), locks.end(),
+            [](const Sequence* a, const Sequence* b) {
+              return a->id != b->id ? a->id < b->id : a < b;
+            });
+  locks.erase(std::unique(locks.begin(), locks.end()), locks.end());
+  for (Sequence* s : locks) s->mu.Lock();
+
+  std::vector<PreparedAttend> pending;
+  std::vector<const Sequence*> pending_seqs;
+  auto flush = [&] {
+    if (pending.empty()) return;
+    std::vector<kernels::DecodeParams> params;
+    std::vector<size_t> first(pending.size() + 1, 0);
+    for (size_t k = 0; k < pending.size(); ++k) {
+      PreparedAttend& p = pending[k];
+      const size_t per_query =
+          static_cast<size_t>(p.n_q_heads) * p.shape.head_dim;
+      first[k] = params.size();
+      for (size_t i = 0; i < p.attend.size(); ++i) {
+        kernels::DecodeParams d;
+        d.q = p.q.data() + i * per_query;
+        d.out = p.out.data() + i * per_query;
+        d.n_q_heads = p.n_q_heads;
+        d.shape = p.shape;
+        d.scale = p.scale;
+        d.pages = p.refs.data();
+        d.num_pages = static_cast<int>(p.refs.size());
+        d.attend_tokens = p.attend[i];
+        params.push_back(d);
+      }
+    }
+    first[pending.size()] = params.size();
+    const absl::Status all = device_->DecodeAttentionBatch(params);
+    for (size_t k = 0; k < pending.size(); ++k) {
+      absl::Status s = all;
+      if (!s.ok() && s.code() != absl::StatusCode::kUnavailable &&
+          s.code() != absl::StatusCode::kInternal) {
+        // An entry the device refused: run each item alone so only the
+        // items at fault fail.
+        s = device_->DecodeAttentionBatch(absl::MakeConstSpan(
+            params.data() + first[k], first[k + 1] - first[k]));
+      }
+      if (s.ok()) {
+        results[pending[k].item] = std::move(pending[k].out);
+      } else {
+        results[pending[k].item] = s;
+      }
+    }
+    pending.clear();
+    pending_seqs.clear();
+  };
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (seqs[i] == nullptr) continue;
+    if (items[i].spec.append != nullptr &&
+        std::find(pending_seqs.begin(), pending_seqs.end(), seqs[i].get()) !=
+            pending_seqs.end()) {
+      flush();  // the pending reads of this sequence must not see the append
+    }
+    PreparedAttend prep;
+    prep.item = i;
+    if (absl::Status s =
+            PrepareAttend(seqs[i], tenant_id, items[i].spec, &prep);
+        !s.ok()) {
+      results[i] = s;
+      continue;
+    }
+    pending.push_back(std::move(prep));
+    pending_seqs.push_back(seqs[i].get());
+  }
+  flush();
+  for (auto it = locks.rbegin(); it != locks.rend(); ++it) (*it)->mu.Unlock();
+  return results;
+}
+
+absl::StatusOr<ReadResult> SequenceStore::Read(absl::string_view tenant_id,
+                                               absl::string_view sequence_id,
+                                               uint32_t layer,
+                                               uint64_t first_token,
+                                               uint32_t num_tokens) {
+  TRIAX_ASSIGN_OR_RETURN(LockedSequence locked,
+                         LockOwned(tenant_id, sequence_id));
+  Sequence& seq = *locked;
+  if (layer >= seq.model.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer=", layer, " is >= model.n_layers=", seq.model.n_layers));
+  }
+  const uint64_t written = seq.written[layer];
+  if (first_token > written) {
+    return absl::OutOfRangeError(
+        absl::StrCat("first_token=", first_token, " is past the ", written,
+                     " written tokens of layer ", layer));
+  }
+  const uint64_t n = num_tokens != 0 ? num_tokens : written - first_token;
+  if (first_token + n > written) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "first_token=", first_token, " num_tokens=", num_tokens,
+        " reads past the ", written, " written tokens of layer ", layer));
+  }
+  for (size_t b = BlockOf(seq.blocks, first_token);
+       n > 0 && b < seq.blocks.size() &&
+       seq.blocks[b].spec.first_token < first_token + n;
+       ++b) {
+    const Block& blk = seq.blocks[b];
+    if (blk.spec.evicted) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("first_token=", first_token, " num_tokens=", n,
+                       " reads block ", b, " (lineage_id=", blk.spec.lineage_id,
+                       ", tokens ", blk.spec.first_token, "..", blk.end() - 1,
+                       "), which is evicted; its tokens are gone"));
+    }
+  }
+  if (n > 0)
+    TRIAX_RETURN_IF_ERROR(
+        EnsureResident(locked.shared(), first_token, first_token + n));
+  ReadResult r;
+  r.first_token = first_token;
+  r.num_tokens = static_cast<uint32_t>(n);
+  r.token_values = seq.model.n_kv_heads * seq.model.head_dim;
+  r.k.resize(n * r.token_values);
+  r.v.resize(n * r.token_values);
+  if (n == 0) return r;
+  const uint64_t end = first_token + n;
+  std::vector<float> kb, vb;
+  for (size_t b = BlockOf(seq.blocks, first_token);
+       b < seq.blocks.size() && seq.blocks[b].spec.first_token < end; ++b) {
+    const Block& blk = seq.blocks[b];
+    const uint32_t valid = static_cast<uint32_t>(std::min<uint64_t>(
+        blk.spec.num_tokens, written - blk.spec.first_token));
+    const bool in_target = b < seq.sealed[layer] || IsBf16(blk.spec.encoding);
+    const Page* page = in_target ? blk.target[layer] : blk.window[layer];
+    kb.resize(static_cast<size_t>(valid) * r.token_values);
+    vb.resize(kb.size());
+    TRIAX_RETURN_IF_ERROR(device_->DecodePage(
+        in_target ? blk.spec.encoding : Encoding(Format::kBF16), seq.shape,
+        page->data, static_cast<int>(valid), kb.data(), vb.data()));
+    const uint64_t from = std::max(first_token, blk.spec.first_token);
+    const uint64_t to = std::min(end, blk.spec.first_token + valid);
+    const size_t src = (from - blk.spec.first_token) * r.token_values;
+    const size_t dst = (from - first_token) * r.token_values;
+    const size_t len = (to - from) * r.token_values;
+    std::copy_n(kb.begin() + src, len, r.k.begin() + dst);
+    std::copy_n(vb.begin() + src, len, r.v.begin() + dst);
+  }
+  return r;
+}
+
+}  // namespace triax::worker
