@@ -12,6 +12,16 @@ namespace {
 // Dense tag codes: temporal 0..4, modality 0..3, role 0..kNumRoles-1.
 constexpr int kTagCodes = 5 * 4 * kNumRoles;
 
+// The dense code of a tag (modality normalized), -1 when out of range.
+inline int TagCode(const Tag& tag) {
+  const int t = static_cast<int>(tag.temporal);
+  const int m = static_cast<int>(NormalizeModality(tag.modality));
+  const int r = static_cast<int>(tag.role);
+  const bool dense =
+      t >= 0 && t < 5 && m >= 0 && m < 4 && r >= 0 && r < kNumRoles;
+  return dense ? (t * 4 + m) * kNumRoles + r : -1;
+}
+
 // Applies kAdjacencyShare to views[first..] (one sequence's blocks, in
 // index order; neighbours absent from the views do not count).
 void AddTemporalAdjacency(std::vector<BlockView>* views, size_t first) {
@@ -97,17 +107,10 @@ void SnapshotBuilder::Begin(int64_t now_ms) {
   }
 }
 
-int32_t SnapshotBuilder::OptionSetOf(const SequenceRecord& s, const Tag& tag,
-                                     const CalibrationTable* table,
-                                     std::vector<int32_t>* group) {
+int32_t SnapshotBuilder::BuildOptionSet(const SequenceRecord& s, const Tag& tag,
+                                        const CalibrationTable* table, int code,
+                                        std::vector<int32_t>* group) {
   const Modality modality = NormalizeModality(tag.modality);
-  const int t = static_cast<int>(tag.temporal);
-  const int m = static_cast<int>(modality);
-  const int r = static_cast<int>(tag.role);
-  const bool dense =
-      t >= 0 && t < 5 && m >= 0 && m < 4 && r >= 0 && r < kNumRoles;
-  const int code = dense ? (t * 4 + m) * kNumRoles + r : -1;
-  if (code >= 0 && (*group)[code] >= 0) return (*group)[code];
   const kernels::PageShape shape = PageShapeOf(s.model, s.block_tokens);
   OptionSet set;
   bool have_bf16 = false;
@@ -211,7 +214,11 @@ void SnapshotBuilder::CopyChunk() {
               s.num_tokens;
       v.encoding = b->encoding;
       v.bytes = b->bytes;
-      v.option_set = OptionSetOf(s, b->tag, table, &group);
+      const int code = TagCode(b->tag);
+      v.option_set = code >= 0 ? group[code] : -1;
+      if (v.option_set < 0) {
+        v.option_set = BuildOptionSet(s, b->tag, table, code, &group);
+      }
       for (const DemoteOption& o : input_.option_sets[v.option_set].options) {
         if (o.encoding == b->encoding) v.distortion = o.distortion;
       }

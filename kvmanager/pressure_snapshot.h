@@ -89,11 +89,12 @@ class SnapshotBuilder {
   std::shared_ptr<PressureSnapshot> TakeSnapshot() { return std::move(snap_); }
 
  private:
-  // The option set of `tag` for sequence `s` (its table may be null) in
-  // the (table, shape) group `group`, built on first use.
-  int32_t OptionSetOf(const SequenceRecord& s, const Tag& tag,
-                      const CalibrationTable* table,
-                      std::vector<int32_t>* group);
+  // Builds the option set of `tag` for sequence `s` (its table may be
+  // null) and records it in `group` under `code` (its dense tag code, -1
+  // when out of range); CopyChunk looks it up there first.
+  int32_t BuildOptionSet(const SequenceRecord& s, const Tag& tag,
+                         const CalibrationTable* table, int code,
+                         std::vector<int32_t>* group);
 
   const Options options_;
   const WorkerRegistry& workers_;

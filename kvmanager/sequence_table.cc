@@ -22,11 +22,6 @@ SequenceRecord* SequenceTable::Insert(std::unique_ptr<SequenceRecord> s) {
   return out;
 }
 
-SequenceRecord* SequenceTable::Find(const std::string& sequence_id) const {
-  auto it = sequences_.find(sequence_id);
-  return it == sequences_.end() ? nullptr : it->second.get();
-}
-
 absl::StatusOr<SequenceRecord*> SequenceTable::FindOpen(
     const TenantRecord& tenant, const std::string& field,
     const std::string& sequence_id) const {
@@ -184,29 +179,6 @@ bool SequenceTable::Unref(SequenceRecord* s, BlockRecord* b) {
     }
   }
   return true;
-}
-
-BlockRecord* SequenceTable::FindBlock(uint64_t lineage_id) const {
-  auto it = blocks_.find(lineage_id);
-  return it == blocks_.end() ? nullptr : it->second.get();
-}
-
-BlockRecord* SequenceTable::BlockOf(const SequenceRecord& s,
-                                    uint64_t lineage_id) const {
-  BlockRecord* b = FindBlock(lineage_id);
-  if (b == nullptr || b->index >= s.blocks.size() || s.blocks[b->index] != b) {
-    return nullptr;
-  }
-  return b;
-}
-
-SequenceRecord* SequenceTable::Owner(const BlockRecord& b) {
-  SequenceRecord* s = b.owner;
-  if (s != nullptr && s->state == SequenceState::kOpen &&
-      b.index < s->blocks.size() && s->blocks[b.index] == &b) {
-    return s;
-  }
-  return nullptr;
 }
 
 }  // namespace triax::manager

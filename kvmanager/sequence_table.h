@@ -41,7 +41,10 @@ class SequenceTable {
   std::string NewId();
   SequenceRecord* Insert(std::unique_ptr<SequenceRecord> s);
   // nullptr when unknown (or dropped from closed retention).
-  SequenceRecord* Find(const std::string& sequence_id) const;
+  SequenceRecord* Find(const std::string& sequence_id) const {
+    auto it = sequences_.find(sequence_id);
+    return it == sequences_.end() ? nullptr : it->second.get();
+  }
   // A sequence `tenant` may mutate: `field` ("sequence_id",
   // "parent_sequence_id") an id, known, the tenant's, open.
   absl::StatusOr<SequenceRecord*> FindOpen(
@@ -77,12 +80,29 @@ class SequenceTable {
   static bool Unref(SequenceRecord* s, BlockRecord* b);
   void EraseBlock(uint64_t lineage_id) { blocks_.erase(lineage_id); }
   // nullptr when not live.
-  BlockRecord* FindBlock(uint64_t lineage_id) const;
+  BlockRecord* FindBlock(uint64_t lineage_id) const {
+    auto it = blocks_.find(lineage_id);
+    return it == blocks_.end() ? nullptr : it->second.get();
+  }
   // The live block `lineage_id` when it is a block of `s`, else nullptr.
-  BlockRecord* BlockOf(const SequenceRecord& s, uint64_t lineage_id) const;
+  BlockRecord* BlockOf(const SequenceRecord& s, uint64_t lineage_id) const {
+    BlockRecord* b = FindBlock(lineage_id);
+    if (b == nullptr || b->index >= s.blocks.size() ||
+        s.blocks[b->index] != b) {
+      return nullptr;
+    }
+    return b;
+  }
   // The open sequence that owns `b` (its creator, or the fork that kept it
   // when the others released it) while it still holds it; else nullptr.
-  static SequenceRecord* Owner(const BlockRecord& b);
+  static SequenceRecord* Owner(const BlockRecord& b) {
+    SequenceRecord* s = b.owner;
+    if (s != nullptr && s->state == SequenceState::kOpen &&
+        b.index < s->blocks.size() && s->blocks[b.index] == &b) {
+      return s;
+    }
+    return nullptr;
+  }
   size_t num_blocks() const { return blocks_.size(); }
 
  private:
