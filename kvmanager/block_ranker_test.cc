@@ -1,3 +1,7 @@
+// The reclaim ranking (block_ranker.h): action choice and pool order per
+// mode, tenants above their floor, bad input, SelectReclaim, watermarks, and
+// randomized checks against a reference scorer (fixed seeds; one thread and
+// several give the same ranking).
 #include "kvmanager/block_ranker.h"
 
 #include <gmock/gmock.h>
