@@ -160,14 +160,6 @@ absl::Status ValidateModelShape(const ModelShape& m, absl::string_view field) {
   return absl::OkStatus();
 }
 
-kernels::PageShape PageShapeOf(const ModelShape& m, uint32_t block_tokens) {
-  kernels::PageShape s;
-  s.tokens = static_cast<int>(block_tokens);
-  s.heads = static_cast<int>(m.n_kv_heads);
-  s.head_dim = static_cast<int>(m.head_dim);
-  return s;
-}
-
 absl::Status ValidateEncodingFields(const Encoding& e,
                                     absl::string_view field) {
   if (!IsValidFormat(e.k)) {

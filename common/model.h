@@ -126,7 +126,12 @@ absl::Status ValidateModelShape(const ModelShape& m,
 // The page shape of one block of `block_tokens` tokens of this model:
 // {block_tokens, n_kv_heads, head_dim}. The bytes of a block on one layer
 // are kernels::PageBytes(encoding, PageShapeOf(...)).
-kernels::PageShape PageShapeOf(const ModelShape& m, uint32_t block_tokens);
+inline kernels::PageShape PageShapeOf(const ModelShape& m,
+                                      uint32_t block_tokens) {
+  return kernels::PageShape{static_cast<int>(block_tokens),
+                            static_cast<int>(m.n_kv_heads),
+                            static_cast<int>(m.head_dim)};
+}
 
 // One block of a sequence's plan as a worker installs it: which tokens, which
 // lineage, which encoding, and where its pages are.

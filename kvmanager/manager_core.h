@@ -2,6 +2,27 @@
 // sequences and their block plans, lifecycle events. No gRPC or protobuf:
 // domain structs in (kvmanager/types.h), absl::Status / StatusOr out.
 //
+// Structure. ManagerCore is the thread-safe facade: it validates requests,
+// takes its one mutex, answers idempotent repeats, calls its parts in order
+// and appends their events. The parts (each a class with its own header,
+// thread contract and tests; all but SequencePlanner are called with mu_
+// held) over the records of manager_state.h:
+//   WorkerRegistry       workers: registration, heartbeats, down detection,
+//                        placement and room checks (worker_registry.h)
+//   TenantLedger         tenants: budgets, usage per tier, admission
+//                        (tenant_ledger.h)
+//   PolicyStore          operator policies beside the built-ins
+//                        (policy_store.h)
+//   CalibrationStore     calibration tables per model (calibration_store.h)
+//   SequencePlanner      spans -> span-aligned blocks, temporal tags and
+//                        retagging by turn, partial-block continuation,
+//                        encodings and allocations (sequence_planner.h)
+//   SequenceTable        sequences by id, live blocks by lineage id, their
+//                        charging and release (sequence_table.h)
+//   PendingDemotes       two-phase re-encodings (pending_demotes.h)
+//   PressureCoordinator  block graph, ranking snapshot (pressure_snapshot.h,
+//                        block_ranker.h), tier plans (pressure_coordinator.h)
+//
 // Planning. A sequence of block_tokens = T splits each span into ceil(n/T)
 // blocks; a span's last block may be partial and a block never mixes spans
 // (the free slots are the measured "partial-block waste"), except that
@@ -94,12 +115,12 @@
 // Every mutation of a sequence (extend, fork from it, demote, close, loss)
 // bumps its version; a pending demote commits only on an unchanged version.
 //
-// Memory pressure (manager_pressure.cc, pressure.h). Every block is in one
-// tier: the worker's device pool, its host tier or its disk tier (spilled),
+// Memory pressure (pressure_coordinator.h, block_ranker.h). Every block is in
+// one tier: the worker's device pool, its host tier or its disk tier (spilled),
 // or evicted (its pages dropped; it stays in the plan with evicted = true and
 // its tokens are no longer attended). A block's bytes are charged to the
 // tenant's and the worker's usage of its tier (evicted: nothing). The block
-// graph (pressure.h BlockGraph) has a node per live block, tool call ->
+// graph (block_graph.h) has a node per live block, tool call ->
 // tool result edges (a tool-result block links to the sequence's newest
 // tool-call block), co-attention edges and hits from ReportAccess.
 // RefreshRanking snapshots every block held by exactly one open sequence
@@ -136,41 +157,43 @@
 // work proportional to the total number of blocks (List* calls are
 // proportional to what they return) except RefreshRanking's snapshot copy
 // (O(blocks), in chunks of 4,096 blocks with the mutex released in between;
-// the ranking itself runs outside it). Lock order:
-// ManagerCore::mu_ -> EventLog (its own mutex; subscriber notify callbacks run
-// under mu_ and must not call back into the core).
+// the ranking itself runs outside it). Lock order: rank_mu_ (serializes
+// RefreshRanking's Rank; never taken with mu_ held) -> ManagerCore::mu_ ->
+// EventLog and the idempotency caches (their own mutexes; subscriber notify
+// callbacks run under mu_ and must not call back into the core).
 #pragma once
 
-#include <array>
 #include <cstdint>
-#include <deque>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "common/idempotency.h"
+#include "kvmanager/block_ranker.h"
+#include "kvmanager/calibration_store.h"
 #include "kvmanager/event_log.h"
+#include "kvmanager/manager_state.h"
+#include "kvmanager/pending_demotes.h"
 #include "kvmanager/policy.h"
-#include "kvmanager/pressure.h"
+#include "kvmanager/policy_store.h"
+#include "kvmanager/pressure_coordinator.h"
+#include "kvmanager/sequence_planner.h"
+#include "kvmanager/sequence_table.h"
+#include "kvmanager/tenant_ledger.h"
 #include "kvmanager/types.h"
+#include "kvmanager/worker_registry.h"
 
 namespace triax::manager {
 
-// Limits on one sequence (INVALID_ARGUMENT past them).
-inline constexpr uint64_t kMaxSequenceTokens = uint64_t{1} << 24;
-inline constexpr uint64_t kMaxSequenceBlocks = 65536;
-inline constexpr uint32_t kMaxBlockTokens = 4096;
-inline constexpr size_t kMaxOperatorPolicies = 1024;
-inline constexpr size_t kMaxCalibrationEntries = 4096;
-inline constexpr size_t kMaxCalibrationModels = 1024;
+// The limits (kMaxSequenceTokens, kMaxSequenceBlocks, kMaxBlockTokens,
+// kMaxOperatorPolicies, kMaxCalibrationEntries, kMaxCalibrationModels) and
+// the pressure structs (TierCommand, TierPlan, AdmissionShortfall,
+// PressureState, ...) come from the parts' headers included above.
 
 struct ManagerOptions {
   int64_t worker_timeout_ms = 3000;       // no heartbeat this long -> DOWN
@@ -189,74 +212,6 @@ struct ManagerOptions {
   // be still in the worker's BF16 window (not spilled or evicted).
   uint32_t window_guard_tokens = 64;
   size_t max_plan_blocks = 4096;  // blocks one tier plan may act on
-};
-
-// One worker call of a tier plan; the service runs it and reports the
-// outcome with FinishTierPlan.
-struct TierCommand {
-  enum class Kind : int { kDemote = 0, kSpill = 1, kRestore = 2, kEvict = 3 };
-  Kind kind = Kind::kDemote;
-  std::string worker_id;
-  std::string worker_address;
-  std::string tenant_id;
-  std::string sequence_id;
-  std::string request_id;          // for the worker's idempotency
-  Tier tier = Tier::kUnspecified;  // kSpill: destination tier
-  // index and lineage_id of each block; kDemote: the new encoding.
-  std::vector<BlockPlan> blocks;
-};
-
-// Worker calls planned together; token 0 means nothing to do.
-struct TierPlan {
-  uint64_t token = 0;
-  std::vector<TierCommand> commands;
-  uint64_t bytes = 0;  // bytes the plan frees (or, for restores, brings back)
-  std::string reason;  // "watermark worker w0", "admission tenant t", ...
-};
-
-// Why an Open / Extend was refused RESOURCE_EXHAUSTED: what reclaiming
-// must make room for.
-struct AdmissionShortfall {
-  std::string tenant_id;
-  std::string worker_id;       // the worker the request would go to
-  uint64_t request_bytes = 0;  // device bytes the request needs
-  // A sequence whose blocks must not be taken (the one being restored).
-  std::string exclude_sequence_id;
-};
-
-struct RankedActionInfo {
-  uint64_t lineage_id = 0;
-  std::string sequence_id;
-  std::string tenant_id;
-  PressureAction action = PressureAction::kUnspecified;
-  Encoding encoding;  // kDemote target
-  uint64_t bytes_freed = 0;
-  double cost = 0;
-};
-
-struct PoolState {
-  std::string worker_id;
-  Tier tier = Tier::kDevice;
-  uint64_t capacity_bytes = 0;
-  uint64_t used_bytes = 0;
-  uint64_t high_watermark_bytes = 0;
-  uint64_t low_watermark_bytes = 0;
-};
-
-struct PressureState {
-  std::vector<PoolState> pools;
-  std::vector<TenantInfo> tenants;
-  std::vector<RankedActionInfo> ranked;  // cheapest first
-  std::string mode;
-  uint64_t snapshot_blocks = 0;
-  double snapshot_age_ms = 0;
-  double ranking_ms = 0;
-  double snapshot_ms = 0;       // the last snapshot's copy (in chunks)
-  double snapshot_lock_ms = 0;  // its longest hold of the core mutex
-  uint64_t demotions = 0;
-  uint64_t spills = 0;
-  uint64_t restores = 0;
-  uint64_t evictions = 0;
 };
 
 class ManagerCore {
@@ -341,13 +296,13 @@ class ManagerCore {
   // by name.
   std::vector<PolicyInfo> ListPolicies() const;
 
-  // --- DemoteBlocks (two-phase, see above)
-  // ------------------------------------ Errors: INVALID_ARGUMENT (empty or too
-  // many blocks, a duplicate lineage, a bad encoding or one invalid for the
-  // model shape), NOT_FOUND (tenant, sequence, or a lineage that is not a block
-  // of the sequence), PERMISSION_DENIED, FAILED_PRECONDITION (not open; a block
-  // shared with a fork), RESOURCE_EXHAUSTED (growth over the tenant ceiling or
-  // the worker's room), ABORTED (the same request id is already in flight).
+  // --- DemoteBlocks (two-phase, see above) ----------------------------------
+  // Errors: INVALID_ARGUMENT (empty or too many blocks, a duplicate lineage,
+  // a bad encoding or one invalid for the model shape), NOT_FOUND (tenant,
+  // sequence, or a lineage that is not a block of the sequence),
+  // PERMISSION_DENIED, FAILED_PRECONDITION (not open; a block shared with a
+  // fork), RESOURCE_EXHAUSTED (growth over the tenant ceiling or the
+  // worker's room), ABORTED (the same request id is already in flight).
   absl::StatusOr<DemotePrepared> PrepareDemote(const DemoteBlocksRequest& req);
   // NOT_FOUND for an unknown token; ABORTED when the sequence changed since
   // the prepare (nothing applied). The token is consumed either way.
@@ -355,9 +310,9 @@ class ManagerCore {
   // Drops a pending demote and returns its reservation; no-op when unknown.
   void AbortDemote(uint64_t token);
 
-  // --- Memory pressure (manager_pressure.cc) ---------------------------------
+  // --- Memory pressure (pressure_coordinator.h) -----------------------------
   // Builds a snapshot of every rankable block under the lock, ranks it
-  // outside the lock (pressure.h Rank) and publishes it; the planners below
+  // outside the lock (block_ranker.h Rank) and publishes it; the planners below
   // read the published snapshot. Returns the ranking time in ms.
   double RefreshRanking();
   // Plans actions for every UP worker whose device pool (or host tier) is
@@ -407,119 +362,35 @@ class ManagerCore {
   EventLog& events() { return events_; }
 
  private:
-  struct Tenant;
-  struct Worker;
-  struct Sequence;
-  struct Block;
-  struct PendingDemote;
-  struct PendingTier;
-  struct Calibration;
-  struct Snapshot;
-  // The allocation of a sequence: the chosen encoding per tag.
-  using Allocation = std::vector<std::pair<Tag, Encoding>>;
-  struct TagTokens {
-    Tag tag;
-    int64_t tokens = 0;
-  };
-  struct PlannedBlock {
-    uint64_t first_token;
-    uint32_t num_tokens;
-    Role role;
-    Modality modality;
-    uint32_t turn = 0;  // absolute turn
-  };
-
   ManagerCore(const ManagerOptions& options, const Clock* clock);
 
-  absl::StatusOr<Tenant*> FindTenantLocked(const std::string& tenant_id) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Looks up a sequence the tenant may mutate: NOT_FOUND, PERMISSION_DENIED,
-  // FAILED_PRECONDITION unless open.
-  absl::StatusOr<Sequence*> FindOpenSequenceLocked(
+  // A sequence the tenant may mutate: INVALID_ARGUMENT / NOT_FOUND for the
+  // tenant, then SequenceTable::FindOpen.
+  absl::StatusOr<SequenceRecord*> FindOpenSequenceLocked(
       const std::string& tenant_id, const std::string& field,
       const std::string& sequence_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status AdmitLocked(const Tenant& t, uint64_t bytes) const
+  // Creates block `pb` of `s` (tag by turn, encoding by policy), tells the
+  // pressure graph and records BLOCK_CREATED.
+  BlockRecord* NewBlockLocked(SequenceRecord* s, const PlannedBlock& pb,
+                              uint32_t turn, std::vector<Event>* ev)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status FitsWorkerLocked(const Worker& w, uint64_t bytes) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<Worker*> PlaceLocked(uint64_t bytes) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // A policy by name (built-in or operator); INVALID_ARGUMENT naming `field`.
-  absl::StatusOr<std::shared_ptr<const Policy>> FindPolicyLocked(
-      absl::string_view field, absl::string_view name) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Solves the allocation of `groups` (distinct tags) for a sequence of
-  // `model` / block_tokens under `policy` and `table`. `allow_infeasible`:
-  // over budget -> the cheapest option per tag (*infeasible set), else
-  // RESOURCE_EXHAUSTED naming the policy.
-  absl::StatusOr<Allocation> AllocateLocked(
-      const Policy& policy, const Calibration& table, const ModelShape& model,
-      uint32_t block_tokens, const std::vector<TagTokens>& groups,
-      bool allow_infeasible, bool* infeasible) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The encoding a new block of `tag` gets in `s` (policy rule or the
-  // sequence's allocation).
-  Encoding EncodingOfLocked(const Sequence& s, const Tag& tag) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Applies a pending demote (the sequence must be unchanged); ABORTED else.
-  absl::StatusOr<DemoteBlocksResult> CommitPendingLocked(uint64_t token)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Returns the reservation of a pending demote and forgets it.
-  void ReleasePendingLocked(uint64_t token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // Memory pressure (manager_pressure.cc).
-  Sequence* OwnerLocked(const Block& b) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool ActionValidLocked(const RankedAction& a, const Block& b,
-                         const Sequence& s,
-                         std::array<uint64_t, kNumTiers>* worker_add,
-                         uint64_t* tenant_add) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PickLocked(const Snapshot& snap, uint32_t wi, Tier tier, uint64_t need,
-                  const Tenant* tenant, const Sequence* exclude,
-                  std::vector<std::pair<Block*, RankedAction>>* picks,
-                  absl::flat_hash_set<uint64_t>* taken, uint64_t* freed)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  TierPlan PlanFromPicksLocked(
-      const std::vector<std::pair<Block*, RankedAction>>& picks,
-      const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `limit_to_high`: restore only below the pool's high watermark (graph
-  // neighbours); else up to its capacity (the active sequence's own blocks).
-  TierPlan PlanRestoreLocked(const std::vector<Block*>& want,
-                             const std::string& reason, bool limit_to_high,
-                             uint64_t* unfit_bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ApplyWorkerRestoresLocked(Worker* w, const std::vector<uint64_t>& ids,
-                                 std::vector<Event>* ev)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  Temporal TemporalFor(uint32_t index, uint32_t turn, uint32_t current) const;
-  Block* NewBlockLocked(Sequence* s, const PlannedBlock& pb, uint32_t turn,
-                        std::vector<Event>* ev)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops one reference of `b` held by `s`; frees it at zero.
-  void ReleaseBlockLocked(Sequence* s, Block* b, bool lost,
+  // Drops one reference of `b` held by `s` (BLOCK_RELEASED or BLOCK_LOST);
+  // the last one frees it (BLOCK_FREED unless lost).
+  void ReleaseBlockLocked(SequenceRecord* s, BlockRecord* b, bool lost,
                           std::vector<uint64_t>* freed, std::vector<Event>* ev,
                           std::vector<EventLog::LastPlan>* forgotten)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MarkLostLocked(Sequence* s, const std::string& reason,
+  void MarkLostLocked(SequenceRecord* s, const std::string& reason,
                       std::vector<Event>* ev,
                       std::vector<EventLog::LastPlan>* forgotten)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RetireLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  Event MakeEvent(EventKind kind, const Sequence* s, const Block* b) const;
-  BlockPlan PlanOf(const Block& b) const;
-  SequenceInfo InfoLocked(const Sequence& s, bool with_blocks) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  TenantInfo TenantInfoLocked(const Tenant& t) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  WorkerInfo WorkerInfoLocked(const Worker& w) const
+  // Commits a pending demote, appends its events and remembers its reply.
+  absl::StatusOr<DemoteBlocksResult> CommitDemoteLocked(uint64_t token)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ManagerOptions options_;
   const Clock* const clock_;
+  const SequencePlanner planner_;  // immutable: used with or without mu_
   EventLog events_;
 
   IdempotencyCache<RegisterWorkerResult> register_cache_;
@@ -532,38 +403,21 @@ class ManagerCore {
   IdempotencyCache<uint32_t> calibration_cache_;
 
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::unique_ptr<Worker>> workers_
-      ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::unique_ptr<Tenant>> tenants_
-      ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences_
-      ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> retired_
-      ABSL_GUARDED_BY(mu_);  // closed/lost, oldest first
-  absl::flat_hash_map<uint64_t, std::unique_ptr<Block>> blocks_
-      ABSL_GUARDED_BY(mu_);  // live blocks by lineage id
-  absl::flat_hash_map<std::string, std::shared_ptr<const Policy>> policies_
-      ABSL_GUARDED_BY(mu_);  // operator policies by name
-  absl::flat_hash_map<std::string, std::shared_ptr<const Calibration>>
-      calibrations_ ABSL_GUARDED_BY(mu_);  // by model id
-  absl::flat_hash_map<uint64_t, std::unique_ptr<PendingDemote>> pending_
-      ABSL_GUARDED_BY(mu_);  // prepared demotes by token
-  // Memory pressure. rank_mu_ serializes RefreshRanking's Rank (its
-  // scratch buffers); it is never taken with mu_ held.
+  WorkerRegistry workers_ ABSL_GUARDED_BY(mu_);
+  TenantLedger tenants_ ABSL_GUARDED_BY(mu_);
+  PolicyStore policies_ ABSL_GUARDED_BY(mu_);
+  CalibrationStore calibrations_ ABSL_GUARDED_BY(mu_);
+  SequenceTable sequences_ ABSL_GUARDED_BY(mu_);
+  // Tokens of two-phase operations (demotes and tier plans), one sequence
+  // so that a token names one operation.
+  uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
+  PendingDemotes demotes_ ABSL_GUARDED_BY(mu_);
+  PressureCoordinator pressure_ ABSL_GUARDED_BY(mu_);
+  // Serializes RefreshRanking's Rank (its scratch buffers); never taken
+  // with mu_ held.
   absl::Mutex rank_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::unique_ptr<RankScratch> rank_scratch_ ABSL_GUARDED_BY(rank_mu_) =
       std::make_unique<RankScratch>();
-  BlockGraph graph_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<const Snapshot> snapshot_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, std::unique_ptr<PendingTier>> pending_tier_
-      ABSL_GUARDED_BY(mu_);
-  uint64_t demotions_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t spills_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t restores_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_lineage_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace triax::manager

@@ -1,5 +1,5 @@
 // pressure_ranking_bench: wall time of the memory-pressure ranker
-// (kvmanager/pressure.h) on synthetic agentic snapshots of 10^4..10^6
+// (kvmanager/block_ranker.h) on synthetic agentic snapshots of 10^4..10^6
 // blocks. Per size it builds a PressureInput (tenants, sequences, workers,
 // an agentic tag mix, calibration-like option sets of 6-8 encodings per
 // tag, shared / unsealed / protected / spilled blocks) and a BlockGraph
@@ -23,7 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kernels/layout.h"
-#include "kvmanager/pressure.h"
+#include "kvmanager/block_ranker.h"
 
 ABSL_FLAG(std::string, blocks, "10000,100000,1000000",
           "comma-separated snapshot sizes (blocks)");

@@ -1,0 +1,138 @@
+// EventLog (event_log.h): retention and the lineage index, filters,
+// subscriptions (replay, live delivery, notify, cancel) and slow watchers.
+#include "kvmanager/event_log.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace triax::manager {
+namespace {
+
+using ::testing::HasSubstr;
+
+Event Ev(EventKind kind, uint64_t lineage, const std::string& seq,
+         const std::string& tenant = "t") {
+  Event e;
+  e.kind = kind;
+  e.lineage_id = lineage;
+  e.sequence_id = seq;
+  e.tenant_id = tenant;
+  return e;
+}
+
+TEST(EventLogTest, RetentionDropsOldestAndPrunesTheLineageIndex) {
+  EventLog log({/*retention=*/5, /*watcher_queue_limit=*/100});
+  std::vector<Event> batch;
+  for (uint64_t i = 1; i <= 8; ++i)
+    batch.push_back(Ev(EventKind::kBlockCreated, i % 3 + 1, "s"));
+  log.Append(&batch);
+  EXPECT_EQ(batch[7].id, 8u);
+  EXPECT_EQ(log.next_id(), 9u);
+  auto kept = log.Retained(1, EventFilter{});
+  ASSERT_EQ(kept.size(), 5u);
+  EXPECT_EQ(kept.front().id, 4u);
+  // Lineage 2 had ids 1, 4, 7: only 4 and 7 remain.
+  auto l2 = log.EventsForLineage(2);
+  ASSERT_EQ(l2.size(), 2u);
+  EXPECT_EQ(l2[0].id, 4u);
+  EXPECT_EQ(l2[1].id, 7u);
+  BlockPlan last;
+  last.lineage_id = 2;
+  last.num_tokens = 5;
+  last.capacity = 16;
+  log.RecordLastPlan(last, "s");
+  ASSERT_TRUE(log.FindLastPlan(2).has_value());
+  EXPECT_EQ(log.FindLastPlan(2)->plan.num_tokens, 5u);
+  // When the lineage's last event leaves retention, its entry goes too.
+  std::vector<Event> more;
+  for (int i = 0; i < 5; ++i)
+    more.push_back(Ev(EventKind::kSequenceOpened, 0, "x"));
+  log.Append(&more);
+  EXPECT_TRUE(log.EventsForLineage(2).empty());
+  EXPECT_FALSE(log.FindLastPlan(2).has_value());
+}
+
+TEST(EventLogTest, FiltersMatchTenantSequenceAndLineage) {
+  EventLog log({100, 100});
+  std::vector<Event> batch = {Ev(EventKind::kBlockCreated, 1, "s1", "a"),
+                              Ev(EventKind::kBlockCreated, 2, "s2", "b"),
+                              Ev(EventKind::kSequenceLost, 0, "s1", "a")};
+  batch[2].lineage_ids = {1, 7};
+  log.Append(&batch);
+  EXPECT_EQ(log.Retained(1, EventFilter{"a", "", 0}).size(), 2u);
+  EXPECT_EQ(log.Retained(1, EventFilter{"", "s2", 0}).size(), 1u);
+  EXPECT_EQ(log.Retained(1, EventFilter{"", "", 7}).size(), 1u);
+  EXPECT_EQ(log.Retained(1, EventFilter{"", "", 1}).size(), 2u);
+  EXPECT_EQ(log.Retained(3, EventFilter{}).size(), 1u);
+  EXPECT_EQ(log.Retained(1, EventFilter{}, 2).size(), 2u);
+}
+
+TEST(EventLogTest, SubscriptionReplaysThenDeliversLiveAndNotifies) {
+  EventLog log({100, 100});
+  std::vector<Event> first = {Ev(EventKind::kBlockCreated, 1, "s1"),
+                              Ev(EventKind::kBlockCreated, 2, "s2"),
+                              Ev(EventKind::kBlockCreated, 3, "s1")};
+  log.Append(&first);
+  auto sub = log.Subscribe(EventFilter{"", "s1", 0}, 1);
+  int notified = 0;
+  sub->SetNotify([&] { ++notified; });
+  Event e;
+  absl::Status end;
+  ASSERT_EQ(sub->Next(&e, &end), EventSubscription::Result::kEvent);
+  EXPECT_EQ(e.id, 1u);
+  ASSERT_EQ(sub->Next(&e, &end), EventSubscription::Result::kEvent);
+  EXPECT_EQ(e.id, 3u);
+  ASSERT_EQ(sub->Next(&e, &end), EventSubscription::Result::kEmpty);
+  std::vector<Event> live = {Ev(EventKind::kBlockFreed, 2, "s2"),
+                             Ev(EventKind::kBlockFreed, 1, "s1")};
+  log.Append(&live);
+  EXPECT_EQ(notified, 1);
+  ASSERT_EQ(sub->Next(&e, &end), EventSubscription::Result::kEvent);
+  EXPECT_EQ(e.id, 5u);
+  EXPECT_EQ(e.kind, EventKind::kBlockFreed);
+  // A live-only subscription sees nothing from before.
+  auto live_only = log.Subscribe(EventFilter{}, 0);
+  EXPECT_EQ(live_only->Next(&e, &end), EventSubscription::Result::kEmpty);
+  sub->Cancel();
+  live_only->Cancel();
+  EXPECT_EQ(log.subscribers(), 0u);
+  std::vector<Event> after = {Ev(EventKind::kBlockFreed, 1, "s1")};
+  log.Append(&after);
+  EXPECT_EQ(notified, 1);
+  EXPECT_EQ(sub->Next(&e, &end), EventSubscription::Result::kEnded);
+  EXPECT_EQ(end.code(), absl::StatusCode::kCancelled);
+}
+
+TEST(EventLogTest, SlowWatcherIsEndedWithResourceExhausted) {
+  EventLog log({1000, 3});
+  auto sub = log.Subscribe(EventFilter{}, 0);
+  std::vector<Event> batch;
+  for (int i = 0; i < 5; ++i)
+    batch.push_back(Ev(EventKind::kBlockCreated, 1, "s"));
+  log.Append(&batch);
+  Event e;
+  absl::Status end;
+  EXPECT_EQ(sub->Next(&e, &end), EventSubscription::Result::kEnded);
+  EXPECT_EQ(end.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(end.message()),
+              HasSubstr("fell behind by more than 3 events"));
+  // A replay that falls out of retention ends the same way.
+  EventLog small({2, 100});
+  std::vector<Event> three = {Ev(EventKind::kBlockCreated, 1, "s"),
+                              Ev(EventKind::kBlockCreated, 1, "s")};
+  small.Append(&three);
+  auto replay = small.Subscribe(EventFilter{}, 1);
+  std::vector<Event> two = {Ev(EventKind::kBlockCreated, 1, "s"),
+                            Ev(EventKind::kBlockCreated, 1, "s")};
+  small.Append(&two);
+  EXPECT_EQ(replay->Next(&e, &end), EventSubscription::Result::kEnded);
+  EXPECT_THAT(std::string(end.message()), HasSubstr("left retention"));
+  sub->Cancel();
+  replay->Cancel();
+}
+
+}  // namespace
+}  // namespace triax::manager

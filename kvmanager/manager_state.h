@@ -1,0 +1,189 @@
+// The records of the manager core's state, and the small helpers every part
+// of the core uses. Not part of the API (manager_core.h is).
+//
+// The records are plain structs. ManagerCore owns them through its parts:
+// workers in WorkerRegistry, tenants in TenantLedger, sequences and live
+// blocks in SequenceTable, calibration tables in CalibrationStore. Parts
+// read and update one another's records directly (a block points at its
+// tenant and worker, a worker lists its open sequences), always with
+// ManagerCore::mu_ held; a record lives as long as its owner keeps it
+// (workers and tenants for the core's lifetime, a block until its last
+// reference goes, a sequence until it leaves closed retention).
+//
+// Byte accounting, kept in step by whoever moves bytes: a live block that
+// is not evicted charges `bytes` to its tenant's `used[tier]` and to its
+// worker (`reserved` for the device pool, `tier_used[tier]` for host and
+// disk), once however many sequences share it. Reservations of plans in
+// flight (a growing demote, a spill's or restore's destination) are charged
+// the same way until the plan finishes.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "common/clock.h"
+#include "kvmanager/policy.h"
+#include "kvmanager/types.h"
+
+namespace triax::manager {
+
+// Limits on one sequence (INVALID_ARGUMENT past them).
+inline constexpr uint64_t kMaxSequenceTokens = uint64_t{1} << 24;
+inline constexpr uint64_t kMaxSequenceBlocks = 65536;
+inline constexpr uint32_t kMaxBlockTokens = 4096;
+
+struct SequenceRecord;
+
+struct TenantRecord {
+  std::string id;
+  std::array<std::optional<Budget>, kNumTiers> budgets;  // by Tier value
+  std::array<uint64_t, kNumTiers> used{};                // bytes, by Tier
+  uint32_t open_sequences = 0;
+  std::string default_policy;
+};
+
+struct WorkerRecord {
+  WorkerInfo info;        // reserved_bytes and sequences are kept below
+  uint64_t reserved = 0;  // device pool bytes planned onto it
+  // Spill-tier bytes held (index: Tier value; kDevice unused, see reserved).
+  std::array<uint64_t, kNumTiers> tier_used{};
+  absl::flat_hash_set<SequenceRecord*> open;  // its open sequences
+};
+
+// A calibration table as stored: immutable once built; sequences under an
+// allocation policy keep the version they were opened with.
+struct CalibrationTable {
+  CalibrationTableInfo info;        // entries canonical, source as given
+  std::vector<Encoding> encodings;  // entries' resolved encodings
+};
+
+// The allocation of a sequence under an allocation policy: the chosen
+// encoding per tag (every tag of the sequence's blocks), distinct tags.
+using TagAllocation = std::vector<std::pair<Tag, Encoding>>;
+
+struct BlockRecord {
+  uint32_t index = 0;  // position in the sequences holding it
+  uint64_t lineage_id = 0;
+  uint64_t first_token = 0;
+  uint32_t num_tokens = 0;
+  uint32_t capacity = 0;
+  Tag tag;
+  Encoding encoding;
+  uint32_t refcount = 0;  // sequences holding it (forks share)
+  uint32_t turn = 0;      // absolute turn
+  uint64_t bytes = 0;     // n_layers * PageBytes(encoding)
+  TenantRecord* charged = nullptr;
+  WorkerRecord* worker = nullptr;
+  std::string creator;  // id of the sequence that created it
+  // Memory pressure: where the pages are (bytes are charged to this tier of
+  // the tenant and the worker), whether the block was evicted (then nothing
+  // is charged), and the tier plan (TierPlan token) acting on it, if any.
+  Tier tier = Tier::kDevice;
+  bool evicted = false;
+  uint64_t busy = 0;
+  // The sequence holding it while refcount == 1 (the creator, or the fork
+  // that kept it after the others released it).
+  SequenceRecord* owner = nullptr;
+};
+
+struct SequenceRecord {
+  std::string id;
+  TenantRecord* tenant = nullptr;
+  WorkerRecord* worker = nullptr;
+  ModelShape model;
+  SequenceState state = SequenceState::kOpen;
+  uint32_t block_tokens = 0;
+  uint64_t num_tokens = 0;
+  uint32_t current_turn = 0;
+  std::shared_ptr<const Policy> policy;
+  std::string parent;
+  std::vector<BlockRecord*> blocks;
+  std::vector<uint32_t> turn_start;  // first block index of each turn
+  uint64_t bytes = 0;                // sum of its blocks' bytes
+  uint64_t version = 0;              // bumped by every mutation
+  std::vector<uint64_t> lost_lineage_ids;
+  // Allocation policies: the calibration table version of Open and the
+  // current choice per tag.
+  std::shared_ptr<const CalibrationTable> calibration;
+  TagAllocation allocation;
+  // Memory pressure: last use (Open, Extend, ReportAccess), blocks not on the
+  // device, and the newest tool-call block (tool call -> result edges).
+  int64_t last_access_ms = 0;
+  uint32_t spilled = 0;
+  uint64_t last_tool_call = 0;
+};
+
+// --- Helpers -----------------------------------------------------------------
+
+// Model shapes are checked by ValidateModelShape and blocks tagged by
+// TemporalFor, both in common/model.h.
+
+// MODALITY_UNSPECIFIED means text.
+inline Modality NormalizeModality(Modality m) {
+  return m == Modality::kUnspecified ? Modality::kText : m;
+}
+
+// A total order of tags, for grouping blocks by tag deterministically.
+inline int TagKey(const Tag& t) {
+  return static_cast<int>(t.temporal) * 64 +
+         static_cast<int>(NormalizeModality(t.modality)) * 16 +
+         static_cast<int>(t.role);
+}
+
+// Whether two models have the same shape (name aside).
+inline bool SameShape(const ModelShape& a, const ModelShape& b) {
+  return a.n_layers == b.n_layers && a.n_kv_heads == b.n_kv_heads &&
+         a.n_q_heads == b.n_q_heads && a.head_dim == b.head_dim;
+}
+
+// n_layers pages of one block in encoding `e`.
+inline uint64_t BlockBytes(const ModelShape& m, uint32_t block_tokens,
+                           const Encoding& e) {
+  return uint64_t{m.n_layers} *
+         kernels::PageBytes(e, PageShapeOf(m, block_tokens));
+}
+
+inline BlockPlan PlanOf(const BlockRecord& b) {
+  BlockPlan p;
+  p.index = b.index;
+  p.lineage_id = b.lineage_id;
+  p.first_token = b.first_token;
+  p.num_tokens = b.num_tokens;
+  p.capacity = b.capacity;
+  p.tag = b.tag;
+  p.encoding = b.encoding;
+  p.refcount = b.refcount;
+  p.tier = b.tier;
+  p.evicted = b.evicted;
+  return p;
+}
+
+// An event stamped now, naming the sequence (its tenant and worker) and the
+// block when given.
+inline Event MakeEvent(const Clock& clock, EventKind kind,
+                       const SequenceRecord* s, const BlockRecord* b) {
+  Event e;
+  e.unix_ms = clock.NowMs();
+  e.kind = kind;
+  if (s != nullptr) {
+    e.sequence_id = s->id;
+    e.tenant_id = s->tenant->id;
+    e.worker_id = s->worker->info.worker_id;
+  }
+  if (b != nullptr) {
+    e.lineage_id = b->lineage_id;
+    e.tag = b->tag;
+    e.format = b->encoding.k;
+  }
+  return e;
+}
+
+}  // namespace triax::manager

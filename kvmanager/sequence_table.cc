@@ -1,0 +1,184 @@
+#include "kvmanager/sequence_table.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/ids.h"
+#include "common/status_macros.h"
+
+namespace triax::manager {
+
+// --- Sequences ---------------------------------------------------------------
+
+std::string SequenceTable::NewId() {
+  return absl::StrCat("seq-", next_sequence_++);
+}
+
+SequenceRecord* SequenceTable::Insert(std::unique_ptr<SequenceRecord> s) {
+  SequenceRecord* out = s.get();
+  const std::string id = out->id;
+  sequences_.emplace(id, std::move(s));
+  return out;
+}
+
+absl::StatusOr<SequenceRecord*> SequenceTable::FindOpen(
+    const TenantRecord& tenant, const std::string& field,
+    const std::string& sequence_id) const {
+  TRIAX_RETURN_IF_ERROR(ValidateId(field, sequence_id));
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat(field, " ", Quote(sequence_id),
+                                            " is not a known sequence"));
+  }
+  SequenceRecord* s = it->second.get();
+  if (s->tenant != &tenant) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, " ", Quote(sequence_id),
+                     " belongs to another tenant, not ", Quote(tenant.id)));
+  }
+  if (s->state != SequenceState::kOpen) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, " ", Quote(sequence_id), " is ",
+        s->state == SequenceState::kClosed ? "closed"
+                                           : "lost (its worker went down)"));
+  }
+  return s;
+}
+
+absl::StatusOr<const SequenceRecord*> SequenceTable::FindVisible(
+    const TenantRecord* tenant, const std::string& sequence_id) const {
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("sequence_id ", Quote(sequence_id),
+                                            " is not a known sequence"));
+  }
+  if (tenant != nullptr && it->second->tenant != tenant) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("sequence_id ", Quote(sequence_id),
+                     " belongs to another tenant, not ", Quote(tenant->id)));
+  }
+  return it->second.get();
+}
+
+void SequenceTable::Retire(SequenceRecord* s) {
+  s->tenant->open_sequences--;
+  s->worker->open.erase(s);
+  s->blocks.clear();
+  s->blocks.shrink_to_fit();
+  s->turn_start.clear();
+  s->turn_start.shrink_to_fit();
+  s->bytes = 0;
+  retired_.push_back(s->id);
+  while (retired_.size() > closed_retention_) {
+    sequences_.erase(retired_.front());
+    retired_.pop_front();
+  }
+}
+
+std::vector<SequenceInfo> SequenceTable::List(const TenantRecord* tenant,
+                                              bool include_closed) const {
+  std::vector<SequenceInfo> out;
+  for (const auto& [id, s] : sequences_) {
+    if (tenant != nullptr && s->tenant != tenant) continue;
+    if (!include_closed && s->state != SequenceState::kOpen) continue;
+    out.push_back(Info(*s, /*with_blocks=*/false));
+  }
+  // Ids are "seq-<n>": order by n, the creation order.
+  std::sort(out.begin(), out.end(),
+            [](const SequenceInfo& a, const SequenceInfo& b) {
+              if (a.sequence_id.size() != b.sequence_id.size()) {
+                return a.sequence_id.size() < b.sequence_id.size();
+              }
+              return a.sequence_id < b.sequence_id;
+            });
+  return out;
+}
+
+SequenceInfo SequenceTable::Info(const SequenceRecord& s, bool with_blocks) {
+  SequenceInfo info;
+  info.sequence_id = s.id;
+  info.tenant_id = s.tenant->id;
+  info.model = s.model;
+  info.worker_id = s.worker->info.worker_id;
+  info.worker_address = s.worker->info.address;
+  info.state = s.state;
+  info.block_tokens = s.block_tokens;
+  info.num_tokens = s.num_tokens;
+  info.turns = s.current_turn + 1;
+  info.policy = s.policy->name;
+  info.parent_sequence_id = s.parent;
+  info.bytes = s.bytes;
+  info.lost_lineage_ids = s.lost_lineage_ids;
+  if (with_blocks) {
+    info.blocks.reserve(s.blocks.size());
+    for (const BlockRecord* b : s.blocks) info.blocks.push_back(PlanOf(*b));
+  }
+  return info;
+}
+
+// --- Blocks ------------------------------------------------------------------
+
+BlockRecord* SequenceTable::NewBlock(SequenceRecord* s, uint64_t first_token,
+                                     uint32_t num_tokens, const Tag& tag,
+                                     const Encoding& encoding, uint32_t turn,
+                                     uint64_t bytes) {
+  auto block = std::make_unique<BlockRecord>();
+  BlockRecord* b = block.get();
+  b->index = static_cast<uint32_t>(s->blocks.size());
+  b->lineage_id = next_lineage_++;
+  b->first_token = first_token;
+  b->num_tokens = num_tokens;
+  b->capacity = s->block_tokens;
+  b->tag = tag;
+  b->encoding = encoding;
+  b->refcount = 1;
+  b->turn = turn;
+  b->bytes = bytes;
+  b->charged = s->tenant;
+  b->worker = s->worker;
+  b->creator = s->id;
+  b->owner = s;
+  s->blocks.push_back(b);
+  s->bytes += bytes;
+  s->tenant->used[static_cast<int>(Tier::kDevice)] += bytes;
+  s->worker->reserved += bytes;
+  blocks_.emplace(b->lineage_id, std::move(block));
+  return b;
+}
+
+void SequenceTable::Share(SequenceRecord* s, BlockRecord* b) {
+  ++b->refcount;
+  s->blocks.push_back(b);
+  s->bytes += b->bytes;
+}
+
+bool SequenceTable::Unref(SequenceRecord* s, BlockRecord* b) {
+  --b->refcount;
+  if (b->refcount > 0) {
+    if (b->owner == s) {
+      // Another holder keeps it: a fork on the same worker.
+      b->owner = nullptr;
+      for (SequenceRecord* o : s->worker->open) {
+        if (o != s && b->index < o->blocks.size() && o->blocks[b->index] == b) {
+          b->owner = o;
+          break;
+        }
+      }
+    }
+    return false;
+  }
+  // Bytes are charged to the block's tier; an evicted block holds none.
+  if (!b->evicted) {
+    const int tier = static_cast<int>(b->tier);
+    b->charged->used[tier] -= b->bytes;
+    if (b->tier == Tier::kDevice) {
+      b->worker->reserved -= b->bytes;
+    } else {
+      b->worker->tier_used[tier] -= b->bytes;
+    }
+  }
+  return true;
+}
+
+}  // namespace triax::manager

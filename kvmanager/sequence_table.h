@@ -1,0 +1,117 @@
+// SequenceTable: the sequences by id and the live blocks by lineage id.
+//
+// Sequences: open ones, and the newest `closed_retention` closed or lost
+// ones (still queryable, without blocks); ids are "seq-<n>", n dense from 1.
+// Blocks: every block some open sequence holds; lineage ids are dense from
+// 1 and never reused. A block is charged (manager_state.h "Byte
+// accounting") from NewBlock until the Unref that drops its last reference;
+// the caller then erases it (EraseBlock) once it has recorded its events.
+//
+// Error codes (lookups for a tenant's request, the field named): NOT_FOUND
+// (unknown sequence), PERMISSION_DENIED (another tenant's),
+// FAILED_PRECONDITION (closed or lost, for mutations).
+//
+// Thread contract: not thread-safe; ManagerCore calls it with mu_ held.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvmanager/manager_state.h"
+#include "kvmanager/types.h"
+
+namespace triax::manager {
+
+class SequenceTable {
+ public:
+  using Map = absl::flat_hash_map<std::string, std::unique_ptr<SequenceRecord>>;
+
+  explicit SequenceTable(size_t closed_retention)
+      : closed_retention_(closed_retention) {}
+
+  // --- Sequences -------------------------------------------------------------
+  // The id the next inserted sequence takes ("seq-<n>"); consumes it.
+  std::string NewId();
+  SequenceRecord* Insert(std::unique_ptr<SequenceRecord> s);
+  // nullptr when unknown (or dropped from closed retention).
+  SequenceRecord* Find(const std::string& sequence_id) const {
+    auto it = sequences_.find(sequence_id);
+    return it == sequences_.end() ? nullptr : it->second.get();
+  }
+  // A sequence `tenant` may mutate: `field` ("sequence_id",
+  // "parent_sequence_id") an id, known, the tenant's, open.
+  absl::StatusOr<SequenceRecord*> FindOpen(
+      const TenantRecord& tenant, const std::string& field,
+      const std::string& sequence_id) const;
+  // A sequence `tenant` may read (any state); tenant nullptr: any tenant's.
+  absl::StatusOr<const SequenceRecord*> FindVisible(
+      const TenantRecord* tenant, const std::string& sequence_id) const;
+  // Closes the books of a sequence that just closed or was lost (its blocks
+  // already released): off its tenant's and worker's open counts, blocks
+  // dropped, kept queryable until closed_retention newer ones retired.
+  void Retire(SequenceRecord* s);
+  // Without blocks, ordered by creation; tenant nullptr: every tenant's.
+  std::vector<SequenceInfo> List(const TenantRecord* tenant,
+                                 bool include_closed) const;
+  static SequenceInfo Info(const SequenceRecord& s, bool with_blocks);
+  // Every retained sequence, unordered (snapshots).
+  const Map& all() const { return sequences_; }
+
+  // --- Blocks ----------------------------------------------------------------
+  // Appends a new block to `s` with a fresh lineage id (refcount 1, owner
+  // and creator s, on the device) and charges its bytes to s's tenant and
+  // worker.
+  BlockRecord* NewBlock(SequenceRecord* s, uint64_t first_token,
+                        uint32_t num_tokens, const Tag& tag,
+                        const Encoding& encoding, uint32_t turn,
+                        uint64_t bytes);
+  // Appends parent's block `b` to fork `s` (refcount + 1; not charged again).
+  static void Share(SequenceRecord* s, BlockRecord* b);
+  // Drops the reference of `s` to `b`. Returns true when it was the last:
+  // the block's bytes are then returned to its tenant and worker (the
+  // caller erases it). Otherwise ownership passes to another holder.
+  static bool Unref(SequenceRecord* s, BlockRecord* b);
+  void EraseBlock(uint64_t lineage_id) { blocks_.erase(lineage_id); }
+  // nullptr when not live.
+  BlockRecord* FindBlock(uint64_t lineage_id) const {
+    auto it = blocks_.find(lineage_id);
+    return it == blocks_.end() ? nullptr : it->second.get();
+  }
+  // The live block `lineage_id` when it is a block of `s`, else nullptr.
+  BlockRecord* BlockOf(const SequenceRecord& s, uint64_t lineage_id) const {
+    BlockRecord* b = FindBlock(lineage_id);
+    if (b == nullptr || b->index >= s.blocks.size() ||
+        s.blocks[b->index] != b) {
+      return nullptr;
+    }
+    return b;
+  }
+  // The open sequence that owns `b` (its creator, or the fork that kept it
+  // when the others released it) while it still holds it; else nullptr.
+  static SequenceRecord* Owner(const BlockRecord& b) {
+    SequenceRecord* s = b.owner;
+    if (s != nullptr && s->state == SequenceState::kOpen &&
+        b.index < s->blocks.size() && s->blocks[b.index] == &b) {
+      return s;
+    }
+    return nullptr;
+  }
+  size_t num_blocks() const { return blocks_.size(); }
+
+ private:
+  const size_t closed_retention_;
+  Map sequences_;
+  std::deque<std::string> retired_;  // closed/lost, oldest first
+  absl::flat_hash_map<uint64_t, std::unique_ptr<BlockRecord>> blocks_;
+  uint64_t next_lineage_ = 1;
+  uint64_t next_sequence_ = 1;
+};
+
+}  // namespace triax::manager

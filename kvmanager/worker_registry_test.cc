@@ -1,0 +1,188 @@
+// WorkerRegistry (worker_registry.h) through its own interface: request
+// checks, registration and restarts, heartbeats, down detection, placement
+// and room checks. Times are explicit (no clock, no sleeps).
+#include "kvmanager/worker_registry.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "common/status_matchers.h"
+
+namespace triax::manager {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::triax::testing::IsOk;
+using ::triax::testing::StatusIs;
+using C = absl::StatusCode;
+
+RegisterWorkerRequest Req(const std::string& id, uint64_t capacity,
+                          const std::string& address = "127.0.0.1:9001") {
+  RegisterWorkerRequest req;
+  req.worker_id = id;
+  req.address = address;
+  req.backend = "cpu";
+  req.capacity_bytes = capacity;
+  return req;
+}
+
+std::vector<std::string> Ids(const std::vector<WorkerRecord*>& ws) {
+  std::vector<std::string> out;
+  for (const WorkerRecord* w : ws) out.push_back(w->info.worker_id);
+  return out;
+}
+
+TEST(WorkerRegistryTest, RegistrationRequestsAreChecked) {
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(Req("w1", 100)), IsOk());
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(Req("", 100)),
+              StatusIs(C::kInvalidArgument, HasSubstr("worker_id is empty")));
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(Req("w 1", 100)),
+              StatusIs(C::kInvalidArgument, HasSubstr("worker_id")));
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(Req("w1", 100, "")),
+              StatusIs(C::kInvalidArgument,
+                       HasSubstr("must be a host:port of 1..256 bytes")));
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(
+                  Req("w1", 100, std::string(257, 'a'))),
+              StatusIs(C::kInvalidArgument, HasSubstr("address")));
+  RegisterWorkerRequest no_backend = Req("w1", 100);
+  no_backend.backend.clear();
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(no_backend),
+              StatusIs(C::kInvalidArgument, HasSubstr("backend is empty")));
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(Req("w1", 0)),
+              StatusIs(C::kInvalidArgument,
+                       HasSubstr("capacity_bytes is 0; it must be > 0")));
+
+  Inventory inv;
+  inv.formats.push_back(FormatInventory{});
+  inv.formats[0].format = Format::kINT4;
+  EXPECT_THAT(WorkerRegistry::ValidateHeartbeat("w1", inv), IsOk());
+  inv.formats.push_back(FormatInventory{});
+  inv.formats[1].format = static_cast<Format>(42);
+  EXPECT_THAT(WorkerRegistry::ValidateHeartbeat("w1", inv),
+              StatusIs(C::kInvalidArgument,
+                       HasSubstr("inventory.formats[1].format is")));
+  EXPECT_THAT(WorkerRegistry::ValidateHeartbeat("", Inventory{}),
+              StatusIs(C::kInvalidArgument, HasSubstr("worker_id")));
+}
+
+TEST(WorkerRegistryTest, RegisterCreatesThenTakesOverTheRecord) {
+  WorkerRegistry reg;
+  auto fresh = reg.FindForRegistration(Req("w1", 100));
+  ASSERT_THAT(fresh, IsOk());
+  EXPECT_EQ(*fresh, nullptr);
+  RegisterWorkerRequest req = Req("w1", 100);
+  req.host_capacity_bytes = 50;
+  req.disk_capacity_bytes = 70;
+  WorkerRecord* w = reg.Register(req, 1000);
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->info.state, WorkerState::kUp);
+  EXPECT_EQ(w->info.last_heartbeat_unix_ms, 1000);
+  EXPECT_EQ(w->info.host_capacity_bytes, 50u);
+  EXPECT_EQ(w->info.disk_capacity_bytes, 70u);
+  EXPECT_EQ(reg.Find("w1"), w);
+  EXPECT_EQ(reg.Find("w2"), nullptr);
+
+  // The same address again (a restart): the known record, to be reset.
+  w->reserved = 40;
+  w->info.inventory.device_error = "sticky";
+  auto again = reg.FindForRegistration(Req("w1", 100));
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(*again, w);
+  EXPECT_EQ(reg.Register(Req("w1", 200), 2000), w);
+  EXPECT_EQ(w->info.capacity_bytes, 200u);
+  EXPECT_EQ(w->info.host_capacity_bytes, 0u);
+  EXPECT_TRUE(w->info.inventory.device_error.empty());
+  EXPECT_EQ(w->info.last_heartbeat_unix_ms, 2000);
+
+  // Another address while it is UP: refused; once DOWN: taken over.
+  EXPECT_THAT(
+      reg.FindForRegistration(Req("w1", 100, "10.0.0.2:1")),
+      StatusIs(C::kAlreadyExists, HasSubstr("worker_id \"w1\" is up at address "
+                                            "\"127.0.0.1:9001\"")));
+  w->info.state = WorkerState::kDown;
+  auto down = reg.FindForRegistration(Req("w1", 100, "10.0.0.2:1"));
+  ASSERT_THAT(down, IsOk());
+  EXPECT_EQ(*down, w);
+}
+
+TEST(WorkerRegistryTest, HeartbeatsAndDownDetection) {
+  WorkerRegistry reg;
+  EXPECT_THAT(reg.Heartbeat("w1", Inventory{}, 0),
+              StatusIs(C::kNotFound, HasSubstr("is not registered; "
+                                               "re-register")));
+  reg.Register(Req("w2", 100), 0);
+  reg.Register(Req("w1", 100), 0);
+  reg.Register(Req("w3", 100), 0);
+  Inventory inv;
+  inv.used_bytes = 7;
+  auto hb = reg.Heartbeat("w3", inv, 900);
+  ASSERT_THAT(hb, IsOk());
+  EXPECT_EQ((*hb)->info.inventory.used_bytes, 7u);
+  EXPECT_EQ((*hb)->info.last_heartbeat_unix_ms, 900);
+  // Silent for more than the timeout (not exactly it), ordered by id.
+  EXPECT_THAT(Ids(reg.Silent(1000, 1000)), ElementsAre());
+  EXPECT_THAT(Ids(reg.Silent(1001, 1000)), ElementsAre("w1", "w2"));
+  reg.Find("w1")->info.state = WorkerState::kDown;
+  EXPECT_THAT(Ids(reg.Silent(5000, 1000)), ElementsAre("w2", "w3"));
+  EXPECT_THAT(reg.Heartbeat("w1", Inventory{}, 5000),
+              StatusIs(C::kNotFound, HasSubstr("was marked down")));
+}
+
+TEST(WorkerRegistryTest, PlacementTakesTheMostFreeHealthyWorker) {
+  WorkerRegistry reg;
+  EXPECT_THAT(reg.Place(1),
+              StatusIs(C::kUnavailable, HasSubstr("no worker is up")));
+  WorkerRecord* a = reg.Register(Req("a", 1000), 0);
+  WorkerRecord* b = reg.Register(Req("b", 1000), 0);
+  WorkerRecord* c = reg.Register(Req("c", 5000), 0);
+  // Equal free space: the smaller id.
+  c->info.state = WorkerState::kDown;
+  auto p = reg.Place(10);
+  ASSERT_THAT(p, IsOk());
+  EXPECT_EQ(*p, a);
+  a->reserved = 300;
+  EXPECT_EQ(*reg.Place(10), b);
+  // A failed device takes nothing new.
+  b->info.inventory.device_error = "cuda: illegal address";
+  EXPECT_EQ(*reg.Place(10), a);
+  EXPECT_THAT(reg.Place(701),
+              StatusIs(C::kResourceExhausted,
+                       HasSubstr("the request needs 701 bytes; the largest "
+                                 "free space is 700 bytes (worker \"a\"); "
+                                 "over by 1 bytes")));
+  EXPECT_THAT(reg.Place(0), IsOk());
+  a->info.state = WorkerState::kDown;
+  EXPECT_THAT(reg.Place(0), StatusIs(C::kUnavailable, ::testing::_));
+}
+
+TEST(WorkerRegistryTest, RoomChecksAndInfo) {
+  WorkerRegistry reg;
+  WorkerRecord* w = reg.Register(Req("w", 1000), 0);
+  w->reserved = 900;
+  EXPECT_EQ(WorkerRegistry::FreeBytes(*w), 100u);
+  EXPECT_THAT(WorkerRegistry::Fits(*w, 100), IsOk());
+  EXPECT_THAT(WorkerRegistry::Fits(*w, 150),
+              StatusIs(C::kResourceExhausted,
+                       "worker \"w\" has 100 free bytes; the request needs "
+                       "150 bytes; over by 50 bytes"));
+  w->reserved = 1200;  // over-reserved (a lowered capacity at restart)
+  EXPECT_EQ(WorkerRegistry::FreeBytes(*w), 0u);
+  SequenceRecord s1, s2;
+  w->open.insert(&s1);
+  w->open.insert(&s2);
+  reg.Register(Req("a", 10), 0);
+  const std::vector<WorkerInfo> list = reg.List();
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_EQ(list[0].worker_id, "a");
+  EXPECT_EQ(list[1].worker_id, "w");
+  EXPECT_EQ(list[1].reserved_bytes, 1200u);
+  EXPECT_EQ(list[1].sequences, 2u);
+  EXPECT_EQ(reg.all().size(), 2u);
+}
+
+}  // namespace
+}  // namespace triax::manager
