@@ -1,28 +1,37 @@
-// kvworker: flags and the gRPC server; everything else lives in
-// worker_core / worker_service.
-//
-// Prints "kvworker listening on HOST:PORT" (HOST as given in --listen, PORT
-// the bound one) on stdout once serving; exits 0 on SIGTERM/SIGINT after a
-// graceful shutdown, 1 on startup errors.
+// kvworker: the triaxkv data-plane server. Flags, their validation against
+// each other, and the server builder only; the logic lives in worker_core
+// (worker/worker_core.h over worker/sequence_store.h) and its gRPC adapter
+// (worker/worker_service.h), the device's health on the gRPC health service
+// in worker/health_reporter.h, registration in worker/manager_link.h.
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "common/ids.h"
 #include "common/log.h"
 #include "common/port_file.h"
 #include "worker/device.h"
+#include "worker/health_reporter.h"
 #include "worker/manager_link.h"
 #include "worker/page_allocator.h"
 #include "worker/sequence_store.h"
 #include "worker/tier_store.h"
+#include "worker/worker_core.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7071",
@@ -32,9 +41,11 @@ ABSL_FLAG(std::string, port_file, "",
 ABSL_FLAG(std::string, manager, "",
           "kvmanager host:port to register with; empty runs standalone");
 ABSL_FLAG(std::string, worker_id, "",
-          "worker id; default worker-<hostname>-<port>");
+          "worker id ([A-Za-z0-9._:-]{1,128}), also the disk tier's "
+          "subdirectory; default worker-<hostname>-<port>");
 ABSL_FLAG(std::string, advertise, "",
-          "host:port frontends dial; default the bound listen address");
+          "host:port the manager hands to frontends (needs --manager); "
+          "default the bound listen address");
 ABSL_FLAG(int64_t, pool_mb, 1024, "KV page arena size in MiB");
 ABSL_FLAG(int32_t, window_tokens, 32,
           "default BF16 recent-window tokens per sequence and layer, unless "
@@ -44,14 +55,16 @@ ABSL_FLAG(std::string, backend, "auto",
           "auto | cpu | cuda; auto picks cuda when this build has CUDA and a "
           "CUDA device is visible, else cpu");
 ABSL_FLAG(int32_t, cuda_device, 0,
-          "CUDA device ordinal for the cuda backend (one worker per GPU)");
+          "CUDA device ordinal for the cuda backend (one worker per GPU); "
+          "not with --backend=cpu");
 ABSL_FLAG(int64_t, host_tier_mb, 256,
           "host spill tier in MiB (pinned memory on CUDA); 0 disables it");
 ABSL_FLAG(std::string, disk_tier_dir, "",
           "directory of the disk spill tier (files under "
           "<dir>/<worker_id or pid-N>/); empty disables it");
 ABSL_FLAG(int64_t, disk_tier_mb, 4096,
-          "disk spill tier capacity in MiB of page bytes");
+          "disk spill tier capacity in MiB of page bytes; > 0 when "
+          "--disk_tier_dir is set");
 ABSL_FLAG(bool, restore_on_attend, true,
           "Attend/ReadKV over spilled blocks restore them first; false: "
           "answer UNAVAILABLE with retry_after_ms and restore in the "
@@ -61,9 +74,30 @@ ABSL_FLAG(int32_t, retry_after_ms, 20,
 
 namespace {
 
-int Fail(const std::string& what) {
-  std::fprintf(stderr, "kvworker: %s\n", what.c_str());
-  return 1;
+constexpr char kUsage[] =
+    "the triaxkv data plane: holds the KV pages of sequences in mixed\n"
+    "encodings on one GPU (or the CPU backend) and runs decode attention\n"
+    "over them. It registers with a kvmanager (--manager) and heartbeats its\n"
+    "inventory, or runs standalone.\n"
+    "\n"
+    "  kvworker --listen=0.0.0.0:7071 --manager=kvmanager:7070 \\\n"
+    "      --advertise=10.0.0.5:7071 --pool_mb=16384 --backend=cuda\n"
+    "  kvworker --listen=127.0.0.1:0 --port_file=/tmp/w.port --backend=cpu\n"
+    "\n"
+    "Serves triax.v1.Worker and grpc.health.v1.Health on --listen (\"\" and\n"
+    "\"triax.v1.Worker\" are NOT_SERVING while the device is unhealthy, e.g.\n"
+    "after a sticky CUDA error) and prints \"kvworker listening on\n"
+    "HOST:PORT\" once serving. Exit status: 0 after SIGTERM / SIGINT\n"
+    "(graceful shutdown), 1 when it cannot start, 2 for flags out of range\n"
+    "or contradicting each other. Flags:";
+
+// Values of at most 16 TiB, so MiB -> bytes cannot overflow.
+constexpr int64_t kMaxMb = int64_t{1} << 24;
+
+int Fail(int code, absl::string_view what) {
+  std::fprintf(stderr, "kvworker: %.*s\n", static_cast<int>(what.size()),
+               what.data());
+  return code;
 }
 
 std::string HostOf(const std::string& address) {
@@ -71,10 +105,97 @@ std::string HostOf(const std::string& address) {
   return colon == std::string::npos ? address : address.substr(0, colon);
 }
 
+absl::Status CheckMb(absl::string_view flag, int64_t value, int64_t min) {
+  if (value < min || value > kMaxMb) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, "=", value, " is outside ", min, "..", kMaxMb));
+  }
+  return absl::OkStatus();
+}
+
+// Each flag's own range first, then the flags that contradict each other;
+// every message names the flags and their values.
+absl::Status CheckFlags() {
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  const int32_t cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  const std::string manager = absl::GetFlag(FLAGS_manager);
+  const std::string advertise = absl::GetFlag(FLAGS_advertise);
+  const std::string worker_id = absl::GetFlag(FLAGS_worker_id);
+  const std::string disk_dir = absl::GetFlag(FLAGS_disk_tier_dir);
+  const int64_t disk_mb = absl::GetFlag(FLAGS_disk_tier_mb);
+
+  if (!worker_id.empty()) {
+    if (absl::Status s = triax::ValidateId("--worker_id", worker_id); !s.ok()) {
+      return s;
+    }
+  }
+  if (absl::Status s = CheckMb("pool_mb", absl::GetFlag(FLAGS_pool_mb), 1);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          CheckMb("host_tier_mb", absl::GetFlag(FLAGS_host_tier_mb), 0);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckMb("disk_tier_mb", disk_mb, 0); !s.ok()) return s;
+  if (const int32_t w = absl::GetFlag(FLAGS_window_tokens); w < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--window_tokens=", w, " must be >= 0"));
+  }
+  if (const int32_t r = absl::GetFlag(FLAGS_retry_after_ms); r < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--retry_after_ms=", r, " must be >= 0"));
+  }
+  if (backend != "auto" && backend != "cpu" && backend != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--backend=", triax::Quote(backend), " is not one of auto, cpu, cuda"));
+  }
+  if (cuda_device < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda_device=", cuda_device, " must be >= 0"));
+  }
+
+  if (backend == "cpu" && cuda_device != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda_device=", cuda_device,
+                     " names a CUDA device, but --backend=cpu runs none; drop "
+                     "--cuda_device or use --backend=cuda"));
+  }
+  if (!disk_dir.empty() && disk_mb == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--disk_tier_dir=", triax::Quote(disk_dir),
+        " turns the disk tier on, but --disk_tier_mb=0 gives it no room; set "
+        "--disk_tier_mb > 0 or drop --disk_tier_dir"));
+  }
+  if (!advertise.empty() && manager.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--advertise=", triax::Quote(advertise),
+        " is the address the manager hands out, but --manager is empty "
+        "(standalone); set --manager or drop --advertise"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "worker/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  // "../../worker/main.cc" (the compiler's path) reads as worker/main.cc.
+  usage.normalize_filename = [](absl::string_view file) {
+    while (absl::ConsumePrefix(&file, "../") ||
+           absl::ConsumePrefix(&file, "./"))
+      ;
+    return std::string(file);
+  };
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(kUsage);
   absl::ParseCommandLine(argc, argv);
+  if (absl::Status s = CheckFlags(); !s.ok()) return Fail(2, s.message());
   using namespace triax::worker;  // NOLINT
 
   // Signals are taken synchronously by sigwait below; block them before any
@@ -86,50 +207,36 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   const int64_t pool_mb = absl::GetFlag(FLAGS_pool_mb);
-  if (pool_mb <= 0) {
-    return Fail(absl::StrCat("--pool_mb=", pool_mb, " must be > 0"));
-  }
   const int32_t window = absl::GetFlag(FLAGS_window_tokens);
-  if (window < 0) {
-    return Fail(absl::StrCat("--window_tokens=", window, " must be >= 0"));
-  }
+  const int64_t host_tier_mb = absl::GetFlag(FLAGS_host_tier_mb);
   DeviceOptions device_options;
   device_options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   auto device = CreateDevice(absl::GetFlag(FLAGS_backend), device_options);
-  if (!device.ok()) return Fail(std::string(device.status().message()));
+  if (!device.ok()) return Fail(1, device.status().message());
   auto allocator =
       PageAllocator::Create(device->get(), static_cast<size_t>(pool_mb) << 20);
-  if (!allocator.ok()) return Fail(std::string(allocator.status().message()));
-  const int64_t host_tier_mb = absl::GetFlag(FLAGS_host_tier_mb);
-  const int64_t disk_tier_mb = absl::GetFlag(FLAGS_disk_tier_mb);
-  const int32_t retry_after_ms = absl::GetFlag(FLAGS_retry_after_ms);
-  if (host_tier_mb < 0) {
-    return Fail(absl::StrCat("--host_tier_mb=", host_tier_mb, " must be >= 0"));
-  }
-  if (disk_tier_mb < 0) {
-    return Fail(absl::StrCat("--disk_tier_mb=", disk_tier_mb, " must be >= 0"));
-  }
-  if (retry_after_ms < 0) {
-    return Fail(
-        absl::StrCat("--retry_after_ms=", retry_after_ms, " must be >= 0"));
-  }
+  if (!allocator.ok()) return Fail(1, allocator.status().message());
   TierStoreOptions tier_options;
   tier_options.host_capacity_bytes = static_cast<uint64_t>(host_tier_mb) << 20;
   tier_options.disk_dir = absl::GetFlag(FLAGS_disk_tier_dir);
-  tier_options.disk_capacity_bytes = static_cast<uint64_t>(disk_tier_mb) << 20;
+  tier_options.disk_capacity_bytes =
+      static_cast<uint64_t>(absl::GetFlag(FLAGS_disk_tier_mb)) << 20;
   tier_options.owner = absl::GetFlag(FLAGS_worker_id);  // empty: pid-<pid>
   auto tiers = TierStore::Create(device->get(), tier_options);
-  if (!tiers.ok()) return Fail(std::string(tiers.status().message()));
+  if (!tiers.ok()) return Fail(1, tiers.status().message());
   StoreOptions store_options;
   store_options.window_tokens = static_cast<uint32_t>(window);
   store_options.tiers = tiers->get();
   store_options.restore_on_attend = absl::GetFlag(FLAGS_restore_on_attend);
-  store_options.retry_after_ms = static_cast<uint32_t>(retry_after_ms);
+  store_options.retry_after_ms =
+      static_cast<uint32_t>(absl::GetFlag(FLAGS_retry_after_ms));
   SequenceStore store(device->get(), allocator->get(), store_options);
-  WorkerService service(&store);
+  WorkerCore core(&store, device->get());
+  WorkerService service(&core);
 
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
@@ -137,15 +244,21 @@ int main(int argc, char** argv) {
   builder.SetMaxSendMessageSize(256 << 20);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    return Fail(absl::StrCat("cannot listen on --listen=", listen));
+    return Fail(1, absl::StrCat("cannot listen on --listen=", listen));
   }
   const std::string bound = absl::StrCat(HostOf(listen), ":", port);
+  if (server->GetHealthCheckService() == nullptr) {
+    server->Shutdown();
+    return Fail(1, "the gRPC health service did not start");
+  }
+  HealthReporter health(&core, server->GetHealthCheckService());
+  health.Start(absl::Seconds(1));
 
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
     if (absl::Status s = triax::WritePortFile(port_file, port); !s.ok()) {
       server->Shutdown();
-      return Fail(absl::StrCat("cannot write --port_file: ", s.message()));
+      return Fail(1, absl::StrCat("cannot write --port_file: ", s.message()));
     }
   }
 
@@ -160,7 +273,7 @@ int main(int argc, char** argv) {
   if (!manager.empty()) {
     if (absl::Status s = triax::ValidateId("worker_id", worker_id); !s.ok()) {
       server->Shutdown();
-      return Fail(std::string(s.message()));
+      return Fail(1, s.message());
     }
     ManagerLinkOptions opts;
     opts.manager_address = manager;
@@ -174,24 +287,7 @@ int main(int argc, char** argv) {
         (*tiers)->Usage(triax::Tier::kHost).capacity_bytes;
     opts.disk_capacity_bytes =
         (*tiers)->Usage(triax::Tier::kDisk).capacity_bytes;
-    link = std::make_unique<ManagerLink>(
-        opts,
-        [&store] {
-          triax::v1::Inventory inv;
-          InventoryToProto(store.Inventory(), &inv);
-          for (uint64_t id : store.TakeSelfRestored()) {
-            inv.add_restored_lineage_ids(id);
-          }
-          return inv;
-        },
-        [&store](const std::vector<std::string>& lost) {
-          for (const std::string& id : lost) (void)store.Drop(id);
-        },
-        [&store](const triax::v1::Inventory& unsent) {
-          store.ReturnSelfRestored(
-              std::vector<uint64_t>(unsent.restored_lineage_ids().begin(),
-                                    unsent.restored_lineage_ids().end()));
-        });
+    link = NewManagerLink(opts, &core);
     link->Start();
   }
 
@@ -212,6 +308,9 @@ int main(int argc, char** argv) {
   triax::Log(triax::LogLevel::kInfo, "worker", "shutting down",
              triax::Kv("signal", sig));
   if (link) link->Stop();
+  // NOT_SERVING for the drain, so health probes stop routing here first.
+  health.Stop();
+  server->GetHealthCheckService()->Shutdown();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
   return 0;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/log.h"
+#include "worker/convert.h"
 
 namespace triax::worker {
 
@@ -138,6 +139,26 @@ void ManagerLink::Run() {
                        " ", Kv("error", s.error_message())));
     }
   }
+}
+
+std::unique_ptr<ManagerLink> NewManagerLink(ManagerLinkOptions options,
+                                            WorkerCore* core) {
+  return std::make_unique<ManagerLink>(
+      std::move(options),
+      [core] {
+        v1::Inventory inv;
+        ToProto(core->Inventory(), &inv);
+        for (uint64_t id : core->TakeSelfRestored()) {
+          inv.add_restored_lineage_ids(id);
+        }
+        return inv;
+      },
+      [core](const std::vector<std::string>& lost) { core->DropLost(lost); },
+      [core](const v1::Inventory& unsent) {
+        core->ReturnSelfRestored(
+            std::vector<uint64_t>(unsent.restored_lineage_ids().begin(),
+                                  unsent.restored_lineage_ids().end()));
+      });
 }
 
 }  // namespace triax::worker

@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "triax/v1/manager.grpc.pb.h"
+#include "worker/worker_core.h"
 
 namespace triax::worker {
 
@@ -77,5 +78,12 @@ class ManagerLink {
   int registrations_ ABSL_GUARDED_BY(mu_) = 0;
   int heartbeats_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+// The link of a worker over `core`: heartbeats carry its inventory with the
+// lineage ids it restored on its own (given back to it when the heartbeat
+// fails, so the next one carries them), and the sequences the manager
+// declares lost are dropped. `core` must outlive the link. Not started.
+std::unique_ptr<ManagerLink> NewManagerLink(ManagerLinkOptions options,
+                                            WorkerCore* core);
 
 }  // namespace triax::worker

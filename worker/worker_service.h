@@ -1,5 +1,9 @@
-// gRPC adapter of the kvworker (triax.v1.Worker) over a SequenceStore:
-// proto <-> domain conversion, status mapping and request-id idempotency.
+// gRPC adapter of the kvworker (triax.v1.Worker) over WorkerCore. Every RPC
+// goes through one helper (Serve): the request converted (convert.h), the
+// core called, the reply converted, the status mapped one to one
+// (common/grpc_status.h). Validation, idempotency and error codes are the
+// core's (worker_core.h) and the store's (sequence_store.h); messages pass
+// through unchanged.
 //
 // API choice: the synchronous grpc::Service. Every handler here is
 // compute-bound (encode/decode/attention on the CPU backend) with no waits on
@@ -9,63 +13,33 @@
 // callback threads. Concurrency is bounded by the server's thread pool;
 // operations on one sequence serialize on its mutex in the store.
 //
-// Error codes are the store's (sequence_store.h), plus INVALID_ARGUMENT for
-// malformed request ids, dtype, and proto-level fields. Attend answers one
-// ItemStatus per item; the RPC itself fails only for a malformed tenant_id.
-// Its items run as one SequenceStore::AttendBatch: the items that pass
-// validation share one device launch (a decode step of a batch is one
-// kernel launch on the CUDA backend), results equal running them in order.
-// Inventories carry device_error (Device::Health's message; empty while
-// healthy).
-// An item refused UNAVAILABLE because its blocks are spilled (restore on
-// attend off) carries retry_after_ms; a background restore is queued.
+// Streams. WriteKV: the core pulls the messages (request id on the first);
+// a client that cancels mid-stream gets CANCELLED and the stream is not
+// remembered. ReadKV answers chunks of at most kMaxReadChunkTokens tokens
+// in the asked dtype; CANCELLED when the client cancels or goes away.
 //
-// Spill tiers (sequence_store.h "Spill tiers"):
-//   Spill    INVALID_ARGUMENT: tier not TIER_HOST/TIER_DISK, empty or
-//            repeated lineage_ids; NOT_FOUND: unknown sequence or a lineage
-//            id not in it; PERMISSION_DENIED: another tenant's sequence;
-//            FAILED_PRECONDITION: tier disabled, block unsealed, shared with
-//            a fork or evicted; RESOURCE_EXHAUSTED: the tier is full (bytes
-//            over named; nothing moved); DATA_LOSS: a host<->disk move found
-//            a bad checksum.
-//   Restore  empty lineage_ids: every spilled block. background: queued for
-//            the store's prefetch thread, answers blocks_queued at once.
-//            NOT_FOUND / PERMISSION_DENIED as Spill; FAILED_PRECONDITION:
-//            an evicted block; RESOURCE_EXHAUSTED: the pool cannot hold the
-//            pages (nothing restored); DATA_LOSS: a page failed its checksum
-//            (the block stays spilled, checksum_failures counts it).
-//   Evict    INVALID_ARGUMENT: empty or repeated lineage_ids; NOT_FOUND /
-//            PERMISSION_DENIED as Spill; FAILED_PRECONDITION: unsealed or
-//            shared block. Evicting an evicted block is a no-op.
-//
-// Idempotency: AllocatePages, ForkSequence, WriteKV (request id on the first
-// message of the stream), Demote, FreePages, Spill, Restore and Evict
-// remember their successful
-// replies by (tenant_id, request id); a repeat returns the first reply without
-// applying again. Failed requests change nothing and are not remembered, so a
-// retry after the cause is fixed (e.g. memory freed) runs again.
+// Attend answers one ItemStatus per item ("items[<i>]: <message>", with
+// retry_after_ms when the item was refused because its blocks are spilled);
+// the RPC itself fails only for a malformed tenant_id. Inventories carry
+// device_error (Device::Health's message; empty while healthy).
 //
 // Thread contract: thread-safe; handlers run concurrently.
 #pragma once
 
 #include <cstdint>
-#include <string>
+#include <functional>
 
-#include "common/idempotency.h"
-#include "triax/v1/types.pb.h"
 #include "triax/v1/worker.grpc.pb.h"
-#include "worker/sequence_store.h"
+#include "worker/worker_core.h"
 
 namespace triax::worker {
-
-void InventoryToProto(const InventorySnapshot& inv, v1::Inventory* out);
 
 class WorkerService final : public v1::Worker::Service {
  public:
   static constexpr uint32_t kMaxReadChunkTokens = 256;
 
-  // `store` must outlive the service.
-  explicit WorkerService(SequenceStore* store);
+  // `core` must outlive the service.
+  explicit WorkerService(WorkerCore* core);
 
   grpc::Status AllocatePages(grpc::ServerContext* ctx,
                              const v1::AllocatePagesRequest* req,
@@ -96,15 +70,13 @@ class WorkerService final : public v1::Worker::Service {
                      v1::EvictResponse* resp) override;
 
  private:
-  SequenceStore* const store_;
-  IdempotencyCache<v1::AllocatePagesResponse> allocate_cache_;
-  IdempotencyCache<v1::WorkerForkResponse> fork_cache_;
-  IdempotencyCache<v1::WriteKVResponse> write_cache_;
-  IdempotencyCache<v1::FreePagesResponse> free_cache_;
-  IdempotencyCache<v1::DemoteResponse> demote_cache_;
-  IdempotencyCache<v1::SpillResponse> spill_cache_;
-  IdempotencyCache<v1::RestoreResponse> restore_cache_;
-  IdempotencyCache<v1::EvictResponse> evict_cache_;
+  // The one path of every RPC: `call` (a WorkerCore member) on the domain
+  // `request`, then the result written into `reply` (a response message, or
+  // ReadKV's stream), then the status mapped.
+  template <typename Call, typename Request, typename Reply>
+  grpc::Status Serve(Call call, const Request& request, Reply* reply);
+
+  WorkerCore* const core_;
 };
 
 }  // namespace triax::worker

@@ -2,6 +2,7 @@
 
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -14,9 +15,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/health_check.h"
+#include "common/status_matchers.h"
 #include "kernels/numeric.h"
 #include "triax/v1/manager.grpc.pb.h"
+#include "worker/convert.h"
+#include "worker/health_reporter.h"
 #include "worker/manager_link.h"
 #include "worker/recording_device.h"
 #include "worker/tier_store.h"
@@ -25,6 +31,8 @@ namespace triax::worker {
 namespace {
 
 using ::testing::HasSubstr;
+using triax::testing::IsOk;
+using triax::testing::StatusIs;
 
 constexpr char kTenant[] = "tenant-a";
 
@@ -101,7 +109,10 @@ class ServiceTest : public ::testing::Test {
     ASSERT_TRUE(a.ok());
     alloc_ = *std::move(a);
     store_ = std::make_unique<SequenceStore>(&device_, alloc_.get(), Options());
-    service_ = std::make_unique<WorkerService>(store_.get());
+    core_ = std::make_unique<WorkerCore>(store_.get(), &device_);
+    service_ = std::make_unique<WorkerService>(core_.get());
+    // As kvworker's main does: the server then serves grpc.health.v1.Health.
+    grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
@@ -110,14 +121,15 @@ class ServiceTest : public ::testing::Test {
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port, 0);
-    stub_ = v1::Worker::NewStub(
-        grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                            grpc::InsecureChannelCredentials()));
+    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = v1::Worker::NewStub(channel_);
   }
   void TearDown() override {
     server_->Shutdown();
     server_.reset();
     service_.reset();
+    core_.reset();
     store_.reset();
     alloc_.reset();
   }
@@ -196,8 +208,10 @@ class ServiceTest : public ::testing::Test {
   RecordingDevice device_;  // CPU compute, records batches
   std::unique_ptr<PageAllocator> alloc_;
   std::unique_ptr<SequenceStore> store_;
+  std::unique_ptr<WorkerCore> core_;
   std::unique_ptr<WorkerService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Worker::Stub> stub_;
 };
 
@@ -815,8 +829,59 @@ TEST_F(ServiceTest, DeviceErrorReachesInventoryAndAttend) {
   }
   device_.SetUnhealthy("");
   v1::Inventory inv;
-  InventoryToProto(store_->Inventory(), &inv);
+  ToProto(core_->Inventory(), &inv);
   EXPECT_EQ(inv.device_error(), "");
+}
+
+// The gRPC health service follows the device: the server ("") and
+// triax.v1.Worker are SERVING while it is healthy, NOT_SERVING while it
+// reports an error (as a poisoned CUDA context does), SERVING again once it
+// heals; a service the worker does not serve is NOT_FOUND.
+TEST_F(ServiceTest, HealthServiceFollowsTheDevice) {
+  ASSERT_NE(server_->GetHealthCheckService(), nullptr);
+  HealthReporter health(core_.get(), server_->GetHealthCheckService());
+  const auto status = [this](const std::string& service) {
+    absl::StatusOr<ServingStatus> s = CheckHealth(channel_, service);
+    EXPECT_TRUE(s.ok()) << service << ": " << s.status();
+    return s.value_or(ServingStatus::kUnknown);
+  };
+  EXPECT_THAT(health.Check(), IsOk());
+  EXPECT_EQ(status(""), ServingStatus::kServing);
+  EXPECT_EQ(status("triax.v1.Worker"), ServingStatus::kServing);
+
+  device_.SetUnhealthy("cuda backend unhealthy (restart the worker) since: X");
+  EXPECT_THAT(health.Check(),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("since: X")));
+  EXPECT_EQ(status(""), ServingStatus::kNotServing);
+  EXPECT_EQ(status("triax.v1.Worker"), ServingStatus::kNotServing);
+
+  device_.SetUnhealthy("");
+  EXPECT_THAT(health.Check(), IsOk());
+  EXPECT_EQ(status(""), ServingStatus::kServing);
+  EXPECT_EQ(status("triax.v1.Worker"), ServingStatus::kServing);
+  EXPECT_THAT(CheckHealth(channel_, "triax.v1.Manager"),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
+// Started, the reporter notices a device turning unhealthy on its own
+// thread (no RPC waits for the device); stopped, it leaves the last status.
+TEST_F(ServiceTest, HealthReporterPollsTheDevice) {
+  HealthReporter health(core_.get(), server_->GetHealthCheckService());
+  health.Start(absl::Milliseconds(2));
+  EXPECT_EQ(CheckHealth(channel_, "triax.v1.Worker")
+                .value_or(ServingStatus::kUnknown),
+            ServingStatus::kServing);
+  device_.SetUnhealthy("device poisoned: test");
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  ServingStatus seen = ServingStatus::kServing;
+  while (seen != ServingStatus::kNotServing && absl::Now() < deadline) {
+    seen = CheckHealth(channel_, "").value_or(ServingStatus::kUnknown);
+  }
+  EXPECT_EQ(seen, ServingStatus::kNotServing);
+  health.Stop();
+  device_.SetUnhealthy("");
+  EXPECT_EQ(CheckHealth(channel_, "").value_or(ServingStatus::kUnknown),
+            ServingStatus::kNotServing);
 }
 
 TEST_F(ServiceTest, ForkAndFreeRejectBadInputAndAreIdempotent) {
@@ -943,22 +1008,13 @@ TEST_F(ServiceTest, ManagerLinkRegistersRetriesAndReregisters) {
   opts.host_capacity_bytes = 1 << 20;
   opts.disk_capacity_bytes = 3 << 20;
   opts.retry_ms = 20;
-  ManagerLink link(
-      opts,
-      [this] {
-        v1::Inventory inv;
-        InventoryToProto(store_->Inventory(), &inv);
-        return inv;
-      },
-      [this](const std::vector<std::string>& lost) {
-        for (const auto& id : lost) (void)store_->Drop(id);
-      });
+  std::unique_ptr<ManagerLink> link = NewManagerLink(opts, core_.get());
   device_.SetUnhealthy("device poisoned: test");
-  link.Start();
-  EXPECT_TRUE(link.WaitForCounts(2, 2, absl::Seconds(10)));
-  link.Stop();
-  EXPECT_EQ(link.registrations(), 2);  // first, then after NOT_FOUND
-  EXPECT_GE(link.heartbeats(), 2);
+  link->Start();
+  EXPECT_TRUE(link->WaitForCounts(2, 2, absl::Seconds(10)));
+  link->Stop();
+  EXPECT_EQ(link->registrations(), 2);  // first, then after NOT_FOUND
+  EXPECT_GE(link->heartbeats(), 2);
   absl::MutexLock lock(&manager.mu_);
   EXPECT_GE(manager.register_calls_, 4);  // two UNAVAILABLE retried
   EXPECT_EQ(manager.last_register_.worker_id(), "worker-test");

@@ -1,0 +1,258 @@
+#include "worker/convert.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "kernels/numeric.h"
+
+namespace triax::worker {
+namespace {
+
+std::vector<BlockSpec> PlanFromProto(
+    const google::protobuf::RepeatedPtrField<v1::BlockPlan>& blocks) {
+  std::vector<BlockSpec> plan;
+  plan.reserve(blocks.size());
+  for (const v1::BlockPlan& b : blocks) plan.push_back(FromProto(b));
+  return plan;
+}
+
+std::vector<uint64_t> IdsFromProto(
+    const google::protobuf::RepeatedField<uint64_t>& ids) {
+  return std::vector<uint64_t>(ids.begin(), ids.end());
+}
+
+}  // namespace
+
+AllocatePagesRequest FromProto(const v1::AllocatePagesRequest& p) {
+  AllocatePagesRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.model = FromProto(p.model());
+  d.block_tokens = p.block_tokens();
+  d.blocks = PlanFromProto(p.blocks());
+  if (p.has_window_tokens()) d.window_tokens = p.window_tokens();
+  return d;
+}
+
+ForkRequest FromProto(const v1::WorkerForkRequest& p) {
+  ForkRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.parent_sequence_id = p.parent_sequence_id();
+  d.child_sequence_id = p.child_sequence_id();
+  d.num_tokens = p.num_tokens();
+  d.blocks = PlanFromProto(p.blocks());
+  return d;
+}
+
+DemoteRequest FromProto(const v1::DemoteRequest& p) {
+  DemoteRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.blocks = PlanFromProto(p.blocks());
+  return d;
+}
+
+FreeRequest FromProto(const v1::FreePagesRequest& p) {
+  FreeRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  return d;
+}
+
+SpillRequest FromProto(const v1::SpillRequest& p) {
+  SpillRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.lineage_ids = IdsFromProto(p.lineage_ids());
+  d.tier = TierFromProto(p.tier());
+  return d;
+}
+
+RestoreRequest FromProto(const v1::RestoreRequest& p) {
+  RestoreRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.lineage_ids = IdsFromProto(p.lineage_ids());
+  d.background = p.background();
+  return d;
+}
+
+EvictRequest FromProto(const v1::EvictRequest& p) {
+  EvictRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.lineage_ids = IdsFromProto(p.lineage_ids());
+  return d;
+}
+
+KvWrite FromProto(const v1::KvChunk& p) {
+  KvWrite d;
+  d.layer = p.layer();
+  d.first_token = p.first_token();
+  d.num_tokens = p.num_tokens();
+  d.dtype = static_cast<int>(p.dtype());
+  d.k = p.k();
+  d.v = p.v();
+  return d;
+}
+
+WriteMessage FromProto(const v1::WriteKVRequest& p) {
+  WriteMessage d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  if (p.has_chunk()) d.chunk = FromProto(p.chunk());
+  return d;
+}
+
+ReadRequest FromProto(const v1::ReadKVRequest& p) {
+  ReadRequest d;
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.layer = p.layer();
+  d.first_token = p.first_token();
+  d.num_tokens = p.num_tokens();
+  d.dtype = static_cast<KvDtype>(p.dtype());
+  return d;
+}
+
+AttendRequest FromProto(const v1::AttendRequest& p) {
+  AttendRequest d;
+  d.tenant_id = p.tenant_id();
+  d.items.resize(p.items_size());
+  for (int i = 0; i < p.items_size(); ++i) {
+    const v1::AttendItem& item = p.items(i);
+    AttendItem& out = d.items[i];
+    out.sequence_id = item.sequence_id();
+    out.spec.layer = item.layer();
+    out.spec.num_queries = item.num_queries();
+    out.spec.positions =
+        absl::MakeConstSpan(item.positions().data(), item.positions_size());
+    out.spec.queries = item.queries();
+    out.spec.scale = item.scale();
+    if (item.has_append()) out.append = FromProto(item.append());
+  }
+  return d;
+}
+
+InventoryRequest FromProto(const v1::GetInventoryRequest&) { return {}; }
+
+void ToProto(const AllocateResult& d, v1::AllocatePagesResponse* p) {
+  p->set_pages_allocated(d.pages_allocated);
+  p->set_bytes_allocated(d.bytes_allocated);
+}
+
+void ToProto(const ForkResult& d, v1::WorkerForkResponse* p) {
+  p->set_pages_shared(d.pages_shared);
+  p->set_pages_copied(d.pages_copied);
+}
+
+void ToProto(const WriteResult& d, v1::WriteKVResponse* p) {
+  p->set_tokens_written(d.tokens_written);
+  p->set_bytes_received(d.bytes_received);
+}
+
+void ToProto(const DemoteResult& d, v1::DemoteResponse* p) {
+  p->set_pages_reencoded(d.pages_reencoded);
+  p->set_bytes_delta(d.bytes_delta);
+}
+
+void ToProto(const FreeResult& d, v1::FreePagesResponse* p) {
+  p->set_pages_freed(d.pages_freed);
+  p->set_bytes_freed(d.bytes_freed);
+}
+
+void ToProto(const SpillResult& d, v1::SpillResponse* p) {
+  p->set_pages_moved(d.pages_moved);
+  p->set_bytes_moved(d.bytes_moved);
+  p->set_device_bytes_freed(d.device_bytes_freed);
+}
+
+void ToProto(const RestoreResult& d, v1::RestoreResponse* p) {
+  p->set_pages_restored(d.pages_restored);
+  p->set_bytes_restored(d.bytes_restored);
+  p->set_blocks_queued(d.blocks_queued);
+}
+
+void ToProto(const EvictResult& d, v1::EvictResponse* p) {
+  p->set_pages_freed(d.pages_freed);
+  p->set_bytes_freed(d.bytes_freed);
+}
+
+void ToProto(const AttendResult& d, v1::AttendResponse* p) {
+  for (size_t i = 0; i < d.items.size(); ++i) {
+    v1::AttendResult* result = p->add_results();
+    const absl::StatusOr<std::vector<float>>& out = d.items[i];
+    if (!out.ok()) {
+      result->mutable_status()->set_code(static_cast<int>(out.status().code()));
+      result->mutable_status()->set_message(
+          absl::StrCat("items[", i, "]: ", out.status().message()));
+      result->set_retry_after_ms(RetryAfterMs(out.status()));
+      continue;
+    }
+    result->mutable_status()->set_code(0);
+    result->set_output(reinterpret_cast<const char*>(out->data()),
+                       out->size() * sizeof(float));
+  }
+}
+
+void ToProto(const ReadResult& d, uint32_t layer, KvDtype dtype,
+             uint32_t offset, uint32_t n, v1::KvChunk* p) {
+  p->set_layer(layer);
+  p->set_first_token(d.first_token + offset);
+  p->set_num_tokens(n);
+  p->set_dtype(static_cast<v1::KvDtype>(dtype));
+  const size_t values = static_cast<size_t>(n) * d.token_values;
+  const float* k = d.k.data() + static_cast<size_t>(offset) * d.token_values;
+  const float* v = d.v.data() + static_cast<size_t>(offset) * d.token_values;
+  if (dtype == KvDtype::kF32) {
+    p->set_k(reinterpret_cast<const char*>(k), values * sizeof(float));
+    p->set_v(reinterpret_cast<const char*>(v), values * sizeof(float));
+    return;
+  }
+  std::vector<uint16_t> kb(values), vb(values);
+  for (size_t i = 0; i < values; ++i) {
+    kb[i] = kernels::FloatToBf16(k[i]);
+    vb[i] = kernels::FloatToBf16(v[i]);
+  }
+  p->set_k(reinterpret_cast<const char*>(kb.data()), values * 2);
+  p->set_v(reinterpret_cast<const char*>(vb.data()), values * 2);
+}
+
+void ToProto(const InventorySnapshot& d, v1::Inventory* p) {
+  p->set_capacity_bytes(d.capacity_bytes);
+  p->set_used_bytes(d.used_bytes);
+  p->set_window_bytes(d.window_bytes);
+  for (const auto& [format, usage] : d.formats) {
+    v1::FormatInventory* f = p->add_formats();
+    f->set_format(static_cast<v1::Format>(format));
+    f->set_pages_used(usage.pages);
+    f->set_bytes_used(usage.bytes);
+  }
+  for (const std::string& id : d.sequence_ids) p->add_sequence_ids(id);
+  for (const auto& [tier, usage] :
+       {std::pair<v1::Tier, const TierUsage*>{v1::TIER_HOST, &d.host},
+        {v1::TIER_DISK, &d.disk}}) {
+    v1::TierInventory* t = p->add_tiers();
+    t->set_tier(tier);
+    t->set_capacity_bytes(usage->capacity_bytes);
+    t->set_used_bytes(usage->used_bytes);
+    t->set_blocks(usage->blocks);
+  }
+  p->set_spills(d.spills);
+  p->set_restores(d.restores);
+  p->set_checksum_failures(d.checksum_failures);
+  p->set_evictions(d.evictions);
+  p->set_device_error(d.device_error);
+}
+
+}  // namespace triax::worker

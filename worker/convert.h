@@ -1,0 +1,59 @@
+// proto <-> domain conversion for the worker service, in one place. The
+// shared vocabulary (ModelShape, BlockSpec and its encodings, Tier) goes
+// through common/model_proto.h. Enum values are cast (both sides share
+// numbers); range checks happen in the core and the store, which reject an
+// out-of-range wire value naming the field.
+//
+// Domain requests hold views of the message's tensors (KvChunk k / v,
+// Attend queries and positions): the message must outlive the request.
+#pragma once
+
+#include <cstdint>
+
+#include "common/model_proto.h"
+#include "triax/v1/types.pb.h"
+#include "triax/v1/worker.pb.h"
+#include "worker/sequence_store.h"
+#include "worker/worker_core.h"
+
+namespace triax::worker {
+
+// The shared vocabulary's converters.
+using triax::FromProto;
+using triax::ToProto;
+
+// Requests.
+AllocatePagesRequest FromProto(const v1::AllocatePagesRequest& p);
+ForkRequest FromProto(const v1::WorkerForkRequest& p);
+DemoteRequest FromProto(const v1::DemoteRequest& p);
+FreeRequest FromProto(const v1::FreePagesRequest& p);
+SpillRequest FromProto(const v1::SpillRequest& p);
+RestoreRequest FromProto(const v1::RestoreRequest& p);
+EvictRequest FromProto(const v1::EvictRequest& p);
+WriteMessage FromProto(const v1::WriteKVRequest& p);
+KvWrite FromProto(const v1::KvChunk& p);
+ReadRequest FromProto(const v1::ReadKVRequest& p);
+AttendRequest FromProto(const v1::AttendRequest& p);
+InventoryRequest FromProto(const v1::GetInventoryRequest& p);
+
+// Replies.
+void ToProto(const AllocateResult& d, v1::AllocatePagesResponse* p);
+void ToProto(const ForkResult& d, v1::WorkerForkResponse* p);
+void ToProto(const WriteResult& d, v1::WriteKVResponse* p);
+void ToProto(const DemoteResult& d, v1::DemoteResponse* p);
+void ToProto(const FreeResult& d, v1::FreePagesResponse* p);
+void ToProto(const SpillResult& d, v1::SpillResponse* p);
+void ToProto(const RestoreResult& d, v1::RestoreResponse* p);
+void ToProto(const EvictResult& d, v1::EvictResponse* p);
+// One AttendResult per item; a failed item's message is prefixed
+// "items[<i>]: " and carries the status's retry_after_ms.
+void ToProto(const AttendResult& d, v1::AttendResponse* p);
+// Tokens [offset, offset + n) of a read as one chunk of `layer`, values in
+// `dtype` (F32 as read; BF16 rounded to nearest even).
+void ToProto(const ReadResult& d, uint32_t layer, KvDtype dtype,
+             uint32_t offset, uint32_t n, v1::KvChunk* p);
+// Capacity, usage per K format, sequences, both spill tiers (TIER_HOST,
+// TIER_DISK; capacity 0 when disabled), counters and device_error.
+void ToProto(const InventorySnapshot& d, v1::Inventory* p);
+
+}  // namespace triax::worker

@@ -1,0 +1,251 @@
+// The kvworker's core behind its gRPC adapter (worker_service.h): request-id
+// idempotency over the SequenceStore, the store's calls as domain requests,
+// and the device's health, so that the service has this one dependency. No
+// gRPC or protobuf: domain structs in, absl::Status / StatusOr out.
+//
+// Idempotency. The mutating calls (AllocatePages, Fork, WriteKV, Demote,
+// Free, Spill, Restore, Evict) with a non-empty request_id remember their
+// successful reply per method and tenant (the newest
+// WorkerCoreOptions::idempotency_capacity per method); the same (method,
+// tenant_id, request_id) again returns that reply without applying anything
+// and without looking at the rest of the request: a different payload under
+// a reused request id is not detected, it gets the first reply. Failed calls
+// change nothing and are not remembered, so a retry after the cause is fixed
+// (e.g. memory freed) runs again. Calls that share a key run one at a time:
+// a duplicate arriving while the first is running waits for it, then gets
+// its reply (or runs itself when the first failed), so a request applies at
+// most once even when a client retries before the first attempt finished.
+// The request id is checked before anything else: empty (no idempotency) or
+// [A-Za-z0-9._:-]{1,128}, else INVALID_ARGUMENT naming request_id.
+//
+// WriteKV is a stream of messages pulled through WriteStream::next; the
+// first message carries the request id and tenant. A repeat of a remembered
+// stream is drained (every message pulled, nothing written) and answered
+// with the first reply. A stream whose `next` fails (the client went away)
+// ends with that error and is not remembered, whatever it wrote.
+//
+// Error codes are the store's (sequence_store.h "Error codes"), plus
+// INVALID_ARGUMENT for: a malformed request id; Attend's tenant_id (the
+// only error that fails a whole Attend; its items fail one by one); a Read
+// dtype other than F32 / BF16; a Spill tier other than host / disk; an empty
+// lineage_ids list of Spill or Evict; a WriteKV message without a chunk.
+// WriteKV errors name the message ("message 2 (40 tokens of earlier messages
+// were written): ..."): chunks before it stay written.
+//
+// Thread contract: thread-safe; calls run concurrently on the caller's
+// thread (the store serializes operations on one sequence). Only calls
+// sharing an idempotency key wait for each other. No lock is held across a
+// store call: the in-flight mutex only marks and clears keys.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "common/idempotency.h"
+#include "common/model.h"
+#include "worker/device.h"
+#include "worker/sequence_store.h"
+
+namespace triax::worker {
+
+// --- Requests ---------------------------------------------------------------
+// Strings and vectors are owned; absl::string_view and absl::Span fields are
+// views into the caller's buffers (the tensors), valid for the call.
+
+struct AllocatePagesRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  ModelShape model;
+  uint32_t block_tokens = 0;
+  std::vector<BlockSpec> blocks;
+  std::optional<uint32_t> window_tokens;  // nullopt: the store's default
+};
+
+struct ForkRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string parent_sequence_id;
+  std::string child_sequence_id;
+  uint64_t num_tokens = 0;
+  std::vector<BlockSpec> blocks;  // the child's plan
+};
+
+// Each block names index and lineage_id, and the new encoding.
+struct DemoteRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  std::vector<BlockSpec> blocks;
+};
+
+struct FreeRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+};
+
+struct SpillRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  std::vector<uint64_t> lineage_ids;  // >= 1, no repeats
+  Tier tier = Tier::kUnspecified;     // kHost or kDisk
+};
+
+struct RestoreRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  std::vector<uint64_t> lineage_ids;  // empty: every spilled block
+  bool background = false;            // queue for the prefetch thread
+};
+
+struct EvictRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  std::vector<uint64_t> lineage_ids;  // >= 1, no repeats
+};
+
+// One message of a WriteKV stream. request_id and tenant_id of the first
+// message name the stream for idempotency; every message's chunk is written
+// as (its tenant_id, its sequence_id).
+struct WriteMessage {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  std::optional<KvWrite> chunk;  // views valid until the next pull
+};
+
+struct WriteStream {
+  // Fills the next message and returns true; false at the end of the
+  // stream; an error when the stream broke (the client went away).
+  std::function<absl::StatusOr<bool>(WriteMessage*)> next;
+};
+
+struct WriteResult {
+  uint64_t tokens_written = 0;  // summed over chunks
+  uint64_t bytes_received = 0;  // K and V bytes of the chunks
+};
+
+struct ReadRequest {
+  std::string tenant_id;
+  std::string sequence_id;
+  uint32_t layer = 0;
+  uint64_t first_token = 0;
+  uint32_t num_tokens = 0;                // 0: to the end of what is written
+  KvDtype dtype = KvDtype::kUnspecified;  // F32 or BF16: the values' wire form
+};
+
+// One item of an Attend (SequenceStore::AttendBatch); views into the
+// caller's message.
+struct AttendItem {
+  absl::string_view sequence_id;
+  AttendSpec spec;                // spec.append is set by the core
+  std::optional<KvWrite> append;  // written before attention
+};
+
+struct AttendRequest {
+  std::string tenant_id;
+  std::vector<AttendItem> items;
+};
+
+// One result per item, in order: the store's status (the adapter names the
+// item) or float32 [num_queries][n_q_heads][head_dim].
+struct AttendResult {
+  std::vector<absl::StatusOr<std::vector<float>>> items;
+};
+
+struct InventoryRequest {};
+
+struct WorkerCoreOptions {
+  size_t idempotency_capacity = 65536;  // remembered replies per method
+};
+
+class WorkerCore {
+ public:
+  // `store` and `device` (the store's) must outlive the core.
+  WorkerCore(SequenceStore* store, const Device* device,
+             WorkerCoreOptions options = {});
+
+  WorkerCore(const WorkerCore&) = delete;
+  WorkerCore& operator=(const WorkerCore&) = delete;
+
+  // --- Mutating calls: idempotent by (tenant_id, request_id) ----------------
+  absl::StatusOr<AllocateResult> AllocatePages(const AllocatePagesRequest& req);
+  absl::StatusOr<ForkResult> Fork(const ForkRequest& req);
+  // Pulls every message of the stream (see "WriteKV" above). An empty
+  // stream writes nothing and answers zeros.
+  absl::StatusOr<WriteResult> WriteKV(const WriteStream& stream);
+  absl::StatusOr<DemoteResult> Demote(const DemoteRequest& req);
+  absl::StatusOr<FreeResult> Free(const FreeRequest& req);
+  absl::StatusOr<SpillResult> Spill(const SpillRequest& req);
+  absl::StatusOr<RestoreResult> Restore(const RestoreRequest& req);
+  absl::StatusOr<EvictResult> Evict(const EvictRequest& req);
+
+  // --- Read-only calls ---------------------------------------------------
+  // INVALID_ARGUMENT for a malformed tenant_id; otherwise one result per
+  // item (SequenceStore::AttendBatch: one device batch where appends allow).
+  absl::StatusOr<AttendResult> Attend(const AttendRequest& req);
+  absl::StatusOr<ReadResult> Read(const ReadRequest& req);
+  absl::StatusOr<InventorySnapshot> GetInventory(const InventoryRequest&) const;
+
+  // --- For the manager link and the health service -----------------------
+  InventorySnapshot Inventory() const { return store_->Inventory(); }
+  // SequenceStore::TakeSelfRestored / ReturnSelfRestored.
+  std::vector<uint64_t> TakeSelfRestored();
+  void ReturnSelfRestored(const std::vector<uint64_t>& lineage_ids);
+  // Drops sequences the manager declared lost, whatever their tenant; ids
+  // this worker does not hold are skipped.
+  void DropLost(const std::vector<std::string>& sequence_ids);
+  // Device::Health(): OK, or why the device must not serve (a sticky CUDA
+  // error). A cheap read; never waits on the device.
+  absl::Status DeviceHealth() const { return device_->Health(); }
+
+ private:
+  // Marks (method, tenant, request id) in flight for its lifetime, after
+  // waiting until no other call holds it.
+  class InFlight;
+
+  // Runs `apply` once per key: validates the request id, answers a
+  // remembered reply (after `replay`, which drains a stream), else applies
+  // and remembers a success.
+  template <typename Reply, typename Apply>
+  absl::StatusOr<Reply> Once(
+      IdempotencyCache<Reply>& cache, absl::string_view method,
+      const std::string& tenant_id, const std::string& request_id, Apply apply,
+      const std::function<absl::Status()>& replay = nullptr);
+
+  // Writes `first` and every later message of `stream`.
+  absl::StatusOr<WriteResult> WriteMessages(const WriteStream& stream,
+                                            const WriteMessage& first);
+
+  SequenceStore* const store_;
+  const Device* const device_;
+
+  absl::Mutex in_flight_mu_;
+  absl::flat_hash_set<std::string> in_flight_ ABSL_GUARDED_BY(in_flight_mu_);
+
+  IdempotencyCache<AllocateResult> allocate_cache_;
+  IdempotencyCache<ForkResult> fork_cache_;
+  IdempotencyCache<WriteResult> write_cache_;
+  IdempotencyCache<DemoteResult> demote_cache_;
+  IdempotencyCache<FreeResult> free_cache_;
+  IdempotencyCache<SpillResult> spill_cache_;
+  IdempotencyCache<RestoreResult> restore_cache_;
+  IdempotencyCache<EvictResult> evict_cache_;
+};
+
+}  // namespace triax::worker
