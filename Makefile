@@ -1,6 +1,7 @@
 # The two commands:
 #   make demo   install what is missing, build, run manager + CPU worker + reference frontend
 #   make test   install what is missing, build everything, run the whole suite with ctest
+#   make lint   clang-tidy (.clang-tidy) over the project's C++ sources
 #
 # Variables: BUILD_DIR (build), BUILD_TYPE (Release), JOBS (nproc),
 # TRIAX_DATA_DIR (../shared/data), CMAKE_ARGS (extra configure flags).
@@ -11,7 +12,7 @@ JOBS       ?= $(shell nproc)
 TRIAX_DATA_DIR ?= $(abspath $(CURDIR)/../shared/data)
 CMAKE_ARGS ?=
 
-.PHONY: all deps configure build demo test clean format
+.PHONY: all deps configure build demo test lint clean format
 
 all: build
 
@@ -34,6 +35,10 @@ demo: configure
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
+
+# clang-tidy with .clang-tidy's checks over every compiled C++ source.
+lint: configure
+	bash scripts/lint.sh $(BUILD_DIR)
 
 format:
 	find common kernels kvmanager worker client tests bench \

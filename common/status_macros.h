@@ -18,7 +18,11 @@
 #define TRIAX_ASSIGN_OR_RETURN(lhs, rexpr)                                     \
   TRIAX_ASSIGN_OR_RETURN_IMPL(TRIAX_STATUS_CONCAT(_triax_sor_, __LINE__), lhs, \
                               rexpr)
+// `tmp` is a generated name and `lhs` may be a declaration ("auto x"), so
+// neither can be parenthesized.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define TRIAX_ASSIGN_OR_RETURN_IMPL(tmp, lhs, rexpr) \
   auto tmp = (rexpr);                                \
   if (!tmp.ok()) return tmp.status();                \
   lhs = std::move(tmp).value()
+// NOLINTEND(bugprone-macro-parentheses)

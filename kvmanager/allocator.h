@@ -1,4 +1,4 @@
-// Format allocation across tag groups under a bit budget (issue 5, part 3).
+// Format allocation across tag groups under a bit budget.
 //
 // Problem (a multiple-choice knapsack, MCKP). Group k (one tag of a session)
 // holds N_k tokens and has candidate options f, each an encoding with

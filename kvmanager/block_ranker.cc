@@ -60,7 +60,7 @@ struct Candidate {
 // Asks for transparent huge pages on the 2 MiB-aligned interior of a buffer
 // that is about to be written for the first time: on the 2-core dev VM,
 // first-touch faults of 4 KiB pages cost ~50 ms per 64 MiB, a third of the
-// ranking time at 1M blocks before this (bench/results/pressure.md).
+// ranking time at 1M blocks without it (bench/results/pressure.md).
 void AdviseHugePages(const void* p, size_t bytes) {
 #ifdef __linux__
   constexpr uintptr_t k2M = uintptr_t{2} << 20;
@@ -68,7 +68,9 @@ void AdviseHugePages(const void* p, size_t bytes) {
   const uintptr_t lo = (begin + k2M - 1) & ~(k2M - 1);
   const uintptr_t hi = (begin + bytes) & ~(k2M - 1);
   if (hi > lo) {
-    madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+    // Offset from p rather than a pointer made from an integer.
+    char* base = const_cast<char*>(static_cast<const char*>(p));
+    madvise(base + (lo - begin), hi - lo, MADV_HUGEPAGE);
   }
 #else
   (void)p;
@@ -489,8 +491,10 @@ struct RankScratch::Buffers {
     if (cand_capacity < n) {
       cand.reset();
       key_bucket.reset();
-      cand.reset(new Candidate[n]);
-      key_bucket.reset(new uint64_t[n]);
+      // Default-initialized on purpose: make_unique would zero n entries
+      // that the ranking writes before reading.
+      cand.reset(new Candidate[n]);       // NOLINT(modernize-make-unique)
+      key_bucket.reset(new uint64_t[n]);  // NOLINT(modernize-make-unique)
       cand_capacity = n;
       AdviseHugePages(cand.get(), n * sizeof(Candidate));
       AdviseHugePages(key_bucket.get(), n * sizeof(uint64_t));
@@ -599,7 +603,7 @@ absl::StatusOr<Ranking> Rank(const PressureInput& input,
     }
   }
   auto pool_len = [&](uint32_t q) {
-    return bucket_begin[2 * q + 2] - bucket_begin[2 * q];
+    return bucket_begin[2 * size_t{q} + 2] - bucket_begin[2 * size_t{q}];
   };
   std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
     return pool_len(a) > pool_len(b);
@@ -617,9 +621,9 @@ absl::StatusOr<Ranking> Rank(const PressureInput& input,
       const uint32_t q = order[o];
       const size_t w = q / kNumTiers;
       const int t = static_cast<int>(q % kNumTiers);
-      const size_t lo = bucket_begin[2 * q];
-      const size_t split = bucket_begin[2 * q + 1];
-      const size_t hi = bucket_begin[2 * q + 2];
+      const size_t lo = bucket_begin[2 * size_t{q}];
+      const size_t split = bucket_begin[2 * size_t{q} + 1];
+      const size_t hi = bucket_begin[2 * size_t{q} + 2];
       SortBucket(items.data() + lo, split - lo, tmp);
       SortBucket(items.data() + split, hi - split, tmp);
       std::vector<RankedAction>& pool = ranking.pools[w][t];

@@ -82,7 +82,7 @@ absl::StatusOr<std::shared_ptr<const CalibrationTable>> CalibrationStore::Build(
           ModalityName(entry.tag.modality), "/", RoleName(entry.tag.role),
           " encoding ", EncodingString(e)));
     }
-    table->info.entries.push_back(std::move(entry));
+    table->info.entries.push_back(entry);
     table->encodings.push_back(e);
   }
   return table;

@@ -33,7 +33,7 @@ class CoreTest : public ::testing::Test {
  protected:
   void SetUp() override { Make(ManagerOptions{}); }
 
-  void Make(ManagerOptions options) {
+  void Make(const ManagerOptions& options) {
     auto core = ManagerCore::Create(options, &clock_);
     ASSERT_THAT(core, ::triax::testing::IsOk());
     core_ = std::move(*core);

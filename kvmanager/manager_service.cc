@@ -693,7 +693,7 @@ void ManagerService::CallWorkerDemote(
   const std::string worker_id = prepared.worker_id;
   call->stub->async()->Demote(
       &call->ctx, &call->req, &call->resp,
-      [this, call, worker_id](grpc::Status status) {
+      [this, call, worker_id](const grpc::Status& status) {
         absl::Status result;
         if (!status.ok()) {
           const absl::Status ws = FromGrpcStatus(status);

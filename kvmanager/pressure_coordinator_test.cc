@@ -64,7 +64,7 @@ struct CoordWorld : PartsWorld {
     coord.Publish(std::move(snap));
   }
   // Plays the workers: every command ends with `st`.
-  absl::Status Finish(const TierPlan& plan, absl::Status st,
+  absl::Status Finish(const TierPlan& plan, const absl::Status& st,
                       std::vector<Event>* ev) {
     return coord.FinishTierPlan(
         plan.token, std::vector<absl::Status>(plan.commands.size(), st), ev);

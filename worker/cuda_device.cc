@@ -364,7 +364,8 @@ absl::Status CudaDevice::WriteBf16Tokens(const PageShape& shape,
     for (int h = 0; h < H; ++h) {
       for (int t = 0; t < num_tokens; ++t) {
         std::memcpy(staged + (static_cast<size_t>(h) * num_tokens + t) * D,
-                    src[x] + (static_cast<size_t>(t) * H + h) * D, D * 2);
+                    src[x] + (static_cast<size_t>(t) * H + h) * D,
+                    static_cast<size_t>(D) * 2);
       }
     }
     uint8_t* dst = page + offset[x] + static_cast<size_t>(first_slot) * D * 2;

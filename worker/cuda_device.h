@@ -43,7 +43,7 @@
 // its output depends only on its own pages and query: batched and
 // one-by-one calls are bit-identical (cuda_device_test checks it), and a
 // batch of short sequences launches few CTAs (a sequence of ~1k tokens: 2
-// splits, where a fixed count gave 64). Workspace grows with the batch
+// splits rather than a fixed 64). Workspace grows with the batch
 // (up to ~34 MB per entry for 32 query heads x head_dim 128 at 64 splits).
 //
 // Errors: encodings the kernels refuse (CheckEncodingCuda: TQ formats, shapes
@@ -157,7 +157,9 @@ class CudaDevice final : public Device {
   class Lease {
    public:
     Lease(CudaDevice* device, Lane* lane) : device_(device), lane_(lane) {}
-    Lease(Lease&& o) : device_(o.device_), lane_(o.lane_) { o.lane_ = nullptr; }
+    Lease(Lease&& o) noexcept : device_(o.device_), lane_(o.lane_) {
+      o.lane_ = nullptr;
+    }
     Lease(const Lease&) = delete;
     Lease& operator=(const Lease&) = delete;
     Lease& operator=(Lease&&) = delete;

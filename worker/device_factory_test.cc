@@ -168,7 +168,7 @@ class UnsupportedPlanTest : public ::testing::Test {
     for (uint32_t i = 0; i < 2; ++i) {
       plan[i].index = i;
       plan[i].lineage_id = 7 + i;
-      plan[i].first_token = 16 * i;
+      plan[i].first_token = uint64_t{16} * i;
       plan[i].num_tokens = 16;
       plan[i].encoding = i == 0 ? Format::kINT4 : second;
     }

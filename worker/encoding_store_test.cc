@@ -249,7 +249,7 @@ TEST_P(EveryEncodingTest, WriteSealAttendAndReadMatchTheKernels) {
   Make(32);
   const ModelShape m = Shape(2, 2, 4, 64);
   const PageShape shape{32, 2, 64};
-  const size_t per = 2 * 64;
+  const size_t per = size_t{2} * 64;
   // 80 tokens in blocks of 32, 32, 16; window 8 (per sequence) seals blocks
   // ending <= 72: blocks 0 and 1. Block 2 stays in the BF16 window.
   ASSERT_THAT(
@@ -269,7 +269,7 @@ TEST_P(EveryEncodingTest, WriteSealAttendAndReadMatchTheKernels) {
     SCOPED_TRACE(l);
     // Sealed pages hold exactly what the kernel encodes from the input.
     for (uint32_t b = 0; b < 2; ++b) {
-      EXPECT_EQ(PageOf("s", b, l), Encoded(e, shape, l, 32 * b, 32));
+      EXPECT_EQ(PageOf("s", b, l), Encoded(e, shape, l, size_t{32} * b, 32));
     }
     std::vector<uint8_t> window = Encoded(Format::kBF16, shape, l, 64, 16);
     std::vector<uint8_t> p0 = PageOf("s", 0, l), p1 = PageOf("s", 1, l);
@@ -449,7 +449,7 @@ TEST_F(EncodingStoreTest, DemoteSealedAndUnsealedBf16ToInt4ToInt2) {
   Make(16);
   const ModelShape m = Shape(2, 2, 4, 32);
   const PageShape shape{16, 2, 32};
-  const size_t per = 2 * 32;
+  const size_t per = size_t{2} * 32;
   const size_t bf16 = kernels::PageBytes(Format::kBF16, shape);
   const size_t int4 = kernels::PageBytes(Format::kINT4, shape);
   const size_t int2 = kernels::PageBytes(Format::kINT2, shape);
@@ -575,7 +575,7 @@ TEST_F(EncodingStoreTest, DemoteInt8ToTq3AndToMixedKv) {
                                 96, 70 + l);
     auto rd = store_->Read(kTenant, "s", l, 0, 0);
     ASSERT_THAT(rd.status(), IsOk());
-    const size_t n = 32 * 64;
+    const size_t n = size_t{32} * 64;
     // Two lossy steps (INT8 then TQ3 / INT4-INT2) stay within the coarser
     // format's budget of the input.
     EXPECT_LT(RelError(rd->k.data(), kv_[l].kf.data(), n),
@@ -651,7 +651,7 @@ TEST_F(EncodingStoreTest, DemoteRejectsBadInputWithoutChange) {
   const InventorySnapshot inv0 = store_->Inventory();
   const std::vector<uint8_t> page0 = PageOf("s", 0, 1);
   auto demote = [&](absl::string_view tenant, absl::string_view seq,
-                    std::vector<BlockSpec> blocks) {
+                    const std::vector<BlockSpec>& blocks) {
     return store_->Demote(tenant, seq, blocks).status();
   };
   EXPECT_THAT(

@@ -59,8 +59,8 @@ TEST_F(StoreTest, Bf16WriteReadRoundTripIsExact) {
     ASSERT_THAT(part.status(), IsOk());
     EXPECT_EQ(part->first_token, 13u);
     EXPECT_EQ(std::vector<float>(part->k.begin(), part->k.end()),
-              std::vector<float>(kv[l].kr.begin() + 13 * 32,
-                                 kv[l].kr.begin() + 33 * 32));
+              std::vector<float>(kv[l].kr.begin() + ptrdiff_t{13} * 32,
+                                 kv[l].kr.begin() + ptrdiff_t{33} * 32));
   }
   auto d = store_->Describe("s");
   ASSERT_THAT(d.status(), IsOk());
@@ -128,7 +128,7 @@ TEST_F(StoreTest, OddSpansAndChunksReadBackWithinFormatTolerance) {
   EXPECT_THAT(d->sealed, ElementsAre(4u));  // blocks ending <= 43
   auto r = store_->Read(kTenant, "s", 0, 0, 0);
   ASSERT_THAT(r.status(), IsOk());
-  const size_t per = 3 * 32;
+  const size_t per = size_t{3} * 32;
   for (const BlockSpec& b : plan) {
     const bool sealed_quant = b.index < 4 && b.encoding.k != kBf16;
     double max_err = 0;
@@ -430,6 +430,7 @@ TEST_F(StoreTest, SequencesRunInParallel) {
     data.push_back(RandomLayers(m, 64, 200 + t));
   }
   std::vector<std::thread> threads;
+  threads.reserve(kThreads);
   std::vector<int> failures(kThreads, 0);
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {

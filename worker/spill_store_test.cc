@@ -2,11 +2,11 @@
 // across them, background restores and the refusals.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <stdlib.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -159,10 +159,9 @@ class SpillTest : public ::testing::Test {
     }
   }
 
-  absl::StatusOr<std::vector<float>> Attend(const std::string& seq,
-                                            uint32_t layer,
-                                            std::vector<uint64_t> positions,
-                                            const KvWrite* append = nullptr) {
+  absl::StatusOr<std::vector<float>> Attend(
+      const std::string& seq, uint32_t layer,
+      const std::vector<uint64_t>& positions, const KvWrite* append = nullptr) {
     const uint32_t nq = positions.empty() ? 1 : positions.size();
     const std::vector<float> q = Random(size_t{nq} * kQHeads * kDim, 77);
     const std::string qb = Bytes(q.data(), q.size());
@@ -176,8 +175,8 @@ class SpillTest : public ::testing::Test {
   }
 
   // Both layers' attention for queries at the given positions.
-  std::vector<std::vector<float>> AttendAll(const std::string& seq,
-                                            std::vector<uint64_t> positions) {
+  std::vector<std::vector<float>> AttendAll(
+      const std::string& seq, const std::vector<uint64_t>& positions) {
     std::vector<std::vector<float>> out;
     for (uint32_t l = 0; l < kLayers; ++l) {
       auto o = Attend(seq, l, positions);

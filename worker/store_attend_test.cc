@@ -209,6 +209,7 @@ TEST_F(StoreTest, ConcurrentBatchesInAnyOrderAgreeWithSingleAttends) {
   device_.ClearRecord();
   std::vector<int> mismatches(4, 0);
   std::vector<std::thread> threads;
+  threads.reserve(4);
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
       std::vector<AttendBatchItem> items(kSeqs);

@@ -114,8 +114,9 @@ TEST_F(StoreTest, DeviceFailureMidDemoteChangesNothing) {
   EXPECT_THAT(d->window_pages, ElementsAre(1u));  // its tokens moved there
   auto moved = store_->Read(kTenant, "s", 0, 16, 8);
   ASSERT_THAT(moved.status(), IsOk());
-  EXPECT_EQ(moved->k, std::vector<float>(read_before->k.begin() + 16 * 16,
-                                         read_before->k.end()));
+  EXPECT_EQ(moved->k,
+            std::vector<float>(read_before->k.begin() + ptrdiff_t{16} * 16,
+                               read_before->k.end()));
 }
 
 }  // namespace

@@ -66,7 +66,7 @@ inline std::vector<BlockSpec> UniformPlan(uint32_t tokens, uint32_t t,
                                           Format format) {
   std::vector<std::pair<uint32_t, Format>> sizes;
   for (uint32_t done = 0; done < tokens; done += t) {
-    sizes.push_back({std::min(t, tokens - done), format});
+    sizes.emplace_back(std::min(t, tokens - done), format);
   }
   return Plan(sizes);
 }
@@ -130,7 +130,8 @@ inline std::vector<float> RefAttention(const ModelShape& m,
     for (uint64_t t = 0; t < attend; ++t) {
       double dot = 0;
       for (uint32_t d = 0; d < m.head_dim; ++d) {
-        dot += double(q[h * m.head_dim + d]) * k[t * hd + kvh * m.head_dim + d];
+        dot += double(q[size_t{h} * m.head_dim + d]) *
+               k[t * hd + size_t{kvh} * m.head_dim + d];
       }
       s[t] = dot * scale;
       mx = std::max(mx, s[t]);
@@ -140,7 +141,7 @@ inline std::vector<float> RefAttention(const ModelShape& m,
     for (uint32_t d = 0; d < m.head_dim; ++d) {
       double acc = 0;
       for (uint64_t t = 0; t < attend; ++t) {
-        acc += s[t] * v[t * hd + kvh * m.head_dim + d];
+        acc += s[t] * v[t * hd + size_t{kvh} * m.head_dim + d];
       }
       out[h * m.head_dim + d] = static_cast<float>(acc / sum);
     }
@@ -218,11 +219,9 @@ class StoreTest : public ::testing::Test {
     return q;
   }
 
-  absl::StatusOr<std::vector<float>> Attend(const std::string& seq,
-                                            uint32_t layer,
-                                            const std::vector<float>& q,
-                                            uint32_t nq,
-                                            std::vector<uint64_t> positions) {
+  absl::StatusOr<std::vector<float>> Attend(
+      const std::string& seq, uint32_t layer, const std::vector<float>& q,
+      uint32_t nq, const std::vector<uint64_t>& positions) {
     AttendSpec spec;
     spec.layer = layer;
     spec.num_queries = nq;

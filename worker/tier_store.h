@@ -1,5 +1,5 @@
-// The worker's spill tiers (DESIGN.md §3.4): where sealed blocks' pages go
-// when the manager moves them out of the device pool.
+// The worker's spill tiers: where sealed blocks' pages go when the manager
+// moves them out of the device pool.
 //
 //   host tier  one allocation of --host_tier_mb MiB (Device::AllocateHostTier:
 //              pinned memory on CUDA, plain aligned memory on the CPU

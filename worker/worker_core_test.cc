@@ -32,7 +32,7 @@ using triax::testing::IsOk;
 using triax::testing::StatusIs;
 
 constexpr char kTenant[] = "tenant-a";
-constexpr size_t kTokenValues = 2 * 32;  // n_kv_heads x head_dim
+constexpr size_t kTokenValues = size_t{2} * 32;  // n_kv_heads x head_dim
 
 ModelShape Model() {
   ModelShape m;
@@ -93,7 +93,8 @@ class TestStream {
     m.request_id = request_id;
     m.tenant_id = tenant;
     m.sequence_id = seq;
-    const uint32_t seed = static_cast<uint32_t>(layer * 100000 + first);
+    const uint32_t seed =
+        static_cast<uint32_t>(uint64_t{layer} * 100000 + first);
     bytes_.push_back(RandomBytes(n * kTokenValues, seed));
     const std::string& k = bytes_.back();
     bytes_.push_back(RandomBytes(n * kTokenValues, seed + 50000));
@@ -456,7 +457,7 @@ TEST_F(WorkerCoreTest, WriteKVRepeatIsDrainedAndAnsweredWithTheFirstReply) {
   auto r1 = core_->WriteKV(first.stream());
   ASSERT_THAT(r1, IsOk());
   EXPECT_EQ(r1->tokens_written, 20u);
-  EXPECT_EQ(r1->bytes_received, 2u * 20 * kTokenValues * 4);
+  EXPECT_EQ(r1->bytes_received, size_t{2} * 20 * kTokenValues * 4);
   const std::string after = State();
 
   TestStream again;
@@ -563,7 +564,7 @@ TEST_F(WorkerCoreTest, ReadAttendAndInventoryPassThrough) {
   EXPECT_EQ(r->num_tokens, 3u);
   EXPECT_EQ(r->k.size(), 3 * kTokenValues);
 
-  const std::string q = RandomBytes(4 * 32, 7);
+  const std::string q = RandomBytes(size_t{4} * 32, 7);
   AttendRequest attend;
   attend.tenant_id = kTenant;
   attend.items.resize(2);

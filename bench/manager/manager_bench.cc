@@ -16,7 +16,6 @@
 // terminated at the end (SIGTERM, then SIGKILL after 5 s).
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
-#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -24,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -73,6 +73,7 @@ class Manager {
                                      "--port_file=" + port_file_,
                                      "--worker_timeout_ms=10000"};
     std::vector<char*> argv;
+    argv.reserve(args.size() + 1);
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
     posix_spawn_file_actions_t actions;
@@ -323,6 +324,7 @@ int main(int argc, char** argv) {
   for (int n : levels) {
     std::vector<ClientStats> stats(n);
     std::vector<std::thread> threads;
+    threads.reserve(n);
     const auto start = Clock::now();
     const auto deadline = start + std::chrono::seconds(seconds);
     for (int i = 0; i < n; ++i) {

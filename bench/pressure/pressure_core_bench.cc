@@ -95,7 +95,9 @@ int main(int argc, char** argv) {
       reg.address = "127.0.0.1:" + std::to_string(9000 + w);
       reg.backend = "cpu";
       reg.capacity_bytes =
-          static_cast<uint64_t>(target / workers / 0.95 + 64) * block_bytes;
+          static_cast<uint64_t>(static_cast<double>(target) / workers / 0.95 +
+                                64) *
+          block_bytes;
       reg.host_capacity_bytes = reg.capacity_bytes / 4;
       if (!(*core)->RegisterWorker(reg).ok()) return 1;
     }

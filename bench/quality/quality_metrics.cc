@@ -192,6 +192,7 @@ absl::StatusOr<std::vector<QualityConfig>> SelectConfigs(
                                    [&](const auto& c) { return c.name == n; });
     if (!known) {
       std::vector<std::string> names;
+      names.reserve(all.size());
       for (const auto& c : all) names.push_back(c.name);
       return absl::InvalidArgumentError(
           absl::StrCat("--", flag, ": unknown configuration \"", n,

@@ -40,11 +40,13 @@ RenderedConversation TwoTurns() {
 
 std::vector<int> Roles(const std::vector<TokenSpan>& spans) {
   std::vector<int> out;
+  out.reserve(spans.size());
   for (const auto& s : spans) out.push_back(static_cast<int>(s.role));
   return out;
 }
 std::vector<uint32_t> Sizes(const std::vector<TokenSpan>& spans) {
   std::vector<uint32_t> out;
+  out.reserve(spans.size());
   for (const auto& s : spans) out.push_back(s.num_tokens);
   return out;
 }

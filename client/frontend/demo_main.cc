@@ -681,7 +681,7 @@ int Main() {
   // (b)
   if (!run_b) {
     std::printf("\n== (b) BFCL session not requested (--steps) ==\n");
-    report.push_back("(b) not run (--steps)");
+    report.emplace_back("(b) not run (--steps)");
   } else if (real) {
     auto policy = SetUpTriaxialPolicy(c, absl::GetFlag(FLAGS_calibration),
                                       absl::GetFlag(FLAGS_budget_bits));
@@ -694,11 +694,11 @@ int Main() {
     }
   } else {
     std::printf("\n== (b) BFCL session SKIPPED: no data directory ==\n");
-    report.push_back("(b) SKIPPED (no data directory)");
+    report.emplace_back("(b) SKIPPED (no data directory)");
   }
   // (c)
   if (!run_c) {
-    report.push_back("(c) not run (--steps)");
+    report.emplace_back("(c) not run (--steps)");
   } else if (absl::Status s =
                  StepNll(*stories, *tok, nll_text, c, chunk, threads,
                          absl::GetFlag(FLAGS_decode_steps), &checks, &report);

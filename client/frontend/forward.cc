@@ -67,7 +67,8 @@ absl::Status LocalKvStore::Attend(int layer, int n_queries,
       const int kvh = h / group;
       float max_score = -INFINITY;
       for (int64_t t = 0; t <= pos; ++t) {
-        const float* kt = k_[layer].data() + t * kv_dim + kvh * head_dim_;
+        const float* kt = k_[layer].data() + t * kv_dim +
+                          static_cast<int64_t>(kvh) * head_dim_;
         float s = 0.0f;
         for (int d = 0; d < head_dim_; ++d) s += qh[d] * kt[d];
         s *= scale;
@@ -83,7 +84,8 @@ absl::Status LocalKvStore::Attend(int layer, int n_queries,
       std::fill(oh, oh + head_dim_, 0.0f);
       for (int64_t t = 0; t <= pos; ++t) {
         const float a = att[t] / sum;
-        const float* vt = v_[layer].data() + t * kv_dim + kvh * head_dim_;
+        const float* vt = v_[layer].data() + t * kv_dim +
+                          static_cast<int64_t>(kvh) * head_dim_;
         for (int d = 0; d < head_dim_; ++d) oh[d] += a * vt[d];
       }
     }
@@ -221,8 +223,9 @@ absl::Status Transformer::Forward(absl::Span<const int> tokens, int64_t pos0,
   }
   for (int l = 0; l < c.n_layers; ++l) {
     for (int t = 0; t < n; ++t) {
-      RmsNorm(&xb_[t * dim], &x_[t * dim], model_->attention_norm + l * dim,
-              dim);
+      RmsNorm(&xb_[static_cast<size_t>(t) * dim],
+              &x_[static_cast<size_t>(t) * dim],
+              model_->attention_norm + static_cast<size_t>(l) * dim, dim);
     }
     const size_t dd = static_cast<size_t>(dim) * dim;
     const size_t kd = static_cast<size_t>(kv_dim) * dim;
@@ -262,7 +265,9 @@ absl::Status Transformer::Forward(absl::Span<const int> tokens, int64_t pos0,
     MatMul(model_->wo + l * dd, dim, dim, att_.data(), n, xb_.data());
     for (size_t j = 0; j < static_cast<size_t>(n) * dim; ++j) x_[j] += xb_[j];
     for (int t = 0; t < n; ++t) {
-      RmsNorm(&xb_[t * dim], &x_[t * dim], model_->ffn_norm + l * dim, dim);
+      RmsNorm(&xb_[static_cast<size_t>(t) * dim],
+              &x_[static_cast<size_t>(t) * dim],
+              model_->ffn_norm + static_cast<size_t>(l) * dim, dim);
     }
     const size_t hd = static_cast<size_t>(hidden) * dim;
     MatMul(model_->w1 + l * hd, hidden, dim, xb_.data(), n, hb_.data());
@@ -276,7 +281,8 @@ absl::Status Transformer::Forward(absl::Span<const int> tokens, int64_t pos0,
     for (size_t j = 0; j < static_cast<size_t>(n) * dim; ++j) x_[j] += xb_[j];
   }
   for (int t = 0; t < n; ++t) {
-    RmsNorm(&x_[t * dim], &x_[t * dim], model_->final_norm, dim);
+    RmsNorm(&x_[static_cast<size_t>(t) * dim],
+            &x_[static_cast<size_t>(t) * dim], model_->final_norm, dim);
   }
   logits->resize(static_cast<size_t>(n) * c.vocab_size);
   MatMul(model_->classifier, c.vocab_size, dim, x_.data(), n, logits->data());

@@ -59,7 +59,7 @@ TEST(AllocationIntegrationTest, NewTurnDemotesOnTheWorkerAndAttendFollows) {
   const triax::v1::ModelShape model = SmallModel();
   const kernels::PageShape shape{16, static_cast<int>(model.n_kv_heads()),
                                  static_cast<int>(model.head_dim())};
-  const size_t elems = model.n_kv_heads() * model.head_dim();
+  const size_t elems = size_t{model.n_kv_heads()} * model.head_dim();
 
   // Calibration: older tokens are cheaper to quantize.
   triax::v1::PutCalibrationRequest cal;

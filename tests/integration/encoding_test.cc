@@ -54,7 +54,9 @@ class EncodingTest : public ::testing::Test {
                                 static_cast<int>(model_.head_dim())};
   }
 
-  size_t Elems() const { return model_.n_kv_heads() * model_.head_dim(); }
+  size_t Elems() const {
+    return size_t{model_.n_kv_heads()} * model_.head_dim();
+  }
 
   // What the pages of `seq` decode to, per layer, from the values written.
   void Decoded(const client::SequenceHandle& seq,

@@ -39,13 +39,15 @@ TEST(Fp32KvStore, MatchesLocalKvStore) {
   int64_t pos = 0;
   for (int n : {5, 1, 17, 40}) {  // chunks, as a prefill writes them
     for (int layer = 0; layer < c.n_layers; ++layer) {
-      std::vector<float> k(n * kv_dim), v(n * kv_dim), q(n * c.dim);
+      const size_t kv_values = static_cast<size_t>(n) * kv_dim;
+      const size_t q_values = static_cast<size_t>(n) * c.dim;
+      std::vector<float> k(kv_values), v(kv_values), q(q_values);
       for (auto& x : k) x = nd(rng);
       for (auto& x : v) x = nd(rng);
       for (auto& x : q) x = 2.0f * nd(rng);
       std::vector<int64_t> positions(n);
       for (int i = 0; i < n; ++i) positions[i] = pos + i;
-      std::vector<float> want(n * c.dim), got1(n * c.dim), got3(n * c.dim);
+      std::vector<float> want(q_values), got1(q_values), got3(q_values);
       ASSERT_THAT(ref.Write(layer, pos, n, k.data(), v.data()), IsOk());
       ASSERT_THAT(one.Write(layer, pos, n, k.data(), v.data()), IsOk());
       ASSERT_THAT(three.Write(layer, pos, n, k.data(), v.data()), IsOk());
