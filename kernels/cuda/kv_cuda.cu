@@ -1,8 +1,8 @@
 // CUDA kernels for KV pages; see kv_cuda.cuh for the API and layout.h for
 // the byte layout. Each page's encoding is packed into DevicePage::format
-// and its section offsets are computed on the device by LayoutOf, the same
-// arithmetic as ComputeLayout; CudaPageLayout runs that code on the host
-// so a test pins it to ComputeLayout for every supported encoding.
+// and its section offsets are computed on the device by ComputeLayout
+// (layout.h, host and device code); CudaPageLayout unpacks on the host so a
+// test pins the unpacking to ComputeLayout for every supported encoding.
 //
 // Numerics that must match the CPU reference bit for bit (encode) use
 // explicitly rounded intrinsics (__fdiv_rn, __fsub_rn, rintf) so that nvcc's
@@ -26,6 +26,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/kv_cuda.cuh"
+#include "kernels/layout.h"
+#include "kernels/numeric.h"
 #include "kernels/tq_codebook.h"
 
 namespace triax::kernels::cuda {
@@ -44,106 +46,27 @@ constexpr int kTile = 32;  // tokens per attention tile (= warp size)
 constexpr int kAttnThreads = 128;
 constexpr int kCodecThreads = 256;
 
-// Unpacked DevicePage::format (see PackEncoding).
-struct DevEnc {
-  int k, v, group, sdt;
-};
-
-__host__ __device__ __forceinline__ DevEnc Unpack(int32_t packed) {
+// DevicePage::format (PackEncoding): V 0 means K's format, group 0 32 and
+// scale dtype 0 FP16.
+__host__ __device__ __forceinline__ UnpackedEncoding Unpack(int32_t packed) {
   const uint32_t p = static_cast<uint32_t>(packed);
-  DevEnc e;
-  e.k = p & 0xff;
-  e.v = (p >> 8) & 0xff;
-  if (e.v == 0) e.v = e.k;
-  e.group = (p >> 16) & 0xff;
-  if (e.group == 0) e.group = 32;
-  e.sdt = (p >> 24) & 0xff;
-  if (e.sdt == 0) e.sdt = 1;
+  UnpackedEncoding e;
+  const int k = p & 0xff;
+  e.k = static_cast<FormatCode>(k);
+  const int v = (p >> 8) & 0xff;
+  e.v = static_cast<FormatCode>(v == 0 ? k : v);
+  const int group = (p >> 16) & 0xff;
+  e.group = group == 0 ? 32 : group;
+  const int sdt = (p >> 24) & 0xff;
+  e.scale_dtype = static_cast<ScaleDtypeCode>(sdt == 0 ? 1 : sdt);
   return e;
 }
 
-// Format values (layout.h): 1 bf16, 2 int4, 3 int2, 4 fp8, 5 int8, 6-8 tq.
-__host__ __device__ __forceinline__ int BitsOf(int f) {
-  switch (f) {
-    case 1:
-      return 16;
-    case 2:
-    case 6:
-      return 4;
-    case 3:
-    case 8:
-      return 2;
-    case 7:
-      return 3;
-    default:
-      return 8;
-  }
-}
-__host__ __device__ __forceinline__ bool IsInt(int f) {
-  return f == 2 || f == 3 || f == 5;
-}
-__host__ __device__ __forceinline__ bool IsTq(int f) {
-  return f >= 6 && f <= 8;
-}
-__host__ __device__ __forceinline__ bool CudaFormat(int f) {
-  return f >= 1 && f <= 8;
-}
-__host__ __device__ __forceinline__ bool TqDim(int d) {
-  return d >= 16 && d <= 256 && (d & (d - 1)) == 0;
-}
-
-__host__ __device__ __forceinline__ bool Supported(const DevEnc& e,
+// A page the kernels can read or write (ValidateEncoding's checks for a
+// shape that passed ValidateShape: head_dim % 8 == 0).
+__host__ __device__ __forceinline__ bool Supported(const UnpackedEncoding& e,
                                                    const PageShape& s) {
-  if (!CudaFormat(e.k) || !CudaFormat(e.v)) return false;
-  if (e.group != 32 && e.group != 64 && e.group != 128) return false;
-  if (e.sdt != 1 && e.sdt != 2) return false;
-  if ((IsTq(e.k) || IsTq(e.v)) && !TqDim(s.head_dim)) return false;
-  const int gk = min(e.group, s.tokens), gv = min(e.group, s.head_dim);
-  if (IsInt(e.k) && s.tokens % gk != 0) return false;
-  if (IsInt(e.v) && s.head_dim % gv != 0) return false;
-  return true;
-}
-
-__host__ __device__ __forceinline__ size_t Align16(size_t n) {
-  return (n + 15) & ~size_t{15};
-}
-
-// Same arithmetic as LayoutTensor in kernels/layout.cc.
-__host__ __device__ inline size_t TensorAt(int f, bool key, const DevEnc& e,
-                                           const PageShape& s, size_t off,
-                                           TensorLayout* t) {
-  const size_t H = s.heads, T = s.tokens, D = s.head_dim;
-  *t = TensorLayout{};
-  t->codes = off;
-  t->codes_bytes = H * T * (D * BitsOf(f) / 8);
-  off = Align16(off + t->codes_bytes);
-  if (f == 1) return off;
-  if (f == 4) {
-    t->scale = off;
-    t->meta_bytes = H * 4;
-    return Align16(off + t->meta_bytes);
-  }
-  if (IsTq(f)) {
-    t->scale = off;
-    t->meta_bytes = H * T * 2;
-    return Align16(off + t->meta_bytes);
-  }
-  const size_t elem = e.sdt == 2 ? 1 : 2;
-  const size_t gk = min(e.group, s.tokens), gv = min(e.group, s.head_dim);
-  const size_t count = key ? H * (T / gk) * D : H * T * (D / gv);
-  t->meta_bytes = count * elem;
-  t->scale = off;
-  off = Align16(off + t->meta_bytes);
-  t->zero = off;
-  return Align16(off + t->meta_bytes);
-}
-
-__host__ __device__ inline PageLayout LayoutOf(const DevEnc& e,
-                                               const PageShape& s) {
-  PageLayout l;
-  size_t off = TensorAt(e.k, true, e, s, 0, &l.k);
-  l.total = TensorAt(e.v, false, e, s, off, &l.v);
-  return l;
+  return EncodingFitsShape(e, s, /*head_dim_multiple=*/8);
 }
 
 __device__ __forceinline__ float Bf16Bits(uint32_t h) {
@@ -156,32 +79,10 @@ __device__ __forceinline__ uint16_t LoadU16(const uint8_t* p) {
   return *reinterpret_cast<const uint16_t*>(p);
 }
 
-// FP8 E4M3 <-> float, bit for bit as kernels/numeric.cc.
-__device__ __forceinline__ float Fp8ToFloat(uint32_t c) {
-  const uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
-  if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
-  const float v = e == 0 ? static_cast<float>(m) * (1.f / 512.f)
-                         : __uint_as_float(((e + 120u) << 23) | (m << 20));
-  return (c & 0x80u) ? -v : v;
-}
-__device__ __forceinline__ uint32_t FloatToFp8(float f) {
-  const uint32_t u = __float_as_uint(f);
-  const uint32_t sign = (u >> 24) & 0x80u;
-  const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return 0x7fu;
-  if (abs >= 0x43e00000u) return sign | 0x7eu;
-  if (abs < 0x3c800000u) {
-    return sign |
-           static_cast<uint32_t>(rintf(__fmul_rn(__uint_as_float(abs), 512.f)));
-  }
-  const uint32_t r = abs + 0x7ffffu + ((abs >> 20) & 1u);
-  const uint32_t code = (((r >> 23) - 120u) << 3) | ((r >> 20) & 7u);
-  return sign | min(code, 0x7eu);
-}
-
 __device__ __forceinline__ float LoadMeta(const uint8_t* base, size_t i,
-                                          int sdt) {
-  return sdt == 2 ? Fp8ToFloat(base[i]) : HalfBits(LoadU16(base + 2 * i));
+                                          ScaleDtypeCode sdt) {
+  return sdt == ScaleDtypeCode::kFP8 ? Fp8E4M3ToFloat(base[i])
+                                     : HalfBits(LoadU16(base + 2 * i));
 }
 
 // Same arithmetic as MakeQuant/Quantize in kernels/ref/kv_ref.cc.
@@ -191,18 +92,18 @@ struct Quant {
 };
 
 __device__ __forceinline__ Quant MakeQuant(float lo, float hi, int qmax,
-                                           int sdt) {
-  const float lim = sdt == 2 ? 448.f : kFp16Max;
+                                           ScaleDtypeCode sdt) {
+  const float lim = sdt == ScaleDtypeCode::kFP8 ? 448.f : kFp16Max;
   float zero = fminf(fmaxf(lo, -lim), lim);
   float scale = __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(qmax));
   if (!(scale > 0.f)) scale = 0.f;
   scale = fminf(scale, lim);
   Quant q;
-  if (sdt == 2) {
-    q.scale_bits = FloatToFp8(scale);
-    q.zero_bits = FloatToFp8(zero);
-    q.scale = Fp8ToFloat(q.scale_bits);
-    q.zero = Fp8ToFloat(q.zero_bits);
+  if (sdt == ScaleDtypeCode::kFP8) {
+    q.scale_bits = FloatToFp8E4M3Bits(scale);
+    q.zero_bits = FloatToFp8E4M3Bits(zero);
+    q.scale = Fp8E4M3ToFloat(q.scale_bits);
+    q.zero = Fp8E4M3ToFloat(q.zero_bits);
   } else {
     q.scale_bits = __half_as_ushort(__float2half_rn(scale));
     q.zero_bits = __half_as_ushort(__float2half_rn(zero));
@@ -213,8 +114,8 @@ __device__ __forceinline__ Quant MakeQuant(float lo, float hi, int qmax,
 }
 
 __device__ __forceinline__ void StoreMeta(uint8_t* base, size_t i,
-                                          uint32_t bits, int sdt) {
-  if (sdt == 2) {
+                                          uint32_t bits, ScaleDtypeCode sdt) {
+  if (sdt == ScaleDtypeCode::kFP8) {
     base[i] = static_cast<uint8_t>(bits);
   } else {
     *reinterpret_cast<uint16_t*>(base + 2 * i) = static_cast<uint16_t>(bits);
@@ -242,8 +143,8 @@ __host__ __device__ __forceinline__ int Log2Dim(int d) {
   while ((16 << l) < d) ++l;
   return l;
 }
-__device__ __forceinline__ const float* TqLevels(int f, int D) {
-  return g_tq_cb[Log2Dim(D)][BitsOf(f) - 2];
+__device__ __forceinline__ const float* TqLevels(FormatCode f, int D) {
+  return g_tq_cb[Log2Dim(D)][FormatBits(f) - 2];
 }
 __device__ __forceinline__ const float* TqSignsDev(int D) {
   return g_tq_sign[Log2Dim(D)];
@@ -292,12 +193,10 @@ __device__ __forceinline__ uint32_t TqCode(const uint8_t* row, int row_bytes,
 
 // Row (h, t) of a TQ tensor decoded to the original domain, dims
 // lane * E + i in x (as DecodePage: norm * level, then R^T).
-__device__ __forceinline__ void TqDecodeRowWarp(int f, const TensorLayout& L,
-                                                const uint8_t* page,
-                                                const PageShape& s, int h,
-                                                int t, int lane,
-                                                float (&x)[8]) {
-  const int T = s.tokens, D = s.head_dim, bits = BitsOf(f);
+__device__ __forceinline__ void TqDecodeRowWarp(
+    FormatCode f, const TensorLayout& L, const uint8_t* page,
+    const PageShape& s, int h, int t, int lane, float (&x)[8]) {
+  const int T = s.tokens, D = s.head_dim, bits = FormatBits(f);
   const int E = D >= 32 ? D / 32 : 1;
   const int row_bytes = D * bits / 8;
   const float* cb = TqLevels(f, D);
@@ -323,12 +222,12 @@ __device__ __forceinline__ void TqDecodeRowWarp(int f, const TensorLayout& L,
 
 // Encodes one TQ tensor (the whole CTA; one warp per (head, token) vector).
 // s_row: 32 words per warp of scratch.
-__device__ void EncodeTqTensor(int f, const PageShape& shape,
+__device__ void EncodeTqTensor(FormatCode f, const PageShape& shape,
                                const TensorLayout& L, int n,
                                const uint16_t* src, uint8_t* page,
                                unsigned* s_row) {
   const int T = shape.tokens, H = shape.heads, D = shape.head_dim;
-  const int bits = BitsOf(f), levels = 1 << bits;
+  const int bits = FormatBits(f), levels = 1 << bits;
   const int E = D >= 32 ? D / 32 : 1;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int nwarps = blockDim.x / 32;
@@ -398,17 +297,17 @@ __device__ void EncodeTqTensor(int f, const PageShape& shape,
 // ------------------------------------------------------------------
 
 // Encodes one tensor of one page (the whole CTA cooperates).
-__device__ void EncodeTensor(int f, bool key, const DevEnc& e,
+__device__ void EncodeTensor(FormatCode f, bool key, const UnpackedEncoding& e,
                              const PageShape& shape, const TensorLayout& L,
                              int n, const uint16_t* src, uint8_t* page,
                              float* s_ks, float* s_kz, unsigned* s_amax,
                              unsigned* s_row) {
   const int T = shape.tokens, H = shape.heads, D = shape.head_dim;
-  if (IsTq(f)) {
+  if (IsTqFormat(f)) {
     EncodeTqTensor(f, shape, L, n, src, page, s_row);
     return;
   }
-  if (f == 1) {
+  if (f == FormatCode::kBF16) {
     const int chunks = D / 8;
     const size_t items = static_cast<size_t>(n) * H * chunks;
     for (size_t i = threadIdx.x; i < items; i += blockDim.x) {
@@ -422,7 +321,7 @@ __device__ void EncodeTensor(int f, bool key, const DevEnc& e,
     }
     return;
   }
-  if (f == 4) {
+  if (f == FormatCode::kFP8) {
     for (int h = 0; h < H; ++h) {
       if (threadIdx.x == 0) *s_amax = 0u;
       __syncthreads();
@@ -445,18 +344,18 @@ __device__ void EncodeTensor(int f, bool key, const DevEnc& e,
         const int t = i / D, d = i % D;
         const float x = Bf16Bits(src[(static_cast<size_t>(t) * H + h) * D + d]);
         page[L.codes + (static_cast<size_t>(h) * T + t) * D + d] =
-            static_cast<uint8_t>(FloatToFp8(__fdiv_rn(x, scale)));
+            static_cast<uint8_t>(FloatToFp8E4M3Bits(__fdiv_rn(x, scale)));
       }
       __syncthreads();
     }
     return;
   }
-  const int bits = BitsOf(f);
+  const int bits = FormatBits(f);
   const int per_byte = 8 / bits;
   const int qmax = (1 << bits) - 1;
   const int row_bytes = D * bits / 8;
   if (key) {
-    const int gk = min(e.group, T);
+    const int gk = shape.KeyGroup(e);
     const int groups = T / gk;
     for (int h = 0; h < H; ++h) {
       for (int gi = 0; gi * gk < n; ++gi) {
@@ -469,10 +368,10 @@ __device__ void EncodeTensor(int f, bool key, const DevEnc& e,
             lo = fminf(lo, x);
             hi = fmaxf(hi, x);
           }
-          const Quant q = MakeQuant(lo, hi, qmax, e.sdt);
+          const Quant q = MakeQuant(lo, hi, qmax, e.scale_dtype);
           const size_t meta = (static_cast<size_t>(h) * groups + gi) * D + d;
-          StoreMeta(page + L.scale, meta, q.scale_bits, e.sdt);
-          StoreMeta(page + L.zero, meta, q.zero_bits, e.sdt);
+          StoreMeta(page + L.scale, meta, q.scale_bits, e.scale_dtype);
+          StoreMeta(page + L.zero, meta, q.zero_bits, e.scale_dtype);
           s_ks[d] = q.scale;
           s_kz[d] = q.zero;
         }
@@ -498,7 +397,7 @@ __device__ void EncodeTensor(int f, bool key, const DevEnc& e,
   }
   // Values: one thread per (head, token, group); Gv % 8 == 0 keeps groups
   // byte aligned for every bit width.
-  const int gv = min(e.group, D);
+  const int gv = shape.ValueGroup(e);
   const int groups = D / gv;
   for (int i = threadIdx.x; i < H * n * groups; i += blockDim.x) {
     const int g = i % groups, t = (i / groups) % n, h = i / (groups * n);
@@ -508,10 +407,10 @@ __device__ void EncodeTensor(int f, bool key, const DevEnc& e,
       lo = fminf(lo, Bf16Bits(x[d]));
       hi = fmaxf(hi, Bf16Bits(x[d]));
     }
-    const Quant q = MakeQuant(lo, hi, qmax, e.sdt);
+    const Quant q = MakeQuant(lo, hi, qmax, e.scale_dtype);
     const size_t meta = (static_cast<size_t>(h) * T + t) * groups + g;
-    StoreMeta(page + L.scale, meta, q.scale_bits, e.sdt);
-    StoreMeta(page + L.zero, meta, q.zero_bits, e.sdt);
+    StoreMeta(page + L.scale, meta, q.scale_bits, e.scale_dtype);
+    StoreMeta(page + L.zero, meta, q.zero_bits, e.scale_dtype);
     uint8_t* row =
         page + L.codes + (static_cast<size_t>(h) * T + t) * row_bytes;
     for (int jb = 0; jb < gv / per_byte; ++jb) {
@@ -525,11 +424,12 @@ __device__ void EncodeTensor(int f, bool key, const DevEnc& e,
 }
 
 // Zeroes one page and encodes n tokens of K and V into it (whole CTA).
-__device__ void EncodePageBody(const PageShape& shape, const DevEnc& e,
-                               uint8_t* page, int n, const uint16_t* k_in,
-                               const uint16_t* v_in, float* s_ks, float* s_kz,
-                               unsigned* s_amax, unsigned* s_row) {
-  const PageLayout L = LayoutOf(e, shape);
+__device__ void EncodePageBody(const PageShape& shape,
+                               const UnpackedEncoding& e, uint8_t* page, int n,
+                               const uint16_t* k_in, const uint16_t* v_in,
+                               float* s_ks, float* s_kz, unsigned* s_amax,
+                               unsigned* s_row) {
+  const PageLayout L = ComputeLayout(e, shape);
   uint4* page16 = reinterpret_cast<uint4*>(page);
   for (size_t i = threadIdx.x; i < L.total / 16; i += blockDim.x)
     page16[i] = make_uint4(0, 0, 0, 0);
@@ -549,7 +449,7 @@ __global__ void EncodeKernel(PageShape shape, const DevicePage* pages,
   __shared__ unsigned s_amax;
   __shared__ unsigned s_row[kCodecThreads];
   const DevicePage pg = pages[blockIdx.x];
-  const DevEnc e = Unpack(pg.format);
+  const UnpackedEncoding e = Unpack(pg.format);
   if (!Supported(e, shape)) return;
   const int T = shape.tokens, H = shape.heads, D = shape.head_dim;
   const int n = min(max(pg.num_tokens, 0), T);
@@ -564,15 +464,13 @@ __global__ void EncodeKernel(PageShape shape, const DevicePage* pages,
 // offsets are multiples of the load width because D % 8 == 0 and sections
 // are 16-byte aligned. Same operations as DecodePage (explicit rounding so
 // no FMA contraction changes a value).
-__device__ __forceinline__ void LoadRow8(int f, bool key, const DevEnc& e,
-                                         const TensorLayout& L,
-                                         const uint8_t* page,
-                                         const PageShape& s, int h, int t,
-                                         int d0, float* out) {
+__device__ __forceinline__ void LoadRow8(
+    FormatCode f, bool key, const UnpackedEncoding& e, const TensorLayout& L,
+    const uint8_t* page, const PageShape& s, int h, int t, int d0, float* out) {
   const int T = s.tokens, D = s.head_dim;
   const size_t row = static_cast<size_t>(h) * T + t;
   const uint8_t* codes = page + L.codes;
-  if (f == 1) {
+  if (f == FormatCode::kBF16) {
     const uint4 w = *reinterpret_cast<const uint4*>(codes + (row * D + d0) * 2);
     const uint32_t u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -583,14 +481,14 @@ __device__ __forceinline__ void LoadRow8(int f, bool key, const DevEnc& e,
     return;
   }
   uint32_t c[8];
-  if (f == 4 || f == 5) {
+  if (f == FormatCode::kFP8 || f == FormatCode::kINT8) {
     const uint2 w = *reinterpret_cast<const uint2*>(codes + row * D + d0);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       c[i] = (w.x >> (8 * i)) & 0xffu;
       c[4 + i] = (w.y >> (8 * i)) & 0xffu;
     }
-  } else if (f == 2) {
+  } else if (f == FormatCode::kINT4) {
     const uint32_t w =
         *reinterpret_cast<const uint32_t*>(codes + row * (D / 2) + d0 / 2);
 #pragma unroll
@@ -601,28 +499,29 @@ __device__ __forceinline__ void LoadRow8(int f, bool key, const DevEnc& e,
 #pragma unroll
     for (int i = 0; i < 8; ++i) c[i] = (w >> (2 * i)) & 0x3u;
   }
-  if (f == 4) {
+  if (f == FormatCode::kFP8) {
     const float scale = *reinterpret_cast<const float*>(
         page + L.scale + 4 * static_cast<size_t>(h));
 #pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = __fmul_rn(Fp8ToFloat(c[i]), scale);
+    for (int i = 0; i < 8; ++i) out[i] = __fmul_rn(Fp8E4M3ToFloat(c[i]), scale);
     return;
   }
   if (key) {
-    const int gk = min(e.group, T);
+    const int gk = s.KeyGroup(e);
     const size_t base = (static_cast<size_t>(h) * (T / gk) + t / gk) * D + d0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      out[i] = __fadd_rn(__fmul_rn(static_cast<float>(c[i]),
-                                   LoadMeta(page + L.scale, base + i, e.sdt)),
-                         LoadMeta(page + L.zero, base + i, e.sdt));
+      out[i] = __fadd_rn(
+          __fmul_rn(static_cast<float>(c[i]),
+                    LoadMeta(page + L.scale, base + i, e.scale_dtype)),
+          LoadMeta(page + L.zero, base + i, e.scale_dtype));
     }
     return;
   }
-  const int gv = min(e.group, D);
+  const int gv = s.ValueGroup(e);
   const size_t m = row * (D / gv) + d0 / gv;
-  const float sc = LoadMeta(page + L.scale, m, e.sdt);
-  const float z = LoadMeta(page + L.zero, m, e.sdt);
+  const float sc = LoadMeta(page + L.scale, m, e.scale_dtype);
+  const float z = LoadMeta(page + L.zero, m, e.scale_dtype);
 #pragma unroll
   for (int i = 0; i < 8; ++i)
     out[i] = __fadd_rn(__fmul_rn(static_cast<float>(c[i]), sc), z);
@@ -634,12 +533,13 @@ __device__ __forceinline__ void LoadRow8(int f, bool key, const DevEnc& e,
 // non-TQ one thread per (token, 8-dim chunk), TQ one warp per token.
 // store(t, d0, x, count) receives `count` consecutive dims starting at d0.
 template <typename Store>
-__device__ void DecodeTensorHead(int f, bool key, const DevEnc& e, bool ok,
+__device__ void DecodeTensorHead(FormatCode f, bool key,
+                                 const UnpackedEncoding& e, bool ok,
                                  const TensorLayout& L, const uint8_t* page,
                                  const PageShape& shape, int h, int n,
                                  Store store) {
   const int D = shape.head_dim;
-  if (ok && IsTq(f)) {
+  if (ok && IsTqFormat(f)) {
     const int lane = threadIdx.x % 32, E = D >= 32 ? D / 32 : 1;
     for (int t = threadIdx.x / 32; t < n; t += blockDim.x / 32) {
       float x[8];
@@ -667,11 +567,11 @@ __global__ void DecodeKernel(PageShape shape, const DevicePage* pages,
   const int H = shape.heads;
   const int pi = blockIdx.x / H, h = blockIdx.x % H;
   const DevicePage pg = pages[pi];
-  const DevEnc e = Unpack(pg.format);
+  const UnpackedEncoding e = Unpack(pg.format);
   const bool ok = Supported(e, shape);
   const int T = shape.tokens, D = shape.head_dim;
   const int n = min(max(pg.num_tokens, 0), T);
-  const PageLayout L = LayoutOf(e, shape);
+  const PageLayout L = ComputeLayout(e, shape);
   for (int which = 0; which < 2; ++which) {
     float* out = which == 0 ? k_out : v_out;
     if (out == nullptr) continue;
@@ -698,14 +598,14 @@ __global__ void DemoteKernel(PageShape shape, const DevicePage* src,
   __shared__ unsigned s_amax;
   __shared__ unsigned s_row[kCodecThreads];
   const DevicePage ps = src[blockIdx.x], pd = dst[blockIdx.x];
-  const DevEnc es = Unpack(ps.format), ed = Unpack(pd.format);
+  const UnpackedEncoding es = Unpack(ps.format), ed = Unpack(pd.format);
   if (!Supported(es, shape) || !Supported(ed, shape)) return;
   const int T = shape.tokens, H = shape.heads, D = shape.head_dim;
   const int n = min(max(ps.num_tokens, 0), T);
   const size_t elems = static_cast<size_t>(T) * H * D;
   uint16_t* k = scratch + 2 * elems * blockIdx.x;
   uint16_t* v = k + elems;
-  const PageLayout L = LayoutOf(es, shape);
+  const PageLayout L = ComputeLayout(es, shape);
   for (int h = 0; h < H; ++h) {
     for (int which = 0; which < 2; ++which) {
       uint16_t* out = which == 0 ? k : v;
@@ -817,14 +717,14 @@ __global__ void __launch_bounds__(kAttnThreads)
   bool poisoned = false;
   for (int pi = first; pi < last && remaining > 0; ++pi) {
     const DevicePage pg = pages[pi];
-    const DevEnc e = Unpack(pg.format);
+    const UnpackedEncoding e = Unpack(pg.format);
     if (!Supported(e, shape)) {  // never silently wrong: NaN output
       poisoned = true;
       break;
     }
     const int n = min(min(max(pg.num_tokens, 0), T), remaining);
     remaining -= n;
-    const PageLayout L = LayoutOf(e, shape);
+    const PageLayout L = ComputeLayout(e, shape);
     const uint8_t* page = pg.data;
     for (int t0 = 0; t0 < n; t0 += kTile) {
       const int nt = min(kTile, n - t0);
@@ -949,17 +849,26 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kClasses = 8;
 __host__ __device__ __forceinline__ int ClassOf(int32_t packed_format,
                                                 bool small_ok) {
-  const uint32_t p = static_cast<uint32_t>(packed_format);
-  const uint32_t fk = p & 0xffu;
-  uint32_t fv = (p >> 8) & 0xffu;
-  if (fv == 0) fv = fk;
-  const bool k_small = fk >= 2 && fk <= 5, v_small = fv >= 2 && fv <= 5;
+  const UnpackedEncoding e = Unpack(packed_format);
+  const uint32_t fk = static_cast<uint32_t>(e.k),
+                 fv = static_cast<uint32_t>(e.v);
+  constexpr uint32_t kInt4 = static_cast<uint32_t>(Format::kINT4),
+                     kInt8 = static_cast<uint32_t>(Format::kINT8),
+                     kTq4 = static_cast<uint32_t>(Format::kTQ4),
+                     kTq2 = static_cast<uint32_t>(Format::kTQ2);
+  static_assert(kInt4 == 2 && static_cast<uint32_t>(Format::kINT2) == 3 &&
+                    static_cast<uint32_t>(Format::kFP8) == 4 && kInt8 == 5,
+                "INT4, INT2, FP8, INT8 are the Format values 2..5");
+  // INT4, INT2, FP8, INT8: the formats of the transposed kernel's tiles.
+  const bool k_small = fk >= kInt4 && fk <= kInt8,
+             v_small = fv >= kInt4 && fv <= kInt8;
   if (k_small && !(small_ok && v_small)) return 0;
   // TQ4/TQ2 keys take the transposed kTq kernel with TQ4/TQ2 values only;
   // with other values they join class 6 (TQ3 keys: the full kernel, whose
   // CTAs of that class build Q' = R Q).
-  const bool k_tq = fk == 6 || fk == 8, v_tq = fv == 6 || fv == 8;
+  const bool k_tq = fk == kTq4 || fk == kTq2, v_tq = fv == kTq4 || fv == kTq2;
   if (small_ok && k_tq && !v_tq) return 6;
+  // Class c holds K format c + 1 (any byte value maps to a class).
   return (fk - 1u) & (kClasses - 1);
 }
 // head_dims whose kSmall kernel is built (ValuesRegT: runs of >= 2 bytes).
@@ -1171,15 +1080,6 @@ __device__ __forceinline__ uint4 Pack8(const float* x) {
                     PackBf16(x[4], x[5]), PackBf16(x[6], x[7]));
 }
 
-template <int F>
-struct FmtBits {
-  static constexpr int v = F == 1               ? 16
-                           : (F == 4 || F == 5) ? 8
-                           : (F == 2 || F == 6) ? 4
-                           : (F == 7)           ? 3
-                                                : 2;
-};
-
 // ---- Packed FP16 dequantization (INT and FP8 tensors) ---------------------
 //
 // INT and FP8 keys never go through shared memory as BF16: each lane turns
@@ -1281,13 +1181,15 @@ __device__ __forceinline__ uint32_t AndOr(uint32_t a, uint32_t mask,
       : "r"(a), "r"(mask), "r"(bits));
   return d;
 }
-template <int F>
+template <Format F>
 __device__ __forceinline__ __half2 CodePair(const uint32_t* w, int p) {
   uint32_t x, magic;
-  if constexpr (F == 5) {  // int8: bytes 2p, 2p+1 under a 0x64 high byte
+  if constexpr (F ==
+                Format::kINT8) {  // int8: bytes 2p, 2p+1 under a 0x64 high byte
     x = __byte_perm(w[p / 2], 0x64646464u, (p % 2) ? 0x4342u : 0x4140u);
     magic = 0x64006400u;
-  } else if constexpr (F == 2) {  // int4: byte p, low nibble then high
+  } else if constexpr (F ==
+                       Format::kINT4) {  // int4: byte p, low nibble then high
     const uint32_t by = static_cast<uint32_t>(p % 4);
     const uint32_t b = __byte_perm(w[p / 4], 0u, 0x4040u | by | (by << 8));
     magic = 0x54006400u;
@@ -1344,12 +1246,12 @@ __device__ __forceinline__ uint32_t PackHalf(float lo, float hi) {
 // ring; sc/zr: the key group's per-channel scale/zero (INT) or the head's
 // float scale (FP8, applied to S). Rows >= nt yield finite or non-finite
 // garbage in their S columns, which the caller masks.
-template <int F, int kD, bool kFp8Meta>
+template <Format F, int kD, bool kFp8Meta>
 __device__ __forceinline__ void ScoresReg(const uint8_t* codes,
                                           const uint8_t* sc, const uint8_t* zr,
                                           uint32_t qp_addr, int lane,
                                           float (&s)[2][4]) {
-  constexpr int kRowBytes = kD * FmtBits<F>::v / 8;
+  constexpr int kRowBytes = kD * FormatBits(F) / 8;
   constexpr int kR = kRowBytes / 4;  // bytes of a lane's run of dims
   const int g = lane / 4, q = lane % 4;
   uint32_t w[2][kR >= 4 ? kR / 4 : 1];
@@ -1361,7 +1263,7 @@ __device__ __forceinline__ void ScoresReg(const uint8_t* codes,
     uint32_t af[4];
     Ldm4(qp_addr + TileOff<kD>(lane % 16, kk * 2 + lane / 16), af);
     __half2 s2[2], z2[2];
-    if constexpr (F != 4) {
+    if constexpr (F != Format::kFP8) {
       MetaQuad<kFp8Meta>(sc, m0 + 4 * kk, s2);
       MetaQuad<kFp8Meta>(zr, m0 + 4 * kk, z2);
     }
@@ -1371,7 +1273,7 @@ __device__ __forceinline__ void ScoresReg(const uint8_t* codes,
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int p = 2 * kk + r;
-        if constexpr (F == 4) {
+        if constexpr (F == Format::kFP8) {
           b[r] = Half2AsU32(Fp8x2ToHalf2(w[j][p / 2] >> (16 * (p % 2))));
         } else {
           b[r] = Half2AsU32(__hfma2(CodePair<F>(w[j], p), s2[r], z2[r]));
@@ -1380,7 +1282,7 @@ __device__ __forceinline__ void ScoresReg(const uint8_t* codes,
       MmaF16(s[j], af, b[0], b[1]);
     }
   }
-  if constexpr (F == 4) {
+  if constexpr (F == Format::kFP8) {
     const float f = *reinterpret_cast<const float*>(sc);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -1390,38 +1292,40 @@ __device__ __forceinline__ void ScoresReg(const uint8_t* codes,
   }
 }
 
-// Calls fn(F, M) with F the INT/FP8 format (2 INT4, 3 INT2, 4 FP8, else
-// INT8) and M whether its metadata is FP8 (sdt 2; FP8 tensors have none),
-// both as std::integral_constant, so one switch serves every *Any helper.
+// Calls fn(F, M) with F the INT/FP8 format (INT4, INT2, FP8, else INT8) and
+// M whether its metadata is FP8 (FP8 tensors have none), both as
+// std::integral_constant, so one switch serves every *Any helper.
 template <typename Fn>
-__device__ __forceinline__ void DispatchIntFp8(int f, int sdt, Fn&& fn) {
+__device__ __forceinline__ void DispatchIntFp8(FormatCode f, ScaleDtypeCode sdt,
+                                               Fn&& fn) {
   using std::integral_constant;
-  const bool m8 = sdt == 2;
+  using Int4 = integral_constant<Format, Format::kINT4>;
+  using Int2 = integral_constant<Format, Format::kINT2>;
+  using Fp8 = integral_constant<Format, Format::kFP8>;
+  using Int8 = integral_constant<Format, Format::kINT8>;
+  using Fp8Meta = integral_constant<bool, true>;
+  using Fp16Meta = integral_constant<bool, false>;
+  const bool m8 = sdt == ScaleDtypeCode::kFP8;
   switch (f) {
-    case 2:
-      m8 ? fn(integral_constant<int, 2>{}, integral_constant<bool, true>{})
-         : fn(integral_constant<int, 2>{}, integral_constant<bool, false>{});
+    case FormatCode::kINT4:
+      m8 ? fn(Int4{}, Fp8Meta{}) : fn(Int4{}, Fp16Meta{});
       break;
-    case 3:
-      m8 ? fn(integral_constant<int, 3>{}, integral_constant<bool, true>{})
-         : fn(integral_constant<int, 3>{}, integral_constant<bool, false>{});
+    case FormatCode::kINT2:
+      m8 ? fn(Int2{}, Fp8Meta{}) : fn(Int2{}, Fp16Meta{});
       break;
-    case 4:
-      fn(integral_constant<int, 4>{}, integral_constant<bool, false>{});
+    case FormatCode::kFP8:
+      fn(Fp8{}, Fp16Meta{});
       break;
     default:
-      m8 ? fn(integral_constant<int, 5>{}, integral_constant<bool, true>{})
-         : fn(integral_constant<int, 5>{}, integral_constant<bool, false>{});
+      m8 ? fn(Int8{}, Fp8Meta{}) : fn(Int8{}, Fp16Meta{});
       break;
   }
 }
 
 template <int kD>
-__device__ __forceinline__ void ScoresRegAny(int f, const uint8_t* codes,
-                                             const uint8_t* sc,
-                                             const uint8_t* zr, int sdt,
-                                             uint32_t qp_addr, int lane,
-                                             float (&s)[2][4]) {
+__device__ __forceinline__ void ScoresRegAny(
+    FormatCode f, const uint8_t* codes, const uint8_t* sc, const uint8_t* zr,
+    ScaleDtypeCode sdt, uint32_t qp_addr, int lane, float (&s)[2][4]) {
   DispatchIntFp8(f, sdt, [&](auto F, auto M) {
     ScoresReg<decltype(F)::value, kD, decltype(M)::value>(codes, sc, zr,
                                                           qp_addr, lane, s);
@@ -1432,17 +1336,17 @@ __device__ __forceinline__ void ScoresRegAny(int f, const uint8_t* codes,
 // ring into a swizzled fp16 [16][kD] tile (rows >= nt repeat row nt - 1).
 // sc/zr: the rows' per-group scale/zero (2^lg_gv dims per group) or the head's
 // FP8 float scale (rounded to fp16, applied with one HMUL2 per pair).
-template <int F, int kD, bool kFp8Meta>
+template <Format F, int kD, bool kFp8Meta>
 __device__ __forceinline__ void DecodeValuesF16(const uint8_t* codes,
                                                 const uint8_t* sc,
                                                 const uint8_t* zr, int lg_gv,
                                                 int nt, uint8_t* out,
                                                 int lane) {
   constexpr int kCh = kD / 8, kIt = kCh / 2;  // 16 * kCh chunks / 32 lanes
-  constexpr int kB = FmtBits<F>::v;           // bytes per 8-dim chunk
+  constexpr int kB = FormatBits(F);           // bytes per 8-dim chunk
   constexpr int kRowBytes = kD * kB / 8;
   __half2 fs = __float2half2_rn(1.f);
-  if constexpr (F == 4) {
+  if constexpr (F == Format::kFP8) {
     fs = __float2half2_rn(*reinterpret_cast<const float*>(sc));
   }
   // A lane keeps one chunk column (kCh divides 32): its value group is
@@ -1463,7 +1367,7 @@ __device__ __forceinline__ void DecodeValuesF16(const uint8_t* codes,
       uint32_t w[kB / 2];
       LoadRun<2 * kB>(codes + rr * kRowBytes + pc * 2 * kB, w);
       uint32_t res[8];
-      if constexpr (F == 4) {
+      if constexpr (F == Format::kFP8) {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           res[i] =
@@ -1494,7 +1398,7 @@ __device__ __forceinline__ void DecodeValuesF16(const uint8_t* codes,
       uint32_t w[kB >= 4 ? kB / 4 : 1];
       LoadRun<kB>(codes + rr * kRowBytes + ch * kB, w);
       uint32_t res[4];
-      if constexpr (F == 4) {
+      if constexpr (F == Format::kFP8) {
 #pragma unroll
         for (int i = 0; i < 4; ++i)
           res[i] =
@@ -1514,11 +1418,9 @@ __device__ __forceinline__ void DecodeValuesF16(const uint8_t* codes,
 }
 
 template <int kD>
-__device__ __forceinline__ void DecodeValuesF16Any(int f, const uint8_t* codes,
-                                                   const uint8_t* sc,
-                                                   const uint8_t* zr, int sdt,
-                                                   int lg_gv, int nt,
-                                                   uint8_t* out, int lane) {
+__device__ __forceinline__ void DecodeValuesF16Any(
+    FormatCode f, const uint8_t* codes, const uint8_t* sc, const uint8_t* zr,
+    ScaleDtypeCode sdt, int lg_gv, int nt, uint8_t* out, int lane) {
   DispatchIntFp8(f, sdt, [&](auto F, auto M) {
     DecodeValuesF16<decltype(F)::value, kD, decltype(M)::value>(
         codes, sc, zr, lg_gv, nt, out, lane);
@@ -1577,12 +1479,12 @@ __device__ __forceinline__ void QueryRegsT(const float* q_row, bool in,
 // (F 4): s[0], s[1] = token TokOf(g), query heads 2q, 2q + 1; s[2], s[3] =
 // token TokOf(g) + 8. Same operands as ScoresReg, in the A slot. Rows >= nt
 // yield garbage that the caller masks.
-template <int F, int kD, bool kFp8Meta>
+template <Format F, int kD, bool kFp8Meta>
 __device__ __forceinline__ void ScoresRegT(const uint8_t* codes,
                                            const uint8_t* sc, const uint8_t* zr,
                                            const uint32_t (&qb)[kD / 8],
                                            int lane, float (&s)[4]) {
-  constexpr int kRowBytes = kD * FmtBits<F>::v / 8;
+  constexpr int kRowBytes = kD * FormatBits(F) / 8;
   constexpr int kR = kRowBytes / 4;  // bytes of a lane's run of dims
   const int g = lane / 4, q = lane % 4, t = TokOf(g);
   uint32_t w[2][kR >= 4 ? kR / 4 : 1];
@@ -1592,7 +1494,7 @@ __device__ __forceinline__ void ScoresRegT(const uint8_t* codes,
   __half2 s8[4], z8[4];         // channels m0 + 8 (kk / 2) .. + 7
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
-    if constexpr (F != 4) {
+    if constexpr (F != Format::kFP8) {
       if (kk % 2 == 0) {
         MetaOct<kFp8Meta>(sc, m0 + 4 * kk, s8);
         MetaOct<kFp8Meta>(zr, m0 + 4 * kk, z8);
@@ -1606,7 +1508,7 @@ __device__ __forceinline__ void ScoresRegT(const uint8_t* codes,
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int p = 2 * kk + r;
-        if constexpr (F == 4) {
+        if constexpr (F == Format::kFP8) {
           af[2 * r + j] =
               Half2AsU32(Fp8x2ToHalf2(w[j][p / 2] >> (16 * (p % 2))));
         } else {
@@ -1617,7 +1519,7 @@ __device__ __forceinline__ void ScoresRegT(const uint8_t* codes,
     }
     MmaF16(s, af, qb[2 * kk], qb[2 * kk + 1]);
   }
-  if constexpr (F == 4) {
+  if constexpr (F == Format::kFP8) {
     const float f = *reinterpret_cast<const float*>(sc);
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[i] *= f;
@@ -1625,11 +1527,9 @@ __device__ __forceinline__ void ScoresRegT(const uint8_t* codes,
 }
 
 template <int kD>
-__device__ __forceinline__ void ScoresRegTAny(int f, const uint8_t* codes,
-                                              const uint8_t* sc,
-                                              const uint8_t* zr, int sdt,
-                                              const uint32_t (&qb)[kD / 8],
-                                              int lane, float (&s)[4]) {
+__device__ __forceinline__ void ScoresRegTAny(
+    FormatCode f, const uint8_t* codes, const uint8_t* sc, const uint8_t* zr,
+    ScaleDtypeCode sdt, const uint32_t (&qb)[kD / 8], int lane, float (&s)[4]) {
   DispatchIntFp8(f, sdt, [&](auto F, auto M) {
     ScoresRegT<decltype(F)::value, kD, decltype(M)::value>(codes, sc, zr, qb,
                                                            lane, s);
@@ -1650,13 +1550,13 @@ __device__ __forceinline__ __half2 MetaPair(const uint8_t* base, int i0,
 // token nt - 1 again (finite values; their probabilities are 0). sc/zr: the
 // rows' per-group scale/zero (2^lg_gv dims per group; a lane's run lies in one
 // group) or the head's FP8 float scale.
-template <int F, int kD, bool kFp8Meta>
+template <Format F, int kD, bool kFp8Meta>
 __device__ __forceinline__ void ValuesRegT(const uint8_t* codes,
                                            const uint8_t* sc, const uint8_t* zr,
                                            int lg_gv, int nt, uint32_t pb0,
                                            uint32_t pb1, int lane,
                                            float (&o)[kD / 16][4]) {
-  constexpr int kBits = FmtBits<F>::v;
+  constexpr int kBits = FormatBits(F);
   constexpr int kRowBytes = kD * kBits / 8;
   constexpr int kRv = kD / 8;           // dims of a lane's run
   constexpr int kRb = kRv * kBits / 8;  // bytes of a lane's run (>= 2)
@@ -1675,7 +1575,7 @@ __device__ __forceinline__ void ValuesRegT(const uint8_t* codes,
   for (int k = 0; k < 4; ++k)
     LoadRun<kRb>(codes + tok[k] * kRowBytes + g * kRb, w[k]);
   __half2 s2[2], z2[2];
-  if constexpr (F == 4) {
+  if constexpr (F == Format::kFP8) {
     s2[0] = s2[1] = __float2half2_rn(*reinterpret_cast<const float*>(sc));
   } else {
     const int per_row = kD >> lg_gv, mcol = (g * kRv) >> lg_gv;
@@ -1695,7 +1595,7 @@ __device__ __forceinline__ void ValuesRegT(const uint8_t* codes,
     for (int hw = 0; hw < kHw; ++hw) {
       const uint32_t a = w[2 * tp][hw / 2], b = w[2 * tp + 1][hw / 2];
       const int e0 = hw * kDh;
-      if constexpr (F == 4) {
+      if constexpr (F == Format::kFP8) {
         // Bytes a0 b0 a1 b1 of the half-word: one E4M3 pair per dim.
         const uint32_t y = __byte_perm(a, b, (hw % 2) ? 0x7362u : 0x5140u);
         v[tp][e0] = Half2AsU32(__hmul2(Fp8x2ToHalf2(y), s2[tp]));
@@ -1704,12 +1604,13 @@ __device__ __forceinline__ void ValuesRegT(const uint8_t* codes,
         // Half-word hw of both tokens: low 16 bits token a, high token b.
         const uint32_t x = __byte_perm(a, b, (hw % 2) ? 0x7632u : 0x5410u);
         __half2 c[kDh];
-        if constexpr (F == 5) {  // int8: bytes 0 and 1 under 0x64
+        if constexpr (F == Format::kINT8) {  // int8: bytes 0 and 1 under 0x64
           c[0] = U32AsHalf2(__byte_perm(x, 0x64646464u, 0x4240u));
           c[1] = U32AsHalf2(__byte_perm(x, 0x64646464u, 0x4341u));
           c[0] = __hsub2(c[0], U32AsHalf2(0x64006400u));
           c[1] = __hsub2(c[1], U32AsHalf2(0x64006400u));
-        } else if constexpr (F == 2) {  // int4: nibbles of bytes 0, 1
+        } else if constexpr (F ==
+                             Format::kINT4) {  // int4: nibbles of bytes 0, 1
           const uint32_t y = x >> 8;
           const uint32_t m0 = 0x64006400u, m1 = 0x54005400u;
           c[0] = __hsub2(U32AsHalf2(AndOr(x, 0x000f000fu, m0)), U32AsHalf2(m0));
@@ -1746,12 +1647,10 @@ __device__ __forceinline__ void ValuesRegT(const uint8_t* codes,
 }
 
 template <int kD>
-__device__ __forceinline__ void ValuesRegTAny(int f, const uint8_t* codes,
-                                              const uint8_t* sc,
-                                              const uint8_t* zr, int sdt,
-                                              int lg_gv, int nt, uint32_t pb0,
-                                              uint32_t pb1, int lane,
-                                              float (&o)[kD / 16][4]) {
+__device__ __forceinline__ void ValuesRegTAny(
+    FormatCode f, const uint8_t* codes, const uint8_t* sc, const uint8_t* zr,
+    ScaleDtypeCode sdt, int lg_gv, int nt, uint32_t pb0, uint32_t pb1, int lane,
+    float (&o)[kD / 16][4]) {
   DispatchIntFp8(f, sdt, [&](auto F, auto M) {
     ValuesRegT<decltype(F)::value, kD, decltype(M)::value>(
         codes, sc, zr, lg_gv, nt, pb0, pb1, lane, o);
@@ -1815,13 +1714,13 @@ __device__ __forceinline__ void QueryRegsRotT(const float* q_row, bool in,
 // S^T += K' Q'^T for one staged TQ4 (F 6) or TQ2 (F 8) key tile, then each
 // row times its token's norm (`norms`: the tile's f16 row norms). Rows >=
 // nt yield garbage that the caller masks.
-template <int F, int kD>
+template <Format F, int kD>
 __device__ __forceinline__ void ScoresTqT(const uint8_t* codes,
                                           const uint8_t* norms,
                                           const uint32_t* lut,
                                           const uint32_t (&qb)[kD / 8],
                                           int lane, float (&s)[4]) {
-  constexpr int kBits = F == 6 ? 4 : 2;
+  constexpr int kBits = F == Format::kTQ4 ? 4 : 2;
   constexpr int kRowBytes = kD * kBits / 8;
   constexpr int kR = kRowBytes / 4;  // bytes of a lane's run of dims
   const int g = lane / 4, q = lane % 4, t = TokOf(g);
@@ -1837,7 +1736,7 @@ __device__ __forceinline__ void ScoresTqT(const uint8_t* codes,
       for (int j = 0; j < 2; ++j) {
         const int p = 2 * kk + r;  // dims 2p, 2p + 1 of the run
         uint32_t idx;
-        if constexpr (F == 6) {
+        if constexpr (F == Format::kTQ4) {
           idx = (w[j][p / 4] >> (8 * (p % 4))) & 0xffu;
         } else {
           idx = (w[j][p / 8] >> (4 * (p % 8))) & 0xfu;
@@ -1856,27 +1755,27 @@ __device__ __forceinline__ void ScoresTqT(const uint8_t* codes,
 }
 
 template <int kD>
-__device__ __forceinline__ void ScoresTqTAny(int f, const uint8_t* codes,
+__device__ __forceinline__ void ScoresTqTAny(FormatCode f, const uint8_t* codes,
                                              const uint8_t* norms,
                                              const uint32_t* lut4,
                                              const uint32_t* lut2,
                                              const uint32_t (&qb)[kD / 8],
                                              int lane, float (&s)[4]) {
-  if (f == 6) {
-    ScoresTqT<6, kD>(codes, norms, lut4, qb, lane, s);
+  if (f == FormatCode::kTQ4) {
+    ScoresTqT<Format::kTQ4, kD>(codes, norms, lut4, qb, lane, s);
   } else {
-    ScoresTqT<8, kD>(codes, norms, lut2, qb, lane, s);
+    ScoresTqT<Format::kTQ2, kD>(codes, norms, lut2, qb, lane, s);
   }
 }
 
 // O'^T += V'^T P'^T for one staged TQ4 (F 6) or TQ2 (F 8) value tile (levels
 // only: the caller scaled P by the row norms). Token slots as ValuesRegT.
-template <int F, int kD>
+template <Format F, int kD>
 __device__ __forceinline__ void ValuesTqT(const uint8_t* codes,
                                           const uint32_t* lut, int nt,
                                           uint32_t pb0, uint32_t pb1, int lane,
                                           float (&o)[kD / 16][4]) {
-  constexpr int kBits = F == 6 ? 4 : 2;
+  constexpr int kBits = F == Format::kTQ4 ? 4 : 2;
   constexpr int kRowBytes = kD * kBits / 8;
   constexpr int kRv = kD / 8;           // dims of a lane's run
   constexpr int kRb = kRv * kBits / 8;  // bytes of a lane's run (>= 2)
@@ -1901,7 +1800,7 @@ __device__ __forceinline__ void ValuesTqT(const uint8_t* codes,
       // lo: indices of the even dims of the word, hi: the odd dims (one
       // byte (TQ4) or nibble (TQ2) each: token a's code low, b's high).
       uint32_t lo, hi;
-      if constexpr (F == 6) {
+      if constexpr (F == Format::kTQ4) {
         lo = (a & 0x0f0f0f0fu) | ((b << 4) & 0xf0f0f0f0u);
         hi = ((a >> 4) & 0x0f0f0f0fu) | (b & 0xf0f0f0f0u);
       } else {
@@ -1929,15 +1828,15 @@ __device__ __forceinline__ void ValuesTqT(const uint8_t* codes,
 }
 
 template <int kD>
-__device__ __forceinline__ void ValuesTqTAny(int f, const uint8_t* codes,
+__device__ __forceinline__ void ValuesTqTAny(FormatCode f, const uint8_t* codes,
                                              const uint32_t* lut4,
                                              const uint32_t* lut2, int nt,
                                              uint32_t pb0, uint32_t pb1,
                                              int lane, float (&o)[kD / 16][4]) {
-  if (f == 6) {
-    ValuesTqT<6, kD>(codes, lut4, nt, pb0, pb1, lane, o);
+  if (f == FormatCode::kTQ4) {
+    ValuesTqT<Format::kTQ4, kD>(codes, lut4, nt, pb0, pb1, lane, o);
   } else {
-    ValuesTqT<8, kD>(codes, lut2, nt, pb0, pb1, lane, o);
+    ValuesTqT<Format::kTQ2, kD>(codes, lut2, nt, pb0, pb1, lane, o);
   }
 }
 
@@ -2006,16 +1905,16 @@ __device__ __forceinline__ void RotateAccT(float (&o)[kD / 16][4],
 // false TQ values are rotated back here,
 // v = sign * FWHT(v') / sqrt(kD), the FWHT running in registers across the
 // kD / 8 lanes holding a row.
-template <int F, bool kKey, int kD, bool kNorm = true>
+template <Format F, bool kKey, int kD, bool kNorm = true>
 __device__ __forceinline__ void DecodeStaged(const uint8_t* codes,
                                              const uint8_t* sc, int nt,
                                              uint8_t* out, const float* s_cb,
                                              const float* s_sign, int lane) {
-  static_assert(F >= 6 && F <= 8, "TQ formats only");
+  static_assert(IsTqFormat(F), "TQ formats only");
   constexpr int kCh = kD / 8, kIt = kCh / 2;  // 16 * kCh chunks / 32 lanes
-  constexpr int kB = FmtBits<F>::v;           // bytes per 8-dim chunk
+  constexpr int kB = FormatBits(F);           // bytes per 8-dim chunk
   constexpr int kRowBytes = kD * kB / 8;
-  const float* lv = s_cb + 16 * (FmtBits<F>::v - 2);
+  const float* lv = s_cb + 16 * (FormatBits(F) - 2);
 #pragma unroll
   for (int it = 0; it < kIt; ++it) {
     const int c = lane + 32 * it, r = c / kCh, ch = c % kCh;
@@ -2075,20 +1974,21 @@ __device__ __forceinline__ void DecodeStaged(const uint8_t* codes,
 
 // TQ tile of format f into a BF16 tile (one switch per tensor and tile).
 template <bool kKey, int kD, bool kNorm = true>
-__device__ __forceinline__ void DecodeStagedAny(int f, const uint8_t* codes,
-                                                const uint8_t* sc, int nt,
-                                                uint8_t* tile,
-                                                const float* s_cb,
-                                                const float* s_sign, int lane) {
+__device__ __forceinline__ void DecodeStagedAny(
+    FormatCode f, const uint8_t* codes, const uint8_t* sc, int nt,
+    uint8_t* tile, const float* s_cb, const float* s_sign, int lane) {
   switch (f) {
-    case 6:
-      DecodeStaged<6, kKey, kD, kNorm>(codes, sc, nt, tile, s_cb, s_sign, lane);
+    case FormatCode::kTQ4:
+      DecodeStaged<Format::kTQ4, kKey, kD, kNorm>(codes, sc, nt, tile, s_cb,
+                                                  s_sign, lane);
       break;
-    case 7:
-      DecodeStaged<7, kKey, kD, kNorm>(codes, sc, nt, tile, s_cb, s_sign, lane);
+    case FormatCode::kTQ3:
+      DecodeStaged<Format::kTQ3, kKey, kD, kNorm>(codes, sc, nt, tile, s_cb,
+                                                  s_sign, lane);
       break;
     default:
-      DecodeStaged<8, kKey, kD, kNorm>(codes, sc, nt, tile, s_cb, s_sign, lane);
+      DecodeStaged<Format::kTQ2, kKey, kD, kNorm>(codes, sc, nt, tile, s_cb,
+                                                  s_sign, lane);
       break;
   }
 }
@@ -2210,34 +2110,35 @@ static_assert(sizeof(TilePlan) <= kPlanBytes, "TilePlan fits its slot");
 
 template <int kD>
 __device__ TilePlan MakeTilePlan(int32_t fmt, const PageShape& s, int h) {
-  const DevEnc e = Unpack(fmt);
-  const PageLayout L = LayoutOf(e, s);
+  const UnpackedEncoding e = Unpack(fmt);
+  const PageLayout L = ComputeLayout(e, s);
   const uint32_t T = s.tokens;
   TilePlan pl;
   pl.fmt = fmt;
-  pl.bf_mask = (e.k == 1 ? 1u : 0u) | (e.v == 1 ? 2u : 0u);
+  pl.bf_mask = (e.k == FormatCode::kBF16 ? 1u : 0u) |
+               (e.v == FormatCode::kBF16 ? 2u : 0u);
   pl.kg_shift = 31;
   pl.kg_bytes = 0;
   for (int i = 0; i < 6; ++i)
     pl.off[i] = pl.row[i] = pl.fixed[i] = pl.per[i] = 0;
   for (int t = 0; t < 2; ++t) {
     const bool key = t == 0;
-    const int f = key ? e.k : e.v;
+    const FormatCode f = key ? e.k : e.v;
     const TensorLayout& tl = key ? L.k : L.v;
-    const uint32_t rb = kD * BitsOf(f) / 8;
+    const uint32_t rb = kD * FormatBits(f) / 8;
     pl.off[t] = static_cast<uint32_t>(tl.codes) + h * T * rb;
     pl.row[t] = pl.per[t] = rb;
     const int ms = 2 + 2 * t, mz = ms + 1;  // metadata ranges
-    if (f == 4) {
+    if (f == FormatCode::kFP8) {
       pl.off[ms] = static_cast<uint32_t>(tl.scale) + 4u * h;
       pl.fixed[ms] = 4;
-    } else if (IsTq(f)) {
+    } else if (IsTqFormat(f)) {
       pl.off[ms] = static_cast<uint32_t>(tl.scale) + 2u * h * T;
       pl.row[ms] = pl.per[ms] = 2;
-    } else if (IsInt(f)) {
-      const uint32_t elem = e.sdt == 2 ? 1 : 2;
+    } else if (IsIntFormat(f)) {
+      const uint32_t elem = e.scale_dtype == ScaleDtypeCode::kFP8 ? 1 : 2;
       if (key) {
-        const uint32_t gk = min(e.group, s.tokens);
+        const uint32_t gk = s.KeyGroup(e);
         const uint32_t first = h * (T / gk) * kD;
         pl.off[ms] = static_cast<uint32_t>(tl.scale) + first * elem;
         pl.off[mz] = static_cast<uint32_t>(tl.zero) + first * elem;
@@ -2246,7 +2147,7 @@ __device__ TilePlan MakeTilePlan(int32_t fmt, const PageShape& s, int h) {
         pl.kg_shift = gk == T ? 31u : static_cast<uint32_t>(__ffs(gk) - 1);
         pl.kg_bytes = kD * elem;
       } else {
-        const uint32_t per_row = kD / min(e.group, kD);
+        const uint32_t per_row = kD / min(e.Group(), kD);
         pl.off[ms] = static_cast<uint32_t>(tl.scale) + h * T * per_row * elem;
         pl.off[mz] = static_cast<uint32_t>(tl.zero) + h * T * per_row * elem;
         pl.row[ms] = pl.per[ms] = pl.row[mz] = pl.per[mz] = per_row * elem;
@@ -2307,9 +2208,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
   constexpr int kRows = kSmall ? 8 : 16;
   const int row0 = rb * kRows, nrows = min(kRows, a.group - row0);
   const bool hi_rows = nrows > 8;  // mma rows 8-15 hold query heads
-  const bool tq_ok = (!kSmall || kTq) && TqDim(kD);
-  // Q' = R Q only for classes whose keys are TQ (K format 6-8).
-  const bool tq_keys = !kSmall && tq_ok && IsTq(cls + 1);
+  const bool tq_ok = (!kSmall || kTq) && IsTqHeadDim(kD);
+  // Q' = R Q only for classes whose keys are TQ (class c: K format c + 1).
+  const bool tq_keys =
+      !kSmall && tq_ok && IsTqFormat(static_cast<FormatCode>(cls + 1));
   float* s_cb = reinterpret_cast<float*>(sm + Sm::kCb);
   float* s_sign = reinterpret_cast<float*>(sm + Sm::kSign);
   if (tq_ok) {
@@ -2660,9 +2562,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
     }
     __syncwarp();
     const TileDesc d = descs[consumed % kMaxInFlight];
-    const DevEnc e = Unpack(d.format);
+    const UnpackedEncoding e = Unpack(d.format);
     const int nt = d.nt;
-    const int lg_gv = 31 - __clz(min(e.group, kD));  // group: power of 2
+    const int lg_gv = 31 - __clz(min(e.Group(), kD));  // group: power of 2
     if constexpr (kSmall) {
       // Transposed tile (see ValuesRegT): S^T = K Q^T, softmax per column,
       // O^T += V^T P^T. Keys and values are INT or FP8 (ClassOf).
@@ -2673,7 +2575,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
                          qb, lane, st);
       } else {
         ScoresRegTAny<kD>(e.k, ring + d.pos[0], ring + d.pos[2],
-                          ring + d.pos[3], e.sdt, qb, lane, st);
+                          ring + d.pos[3], e.scale_dtype, qb, lane, st);
       }
       if (TokOf(g) >= nt) st[0] = st[1] = -INFINITY;
       if (TokOf(g) + 8 >= nt) st[2] = st[3] = -INFINITY;
@@ -2724,15 +2626,16 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
                          lane, o);
       } else {
         ValuesRegTAny<kD>(e.v, ring + d.pos[1], ring + d.pos[4],
-                          ring + d.pos[5], e.sdt, lg_gv, nt, pb0, pb1, lane, o);
+                          ring + d.pos[5], e.scale_dtype, lg_gv, nt, pb0, pb1,
+                          lane, o);
       }
     } else {
       // S = Q K^T: rows = query heads, cols = tokens (two n-tiles of 8).
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
       // kSmall CTAs never see BF16/TQ keys (their class is the K format).
-      if (!kSmall && (e.k == 1 || IsTq(e.k))) {
+      if (!kSmall && (e.k == FormatCode::kBF16 || IsTqFormat(e.k))) {
         uint32_t k_addr;
-        if (e.k == 1) {
+        if (e.k == FormatCode::kBF16) {
           k_addr = ring_addr + d.pos[0];
         } else {
           // Levels only; the row norms scale S's columns below.
@@ -2742,7 +2645,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
           k_addr = SmemAddr(sDec);
           __syncwarp();
         }
-        const uint32_t qa = e.k == 1 ? q_addr : qr_addr;
+        const uint32_t qa = e.k == FormatCode::kBF16 ? q_addr : qr_addr;
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
           uint32_t af[4], bfr[4];
@@ -2753,7 +2656,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
           Mma(sc[0], af, bfr[0], bfr[1]);
           Mma(sc[1], af, bfr[2], bfr[3]);
         }
-        if (e.k != 1) {
+        if (e.k != FormatCode::kBF16) {
           // S column t *= norm_t (q' . (norm level) = norm (q' . level));
           // columns >= nt are masked below whatever their norm bytes.
           const uint8_t* nk = ring + d.pos[2];
@@ -2771,18 +2674,19 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
         __syncwarp();  // sDec reads done before the values reuse it
       } else {
         ScoresRegAny<kD>(e.k, ring + d.pos[0], ring + d.pos[2], ring + d.pos[3],
-                         e.sdt, qp_addr, lane, sc);
+                         e.scale_dtype, qp_addr, lane, sc);
       }
       // Values: BF16 in place (bf16 P), TQ rotated back into a bf16 tile
       // (bf16 P), INT and FP8 dequantized into an fp16 tile (fp16 P).
       uint32_t v_addr;
-      const bool v16 = e.v != 1 && !IsTq(e.v);
-      if (e.v == 1) {
+      const bool v16 = e.v != FormatCode::kBF16 && !IsTqFormat(e.v);
+      if (e.v == FormatCode::kBF16) {
         v_addr = ring_addr + d.pos[1];
       } else {
         if (v16) {
           DecodeValuesF16Any<kD>(e.v, ring + d.pos[1], ring + d.pos[4],
-                                 ring + d.pos[5], e.sdt, lg_gv, nt, sDec, lane);
+                                 ring + d.pos[5], e.scale_dtype, lg_gv, nt,
+                                 sDec, lane);
         } else if constexpr (kSmall) {
           DecodeStagedAny<false, kD>(e.v, ring + d.pos[1], ring + d.pos[4], nt,
                                      sDec, s_cb, s_sign, lane);
@@ -2851,7 +2755,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
         }
       }
       if constexpr (!kSmall) {
-        const bool vtq = IsTq(e.v);
+        const bool vtq = IsTqFormat(e.v);
         if (vtq != rot) {
           RotateAcc<kD>(o, rot, s_sign, lane);
           rot = vtq;
@@ -3146,6 +3050,8 @@ absl::Status ValidateShape(const PageShape& s) {
   }
   return absl::OkStatus();
 }
+
+size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
 absl::Status LaunchStatus(const char* what) {
   const cudaError_t e = cudaGetLastError();
@@ -3578,7 +3484,7 @@ absl::Status CheckEncodingCuda(const Encoding& e, const PageShape& shape) {
 }
 
 PageLayout CudaPageLayout(const Encoding& e, const PageShape& shape) {
-  return LayoutOf(Unpack(PackEncoding(e)), shape);
+  return ComputeLayout(Unpack(PackEncoding(e)), shape);
 }
 
 absl::Status EncodePagesCuda(const EncodePagesParams& p) {
