@@ -205,6 +205,11 @@ uint32_t AttentionFormatBit(int32_t packed_format, int head_dim);
 
 // Scheduling decisions of DecodeAttentionCuda, exposed for tests.
 namespace internal {
+// The kernels that serve head_dim: OK with *tensor_cores true for the
+// tensor-core kernels (16, 32, 64, 128, 256), false for the CUDA-core
+// kernel (the other multiples of 8 in [8, 256]); else INVALID_ARGUMENT
+// naming the value.
+absl::Status AttentionKernelFor(int head_dim, bool* tensor_cores);
 // Encoding class of a page (packed DevicePage::format) for a head_dim:
 // 1-4 INT4/INT2/FP8/INT8 keys with INT/FP8 values and 5/7 TQ4/TQ2 keys with
 // TQ4/TQ2 values (head_dim >= 64: the transposed kernel); 6 TQ3 keys and
