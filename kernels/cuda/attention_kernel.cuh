@@ -3,6 +3,16 @@
 // per-warp tile pipeline structures (TileDesc, TilePlan). Instantiated per
 // head_dim in attention_hd<D>.cu through attention_launch.cuh.
 //
+// The kernel's body stays one function (setup, the producer `fill`, the
+// per-tile consumer of each configuration; ~600 lines) with only the
+// epilogues moved out (StorePartials*, same PTX). Its phases share ~40 live
+// values of warp state; as __forceinline__ functions the tile consumers
+// changed the generated code (scripts/ptx_compare.py: head_dim 64 full
+// kernel 161 -> 159 registers, 256 full kernel 460 -> 440 bytes of spill
+// loads, other instruction orders in the kTq variant) and the query setup
+// reordered instructions of the head_dim 16 and 64 full kernels. The
+// register budgets (up to 255, 3 or 4 CTAs per SM for the transposed
+// kernel) were measured on this code, so the phases are marked by comments.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -233,6 +243,74 @@ __device__ TilePlan MakeTilePlan(int32_t fmt, const PageShape& s, int h) {
     pl.whole_total += size;
   }
   return pl;
+}
+
+// Epilogue of the transposed configuration: the warp's partial result
+// (O^T unnormalized, running max m and sum l of query heads 2 (lane % 4)
+// and + 1) to ws_o / ws_lse slot part of each query head qh0 + r < nrows.
+// O^T: m-tile i, lane (g, q) holds dims g * kD / 8 + 2i, + 1 of query
+// heads 2q (o[i][0], o[i][2]) and 2q + 1 (o[i][1], o[i][3]).
+template <int kD>
+__device__ __forceinline__ void StorePartialsT(
+    const MmaArgs& a, size_t qh0, int nrows, int parts, int part,
+    const float (&m)[2], const float (&l)[2], bool poisoned,
+    const float (&o)[kD / 16][4], int lane) {
+  constexpr int kAcc = kD / 16;
+  const float nan = __uint_as_float(0x7fc00000u);
+  const int g = lane / 4;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int r = 2 * (lane % 4) + j;
+    if (r >= nrows) continue;
+    const size_t slot = (qh0 + r) * parts + part;
+    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+    if (g == 0) {
+      a.ws_lse[slot] =
+          poisoned ? nan : (l[j] > 0.f ? m[j] + __log2f(l[j]) : -INFINITY);
+    }
+    // An empty share (lse -inf) is skipped by the reduce: no output.
+    if (!poisoned && !(l[j] > 0.f)) continue;
+    float* dst = a.ws_o + slot * kD + g * (kD / 8);
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) {
+      const float2 val = poisoned
+                             ? make_float2(nan, nan)
+                             : make_float2(o[i][j] * inv, o[i][2 + j] * inv);
+      *reinterpret_cast<float2*>(dst + 2 * i) = val;
+    }
+  }
+}
+
+// Epilogue of the full configuration: as StorePartialsT for mma rows
+// lane / 4 and lane / 4 + 8 (O: n-tile j holds dims 8 j + 2 (lane % 4), + 1).
+template <int kD>
+__device__ __forceinline__ void StorePartials(
+    const MmaArgs& a, size_t qh0, int nrows, int parts, int part,
+    const float (&m)[2], const float (&l)[2], bool poisoned,
+    const float (&o)[kD / 8][4], int lane) {
+  constexpr int kNt = kD / 8;
+  const float nan = __uint_as_float(0x7fc00000u);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = lane / 4 + 8 * i;
+    if (r >= nrows) continue;
+    const size_t slot = (qh0 + r) * parts + part;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    if (lane % 4 == 0) {
+      a.ws_lse[slot] =
+          poisoned ? nan : (l[i] > 0.f ? m[i] + __log2f(l[i]) : -INFINITY);
+    }
+    if (!poisoned && !(l[i] > 0.f)) continue;  // empty share: see above
+    float* dst = a.ws_o + slot * kD;
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) {
+      const int d = 8 * j + 2 * (lane % 4);
+      const float2 val =
+          poisoned ? make_float2(nan, nan)
+                   : make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+      *reinterpret_cast<float2*>(dst + d) = val;
+    }
+  }
 }
 
 // kCtas: CTAs per SM the registers are capped for (kSmallCtas). kTq
@@ -863,62 +941,14 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kCtas)
     tail = d.end;
     ++consumed;
   }
-  const float nan = __uint_as_float(0x7fc00000u);
+  const size_t qh0 = static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0;
   if constexpr (kSmall) {
-    // O^T: m-tile i, lane (g, q) holds dims g * kD / 8 + 2i, + 1 of query
-    // heads 2q (o[i][0], o[i][2]) and 2q + 1 (o[i][1], o[i][3]).
     if constexpr (kTq) RotateAccT<kD>(o, s_sign, lane);
-    const int g = lane / 4;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int r = 2 * (lane % 4) + j;
-      if (r >= nrows) continue;
-      const size_t qh =
-          static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0 + r;
-      const size_t slot = qh * parts + part;
-      const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-      if (g == 0) {
-        a.ws_lse[slot] =
-            poisoned ? nan : (l[j] > 0.f ? m[j] + __log2f(l[j]) : -INFINITY);
-      }
-      // An empty share (lse -inf) is skipped by the reduce: no output.
-      if (!poisoned && !(l[j] > 0.f)) continue;
-      float* dst = a.ws_o + slot * kD + g * (kD / 8);
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) {
-        const float2 val = poisoned
-                               ? make_float2(nan, nan)
-                               : make_float2(o[i][j] * inv, o[i][2 + j] * inv);
-        *reinterpret_cast<float2*>(dst + 2 * i) = val;
-      }
-    }
-    return;
+    StorePartialsT<kD>(a, qh0, nrows, parts, part, m, l, poisoned, o, lane);
   } else {
     CpWait<0>();
     if (rot) RotateAcc<kD>(o, true, s_sign, lane);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = lane / 4 + 8 * i;
-      if (r >= nrows) continue;
-      const size_t qh =
-          static_cast<size_t>(b) * a.n_q_heads + h * a.group + row0 + r;
-      const size_t slot = qh * parts + part;
-      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-      if (lane % 4 == 0) {
-        a.ws_lse[slot] =
-            poisoned ? nan : (l[i] > 0.f ? m[i] + __log2f(l[i]) : -INFINITY);
-      }
-      if (!poisoned && !(l[i] > 0.f)) continue;  // empty share: see above
-      float* dst = a.ws_o + slot * kD;
-#pragma unroll
-      for (int j = 0; j < kNt; ++j) {
-        const int d = 8 * j + 2 * (lane % 4);
-        const float2 val =
-            poisoned ? make_float2(nan, nan)
-                     : make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
-        *reinterpret_cast<float2*>(dst + d) = val;
-      }
-    }
+    StorePartials<kD>(a, qh0, nrows, parts, part, m, l, poisoned, o, lane);
   }
 }
 
