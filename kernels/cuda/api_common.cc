@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/kv_cuda.cuh"
+#include "kernels/cuda/launch_result.h"
 #include "kernels/cuda/packed_encoding.h"
 
 namespace triax::kernels::cuda {
@@ -27,13 +28,24 @@ absl::Status ValidateShape(const PageShape& s) {
   return absl::OkStatus();
 }
 
-absl::Status LaunchStatus(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    return absl::InternalError(
-        absl::StrCat(what, " launch failed: ", cudaGetErrorString(e)));
+absl::Status ToStatus(const LaunchResult& r) {
+  switch (r.kind) {
+    case LaunchResult::Kind::kOk:
+      return absl::OkStatus();
+    case LaunchResult::Kind::kNoDevice:
+      return absl::InternalError("cudaGetDevice failed");
+    case LaunchResult::Kind::kTqUpload:
+      return absl::InternalError(
+          absl::StrCat("uploading TQ tables: ", cudaGetErrorString(r.error)));
+    case LaunchResult::Kind::kSharedMemory:
+      return absl::InternalError(absl::StrCat(
+          "attention needs ", r.smem_bytes,
+          " bytes of shared memory: ", cudaGetErrorString(r.error)));
+    case LaunchResult::Kind::kLaunch:
+      return absl::InternalError(absl::StrCat(
+          r.what, " launch failed: ", cudaGetErrorString(r.error)));
   }
-  return absl::OkStatus();
+  return absl::InternalError("unknown launch result");
 }
 
 absl::Status CheckEncodingCuda(const Encoding& e, const PageShape& shape) {

@@ -10,13 +10,11 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
-#include "kernels/cuda/api_common.h"
 #include "kernels/cuda/attention_dispatch.h"
 #include "kernels/cuda/codec.cuh"
+#include "kernels/cuda/device_page.h"
 #include "kernels/cuda/device_primitives.cuh"
-#include "kernels/cuda/kv_cuda.cuh"
+#include "kernels/cuda/launch_result.h"
 #include "kernels/cuda/packed_encoding.h"
 #include "kernels/layout.h"
 
@@ -170,7 +168,7 @@ __global__ void __launch_bounds__(kAttnThreads)
 }
 
 template <int kD>
-absl::Status LaunchAttention(const AttentionParams& p, int group) {
+LaunchResult LaunchAttention(const AttentionArgs& p, int group) {
   const AttnSmem plan(group, p.shape.head_dim);
   const size_t bytes = static_cast<size_t>(plan.total) * sizeof(float);
   auto* kernel = &AttentionKernel<kD>;
@@ -179,21 +177,23 @@ absl::Status LaunchAttention(const AttentionParams& p, int group) {
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
         static_cast<int>(bytes));
     if (e != cudaSuccess) {
-      return absl::InternalError(
-          absl::StrCat("attention needs ", bytes,
-                       " bytes of shared memory: ", cudaGetErrorString(e)));
+      LaunchResult r;
+      r.kind = LaunchResult::Kind::kSharedMemory;
+      r.error = e;
+      r.smem_bytes = bytes;
+      return r;
     }
   }
   const dim3 grid(static_cast<unsigned>(p.batch) * p.shape.heads);
   kernel<<<grid, kAttnThreads, bytes, p.stream>>>(
       p.shape, p.n_q_heads, p.scale, p.q, p.out, p.pages, p.page_indptr,
       p.attend_tokens);
-  return LaunchStatus("DecodeAttentionCuda");
+  return LastLaunch("DecodeAttentionCuda");
 }
 
 }  // namespace
 
-absl::Status LaunchCudaCoreAttention(const AttentionParams& p, int group) {
+LaunchResult LaunchCudaCoreAttention(const AttentionArgs& p, int group) {
   return LaunchAttention<0>(p, group);
 }
 

@@ -16,14 +16,10 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
-#include "common/status_macros.h"
-#include "kernels/cuda/api_common.h"
 #include "kernels/cuda/attention_dispatch.h"
 #include "kernels/cuda/attention_kernel.cuh"
 #include "kernels/cuda/attention_plan.h"
-#include "kernels/cuda/kv_cuda.cuh"
+#include "kernels/cuda/launch_result.h"
 #include "kernels/cuda/tq.cuh"
 
 namespace triax::kernels::cuda {
@@ -57,7 +53,7 @@ int ResidentCtas(Kernel* kernel, int smem) {
 // Launches the classes of one configuration (n_classes x the CTAs of one
 // class).
 template <int kD, bool kSmall, int kCtas, bool kTq = false>
-absl::Status LaunchMmaConfig(const MmaArgs& a, long long class_ctas,
+LaunchResult LaunchMmaConfig(const MmaArgs& a, long long class_ctas,
                              int n_classes, cudaStream_t stream) {
   using Sm = MmaSmem<kD, kSmall>;
   auto* kernel = &MmaAttentionKernel<kD, kSmall, kCtas, kTq>;
@@ -65,20 +61,22 @@ absl::Status LaunchMmaConfig(const MmaArgs& a, long long class_ctas,
     const cudaError_t e = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm::kTotal);
     if (e != cudaSuccess) {
-      return absl::InternalError(
-          absl::StrCat("attention needs ", Sm::kTotal,
-                       " bytes of shared memory: ", cudaGetErrorString(e)));
+      LaunchResult r;
+      r.kind = LaunchResult::Kind::kSharedMemory;
+      r.error = e;
+      r.smem_bytes = Sm::kTotal;
+      return r;
     }
   }
   kernel<<<static_cast<unsigned>(n_classes * class_ctas), kMmaWarps * 32,
            Sm::kTotal, stream>>>(a);
-  return LaunchStatus("DecodeAttentionCuda");
+  return LastLaunch("DecodeAttentionCuda");
 }
 
 // MmaAttention<kD>::Launch's work: the configurations' launches between
 // the partition and the reduce kernels (attention_dispatch.cu).
 template <int kD>
-absl::Status LaunchMmaConfigs(const AttentionParams& p, const MmaPlan& plan,
+LaunchResult LaunchMmaConfigs(const AttentionArgs& p, const MmaPlan& plan,
                               const MmaWorkspace& ws, uint32_t* launched_out) {
   MmaArgs a{};
   a.shape = p.shape;
@@ -114,8 +112,11 @@ absl::Status LaunchMmaConfigs(const AttentionParams& p, const MmaPlan& plan,
   if constexpr (SmallOk(kD)) {
     a.classes = ClassList(0, 6);
     if (wanted(a.classes, 2)) {
-      TRIAX_RETURN_IF_ERROR(
-          (LaunchMmaConfig<kD, false, 1>(a, class_ctas, 2, p.stream)));
+      if (LaunchResult r =
+              LaunchMmaConfig<kD, false, 1>(a, class_ctas, 2, p.stream);
+          !r.ok()) {
+        return r;
+      }
     }
     // Transposed kernel: 8 query heads per CTA; classes 1-2 (INT4/INT2
     // keys), 3-4 (FP8/INT8 keys), then 5 and 7 (TQ4/TQ2).
@@ -126,36 +127,48 @@ absl::Status LaunchMmaConfigs(const AttentionParams& p, const MmaPlan& plan,
     as.classes = ClassList(1, 2);
     as.splits = plan.splits[1];
     if (wanted(as.classes, 2)) {
-      TRIAX_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, true)>(
-          as, small_ctas * as.splits, 2, p.stream)));
+      if (LaunchResult r = LaunchMmaConfig<kD, true, kSmallCtas(kD, true)>(
+              as, small_ctas * as.splits, 2, p.stream);
+          !r.ok()) {
+        return r;
+      }
     }
     as.classes = ClassList(3, 4);
     as.splits = plan.splits[2];
     if (wanted(as.classes, 2)) {
-      TRIAX_RETURN_IF_ERROR((LaunchMmaConfig<kD, true, kSmallCtas(kD, false)>(
-          as, small_ctas * as.splits, 2, p.stream)));
+      if (LaunchResult r = LaunchMmaConfig<kD, true, kSmallCtas(kD, false)>(
+              as, small_ctas * as.splits, 2, p.stream);
+          !r.ok()) {
+        return r;
+      }
     }
     as.classes = ClassList(5, 7);
     as.splits = plan.splits[3];
     if (wanted(as.classes, 2)) {
-      TRIAX_RETURN_IF_ERROR(
-          (LaunchMmaConfig<kD, true, kSmallCtas(kD, true), true>(
-              as, small_ctas * as.splits, 2, p.stream)));
+      if (LaunchResult r =
+              LaunchMmaConfig<kD, true, kSmallCtas(kD, true), true>(
+                  as, small_ctas * as.splits, 2, p.stream);
+          !r.ok()) {
+        return r;
+      }
     }
   } else {
     a.classes = ClassList(0, 5, 6, 7);
     if (wanted(a.classes, 4)) {
-      TRIAX_RETURN_IF_ERROR(
-          (LaunchMmaConfig<kD, false, 1>(a, class_ctas, 4, p.stream)));
+      if (LaunchResult r =
+              LaunchMmaConfig<kD, false, 1>(a, class_ctas, 4, p.stream);
+          !r.ok()) {
+        return r;
+      }
     }
   }
-  return absl::OkStatus();
+  return LaunchResult{};
 }
 
 }  // namespace
 
 template <int kD>
-absl::Status MmaAttention<kD>::EnsureTqTables() {
+LaunchResult MmaAttention<kD>::EnsureTqTables() {
   return cuda::EnsureTqTables();
 }
 
@@ -180,14 +193,14 @@ Residency MmaAttention<kD>::QueryResidency() {
 }
 
 template <int kD>
-absl::Status MmaAttention<kD>::Launch(const AttentionParams& p,
+LaunchResult MmaAttention<kD>::Launch(const AttentionArgs& p,
                                       const MmaPlan& plan,
                                       const MmaWorkspace& ws,
                                       uint32_t* launched) {
   // The dispatch uploaded the tables already (to keep their errors ahead of
   // the workspace's); this call, a no-op then, keeps any other path from
   // launching on this file's tables before their upload.
-  TRIAX_RETURN_IF_ERROR(cuda::EnsureTqTables());
+  if (LaunchResult r = cuda::EnsureTqTables(); !r.ok()) return r;
   return LaunchMmaConfigs<kD>(p, plan, ws, launched);
 }
 

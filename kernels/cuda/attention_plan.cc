@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/kv_cuda.cuh"
+
 namespace triax::kernels::cuda {
 namespace {
 

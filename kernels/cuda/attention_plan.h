@@ -16,11 +16,12 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/cuda/kv_cuda.cuh"
 #include "kernels/cuda/packed_encoding.h"
 #include "kernels/host_device.h"
 
 namespace triax::kernels::cuda {
+
+struct AttentionParams;  // kv_cuda.cuh (absl-free here: see launch_result.h)
 
 inline constexpr int kMmaWarps = 4;    // warps per CTA, one share each
 inline constexpr int kMaxSplits = 64;  // AttentionParams::num_splits cap

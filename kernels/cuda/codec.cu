@@ -1,23 +1,20 @@
 // Encode (quantize-on-write), decode and demote of whole pages: the kernels
-// and the kv_cuda.cuh entry points EncodePagesCuda, DecodePagesCuda,
-// DemotePagesCuda. One CTA (kCodecThreads) per page, or per (page, head)
-// for decode; a page whose encoding SupportedEncoding rejects is left
-// untouched (encode, demote) or decoded as NaN. Output bytes equal
-// kernels/ref's EncodePage / DecodePage, TQ included.
+// and their launchers (codec.h; codec_api.cc has the kv_cuda.cuh entry
+// points). One CTA (kCodecThreads) per page, or per (page, head) for
+// decode; a page whose encoding SupportedEncoding rejects is left untouched
+// (encode, demote) or decoded as NaN. Output bytes equal kernels/ref's
+// EncodePage / DecodePage, TQ included.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
-#include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
-#include "common/status_macros.h"
-#include "kernels/cuda/api_common.h"
 #include "kernels/cuda/codec.cuh"
+#include "kernels/cuda/codec.h"
+#include "kernels/cuda/device_page.h"
 #include "kernels/cuda/device_primitives.cuh"
-#include "kernels/cuda/kv_cuda.cuh"
+#include "kernels/cuda/launch_result.h"
 #include "kernels/cuda/packed_encoding.h"
 #include "kernels/cuda/tq.cuh"
 #include "kernels/layout.h"
@@ -368,75 +365,31 @@ __global__ void DemoteKernel(PageShape shape, const DevicePage* src,
 
 }  // namespace
 
-size_t DemoteScratchBytes(const PageShape& shape, int num_pages) {
-  return static_cast<size_t>(std::max(num_pages, 0)) * 2 *
-         static_cast<size_t>(std::max(shape.tokens, 0)) *
-         std::max(shape.heads, 0) * std::max(shape.head_dim, 0) *
-         sizeof(uint16_t);
+LaunchResult LaunchEncodePages(const PageShape& shape, const DevicePage* pages,
+                               int num_pages, const uint16_t* k_bf16,
+                               const uint16_t* v_bf16, cudaStream_t stream) {
+  if (LaunchResult r = EnsureTqTables(); !r.ok()) return r;
+  EncodeKernel<<<num_pages, kCodecThreads, 0, stream>>>(shape, pages, k_bf16,
+                                                        v_bf16);
+  return LastLaunch("EncodePagesCuda");
 }
 
-absl::Status DemotePagesCuda(const DemotePagesParams& p) {
-  TRIAX_RETURN_IF_ERROR(ValidateShape(p.shape));
-  if (p.num_pages < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_pages must be >= 0, got ", p.num_pages));
-  }
-  if (p.num_pages == 0) return absl::OkStatus();
-  if (p.src == nullptr || p.dst == nullptr || p.scratch == nullptr) {
-    return absl::InvalidArgumentError("src, dst and scratch must be non-null");
-  }
-  const size_t need = DemoteScratchBytes(p.shape, p.num_pages);
-  if (p.scratch_bytes < need || !Aligned16(p.scratch)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("scratch must be 16-byte aligned and hold ", need,
-                     " bytes, got ", p.scratch_bytes));
-  }
-  TRIAX_RETURN_IF_ERROR(EnsureTqTables());
-  DemoteKernel<<<p.num_pages, kCodecThreads, 0, p.stream>>>(
-      p.shape, p.src, p.dst, static_cast<uint16_t*>(p.scratch));
-  return LaunchStatus("DemotePagesCuda");
+LaunchResult LaunchDecodePages(const PageShape& shape, const DevicePage* pages,
+                               unsigned blocks, float* k_out, float* v_out,
+                               cudaStream_t stream) {
+  if (LaunchResult r = EnsureTqTables(); !r.ok()) return r;
+  DecodeKernel<<<blocks, kCodecThreads, 0, stream>>>(shape, pages, k_out,
+                                                     v_out);
+  return LastLaunch("DecodePagesCuda");
 }
 
-absl::Status EncodePagesCuda(const EncodePagesParams& p) {
-  if (absl::Status s = ValidateShape(p.shape); !s.ok()) return s;
-  if (p.num_pages < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_pages must be >= 0, got ", p.num_pages));
-  }
-  if (p.num_pages == 0) return absl::OkStatus();
-  if (p.pages == nullptr || p.k_bf16 == nullptr || p.v_bf16 == nullptr) {
-    return absl::InvalidArgumentError(
-        "pages, k_bf16 and v_bf16 must be non-null");
-  }
-  if (!Aligned16(p.k_bf16) || !Aligned16(p.v_bf16)) {
-    return absl::InvalidArgumentError(
-        "k_bf16 and v_bf16 must be 16-byte aligned");
-  }
-  TRIAX_RETURN_IF_ERROR(EnsureTqTables());
-  EncodeKernel<<<p.num_pages, kCodecThreads, 0, p.stream>>>(p.shape, p.pages,
-                                                            p.k_bf16, p.v_bf16);
-  return LaunchStatus("EncodePagesCuda");
-}
-
-absl::Status DecodePagesCuda(const DecodePagesParams& p) {
-  if (absl::Status s = ValidateShape(p.shape); !s.ok()) return s;
-  if (p.num_pages < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_pages must be >= 0, got ", p.num_pages));
-  }
-  if (p.num_pages == 0 || (p.k_out == nullptr && p.v_out == nullptr))
-    return absl::OkStatus();
-  if (p.pages == nullptr)
-    return absl::InvalidArgumentError("pages must be non-null");
-  const long long blocks = static_cast<long long>(p.num_pages) * p.shape.heads;
-  if (blocks > 0x7fffffffLL) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_pages * heads too large: ", blocks));
-  }
-  TRIAX_RETURN_IF_ERROR(EnsureTqTables());
-  DecodeKernel<<<static_cast<unsigned>(blocks), kCodecThreads, 0, p.stream>>>(
-      p.shape, p.pages, p.k_out, p.v_out);
-  return LaunchStatus("DecodePagesCuda");
+LaunchResult LaunchDemotePages(const PageShape& shape, const DevicePage* src,
+                               const DevicePage* dst, int num_pages,
+                               uint16_t* scratch, cudaStream_t stream) {
+  if (LaunchResult r = EnsureTqTables(); !r.ok()) return r;
+  DemoteKernel<<<num_pages, kCodecThreads, 0, stream>>>(shape, src, dst,
+                                                        scratch);
+  return LastLaunch("DemotePagesCuda");
 }
 
 }  // namespace triax::kernels::cuda

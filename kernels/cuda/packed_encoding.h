@@ -14,6 +14,10 @@
 
 namespace triax::kernels::cuda {
 
+// The largest head_dim the kernels take (ValidateShape: multiples of 8 in
+// [8, kMaxHeadDim]).
+inline constexpr int kMaxHeadDim = 256;
+
 // DevicePage::format (PackEncoding): V 0 means K's format, group 0 32 and
 // scale dtype 0 FP16.
 TRIAX_HOST_DEVICE_FORCEINLINE UnpackedEncoding UnpackEncoding(int32_t packed) {

@@ -6,20 +6,18 @@
 //
 // The tables are __device__ variables in an anonymous namespace: without
 // relocatable device code every .cu file that includes this header has its
-// own copy, so each has its own EnsureTqTables (also anonymous) that
-// uploads to that copy; a launcher calls its own file's EnsureTqTables
+// own copy, so each has its own UploadTqTables / EnsureTqTables (also
+// anonymous) for that copy, the per-device bookkeeping keyed by the upload
+// function (tq_tables.cc); a launcher calls its own file's EnsureTqTables
 // before any kernel that reads the tables.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <mutex>
-#include <set>
 
-#include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
 #include "kernels/cuda/device_primitives.cuh"
+#include "kernels/cuda/launch_result.h"
 #include "kernels/cuda/tq_tables.h"
 #include "kernels/layout.h"
 
@@ -35,32 +33,22 @@ static_assert(sizeof(g_tq_cb) == sizeof(TqTables::cb) &&
                   sizeof(g_tq_sign) == sizeof(TqTables::sign),
               "device tables match TqTables");
 
-// Uploads the TQ codebooks and signs to this translation unit's g_tq_cb /
-// g_tq_sign on the current device, once per device (later calls return OK
-// at once). Every launcher of a kernel that reads the tables calls it first.
-absl::Status EnsureTqTables() {
-  // kernels_cuda links no absl::synchronization; a std::mutex (one per
-  // translation unit, like the tables) guards the set of devices already
-  // holding them.
-  static std::mutex* mu = new std::mutex();
-  static std::set<int>* done = new std::set<int>();
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    return absl::InternalError("cudaGetDevice failed");
-  }
-  std::lock_guard<std::mutex> lock(*mu);
-  if (done->count(dev) > 0) return absl::OkStatus();
+// Copies the host tables to this translation unit's g_tq_cb / g_tq_sign
+// on the current device.
+cudaError_t UploadTqTables() {
   const TqTables& t = HostTqTables();
   cudaError_t e = cudaMemcpyToSymbol(g_tq_cb, t.cb, sizeof(t.cb));
   if (e == cudaSuccess) {
     e = cudaMemcpyToSymbol(g_tq_sign, t.sign, sizeof(t.sign));
   }
-  if (e != cudaSuccess) {
-    return absl::InternalError(
-        absl::StrCat("uploading TQ tables: ", cudaGetErrorString(e)));
-  }
-  done->insert(dev);
-  return absl::OkStatus();
+  return e;
+}
+
+// Uploads this translation unit's tables once per device (later calls
+// return OK at once). Every launcher of a kernel that reads them calls it
+// first.
+LaunchResult EnsureTqTables() {
+  return EnsureTqTablesUploaded(&UploadTqTables);
 }
 
 __host__ __device__ __forceinline__ int Log2Dim(int d) {

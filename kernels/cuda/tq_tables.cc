@@ -1,6 +1,9 @@
 #include "kernels/cuda/tq_tables.h"
 
 #include <cstdint>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "kernels/tq_codebook.h"
 
@@ -27,6 +30,30 @@ TqTables Build() {
 const TqTables& HostTqTables() {
   static const TqTables* tables = new TqTables(Build());
   return *tables;
+}
+
+LaunchResult EnsureTqTablesUploaded(cudaError_t (*upload)()) {
+  // kernels_cuda links no absl::synchronization; a process-wide std::mutex
+  // guards the (.cu file's upload function, device) pairs already done.
+  static std::mutex* mu = new std::mutex();
+  static std::set<std::pair<cudaError_t (*)(), int>>* done =
+      new std::set<std::pair<cudaError_t (*)(), int>>();
+  LaunchResult r;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    r.kind = LaunchResult::Kind::kNoDevice;
+    return r;
+  }
+  std::lock_guard<std::mutex> lock(*mu);
+  if (done->count({upload, dev}) > 0) return r;
+  const cudaError_t e = upload();
+  if (e != cudaSuccess) {
+    r.kind = LaunchResult::Kind::kTqUpload;
+    r.error = e;
+    return r;
+  }
+  done->insert({upload, dev});
+  return r;
 }
 
 }  // namespace triax::kernels::cuda

@@ -3,6 +3,10 @@
 // head_dim D = 16 << i (i in 0..4).
 #pragma once
 
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/launch_result.h"
+
 namespace triax::kernels::cuda {
 
 struct TqTables {
@@ -15,5 +19,10 @@ struct TqTables {
 
 // Built once, on first use; thread-safe.
 const TqTables& HostTqTables();
+
+// Runs upload() (one .cu file's copy of the tables, tq.cuh) once per
+// current device; later calls return OK at once. kNoDevice when
+// cudaGetDevice fails, kTqUpload with upload()'s error. Thread-safe.
+LaunchResult EnsureTqTablesUploaded(cudaError_t (*upload)());
 
 }  // namespace triax::kernels::cuda
