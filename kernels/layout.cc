@@ -1,83 +1,9 @@
 #include "kernels/layout.h"
 
-#include <algorithm>
 #include <cstdio>
 #include <cstring>
 
 namespace triax::kernels {
-namespace {
-
-size_t AlignUp(size_t n) { return (n + 15) & ~size_t{15}; }
-
-bool KnownFormat(Format f) {
-  for (Format g : kAllFormats) {
-    if (f == g) return true;
-  }
-  return false;
-}
-
-bool PowerOfTwo(int x) { return x > 0 && (x & (x - 1)) == 0; }
-
-// Lays out one tensor starting at `off`; returns the offset past its last
-// (aligned) section.
-size_t LayoutTensor(Format f, bool is_key, const Encoding& e,
-                    const PageShape& s, size_t off, TensorLayout* t) {
-  const size_t H = static_cast<size_t>(s.heads);
-  const size_t T = static_cast<size_t>(s.tokens);
-  const size_t D = static_cast<size_t>(s.head_dim);
-  *t = TensorLayout{};
-  t->codes = off;
-  t->codes_bytes = H * T * (D * FormatBits(f) / 8);
-  off = AlignUp(off + t->codes_bytes);
-  if (f == Format::kBF16) return off;
-  if (f == Format::kFP8) {
-    t->scale = off;
-    t->meta_bytes = H * 4;
-    return AlignUp(off + t->meta_bytes);
-  }
-  if (IsTqFormat(f)) {
-    t->scale = off;
-    t->meta_bytes = H * T * 2;
-    return AlignUp(off + t->meta_bytes);
-  }
-  const size_t elem = e.scale_dtype == ScaleDtype::kFP8 ? 1 : 2;
-  const size_t count =
-      is_key ? H * (T / s.KeyGroup(e)) * D : H * T * (D / s.ValueGroup(e));
-  t->meta_bytes = count * elem;
-  t->scale = off;
-  off = AlignUp(off + t->meta_bytes);
-  t->zero = off;
-  return AlignUp(off + t->meta_bytes);
-}
-
-}  // namespace
-
-int FormatBits(Format f) {
-  switch (f) {
-    case Format::kBF16:
-      return 16;
-    case Format::kFP8:
-    case Format::kINT8:
-      return 8;
-    case Format::kINT4:
-    case Format::kTQ4:
-      return 4;
-    case Format::kTQ3:
-      return 3;
-    case Format::kINT2:
-    case Format::kTQ2:
-      return 2;
-  }
-  return 0;
-}
-
-bool IsIntFormat(Format f) {
-  return f == Format::kINT8 || f == Format::kINT4 || f == Format::kINT2;
-}
-
-bool IsTqFormat(Format f) {
-  return f == Format::kTQ4 || f == Format::kTQ3 || f == Format::kTQ2;
-}
 
 const char* FormatName(Format f) {
   switch (f) {
@@ -130,12 +56,28 @@ const char* EncodingName(const Encoding& e, char* buf, size_t len) {
   return buf;
 }
 
-int PageShape::KeyGroup(const Encoding& e) const {
-  return std::min(e.Group(), tokens);
-}
-
-int PageShape::ValueGroup(const Encoding& e) const {
-  return std::min(e.Group(), head_dim);
+const char* EncodingProblemMessage(EncodingProblem p) {
+  switch (p) {
+    case EncodingProblem::kNone:
+      return nullptr;
+    case EncodingProblem::kUnknownKeyFormat:
+      return "unknown key format";
+    case EncodingProblem::kUnknownValueFormat:
+      return "unknown value format";
+    case EncodingProblem::kGroup:
+      return "group must be 32, 64 or 128";
+    case EncodingProblem::kScaleDtype:
+      return "scale dtype must be fp16 or fp8";
+    case EncodingProblem::kInt2HeadDim:
+      return "int2 needs head_dim % 4 == 0";
+    case EncodingProblem::kTqHeadDim:
+      return "tq formats need a power-of-two head_dim in 16..256";
+    case EncodingProblem::kKeyGroup:
+      return "key group must divide the page's tokens";
+    case EncodingProblem::kValueGroup:
+      return "value group must divide head_dim";
+  }
+  return "unknown encoding problem";
 }
 
 const char* ValidateEncoding(const Encoding& e, const PageShape& s) {
@@ -144,38 +86,7 @@ const char* ValidateEncoding(const Encoding& e, const PageShape& s) {
   if (s.head_dim < 2 || s.head_dim % 2 != 0) {
     return "head_dim must be even and >= 2";
   }
-  if (!KnownFormat(e.k)) return "unknown key format";
-  if (!KnownFormat(e.v)) return "unknown value format";
-  if (e.group != 0 && e.group != 32 && e.group != 64 && e.group != 128) {
-    return "group must be 32, 64 or 128";
-  }
-  if (e.scale_dtype != ScaleDtype::kFP16 && e.scale_dtype != ScaleDtype::kFP8) {
-    return "scale dtype must be fp16 or fp8";
-  }
-  for (Format f : {e.k, e.v}) {
-    if (f == Format::kINT2 && s.head_dim % 4 != 0) {
-      return "int2 needs head_dim % 4 == 0";
-    }
-    if (IsTqFormat(f) &&
-        (!PowerOfTwo(s.head_dim) || s.head_dim < 16 || s.head_dim > 256)) {
-      return "tq formats need a power-of-two head_dim in 16..256";
-    }
-  }
-  if (IsIntFormat(e.k) && s.tokens % s.KeyGroup(e) != 0) {
-    return "key group must divide the page's tokens";
-  }
-  if (IsIntFormat(e.v) && s.head_dim % s.ValueGroup(e) != 0) {
-    return "value group must divide head_dim";
-  }
-  return nullptr;
-}
-
-PageLayout ComputeLayout(const Encoding& e, const PageShape& s) {
-  PageLayout l;
-  size_t off = LayoutTensor(e.k, /*is_key=*/true, e, s, 0, &l.k);
-  off = LayoutTensor(e.v, /*is_key=*/false, e, s, off, &l.v);
-  l.total = off;
-  return l;
+  return EncodingProblemMessage(CheckEncodingForShape(e, s));
 }
 
 double EffectiveBits(const Encoding& e, const PageShape& s) {

@@ -39,20 +39,13 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/cuda/device_page.h"  // IWYU pragma: export
 #include "kernels/layout.h"
 
 namespace triax::kernels::cuda {
 
-// Packs an Encoding into DevicePage::format: bits 0-7 K format, 8-15 V
-// format (0 = same as K), 16-23 group (0 = 32), 24-31 ScaleDtype (0 =
-// FP16). A plain static_cast<int32_t>(Format) is therefore the uniform
-// encoding of that format with default options.
-inline int32_t PackEncoding(const Encoding& e) {
-  return static_cast<int32_t>(static_cast<uint32_t>(e.k) |
-                              (static_cast<uint32_t>(e.v) << 8) |
-                              (static_cast<uint32_t>(e.Group()) << 16) |
-                              (static_cast<uint32_t>(e.scale_dtype) << 24));
-}
+// DevicePage and PackEncoding (the page table's entries) are in
+// device_page.h, which the kernels include without absl.
 
 // OK when the CUDA kernels handle `e` on `shape`; else INVALID_ARGUMENT:
 // the ValidateEncoding reason or a shape requirement above.
@@ -62,14 +55,6 @@ absl::Status CheckEncodingCuda(const Encoding& e, const PageShape& shape);
 // code, compiled for the host); equals ComputeLayout for every supported
 // encoding (tested).
 PageLayout CudaPageLayout(const Encoding& e, const PageShape& shape);
-
-// One page in device memory. 16 bytes, so an array of them is one copy.
-struct DevicePage {
-  uint8_t* data = nullptr;  // PageBytes(encoding, shape) bytes, 16-aligned
-  int32_t num_tokens = 0;   // valid tokens, 1..shape.tokens
-  int32_t format = 0;       // PackEncoding(encoding)
-};
-static_assert(sizeof(DevicePage) == 16, "DevicePage is copied as raw bytes");
 
 // Encodes num_pages pages. Page i takes its tokens from
 //   k_bf16 + i * shape.tokens * H * D   ([num_tokens][H][D] bf16 bits)
@@ -205,6 +190,11 @@ uint32_t AttentionFormatBit(int32_t packed_format, int head_dim);
 
 // Scheduling decisions of DecodeAttentionCuda, exposed for tests.
 namespace internal {
+// The kernels that serve head_dim: OK with *tensor_cores true for the
+// tensor-core kernels (16, 32, 64, 128, 256), false for the CUDA-core
+// kernel (the other multiples of 8 in [8, 256]); else INVALID_ARGUMENT
+// naming the value.
+absl::Status AttentionKernelFor(int head_dim, bool* tensor_cores);
 // Encoding class of a page (packed DevicePage::format) for a head_dim:
 // 1-4 INT4/INT2/FP8/INT8 keys with INT/FP8 values and 5/7 TQ4/TQ2 keys with
 // TQ4/TQ2 values (head_dim >= 64: the transposed kernel); 6 TQ3 keys and

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "kernels/layout.h"
 #include "kernels/numeric.h"
@@ -894,6 +895,28 @@ TEST(KvCudaSchedulingTest, FormatBitIsTheClassBit) {
             AttentionFormatBit(PackEncoding(Format::kINT2), 128));
   EXPECT_EQ(AttentionFormatBit(PackEncoding(Format::kINT4), 32),
             AttentionFormatBit(PackEncoding(Format::kBF16), 32));
+}
+
+// Host-only: every head_dim the shape checks accept has a kernel, the
+// tensor-core ones exactly for 16..256 powers of two, and any other value
+// is INVALID_ARGUMENT naming it (never a silent fallback to another size).
+TEST(KvCudaSchedulingTest, EveryHeadDimHasOneKernel) {
+  using internal::AttentionKernelFor;
+  for (int d = 8; d <= 256; d += 8) {
+    bool tensor_cores = false;
+    ASSERT_TRUE(AttentionKernelFor(d, &tensor_cores).ok()) << d;
+    EXPECT_EQ(tensor_cores,
+              d == 16 || d == 32 || d == 64 || d == 128 || d == 256)
+        << d;
+  }
+  for (int d : {0, 4, 12, 100, 264, 512}) {
+    bool tensor_cores = false;
+    EXPECT_THAT(AttentionKernelFor(d, &tensor_cores),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat(
+                             "shape.head_dim=", d,
+                             " has no attention kernel instantiation"))));
+  }
 }
 
 // Host-only: the split count per launch fills its waves (H100: 132 SMs).
