@@ -14,8 +14,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
+#include "common/daemon_flags.h"
 #include "common/log.h"
 #include "common/port_file.h"
 #include "kvmanager/manager_core.h"
@@ -70,11 +72,65 @@ ABSL_FLAG(uint32_t, window_guard_tokens, 64,
 ABSL_FLAG(double, reuse_half_life_ms, 30000,
           "half-life of the reuse probability of an idle sequence's blocks");
 
+namespace {
+
+constexpr char kUsage[] =
+    "the triaxkv control plane: tracks every tagged KV block of the cluster,\n"
+    "tenants and their budgets, placement on workers, policies and\n"
+    "calibration tables, memory pressure (demote, spill, evict) and the\n"
+    "lifecycle event log. Workers register with it; frontends open, extend,\n"
+    "fork and close sequences through it.\n"
+    "\n"
+    "  kvmanager --listen=0.0.0.0:7070\n"
+    "  kvmanager --listen=127.0.0.1:0 --port_file=/tmp/m.port\n"
+    "\n"
+    "Serves triax.v1.Manager and grpc.health.v1.Health on --listen (\"\" and\n"
+    "\"triax.v1.Manager\" are SERVING while it runs, NOT_SERVING from\n"
+    "shutdown on) and prints \"kvmanager listening on HOST:PORT\" once\n"
+    "serving. Exit status: 0 after SIGTERM / SIGINT (graceful shutdown), 1\n"
+    "when it cannot start, 2 for flags out of range or contradicting each\n"
+    "other. Flags:";
+
+// Ranges the core does not check, and flags that contradict each other;
+// messages name the flags and their values. ManagerCore::Create checks the
+// rest (block tokens, retention, watermarks, ranker options).
+absl::Status CheckFlags() {
+  const int64_t timeout = absl::GetFlag(FLAGS_worker_timeout_ms);
+  const uint32_t heartbeat = absl::GetFlag(FLAGS_heartbeat_interval_ms);
+  if (heartbeat == 0) {
+    return absl::InvalidArgumentError("--heartbeat_interval_ms=0 must be > 0");
+  }
+  if (timeout > 0 && heartbeat >= timeout) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--heartbeat_interval_ms=", heartbeat,
+        " is not below --worker_timeout_ms=", timeout,
+        ": every worker would be marked down between two heartbeats"));
+  }
+  if (const int64_t t = absl::GetFlag(FLAGS_worker_rpc_timeout_ms); t <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--worker_rpc_timeout_ms=", t, " must be > 0"));
+  }
+  if (const int64_t p = absl::GetFlag(FLAGS_pressure_interval_ms); p < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--pressure_interval_ms=", p, " must be >= 0 (0: off)"));
+  }
+  return absl::OkStatus();
+}
+
+constexpr char kServiceName[] = "triax.v1.Manager";
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  triax::InitDaemonFlags("kvmanager/main.cc", kUsage);
   absl::ParseCommandLine(argc, argv);
   using triax::Kv;
   using triax::Log;
   using triax::LogLevel;
+  if (absl::Status s = CheckFlags(); !s.ok()) {
+    Log(LogLevel::kError, "manager", "bad flags", Kv("error", s.ToString()));
+    return 2;
+  }
 
   // Block the shutdown signals before gRPC starts threads, so that only
   // sigwait below receives them.
@@ -151,6 +207,13 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  if (health == nullptr) {
+    Log(LogLevel::kError, "manager", "the gRPC health service did not start");
+    server->Shutdown();
+    return 1;
+  }
+  health->SetServingStatus(kServiceName, true);
   std::cout << "kvmanager listening on " << host << ":" << port << std::endl;
   Log(LogLevel::kInfo, "manager", "listening",
       absl::StrCat(Kv("address", absl::StrCat(host, ":", port)), " ",
@@ -160,6 +223,8 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   Log(LogLevel::kInfo, "manager", "shutting down", Kv("signal", sig));
+  // NOT_SERVING for the drain, so health probes stop routing here first.
+  health->Shutdown();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   service.Stop();
   server->Wait();

@@ -15,13 +15,11 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "absl/strings/strip.h"
+#include "common/daemon_flags.h"
 #include "common/ids.h"
 #include "common/log.h"
 #include "common/port_file.h"
@@ -180,20 +178,7 @@ absl::Status CheckFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "worker/main.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  // "../../worker/main.cc" (the compiler's path) reads as worker/main.cc.
-  usage.normalize_filename = [](absl::string_view file) {
-    while (absl::ConsumePrefix(&file, "../") ||
-           absl::ConsumePrefix(&file, "./"))
-      ;
-    return std::string(file);
-  };
-  absl::SetFlagsUsageConfig(usage);
-  absl::SetProgramUsageMessage(kUsage);
+  triax::InitDaemonFlags("worker/main.cc", kUsage);
   absl::ParseCommandLine(argc, argv);
   if (absl::Status s = CheckFlags(); !s.ok()) return Fail(2, s.message());
   using namespace triax::worker;  // NOLINT

@@ -1,8 +1,8 @@
 // The daemons from the outside, as an operator or Kubernetes sees them:
-// both serve grpc.health.v1.Health (the worker also per service, for its
-// readiness probe), kvworker's --help explains it and lists its flags,
-// contradicting flags stop it at start-up naming them, and SIGTERM ends it
-// with status 0.
+// both serve grpc.health.v1.Health, overall and for their service (the
+// readiness probes), --help explains each and lists its flags,
+// contradicting flags stop them at start-up naming the flags, and SIGTERM
+// ends them with status 0.
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -25,7 +25,7 @@ std::shared_ptr<grpc::Channel> Dial(const std::string& address) {
   return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
 }
 
-TEST(DaemonTest, BothServeHealthAndTheWorkerStopsOnSigterm) {
+TEST(DaemonTest, BothServeHealthAndStopOnSigterm) {
   ClusterOptions o;
   auto started = Cluster::Start(o);
   ASSERT_THAT(started, IsOk());
@@ -42,12 +42,57 @@ TEST(DaemonTest, BothServeHealthAndTheWorkerStopsOnSigterm) {
   auto manager_overall = CheckHealth(manager, "");
   ASSERT_THAT(manager_overall, IsOk());
   EXPECT_EQ(*manager_overall, ServingStatus::kServing);
+  auto manager_service = CheckHealth(manager, "triax.v1.Manager");
+  ASSERT_THAT(manager_service, IsOk());
+  EXPECT_EQ(*manager_service, ServingStatus::kServing);
 
-  Process* w = cluster.worker_process(0);
-  ASSERT_EQ(::kill(w->pid(), SIGTERM), 0);
-  auto code = w->Wait(absl::Seconds(10));
-  ASSERT_THAT(code, IsOk());
-  EXPECT_EQ(*code, 0) << w->Log();
+  for (Process* p : {cluster.worker_process(0), cluster.manager_process()}) {
+    ASSERT_EQ(::kill(p->pid(), SIGTERM), 0);
+    auto code = p->Wait(absl::Seconds(10));
+    ASSERT_THAT(code, IsOk());
+    EXPECT_EQ(*code, 0) << p->Log();
+  }
+}
+
+TEST(DaemonTest, KvmanagerHelpExplainsItselfAndListsItsFlags) {
+  auto dir = TempDir::Create("daemon");
+  ASSERT_THAT(dir, IsOk());
+  std::string out, err;
+  auto rc =
+      RunToCompletion("kvmanager", {"--help"}, (*dir)->path(), &out, &err);
+  ASSERT_THAT(rc, IsOk());
+  EXPECT_THAT(
+      out + err,
+      AllOf(HasSubstr("triaxkv control plane"),
+            HasSubstr("grpc.health.v1.Health"), HasSubstr("Exit status"),
+            HasSubstr("--listen"), HasSubstr("--worker_timeout_ms"),
+            HasSubstr("--pressure_mode"), HasSubstr("--high_watermark")));
+}
+
+TEST(DaemonTest, KvmanagerRefusesContradictingFlagsNamingThem) {
+  auto dir = TempDir::Create("daemon");
+  ASSERT_THAT(dir, IsOk());
+  const std::vector<
+      std::pair<std::vector<std::string>, std::vector<std::string>>>
+      cases = {
+          {{"--heartbeat_interval_ms=3000", "--worker_timeout_ms=3000"},
+           {"--heartbeat_interval_ms=3000", "--worker_timeout_ms=3000"}},
+          {{"--heartbeat_interval_ms=0"}, {"--heartbeat_interval_ms=0"}},
+          {{"--worker_rpc_timeout_ms=0"}, {"--worker_rpc_timeout_ms=0"}},
+          {{"--pressure_interval_ms=-5"}, {"--pressure_interval_ms=-5"}},
+          {{"--default_policy=fastest"}, {"fastest"}},
+          {{"--pressure_mode=random"}, {"random"}},
+      };
+  for (const auto& [args, words] : cases) {
+    std::string out, err;
+    auto rc = RunToCompletion("kvmanager", args, (*dir)->path(), &out, &err);
+    ASSERT_THAT(rc, IsOk());
+    EXPECT_EQ(*rc, 2) << args[0] << ": " << err;
+    for (const std::string& word : words) {
+      EXPECT_THAT(out + err, HasSubstr(word)) << args[0];
+    }
+    EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
+  }
 }
 
 TEST(DaemonTest, KvworkerHelpExplainsItselfAndListsItsFlags) {
