@@ -107,7 +107,7 @@ TEST(SequenceDetail, ShowsPlanAndLostLineages) {
     auto* b = s.add_blocks();
     b->set_index(i);
     b->set_lineage_id(100 + i);
-    b->set_first_token(16 * i);
+    b->set_first_token(size_t{16} * i);
     b->set_num_tokens(i == 0 ? 16 : 4);
     b->set_capacity(16);
     b->set_format(triax::v1::FORMAT_BF16);

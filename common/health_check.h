@@ -34,7 +34,7 @@ enum class ServingStatus : int {
 // whole). The RPC's error otherwise: NOT_FOUND for a service the server has
 // no status for, UNIMPLEMENTED when health checking is off.
 inline absl::StatusOr<ServingStatus> CheckHealth(
-    std::shared_ptr<grpc::Channel> channel, const std::string& service,
+    const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
     absl::Duration timeout = absl::Seconds(5)) {
   if (service.size() > 127) {  // one length byte below
     return absl::InvalidArgumentError(

@@ -96,6 +96,7 @@ const std::vector<RankedAction>& Pool(const Ranking& r, Tier tier,
 
 std::vector<uint64_t> Lineages(const std::vector<RankedAction>& pool) {
   std::vector<uint64_t> out;
+  out.reserve(pool.size());
   for (const RankedAction& a : pool) out.push_back(a.lineage_id);
   return out;
 }

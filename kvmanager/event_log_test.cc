@@ -48,6 +48,7 @@ TEST(EventLogTest, RetentionDropsOldestAndPrunesTheLineageIndex) {
   EXPECT_EQ(log.FindLastPlan(2)->plan.num_tokens, 5u);
   // When the lineage's last event leaves retention, its entry goes too.
   std::vector<Event> more;
+  more.reserve(5);
   for (int i = 0; i < 5; ++i)
     more.push_back(Ev(EventKind::kSequenceOpened, 0, "x"));
   log.Append(&more);
@@ -110,6 +111,7 @@ TEST(EventLogTest, SlowWatcherIsEndedWithResourceExhausted) {
   EventLog log({1000, 3});
   auto sub = log.Subscribe(EventFilter{}, 0);
   std::vector<Event> batch;
+  batch.reserve(5);
   for (int i = 0; i < 5; ++i)
     batch.push_back(Ev(EventKind::kBlockCreated, 1, "s"));
   log.Append(&batch);

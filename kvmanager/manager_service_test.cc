@@ -19,7 +19,7 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
   const std::string seq = Open("acme");
   const std::string before = StateSnapshot();
   using C = grpc::StatusCode;
-  auto open_with = [&](std::function<void(v1::OpenSequenceRequest&)> f) {
+  auto open_with = [&](const std::function<void(v1::OpenSequenceRequest&)>& f) {
     return [=]() {
       v1::OpenSequenceRequest r = OpenReq();
       f(r);
@@ -27,41 +27,44 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
       return Call(&v1::Manager::Stub::OpenSequence, r, &resp);
     };
   };
-  auto extend_with = [&](std::function<void(v1::ExtendSequenceRequest&)> f) {
-    return [=]() {
-      v1::ExtendSequenceRequest r;
-      r.set_tenant_id("acme");
-      r.set_sequence_id(seq);
-      auto* s = r.add_spans();
-      s->set_role(v1::ROLE_USER);
-      s->set_num_tokens(5);
-      f(r);
-      v1::ExtendSequenceResponse resp;
-      return Call(&v1::Manager::Stub::ExtendSequence, r, &resp);
-    };
-  };
-  auto register_with = [&](std::function<void(v1::RegisterWorkerRequest&)> f) {
-    return [=]() {
-      v1::RegisterWorkerRequest r;
-      r.set_worker_id("w2");
-      r.set_address("127.0.0.1:9002");
-      r.set_backend("cpu");
-      r.set_capacity_bytes(1 << 20);
-      f(r);
-      v1::RegisterWorkerResponse resp;
-      return Call(&v1::Manager::Stub::RegisterWorker, r, &resp);
-    };
-  };
-  auto tenant_with = [&](std::function<void(v1::CreateTenantRequest&)> f) {
-    return [=]() {
-      v1::CreateTenantRequest r;
-      r.set_tenant_id("newco");
-      f(r);
-      v1::CreateTenantResponse resp;
-      return Call(&v1::Manager::Stub::CreateTenant, r, &resp);
-    };
-  };
-  auto budget_with = [&](std::function<void(v1::SetBudgetRequest&)> f) {
+  auto extend_with =
+      [&](const std::function<void(v1::ExtendSequenceRequest&)>& f) {
+        return [=]() {
+          v1::ExtendSequenceRequest r;
+          r.set_tenant_id("acme");
+          r.set_sequence_id(seq);
+          auto* s = r.add_spans();
+          s->set_role(v1::ROLE_USER);
+          s->set_num_tokens(5);
+          f(r);
+          v1::ExtendSequenceResponse resp;
+          return Call(&v1::Manager::Stub::ExtendSequence, r, &resp);
+        };
+      };
+  auto register_with =
+      [&](const std::function<void(v1::RegisterWorkerRequest&)>& f) {
+        return [=]() {
+          v1::RegisterWorkerRequest r;
+          r.set_worker_id("w2");
+          r.set_address("127.0.0.1:9002");
+          r.set_backend("cpu");
+          r.set_capacity_bytes(1 << 20);
+          f(r);
+          v1::RegisterWorkerResponse resp;
+          return Call(&v1::Manager::Stub::RegisterWorker, r, &resp);
+        };
+      };
+  auto tenant_with =
+      [&](const std::function<void(v1::CreateTenantRequest&)>& f) {
+        return [=]() {
+          v1::CreateTenantRequest r;
+          r.set_tenant_id("newco");
+          f(r);
+          v1::CreateTenantResponse resp;
+          return Call(&v1::Manager::Stub::CreateTenant, r, &resp);
+        };
+      };
+  auto budget_with = [&](const std::function<void(v1::SetBudgetRequest&)>& f) {
     return [=]() {
       v1::SetBudgetRequest r;
       r.set_tenant_id("acme");
@@ -72,7 +75,7 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
       return Call(&v1::Manager::Stub::SetBudget, r, &resp);
     };
   };
-  auto fork_with = [&](std::function<void(v1::ForkSequenceRequest&)> f) {
+  auto fork_with = [&](const std::function<void(v1::ForkSequenceRequest&)>& f) {
     return [=]() {
       v1::ForkSequenceRequest r;
       r.set_tenant_id("acme");
@@ -82,17 +85,18 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
       return Call(&v1::Manager::Stub::ForkSequence, r, &resp);
     };
   };
-  auto close_with = [&](std::function<void(v1::CloseSequenceRequest&)> f) {
-    return [=]() {
-      v1::CloseSequenceRequest r;
-      r.set_tenant_id("acme");
-      r.set_sequence_id(seq);
-      f(r);
-      v1::CloseSequenceResponse resp;
-      return Call(&v1::Manager::Stub::CloseSequence, r, &resp);
-    };
-  };
-  auto get_with = [&](std::string tenant, std::string id) {
+  auto close_with =
+      [&](const std::function<void(v1::CloseSequenceRequest&)>& f) {
+        return [=]() {
+          v1::CloseSequenceRequest r;
+          r.set_tenant_id("acme");
+          r.set_sequence_id(seq);
+          f(r);
+          v1::CloseSequenceResponse resp;
+          return Call(&v1::Manager::Stub::CloseSequence, r, &resp);
+        };
+      };
+  auto get_with = [&](const std::string& tenant, const std::string& id) {
     return [=]() {
       v1::GetSequenceRequest r;
       r.set_tenant_id(tenant);
@@ -101,7 +105,7 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
       return Call(&v1::Manager::Stub::GetSequence, r, &resp);
     };
   };
-  auto heartbeat_with = [&](std::string worker, int format) {
+  auto heartbeat_with = [&](const std::string& worker, int format) {
     return [=]() {
       v1::HeartbeatRequest r;
       r.set_worker_id(worker);
@@ -111,7 +115,7 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
       return Call(&v1::Manager::Stub::Heartbeat, r, &resp);
     };
   };
-  auto list_seq = [&](std::string tenant) {
+  auto list_seq = [&](const std::string& tenant) {
     return [=]() {
       v1::ListSequencesRequest r;
       r.set_tenant_id(tenant);
@@ -119,7 +123,7 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
       return Call(&v1::Manager::Stub::ListSequences, r, &resp);
     };
   };
-  auto put_with = [&](std::function<void(v1::PutPolicyRequest&)> f) {
+  auto put_with = [&](const std::function<void(v1::PutPolicyRequest&)>& f) {
     return [=]() {
       v1::PutPolicyRequest r = PolicyReq();
       f(r);
@@ -127,14 +131,15 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
       return Call(&v1::Manager::Stub::PutPolicy, r, &resp);
     };
   };
-  auto demote_with = [&](std::function<void(v1::DemoteBlocksRequest&)> f) {
-    return [=]() {
-      v1::DemoteBlocksRequest r = DemoteReq(seq, 1, v1::FORMAT_INT2);
-      f(r);
-      v1::DemoteBlocksResponse resp;
-      return Call(&v1::Manager::Stub::DemoteBlocks, r, &resp);
-    };
-  };
+  auto demote_with =
+      [&](const std::function<void(v1::DemoteBlocksRequest&)>& f) {
+        return [=]() {
+          v1::DemoteBlocksRequest r = DemoteReq(seq, 1, v1::FORMAT_INT2);
+          f(r);
+          v1::DemoteBlocksResponse resp;
+          return Call(&v1::Manager::Stub::DemoteBlocks, r, &resp);
+        };
+      };
   auto trace = [&](uint64_t id) {
     return [=]() {
       v1::QueryTraceRequest r;

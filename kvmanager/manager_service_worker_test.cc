@@ -16,7 +16,7 @@ class FakeWorker final : public v1::Worker::Service {
     if (fail) {
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "pool is full");
     }
-    resp->set_pages_reencoded(req->blocks_size() * 2);
+    resp->set_pages_reencoded(static_cast<uint64_t>(req->blocks_size()) * 2);
     return grpc::Status::OK;
   }
   absl::Mutex mu;

@@ -35,6 +35,7 @@ Span S(Role r, uint32_t n, uint32_t turn_offset = 0,
 std::vector<std::tuple<uint64_t, uint32_t>> Extents(
     const std::vector<PlannedBlock>& blocks) {
   std::vector<std::tuple<uint64_t, uint32_t>> out;
+  out.reserve(blocks.size());
   for (const PlannedBlock& b : blocks)
     out.emplace_back(b.first_token, b.num_tokens);
   return out;
@@ -230,8 +231,8 @@ TEST(SequencePlannerTest, ExtendLimits) {
               StatusIs(C::kInvalidArgument,
                        HasSubstr("spans bring sequence_id \"seq-1\" to "
                                  "16777232 tokens; the limit is 16777216")));
-  EXPECT_THAT(planner.PlanExtend(*s, {S(Role::kUser, 16 * 65536)}, 16 * 65536,
-                                 false, false),
+  EXPECT_THAT(planner.PlanExtend(*s, {S(Role::kUser, 16 * 65536)},
+                                 uint64_t{16} * 65536, false, false),
               StatusIs(C::kInvalidArgument,
                        "spans bring sequence_id \"seq-1\" past 65536 blocks"));
 }

@@ -28,6 +28,7 @@ constexpr uint64_t kBf16 = 16384;
 
 std::vector<std::string> Ids(const std::vector<SequenceInfo>& list) {
   std::vector<std::string> out;
+  out.reserve(list.size());
   for (const SequenceInfo& s : list) out.push_back(s.sequence_id);
   return out;
 }

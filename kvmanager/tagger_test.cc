@@ -268,7 +268,7 @@ TEST(TaggerTest, TokenSkippingATurnKeepsTurnsIncreasing) {
 }
 
 TEST(TaggerTest, InputErrors) {
-  auto err = [](RenderedText r, const std::string& what) {
+  auto err = [](const RenderedText& r, const std::string& what) {
     EXPECT_THAT(TagRendered(r, TurnNumbering::kOpen),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(what)))
         << r.text;

@@ -364,7 +364,7 @@ TEST_F(CudaDeviceTest, MixedAttentionMatchesCpu) {
     size_t offset = 0;
     long total = 0;
     std::vector<Encoding> encodings = CudaEncodings();
-    encodings.push_back(Format::kBF16);
+    encodings.emplace_back(Format::kBF16);
     for (size_t i = 0; i < encodings.size(); ++i) {
       const Encoding& e = encodings[i];
       if (kernels::ValidateEncoding(e, shape) != nullptr ||
@@ -441,7 +441,7 @@ TEST_F(CudaDeviceTest, RefusesWhatTheKernelsDoNotRun) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("head_dim")));
   EXPECT_THAT(gpu_->SupportsAttention(PageShape{16, 1, 256}, 64),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
-  const std::vector<uint16_t> kv(16 * 2 * 64, 0x3f80);
+  const std::vector<uint16_t> kv(size_t{16} * 2 * 64, 0x3f80);
   EXPECT_THAT(gpu_->EncodePage(Encoding(Format::kINT4, Format::kINT4, 48),
                                shape, kv.data(), kv.data(), 16, gpu_arena_),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("group")));
@@ -521,6 +521,9 @@ TEST_F(CudaDeviceTest, BatchedAttentionIsBitIdenticalToPerEntry) {
     std::normal_distribution<float> dist(0.f, 1.f);
     std::vector<float> q(batch * qv);
     for (auto& x : q) x = dist(rng);
+    // Copies: a lambda may not capture structured bindings in C++17.
+    const int n_q_heads = n_q;
+    const PageShape page_shape = shape;
     auto params = [&](std::vector<std::vector<kernels::PageRef>>& pages,
                       std::vector<float>* out) {
       out->assign(batch * qv, kNaN);
@@ -531,10 +534,10 @@ TEST_F(CudaDeviceTest, BatchedAttentionIsBitIdenticalToPerEntry) {
         kernels::DecodeParams& p = ps[b];
         p.q = q.data() + b * qv;
         p.out = out->data() + b * qv;
-        p.n_q_heads = n_q;
-        p.shape = shape;
+        p.n_q_heads = n_q_heads;
+        p.shape = page_shape;
         // Two scale groups: two launches, still one call.
-        p.scale = (b % 2 ? 0.5f : 1.f) / std::sqrt(float(shape.head_dim));
+        p.scale = (b % 2 ? 0.5f : 1.f) / std::sqrt(float(page_shape.head_dim));
         p.pages = pages[b].data();
         p.num_pages = static_cast<int>(pages[b].size());
         p.attend_tokens = b % 5 == 4 && total > 1 ? total - 1 : total;
@@ -667,14 +670,14 @@ TEST_F(CudaDeviceTest, StoreDecodeStepBatchedVsPerItem) {
   auto a = PageAllocator::Create(gpu_.get(), 256 << 20);
   ASSERT_THAT(a.status(), IsOk());
   SequenceStore store(gpu_.get(), a->get());
-  const size_t tv = m.n_kv_heads * m.head_dim;
+  const size_t tv = static_cast<size_t>(m.n_kv_heads) * m.head_dim;
   for (int s = 0; s < seqs; ++s) {
     std::vector<BlockSpec> plan;
     for (uint32_t i = 0; i * T < tokens; ++i) {
       BlockSpec b;
       b.index = i;
       b.lineage_id = 1 + i;
-      b.first_token = i * T;
+      b.first_token = static_cast<uint64_t>(i) * T;
       b.num_tokens = T;
       b.encoding = i < 2 ? Format::kBF16 : Format::kINT4;
       plan.push_back(b);
@@ -694,11 +697,11 @@ TEST_F(CudaDeviceTest, StoreDecodeStepBatchedVsPerItem) {
     ASSERT_THAT(store.Write("t", id, w).status(), IsOk());
   }
   std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<float> q(seqs * m.n_q_heads * m.head_dim);
+  std::vector<float> q(static_cast<size_t>(seqs) * m.n_q_heads * m.head_dim);
   for (auto& x : q) x = dist(rng);
   std::vector<std::string> ids(seqs);
   std::vector<AttendBatchItem> items(seqs);
-  const size_t qbytes = m.n_q_heads * m.head_dim * 4;
+  const size_t qbytes = static_cast<size_t>(m.n_q_heads) * m.head_dim * 4;
   for (int s = 0; s < seqs; ++s) {
     ids[s] = absl::StrCat("s", s);
     items[s].sequence_id = ids[s];
@@ -801,7 +804,7 @@ TEST_F(CudaDeviceTest, SequenceStoresAgree) {
             .status(),
         IsOk());
   }
-  const size_t tv = m.n_kv_heads * m.head_dim;
+  const size_t tv = static_cast<size_t>(m.n_kv_heads) * m.head_dim;
   for (uint32_t layer = 0; layer < m.n_layers; ++layer) {
     uint32_t first = 0;
     for (const uint32_t n : {37u, 1u, 50u, 12u}) {
@@ -894,8 +897,12 @@ TEST_F(CudaDeviceTest, SequenceStoresAgree) {
   auto d = CudaDevice::Create(0);
   if (!d.ok()) std::_Exit(2);
   const PageShape shape{16, 1, 64};
-  std::vector<float> k(16 * 64);
-  auto* bogus = reinterpret_cast<const uint8_t*>(uintptr_t{16});
+  std::vector<float> k(size_t{16} * 64);
+  // A deliberately invalid device address (no allocation owns it), to
+  // poison the context.
+  auto* bogus =
+      reinterpret_cast<const uint8_t*>(  // NOLINT(performance-no-int-to-ptr)
+          uintptr_t{16});
   const absl::Status first =
       (*d)->DecodePage(Format::kINT4, shape, bogus, 16, k.data(), nullptr);
   const absl::Status health = (*d)->Health();

@@ -16,7 +16,7 @@ HealthReporter::HealthReporter(const WorkerCore* core,
 HealthReporter::~HealthReporter() { Stop(); }
 
 absl::Status HealthReporter::Check() {
-  const absl::Status health = core_->DeviceHealth();
+  absl::Status health = core_->DeviceHealth();
   const bool serving = health.ok();
   absl::MutexLock lock(&mu_);
   if (serving_ == serving) return health;

@@ -97,7 +97,8 @@ TEST_F(ServiceTest, EncodingsWindowTokensAndDemote) {
   EXPECT_CODE(Allocate(tq), grpc::StatusCode::INVALID_ARGUMENT,
               "blocks[0]: encoding tq2");
 
-  const std::vector<float> k = Random(32 * 64, 3), v = Random(32 * 64, 4);
+  const std::vector<float> k = Random(size_t{32} * 64, 3),
+                           v = Random(size_t{32} * 64, 4);
   for (uint32_t l = 0; l < 2; ++l) {
     ASSERT_TRUE(Write({WriteMsg("s", F32Chunk(l, 0, 32, k, v))}).ok());
   }
@@ -173,7 +174,7 @@ TEST_F(ServiceTest, EncodingsWindowTokensAndDemote) {
   item->set_sequence_id("s");
   item->set_layer(1);
   item->set_num_queries(1);
-  const std::vector<float> q = Random(4 * 32, 9);
+  const std::vector<float> q = Random(size_t{4} * 32, 9);
   item->set_queries(F32Bytes(q.data(), q.size()));
   grpc::ClientContext ctx;
   v1::AttendResponse resp;
@@ -239,7 +240,7 @@ TEST_F(ServiceTest, WriteKVRejectsBadInputWithoutStateChange) {
 
 TEST_F(ServiceTest, WriteKVIsIdempotentPerStream) {
   ASSERT_TRUE(Allocate(AllocRequest("s", 40)).ok());
-  auto k = Random(40 * 64, 3), v = Random(40 * 64, 4);
+  auto k = Random(size_t{40} * 64, 3), v = Random(size_t{40} * 64, 4);
   std::vector<v1::WriteKVRequest> msgs = {
       WriteMsg("s", F32Chunk(0, 0, 10, k, v), "w-1"),
       WriteMsg("s", F32Chunk(0, 10, 10, k, v))};
@@ -259,7 +260,7 @@ TEST_F(ServiceTest, StreamedWriteAttendReadRoundTrip) {
   // 300 bf16 tokens: ReadKV must split into chunks of <= 256 tokens.
   auto req = AllocRequest("s", 300, v1::FORMAT_BF16);
   ASSERT_TRUE(Allocate(req).ok());
-  auto k = Random(300 * 64, 5), v = Random(300 * 64, 6);
+  auto k = Random(size_t{300} * 64, 5), v = Random(size_t{300} * 64, 6);
   std::vector<v1::WriteKVRequest> msgs;
   for (uint32_t l = 0; l < 2; ++l) {
     for (uint32_t t = 0; t < 299; t += 23) {
@@ -273,7 +274,7 @@ TEST_F(ServiceTest, StreamedWriteAttendReadRoundTrip) {
 
   // Decode step for layer 1: append token 299 and attend in one RPC, plus a
   // second item on layer 0 at position 100 and a bad third item.
-  const size_t per_q = 4 * 32;
+  const size_t per_q = size_t{4} * 32;
   auto q = Random(2 * per_q, 7);
   v1::AttendRequest ar;
   ar.set_tenant_id(kTenant);
@@ -319,7 +320,7 @@ TEST_F(ServiceTest, StreamedWriteAttendReadRoundTrip) {
     for (uint32_t d = 0; d < 32; ++d) {
       const float want =
           kernels::Bf16ToFloat(kernels::FloatToBf16(v[(h / 2) * 32 + d]));
-      EXPECT_NEAR(out[per_q + h * 32 + d], want, 1e-6);
+      EXPECT_NEAR(out[per_q + static_cast<size_t>(h) * 32 + d], want, 1e-6);
     }
   }
   // And the layer-1 item equals the store's own answer after the append.
@@ -344,7 +345,7 @@ TEST_F(ServiceTest, StreamedWriteAttendReadRoundTrip) {
   EXPECT_EQ(chunks[1].num_tokens(), 44u);
   for (const auto& c : chunks) {
     ASSERT_EQ(c.k().size(), c.num_tokens() * 64 * 2u);
-    for (size_t i = 0; i < c.num_tokens() * 64; ++i) {
+    for (size_t i = 0; i < size_t{c.num_tokens()} * 64; ++i) {
       uint16_t kb, vb;
       std::memcpy(&kb, c.k().data() + 2 * i, 2);
       std::memcpy(&vb, c.v().data() + 2 * i, 2);
@@ -363,7 +364,8 @@ TEST_F(ServiceTest, StreamedWriteAttendReadRoundTrip) {
   ASSERT_EQ(chunks[0].k().size(), 5 * 64 * 4u);
   float first;
   std::memcpy(&first, chunks[0].k().data(), 4);
-  EXPECT_EQ(first, kernels::Bf16ToFloat(kernels::FloatToBf16(k[10 * 64])));
+  EXPECT_EQ(first,
+            kernels::Bf16ToFloat(kernels::FloatToBf16(k[size_t{10} * 64])));
 }
 
 TEST_F(ServiceTest, ReadKVRejectsBadInput) {
@@ -401,7 +403,7 @@ TEST_F(ServiceTest, AttendReportsPerItemErrorsWithoutStateChange) {
   std::vector<float> k, v;
   MakeWritten(5, &k, &v);
   const std::string before = Inventory();
-  const size_t per_q = 4 * 32;
+  const size_t per_q = size_t{4} * 32;
   auto q = Random(per_q, 9);
   auto item = [&](v1::AttendRequest* r) {
     v1::AttendItem* i = r->add_items();
@@ -473,8 +475,8 @@ TEST_F(ServiceTest, BatchedAttendMatchesItemByItem) {
   const uint32_t written[3] = {30, 20, 10};
   std::vector<std::vector<float>> k(3), v(3);
   for (int s = 0; s < 3; ++s) {
-    k[s] = Random(40 * 64, 100 + s);
-    v[s] = Random(40 * 64, 200 + s);
+    k[s] = Random(size_t{40} * 64, 100 + s);
+    v[s] = Random(size_t{40} * 64, 200 + s);
     for (const char* copy : {"a", "b"}) {
       const std::string id = absl::StrCat(copy, "-", s);
       ASSERT_TRUE(Allocate(AllocRequest(id, 40, formats[s])).ok());
@@ -484,8 +486,8 @@ TEST_F(ServiceTest, BatchedAttendMatchesItemByItem) {
       }
     }
   }
-  const size_t per_q = 4 * 32;
-  const std::vector<float> q = Random(8 * 2 * per_q, 7);
+  const size_t per_q = size_t{4} * 32;
+  const std::vector<float> q = Random(size_t{8} * 2 * per_q, 7);
   struct Item {
     std::string seq;  // suffix after "<copy>-", or a missing id
     uint32_t layer;
@@ -600,7 +602,7 @@ TEST_F(ServiceTest, DeviceErrorReachesInventoryAndAttend) {
     EXPECT_EQ(inv.device_error(),
               "cuda backend unhealthy (restart the worker) since: X");
   }
-  const std::vector<float> q = Random(4 * 32, 3);
+  const std::vector<float> q = Random(size_t{4} * 32, 3);
   v1::AttendRequest r;
   r.set_tenant_id(kTenant);
   for (int i = 0; i < 2; ++i) {

@@ -8,9 +8,9 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -203,8 +203,8 @@ class ServiceTest : public ::testing::Test {
   void MakeWritten(uint64_t written, std::vector<float>* k,
                    std::vector<float>* v) {
     ASSERT_TRUE(Allocate(AllocRequest("s", 40)).ok());
-    *k = Random(40 * 64, 1);
-    *v = Random(40 * 64, 2);
+    *k = Random(size_t{40} * 64, 1);
+    *v = Random(size_t{40} * 64, 2);
     for (uint32_t l = 0; l < 2; ++l) {
       ASSERT_TRUE(Write({WriteMsg("s", F32Chunk(l, 0, written, *k, *v))}).ok());
     }

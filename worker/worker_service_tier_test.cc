@@ -39,7 +39,7 @@ class TierServiceTest : public ServiceTest {
     std::filesystem::remove_all(dir_, ec);
   }
 
-  grpc::Status Spill(const std::string& seq, std::vector<uint64_t> ids,
+  grpc::Status Spill(const std::string& seq, const std::vector<uint64_t>& ids,
                      v1::Tier tier, const std::string& request_id = "",
                      const std::string& tenant = kTenant,
                      v1::SpillResponse* resp = nullptr) {
@@ -53,7 +53,7 @@ class TierServiceTest : public ServiceTest {
     v1::SpillResponse local;
     return stub_->Spill(&ctx, r, resp ? resp : &local);
   }
-  grpc::Status Restore(const std::string& seq, std::vector<uint64_t> ids,
+  grpc::Status Restore(const std::string& seq, const std::vector<uint64_t>& ids,
                        bool background, const std::string& request_id = "",
                        const std::string& tenant = kTenant,
                        v1::RestoreResponse* resp = nullptr) {
@@ -67,7 +67,7 @@ class TierServiceTest : public ServiceTest {
     v1::RestoreResponse local;
     return stub_->Restore(&ctx, r, resp ? resp : &local);
   }
-  grpc::Status Evict(const std::string& seq, std::vector<uint64_t> ids,
+  grpc::Status Evict(const std::string& seq, const std::vector<uint64_t>& ids,
                      const std::string& request_id = "",
                      const std::string& tenant = kTenant,
                      v1::EvictResponse* resp = nullptr) {
@@ -88,7 +88,7 @@ class TierServiceTest : public ServiceTest {
     item->set_layer(1);
     item->set_num_queries(1);
     item->add_positions(position);
-    const std::vector<float> q = Random(4 * 32, 9);
+    const std::vector<float> q = Random(size_t{4} * 32, 9);
     item->set_queries(F32Bytes(q.data(), q.size()));
     grpc::ClientContext ctx;
     v1::AttendResponse resp;

@@ -223,6 +223,7 @@ class Runner {
         seqs.push_back(h);
       }
       std::vector<std::unique_ptr<ServiceKvStore>> stores;
+      stores.reserve(seqs.size());
       for (auto& h : seqs) {
         stores.push_back(std::make_unique<ServiceKvStore>(
             client_, &h, mc.n_kv_heads, mc.head_dim()));
@@ -410,7 +411,7 @@ int Main(int argc, char** argv) {
   std::vector<std::string> vacuous;
   for (const auto& ab : ablations) {
     if (ab.merged == 0) {
-      vacuous.push_back(TagAxisName(ab.axis));
+      vacuous.emplace_back(TagAxisName(ab.axis));
       continue;
     }
     Config c;
@@ -586,6 +587,7 @@ int Main(int argc, char** argv) {
 
   const double total = Seconds(t_all);
   std::vector<std::string> notes;
+  notes.reserve(sessions.size());
   for (const auto& s : sessions) notes.push_back(s.note);
   std::string md = absl::StrCat(
       "# Triaxial allocation policy vs uniform baselines (kvproxy-18m, "

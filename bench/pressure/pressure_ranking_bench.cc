@@ -201,7 +201,8 @@ void Build(size_t n_blocks, uint64_t seed, World* world) {
       } else {
         if (left_in_span == 0) {
           role_i = (i == 6) ? 0 : (role_i + 1) % 5;
-          left_in_span = 1 + static_cast<uint32_t>(pick(turn_lens[role_i] * 2));
+          left_in_span = 1 + static_cast<uint32_t>(pick(
+                                 static_cast<size_t>(turn_lens[role_i]) * 2));
         }
         b.tag.role = turn_roles[role_i];
         --left_in_span;
@@ -283,7 +284,7 @@ void Build(size_t n_blocks, uint64_t seed, World* world) {
         ids.push_back(in.blocks[sb[at]].lineage_id);
         weights.push_back(static_cast<float>(k < 2 ? 0.2 : uni(0, 0.05)));
       }
-      g.RecordAccess(ids, weights, last - (2 - rep) * 1000);
+      g.RecordAccess(ids, weights, last - static_cast<int64_t>(2 - rep) * 1000);
     }
     for (size_t k = 0; k + 1 < sb.size(); ++k) {
       if (in.blocks[sb[k]].tag.role == Role::kToolCall &&

@@ -332,6 +332,7 @@ class Runner {
           }
           std::vector<std::unique_ptr<ServiceKvStore>> stores;
           std::vector<frontend::KvStore*> secondaries;
+          stores.reserve(seqs.size());
           for (auto& h : seqs) {
             stores.push_back(std::make_unique<ServiceKvStore>(
                 svc_->client(), &h, mc.n_kv_heads, mc.head_dim()));

@@ -250,7 +250,8 @@ void MeasureQuery(const QueryPlan& qp, const std::vector<CalBlock>& blocks,
     const float* qh = q + static_cast<size_t>(h) * D;
     float m = -INFINITY;
     for (int64_t j = 0; j < n; ++j) {
-      s[j] = scale * dot(qh, &ref_k[j * kv_dim + g * D]);
+      s[j] = scale * dot(qh, &ref_k[static_cast<size_t>(j) * kv_dim +
+                                    static_cast<size_t>(g) * D]);
       m = std::max(m, s[j]);
     }
     double z = 0;
@@ -258,7 +259,8 @@ void MeasureQuery(const QueryPlan& qp, const std::vector<CalBlock>& blocks,
     for (int64_t j = 0; j < n; ++j) {
       w[j] = std::exp(static_cast<double>(s[j]) - m);
       z += w[j];
-      const float* vj = &ref_v[j * kv_dim + g * D];
+      const float* vj =
+          &ref_v[static_cast<size_t>(j) * kv_dim + static_cast<size_t>(g) * D];
       for (int d = 0; d < D; ++d) a[d] += w[j] * vj[d];
     }
     for (int d = 0; d < D; ++d) ref2 += (a[d] / z) * (a[d] / z);
@@ -273,11 +275,14 @@ void MeasureQuery(const QueryPlan& qp, const std::vector<CalBlock>& blocks,
         const int64_t end =
             std::min<int64_t>(blocks[b].first + blocks[b].tokens, n);
         for (int64_t j = blocks[b].first; j < end; ++j) {
-          const float st = scale * dot(qh, &kf[j * kv_dim + g * D]);
+          const float st = scale * dot(qh, &kf[static_cast<size_t>(j) * kv_dim +
+                                               static_cast<size_t>(g) * D]);
           const double wt = std::exp(static_cast<double>(st) - m);
           dz[t] += wt - w[j];
-          const float* vt = &vf[j * kv_dim + g * D];
-          const float* vr = &ref_v[j * kv_dim + g * D];
+          const float* vt =
+              &vf[static_cast<size_t>(j) * kv_dim + static_cast<size_t>(g) * D];
+          const float* vr = &ref_v[static_cast<size_t>(j) * kv_dim +
+                                   static_cast<size_t>(g) * D];
           for (int d = 0; d < D; ++d) dat[d] += wt * vt[d] - w[j] * vr[d];
         }
       }

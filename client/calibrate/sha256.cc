@@ -61,8 +61,9 @@ class Sha256 {
   void Block(const uint8_t* p) {
     uint32_t w[64];
     for (int i = 0; i < 16; ++i) {
-      w[i] = (uint32_t{p[4 * i]} << 24) | (uint32_t{p[4 * i + 1]} << 16) |
-             (uint32_t{p[4 * i + 2]} << 8) | uint32_t{p[4 * i + 3]};
+      w[i] = (uint32_t{p[size_t{4} * i]} << 24) |
+             (uint32_t{p[4 * i + 1]} << 16) | (uint32_t{p[4 * i + 2]} << 8) |
+             uint32_t{p[4 * i + 3]};
     }
     for (int i = 16; i < 64; ++i) {
       const uint32_t s0 =

@@ -71,7 +71,9 @@ TEST(ForwardTest, KvProxyMatchesReferenceLogits) {
   ASSERT_GT(max_abs, 1.0);
   EXPECT_LE(max_err / max_abs, 1e-4) << "max abs err " << max_err;
   for (int p = 0; p < 64; ++p) {
-    EXPECT_EQ(Argmax(&logits[p * 260], 260), Argmax(want + p * 260, 260)) << p;
+    EXPECT_EQ(Argmax(&logits[static_cast<size_t>(p) * 260], 260),
+              Argmax(want + static_cast<size_t>(p) * 260, 260))
+        << p;
   }
 }
 

@@ -305,7 +305,7 @@ std::string BpeTokenizer::Decode(int prev_token, int token) const {
     piece.remove_prefix(1);
   unsigned char byte_val;
   // sscanf needs a NUL-terminated copy.
-  const std::string copy(piece);
+  std::string copy(piece);
   if (std::sscanf(copy.c_str(), "<0x%02hhX>", &byte_val) == 1) {
     return std::string(1, static_cast<char>(byte_val));
   }

@@ -52,7 +52,7 @@ namespace {
 // classes' pages in it (a ballot over each 32-descriptor window) and keeps
 // its own online softmax. A CTA whose class has no page in the sequence
 // exits at once. So every warp of an SM runs one format's code at a time
-// (mixed pools no longer switch format tile by tile), and the reduce kernel
+// (a mixed pool never switches format tile by tile), and the reduce kernel
 // merges the kClasses * S partial results of each query head (skipping
 // absent classes and empty shares). Per 16-token tile a warp
 // gets K and V of its head as mma operands (see below; shared-memory tiles

@@ -155,7 +155,8 @@ struct AttentionParams {
   const int32_t* page_indptr = nullptr;    // [batch + 1]
   const int32_t* attend_tokens = nullptr;  // [batch]
   cudaStream_t stream = nullptr;
-  // Optional (added; defaults keep older callers unchanged):
+  // Optional: scratch for the split and partial results; nullptr with
+  // workspace_bytes 0 lets the call allocate its own.
   void* workspace = nullptr;  // see AttentionWorkspaceBytes
   size_t workspace_bytes = 0;
   // Optional: the encodings of the table's pages, as the OR of

@@ -255,8 +255,10 @@ TEST_F(KvCudaTest, DecodeMatchesReference) {
       const Encoding f = encs[i % encs.size()];
       const int n = i == 0 ? s.tokens : ntok(rng);
       pool.Add(f, n, s);
-      const auto k = testing::RandomBf16(rng, n * s.heads * s.head_dim);
-      const auto v = testing::RandomBf16(rng, n * s.heads * s.head_dim);
+      const auto k = testing::RandomBf16(
+          rng, static_cast<size_t>(n) * s.heads * s.head_dim);
+      const auto v = testing::RandomBf16(
+          rng, static_cast<size_t>(n) * s.heads * s.head_dim);
       std::vector<uint8_t> page(PageBytes(f, s));
       EncodePage(f, s, k.data(), v.data(), n, page.data());
       host_pool.insert(host_pool.end(), page.begin(), page.end());
@@ -584,7 +586,7 @@ TEST_F(KvCudaTest, AttentionFormatHint) {
   const size_t per_seq = static_cast<size_t>(n_q) * D;
   for (size_t i = 0; i < q.size(); ++i) {
     ASSERT_TRUE(std::isfinite(none[i])) << i;
-    ASSERT_EQ(std::memcmp(&none[i], &exact[i], 4), 0) << i;
+    ASSERT_TRUE(testing::SameBits(&none[i], &exact[i], 1)) << i;
   }
   // Leave out each sequence's encoding in turn.
   for (int missing = 0; missing < batch; ++missing) {
@@ -597,7 +599,7 @@ TEST_F(KvCudaTest, AttentionFormatHint) {
         if (b == missing) {
           ASSERT_TRUE(std::isnan(got[i])) << "sequence " << b << " at " << i;
         } else {
-          ASSERT_EQ(std::memcmp(&none[i], &got[i], 4), 0)
+          ASSERT_TRUE(testing::SameBits(&none[i], &got[i], 1))
               << "sequence " << b << " at " << i;
         }
       }
@@ -686,14 +688,13 @@ TEST_F(KvCudaTest, AttentionPagesPerShareIsBatchInvariant) {
     const auto all = run({0, 1, 2}, splits);
     const auto rev = run({2, 0}, splits);
     for (int b = 0; b < batch; ++b) {
-      ASSERT_EQ(
-          std::memcmp(all.data() + b * per_seq, alone[b].data(), per_seq * 4),
-          0)
+      ASSERT_TRUE(
+          testing::SameBits(all.data() + b * per_seq, alone[b].data(), per_seq))
           << "sequence " << b << " batched vs alone";
     }
-    ASSERT_EQ(std::memcmp(rev.data(), alone[2].data(), per_seq * 4), 0);
-    ASSERT_EQ(std::memcmp(rev.data() + per_seq, alone[0].data(), per_seq * 4),
-              0);
+    ASSERT_TRUE(testing::SameBits(rev.data(), alone[2].data(), per_seq));
+    ASSERT_TRUE(
+        testing::SameBits(rev.data() + per_seq, alone[0].data(), per_seq));
   }
   for (int b = 0; b < batch; ++b) {
     std::vector<float> ref_out(per_seq, NAN);
@@ -740,8 +741,10 @@ TEST_F(KvCudaTest, DemoteMatchesReferenceBytes) {
     for (int i = 0; i < num_pages; ++i) {
       const auto [from, to] = pairs[i];
       const int n = i % 2 == 0 ? s.tokens : ntok(rng);
-      const auto k = testing::RandomBf16(rng, n * s.heads * s.head_dim);
-      const auto v = testing::RandomBf16(rng, n * s.heads * s.head_dim);
+      const auto k = testing::RandomBf16(
+          rng, static_cast<size_t>(n) * s.heads * s.head_dim);
+      const auto v = testing::RandomBf16(
+          rng, static_cast<size_t>(n) * s.heads * s.head_dim);
       EncodePage(from, s, k.data(), v.data(), n, host.data() + i * slot);
       std::vector<float> fk(page_elems), fv(page_elems);
       DecodePage(from, s, host.data() + i * slot, n, fk.data(), fv.data());
@@ -946,9 +949,9 @@ TEST(KvCudaSchedulingTest, SplitsFillWaves) {
       ASSERT_GE(s, 1);
       ASSERT_LE(s, 64);
       const long long slots = 132LL * per_sm, n = ctas * s;
+      const auto whole_waves = (n + slots - 1) / slots;  // rounded up
       const double fill =
-          static_cast<double>(n) /
-          (static_cast<double>((n + slots - 1) / slots) * slots);
+          static_cast<double>(n) / (static_cast<double>(whole_waves) * slots);
       if (ctas * 64 >= slots) {
         EXPECT_GE(fill, 0.9) << ctas << " CTAs, " << per_sm << " per SM";
       }

@@ -118,7 +118,8 @@ void EncodeBf16(const PageShape& s, const TensorLayout& l, const uint16_t* src,
   for (int t = 0; t < n; ++t) {
     for (int h = 0; h < H; ++h) {
       std::memcpy(page + l.codes + (static_cast<size_t>(h) * T + t) * D * 2,
-                  src + (static_cast<size_t>(t) * H + h) * D, D * 2);
+                  src + (static_cast<size_t>(t) * H + h) * D,
+                  static_cast<size_t>(D) * 2);
     }
   }
 }
@@ -340,7 +341,7 @@ template <int kBits>
 void TqRow(const uint8_t* row, int D, const float* lv, float* out) {
   if constexpr (kBits == 3) {
     for (int j = 0; j < D / 8; ++j) {
-      const uint32_t w = row[3 * j] | (uint32_t{row[3 * j + 1]} << 8) |
+      const uint32_t w = row[size_t{3} * j] | (uint32_t{row[3 * j + 1]} << 8) |
                          (uint32_t{row[3 * j + 2]} << 16);
       for (int i = 0; i < 8; ++i) out[8 * j + i] = lv[(w >> (3 * i)) & 7u];
     }
@@ -488,9 +489,9 @@ void WriteBf16Token(const PageShape& shape, const uint16_t* k_bf16,
   for (int h = 0; h < H; ++h) {
     const size_t dst = (static_cast<size_t>(h) * T + t) * D * 2;
     std::memcpy(page + l.k.codes + dst, k_bf16 + static_cast<size_t>(h) * D,
-                D * 2);
+                static_cast<size_t>(D) * 2);
     std::memcpy(page + l.v.codes + dst, v_bf16 + static_cast<size_t>(h) * D,
-                D * 2);
+                static_cast<size_t>(D) * 2);
   }
 }
 

@@ -269,7 +269,7 @@ TEST(KvRefTest, Bf16IsExact) {
   EXPECT_EQ(vd, Bf16VecToFloat(v));
   // Head-major placement: token 5, head 2, dim 3 of K.
   uint16_t stored;
-  std::memcpy(&stored, page.data() + ((2 * 16 + 5) * 24 + 3) * 2, 2);
+  std::memcpy(&stored, page.data() + size_t{((2 * 16 + 5) * 24 + 3) * 2}, 2);
   EXPECT_EQ(stored, k[(5 * 4 + 2) * 24 + 3]);
 }
 
@@ -284,7 +284,8 @@ TEST(KvRefTest, ConstantInputDecodesExactly) {
     for (int h = 0; h < H; ++h) {
       for (int d = 0; d < D; ++d) {
         k[(t * H + h) * D + d] = FloatToBf16(0.25f * (d % 16 - 8) + h);
-        v[(t * H + h) * D + d] = FloatToBf16(-0.25f * (t % 8) + (d / 32));
+        v[(t * H + h) * D + d] =
+            FloatToBf16(-0.25f * (t % 8) + static_cast<float>(d / 32));
       }
     }
   }
@@ -306,14 +307,14 @@ TEST(KvRefTest, ConstantInputDecodesExactly) {
 // K != V pairs and group / scale variants.
 std::vector<Encoding> TestEncodings() {
   std::vector<Encoding> out;
-  for (Format f : kAllFormats) out.push_back(f);
-  out.push_back(Encoding(Format::kINT4, Format::kINT2));
-  out.push_back(Encoding(Format::kFP8, Format::kINT4));
-  out.push_back(Encoding(Format::kTQ4, Format::kINT8));
-  out.push_back(Encoding(Format::kINT8, Format::kTQ3));
-  out.push_back(Encoding(Format::kBF16, Format::kTQ2));
-  out.push_back(Encoding(Format::kINT4, Format::kINT4, 64, ScaleDtype::kFP8));
-  out.push_back(Encoding(Format::kINT2, Format::kINT8, 128, ScaleDtype::kFP16));
+  for (Format f : kAllFormats) out.emplace_back(f);
+  out.emplace_back(Format::kINT4, Format::kINT2);
+  out.emplace_back(Format::kFP8, Format::kINT4);
+  out.emplace_back(Format::kTQ4, Format::kINT8);
+  out.emplace_back(Format::kINT8, Format::kTQ3);
+  out.emplace_back(Format::kBF16, Format::kTQ2);
+  out.emplace_back(Format::kINT4, Format::kINT4, 64, ScaleDtype::kFP8);
+  out.emplace_back(Format::kINT2, Format::kINT8, 128, ScaleDtype::kFP16);
   return out;
 }
 
@@ -436,8 +437,8 @@ constexpr int kMixed = -1;
 const std::vector<Encoding>& MixPool() {
   static const std::vector<Encoding> pool = [] {
     std::vector<Encoding> p = TestEncodings();
-    p.push_back(Encoding(Format::kTQ2, Format::kFP8, 0, ScaleDtype::kFP8));
-    p.push_back(Encoding(Format::kINT8, Format::kINT2, 64, ScaleDtype::kFP8));
+    p.emplace_back(Format::kTQ2, Format::kFP8, 0, ScaleDtype::kFP8);
+    p.emplace_back(Format::kINT8, Format::kINT2, 64, ScaleDtype::kFP8);
     return p;
   }();
   return pool;
@@ -644,8 +645,8 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(KvRefAttentionTest, PagesPastAttendAreNotRead) {
   std::mt19937 rng(21);
   BuiltSequence b = Build(kMixed, 40, 16, 2, 64, rng);
-  const auto q = testing::RandomFloat(rng, 4 * 64);
-  std::vector<float> out1(4 * 64, NAN), out2(4 * 64, NAN);
+  const auto q = testing::RandomFloat(rng, size_t{4} * 64);
+  std::vector<float> out1(size_t{4} * 64, NAN), out2(size_t{4} * 64, NAN);
   DecodeParams p;
   p.q = q.data();
   p.out = out1.data();

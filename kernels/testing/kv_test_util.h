@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -12,6 +13,18 @@
 #include "kernels/numeric.h"
 
 namespace triax::kernels::testing {
+
+// True when a[0..n) and b[0..n) hold the same bit patterns (NaNs and signed
+// zeros included): the bit-identity tests assert.
+inline bool SameBits(const float* a, const float* b, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t x, y;
+    std::memcpy(&x, a + i, sizeof x);
+    std::memcpy(&y, b + i, sizeof y);
+    if (x != y) return false;
+  }
+  return true;
+}
 
 // Gaussian N(0, sigma) values rounded to BF16.
 inline std::vector<uint16_t> RandomBf16(std::mt19937& rng, size_t n,

@@ -35,15 +35,13 @@ int main(int argc, char** argv) {
   }
   std::vector<Encoding> encodings(std::begin(kAllFormats),
                                   std::end(kAllFormats));
-  encodings.push_back(Encoding(Format::kINT4, Format::kINT4, 128));
-  encodings.push_back(
-      Encoding(Format::kINT4, Format::kINT4, 32, ScaleDtype::kFP8));
-  encodings.push_back(
-      Encoding(Format::kINT2, Format::kINT2, 128, ScaleDtype::kFP8));
-  encodings.push_back(Encoding(Format::kINT4, Format::kINT2));
-  encodings.push_back(Encoding(Format::kFP8, Format::kINT4));
-  encodings.push_back(Encoding(Format::kTQ4, Format::kINT8));
-  encodings.push_back(Encoding(Format::kTQ4, Format::kTQ3));
+  encodings.emplace_back(Format::kINT4, Format::kINT4, 128);
+  encodings.emplace_back(Format::kINT4, Format::kINT4, 32, ScaleDtype::kFP8);
+  encodings.emplace_back(Format::kINT2, Format::kINT2, 128, ScaleDtype::kFP8);
+  encodings.emplace_back(Format::kINT4, Format::kINT2);
+  encodings.emplace_back(Format::kFP8, Format::kINT4);
+  encodings.emplace_back(Format::kTQ4, Format::kINT8);
+  encodings.emplace_back(Format::kTQ4, Format::kTQ3);
 
   const int shapes[][2] = {{16, 64},  {16, 128}, {32, 64},
                            {32, 128}, {64, 64},  {64, 128}};

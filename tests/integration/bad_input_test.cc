@@ -55,7 +55,8 @@ class BadInputTest : public ::testing::Test {
     ASSERT_THAT(h, IsOk());
     seq_ = new client::SequenceHandle(*h);
     std::mt19937 rng(7);
-    const size_t n = 21 * SmallModel().n_kv_heads() * SmallModel().head_dim();
+    const size_t n =
+        size_t{21} * SmallModel().n_kv_heads() * SmallModel().head_dim();
     for (uint32_t l = 0; l < SmallModel().n_layers(); ++l) {
       k_.push_back(RandomVector(n, &rng));
       v_.push_back(RandomVector(n, &rng));
@@ -130,7 +131,7 @@ class BadInputTest : public ::testing::Test {
     item.set_num_queries(1);
     item.add_positions(20);
     item.set_queries(std::string(
-        SmallModel().n_q_heads() * SmallModel().head_dim() * sizeof(float),
+        sizeof(float) * SmallModel().n_q_heads() * SmallModel().head_dim(),
         '\0'));
     return item;
   }
@@ -214,7 +215,7 @@ TEST_F(BadInputTest, AnotherTenantsSequenceIsDenied) {
               StatusIs(StatusCode::kPermissionDenied, _));
   EXPECT_THAT(Attend("beta", GoodItem()),
               StatusIs(StatusCode::kPermissionDenied, _));
-  std::vector<float> zeros(21 * 64, 0.f);
+  std::vector<float> zeros(size_t{21} * 64, 0.f);
   EXPECT_THAT(beta_->WriteKV(*seq_, 0, 0, 1, zeros.data(), zeros.data()),
               StatusIs(StatusCode::kPermissionDenied, HasSubstr("WriteKV")));
   auto w = beta_->worker(seq_->worker_address);

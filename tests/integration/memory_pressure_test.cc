@@ -62,7 +62,9 @@ class MemoryPressureTest : public ::testing::Test {
                                 static_cast<int>(model_.head_dim())};
   }
 
-  size_t Elems() const { return model_.n_kv_heads() * model_.head_dim(); }
+  size_t Elems() const {
+    return size_t{model_.n_kv_heads()} * model_.head_dim();
+  }
 
   struct Seq {
     client::SequenceHandle handle;

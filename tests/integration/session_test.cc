@@ -48,7 +48,9 @@ class SessionTest : public ::testing::Test {
     written_.v.assign(model_.n_layers(), {});
   }
 
-  size_t Elems() const { return model_.n_kv_heads() * model_.head_dim(); }
+  size_t Elems() const {
+    return size_t{model_.n_kv_heads()} * model_.head_dim();
+  }
 
   // Writes random K/V for tokens [first, first + n) of every layer.
   void WriteAll(const client::SequenceHandle& h, uint64_t first, uint32_t n) {

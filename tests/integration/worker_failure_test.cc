@@ -42,13 +42,13 @@ TEST(WorkerFailureTest, KilledWorkerLosesItsSequences) {
   for (const auto& b : seq->blocks) lineages.push_back(b.lineage_id());
   ASSERT_EQ(lineages.size(), 3u);
   std::mt19937 rng(11);
-  const size_t elems = 36 * model.n_kv_heads() * model.head_dim();
+  const size_t elems = size_t{36} * model.n_kv_heads() * model.head_dim();
   for (uint32_t l = 0; l < model.n_layers(); ++l) {
     auto k = RandomVector(elems, &rng), v = RandomVector(elems, &rng);
     ASSERT_THAT((*client)->WriteKV(*seq, l, 0, 36, k.data(), v.data()), IsOk());
   }
   std::vector<float> q =
-      RandomVector(model.n_q_heads() * model.head_dim(), &rng);
+      RandomVector(size_t{model.n_q_heads()} * model.head_dim(), &rng);
   std::vector<float> out(q.size());
   const uint64_t pos = 35;
   client::Client::AttendArgs a;

@@ -61,9 +61,18 @@ absl::Status Fp32KvStore::Write(int layer, int64_t first_pos, int n,
   return absl::OkStatus();
 }
 
+std::vector<double> Fp32KvStore::TakeMass() {
+  int64_t longest = 0;
+  for (int64_t w : written_) longest = std::max(longest, w);
+  mass_.resize(static_cast<size_t>(longest), 0.0);
+  std::vector<double> out(static_cast<size_t>(longest), 0.0);
+  out.swap(mass_);
+  return out;
+}
+
 void Fp32KvStore::AttendRange(int layer, int i0, int i1,
                               const int64_t* positions, const float* q,
-                              float* out) const {
+                              float* out, double* mass) const {
   const int group = n_heads_ / n_kv_heads_;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
   std::vector<float> att;
@@ -89,6 +98,7 @@ void Fp32KvStore::AttendRange(int layer, int i0, int i1,
       const float inv = 1.0f / sum;
       for (int64_t t = 0; t <= pos; ++t) {
         const float a = att[t] * inv;
+        if (mass != nullptr) mass[t] += a;
         const float* vt = vh + t * head_dim_;
         for (int d = 0; d < head_dim_; ++d) oh[d] += a * vt[d];
       }
@@ -110,20 +120,32 @@ absl::Status Fp32KvStore::Attend(int layer, int n_queries,
                        " but ", written_[layer], " tokens written"));
     }
   }
-  const int threads = std::min(threads_, n_queries);
-  if (threads <= 1) {
-    AttendRange(layer, 0, n_queries, positions, q, out);
-    return absl::OkStatus();
-  }
+  const int threads = std::max(1, std::min(threads_, n_queries));
+  // One mass buffer per thread (positions up to the written length), summed
+  // into mass_ after the join.
+  std::vector<std::vector<double>> mass(track_mass_ ? threads : 0);
+  for (auto& m : mass) m.assign(static_cast<size_t>(written_[layer]), 0.0);
+  auto mass_of = [&](int k) { return track_mass_ ? mass[k].data() : nullptr; };
   std::vector<std::thread> pool;
   const int per = (n_queries + threads - 1) / threads;
   for (int k = 1; k < threads; ++k) {
     const int i0 = k * per, i1 = std::min(n_queries, i0 + per);
     if (i0 >= i1) break;
-    pool.emplace_back([=] { AttendRange(layer, i0, i1, positions, q, out); });
+    double* m = mass_of(k);
+    pool.emplace_back(
+        [=] { AttendRange(layer, i0, i1, positions, q, out, m); });
   }
-  AttendRange(layer, 0, std::min(n_queries, per), positions, q, out);
+  AttendRange(layer, 0, std::min(n_queries, per), positions, q, out,
+              mass_of(0));
   for (auto& t : pool) t.join();
+  if (track_mass_) {
+    if (mass_.size() < static_cast<size_t>(written_[layer])) {
+      mass_.resize(static_cast<size_t>(written_[layer]), 0.0);
+    }
+    for (const auto& m : mass) {
+      for (size_t t = 0; t < m.size(); ++t) mass_[t] += m[t];
+    }
+  }
   return absl::OkStatus();
 }
 

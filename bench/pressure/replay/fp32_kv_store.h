@@ -10,6 +10,11 @@
 // Errors: INVALID_ARGUMENT (layer out of range, n < 1, a write that is not
 // at the written length: no holes, no rewrites), OUT_OF_RANGE (a query
 // position not written yet).
+// Attention mass: with TrackMass(true), every Attend adds each attention
+// row's softmax weights (one row per query, head and layer; each row sums
+// to 1) to a per-position total that TakeMass returns and clears: the mass
+// that the queries since the last TakeMass put on each earlier token.
+//
 // Thread contract: thread-compatible (one forward pass at a time); Attend
 // runs its own worker threads and joins them before returning.
 #pragma once
@@ -33,15 +38,23 @@ class Fp32KvStore : public frontend::KvStore {
                       const float* q, float* out) override;
   int64_t written(int layer) const { return written_[layer]; }
 
+  void TrackMass(bool on) { track_mass_ = on; }
+  // The mass per token position [0, longest written layer) since the last
+  // call (zeros where nothing attended), and clears it.
+  std::vector<double> TakeMass();
+
  private:
-  // Queries [i0, i1) of one Attend.
+  // Queries [i0, i1) of one Attend; adds the softmax weights to `mass`
+  // (indexed by position) when it is not null.
   void AttendRange(int layer, int i0, int i1, const int64_t* positions,
-                   const float* q, float* out) const;
+                   const float* q, float* out, double* mass) const;
 
   int n_layers_, n_heads_, n_kv_heads_, head_dim_, threads_;
   // [layer][kv_head] -> [pos][head_dim]
   std::vector<std::vector<std::vector<float>>> k_, v_;
   std::vector<int64_t> written_;
+  bool track_mass_ = false;
+  std::vector<double> mass_;
 };
 
 }  // namespace triax::bench::replay

@@ -68,6 +68,58 @@ TEST(Fp32KvStore, MatchesLocalKvStore) {
   EXPECT_EQ(one.written(1), pos);
 }
 
+// Every attention row (query x head x layer) puts mass 1 on the positions
+// it reads; threads change nothing; a key that dominates the scores takes
+// the mass; TakeMass clears.
+TEST(Fp32KvStore, TracksAttentionMass) {
+  const frontend::ModelConfig c = Config();
+  const int kv_dim = c.kv_dim();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 0.3f);
+  Fp32KvStore one(c, 1), three(c, 3);
+  one.TrackMass(true);
+  three.TrackMass(true);
+  const int n = 12;
+  std::vector<float> k(static_cast<size_t>(n) * kv_dim), v(k.size());
+  std::vector<float> q(static_cast<size_t>(n) * c.dim);
+  for (auto& x : k) x = nd(rng);
+  for (auto& x : v) x = nd(rng);
+  // Position 3's keys align with every query, far above the rest.
+  for (int j = 0; j < kv_dim; ++j) k[3 * kv_dim + j] = 4.0f;
+  for (auto& x : q) x = 4.0f + nd(rng);
+  std::vector<int64_t> positions(n);
+  for (int i = 0; i < n; ++i) positions[i] = i;
+  std::vector<float> out(q.size());
+  for (int layer = 0; layer < c.n_layers; ++layer) {
+    ASSERT_THAT(one.Write(layer, 0, n, k.data(), v.data()), IsOk());
+    ASSERT_THAT(three.Write(layer, 0, n, k.data(), v.data()), IsOk());
+    ASSERT_THAT(one.Attend(layer, n, positions.data(), q.data(), out.data()),
+                IsOk());
+    ASSERT_THAT(three.Attend(layer, n, positions.data(), q.data(), out.data()),
+                IsOk());
+  }
+  const std::vector<double> m1 = one.TakeMass(), m3 = three.TakeMass();
+  ASSERT_EQ(m1.size(), static_cast<size_t>(n));
+  ASSERT_EQ(m3.size(), m1.size());
+  double total = 0;
+  for (size_t t = 0; t < m1.size(); ++t) {
+    EXPECT_NEAR(m3[t], m1[t], 1e-9) << t;
+    total += m1[t];
+  }
+  EXPECT_NEAR(total, static_cast<double>(n) * c.n_heads * c.n_layers, 1e-3);
+  // Queries 3..11 see position 3 (9 queries x 4 heads x 2 layers = 72
+  // rows); nearly all of their mass goes there.
+  EXPECT_GT(m1[3], 0.95 * 72);
+  // Queries 0..2 cannot see it: position 0 gets query 0's whole rows.
+  EXPECT_GE(m1[0], 8.0 - 1e-6);
+  for (double x : one.TakeMass()) EXPECT_EQ(x, 0.0);  // cleared
+  // Off: nothing is tracked.
+  Fp32KvStore off(c, 1);
+  ASSERT_THAT(off.Write(0, 0, n, k.data(), v.data()), IsOk());
+  ASSERT_THAT(off.Attend(0, n, positions.data(), q.data(), out.data()), IsOk());
+  for (double x : off.TakeMass()) EXPECT_EQ(x, 0.0);
+}
+
 TEST(Fp32KvStore, BadInput) {
   Fp32KvStore s(Config(), 2);
   std::vector<float> kv(64), q(64), out(64);

@@ -9,16 +9,21 @@
 //
 // Per session: Open with the first turn's role spans (the manager tags
 // them); for every later turn ReportAccess(active=true) with the plan's live
-// blocks, Extend with the turn's spans, and the prefill of the turn's tokens
-// through the service (ServiceKvStore: K/V appended and attention run by the
-// worker). The prefill's logits give the teacher-forced NLL of the turn's
-// assistant and tool-call tokens; ΔNLL is against the same session's NLL
-// with a local fp32 KV cache (computed once per session, same chunking).
-// RESOURCE_EXHAUSTED at Open or Extend is retried --admit_retries times
+// blocks (with --report_mass: none; after every turn instead, the live
+// blocks with the attention mass the turn put on them), Extend with the turn's
+// spans, and the prefill of the turn's tokens through the service
+// (ServiceKvStore: K/V appended and attention run by the worker). The prefill's
+// logits give the teacher-forced NLL of the turn's assistant and tool-call
+// tokens; ΔNLL is against the same session's NLL with a local fp32 KV cache
+// (computed once per session, same chunking). RESOURCE_EXHAUSTED at Open or
+// Extend is retried --admit_retries times
 // --admit_wait_ms apart (the manager reclaims in the background), then the
 // session is rejected (and closed). Before a later turn's appends, a
 // read-only Attend brings the session's spilled blocks back ("resume"),
-// retried the same way when the pool has no room to restore into. Writes a
+// retried the same way when the pool has no room to restore into. The
+// order of turns is round robin, or with --active_fraction < 1 rounds in
+// which only some sessions are active (the others idle and come back).
+// Writes a
 // markdown report (--out). Exit code 0 when the report was written, 1 on any
 // setup failure.
 #include <stdlib.h>
@@ -105,6 +110,17 @@ ABSL_FLAG(int, admit_retries, 4,
           "retries of an Open/Extend answered RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, admit_wait_ms, 500, "wait before each of those retries");
 ABSL_FLAG(int, sample_ms, 50, "worker inventory sampling (peak device bytes)");
+ABSL_FLAG(double, active_fraction, 1.0,
+          "after turn 0, each round a session with turns left is active with "
+          "this probability (1: every session every round, round robin)");
+ABSL_FLAG(uint32_t, idle_seed, 1, "seed of the active/idle rounds");
+ABSL_FLAG(int, max_idle_rounds, 3,
+          "a session idle this many rounds in a row is active in the next");
+ABSL_FLAG(bool, report_mass, false,
+          "after each turn, ReportAccess the session's live blocks with the "
+          "attention mass the turn's queries put on them (measured in the "
+          "local fp32 pass of the same tokens); the turn's ReportAccess "
+          "(active=true) then names no blocks");
 ABSL_FLAG(bool, dry_run, false,
           "print the sessions and the pool arithmetic, then exit (no "
           "reference, no cluster)");
@@ -132,6 +148,9 @@ struct Session {
   frontend::BfclSession bfcl;
   std::string note;
   std::vector<double> ref_nll;  // by token index; local fp32 KV; focus only
+  // With --report_mass, by turn: the attention mass the turn's queries put
+  // on each token position before the turn's end (local fp32 KV).
+  std::vector<std::vector<double>> turn_mass;
 };
 
 absl::StatusOr<Session> MakeSession(const BfclData& bfcl, const std::string& id,
@@ -171,8 +190,9 @@ void ScoreTurn(const Session& s, int64_t first, int64_t end,
 
 // The reference: turn by turn through a local fp32 KV, same chunking.
 absl::Status ComputeReference(Transformer* tf, int chunk, int threads,
-                              Session* s) {
+                              bool mass, Session* s) {
   Fp32KvStore kv(tf->model().config, threads);
+  kv.TrackMass(mass);
   const int vocab = tf->model().config.vocab_size;
   s->ref_nll.assign(s->bfcl.tokens.size(), std::nan(""));
   std::vector<float> logits;
@@ -183,6 +203,7 @@ absl::Status ComputeReference(Transformer* tf, int chunk, int threads,
         chunk, &kv, &logits));
     ScoreTurn(*s, first, end, logits, vocab,
               [&](int64_t t, double nll) { s->ref_nll[t] = nll; });
+    if (mass) s->turn_mass.push_back(kv.TakeMass());
   }
   return absl::OkStatus();
 }
@@ -352,7 +373,12 @@ absl::Status RunRow(const Setup& setup, const Row& row, ModeResult* r) {
     for (const Session& s : sessions) {
       turns.push_back(static_cast<int>(s.bfcl.turns.size()));
     }
-    const std::vector<Step> steps = RoundRobin(turns);
+    TRIAX_ASSIGN_OR_RETURN(
+        const std::vector<Step> steps,
+        IdleRounds(turns, absl::GetFlag(FLAGS_active_fraction),
+                   absl::GetFlag(FLAGS_idle_seed),
+                   absl::GetFlag(FLAGS_max_idle_rounds)));
+    const bool report_mass = absl::GetFlag(FLAGS_report_mass);
     Transformer tf(setup.model, setup.threads);
     const int retries = std::max(0, absl::GetFlag(FLAGS_admit_retries));
     const auto wait = std::chrono::milliseconds(
@@ -386,6 +412,7 @@ absl::Status RunRow(const Setup& setup, const Row& row, ModeResult* r) {
       if (step.turn > 0) {
         std::vector<uint64_t> ids;
         for (const auto& b : l.h.blocks) {
+          if (report_mass) break;  // reported with their mass after turns
           if (!b.evicted() && ids.size() < 4096) ids.push_back(b.lineage_id());
         }
         auto n = c->ReportAccess(l.h, ids, {}, /*active=*/true);
@@ -471,6 +498,27 @@ absl::Status RunRow(const Setup& setup, const Row& row, ModeResult* r) {
                     s.bfcl.id.c_str(), step.turn, pf.ToString().c_str());
         stop(l);
         continue;
+      }
+      if (report_mass) {
+        // What the turn attended: its queries' mass on the live blocks.
+        std::vector<BlockSpan> spans;
+        for (const auto& b : l.h.blocks) {
+          spans.push_back({b.lineage_id(),
+                           static_cast<int64_t>(b.first_token()),
+                           static_cast<int64_t>(b.num_tokens()), !b.evicted()});
+        }
+        AccessReport rep = BlockWeights(spans, s.turn_mass[step.turn]);
+        if (rep.lineage_ids.size() > 4096) {
+          rep.lineage_ids.resize(4096);
+          rep.weights.resize(4096);
+        }
+        auto n = c->ReportAccess(l.h, rep.lineage_ids, rep.weights,
+                                 /*active=*/false);
+        if (!n.ok() && !warned_report) {
+          std::fprintf(stderr, "  [%s] ReportAccess (mass): %s (continuing)\n",
+                       row.mode.c_str(), n.status().ToString().c_str());
+          warned_report = true;
+        }
       }
       double d = 0;
       int n = 0;
@@ -626,7 +674,8 @@ int Main(int argc, char** argv) {
     if (absl::Status st =
             absl::GetFlag(FLAGS_dry_run)
                 ? absl::OkStatus()
-                : ComputeReference(&ref_tf, setup.chunk, setup.threads, &*s);
+                : ComputeReference(&ref_tf, setup.chunk, setup.threads,
+                                   absl::GetFlag(FLAGS_report_mass), &*s);
         !st.ok()) {
       return Fail(absl::StrCat("reference ", id), st);
     }
@@ -697,7 +746,8 @@ int Main(int argc, char** argv) {
           "--pressure_interval_ms=%d --protected_roles=%s --evict_factor=%g; "
           "calibration `%s` put with PutCalibration. Worker: "
           "--restore_on_attend=%s, --window_tokens=0. Admission: "
-          "RESOURCE_EXHAUSTED retried %d times %d ms apart.\n\n",
+          "RESOURCE_EXHAUSTED retried %d times %d ms apart. Schedule: %s. "
+          "Access reports: %s.\n\n",
           absl::GetFlag(FLAGS_high_watermark),
           absl::GetFlag(FLAGS_low_watermark),
           absl::GetFlag(FLAGS_pressure_interval_ms),
@@ -705,7 +755,24 @@ int Main(int argc, char** argv) {
           absl::GetFlag(FLAGS_evict_factor), absl::GetFlag(FLAGS_calibration),
           absl::GetFlag(FLAGS_restore_on_attend) ? "true" : "false",
           absl::GetFlag(FLAGS_admit_retries),
-          absl::GetFlag(FLAGS_admit_wait_ms)),
+          absl::GetFlag(FLAGS_admit_wait_ms),
+          absl::GetFlag(FLAGS_active_fraction) >= 1
+              ? std::string("round robin (every session every round)")
+              : absl::StrFormat(
+                    "turn 0 of every session, then rounds in which each "
+                    "session is active with probability %g (seed %u, idle "
+                    "at most %d rounds in a row)",
+                    absl::GetFlag(FLAGS_active_fraction),
+                    absl::GetFlag(FLAGS_idle_seed),
+                    absl::GetFlag(FLAGS_max_idle_rounds)),
+          absl::GetFlag(FLAGS_report_mass)
+              ? "after each turn, the live blocks with the attention mass "
+                "the turn's queries put on them (all layers and heads, "
+                "measured in the local fp32 pass of the same tokens); "
+                "ReportAccess(active=true) before a later turn names no "
+                "blocks"
+              : "before each later turn, ReportAccess(active=true) with the "
+                "plan's live blocks, equal shares"),
       "ΔNLL: teacher-forced NLL (nats) of the assistant and tool-call tokens "
       "with the KV held by the service, minus the same session's NLL with a "
       "local fp32 KV; \"turns ≥ 2\" only the later turns, whose attention "

@@ -116,6 +116,84 @@ std::vector<Step> RoundRobin(const std::vector<int>& turns) {
   return steps;
 }
 
+absl::StatusOr<std::vector<Step>> IdleRounds(const std::vector<int>& turns,
+                                             double active_fraction,
+                                             uint32_t seed,
+                                             int max_idle_rounds) {
+  if (!(active_fraction > 0 && active_fraction <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "active_fraction=", active_fraction, "; must be in (0, 1]"));
+  }
+  if (max_idle_rounds < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_idle_rounds=", max_idle_rounds, "; must be >= 0"));
+  }
+  std::vector<Step> steps;
+  std::vector<int> next(turns.size(), 0), idle(turns.size(), 0);
+  for (size_t s = 0; s < turns.size(); ++s) {
+    if (turns[s] > 0) {
+      steps.push_back({static_cast<int>(s), 0});
+      next[s] = 1;
+    }
+  }
+  // A 32-bit xorshift: the same rounds on every platform for a seed.
+  uint32_t x = seed == 0 ? 0x9e3779b9u : seed;
+  auto uniform = [&x] {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    return static_cast<double>(x) / 4294967296.0;
+  };
+  for (;;) {
+    std::vector<int> active;
+    int first_left = -1;
+    for (size_t s = 0; s < turns.size(); ++s) {
+      if (next[s] >= turns[s]) continue;
+      if (first_left < 0) first_left = static_cast<int>(s);
+      const bool drawn = uniform() < active_fraction;
+      if (drawn || idle[s] >= max_idle_rounds) {
+        active.push_back(static_cast<int>(s));
+      }
+    }
+    if (first_left < 0) break;
+    if (active.empty()) active.push_back(first_left);
+    for (size_t s = 0; s < turns.size(); ++s) {
+      if (next[s] < turns[s]) ++idle[s];
+    }
+    for (int s : active) {
+      steps.push_back({s, next[s]++});
+      idle[s] = 0;
+    }
+  }
+  return steps;
+}
+
+AccessReport BlockWeights(const std::vector<BlockSpan>& blocks,
+                          const std::vector<double>& token_mass) {
+  AccessReport r;
+  std::vector<double> mass;
+  double total = 0;
+  const int64_t n = static_cast<int64_t>(token_mass.size());
+  for (const BlockSpan& b : blocks) {
+    if (!b.live) continue;
+    double m = 0;
+    const int64_t end = std::min(n, b.first_token + b.num_tokens);
+    for (int64_t t = std::max<int64_t>(0, b.first_token); t < end; ++t) {
+      m += token_mass[static_cast<size_t>(t)];
+    }
+    r.lineage_ids.push_back(b.lineage_id);
+    mass.push_back(m);
+    total += m;
+  }
+  r.weights.reserve(mass.size());
+  for (double m : mass) {
+    r.weights.push_back(
+        total > 0 ? std::clamp(static_cast<float>(m / total), 0.0f, 1.0f)
+                  : 0.0f);
+  }
+  return r;
+}
+
 void ModeResult::AddScore(int session, int turn, double service_nll,
                           double reference_nll) {
   const double d = service_nll - reference_nll;

@@ -60,6 +60,39 @@ struct Step {
 // session that has one, and so on. `turns[i]` is session i's turn count.
 std::vector<Step> RoundRobin(const std::vector<int>& turns);
 
+// Rounds in which only some sessions are active: round 0 is turn 0 of every
+// session (all arrive); in each later round every session with turns left
+// is active with probability `active_fraction` (a fixed pseudo-random
+// sequence from `seed`), and an active session plays its next turn; when
+// no session would be active, the first with turns left is. A session is
+// never idle more than `max_idle_rounds` rounds in a row. Sessions in a
+// round go in index order. active_fraction 1 gives RoundRobin's order.
+// INVALID_ARGUMENT for active_fraction outside (0, 1] or max_idle_rounds
+// < 0.
+absl::StatusOr<std::vector<Step>> IdleRounds(const std::vector<int>& turns,
+                                             double active_fraction,
+                                             uint32_t seed,
+                                             int max_idle_rounds);
+
+// A block of a sequence's plan, for BlockWeights.
+struct BlockSpan {
+  uint64_t lineage_id = 0;
+  int64_t first_token = 0;
+  int64_t num_tokens = 0;
+  bool live = true;  // on some tier (not evicted)
+};
+// The live blocks and their share of `token_mass` (attention mass per token
+// position, e.g. Fp32KvStore::TakeMass over a turn): each block's mass over
+// its tokens divided by the live blocks' total (so the weights sum to 1 and
+// lie in 0..1). Blocks beyond token_mass get 0. All weights 0 when the live
+// blocks have no mass.
+struct AccessReport {
+  std::vector<uint64_t> lineage_ids;
+  std::vector<float> weights;
+};
+AccessReport BlockWeights(const std::vector<BlockSpan>& blocks,
+                          const std::vector<double>& token_mass);
+
 // What one manager mode did to the replay.
 struct ModeResult {
   std::string mode;    // --pressure_mode

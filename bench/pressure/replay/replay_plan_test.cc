@@ -51,7 +51,7 @@ TEST(ParseSessionIds, RejectsBadIdsNamingTheFlag) {
 
 TEST(PoolArithmetic, WholeBlocksAndRoundedUpMiB) {
   // kvproxy-18m: 16-token BF16 block = 16 x 2 heads x 128 x 2 (K,V) x 2 B.
-  const uint64_t block = 16 * 2 * 128 * 2 * 2;
+  const uint64_t block = size_t{16} * 2 * 128 * 2 * 2;
   EXPECT_EQ(Bf16PlanBytes(16, 16, block, 6), 6 * block);
   EXPECT_EQ(Bf16PlanBytes(17, 16, block, 6), 12 * block);
   EXPECT_EQ(Bf16PlanBytes(0, 16, block, 6), 0u);
@@ -137,6 +137,96 @@ TEST(CommonLaterTurns, OnlyTurnsEveryRowScored) {
   EXPECT_TRUE(std::isnan(n.mean_dnll[0]));
   EXPECT_TRUE(std::isnan(n.mean_dnll[1]));
   EXPECT_EQ(ResultsTable({a, none}).find("turns,"), std::string::npos);
+}
+
+TEST(IdleRounds, AllActiveIsRoundRobin) {
+  const std::vector<int> turns = {3, 1, 4, 2};
+  auto steps = IdleRounds(turns, 1.0, 7, 3);
+  ASSERT_THAT(steps, IsOk());
+  EXPECT_EQ(*steps, RoundRobin(turns));
+  auto never_idle = IdleRounds(turns, 0.2, 7, 0);
+  ASSERT_THAT(never_idle, IsOk());
+  EXPECT_EQ(*never_idle, RoundRobin(turns));
+}
+
+// Every turn once, in order per session; all sessions start in round 0;
+// some later round leaves a session idle; no session waits longer than
+// max_idle_rounds; the same seed gives the same rounds, another seed others.
+TEST(IdleRounds, SomeSessionsIdleAndComeBack) {
+  const std::vector<int> turns(12, 4);
+  auto a = IdleRounds(turns, 0.5, 1, 2);
+  ASSERT_THAT(a, IsOk());
+  ASSERT_EQ(a->size(), 48u);
+  std::vector<int> next(12, 0);
+  for (size_t i = 0; i < a->size(); ++i) {
+    const Step& st = (*a)[i];
+    if (i < 12) {
+      EXPECT_EQ(st, (Step{static_cast<int>(i), 0}));
+    }
+    EXPECT_EQ(st.turn, next[st.session]++) << i;
+  }
+  for (int n : next) EXPECT_EQ(n, 4);
+  // Reconstruct rounds (a round ends where the session index does not
+  // grow) and count idle gaps: a session absent from a round while it
+  // still had turns.
+  std::vector<std::vector<int>> rounds;
+  int prev = 1 << 30;
+  for (const Step& st : *a) {
+    if (st.session <= prev) rounds.emplace_back();
+    rounds.back().push_back(st.session);
+    prev = st.session;
+  }
+  std::vector<int> left(12, 4), idle(12, 0);
+  int idle_rounds = 0;
+  for (const auto& r : rounds) {
+    std::vector<bool> in(12, false);
+    for (int s : r) in[s] = true;
+    for (int s = 0; s < 12; ++s) {
+      if (left[s] == 0) continue;
+      if (in[s]) {
+        --left[s];
+        idle[s] = 0;
+      } else {
+        ++idle_rounds;
+        EXPECT_LT(++idle[s], 3) << "session " << s << " idle too long";
+      }
+    }
+  }
+  EXPECT_GT(idle_rounds, 0);
+  auto again = IdleRounds(turns, 0.5, 1, 2);
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(*again, *a);
+  auto other = IdleRounds(turns, 0.5, 2, 2);
+  ASSERT_THAT(other, IsOk());
+  EXPECT_NE(*other, *a);
+}
+
+TEST(IdleRounds, BadInput) {
+  EXPECT_THAT(IdleRounds({2}, 0.0, 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("active_fraction=0")));
+  EXPECT_THAT(IdleRounds({2}, 1.5, 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("active_fraction=1.5")));
+  EXPECT_THAT(IdleRounds({2}, 0.5, 1, -1),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("max_idle_rounds=-1")));
+}
+
+TEST(BlockWeights, SharesOfTheLiveBlocksMass) {
+  // Tokens 0..7 with mass 1..8; blocks of 3, 3, 2 tokens, the second
+  // evicted, a fourth beyond the mass.
+  const std::vector<double> mass = {1, 2, 3, 4, 5, 6, 7, 8};
+  const AccessReport r = BlockWeights(
+      {{10, 0, 3, true}, {11, 3, 3, false}, {12, 6, 2, true}, {13, 8, 4, true}},
+      mass);
+  EXPECT_THAT(r.lineage_ids, ElementsAre(10, 12, 13));
+  ASSERT_EQ(r.weights.size(), 3u);
+  EXPECT_FLOAT_EQ(r.weights[0], 6.0f / 21.0f);
+  EXPECT_FLOAT_EQ(r.weights[1], 15.0f / 21.0f);
+  EXPECT_FLOAT_EQ(r.weights[2], 0.0f);
+  const AccessReport z = BlockWeights({{1, 0, 4, true}}, {0, 0, 0, 0});
+  EXPECT_THAT(z.weights, ElementsAre(0.0f));
 }
 
 }  // namespace
