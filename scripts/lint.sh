@@ -5,11 +5,14 @@
 # .cu files: clang-tidy 14 cannot take nvcc's command lines; their host code
 # lives in .cc files, which are checked.
 #
-#   scripts/lint.sh BUILD_DIR
+#   scripts/lint.sh BUILD_DIR [FILE.cc ...]
 #
-# Prints each finding and exits 1 when there is any.
+# With FILEs (paths from the repository root), only those of them the build
+# compiles. Prints each finding and exits 1 when there is any.
 set -euo pipefail
 build=${1:-build}
+shift || true
+only=("$@")
 cd "$(dirname "$0")/.."
 root=$(pwd)
 if ! command -v run-clang-tidy > /dev/null; then
@@ -23,10 +26,11 @@ fi
 # The sources include generated protobuf headers.
 cmake --build "$build" --target triax_proto -j "$(nproc)" > /dev/null
 
-mapfile -t files < <(python3 - "$build/compile_commands.json" "$root" <<'PY'
+mapfile -t files < <(python3 - "$build/compile_commands.json" "$root" "${only[@]}" <<'PY'
 import json, os, sys
 entries = json.load(open(sys.argv[1]))
 root = os.path.realpath(sys.argv[2])
+only = {os.path.normpath(p) for p in sys.argv[3:]}
 seen = set()
 for e in entries:
     f = os.path.realpath(os.path.join(e["directory"], e["file"]))
@@ -34,6 +38,8 @@ for e in entries:
         continue
     rel = os.path.relpath(f, root)
     if rel.split("/")[0].startswith("build") or rel in seen:
+        continue
+    if only and rel not in only:
         continue
     seen.add(rel)
     print(rel)

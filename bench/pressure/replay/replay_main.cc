@@ -23,11 +23,8 @@
 // retried the same way when the pool has no room to restore into. The
 // order of turns is round robin, or with --active_fraction < 1 rounds in
 // which only some sessions are active (the others idle and come back).
-// Writes a
-// markdown report (--out). Exit code 0 when the report was written, 1 on any
-// setup failure.
-#include <stdlib.h>
-
+// Writes a markdown report (--out). Exit code 0 when the report was
+// written, 1 on any setup failure.
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -370,6 +367,7 @@ absl::Status RunRow(const Setup& setup, const Row& row, ModeResult* r) {
     };
     std::vector<Live> live(sessions.size());
     std::vector<int> turns;
+    turns.reserve(sessions.size());
     for (const Session& s : sessions) {
       turns.push_back(static_cast<int>(s.bfcl.turns.size()));
     }
@@ -734,6 +732,7 @@ int Main(int argc, char** argv) {
 
   const double total = Seconds(t_all);
   std::vector<std::string> notes;
+  notes.reserve(sessions.size());
   for (const auto& s : sessions) notes.push_back(s.note);
   std::string md = absl::StrCat(
       "## BFCL replay\n\n", GeneratedBy("pressure_replay", total),
