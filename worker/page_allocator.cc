@@ -349,12 +349,17 @@ AllocatorStats PageAllocator::Stats() const {
     p.pages_used = pool->pages_used;
     p.free_slots = pool->frames * pool->pages_per_frame - pool->pages_used;
     p.allocatable_pages = p.free_slots + s.free_frames * p.pages_per_frame;
+    const uint64_t packed =
+        (pool->pages_used + pool->pages_per_frame - 1) / pool->pages_per_frame;
+    p.free_slots_compacted = packed * pool->pages_per_frame - pool->pages_used;
+    s.free_frames_compacted += pool->frames - packed;
     s.held_bytes += pool->frames * frame_bytes_;
     s.free_slots += p.free_slots;
     s.tail_bytes +=
         pool->frames * (frame_bytes_ - pool->pages_per_frame * key.page_bytes);
     s.pools.push_back(p);
   }
+  s.free_frames_compacted += s.free_frames;
   const uint64_t in_free_frames = s.free_frames * frame_bytes_;
   s.fragmentation =
       s.free_bytes == 0

@@ -142,6 +142,9 @@ struct PoolStats {
   // Pages of this pool Allocate can hand out now: free_slots + free_frames *
   // pages_per_frame.
   uint64_t allocatable_pages = 0;
+  // Free slots once Compact packed the pool into ceil(pages_used /
+  // pages_per_frame) frames.
+  uint64_t free_slots_compacted = 0;
 };
 
 // What a Compact call did.
@@ -163,6 +166,9 @@ struct AllocatorStats {
   uint64_t frame_bytes = 0;
   uint64_t frames = 0;       // capacity / frame_bytes
   uint64_t free_frames = 0;  // frames held by no pool
+  // Free frames once Compact packed every pool (what an allocation that
+  // compacts on a shortfall can count on).
+  uint64_t free_frames_compacted = 0;
   uint64_t free_bytes = 0;   // capacity - used_bytes
   uint64_t held_bytes = 0;   // bytes of frames held by pools
   uint64_t free_slots = 0;   // free pages inside held frames, all pools

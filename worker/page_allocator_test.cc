@@ -245,6 +245,11 @@ TEST_F(PageAllocatorTest, CompactionFreesFramesForAnotherEncoding) {
   EXPECT_EQ(s.free_slots, 4u * 3 + 4u * 7);
   // Nothing is in free frames: every free byte is stranded.
   EXPECT_DOUBLE_EQ(s.fragmentation, 1.0);
+  // Packed, A fits one frame and B one: 6 frames would be free.
+  EXPECT_EQ(s.free_frames_compacted, 6u);
+  for (const PoolStats& p : s.pools) {
+    EXPECT_EQ(p.free_slots_compacted, p.page_bytes == 1024 ? 0u : 4u);
+  }
   // A third encoding finds no frame...
   auto c = alloc_->Allocate(Format::kFP8, 2048, PageUse::kTarget);
   EXPECT_THAT(c.status(), StatusIs(absl::StatusCode::kResourceExhausted,

@@ -516,6 +516,7 @@ InventorySnapshot SequenceStore::Inventory() const {
   inv.window_bytes = s.window.bytes;
   inv.formats = s.target;
   inv.encodings = s.by_encoding;
+  inv.arena = s;
   if (options_.tiers != nullptr) {
     inv.host = options_.tiers->Usage(Tier::kHost);
     inv.disk = options_.tiers->Usage(Tier::kDisk);

@@ -271,6 +271,9 @@ struct InventorySnapshot {
   // CUDA error): the worker reports it and the manager stops placing
   // sequences on it.
   std::string device_error;
+  // The arena's frames, pools, fragmentation and compaction counters
+  // (PageAllocator::Stats).
+  AllocatorStats arena;
 };
 
 // Attend/Read answer UNAVAILABLE with this payload (decimal milliseconds)
