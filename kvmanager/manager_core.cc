@@ -359,8 +359,9 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
     if (shortfall != nullptr && absl::IsResourceExhausted(placed.status())) {
       absl::StatusOr<WorkerRecord*> w = workers_.Place(0);
       if (w.ok()) {
-        *shortfall =
-            AdmissionShortfall{tenant->id, (*w)->info.worker_id, bytes};
+        *shortfall = AdmissionShortfall{
+            tenant->id, (*w)->info.worker_id,
+            WorkerRegistry::AdmissionBytes(**w, bytes, demand)};
       }
     }
     return placed.status();
@@ -453,8 +454,9 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
     if (st.ok()) st = WorkerRegistry::Fits(*s->worker, bytes, demand);
     if (!st.ok()) {
       if (shortfall != nullptr) {
-        *shortfall =
-            AdmissionShortfall{s->tenant->id, s->worker->info.worker_id, bytes};
+        *shortfall = AdmissionShortfall{
+            s->tenant->id, s->worker->info.worker_id,
+            WorkerRegistry::AdmissionBytes(*s->worker, bytes, demand)};
       }
       return st;
     }

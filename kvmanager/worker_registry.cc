@@ -140,44 +140,36 @@ uint64_t WorkerRegistry::FreeBytes(const WorkerRecord& w) {
   return w.info.capacity_bytes - std::min(w.reserved, w.info.capacity_bytes);
 }
 
-int64_t WorkerRegistry::FreeFrames(const WorkerRecord& w) {
+int64_t WorkerRegistry::FrameRoomBytes(const WorkerRecord& w) {
   const Inventory& inv = w.info.inventory;
   if (inv.frame_bytes == 0) return -1;
-  const uint64_t since = w.reserved > w.reserved_at_heartbeat
-                             ? w.reserved - w.reserved_at_heartbeat
-                             : 0;
-  const uint64_t since_frames = (since + inv.frame_bytes - 1) / inv.frame_bytes;
-  return inv.free_frames_compacted > since_frames
-             ? static_cast<int64_t>(inv.free_frames_compacted - since_frames)
+  const uint64_t frames = inv.free_frames_compacted * inv.frame_bytes;
+  const uint64_t since = PlannedSinceHeartbeat(w);
+  return frames > since ? static_cast<int64_t>(frames - since) : 0;
+}
+
+uint64_t WorkerRegistry::PlannedSinceHeartbeat(const WorkerRecord& w) {
+  return w.reserved > w.reserved_at_heartbeat
+             ? w.reserved - w.reserved_at_heartbeat
              : 0;
 }
 
 uint64_t WorkerRegistry::RoomBytes(const WorkerRecord& w) {
   const uint64_t free = FreeBytes(w);
-  const int64_t frames = FreeFrames(w);
+  const int64_t frames = FrameRoomBytes(w);
   if (frames < 0) return free;
-  const Inventory& inv = w.info.inventory;
-  uint64_t room = static_cast<uint64_t>(frames) * inv.frame_bytes;
-  for (const PoolInventory& p : inv.pools) {
+  uint64_t room = static_cast<uint64_t>(frames);
+  for (const PoolInventory& p : w.info.inventory.pools) {
     room += p.free_slots_compacted * p.page_bytes;
   }
   return std::min(free, room);
 }
 
-absl::Status WorkerRegistry::Fits(const WorkerRecord& w, uint64_t bytes,
-                                  const Demand& demand) {
-  const uint64_t free = FreeBytes(w);
-  if (bytes > free) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "worker ", Quote(w.info.worker_id), " has ", free,
-        " free bytes; the request needs ", bytes, " bytes; over by ",
-        bytes - free, " bytes"));
-  }
-  const int64_t free_frames = FreeFrames(w);
-  if (free_frames < 0 || demand.empty()) return absl::OkStatus();
+absl::StatusOr<uint64_t> WorkerRegistry::FramesNeeded(const WorkerRecord& w,
+                                                      const Demand& demand,
+                                                      std::string* what) {
   const Inventory& inv = w.info.inventory;
   uint64_t frames = 0;
-  std::string what;
   for (const PageDemand& d : demand) {
     char buf[96];
     const char* name = kernels::EncodingName(d.encoding, buf, sizeof(buf));
@@ -197,18 +189,51 @@ absl::Status WorkerRegistry::Fits(const WorkerRecord& w, uint64_t bytes,
     const uint64_t rest = d.pages > slots ? d.pages - slots : 0;
     const uint64_t need = (rest + per_frame - 1) / per_frame;
     frames += need;
-    absl::StrAppend(&what, what.empty() ? "" : ", ", d.pages, " ", name,
-                    " pages of ", d.page_bytes, " bytes (", slots,
-                    " free slots, ", need, " frames)");
+    if (what != nullptr) {
+      absl::StrAppend(what, what->empty() ? "" : ", ", d.pages, " ", name,
+                      " pages of ", d.page_bytes, " bytes (", slots,
+                      " free slots, ", need, " frames)");
+    }
   }
-  if (frames <= static_cast<uint64_t>(free_frames)) return absl::OkStatus();
+  return frames;
+}
+
+absl::Status WorkerRegistry::Fits(const WorkerRecord& w, uint64_t bytes,
+                                  const Demand& demand) {
+  const uint64_t free = FreeBytes(w);
+  if (bytes > free) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "worker ", Quote(w.info.worker_id), " has ", free,
+        " free bytes; the request needs ", bytes, " bytes; over by ",
+        bytes - free, " bytes"));
+  }
+  const int64_t room = FrameRoomBytes(w);
+  if (room < 0 || demand.empty()) return absl::OkStatus();
+  const Inventory& inv = w.info.inventory;
+  std::string what;
+  absl::StatusOr<uint64_t> frames = FramesNeeded(w, demand, &what);
+  if (!frames.ok()) return frames.status();
+  if (*frames * inv.frame_bytes <= static_cast<uint64_t>(room)) {
+    return absl::OkStatus();
+  }
   return absl::ResourceExhaustedError(absl::StrCat(
-      "worker ", Quote(w.info.worker_id), " has room for ", free_frames,
-      " more frames of ", inv.frame_bytes, " bytes (", inv.free_frames_compacted,
+      "worker ", Quote(w.info.worker_id), " has room for ",
+      static_cast<uint64_t>(room) / inv.frame_bytes, " more frames of ",
+      inv.frame_bytes, " bytes (", inv.free_frames_compacted,
       " free after compaction at its last heartbeat, less ",
-      w.reserved - std::min(w.reserved, w.reserved_at_heartbeat),
-      " bytes planned since); the request needs ", frames, " frames for ",
-      what));
+      PlannedSinceHeartbeat(w), " bytes planned since); the request needs ",
+      *frames, " frames for ", what));
+}
+
+uint64_t WorkerRegistry::AdmissionBytes(const WorkerRecord& w, uint64_t bytes,
+                                        const Demand& demand) {
+  const int64_t room = FrameRoomBytes(w);
+  if (room < 0 || demand.empty()) return bytes;
+  absl::StatusOr<uint64_t> frames = FramesNeeded(w, demand, nullptr);
+  if (!frames.ok()) return bytes;
+  const uint64_t need = *frames * w.info.inventory.frame_bytes;
+  if (need <= static_cast<uint64_t>(room)) return bytes;
+  return std::max(bytes, FreeBytes(w) + (need - static_cast<uint64_t>(room)));
 }
 
 absl::StatusOr<WorkerRecord*> WorkerRegistry::Place(

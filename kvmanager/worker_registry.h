@@ -15,9 +15,10 @@
 // (PageDemand: pages per encoding and page size) fits when its pages that
 // the pools' free slots cannot take need no more frames (ceil(pages /
 // pages_per_frame) per encoding, frame tails counted) than are free, less
-// the frames the manager planned onto the worker since that heartbeat
-// (ceil((reserved - reserved_at_heartbeat) / frame_bytes)), and its bytes
-// fit capacity - reserved. Before a worker reports frames (frame_bytes 0)
+// the bytes the manager planned onto the worker since that heartbeat
+// (reserved - reserved_at_heartbeat, taken from the free frames), and its
+// bytes fit capacity - reserved. An admission that fails on frames asks the
+// pressure coordinator for the missing frame bytes (AdmissionBytes). Before a worker reports frames (frame_bytes 0)
 // only the byte count applies.
 //
 // Error codes: INVALID_ARGUMENT (a bad field, named with its value),
@@ -90,12 +91,27 @@ class WorkerRegistry {
                                       const Demand& demand = {}) const;
   // Free device bytes: capacity - reserved, 0 when over-reserved.
   static uint64_t FreeBytes(const WorkerRecord& w);
-  // Free frames the manager can still plan on (see "Room"); -1 while the
-  // worker reported no frames.
-  static int64_t FreeFrames(const WorkerRecord& w);
-  // FreeBytes, capped by FreeFrames x frame_bytes plus the pools' compacted
-  // free slots when the worker reports frames.
+  // Bytes in frames the manager can still plan on (see "Room"): the
+  // heartbeat's free_frames_compacted x frame_bytes less what was planned
+  // since (0 at least); -1 while the worker reported no frames.
+  static int64_t FrameRoomBytes(const WorkerRecord& w);
+  // reserved - reserved_at_heartbeat, 0 when it went down.
+  static uint64_t PlannedSinceHeartbeat(const WorkerRecord& w);
+  // FreeBytes, capped by FrameRoomBytes plus the pools' compacted free
+  // slots when the worker reports frames.
   static uint64_t RoomBytes(const WorkerRecord& w);
+  // Whole frames `demand` takes on `w` beyond its pools' compacted free
+  // slots; appends a description per encoding to *what when given.
+  // INVALID_ARGUMENT when a page is larger than the worker's frame.
+  static absl::StatusOr<uint64_t> FramesNeeded(const WorkerRecord& w,
+                                               const Demand& demand,
+                                               std::string* what);
+  // The device bytes an admission shortfall on `w` asks the pressure
+  // coordinator to make room for: `bytes`, or, when the frames do not fit
+  // though the bytes do, FreeBytes + the missing frame bytes, so that
+  // reclaiming down to capacity frees what the frames lack.
+  static uint64_t AdmissionBytes(const WorkerRecord& w, uint64_t bytes,
+                                 const Demand& demand);
   // RESOURCE_EXHAUSTED when `bytes` more, whose pages are `demand`, do not
   // fit the device pool (see "Room"); the message names the worker, the
   // bytes, the frames needed and free, and the encodings.

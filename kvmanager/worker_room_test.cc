@@ -64,7 +64,7 @@ TEST(WorkerRoomTest, FitsCountsFramesPoolSlotsAndWhatWasPlannedSince) {
   const uint64_t bytes = 20 * 8192;
   // No frames reported yet: bytes only.
   EXPECT_THAT(WorkerRegistry::Fits(*w, bytes, bf16), IsOk());
-  EXPECT_EQ(WorkerRegistry::FreeFrames(*w), -1);
+  EXPECT_EQ(WorkerRegistry::FrameRoomBytes(*w), -1);
 
   ASSERT_THAT(reg.Heartbeat("w1", Frames(2), 10).status(), IsOk());
   EXPECT_THAT(WorkerRegistry::Fits(*w, bytes, bf16),
@@ -85,17 +85,22 @@ TEST(WorkerRoomTest, FitsCountsFramesPoolSlotsAndWhatWasPlannedSince) {
   EXPECT_THAT(WorkerRegistry::Fits(*w, 24 * 2816, int4),
               StatusIs(C::kResourceExhausted, HasSubstr("23 free slots")));
 
-  // Bytes planned since the heartbeat take frames from what it reported.
+  // Bytes planned since the heartbeat come off its free frames.
   ASSERT_THAT(reg.Heartbeat("w1", Frames(3), 50).status(), IsOk());
-  w->reserved += kFrame + 1;  // two frames' worth, rounded up
-  EXPECT_EQ(WorkerRegistry::FreeFrames(*w), 1);
+  w->reserved += 1;
+  EXPECT_EQ(WorkerRegistry::FrameRoomBytes(*w), int64_t{3 * kFrame - 1});
   EXPECT_THAT(WorkerRegistry::Fits(*w, bytes, bf16),
               StatusIs(C::kResourceExhausted,
-                       HasSubstr(absl::StrCat(kFrame + 1,
-                                              " bytes planned since"))));
+                       AllOf(HasSubstr("room for 2 more frames"),
+                             HasSubstr("1 bytes planned since"))));
+  // The shortfall asks the coordinator for the byte the frames lack.
+  EXPECT_EQ(WorkerRegistry::AdmissionBytes(*w, bytes, bf16),
+            WorkerRegistry::FreeBytes(*w) + 1);
+  EXPECT_EQ(WorkerRegistry::AdmissionBytes(*w, bytes, {}), bytes);
   // The next heartbeat counts them itself.
   ASSERT_THAT(reg.Heartbeat("w1", Frames(3), 60).status(), IsOk());
-  EXPECT_EQ(WorkerRegistry::FreeFrames(*w), 3);
+  EXPECT_EQ(WorkerRegistry::FrameRoomBytes(*w), int64_t{3 * kFrame});
+  EXPECT_EQ(WorkerRegistry::AdmissionBytes(*w, bytes, bf16), bytes);
 
   // A page larger than the worker's frame can never be placed there.
   Demand huge;

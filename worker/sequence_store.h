@@ -484,7 +484,8 @@ class SequenceStore {
 
   // Runs `op` with data_mu_ held shared; when it fails RESOURCE_EXHAUSTED
   // after an allocator shortfall (PageAllocator::Shortfalls grew), releases
-  // the lock, compacts, and runs it once more if compaction freed a frame.
+  // the lock, compacts, and runs it once more (also when compaction freed
+  // nothing: pages freed meanwhile count too).
   // A refusal that leaves says what compaction did (AfterCompaction).
   template <typename T, typename Op>
   absl::StatusOr<T> WithRoom(Op op) {
@@ -496,7 +497,7 @@ class SequenceStore {
     }
     if (!NeedsCompaction(r.status(), before)) return r;
     absl::StatusOr<CompactionResult> c = Compact();
-    if (c.ok() && c->frames_freed > 0) {
+    if (c.ok()) {
       absl::ReaderMutexLock lock(&data_mu_);
       r = op();
     }
