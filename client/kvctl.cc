@@ -56,7 +56,10 @@ constexpr char kUsage[] =
 usage: kvctl [--manager host:port] [--timeout_ms N] <command> [args] [flags]
 
 commands:
-  workers                       registered workers, state, capacity, pages
+  workers                       registered workers, state, capacity, pages,
+                                free frames, fragmentation, compactions
+  pools                         every worker's page pools: frames, pages
+                                used, free slots, allocatable pages
   tenants                       tenants, usage and budgets
   tenant-create ID [--device_floor_bytes N --device_ceiling_bytes N]
                    [--policy P]
@@ -133,6 +136,16 @@ class Kvctl {
     auto s = m()->ListWorkers(&ctx, {}, &resp);
     if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
     std::cout << triax::kvctl::WorkersTable(resp);
+    return 0;
+  }
+
+  int Pools() {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::ListWorkersResponse resp;
+    auto s = m()->ListWorkers(&ctx, {}, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << triax::kvctl::PoolsTable(resp);
     return 0;
   }
 
@@ -358,6 +371,7 @@ int main(int argc, char** argv) {
   Kvctl k(client->get());
 
   if (cmd == "workers" && want_args(0)) return k.Workers();
+  if (cmd == "pools" && want_args(0)) return k.Pools();
   if (cmd == "tenants" && want_args(0)) return k.Tenants();
   if (cmd == "tenant-create" && want_args(1)) return k.TenantCreate(args[0]);
   if (cmd == "budget-set" && want_args(1)) return k.BudgetSet(args[0]);

@@ -339,16 +339,61 @@ std::string Table::Render() const {
   return out;
 }
 
+std::string FramesCell(const triax::v1::Inventory& inv) {
+  if (inv.frame_bytes() == 0) return "-";
+  return absl::StrCat(inv.free_frames(), "/", inv.frames(), " x ",
+                      HumanBytes(inv.frame_bytes()), " (",
+                      inv.free_frames_compacted(), " compacted)");
+}
+
+std::string FragCell(const triax::v1::Inventory& inv) {
+  if (inv.frame_bytes() == 0) return "-";
+  return absl::StrFormat("%.1f%%", 100.0 * inv.fragmentation());
+}
+
+std::string CompactionsCell(const triax::v1::Inventory& inv) {
+  if (inv.frame_bytes() == 0) return "-";
+  return absl::StrCat(inv.compactions(), "/", inv.pages_moved(), "p");
+}
+
 std::string WorkersTable(const triax::v1::ListWorkersResponse& resp) {
   Table t({"WORKER", "ADDRESS", "BACKEND", "STATE", "CAPACITY", "RESERVED",
-           "USED", "SEQS", "PAGES", "LAST_HEARTBEAT"});
+           "USED", "SEQS", "PAGES", "FREE_FRAMES", "FRAG", "COMPACTIONS",
+           "LAST_HEARTBEAT"});
   for (const auto& w : resp.workers()) {
     t.AddRow({w.worker_id(), OrDash(w.address()), OrDash(w.backend()),
               WorkerStateName(w.state()), HumanBytes(w.capacity_bytes()),
               HumanBytes(w.reserved_bytes()),
               HumanBytes(w.inventory().used_bytes()),
               absl::StrCat(w.sequences()), Inventory(w.inventory()),
+              FramesCell(w.inventory()), FragCell(w.inventory()),
+              CompactionsCell(w.inventory()),
               UnixMsString(w.last_heartbeat_unix_ms())});
+  }
+  return t.Render();
+}
+
+std::string PoolsTable(const triax::v1::ListWorkersResponse& resp) {
+  Table t({"WORKER", "ENCODING", "PAGE", "FRAMES", "USED", "FREE_SLOTS",
+           "ALLOCATABLE", "FREE_SLOTS_COMPACTED"});
+  for (const auto& w : resp.workers()) {
+    for (const auto& p : w.inventory().pools()) {
+      std::string enc = FormatName(p.format());
+      if (p.format_v() != 0 && p.format_v() != p.format()) {
+        absl::StrAppend(&enc, "/", FormatName(p.format_v()));
+      }
+      if (p.group_size() != 0 && p.group_size() != 32) {
+        absl::StrAppend(&enc, " g", p.group_size());
+      }
+      if (p.scale_dtype() == triax::v1::SCALE_DTYPE_FP8_E4M3) {
+        absl::StrAppend(&enc, " fp8-scales");
+      }
+      t.AddRow({w.worker_id(), enc, HumanBytes(p.page_bytes()),
+                absl::StrCat(p.frames(), " x ", p.pages_per_frame(), "p"),
+                absl::StrCat(p.pages_used()), absl::StrCat(p.free_slots()),
+                absl::StrCat(p.allocatable_pages()),
+                absl::StrCat(p.free_slots_compacted())});
+    }
   }
   return t.Render();
 }

@@ -84,6 +84,8 @@ class Table {
 };
 
 std::string WorkersTable(const triax::v1::ListWorkersResponse& resp);
+// One row per page pool of every worker (its last heartbeat's inventory).
+std::string PoolsTable(const triax::v1::ListWorkersResponse& resp);
 std::string TenantsTable(const triax::v1::ListTenantsResponse& resp);
 std::string SequencesTable(const triax::v1::ListSequencesResponse& resp);
 // Header fields, the plan as a table (K and V formats, INT group and scale

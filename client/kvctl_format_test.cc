@@ -347,4 +347,38 @@ TEST(PressureReport, EmptyResponseHasHeadersOnly) {
 }
 
 }  // namespace
+TEST(WorkersTable, ShowsFramesFragmentationAndPools) {
+  triax::v1::ListWorkersResponse resp;
+  auto* w = resp.add_workers();
+  w->set_worker_id("w1");
+  w->set_state(triax::v1::WORKER_STATE_UP);
+  auto* inv = w->mutable_inventory();
+  inv->set_frame_bytes(256 << 10);
+  inv->set_frames(188);
+  inv->set_free_frames(12);
+  inv->set_free_frames_compacted(20);
+  inv->set_fragmentation(0.25);
+  inv->set_compactions(3);
+  inv->set_pages_moved(41);
+  auto* p = inv->add_pools();
+  p->set_format(triax::v1::FORMAT_INT4);
+  p->set_format_v(triax::v1::FORMAT_INT2);
+  p->set_group_size(64);
+  p->set_page_bytes(4608);
+  p->set_pages_per_frame(56);
+  p->set_frames(3);
+  p->set_pages_used(150);
+  p->set_free_slots(18);
+  p->set_allocatable_pages(690);
+  p->set_free_slots_compacted(18);
+  const std::string workers = WorkersTable(resp);
+  EXPECT_THAT(workers, HasSubstr("12/188 x 256.00 KiB (20 compacted)"));
+  EXPECT_THAT(workers, HasSubstr("25.0%"));
+  EXPECT_THAT(workers, HasSubstr("3/41p"));
+  const std::string pools = PoolsTable(resp);
+  EXPECT_THAT(pools, HasSubstr("int4/int2 g64"));
+  EXPECT_THAT(pools, HasSubstr("3 x 56p"));
+  EXPECT_THAT(pools, HasSubstr("690"));
+}
+
 }  // namespace triax::kvctl

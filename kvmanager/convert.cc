@@ -61,6 +61,36 @@ Inventory FromProto(const v1::Inventory& p) {
   d.restored_lineage_ids.assign(p.restored_lineage_ids().begin(),
                                 p.restored_lineage_ids().end());
   d.device_error = p.device_error();
+  d.frame_bytes = p.frame_bytes();
+  d.frames = p.frames();
+  d.free_frames = p.free_frames();
+  d.free_frames_compacted = p.free_frames_compacted();
+  d.free_bytes = p.free_bytes();
+  d.tail_bytes = p.tail_bytes();
+  d.fragmentation = p.fragmentation();
+  d.pools.reserve(p.pools_size());
+  for (const auto& q : p.pools()) {
+    PoolInventory pool;
+    pool.encoding.k = FormatFromProto(q.format());
+    pool.encoding.v =
+        q.format_v() == 0 ? pool.encoding.k : FormatFromProto(q.format_v());
+    pool.encoding.group = static_cast<int>(q.group_size());
+    pool.encoding.scale_dtype = q.scale_dtype() == v1::SCALE_DTYPE_FP8_E4M3
+                                    ? kernels::ScaleDtype::kFP8
+                                    : kernels::ScaleDtype::kFP16;
+    pool.page_bytes = q.page_bytes();
+    pool.pages_per_frame = q.pages_per_frame();
+    pool.frames = q.frames();
+    pool.pages_used = q.pages_used();
+    pool.free_slots = q.free_slots();
+    pool.allocatable_pages = q.allocatable_pages();
+    pool.free_slots_compacted = q.free_slots_compacted();
+    d.pools.push_back(pool);
+  }
+  d.compactions = p.compactions();
+  d.pages_moved = p.pages_moved();
+  d.bytes_moved = p.bytes_moved();
+  d.frames_freed_by_compaction = p.frames_freed_by_compaction();
   return d;
 }
 
@@ -341,6 +371,31 @@ void ToProto(const Inventory& d, v1::Inventory* p) {
   p->set_checksum_failures(d.checksum_failures);
   p->set_evictions(d.evictions);
   p->set_device_error(d.device_error);
+  p->set_frame_bytes(d.frame_bytes);
+  p->set_frames(d.frames);
+  p->set_free_frames(d.free_frames);
+  p->set_free_frames_compacted(d.free_frames_compacted);
+  p->set_free_bytes(d.free_bytes);
+  p->set_tail_bytes(d.tail_bytes);
+  p->set_fragmentation(d.fragmentation);
+  for (const PoolInventory& pool : d.pools) {
+    auto* q = p->add_pools();
+    q->set_format(static_cast<v1::Format>(pool.encoding.k));
+    q->set_format_v(static_cast<v1::Format>(pool.encoding.v));
+    q->set_group_size(static_cast<uint32_t>(pool.encoding.Group()));
+    q->set_scale_dtype(static_cast<v1::ScaleDtype>(pool.encoding.scale_dtype));
+    q->set_page_bytes(pool.page_bytes);
+    q->set_pages_per_frame(pool.pages_per_frame);
+    q->set_frames(pool.frames);
+    q->set_pages_used(pool.pages_used);
+    q->set_free_slots(pool.free_slots);
+    q->set_allocatable_pages(pool.allocatable_pages);
+    q->set_free_slots_compacted(pool.free_slots_compacted);
+  }
+  p->set_compactions(d.compactions);
+  p->set_pages_moved(d.pages_moved);
+  p->set_bytes_moved(d.bytes_moved);
+  p->set_frames_freed_by_compaction(d.frames_freed_by_compaction);
 }
 
 void ToProto(const WorkerInfo& d, v1::WorkerInfo* p) {

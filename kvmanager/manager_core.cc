@@ -340,8 +340,11 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
     s->calibration = std::move(table);
   }
   uint64_t bytes = 0;
+  Demand demand;
   for (const auto& [tag, n] : plan.tags) {
-    bytes += BlockBytes(req.model, T, SequencePlanner::EncodingOf(*s, tag));
+    const Encoding e = SequencePlanner::EncodingOf(*s, tag);
+    bytes += BlockBytes(req.model, T, e);
+    WorkerRegistry::AddBlocks(req.model, T, e, 1, &demand);
   }
   if (absl::Status st = TenantLedger::Admit(*tenant, bytes); !st.ok()) {
     if (shortfall != nullptr) {
@@ -351,13 +354,14 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
     }
     return st;
   }
-  absl::StatusOr<WorkerRecord*> placed = workers_.Place(bytes);
+  absl::StatusOr<WorkerRecord*> placed = workers_.Place(bytes, demand);
   if (!placed.ok()) {
     if (shortfall != nullptr && absl::IsResourceExhausted(placed.status())) {
       absl::StatusOr<WorkerRecord*> w = workers_.Place(0);
       if (w.ok()) {
-        *shortfall =
-            AdmissionShortfall{tenant->id, (*w)->info.worker_id, bytes};
+        *shortfall = AdmissionShortfall{
+            tenant->id, (*w)->info.worker_id,
+            WorkerRegistry::AdmissionBytes(**w, bytes, demand)};
       }
     }
     return placed.status();
@@ -434,6 +438,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
             /*allow_infeasible=*/true, &infeasible));
   }
   uint64_t bytes = 0;
+  Demand demand;
   for (const auto& [tag, n] : plan.tags) {
     Encoding e = s->policy->EncodingFor(tag);
     if (allocating) {
@@ -442,14 +447,16 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
       }
     }
     bytes += BlockBytes(s->model, T, e);
+    WorkerRegistry::AddBlocks(s->model, T, e, 1, &demand);
   }
   {
     absl::Status st = TenantLedger::Admit(*s->tenant, bytes);
-    if (st.ok()) st = WorkerRegistry::Fits(*s->worker, bytes);
+    if (st.ok()) st = WorkerRegistry::Fits(*s->worker, bytes, demand);
     if (!st.ok()) {
       if (shortfall != nullptr) {
-        *shortfall =
-            AdmissionShortfall{s->tenant->id, s->worker->info.worker_id, bytes};
+        *shortfall = AdmissionShortfall{
+            s->tenant->id, s->worker->info.worker_id,
+            WorkerRegistry::AdmissionBytes(*s->worker, bytes, demand)};
       }
       return st;
     }
@@ -539,7 +546,12 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   BlockRecord* cut = plan.cut;
   const uint64_t bytes = cut != nullptr ? cut->bytes : 0;
   TRIAX_RETURN_IF_ERROR(TenantLedger::Admit(*parent->tenant, bytes));
-  TRIAX_RETURN_IF_ERROR(WorkerRegistry::Fits(*parent->worker, bytes));
+  Demand demand;
+  if (cut != nullptr) {
+    WorkerRegistry::AddBlocks(parent->model, parent->block_tokens,
+                              cut->encoding, 1, &demand);
+  }
+  TRIAX_RETURN_IF_ERROR(WorkerRegistry::Fits(*parent->worker, bytes, demand));
 
   ++parent->version;  // its blocks' refcounts change
   auto seq = std::make_unique<SequenceRecord>();

@@ -53,6 +53,9 @@ struct TenantRecord {
 struct WorkerRecord {
   WorkerInfo info;        // reserved_bytes and sequences are kept below
   uint64_t reserved = 0;  // device pool bytes planned onto it
+  // `reserved` when the last heartbeat (or the registration) came: what was
+  // planned since is not in that heartbeat's free frames yet.
+  uint64_t reserved_at_heartbeat = 0;
   // Spill-tier bytes held (index: Tier value; kDevice unused, see reserved).
   std::array<uint64_t, kNumTiers> tier_used{};
   absl::flat_hash_set<SequenceRecord*> open;  // its open sequences

@@ -190,6 +190,18 @@ struct TierInventory {
   uint64_t blocks = 0;
 };
 
+// One page pool of a worker's arena (triax.v1.PoolInventory).
+struct PoolInventory {
+  Encoding encoding;
+  uint64_t page_bytes = 0;
+  uint64_t pages_per_frame = 0;
+  uint64_t frames = 0;
+  uint64_t pages_used = 0;
+  uint64_t free_slots = 0;
+  uint64_t allocatable_pages = 0;
+  uint64_t free_slots_compacted = 0;
+};
+
 struct Inventory {
   uint64_t capacity_bytes = 0;
   uint64_t used_bytes = 0;
@@ -205,6 +217,20 @@ struct Inventory {
   // heartbeat.
   std::vector<uint64_t> restored_lineage_ids;
   std::string device_error;  // empty: the device serves
+  // The page arena in frames (triax.v1.Inventory fields 20..31);
+  // frame_bytes 0: the worker reported none (room is then counted in bytes).
+  uint64_t frame_bytes = 0;
+  uint64_t frames = 0;
+  uint64_t free_frames = 0;
+  uint64_t free_frames_compacted = 0;
+  uint64_t free_bytes = 0;
+  uint64_t tail_bytes = 0;
+  double fragmentation = 0;
+  std::vector<PoolInventory> pools;
+  uint64_t compactions = 0;
+  uint64_t pages_moved = 0;
+  uint64_t bytes_moved = 0;
+  uint64_t frames_freed_by_compaction = 0;
 };
 
 struct WorkerInfo {

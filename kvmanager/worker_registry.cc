@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
+#include "kernels/layout.h"
 
 namespace triax::manager {
 
@@ -33,6 +34,20 @@ absl::Status WorkerRegistry::ValidateHeartbeat(const std::string& worker_id,
       return absl::InvalidArgumentError(
           absl::StrCat("inventory.formats[", i, "].format is ",
                        FormatProtoName(inventory.formats[i].format)));
+    }
+  }
+  for (size_t i = 0; i < inventory.pools.size(); ++i) {
+    const PoolInventory& p = inventory.pools[i];
+    if (!IsValidFormat(p.encoding.k) || !IsValidFormat(p.encoding.v)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inventory.pools[", i, "] has format ",
+          FormatProtoName(p.encoding.k), " / format_v ",
+          FormatProtoName(p.encoding.v)));
+    }
+    if (p.page_bytes == 0 || p.page_bytes > inventory.frame_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inventory.pools[", i, "].page_bytes=", p.page_bytes,
+          " must be in 1..frame_bytes=", inventory.frame_bytes));
     }
   }
   return absl::OkStatus();
@@ -66,6 +81,7 @@ WorkerRecord* WorkerRegistry::Register(const RegisterWorkerRequest& req,
   w->info.state = WorkerState::kUp;
   w->info.last_heartbeat_unix_ms = now_ms;
   w->info.inventory = Inventory{};
+  w->reserved_at_heartbeat = w->reserved;
   return w;
 }
 
@@ -84,6 +100,7 @@ absl::StatusOr<WorkerRecord*> WorkerRegistry::Heartbeat(
   }
   w->info.last_heartbeat_unix_ms = now_ms;
   w->info.inventory = inventory;
+  w->reserved_at_heartbeat = w->reserved;
   return w;
 }
 
@@ -103,44 +120,164 @@ std::vector<WorkerRecord*> WorkerRegistry::Silent(int64_t now_ms,
   return out;
 }
 
+void WorkerRegistry::AddBlocks(const ModelShape& model, uint32_t block_tokens,
+                               const Encoding& e, uint64_t blocks,
+                               Demand* demand) {
+  if (blocks == 0) return;
+  const uint64_t page_bytes =
+      kernels::PageBytes(e, PageShapeOf(model, block_tokens));
+  const uint64_t pages = blocks * model.n_layers;
+  for (PageDemand& d : *demand) {
+    if (d.encoding == e && d.page_bytes == page_bytes) {
+      d.pages += pages;
+      return;
+    }
+  }
+  demand->push_back(PageDemand{e, page_bytes, pages});
+}
+
 uint64_t WorkerRegistry::FreeBytes(const WorkerRecord& w) {
   return w.info.capacity_bytes - std::min(w.reserved, w.info.capacity_bytes);
 }
 
-absl::Status WorkerRegistry::Fits(const WorkerRecord& w, uint64_t bytes) {
-  const uint64_t free = FreeBytes(w);
-  if (bytes <= free) return absl::OkStatus();
-  return absl::ResourceExhaustedError(
-      absl::StrCat("worker ", Quote(w.info.worker_id), " has ", free,
-                   " free bytes; the request needs ", bytes, " bytes; over by ",
-                   bytes - free, " bytes"));
+int64_t WorkerRegistry::FrameRoomBytes(const WorkerRecord& w) {
+  const Inventory& inv = w.info.inventory;
+  if (inv.frame_bytes == 0) return -1;
+  const uint64_t frames = inv.free_frames_compacted * inv.frame_bytes;
+  const uint64_t since = PlannedSinceHeartbeat(w);
+  return frames > since ? static_cast<int64_t>(frames - since) : 0;
 }
 
-absl::StatusOr<WorkerRecord*> WorkerRegistry::Place(uint64_t bytes) const {
-  WorkerRecord* best = nullptr;
-  uint64_t best_free = 0;
+uint64_t WorkerRegistry::PlannedSinceHeartbeat(const WorkerRecord& w) {
+  return w.reserved > w.reserved_at_heartbeat
+             ? w.reserved - w.reserved_at_heartbeat
+             : 0;
+}
+
+uint64_t WorkerRegistry::RoomBytes(const WorkerRecord& w) {
+  const uint64_t free = FreeBytes(w);
+  const int64_t frames = FrameRoomBytes(w);
+  if (frames < 0) return free;
+  uint64_t room = static_cast<uint64_t>(frames);
+  for (const PoolInventory& p : w.info.inventory.pools) {
+    room += p.free_slots_compacted * p.page_bytes;
+  }
+  return std::min(free, room);
+}
+
+absl::StatusOr<uint64_t> WorkerRegistry::FramesNeeded(const WorkerRecord& w,
+                                                      const Demand& demand,
+                                                      std::string* what) {
+  const Inventory& inv = w.info.inventory;
+  uint64_t frames = 0;
+  for (const PageDemand& d : demand) {
+    char buf[96];
+    const char* name = kernels::EncodingName(d.encoding, buf, sizeof(buf));
+    if (d.page_bytes > inv.frame_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " pages of ", d.page_bytes, " bytes exceed worker ",
+          Quote(w.info.worker_id), "'s frame_bytes ", inv.frame_bytes,
+          "; use smaller blocks"));
+    }
+    uint64_t slots = 0;
+    for (const PoolInventory& p : inv.pools) {
+      if (p.encoding == d.encoding && p.page_bytes == d.page_bytes) {
+        slots = p.free_slots_compacted;
+      }
+    }
+    const uint64_t per_frame = inv.frame_bytes / d.page_bytes;
+    const uint64_t rest = d.pages > slots ? d.pages - slots : 0;
+    const uint64_t need = (rest + per_frame - 1) / per_frame;
+    frames += need;
+    if (what != nullptr) {
+      absl::StrAppend(what, what->empty() ? "" : ", ", d.pages, " ", name,
+                      " pages of ", d.page_bytes, " bytes (", slots,
+                      " free slots, ", need, " frames)");
+    }
+  }
+  return frames;
+}
+
+absl::Status WorkerRegistry::Fits(const WorkerRecord& w, uint64_t bytes,
+                                  const Demand& demand) {
+  const uint64_t free = FreeBytes(w);
+  if (bytes > free) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "worker ", Quote(w.info.worker_id), " has ", free,
+        " free bytes; the request needs ", bytes, " bytes; over by ",
+        bytes - free, " bytes"));
+  }
+  const int64_t room = FrameRoomBytes(w);
+  if (room < 0 || demand.empty()) return absl::OkStatus();
+  const Inventory& inv = w.info.inventory;
+  std::string what;
+  absl::StatusOr<uint64_t> frames = FramesNeeded(w, demand, &what);
+  if (!frames.ok()) return frames.status();
+  if (*frames * inv.frame_bytes <= static_cast<uint64_t>(room)) {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "worker ", Quote(w.info.worker_id), " has room for ",
+      static_cast<uint64_t>(room) / inv.frame_bytes, " more frames of ",
+      inv.frame_bytes, " bytes (", inv.free_frames_compacted,
+      " free after compaction at its last heartbeat, less ",
+      PlannedSinceHeartbeat(w), " bytes planned since); the request needs ",
+      *frames, " frames for ", what));
+}
+
+uint64_t WorkerRegistry::AdmissionBytes(const WorkerRecord& w, uint64_t bytes,
+                                        const Demand& demand) {
+  const int64_t room = FrameRoomBytes(w);
+  if (room < 0 || demand.empty()) return bytes;
+  absl::StatusOr<uint64_t> frames = FramesNeeded(w, demand, nullptr);
+  if (!frames.ok()) return bytes;
+  const uint64_t need = *frames * w.info.inventory.frame_bytes;
+  if (need <= static_cast<uint64_t>(room)) return bytes;
+  return std::max(bytes, FreeBytes(w) + (need - static_cast<uint64_t>(room)));
+}
+
+absl::StatusOr<WorkerRecord*> WorkerRegistry::Place(
+    uint64_t bytes, const Demand& demand) const {
+  WorkerRecord* best = nullptr;  // the fitting worker with the most room
+  uint64_t best_room = 0;
+  WorkerRecord* roomiest = nullptr;  // any candidate, for the refusal
+  uint64_t roomiest_room = 0;
+  absl::Status roomiest_why;
+  bool any = false;
   for (const auto& [id, w] : workers_) {
     if (w->info.state != WorkerState::kUp) continue;
     // A worker whose device failed (sticky CUDA error) takes nothing new.
     if (!w->info.inventory.device_error.empty()) continue;
-    const uint64_t free = FreeBytes(*w);
-    if (best == nullptr || free > best_free ||
-        (free == best_free && id < best->info.worker_id)) {
+    any = true;
+    const uint64_t room = RoomBytes(*w);
+    absl::Status fits = Fits(*w, bytes, demand);
+    if (roomiest == nullptr || room > roomiest_room ||
+        (room == roomiest_room && id < roomiest->info.worker_id)) {
+      roomiest = w.get();
+      roomiest_room = room;
+      roomiest_why = fits;
+    }
+    if (!fits.ok()) continue;
+    if (best == nullptr || room > best_room ||
+        (room == best_room && id < best->info.worker_id)) {
       best = w.get();
-      best_free = free;
+      best_room = room;
     }
   }
-  if (best == nullptr) {
+  if (!any) {
     return absl::UnavailableError("no worker is up with a healthy device");
   }
-  if (best_free < bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("no worker has room: the request needs ", bytes,
-                     " bytes; the largest free space is ", best_free,
-                     " bytes (worker ", Quote(best->info.worker_id),
-                     "); over by ", bytes - best_free, " bytes"));
+  if (best != nullptr) return best;
+  if (const uint64_t free = FreeBytes(*roomiest); bytes > free) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "no worker has room: the request needs ", bytes,
+        " bytes; the largest free space is ", free, " bytes (worker ",
+        Quote(roomiest->info.worker_id), "); over by ", bytes - free,
+        " bytes"));
   }
-  return best;
+  return absl::Status(roomiest_why.code(),
+                      absl::StrCat("no worker has room: ",
+                                   roomiest_why.message()));
 }
 
 WorkerRecord* WorkerRegistry::Find(const std::string& worker_id) const {

@@ -4,8 +4,22 @@
 // caller's (ManagerCore marks them LOST).
 //
 // Placement: the UP worker with a healthy device (no inventory.device_error)
-// and the most free device bytes (capacity - reserved) takes a new sequence;
-// ties go to the smaller id, so placement is deterministic.
+// and the most room (RoomBytes) that fits the request (Fits) takes a new
+// sequence; ties go to the smaller id, so placement is deterministic.
+//
+// Room. A worker's pool is cut into frames that any encoding can take and
+// that a pool carves into pages of one size (worker/page_allocator.h). Its
+// heartbeat reports the frames free once its compaction packed every pool
+// (free_frames_compacted; the worker compacts when an allocation finds no
+// room) and each pool's free slots then (free_slots_compacted). A request
+// (PageDemand: pages per encoding and page size) fits when its pages that
+// the pools' free slots cannot take need no more frames (ceil(pages /
+// pages_per_frame) per encoding, frame tails counted) than are free, less
+// the bytes the manager planned onto the worker since that heartbeat
+// (reserved - reserved_at_heartbeat, taken from the free frames), and its
+// bytes fit capacity - reserved. An admission that fails on frames asks the
+// pressure coordinator for the missing frame bytes (AdmissionBytes). Before a worker reports frames (frame_bytes 0)
+// only the byte count applies.
 //
 // Error codes: INVALID_ARGUMENT (a bad field, named with its value),
 // ALREADY_EXISTS (the id is UP at another address), NOT_FOUND (heartbeat of
@@ -31,8 +45,21 @@
 
 namespace triax::manager {
 
+// Pages a request adds on one worker of one encoding and page size (the key
+// of the worker's pools).
+struct PageDemand {
+  Encoding encoding;
+  uint64_t page_bytes = 0;
+  uint64_t pages = 0;
+};
+using Demand = std::vector<PageDemand>;
+
 class WorkerRegistry {
  public:
+  // Adds `blocks` blocks of encoding `e` (n_layers pages each) to `demand`.
+  static void AddBlocks(const ModelShape& model, uint32_t block_tokens,
+                        const Encoding& e, uint64_t blocks, Demand* demand);
+
   using Map = absl::flat_hash_map<std::string, std::unique_ptr<WorkerRecord>>;
 
   // worker_id an id; address 1..256 bytes; backend set; capacity_bytes > 0.
@@ -58,13 +85,38 @@ class WorkerRegistry {
   // UP workers silent for more than timeout_ms at now_ms, ordered by id.
   std::vector<WorkerRecord*> Silent(int64_t now_ms, int64_t timeout_ms) const;
 
-  // See "Placement" above. `bytes` 0 finds the candidate without a room
-  // check.
-  absl::StatusOr<WorkerRecord*> Place(uint64_t bytes) const;
+  // See "Placement" above. `bytes` 0 (and no demand) finds the candidate
+  // without a room check.
+  absl::StatusOr<WorkerRecord*> Place(uint64_t bytes,
+                                      const Demand& demand = {}) const;
   // Free device bytes: capacity - reserved, 0 when over-reserved.
   static uint64_t FreeBytes(const WorkerRecord& w);
-  // RESOURCE_EXHAUSTED when `bytes` more do not fit the device pool.
-  static absl::Status Fits(const WorkerRecord& w, uint64_t bytes);
+  // Bytes in frames the manager can still plan on (see "Room"): the
+  // heartbeat's free_frames_compacted x frame_bytes less what was planned
+  // since (0 at least); -1 while the worker reported no frames.
+  static int64_t FrameRoomBytes(const WorkerRecord& w);
+  // reserved - reserved_at_heartbeat, 0 when it went down.
+  static uint64_t PlannedSinceHeartbeat(const WorkerRecord& w);
+  // FreeBytes, capped by FrameRoomBytes plus the pools' compacted free
+  // slots when the worker reports frames.
+  static uint64_t RoomBytes(const WorkerRecord& w);
+  // Whole frames `demand` takes on `w` beyond its pools' compacted free
+  // slots; appends a description per encoding to *what when given.
+  // INVALID_ARGUMENT when a page is larger than the worker's frame.
+  static absl::StatusOr<uint64_t> FramesNeeded(const WorkerRecord& w,
+                                               const Demand& demand,
+                                               std::string* what);
+  // The device bytes an admission shortfall on `w` asks the pressure
+  // coordinator to make room for: `bytes`, or, when the frames do not fit
+  // though the bytes do, FreeBytes + the missing frame bytes, so that
+  // reclaiming down to capacity frees what the frames lack.
+  static uint64_t AdmissionBytes(const WorkerRecord& w, uint64_t bytes,
+                                 const Demand& demand);
+  // RESOURCE_EXHAUSTED when `bytes` more, whose pages are `demand`, do not
+  // fit the device pool (see "Room"); the message names the worker, the
+  // bytes, the frames needed and free, and the encodings.
+  static absl::Status Fits(const WorkerRecord& w, uint64_t bytes,
+                           const Demand& demand = {});
 
   // nullptr when unknown.
   WorkerRecord* Find(const std::string& worker_id) const;

@@ -253,6 +253,32 @@ void ToProto(const InventorySnapshot& d, v1::Inventory* p) {
   p->set_checksum_failures(d.checksum_failures);
   p->set_evictions(d.evictions);
   p->set_device_error(d.device_error);
+  const AllocatorStats& a = d.arena;
+  p->set_frame_bytes(a.frame_bytes);
+  p->set_frames(a.frames);
+  p->set_free_frames(a.free_frames);
+  p->set_free_bytes(a.free_bytes);
+  p->set_tail_bytes(a.tail_bytes);
+  p->set_fragmentation(a.fragmentation);
+  for (const PoolStats& pool : a.pools) {
+    v1::PoolInventory* q = p->add_pools();
+    q->set_format(static_cast<v1::Format>(pool.encoding.k));
+    q->set_format_v(static_cast<v1::Format>(pool.encoding.v));
+    q->set_group_size(static_cast<uint32_t>(pool.encoding.Group()));
+    q->set_scale_dtype(static_cast<v1::ScaleDtype>(pool.encoding.scale_dtype));
+    q->set_page_bytes(pool.page_bytes);
+    q->set_pages_per_frame(pool.pages_per_frame);
+    q->set_frames(pool.frames);
+    q->set_pages_used(pool.pages_used);
+    q->set_free_slots(pool.free_slots);
+    q->set_allocatable_pages(pool.allocatable_pages);
+    q->set_free_slots_compacted(pool.free_slots_compacted);
+  }
+  p->set_compactions(a.compactions);
+  p->set_pages_moved(a.pages_moved);
+  p->set_bytes_moved(a.bytes_moved);
+  p->set_frames_freed_by_compaction(a.frames_freed_by_compaction);
+  p->set_free_frames_compacted(a.free_frames_compacted);
 }
 
 }  // namespace triax::worker

@@ -45,6 +45,10 @@ ABSL_FLAG(std::string, advertise, "",
           "host:port the manager hands to frontends (needs --manager); "
           "default the bound listen address");
 ABSL_FLAG(int64_t, pool_mb, 1024, "KV page arena size in MiB");
+ABSL_FLAG(int64_t, frame_kb, 256,
+          "page frame size in KiB (a multiple of 16, at most --pool_mb): the "
+          "arena is cut into frames any encoding can take; a shape whose "
+          "BF16 page is larger than a frame is refused at AllocatePages");
 ABSL_FLAG(int32_t, window_tokens, 32,
           "default BF16 recent-window tokens per sequence and layer, unless "
           "AllocatePages names window_tokens (0: seal blocks as soon as they "
@@ -131,6 +135,18 @@ absl::Status CheckFlags() {
       !s.ok()) {
     return s;
   }
+  if (const int64_t f = absl::GetFlag(FLAGS_frame_kb);
+      f <= 0 || f % 16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--frame_kb=", f, " must be a positive multiple of 16"));
+  }
+  if (const int64_t f = absl::GetFlag(FLAGS_frame_kb),
+      pool = absl::GetFlag(FLAGS_pool_mb);
+      f > pool * 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--frame_kb=", f, " is larger than the pool: --pool_mb=",
+                     pool, " is ", pool * 1024, " KiB"));
+  }
   if (absl::Status s =
           CheckMb("host_tier_mb", absl::GetFlag(FLAGS_host_tier_mb), 0);
       !s.ok()) {
@@ -198,8 +214,10 @@ int main(int argc, char** argv) {
   device_options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   auto device = CreateDevice(absl::GetFlag(FLAGS_backend), device_options);
   if (!device.ok()) return Fail(1, device.status().message());
+  const int64_t frame_kb = absl::GetFlag(FLAGS_frame_kb);
   auto allocator =
-      PageAllocator::Create(device->get(), static_cast<size_t>(pool_mb) << 20);
+      PageAllocator::Create(device->get(), static_cast<size_t>(pool_mb) << 20,
+                            static_cast<size_t>(frame_kb) << 10);
   if (!allocator.ok()) return Fail(1, allocator.status().message());
   TierStoreOptions tier_options;
   tier_options.host_capacity_bytes = static_cast<uint64_t>(host_tier_mb) << 20;
@@ -283,6 +301,7 @@ int main(int argc, char** argv) {
                           triax::Kv("worker_id", worker_id), " ",
                           triax::Kv("backend", (*device)->Name()), " ",
                           triax::Kv("pool_mb", pool_mb), " ",
+                          triax::Kv("frame_kb", frame_kb), " ",
                           triax::Kv("window_tokens", window), " ",
                           triax::Kv("host_tier_mb", host_tier_mb), " ",
                           triax::Kv("disk_tier_dir", (*tiers)->disk_dir()), " ",

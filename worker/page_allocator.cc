@@ -1,23 +1,22 @@
 #include "worker/page_allocator.h"
 
 #include <algorithm>
+#include <chrono>
+#include <functional>
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace triax::worker {
 
-// A run of arena bytes owned by one pool, carved into equal pages.
-struct Slab {
-  size_t offset = 0;
-  size_t bytes = 0;
-  std::vector<std::unique_ptr<Page>> pages;
-  std::vector<Page*> free_list;
-};
-
 struct PageAllocator::Pool {
-  std::vector<std::unique_ptr<Slab>> slabs;
+  PoolKey key;
+  size_t pages_per_frame = 0;
+  size_t frames = 0;           // frames held
+  uint64_t pages_used = 0;
+  std::set<size_t> with_free;  // held frames with a free slot
 };
 
 // ---------------------------------------------------------------------------
@@ -70,25 +69,39 @@ size_t Arena::LargestFreeRun() const {
 // PageAllocator
 
 absl::StatusOr<std::unique_ptr<PageAllocator>> PageAllocator::Create(
-    Device* device, size_t capacity_bytes) {
+    Device* device, size_t capacity_bytes, size_t frame_bytes) {
   if (capacity_bytes == 0) {
     return absl::InvalidArgumentError("pool capacity must be > 0 bytes");
+  }
+  if (frame_bytes == 0 || frame_bytes % 16 != 0 ||
+      frame_bytes > capacity_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "frame_bytes ", frame_bytes,
+        " must be a positive multiple of 16 no larger than the pool's ",
+        capacity_bytes, " bytes"));
   }
   absl::StatusOr<uint8_t*> base = device->AllocateArena(capacity_bytes);
   if (!base.ok()) return base.status();
   return std::unique_ptr<PageAllocator>(
-      new PageAllocator(device, *base, capacity_bytes));
+      new PageAllocator(device, *base, capacity_bytes, frame_bytes));
 }
 
-PageAllocator::PageAllocator(Device* device, uint8_t* base, size_t capacity)
+PageAllocator::PageAllocator(Device* device, uint8_t* base, size_t capacity,
+                             size_t frame_bytes)
     : device_(device),
       base_(base),
       capacity_(capacity),
-      slab_bytes_(std::min(kSlabBytes,
-                           std::max(kMinSlabBytes, capacity / kSlabsPerArena))),
-      arena_(capacity) {}
+      frame_bytes_(frame_bytes),
+      frames_(capacity / frame_bytes) {
+  for (size_t i = 0; i < frames_.size(); ++i) free_frames_.insert(i);
+}
 
-PageAllocator::~PageAllocator() { device_->FreeArena(base_, capacity_); }
+PageAllocator::~PageAllocator() {
+  for (Frame& f : frames_) {
+    for (Page* p : f.slots) delete p;
+  }
+  device_->FreeArena(base_, capacity_);
+}
 
 bool EncodingLess::operator()(const kernels::Encoding& a,
                               const kernels::Encoding& b) const {
@@ -112,59 +125,73 @@ absl::StatusOr<Page*> PageAllocator::Allocate(const kernels::Encoding& encoding,
     return absl::InvalidArgumentError(absl::StrCat(
         "page_bytes ", page_bytes, " must be a positive multiple of 16"));
   }
-  absl::MutexLock lock(&mu_);
-  std::unique_ptr<Pool>& pool = pools_[PoolKey{encoding, page_bytes}];
-  if (pool == nullptr) pool = std::make_unique<Pool>();
-
-  Slab* slab = nullptr;
-  for (auto& s : pool->slabs) {
-    if (!s->free_list.empty()) {
-      slab = s.get();
-      break;
-    }
+  if (page_bytes > frame_bytes_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_bytes ", page_bytes, " of pool ",
+                     PoolName(encoding, page_bytes), " exceed frame_bytes ",
+                     frame_bytes_, " (--frame_kb): pages never span frames"));
   }
-  if (slab == nullptr) {
-    // Carve a new slab: SlabBytes() worth of pages (at least one page), shrunk
-    // to the largest run the arena still has.
-    size_t pages = std::max<size_t>(1, slab_bytes_ / page_bytes);
-    pages = std::min(pages, arena_.LargestFreeRun() / page_bytes);
-    size_t offset = 0;
-    if (pages == 0 || !arena_.Take(pages * page_bytes, &offset)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
+  absl::MutexLock lock(&mu_);
+  const PoolKey key{encoding, page_bytes};
+  auto pool_it = pools_.find(key);
+  Pool* pool = pool_it == pools_.end() ? nullptr : pool_it->second.get();
+
+  size_t frame_index = 0;
+  if (pool != nullptr && !pool->with_free.empty()) {
+    frame_index = *pool->with_free.begin();
+  } else {
+    if (free_frames_.empty()) {
+      absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
           "pool ", PoolName(encoding, page_bytes), " (",
           use == PageUse::kWindow ? "window" : "target",
-          " page) exhausted: requested ", page_bytes, " bytes, arena has ",
-          arena_.free_bytes(), " bytes free (largest run ",
-          arena_.LargestFreeRun(), ") of ", capacity_, " capacity, ",
-          used_bytes_, " bytes in use"));
+          " page) exhausted: needs ", page_bytes, " bytes; ",
+          capacity_ - used_bytes_, " bytes free of ", capacity_,
+          ", 0 free frames of ", frames_.size(), " x ", frame_bytes_,
+          " bytes, no free slot in this pool's ",
+          pool == nullptr ? 0 : pool->frames, " frames"));
+      s.SetPayload(kShortfallPayload, absl::Cord(absl::StrCat(page_bytes)));
+      shortfalls_.fetch_add(1);
+      return s;
     }
-    auto s = std::make_unique<Slab>();
-    s->offset = offset;
-    s->bytes = pages * page_bytes;
-    s->pages.reserve(pages);
-    s->free_list.reserve(pages);
-    for (size_t i = 0; i < pages; ++i) {
-      auto p = std::make_unique<Page>();
-      p->data = base_ + offset + i * page_bytes;
-      p->bytes = page_bytes;
-      p->encoding = encoding;
-      p->slab = s.get();
-      s->pages.push_back(std::move(p));
+    if (pool == nullptr) {
+      auto fresh = std::make_unique<Pool>();
+      fresh->key = key;
+      fresh->pages_per_frame = frame_bytes_ / page_bytes;
+      pool = fresh.get();
+      pools_.emplace(key, std::move(fresh));
     }
+    frame_index = *free_frames_.begin();
+    free_frames_.erase(free_frames_.begin());
+    Frame& f = frames_[frame_index];
+    f.pool = pool;
+    f.used = 0;
+    f.slots.assign(pool->pages_per_frame, nullptr);
+    f.free.clear();
     // Hand out low addresses first.
-    for (size_t i = pages; i-- > 0;) s->free_list.push_back(s->pages[i].get());
-    slab = s.get();
-    pool->slabs.push_back(std::move(s));
+    for (size_t i = pool->pages_per_frame; i-- > 0;) {
+      f.free.push_back(static_cast<uint32_t>(i));
+    }
+    pool->frames += 1;
+    pool->with_free.insert(frame_index);
   }
 
-  Page* page = slab->free_list.back();
-  slab->free_list.pop_back();
-  page->refs = 1;
+  Frame& f = frames_[frame_index];
+  const uint32_t slot = f.free.back();
+  f.free.pop_back();
+  f.used += 1;
+  if (f.free.empty()) pool->with_free.erase(frame_index);
+  pool->pages_used += 1;
+
+  auto* page = new Page();
+  page->data = SlotData(frame_index, slot, page_bytes);
+  page->bytes = page_bytes;
+  page->encoding = encoding;
   page->use = use;
-  {
-    absl::MutexLock seal_lock(&page->seal_mu);
-    page->encoded = false;
-  }
+  page->refs = 1;
+  page->frame = frame_index;
+  page->slot = slot;
+  f.slots[slot] = page;
+
   used_bytes_ += page_bytes;
   FormatUsage& usage = use == PageUse::kWindow ? window_ : target_[encoding];
   usage.pages += 1;
@@ -182,6 +209,19 @@ int PageAllocator::RefCount(Page* page) const {
   return page->refs;
 }
 
+void PageAllocator::ReleaseFrame(size_t index) {
+  Frame& f = frames_[index];
+  Pool* pool = f.pool;
+  pool->with_free.erase(index);
+  pool->frames -= 1;
+  f.pool = nullptr;
+  f.slots.clear();
+  f.free.clear();
+  f.used = 0;
+  free_frames_.insert(index);
+  if (pool->frames == 0) pools_.erase(pool->key);
+}
+
 bool PageAllocator::Unref(Page* page) {
   absl::MutexLock lock(&mu_);
   if (--page->refs > 0) return false;
@@ -195,20 +235,92 @@ bool PageAllocator::Unref(Page* page) {
     usage.bytes -= page->bytes;
     if (usage.pages == 0) target_.erase(page->encoding);
   }
-  Slab* slab = page->slab;
-  slab->free_list.push_back(page);
-  if (slab->free_list.size() == slab->pages.size()) {
-    // Every page of the slab is free: give its bytes back to the arena so
-    // other pools can use them.
-    auto pool_it = pools_.find(PoolKey{page->encoding, page->bytes});
-    arena_.Give(slab->offset, slab->bytes);
-    auto& slabs = pool_it->second->slabs;
-    slabs.erase(std::find_if(
-        slabs.begin(), slabs.end(),
-        [slab](const std::unique_ptr<Slab>& s) { return s.get() == slab; }));
-    if (slabs.empty()) pools_.erase(pool_it);
-  }
+  const size_t index = page->frame;
+  Frame& f = frames_[index];
+  f.slots[page->slot] = nullptr;
+  f.free.push_back(page->slot);
+  f.used -= 1;
+  f.pool->pages_used -= 1;
+  f.pool->with_free.insert(index);
+  delete page;
+  // Every page of the frame is free: any pool may take it now.
+  if (f.used == 0) ReleaseFrame(index);
   return true;
+}
+
+absl::StatusOr<CompactionResult> PageAllocator::Compact() {
+  const auto start = std::chrono::steady_clock::now();
+  absl::MutexLock lock(&mu_);
+  CompactionResult r;
+  absl::Status error;
+  for (auto& [key, pool_ptr] : pools_) {
+    Pool& pool = *pool_ptr;
+    if (pool.with_free.size() < 2) continue;
+    // Frames with free slots, fullest first (ties: lower index first); pages
+    // move from the back of the list into the front.
+    std::vector<size_t> order(pool.with_free.begin(), pool.with_free.end());
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return frames_[a].used > frames_[b].used;
+    });
+    size_t i = 0, j = order.size() - 1;
+    while (i < j && error.ok()) {
+      Frame& dst = frames_[order[i]];
+      Frame& src = frames_[order[j]];
+      if (dst.free.empty()) {
+        ++i;
+        continue;
+      }
+      if (src.used == 0) {
+        --j;
+        continue;
+      }
+      // The highest used slot of src moves into the lowest free slot of dst.
+      uint32_t from = static_cast<uint32_t>(src.slots.size());
+      while (src.slots[--from] == nullptr) {
+      }
+      Page* page = src.slots[from];
+      const uint32_t to = dst.free.back();
+      uint8_t* target = SlotData(order[i], to, key.page_bytes);
+      error = device_->CopyPage(target, page->data, key.page_bytes);
+      if (!error.ok()) break;
+      dst.free.pop_back();
+      dst.slots[to] = page;
+      dst.used += 1;
+      if (dst.free.empty()) pool.with_free.erase(order[i]);
+      src.slots[from] = nullptr;
+      src.free.push_back(from);
+      src.used -= 1;
+      page->data = target;
+      page->frame = order[i];
+      page->slot = to;
+      r.pages_moved += 1;
+      r.bytes_moved += key.page_bytes;
+    }
+    // Keep each remaining frame's free list ordered lowest slot last.
+    for (size_t k : order) {
+      Frame& f = frames_[k];
+      std::sort(f.free.begin(), f.free.end(), std::greater<uint32_t>());
+    }
+    if (!error.ok()) break;
+  }
+  // Frames emptied by the moves go back to the free list (after the loop:
+  // releasing the last frame of a pool erases the pool).
+  for (size_t k = 0; k < frames_.size(); ++k) {
+    if (frames_[k].pool != nullptr && frames_[k].used == 0) {
+      ReleaseFrame(k);
+      r.frames_freed += 1;
+    }
+  }
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                            start)
+                  .count();
+  if (r.pages_moved > 0) compactions_ += 1;
+  compacted_.pages_moved += r.pages_moved;
+  compacted_.bytes_moved += r.bytes_moved;
+  compacted_.frames_freed += r.frames_freed;
+  compacted_.seconds += r.seconds;
+  if (!error.ok()) return error;
+  return r;
 }
 
 AllocatorStats PageAllocator::Stats() const {
@@ -223,10 +335,41 @@ AllocatorStats PageAllocator::Stats() const {
     k.bytes += usage.bytes;
   }
   s.window = window_;
-  s.slab_bytes = capacity_ - arena_.free_bytes();
+  s.frame_bytes = frame_bytes_;
+  s.frames = frames_.size();
+  s.free_frames = free_frames_.size();
+  s.free_bytes = capacity_ - used_bytes_;
+  s.tail_bytes = capacity_ - frames_.size() * frame_bytes_;
   for (const auto& [key, pool] : pools_) {
-    for (const auto& slab : pool->slabs) s.free_pages += slab->free_list.size();
+    PoolStats p;
+    p.encoding = key.encoding;
+    p.page_bytes = key.page_bytes;
+    p.pages_per_frame = pool->pages_per_frame;
+    p.frames = pool->frames;
+    p.pages_used = pool->pages_used;
+    p.free_slots = pool->frames * pool->pages_per_frame - pool->pages_used;
+    p.allocatable_pages = p.free_slots + s.free_frames * p.pages_per_frame;
+    const uint64_t packed =
+        (pool->pages_used + pool->pages_per_frame - 1) / pool->pages_per_frame;
+    p.free_slots_compacted = packed * pool->pages_per_frame - pool->pages_used;
+    s.free_frames_compacted += pool->frames - packed;
+    s.held_bytes += pool->frames * frame_bytes_;
+    s.free_slots += p.free_slots;
+    s.tail_bytes +=
+        pool->frames * (frame_bytes_ - pool->pages_per_frame * key.page_bytes);
+    s.pools.push_back(p);
   }
+  s.free_frames_compacted += s.free_frames;
+  const uint64_t in_free_frames = s.free_frames * frame_bytes_;
+  s.fragmentation =
+      s.free_bytes == 0
+          ? 0.0
+          : static_cast<double>(s.free_bytes - in_free_frames) /
+                static_cast<double>(s.free_bytes);
+  s.compactions = compactions_;
+  s.pages_moved = compacted_.pages_moved;
+  s.bytes_moved = compacted_.bytes_moved;
+  s.frames_freed_by_compaction = compacted_.frames_freed;
   return s;
 }
 

@@ -1,32 +1,66 @@
-// Device memory for KV pages: one arena carved into per-encoding paged pools.
+// Device memory for KV pages: one arena cut into frames of one size, any free
+// frame serving any encoding.
 //
 //   arena   one Device allocation of `capacity` bytes (the --pool_mb flag),
-//           handed out as variable-size slabs by first fit with coalescing.
-//   pool    one per (encoding, page_bytes). A pool takes slabs of about
-//           kSlabBytes (never less than one page, shrunk to what the arena
-//           still has) and carves them into fixed-size pages kept on per-slab
-//           free lists. A slab whose pages are all free goes back to the
-//           arena, so freeing everything returns the arena to empty.
-//   page    refcounted: forks share pages; the last Unref returns it to its
-//           pool. Pages are either target pages (a block's storage in its
-//           encoding) or window pages (BF16 recent-window staging); both come
-//           from the same arena and are counted apart in Stats.
+//           cut into capacity / frame_bytes frames of frame_bytes (the
+//           --frame_kb flag); the last capacity % frame_bytes bytes are
+//           never used (the arena tail).
+//   frame   free, or held by exactly one pool. A pool carves a frame into
+//           frame_bytes / page_bytes slots; the frame_bytes % page_bytes
+//           bytes after the last slot are the frame's tail (unused while the
+//           pool holds it). A frame whose slots are all free goes back to the
+//           free list at once, so freeing everything returns every frame.
+//   pool    one per (encoding, page_bytes): the frames it holds. Allocate
+//           takes the lowest free slot of the pool's lowest-index frame with
+//           one, else the lowest free frame.
+//   page    refcounted: forks share pages; the last Unref returns its slot.
+//           Page objects never move; Compact moves their bytes and changes
+//           Page::data (see Compaction). Pages are either target pages (a
+//           block's storage in its encoding) or window pages (BF16
+//           recent-window staging); both come from the same frames (a BF16
+//           pool holds both) and are counted apart in Stats.
+//
+// Pages larger than a frame are refused (INVALID_ARGUMENT naming page_bytes
+// and frame_bytes): a frame is the unit every encoding can take, and a page
+// spanning frames would need a contiguous run of them, the very thing that
+// fragments. The store refuses such shapes at AllocatePages, before anything
+// is reserved; the default frame (kDefaultFrameBytes, 256 KiB) holds a BF16
+// page of 64 tokens x 8 KV heads x head_dim 128.
+//
+// Compaction. Compact() moves, per pool, the pages of its least-used frames
+// into free slots of its most-used frames (Device::CopyPage, then Page::data
+// is updated) until at most one of its frames has free slots; emptied frames
+// go back to the free list. A shared page is one Page object and moves once.
+// The caller guarantees that nobody reads or writes page data, nor holds a
+// page's data pointer, while Compact runs (SequenceStore holds its data lock
+// exclusively).
+//
+// Fragmentation (AllocatorStats::fragmentation) is the share of free bytes
+// that are not in free frames: free slots of frames held by pools, frame
+// tails and the arena tail, over capacity - used_bytes (0 when nothing is
+// free). Free slots count only for their own pool; compaction brings the
+// slot part down to at most one frame per pool.
 //
 // Usage is counted per encoding (AllocatorStats::by_encoding) and, summed,
 // per K format (AllocatorStats::target: what the proto Inventory.formats
 // reports, as it has one format per entry).
 //
 // Errors: Allocate returns RESOURCE_EXHAUSTED naming the pool (encoding and
-// page bytes) and the bytes requested versus what the arena has free.
+// page bytes), the bytes requested, the free bytes and the free frames, with
+// the payload kShortfallPayload (so callers can tell an allocator shortfall
+// from other exhaustion and compact).
 //
-// Thread contract: PageAllocator is thread-safe (one internal mutex).
+// Thread contract: PageAllocator is thread-safe (one internal mutex, held
+// during Compact's copies too).
 // Page::seal_mu serializes encoding into a page that several sequences share;
 // lock order: a sequence's mutex -> Page::seal_mu -> PageAllocator::mu_.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,8 +78,8 @@ enum class PageUse : uint8_t { kTarget = 0, kWindow = 1 };
 
 class PageAllocator;
 
-// One page of device memory. `data`, `bytes`, `encoding` and `use` are fixed
-// while the page is allocated.
+// One page of device memory. `bytes`, `encoding` and `use` are fixed while
+// the page is allocated; `data` changes only under PageAllocator::Compact.
 struct Page {
   uint8_t* data = nullptr;
   size_t bytes = 0;
@@ -60,12 +94,15 @@ struct Page {
 
  private:
   friend class PageAllocator;
-  int refs = 0;  // guarded by the allocator's mutex
-  struct Slab* slab = nullptr;
+  // Guarded by the allocator's mutex.
+  int refs = 0;
+  size_t frame = 0;  // index of the frame holding it
+  uint32_t slot = 0;
 };
 
-// A contiguous range allocator over [0, capacity); not thread-safe (the
-// PageAllocator serializes it).
+// A contiguous range allocator over [0, capacity), first fit with
+// coalescing (the host spill tier's, worker/tier_store.h); not thread-safe
+// (its owner serializes it).
 class Arena {
  public:
   explicit Arena(size_t capacity);
@@ -94,6 +131,30 @@ struct EncodingLess {
 };
 using EncodingUsage = std::map<kernels::Encoding, FormatUsage, EncodingLess>;
 
+// One pool as Stats sees it.
+struct PoolStats {
+  kernels::Encoding encoding;
+  uint64_t page_bytes = 0;
+  uint64_t pages_per_frame = 0;  // frame_bytes / page_bytes
+  uint64_t frames = 0;           // frames the pool holds
+  uint64_t pages_used = 0;       // target + window pages in use
+  uint64_t free_slots = 0;       // free pages inside the pool's frames
+  // Pages of this pool Allocate can hand out now: free_slots + free_frames *
+  // pages_per_frame.
+  uint64_t allocatable_pages = 0;
+  // Free slots once Compact packed the pool into ceil(pages_used /
+  // pages_per_frame) frames.
+  uint64_t free_slots_compacted = 0;
+};
+
+// What a Compact call did.
+struct CompactionResult {
+  uint64_t pages_moved = 0;
+  uint64_t bytes_moved = 0;
+  uint64_t frames_freed = 0;  // frames returned to the free list
+  double seconds = 0;         // wall time of the call, copies included
+};
+
 struct AllocatorStats {
   uint64_t capacity_bytes = 0;
   uint64_t used_bytes = 0;  // target + window pages in use
@@ -102,33 +163,53 @@ struct AllocatorStats {
   EncodingUsage by_encoding;
   std::map<kernels::Format, FormatUsage> target;
   FormatUsage window;
-  uint64_t slab_bytes = 0;  // arena bytes held by pools (used + free pages)
-  uint64_t free_pages = 0;  // pages on pool free lists
+  uint64_t frame_bytes = 0;
+  uint64_t frames = 0;       // capacity / frame_bytes
+  uint64_t free_frames = 0;  // frames held by no pool
+  // Free frames once Compact packed every pool (what an allocation that
+  // compacts on a shortfall can count on).
+  uint64_t free_frames_compacted = 0;
+  uint64_t free_bytes = 0;   // capacity - used_bytes
+  uint64_t held_bytes = 0;   // bytes of frames held by pools
+  uint64_t free_slots = 0;   // free pages inside held frames, all pools
+  // Bytes no page can use: frame tails of held frames + the arena tail.
+  uint64_t tail_bytes = 0;
+  double fragmentation = 0;  // see the header comment
+  std::vector<PoolStats> pools;  // ordered by (page_bytes, encoding)
+  // Since the allocator was created.
+  uint64_t compactions = 0;  // Compact calls that moved at least one page
+  uint64_t pages_moved = 0;
+  uint64_t bytes_moved = 0;
+  uint64_t frames_freed_by_compaction = 0;
 };
+
+// Payload of Allocate's RESOURCE_EXHAUSTED (value: the requested page bytes).
+inline constexpr char kShortfallPayload[] = "triax.dev/allocator_shortfall";
 
 class PageAllocator {
  public:
-  // Preferred slab size: small pages are carved SlabBytes() at a time, which
-  // is kSlabBytes, or capacity / kSlabsPerArena for arenas under 64 MiB (at
-  // least kMinSlabBytes), so that a small pool is not taken whole by the
-  // first encoding that asks (demotions need room for the new encoding's
-  // pages while the old ones are still held).
-  static constexpr size_t kSlabBytes = size_t{1} << 20;
-  static constexpr size_t kMinSlabBytes = size_t{16} << 10;
-  static constexpr size_t kSlabsPerArena = 64;
-  size_t SlabBytes() const { return slab_bytes_; }
+  // 256 KiB: a BF16 page of 64 tokens x 8 KV heads x head_dim 128 fits one
+  // frame; kvproxy-18m at 16-token blocks (2 KV heads x 128) has 16 KiB
+  // BF16 pages (16 a frame, no tail) and 4608-byte INT4 g32 pages (56 a
+  // frame, a 4 KiB tail: 1.6%). Larger frames leave more free slots
+  // stranded per pool (at most one partly used frame per pool after
+  // compaction), smaller ones refuse larger pages.
+  static constexpr size_t kDefaultFrameBytes = size_t{256} << 10;
 
   // Takes `capacity_bytes` from `device` (which must outlive the allocator).
+  // INVALID_ARGUMENT unless 0 < frame_bytes <= capacity_bytes and
+  // frame_bytes is a multiple of 16.
   static absl::StatusOr<std::unique_ptr<PageAllocator>> Create(
-      Device* device, size_t capacity_bytes);
+      Device* device, size_t capacity_bytes,
+      size_t frame_bytes = kDefaultFrameBytes);
   ~PageAllocator();
 
   PageAllocator(const PageAllocator&) = delete;
   PageAllocator& operator=(const PageAllocator&) = delete;
 
-  // A page of `page_bytes` (> 0, a multiple of 16) with refcount 1.
-  // `page_bytes` is PageBytes(encoding, shape) of the caller's shape; the
-  // allocator only uses the pair as a pool key.
+  // A page of `page_bytes` (> 0, a multiple of 16, <= frame_bytes) with
+  // refcount 1. `page_bytes` is PageBytes(encoding, shape) of the caller's
+  // shape; the allocator only uses the pair as a pool key.
   absl::StatusOr<Page*> Allocate(const kernels::Encoding& encoding,
                                  size_t page_bytes, PageUse use);
   void Ref(Page* page);
@@ -136,8 +217,18 @@ class PageAllocator {
   bool Unref(Page* page);
   int RefCount(Page* page) const;
 
+  // See "Compaction" above. A failed copy stops it (the page being moved
+  // stays where it was) and returns the device's error.
+  absl::StatusOr<CompactionResult> Compact();
+
+  // RESOURCE_EXHAUSTED refusals of Allocate since start: a caller compares
+  // it before and after an operation to tell an allocator shortfall from
+  // other exhaustion (e.g. a full spill tier).
+  uint64_t Shortfalls() const { return shortfalls_.load(); }
+
   AllocatorStats Stats() const;
   size_t capacity() const { return capacity_; }
+  size_t frame_bytes() const { return frame_bytes_; }
 
  private:
   struct PoolKey {
@@ -149,22 +240,38 @@ class PageAllocator {
     }
   };
   struct Pool;
+  struct Frame {
+    Pool* pool = nullptr;       // null: free
+    std::vector<Page*> slots;   // null: free slot
+    std::vector<uint32_t> free; // free slot numbers, lowest last
+    uint32_t used = 0;
+  };
 
-  PageAllocator(Device* device, uint8_t* base, size_t capacity);
+  PageAllocator(Device* device, uint8_t* base, size_t capacity,
+                size_t frame_bytes);
   static std::string PoolName(const kernels::Encoding& encoding,
                               size_t page_bytes);
+  uint8_t* SlotData(size_t frame, uint32_t slot, size_t page_bytes) const {
+    return base_ + frame * frame_bytes_ + size_t{slot} * page_bytes;
+  }
+  // Gives a frame whose slots are all free back to the free list.
+  void ReleaseFrame(size_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Device* const device_;
   uint8_t* const base_;
   const size_t capacity_;
-  const size_t slab_bytes_;
+  const size_t frame_bytes_;
 
+  std::atomic<uint64_t> shortfalls_{0};
   mutable absl::Mutex mu_;
-  Arena arena_ ABSL_GUARDED_BY(mu_);
+  std::vector<Frame> frames_ ABSL_GUARDED_BY(mu_);
+  std::set<size_t> free_frames_ ABSL_GUARDED_BY(mu_);
   std::map<PoolKey, std::unique_ptr<Pool>> pools_ ABSL_GUARDED_BY(mu_);
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   EncodingUsage target_ ABSL_GUARDED_BY(mu_);
   FormatUsage window_ ABSL_GUARDED_BY(mu_);
+  CompactionResult compacted_ ABSL_GUARDED_BY(mu_);  // totals since start
+  uint64_t compactions_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace triax::worker

@@ -6,6 +6,7 @@
 #include <set>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "worker/device.h"
 
@@ -42,17 +43,32 @@ TEST(ArenaTest, FirstFitAndCoalescing) {
 
 class PageAllocatorTest : public ::testing::Test {
  protected:
-  void Make(size_t capacity) {
-    auto a = PageAllocator::Create(&device_, capacity);
+  void Make(size_t capacity, size_t frame_bytes = 16 << 10) {
+    auto a = PageAllocator::Create(&device_, capacity, frame_bytes);
     ASSERT_THAT(a.status(), IsOk());
     alloc_ = *std::move(a);
+  }
+  // Fills a page with a pattern derived from `seed`.
+  static void Fill(Page* p, uint32_t seed) {
+    for (size_t i = 0; i < p->bytes; ++i) {
+      p->data[i] = static_cast<uint8_t>((seed * 131 + i * 7 + (i >> 8)) & 0xFF);
+    }
+  }
+  static bool Holds(const Page* p, uint32_t seed) {
+    for (size_t i = 0; i < p->bytes; ++i) {
+      if (p->data[i] !=
+          static_cast<uint8_t>((seed * 131 + i * 7 + (i >> 8)) & 0xFF)) {
+        return false;
+      }
+    }
+    return true;
   }
   CpuDevice device_;
   std::unique_ptr<PageAllocator> alloc_;
 };
 
-TEST_F(PageAllocatorTest, CarvesDistinctAlignedPagesFromOneSlab) {
-  Make(1 << 20);
+TEST_F(PageAllocatorTest, CarvesDistinctAlignedPagesFromOneFrame) {
+  Make(1 << 20);  // 64 frames of 16 KiB
   std::set<uint8_t*> seen;
   std::vector<Page*> pages;
   for (int i = 0; i < 10; ++i) {
@@ -62,25 +78,31 @@ TEST_F(PageAllocatorTest, CarvesDistinctAlignedPagesFromOneSlab) {
     EXPECT_TRUE(seen.insert((*p)->data).second);
     pages.push_back(*p);
   }
-  // Consecutive pages of one slab: addresses step by the page size.
+  // Consecutive pages of one frame: addresses step by the page size.
   for (size_t i = 1; i < pages.size(); ++i) {
     EXPECT_EQ(pages[i]->data - pages[i - 1]->data, 4096);
   }
   AllocatorStats s = alloc_->Stats();
   EXPECT_EQ(s.used_bytes, 10u * 4096);
   EXPECT_EQ(s.target[Format::kINT4].pages, 10u);
-  // A 1 MiB arena carves slabs of 1 MiB / 64 = 16 KiB: 3 slabs of 4 pages.
-  EXPECT_EQ(alloc_->SlabBytes(), 16u << 10);
-  EXPECT_EQ(s.slab_bytes, 3u * (16u << 10));
-  EXPECT_EQ(s.free_pages, 2u);
+  // 4 pages a frame: 3 frames, 2 free slots.
+  EXPECT_EQ(s.frames, 64u);
+  EXPECT_EQ(s.free_frames, 61u);
+  EXPECT_EQ(s.held_bytes, 3u * (16u << 10));
+  EXPECT_EQ(s.free_slots, 2u);
+  ASSERT_EQ(s.pools.size(), 1u);
+  EXPECT_EQ(s.pools[0].pages_per_frame, 4u);
+  EXPECT_EQ(s.pools[0].allocatable_pages, 2u + 61u * 4u);
   for (Page* p : pages) EXPECT_TRUE(alloc_->Unref(p));
   s = alloc_->Stats();
   EXPECT_EQ(s.used_bytes, 0u);
-  EXPECT_EQ(s.slab_bytes, 0u);  // the empty slab went back to the arena
+  EXPECT_EQ(s.held_bytes, 0u);  // the empty frames went back
+  EXPECT_EQ(s.free_frames, 64u);
   EXPECT_TRUE(s.target.empty());
+  EXPECT_TRUE(s.pools.empty());
 }
 
-TEST_F(PageAllocatorTest, FreeListReusesPages) {
+TEST_F(PageAllocatorTest, FreeSlotsAreReused) {
   Make(1 << 20);
   auto a = alloc_->Allocate(Format::kBF16, 1024, PageUse::kTarget);
   auto b = alloc_->Allocate(Format::kBF16, 1024, PageUse::kTarget);
@@ -118,36 +140,39 @@ TEST_F(PageAllocatorTest, WindowPagesAreCountedApart) {
   EXPECT_EQ(s.window.bytes, 2048u);
   EXPECT_EQ(s.target[Format::kBF16].pages, 1u);
   EXPECT_EQ(s.used_bytes, 4096u);
+  // Both come from one frame of the BF16/2048 pool.
+  EXPECT_EQ(s.free_frames, s.frames - 1);
   alloc_->Unref(*t);
   alloc_->Unref(*w);
 }
 
-TEST_F(PageAllocatorTest, ExhaustionNamesPoolAndBytes) {
-  // 10 KiB arena: two 4 KiB pages fit, a third does not.
-  Make(10 * 1024);
-  auto a = alloc_->Allocate(Format::kINT4, 4096, PageUse::kTarget);
-  auto b = alloc_->Allocate(Format::kINT4, 4096, PageUse::kTarget);
+TEST_F(PageAllocatorTest, ExhaustionNamesPoolBytesAndFrames) {
+  // Two 8 KiB frames (and a 2 KiB arena tail): two 8 KiB pages fit.
+  Make(18 * 1024, 8 << 10);
+  auto a = alloc_->Allocate(Format::kINT4, 8192, PageUse::kTarget);
+  auto b = alloc_->Allocate(Format::kINT4, 8192, PageUse::kTarget);
   ASSERT_THAT(a.status(), IsOk());
   ASSERT_THAT(b.status(), IsOk());
-  auto c = alloc_->Allocate(Format::kINT4, 4096, PageUse::kTarget);
+  auto c = alloc_->Allocate(Format::kINT4, 8192, PageUse::kTarget);
   EXPECT_THAT(c.status(), StatusIs(absl::StatusCode::kResourceExhausted,
-                                   AllOf(HasSubstr("int4/4096B"),
-                                         HasSubstr("requested 4096 bytes"),
-                                         HasSubstr("2048 bytes free"))));
-  // A smaller pool still fits into the leftover run.
+                                   AllOf(HasSubstr("int4/8192B"),
+                                         HasSubstr("needs 8192 bytes"),
+                                         HasSubstr("2048 bytes free"),
+                                         HasSubstr("0 free frames of 2"))));
+  EXPECT_TRUE(c.status().GetPayload(kShortfallPayload).has_value());
+  // Freeing one page returns its frame, which another encoding takes.
+  alloc_->Unref(*a);
   auto d = alloc_->Allocate(Format::kINT2, 2048, PageUse::kTarget);
   EXPECT_THAT(d.status(), IsOk());
-  // Freeing the first pool's pages gives its slab back for other pools.
-  alloc_->Unref(*a);
+  AllocatorStats s = alloc_->Stats();
+  EXPECT_EQ(s.free_frames, 0u);
+  EXPECT_EQ(s.tail_bytes, 2048u);
   alloc_->Unref(*b);
-  auto e = alloc_->Allocate(Format::kBF16, 8192, PageUse::kTarget);
-  EXPECT_THAT(e.status(), IsOk());
   alloc_->Unref(*d);
-  alloc_->Unref(*e);
-  EXPECT_EQ(alloc_->Stats().slab_bytes, 0u);
+  EXPECT_EQ(alloc_->Stats().held_bytes, 0u);
 }
 
-TEST_F(PageAllocatorTest, RejectsBadPageSize) {
+TEST_F(PageAllocatorTest, RejectsBadPageAndFrameSizes) {
   Make(1 << 16);
   EXPECT_THAT(
       alloc_->Allocate(Format::kBF16, 0, PageUse::kTarget).status(),
@@ -155,6 +180,158 @@ TEST_F(PageAllocatorTest, RejectsBadPageSize) {
   EXPECT_THAT(alloc_->Allocate(Format::kBF16, 100, PageUse::kTarget).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("page_bytes 100")));
+  // A page larger than a frame never spans frames.
+  EXPECT_THAT(
+      alloc_->Allocate(Format::kBF16, 32 << 10, PageUse::kTarget).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("page_bytes 32768"),
+                     HasSubstr("frame_bytes 16384"))));
+  for (size_t frame : {size_t{0}, size_t{1000}, size_t{1} << 17}) {
+    EXPECT_THAT(PageAllocator::Create(&device_, 1 << 16, frame).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("frame_bytes ", frame))))
+        << frame;
+  }
+}
+
+// Interleaved encodings leave sparse frames; a different encoding then needs
+// whole frames, which only compaction can free.
+TEST_F(PageAllocatorTest, CompactionFreesFramesForAnotherEncoding) {
+  Make(8 * 4096, 4096);  // 8 frames of 4 KiB
+  const kernels::Encoding a = Format::kINT4, b = Format::kINT2;
+  // A: 1 KiB pages (4 a frame), B: 512 B pages (8 a frame). Allocate in turns
+  // so each pool spreads over several frames.
+  std::vector<Page*> as, bs;
+  for (int round = 0; round < 4; ++round) {
+    for (int i = 0; i < 4; ++i) {
+      auto p = alloc_->Allocate(a, 1024, PageUse::kTarget);
+      ASSERT_THAT(p.status(), IsOk());
+      Fill(*p, static_cast<uint32_t>(as.size()));
+      as.push_back(*p);
+    }
+    for (int i = 0; i < 8; ++i) {
+      auto p = alloc_->Allocate(b, 512, PageUse::kTarget);
+      ASSERT_THAT(p.status(), IsOk());
+      Fill(*p, 1000 + static_cast<uint32_t>(bs.size()));
+      bs.push_back(*p);
+    }
+  }
+  AllocatorStats s = alloc_->Stats();
+  EXPECT_EQ(s.free_frames, 0u);
+  // Free 3 of every 4 A pages and 7 of every 8 B pages: every frame stays
+  // held by one page.
+  std::vector<Page*> keep_a, keep_b;
+  std::vector<uint32_t> seed_a, seed_b;
+  for (size_t i = 0; i < as.size(); ++i) {
+    if (i % 4 == 3) {
+      keep_a.push_back(as[i]);
+      seed_a.push_back(static_cast<uint32_t>(i));
+    } else {
+      EXPECT_TRUE(alloc_->Unref(as[i]));
+    }
+  }
+  for (size_t i = 0; i < bs.size(); ++i) {
+    if (i % 8 == 0) {
+      keep_b.push_back(bs[i]);
+      seed_b.push_back(1000 + static_cast<uint32_t>(i));
+    } else {
+      EXPECT_TRUE(alloc_->Unref(bs[i]));
+    }
+  }
+  s = alloc_->Stats();
+  EXPECT_EQ(s.free_frames, 0u);
+  EXPECT_EQ(s.used_bytes, 4u * 1024 + 4u * 512);
+  EXPECT_EQ(s.free_bytes, 8u * 4096 - 6144);
+  EXPECT_EQ(s.free_slots, 4u * 3 + 4u * 7);
+  // Nothing is in free frames: every free byte is stranded.
+  EXPECT_DOUBLE_EQ(s.fragmentation, 1.0);
+  // Packed, A fits one frame and B one: 6 frames would be free.
+  EXPECT_EQ(s.free_frames_compacted, 6u);
+  for (const PoolStats& p : s.pools) {
+    EXPECT_EQ(p.free_slots_compacted, p.page_bytes == 1024 ? 0u : 4u);
+  }
+  // A third encoding finds no frame...
+  auto c = alloc_->Allocate(Format::kFP8, 2048, PageUse::kTarget);
+  EXPECT_THAT(c.status(), StatusIs(absl::StatusCode::kResourceExhausted,
+                                   HasSubstr("0 free frames")));
+  // ...until compaction packs A into one frame and B into one frame.
+  auto r = alloc_->Compact();
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->pages_moved, 3u + 3u);
+  EXPECT_EQ(r->bytes_moved, 3u * 1024 + 3u * 512);
+  EXPECT_EQ(r->frames_freed, 6u);
+  s = alloc_->Stats();
+  EXPECT_EQ(s.free_frames, 6u);
+  EXPECT_EQ(s.free_slots, 0u + 4u);  // A's frame full, B's has 4 free
+  // 26624 bytes free, 24576 of them in free frames: B's 4 free slots are
+  // the stranded 2048.
+  EXPECT_EQ(s.free_bytes, 26624u);
+  EXPECT_DOUBLE_EQ(s.fragmentation, 2048.0 / 26624.0);
+  EXPECT_EQ(s.compactions, 1u);
+  EXPECT_EQ(s.pages_moved, 6u);
+  EXPECT_EQ(s.frames_freed_by_compaction, 6u);
+  // Page objects stayed put; their bytes moved with them.
+  for (size_t i = 0; i < keep_a.size(); ++i) {
+    EXPECT_TRUE(Holds(keep_a[i], seed_a[i])) << "A page " << i;
+  }
+  for (size_t i = 0; i < keep_b.size(); ++i) {
+    EXPECT_TRUE(Holds(keep_b[i], seed_b[i])) << "B page " << i;
+  }
+  std::vector<Page*> cs;
+  for (int i = 0; i < 12; ++i) {  // 2 a frame x 6 frames
+    auto p = alloc_->Allocate(Format::kFP8, 2048, PageUse::kTarget);
+    ASSERT_THAT(p.status(), IsOk()) << i;
+    cs.push_back(*p);
+  }
+  // A second compaction has nothing to move.
+  r = alloc_->Compact();
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->pages_moved, 0u);
+  EXPECT_EQ(alloc_->Stats().compactions, 1u);
+  for (Page* p : keep_a) EXPECT_TRUE(alloc_->Unref(p));
+  for (Page* p : keep_b) EXPECT_TRUE(alloc_->Unref(p));
+  for (Page* p : cs) EXPECT_TRUE(alloc_->Unref(p));
+  EXPECT_EQ(alloc_->Stats().free_frames, 8u);
+}
+
+// A page shared three ways is one Page object: it moves once and every
+// holder sees the new address.
+TEST_F(PageAllocatorTest, SharedPageMovesOnce) {
+  Make(4 * 4096, 4096);
+  std::vector<Page*> first, second;
+  for (int i = 0; i < 4; ++i) {
+    auto p = alloc_->Allocate(Format::kINT4, 1024, PageUse::kTarget);
+    ASSERT_THAT(p.status(), IsOk());
+    first.push_back(*p);
+  }
+  for (int i = 0; i < 4; ++i) {
+    auto p = alloc_->Allocate(Format::kINT4, 1024, PageUse::kTarget);
+    ASSERT_THAT(p.status(), IsOk());
+    second.push_back(*p);
+  }
+  Page* shared = second[3];
+  Fill(shared, 77);
+  alloc_->Ref(shared);
+  alloc_->Ref(shared);
+  uint8_t* before = shared->data;
+  // Leave the first frame with one page, the second with only `shared`.
+  for (int i = 1; i < 4; ++i) EXPECT_TRUE(alloc_->Unref(first[i]));
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(alloc_->Unref(second[i]));
+  auto r = alloc_->Compact();
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->pages_moved, 1u);
+  EXPECT_EQ(r->frames_freed, 1u);
+  EXPECT_NE(shared->data, before);
+  EXPECT_TRUE(Holds(shared, 77));
+  EXPECT_EQ(alloc_->RefCount(shared), 3);
+  // Packed into first[0]'s frame (slot 0 of the first frame).
+  EXPECT_GT(shared->data - first[0]->data, 0);
+  EXPECT_LT(shared->data - first[0]->data, 4096);
+  EXPECT_FALSE(alloc_->Unref(shared));
+  EXPECT_FALSE(alloc_->Unref(shared));
+  EXPECT_TRUE(alloc_->Unref(shared));
+  EXPECT_TRUE(alloc_->Unref(first[0]));
+  EXPECT_EQ(alloc_->Stats().free_frames, 4u);
 }
 
 }  // namespace

@@ -195,7 +195,7 @@ absl::StatusOr<SequenceStore::LockedSequence> SequenceStore::LockOwned(
 // ---------------------------------------------------------------------------
 // AllocatePages
 
-absl::StatusOr<AllocateResult> SequenceStore::AllocatePages(
+absl::StatusOr<AllocateResult> SequenceStore::AllocatePagesOnce(
     absl::string_view tenant_id, absl::string_view sequence_id,
     const ModelShape& model, uint32_t block_tokens,
     absl::Span<const BlockSpec> blocks, std::optional<uint32_t> window_tokens) {
@@ -213,6 +213,16 @@ absl::StatusOr<AllocateResult> SequenceStore::AllocatePages(
                                model.head_dim, " block_tokens=", block_tokens,
                                " is not supported by the ", device_->Name(),
                                " backend: ", s.message()));
+  }
+  // Window pages are BF16, the largest encoding: its page must fit a frame.
+  if (const size_t bf16 = kernels::PageBytes(Format::kBF16, shape);
+      bf16 > allocator_->frame_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block_tokens=", block_tokens, " with n_kv_heads=", model.n_kv_heads,
+        " head_dim=", model.head_dim, " makes BF16 pages of ", bf16,
+        " bytes, larger than this worker's frame_bytes ",
+        allocator_->frame_bytes(),
+        " (--frame_kb); use smaller blocks or a larger --frame_kb"));
   }
   TRIAX_RETURN_IF_ERROR(ValidatePlan(*device_, blocks, block_tokens, shape));
 
@@ -506,6 +516,7 @@ InventorySnapshot SequenceStore::Inventory() const {
   inv.window_bytes = s.window.bytes;
   inv.formats = s.target;
   inv.encodings = s.by_encoding;
+  inv.arena = s;
   if (options_.tiers != nullptr) {
     inv.host = options_.tiers->Usage(Tier::kHost);
     inv.disk = options_.tiers->Usage(Tier::kDisk);

@@ -26,6 +26,22 @@
 // query at position p reads tokens [0, p] over the sealed pages (in their
 // encodings) and the window pages (BF16).
 //
+// Frames and compaction (worker/page_allocator.h). Pages come from frames
+// of PageAllocator::frame_bytes that any encoding can take. A shape whose
+// BF16 page (window pages; BF16 blocks) is larger than a frame is refused by
+// AllocatePages (INVALID_ARGUMENT naming block_tokens, the page bytes and
+// frame_bytes). When an operation that reserves pages (AllocatePages, Write
+// and Attend appends, Demote, Fork, Restore, restores on Attend/Read and
+// background restores) is refused by the allocator, it releases its locks,
+// the store compacts the arena (pages of a pool packed into its fullest
+// frames, emptied frames freed; Page objects stay, only Page::data changes,
+// and nothing keeps a data pointer between operations) and runs the
+// operation once more. A RESOURCE_EXHAUSTED that still leaves names the
+// encoding, the bytes needed, the free bytes and frames, and what
+// compaction moved and freed. AttendBatch retries an item refused so only
+// when no later item of the batch names the same sequence (it would then
+// run after that item); otherwise the refusal stands.
+//
 // Installed blocks keep their encoding: a later AllocatePages (or a fork's
 // shared block) naming another encoding for an installed block is accepted
 // and the installed encoding wins, because the manager may Demote a block
@@ -134,7 +150,9 @@
 // its mutex; different sequences run in parallel. AttendBatch holds the
 // mutexes of all its sequences at once, taken in sequence-id order (then
 // address, for a freed and re-created id); no other operation holds two
-// live sequences' mutexes. Lock order: sequences' mutexes -> the store's mutex
+// live sequences' mutexes. Lock order: the data lock (data_mu_: shared for
+// operations on page data, exclusive for Compact) -> sequences' mutexes ->
+// the store's mutex
 // -> the prefetch queue's mutex -> page seal mutex
 // -> allocator mutex (-> the tier store's); the self-restored list's mutex
 // is a leaf (nothing is taken under it). The store and queue mutexes are
@@ -253,6 +271,9 @@ struct InventorySnapshot {
   // CUDA error): the worker reports it and the manager stops placing
   // sequences on it.
   std::string device_error;
+  // The arena's frames, pools, fragmentation and compaction counters
+  // (PageAllocator::Stats).
+  AllocatorStats arena;
 };
 
 // Attend/Read answer UNAVAILABLE with this payload (decimal milliseconds)
@@ -386,6 +407,11 @@ class SequenceStore {
   // Waits until the prefetch queue is empty and no job runs.
   void WaitPrefetchIdle();
 
+  // Compacts the page arena (PageAllocator::Compact) with the data lock held
+  // exclusively: waits for every operation touching page data to finish
+  // and holds new ones back until the moves are done.
+  absl::StatusOr<CompactionResult> Compact();
+
   absl::StatusOr<SequenceSnapshot> Describe(absl::string_view sequence_id);
   InventorySnapshot Inventory() const;
 
@@ -422,6 +448,67 @@ class SequenceStore {
   static absl::StatusOr<LockedSequence> LockOwned(std::shared_ptr<Sequence> seq,
                                                   absl::string_view tenant_id);
 
+  // The operations' bodies, run with data_mu_ held shared by the public
+  // wrappers (store_compact.cc), which compact and run them once more after
+  // an allocator shortfall; each is all or nothing, so a second run starts
+  // from the state the first found.
+  absl::StatusOr<AllocateResult> AllocatePagesOnce(
+      absl::string_view tenant_id, absl::string_view sequence_id,
+      const ModelShape& model, uint32_t block_tokens,
+      absl::Span<const BlockSpec> blocks,
+      std::optional<uint32_t> window_tokens);
+  absl::StatusOr<DemoteResult> DemoteOnce(absl::string_view tenant_id,
+                                          absl::string_view sequence_id,
+                                          absl::Span<const BlockSpec> blocks);
+  absl::StatusOr<ForkResult> ForkOnce(absl::string_view tenant_id,
+                                      absl::string_view parent_id,
+                                      absl::string_view child_id,
+                                      uint64_t num_tokens,
+                                      absl::Span<const BlockSpec> blocks);
+  absl::StatusOr<uint64_t> WriteOnce(absl::string_view tenant_id,
+                                     absl::string_view sequence_id,
+                                     const KvWrite& chunk);
+  std::vector<absl::StatusOr<std::vector<float>>> AttendBatchOnce(
+      absl::string_view tenant_id, absl::Span<const AttendBatchItem> items);
+  absl::StatusOr<ReadResult> ReadOnce(absl::string_view tenant_id,
+                                      absl::string_view sequence_id,
+                                      uint32_t layer, uint64_t first_token,
+                                      uint32_t num_tokens);
+  absl::StatusOr<SpillResult> SpillOnce(absl::string_view tenant_id,
+                                        absl::string_view sequence_id,
+                                        absl::Span<const uint64_t> lineage_ids,
+                                        Tier tier);
+  absl::StatusOr<RestoreResult> RestoreOnce(
+      absl::string_view tenant_id, absl::string_view sequence_id,
+      absl::Span<const uint64_t> lineage_ids, bool background);
+
+  // Runs `op` with data_mu_ held shared; when it fails RESOURCE_EXHAUSTED
+  // after an allocator shortfall (PageAllocator::Shortfalls grew), releases
+  // the lock, compacts, and runs it once more (also when compaction freed
+  // nothing: pages freed meanwhile count too).
+  // A refusal that leaves says what compaction did (AfterCompaction).
+  template <typename T, typename Op>
+  absl::StatusOr<T> WithRoom(Op op) {
+    const uint64_t before = allocator_->Shortfalls();
+    absl::StatusOr<T> r;
+    {
+      absl::ReaderMutexLock lock(&data_mu_);
+      r = op();
+    }
+    if (!NeedsCompaction(r.status(), before)) return r;
+    absl::StatusOr<CompactionResult> c = Compact();
+    if (c.ok()) {
+      absl::ReaderMutexLock lock(&data_mu_);
+      r = op();
+    }
+    if (!r.ok()) return AfterCompaction(r.status(), c);
+    return r;
+  }
+  bool NeedsCompaction(const absl::Status& s, uint64_t shortfalls_before) const;
+  // `s` with what compaction did (or why it failed) and the arena's free
+  // bytes and frames appended, when it is RESOURCE_EXHAUSTED.
+  absl::Status AfterCompaction(const absl::Status& s,
+                               const absl::StatusOr<CompactionResult>& c) const;
   absl::StatusOr<AllocateResult> Extend(Sequence& seq,
                                         absl::string_view tenant_id,
                                         const ModelShape& model,
@@ -489,6 +576,13 @@ class SequenceStore {
   Device* const device_;
   PageAllocator* const allocator_;
   const StoreOptions options_;
+
+  // The data lock: held shared by every operation that reads or writes page
+  // data or holds a page's data pointer (AllocatePages, Write, Attend,
+  // AttendBatch, Read, Demote, Fork, Spill, Restore, background restores),
+  // exclusively by Compact, which moves pages. Taken before any sequence
+  // mutex, never while one is held, and never twice by one thread.
+  absl::Mutex data_mu_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_

@@ -13,6 +13,8 @@
 //                      background restores (through worker/prefetch_queue.h),
 //                      TakeSelfRestored, SpilledPages
 //   store_attend.cc    Attend, AttendBatch and Read
+//   store_compact.cc   the public operations on page data: the data lock,
+//                      compaction and one more run after a shortfall
 //
 // Locking: every Sequence field but `id` is guarded by its `mu`. Functions
 // here and SequenceStore's private methods that take a Sequence run with its

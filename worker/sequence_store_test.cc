@@ -282,8 +282,9 @@ TEST_F(StoreTest, AllocateMismatchesAreRejected) {
 TEST_F(StoreTest, ExhaustionIsAtomic) {
   const ModelShape m = Shape(4, 4, 4, 64);
   const size_t int4_page = kernels::PageBytes(Format::kINT4, {16, 4, 64});
-  Make(0, 10 * int4_page);
-  // 8 pages fit, the 12 of a 3-block plan do not.
+  // Two frames of 4 INT4 pages (a BF16 page of this shape fits a frame) and
+  // a tail of 2 pages: 8 pages fit, the 16 of a 4-block plan do not.
+  Make(0, 10 * int4_page, 4 * int4_page);
   ASSERT_THAT(
       store_
           ->AllocatePages(kTenant, "s", m, 16, Plan({{16, kInt4}, {16, kInt4}}))
@@ -298,7 +299,8 @@ TEST_F(StoreTest, ExhaustionIsAtomic) {
           .status(),
       StatusIs(absl::StatusCode::kResourceExhausted,
                AllOf(HasSubstr("needs 8 new pages"), HasSubstr("int4/"),
-                     HasSubstr("requested"), HasSubstr("bytes free"))));
+                     HasSubstr("bytes free"), HasSubstr("0 free frames"),
+                     HasSubstr("compaction moved 0 pages"))));
   EXPECT_THAT(
       store_->AllocatePages(kTenant, "big", m, 16, UniformPlan(64, 16, kBf16))
           .status(),
@@ -410,7 +412,7 @@ TEST_F(StoreTest, FreeReturnsEveryPage) {
   EXPECT_EQ(inv.used_bytes, 0u);
   EXPECT_EQ(inv.window_bytes, 0u);
   EXPECT_TRUE(inv.formats.empty());
-  EXPECT_EQ(alloc_->Stats().slab_bytes, 0u);
+  EXPECT_EQ(alloc_->Stats().held_bytes, 0u);
   EXPECT_THAT(
       store_->Free(kTenant, "s0").status(),
       StatusIs(absl::StatusCode::kNotFound, HasSubstr("sequence_id=\"s0\"")));

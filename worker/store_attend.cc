@@ -161,7 +161,7 @@ absl::StatusOr<std::vector<float>> SequenceStore::Attend(
   return std::move(AttendBatch(tenant_id, absl::MakeConstSpan(&item, 1))[0]);
 }
 
-std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatch(
+std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatchOnce(
     absl::string_view tenant_id,
     absl::Span<const AttendBatchItem> items) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   std::vector<absl::StatusOr<std::vector<float>>> results(
@@ -255,7 +255,7 @@ std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatch(
   return results;
 }
 
-absl::StatusOr<ReadResult> SequenceStore::Read(absl::string_view tenant_id,
+absl::StatusOr<ReadResult> SequenceStore::ReadOnce(absl::string_view tenant_id,
                                                absl::string_view sequence_id,
                                                uint32_t layer,
                                                uint64_t first_token,

@@ -268,7 +268,7 @@ DemoteResult SwapIn(PageAllocator& allocator, Sequence& seq,
 
 }  // namespace
 
-absl::StatusOr<DemoteResult> SequenceStore::Demote(
+absl::StatusOr<DemoteResult> SequenceStore::DemoteOnce(
     absl::string_view tenant_id, absl::string_view sequence_id,
     absl::Span<const BlockSpec> blocks) {
   auto check_args = [&] {

@@ -239,7 +239,7 @@ absl::Status SequenceStore::FillForkLayer(
   return SealReady(c, l);
 }
 
-absl::StatusOr<ForkResult> SequenceStore::Fork(
+absl::StatusOr<ForkResult> SequenceStore::ForkOnce(
     absl::string_view tenant_id, absl::string_view parent_id,
     absl::string_view child_id, uint64_t num_tokens,
     absl::Span<const BlockSpec> blocks) {

@@ -87,7 +87,7 @@ TEST_F(StoreTest, ForkSharesFullBlocksAndCopiesThePartialOne) {
   ASSERT_THAT(store_->Free(kTenant, "c").status(), IsOk());
   const AllocatorStats s = alloc_->Stats();
   EXPECT_EQ(s.used_bytes, 0u);
-  EXPECT_EQ(s.slab_bytes, 0u);
+  EXPECT_EQ(s.held_bytes, 0u);
   EXPECT_TRUE(store_->Inventory().sequence_ids.empty());
 }
 

@@ -83,7 +83,7 @@ absl::Status SequenceStore::CheckMovable(const Sequence& seq, size_t b,
   return absl::OkStatus();
 }
 
-absl::StatusOr<SpillResult> SequenceStore::Spill(
+absl::StatusOr<SpillResult> SequenceStore::SpillOnce(
     absl::string_view tenant_id, absl::string_view sequence_id,
     absl::Span<const uint64_t> lineage_ids, Tier tier) {
   auto check_args = [&]() -> absl::Status {
@@ -277,7 +277,7 @@ absl::StatusOr<RestoreResult> SequenceStore::RestoreLocked(
   return result;
 }
 
-absl::StatusOr<RestoreResult> SequenceStore::Restore(
+absl::StatusOr<RestoreResult> SequenceStore::RestoreOnce(
     absl::string_view tenant_id, absl::string_view sequence_id,
     absl::Span<const uint64_t> lineage_ids, bool background) {
   TRIAX_ASSIGN_OR_RETURN(LockedSequence locked,
@@ -422,31 +422,51 @@ void SequenceStore::QueuePrefetch(const std::shared_ptr<Sequence>& seq,
 void SequenceStore::RunPrefetch(Sequence& seq,
                                 const std::vector<uint64_t>& lineage_ids)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  absl::MutexLock lock(&seq.mu);
-  if (seq.freed) return;
-  std::vector<size_t> todo;
-  for (uint64_t lineage : lineage_ids) {
-    for (size_t b = 0; b < seq.blocks.size(); ++b) {
-      const Block& blk = seq.blocks[b];
-      if (blk.spec.lineage_id == lineage && blk.prefetch_queued &&
-          !blk.resident() && !blk.spec.evicted) {
-        todo.push_back(b);
+  // One pass: restores the queued blocks one at a time, so a bad block does
+  // not hold back the others. Blocks refused for room are left queued in
+  // `short_of_room` when `defer` is set (for a pass after compaction);
+  // other failures are recorded on the block.
+  auto pass = [&](const std::vector<uint64_t>& ids, bool defer,
+                  const absl::StatusOr<CompactionResult>* compaction,
+                  std::vector<uint64_t>* short_of_room) {
+    absl::ReaderMutexLock data_lock(&data_mu_);
+    absl::MutexLock lock(&seq.mu);
+    if (seq.freed) return;
+    std::vector<size_t> todo;
+    for (uint64_t lineage : ids) {
+      for (size_t b = 0; b < seq.blocks.size(); ++b) {
+        const Block& blk = seq.blocks[b];
+        if (blk.spec.lineage_id == lineage && blk.prefetch_queued &&
+            !blk.resident() && !blk.spec.evicted) {
+          todo.push_back(b);
+        }
       }
     }
-  }
-  // One block at a time, so a bad block does not hold back the others.
-  for (size_t b : todo) {
-    absl::StatusOr<RestoreResult> r = RestoreLocked(seq, {b});
-    if (r.ok()) continue;
-    Block& blk = seq.blocks[b];
-    blk.prefetch_queued = false;
-    if (blk.restore_error.ok()) blk.restore_error = r.status();
-    Log(LogLevel::kWarn, "worker", "background restore failed",
-        absl::StrCat(Kv("sequence_id", seq.id), " ",
-                     Kv("lineage_id", blk.spec.lineage_id), " ",
-                     Kv("code", static_cast<int>(r.status().code())), " ",
-                     Kv("error", r.status().message())));
-  }
+    for (size_t b : todo) {
+      const uint64_t before = allocator_->Shortfalls();
+      absl::StatusOr<RestoreResult> r = RestoreLocked(seq, {b});
+      if (r.ok()) continue;
+      Block& blk = seq.blocks[b];
+      if (defer && NeedsCompaction(r.status(), before)) {
+        short_of_room->push_back(blk.spec.lineage_id);
+        continue;
+      }
+      absl::Status error = r.status();
+      if (compaction != nullptr) error = AfterCompaction(error, *compaction);
+      blk.prefetch_queued = false;
+      if (blk.restore_error.ok()) blk.restore_error = error;
+      Log(LogLevel::kWarn, "worker", "background restore failed",
+          absl::StrCat(Kv("sequence_id", seq.id), " ",
+                       Kv("lineage_id", blk.spec.lineage_id), " ",
+                       Kv("code", static_cast<int>(error.code())), " ",
+                       Kv("error", error.message())));
+    }
+  };
+  std::vector<uint64_t> short_of_room;
+  pass(lineage_ids, /*defer=*/true, nullptr, &short_of_room);
+  if (short_of_room.empty()) return;
+  const absl::StatusOr<CompactionResult> c = Compact();
+  pass(short_of_room, /*defer=*/false, &c, nullptr);
 }
 
 size_t SequenceStore::ServePrefetchQueue() { return prefetch_.ServeAll(); }

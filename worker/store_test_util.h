@@ -170,9 +170,10 @@ inline void ExpectFiniteNonZero(const std::vector<float>& x) {
 
 class StoreTest : public ::testing::Test {
  protected:
-  void Make(uint32_t window_tokens, size_t capacity = 64 << 20) {
+  void Make(uint32_t window_tokens, size_t capacity = 64 << 20,
+            size_t frame_bytes = PageAllocator::kDefaultFrameBytes) {
     store_.reset();
-    auto a = PageAllocator::Create(&device_, capacity);
+    auto a = PageAllocator::Create(&device_, capacity, frame_bytes);
     ASSERT_THAT(a.status(), IsOk());
     alloc_ = *std::move(a);
     store_ = std::make_unique<SequenceStore>(&device_, alloc_.get(),

@@ -186,7 +186,7 @@ absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> SequenceStore::Write(absl::string_view tenant_id,
+absl::StatusOr<uint64_t> SequenceStore::WriteOnce(absl::string_view tenant_id,
                                               absl::string_view sequence_id,
                                               const KvWrite& chunk) {
   TRIAX_ASSIGN_OR_RETURN(LockedSequence seq, LockOwned(tenant_id, sequence_id));

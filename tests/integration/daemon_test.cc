@@ -105,7 +105,8 @@ TEST(DaemonTest, KvworkerHelpExplainsItselfAndListsItsFlags) {
       out + err,
       AllOf(HasSubstr("triaxkv data plane"), HasSubstr("grpc.health.v1.Health"),
             HasSubstr("Exit status"), HasSubstr("--listen"),
-            HasSubstr("--pool_mb"), HasSubstr("--manager"),
+            HasSubstr("--pool_mb"), HasSubstr("--frame_kb"),
+            HasSubstr("--manager"),
             HasSubstr("--disk_tier_dir"), HasSubstr("--restore_on_attend")));
 }
 
@@ -123,6 +124,10 @@ TEST(DaemonTest, KvworkerRefusesContradictingFlagsNamingThem) {
            {"--advertise=\"10.0.0.5:7071\"", "--manager is empty"}},
           {{"--pool_mb=0"}, {"--pool_mb=0"}},
           {{"--window_tokens=-1"}, {"--window_tokens=-1"}},
+          {{"--frame_kb=0"}, {"--frame_kb=0", "multiple of 16"}},
+          {{"--frame_kb=24"}, {"--frame_kb=24", "multiple of 16"}},
+          {{"--pool_mb=1", "--frame_kb=2048"},
+           {"--frame_kb=2048", "--pool_mb=1"}},
       };
   for (const auto& [args, words] : cases) {
     std::string out, err;

@@ -45,7 +45,11 @@ class MemoryPressureTest : public ::testing::Test {
     o.pool_mb = 1;
     o.window_tokens = 0;
     o.manager_flags = std::move(manager_flags);
-    o.worker_flags = std::move(worker_flags);
+    // 64 frames of 16 KiB: a 1 MiB pool in 256 KiB frames (the default) has
+    // 4, one per encoding in use, and nothing left to demote into.
+    o.worker_flags = {"--frame_kb=16"};
+    o.worker_flags.insert(o.worker_flags.end(), worker_flags.begin(),
+                          worker_flags.end());
     auto c = Cluster::Start(o);
     ASSERT_THAT(c, IsOk());
     cluster_ = std::move(*c);
