@@ -71,6 +71,9 @@ std::vector<std::string> ManagerCore::RecoverParkedLocked(
     std::vector<uint64_t> lineages;
     lineages.reserve(s->parked_blocks.size());
     s->blocks.reserve(s->parked_blocks.size());
+    // The graph gets its nodes and tool call -> result links again in block
+    // order; co-attention edges and hits reported before the loss are gone.
+    s->last_tool_call = 0;
     for (const BlockRecord& pb : s->parked_blocks) {
       // A block shared with a fork that came back first is live again:
       // share it (charged once); otherwise restore it under its lineage id.

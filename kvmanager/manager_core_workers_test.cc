@@ -322,6 +322,93 @@ TEST_F(WorkersTest, BadAndStaleIncarnationsAreRefused) {
   EXPECT_EQ(core_->ListWorkers()[0].incarnation, kBoot);
 }
 
+// Blocks spilled to the host tier before the worker went DOWN come back in
+// that tier, charged there, not on the device.
+TEST(WorkersSpillTest, SpilledBlocksComeBackInTheirTier) {
+  FakeClock clock;
+  auto made = ManagerCore::Create(ManagerOptions{}, &clock);
+  ASSERT_THAT(made, IsOk());
+  ManagerCore& core = **made;
+  RegisterWorkerRequest reg{"", "w1", "127.0.0.1:9001", "cpu", 28 * kBf16,
+                            64 * kBf16};
+  reg.incarnation = kBoot;
+  ASSERT_THAT(core.RegisterWorker(reg), IsOk());
+  CreateTenantRequest t;
+  t.tenant_id = "t";
+  t.default_policy = "bf16";
+  ASSERT_THAT(core.CreateTenant(t), IsOk());
+  auto open = [&]() {
+    OpenSequenceRequest req;
+    req.tenant_id = "t";
+    req.model = Model();
+    req.spans = {S(Role::kSystem, 16), S(Role::kUser, 128)};
+    return core.OpenSequence(req);
+  };
+  auto usage = [&]() {
+    std::vector<uint64_t> out;
+    const absl::StatusOr<TenantInfo> tenant = core.GetTenant("t");
+    EXPECT_THAT(tenant, IsOk());
+    for (const TierUsage& u : tenant->usage) out.push_back(u.used_bytes);
+    return out;
+  };
+  auto idle = open();
+  ASSERT_THAT(idle, IsOk());
+  clock.AdvanceMs(10 * 60 * 1000);
+  ASSERT_THAT(core.Heartbeat("w1", Inventory{}, kBoot), IsOk());
+  ASSERT_THAT(open(), IsOk());
+  ASSERT_THAT(open(), IsOk());
+  core.RefreshRanking();
+  TierPlan plan = core.PlanPressure();
+  ASSERT_NE(plan.token, 0u);
+  ASSERT_THAT(core.FinishTierPlan(plan.token, std::vector<absl::Status>(
+                                                  plan.commands.size())),
+              IsOk());
+  auto before = core.GetSequence("", idle->sequence_id);
+  ASSERT_THAT(before, IsOk());
+  size_t on_host = 0;
+  for (const BlockPlan& b : before->blocks) on_host += b.tier == Tier::kHost;
+  ASSERT_GT(on_host, 0u);
+  const std::vector<uint64_t> used = usage();
+  const uint64_t reserved = core.ListWorkers()[0].reserved_bytes;
+
+  clock.AdvanceMs(3001);
+  core.CheckWorkers();
+  clock.AdvanceMs(27000);
+  ASSERT_THAT(core.CheckWorkers(), ElementsAre("w1"));
+  for (uint64_t u : usage()) EXPECT_EQ(u, 0u);
+  reg.inventory.sequence_ids = {"seq-1", "seq-2", "seq-3"};
+  auto back = core.RegisterWorker(reg);
+  ASSERT_THAT(back, IsOk());
+  EXPECT_THAT(back->recovered_sequence_ids,
+              ElementsAre("seq-1", "seq-2", "seq-3"));
+  EXPECT_EQ(usage(), used);
+  EXPECT_EQ(core.ListWorkers()[0].reserved_bytes, reserved);
+  auto after = core.GetSequence("", idle->sequence_id);
+  ASSERT_THAT(after, IsOk());
+  ASSERT_EQ(after->blocks.size(), before->blocks.size());
+  for (size_t i = 0; i < after->blocks.size(); ++i) {
+    EXPECT_EQ(after->blocks[i].tier, before->blocks[i].tier);
+    EXPECT_EQ(after->blocks[i].lineage_id, before->blocks[i].lineage_id);
+  }
+  EXPECT_EQ(after->bytes, before->bytes);
+  // It still counts as spilled: a prefetch plans its restores (or says
+  // what room they need).
+  AdmissionShortfall sf;
+  TierPlan prefetch = core.PlanPrefetch(idle->sequence_id, &sf);
+  EXPECT_TRUE(prefetch.token != 0 || sf.request_bytes > 0);
+  if (prefetch.token != 0) {
+    ASSERT_THAT(core.FinishTierPlan(prefetch.token,
+                                    std::vector<absl::Status>(
+                                        prefetch.commands.size())),
+                IsOk());
+  }
+  for (const std::string& id : back->recovered_sequence_ids) {
+    ASSERT_THAT(core.CloseSequence({"", "t", id}), IsOk());
+  }
+  for (uint64_t u : usage()) EXPECT_EQ(u, 0u);
+  EXPECT_EQ(core.ListWorkers()[0].reserved_bytes, 0u);
+}
+
 TEST(WorkersOptionsTest, TheDownTimeoutMustBeAboveTheSuspectTimeout) {
   FakeClock clock;
   ManagerOptions o;
