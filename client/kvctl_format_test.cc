@@ -14,6 +14,9 @@ TEST(EnumNames, StripPrefixAndLowerCase) {
   EXPECT_EQ(FormatName(triax::v1::FORMAT_INT2), "int2");
   EXPECT_EQ(TierName(triax::v1::TIER_HOST), "host");
   EXPECT_EQ(WorkerStateName(triax::v1::WORKER_STATE_DOWN), "down");
+  EXPECT_EQ(WorkerStateName(triax::v1::WORKER_STATE_SUSPECT), "suspect");
+  EXPECT_EQ(EventKindName(triax::v1::EVENT_WORKER_RECOVERED),
+            "WORKER_RECOVERED");
   EXPECT_EQ(SequenceStateName(triax::v1::SEQUENCE_STATE_LOST), "lost");
   EXPECT_EQ(EventKindName(triax::v1::EVENT_SEQUENCE_LOST), "SEQUENCE_LOST");
   EXPECT_EQ(FormatName(triax::v1::FORMAT_UNSPECIFIED), "-");

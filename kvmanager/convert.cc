@@ -35,6 +35,8 @@ RegisterWorkerRequest FromProto(const v1::RegisterWorkerRequest& p) {
   d.capacity_bytes = p.capacity_bytes();
   d.host_capacity_bytes = p.host_capacity_bytes();
   d.disk_capacity_bytes = p.disk_capacity_bytes();
+  d.incarnation = p.incarnation();
+  d.inventory = FromProto(p.inventory());
   return d;
 }
 
@@ -410,6 +412,7 @@ void ToProto(const WorkerInfo& d, v1::WorkerInfo* p) {
   p->set_sequences(d.sequences);
   p->set_host_capacity_bytes(d.host_capacity_bytes);
   p->set_disk_capacity_bytes(d.disk_capacity_bytes);
+  p->set_incarnation(d.incarnation);
 }
 
 void ToProto(const SequenceInfo& d, v1::SequenceInfo* p) {
@@ -449,6 +452,15 @@ void ToProto(const Event& d, v1::Event* p) {
 void ToProto(const RegisterWorkerResult& d, v1::RegisterWorkerResponse* p) {
   p->set_heartbeat_interval_ms(d.heartbeat_interval_ms);
   for (const std::string& s : d.lost_sequence_ids) p->add_lost_sequence_ids(s);
+  for (const std::string& s : d.release_sequence_ids)
+    p->add_release_sequence_ids(s);
+  for (const std::string& s : d.recovered_sequence_ids)
+    p->add_recovered_sequence_ids(s);
+}
+
+void ToProto(const HeartbeatResult& d, v1::HeartbeatResponse* p) {
+  for (const std::string& s : d.release_sequence_ids)
+    p->add_release_sequence_ids(s);
 }
 
 void ToProto(const ExtendSequenceResult& d, v1::ExtendSequenceResponse* p) {

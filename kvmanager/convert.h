@@ -45,6 +45,7 @@ void ToProto(const WorkerInfo& d, v1::WorkerInfo* p);
 void ToProto(const SequenceInfo& d, v1::SequenceInfo* p);
 void ToProto(const Event& d, v1::Event* p);
 void ToProto(const RegisterWorkerResult& d, v1::RegisterWorkerResponse* p);
+void ToProto(const HeartbeatResult& d, v1::HeartbeatResponse* p);
 void ToProto(const ExtendSequenceResult& d, v1::ExtendSequenceResponse* p);
 void ToProto(const CloseSequenceResult& d, v1::CloseSequenceResponse* p);
 void ToProto(const TraceResult& d, v1::QueryTraceResponse* p);

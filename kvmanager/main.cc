@@ -29,7 +29,12 @@ ABSL_FLAG(
     std::string, port_file, "",
     "if set, the bound port is written here as decimal text (atomically)");
 ABSL_FLAG(int64_t, worker_timeout_ms, 3000,
-          "a worker without a heartbeat for this long is marked down");
+          "a worker without a heartbeat for this long is SUSPECT: nothing new "
+          "is placed on it, its sequences stay open");
+ABSL_FLAG(int64_t, worker_down_timeout_ms, 30000,
+          "a worker without a heartbeat for this long is DOWN: its sequences "
+          "are LOST until it returns with the same incarnation; must be above "
+          "--worker_timeout_ms");
 ABSL_FLAG(uint32_t, heartbeat_interval_ms, 1000,
           "heartbeat interval told to workers at registration");
 ABSL_FLAG(uint32_t, default_block_tokens, 16,
@@ -104,7 +109,13 @@ absl::Status CheckFlags() {
     return absl::InvalidArgumentError(absl::StrCat(
         "--heartbeat_interval_ms=", heartbeat,
         " is not below --worker_timeout_ms=", timeout,
-        ": every worker would be marked down between two heartbeats"));
+        ": every worker would be marked suspect between two heartbeats"));
+  }
+  if (const int64_t down = absl::GetFlag(FLAGS_worker_down_timeout_ms);
+      down <= timeout) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--worker_down_timeout_ms=", down, " is not above --worker_timeout_ms=",
+        timeout, ": a silent worker must be SUSPECT before it is DOWN"));
   }
   if (const int64_t t = absl::GetFlag(FLAGS_worker_rpc_timeout_ms); t <= 0) {
     return absl::InvalidArgumentError(
@@ -142,6 +153,7 @@ int main(int argc, char** argv) {
 
   triax::manager::ManagerOptions options;
   options.worker_timeout_ms = absl::GetFlag(FLAGS_worker_timeout_ms);
+  options.worker_down_timeout_ms = absl::GetFlag(FLAGS_worker_down_timeout_ms);
   options.heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
   options.default_block_tokens = absl::GetFlag(FLAGS_default_block_tokens);
   options.recent_turns = absl::GetFlag(FLAGS_recent_turns);
@@ -218,7 +230,9 @@ int main(int argc, char** argv) {
   Log(LogLevel::kInfo, "manager", "listening",
       absl::StrCat(Kv("address", absl::StrCat(host, ":", port)), " ",
                    Kv("default_policy", options.default_policy), " ",
-                   Kv("worker_timeout_ms", options.worker_timeout_ms)));
+                   Kv("worker_timeout_ms", options.worker_timeout_ms), " ",
+                   Kv("worker_down_timeout_ms",
+                      options.worker_down_timeout_ms)));
 
   int sig = 0;
   sigwait(&signals, &sig);

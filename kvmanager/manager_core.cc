@@ -65,6 +65,11 @@ absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "worker_timeout_ms ", options.worker_timeout_ms, " must be > 0"));
   }
+  if (options.worker_down_timeout_ms <= options.worker_timeout_ms) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker_down_timeout_ms ", options.worker_down_timeout_ms,
+        " must be > worker_timeout_ms ", options.worker_timeout_ms));
+  }
   if (options.event_retention == 0 || options.watcher_queue_limit == 0) {
     return absl::InvalidArgumentError(
         "event_retention and watcher_queue_limit must be > 0");
@@ -78,9 +83,18 @@ absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
 
 absl::StatusOr<SequenceRecord*> ManagerCore::FindOpenSequenceLocked(
     const std::string& tenant_id, const std::string& field,
-    const std::string& sequence_id) const {
+    const std::string& sequence_id, bool needs_worker) const {
   TRIAX_ASSIGN_OR_RETURN(TenantRecord * tenant, tenants_.Find(tenant_id));
-  return sequences_.FindOpen(*tenant, field, sequence_id);
+  TRIAX_ASSIGN_OR_RETURN(SequenceRecord * s,
+                         sequences_.FindOpen(*tenant, field, sequence_id));
+  if (needs_worker && s->worker->info.state == WorkerState::kSuspect) {
+    return absl::UnavailableError(absl::StrCat(
+        "worker ", Quote(s->worker->info.worker_id), " of ", field, " ",
+        Quote(sequence_id), " is suspect (no heartbeat for ",
+        clock_->NowMs() - s->worker->info.last_heartbeat_unix_ms,
+        " ms); retry once it is back"));
+  }
+  return s;
 }
 
 BlockRecord* ManagerCore::NewBlockLocked(SequenceRecord* s,
@@ -153,8 +167,13 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
   result.heartbeat_interval_ms = options_.heartbeat_interval_ms;
   TRIAX_ASSIGN_OR_RETURN(WorkerRecord * known,
                          workers_.FindForRegistration(req));
-  if (known != nullptr) {
+  const bool same =
+      known != nullptr && WorkerRegistry::SameIncarnation(*known, req);
+  const WorkerState before =
+      known != nullptr ? known->info.state : WorkerState::kUnspecified;
+  if (known != nullptr && !same) {
     // It restarted: whatever it held is gone.
+    DropParkedLocked(known);
     std::vector<SequenceRecord*> lost(known->open.begin(), known->open.end());
     std::sort(lost.begin(), lost.end(),
               [](const SequenceRecord* a, const SequenceRecord* b) {
@@ -165,35 +184,74 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
       MarkLostLocked(s, "worker_restarted", &ev, &forgotten);
     }
   }
-  workers_.Register(req, clock_->NowMs());
+  WorkerRecord* w = workers_.Register(req, clock_->NowMs());
+  if (same) {
+    result.recovered_sequence_ids =
+        RecoverParkedLocked(w, req.inventory, &ev);
+  }
+  result.release_sequence_ids = ReleaseListLocked(*w, req.inventory);
+  if (!req.inventory.restored_lineage_ids.empty()) {
+    pressure_.ApplyWorkerRestores(w, req.inventory.restored_lineage_ids, &ev);
+  }
   Event e;
   e.unix_ms = clock_->NowMs();
   e.kind = EventKind::kWorkerUp;
   e.worker_id = req.worker_id;
-  e.detail = absl::StrCat("address=", req.address, " backend=", req.backend,
-                          " capacity_bytes=", req.capacity_bytes,
-                          " lost_sequences=", result.lost_sequence_ids.size());
+  e.detail = absl::StrCat(
+      "address=", req.address, " backend=", req.backend,
+      " capacity_bytes=", req.capacity_bytes,
+      " incarnation=", req.incarnation.empty() ? "-" : req.incarnation,
+      " lost_sequences=", result.lost_sequence_ids.size(),
+      " release_sequences=", result.release_sequence_ids.size());
   ev.push_back(std::move(e));
+  if (same && before != WorkerState::kUp) {
+    Event r;
+    r.unix_ms = clock_->NowMs();
+    r.kind = EventKind::kWorkerRecovered;
+    r.worker_id = req.worker_id;
+    r.detail = absl::StrCat(
+        "from=", before == WorkerState::kDown ? "down" : "suspect",
+        " recovered_sequences=", result.recovered_sequence_ids.size());
+    ev.push_back(std::move(r));
+  }
   events_.Append(&ev, &forgotten);
   register_cache_.Put(req.worker_id, req.request_id, absl::OkStatus(), result);
   return result;
 }
 
-absl::Status ManagerCore::Heartbeat(const std::string& worker_id,
-                                    const Inventory& inventory) {
+absl::StatusOr<HeartbeatResult> ManagerCore::Heartbeat(
+    const std::string& worker_id, const Inventory& inventory,
+    const std::string& incarnation) {
   TRIAX_RETURN_IF_ERROR(
-      WorkerRegistry::ValidateHeartbeat(worker_id, inventory));
+      WorkerRegistry::ValidateHeartbeat(worker_id, inventory, incarnation));
   absl::MutexLock lock(&mu_);
+  const WorkerRecord* known = workers_.Find(worker_id);
+  const bool was_suspect =
+      known != nullptr && known->info.state == WorkerState::kSuspect;
+  const int64_t silent_ms =
+      known != nullptr ? clock_->NowMs() - known->info.last_heartbeat_unix_ms
+                       : 0;
   TRIAX_ASSIGN_OR_RETURN(
       WorkerRecord * w,
-      workers_.Heartbeat(worker_id, inventory, clock_->NowMs()));
+      workers_.Heartbeat(worker_id, inventory, clock_->NowMs(), incarnation));
+  std::vector<Event> ev;
+  if (was_suspect) {
+    Event e;
+    e.unix_ms = clock_->NowMs();
+    e.kind = EventKind::kWorkerRecovered;
+    e.worker_id = worker_id;
+    e.detail = absl::StrCat("from=suspect silent_ms=", silent_ms,
+                            " sequences=", w->open.size());
+    ev.push_back(std::move(e));
+  }
   if (!inventory.restored_lineage_ids.empty()) {
-    std::vector<Event> ev;
     pressure_.ApplyWorkerRestores(w, inventory.restored_lineage_ids, &ev);
     w->info.inventory.restored_lineage_ids.clear();
-    events_.Append(&ev);
   }
-  return absl::OkStatus();
+  if (!ev.empty()) events_.Append(&ev);
+  HeartbeatResult result;
+  result.release_sequence_ids = ReleaseListLocked(*w, inventory);
+  return result;
 }
 
 std::vector<WorkerInfo> ManagerCore::ListWorkers() const {
@@ -201,13 +259,26 @@ std::vector<WorkerInfo> ManagerCore::ListWorkers() const {
   return workers_.List();
 }
 
-std::vector<std::string> ManagerCore::CheckWorkers() {
+std::vector<std::string> ManagerCore::CheckWorkers(
+    std::vector<std::string>* suspect) {
   absl::MutexLock lock(&mu_);
   const int64_t now = clock_->NowMs();
   std::vector<std::string> ids;
   std::vector<Event> ev;
   std::vector<EventLog::LastPlan> forgotten;
   for (WorkerRecord* w : workers_.Silent(now, options_.worker_timeout_ms)) {
+    w->info.state = WorkerState::kSuspect;
+    if (suspect != nullptr) suspect->push_back(w->info.worker_id);
+    Event e;
+    e.unix_ms = now;
+    e.kind = EventKind::kWorkerSuspect;
+    e.worker_id = w->info.worker_id;
+    e.detail = absl::StrCat("silent_ms=", now - w->info.last_heartbeat_unix_ms,
+                            " sequences=", w->open.size());
+    ev.push_back(std::move(e));
+  }
+  for (WorkerRecord* w : workers_.Silent(now, options_.worker_down_timeout_ms,
+                                         WorkerState::kSuspect)) {
     ids.push_back(w->info.worker_id);
     std::vector<SequenceRecord*> lost(w->open.begin(), w->open.end());
     std::sort(lost.begin(), lost.end(),
@@ -215,6 +286,7 @@ std::vector<std::string> ManagerCore::CheckWorkers() {
                 return a->id < b->id;
               });
     for (SequenceRecord* s : lost) {
+      ParkLocked(w, s);
       MarkLostLocked(s, "worker_down", &ev, &forgotten);
     }
     w->info.state = WorkerState::kDown;
@@ -612,9 +684,11 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
   const std::string cache_key = absl::StrCat("CloseSequence/", req.tenant_id);
   if (auto hit = close_cache_.Find(cache_key, req.request_id))
     return hit->reply;
+  // A SUSPECT worker frees the pages when it returns (release_sequence_ids).
   TRIAX_ASSIGN_OR_RETURN(
       SequenceRecord * s,
-      FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id));
+      FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id,
+                             /*needs_worker=*/false));
   CloseSequenceResult result;
   std::vector<Event> ev;
   ev.reserve(2 * s->blocks.size() + 1);

@@ -7,8 +7,10 @@
 // and appends their events. The parts (each a class with its own header,
 // thread contract and tests; all but SequencePlanner are called with mu_
 // held) over the records of manager_state.h:
-//   WorkerRegistry       workers: registration, heartbeats, down detection,
-//                        placement and room checks (worker_registry.h)
+//   WorkerRegistry       workers: registration, heartbeats, SUSPECT/DOWN
+//                        detection, placement and room checks
+//                        (worker_registry.h); reconciling a returning
+//                        worker is manager_core_workers.cc
 //   TenantLedger         tenants: budgets, usage per tier, admission
 //                        (tenant_ledger.h)
 //   PolicyStore          operator policies beside the built-ins
@@ -147,6 +149,28 @@
 // evicted and busy blocks; Fork refuses a parent whose kept blocks are not
 // all in the device pool (FAILED_PRECONDITION).
 //
+// Workers (worker_registry.h "States"). A worker silent for
+// worker_timeout_ms is SUSPECT (WORKER_SUSPECT): nothing new is placed on
+// it, its sequences stay OPEN, and the calls that need it (Extend, Fork,
+// DemoteBlocks, ReportAccess of its sequences) fail UNAVAILABLE naming it;
+// Close still works (the worker is told to free the pages when it returns).
+// A heartbeat of the same incarnation makes it UP again (WORKER_RECOVERED).
+// Silent for worker_down_timeout_ms it is DOWN (WORKER_DOWN): its open
+// sequences are LOST (BLOCK_LOST, SEQUENCE_LOST), their bytes released, and
+// their block plans kept ("parked") for a return. Heartbeats of a DOWN
+// worker are refused NOT_FOUND, so it re-registers. A registration with the
+// incarnation the worker had (the same process: it was paused) reconciles:
+// each parked sequence the inventory still lists is OPEN again with its old
+// blocks and lineage ids, charged again to its tenant and worker even above
+// the tenant's device ceiling (the pages exist; the pressure loop then
+// reclaims down to the ceiling; SEQUENCE_RECOVERED's detail says by how
+// much it is over), and WORKER_RECOVERED is emitted. A registration with
+// another incarnation (or none) is a restart: open sequences become LOST
+// (reason worker_restarted) and parked ones stay LOST. Every registration
+// and heartbeat answers release_sequence_ids: the inventory's sequences the
+// manager does not hold open on that worker (closed meanwhile, lost for
+// good, unknown), which the worker frees.
+//
 // Idempotency: mutating calls with a non-empty request_id remember their
 // successful reply (per method, per tenant or worker, the newest
 // `idempotency_capacity`); the same request_id again returns that reply
@@ -196,7 +220,9 @@ namespace triax::manager {
 // PressureState, ...) come from the parts' headers included above.
 
 struct ManagerOptions {
-  int64_t worker_timeout_ms = 3000;       // no heartbeat this long -> DOWN
+  int64_t worker_timeout_ms = 3000;  // no heartbeat this long -> SUSPECT
+  // No heartbeat this long -> DOWN (sequences LOST); > worker_timeout_ms.
+  int64_t worker_down_timeout_ms = 30000;
   uint32_t heartbeat_interval_ms = 1000;  // told to workers at registration
   uint32_t default_block_tokens = 16;     // 1..4096
   uint32_t recent_turns = 2;  // turns before the newest that are "recent"
@@ -225,21 +251,28 @@ class ManagerCore {
   const ManagerOptions& options() const { return options_; }
 
   // --- Workers ---------------------------------------------------------------
-  // Registers (or re-registers) a worker as UP. A known id re-registering
-  // means the worker restarted: its open sequences become LOST and are
-  // returned. ALREADY_EXISTS when a worker at a different address is UP under
-  // the id.
+  // Registers (or re-registers) a worker as UP; see "Workers" above for
+  // what a known id re-registering with the same or another incarnation
+  // does. ALREADY_EXISTS when a worker at a different address is UP or
+  // SUSPECT under the id; INVALID_ARGUMENT for a malformed incarnation.
   absl::StatusOr<RegisterWorkerResult> RegisterWorker(
       const RegisterWorkerRequest& req);
-  // NOT_FOUND ("re-register") for an unknown or DOWN worker.
-  absl::Status Heartbeat(const std::string& worker_id,
-                         const Inventory& inventory);
+  // Records the inventory; a SUSPECT worker is UP again. NOT_FOUND
+  // ("re-register") for an unknown or DOWN worker; INVALID_ARGUMENT
+  // (incarnation missing for a worker registered with one, or malformed),
+  // FAILED_PRECONDITION (another incarnation: a stale process).
+  absl::StatusOr<HeartbeatResult> Heartbeat(const std::string& worker_id,
+                                            const Inventory& inventory,
+                                            const std::string& incarnation = "");
   std::vector<WorkerInfo> ListWorkers() const;
-  // Marks DOWN every UP worker without a heartbeat for more than
-  // worker_timeout_ms; their open sequences become LOST (BLOCK_LOST per
-  // block, SEQUENCE_LOST with all lineage ids, WORKER_DOWN). Returns the ids
+  // Marks SUSPECT every UP worker without a heartbeat for more than
+  // worker_timeout_ms (WORKER_SUSPECT; ids into *suspect when given), and
+  // DOWN every SUSPECT one silent for more than worker_down_timeout_ms:
+  // their open sequences become LOST (BLOCK_LOST per block, SEQUENCE_LOST
+  // with all lineage ids, WORKER_DOWN) and are parked. Returns the ids
   // marked down.
-  std::vector<std::string> CheckWorkers();
+  std::vector<std::string> CheckWorkers(
+      std::vector<std::string>* suspect = nullptr);
 
   // --- Tenants ---------------------------------------------------------------
   absl::StatusOr<TenantInfo> CreateTenant(const CreateTenantRequest& req);
@@ -365,10 +398,30 @@ class ManagerCore {
   ManagerCore(const ManagerOptions& options, const Clock* clock);
 
   // A sequence the tenant may mutate: INVALID_ARGUMENT / NOT_FOUND for the
-  // tenant, then SequenceTable::FindOpen.
+  // tenant, then SequenceTable::FindOpen; with `needs_worker`, UNAVAILABLE
+  // naming the worker when it is SUSPECT.
   absl::StatusOr<SequenceRecord*> FindOpenSequenceLocked(
       const std::string& tenant_id, const std::string& field,
-      const std::string& sequence_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      const std::string& sequence_id, bool needs_worker = true) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // --- Reconciling workers (manager_core_workers.cc) ---
+  // Keeps copies of s's blocks and turn starts (before MarkLostLocked) so
+  // that a return of `w` with the same incarnation can take s back.
+  void ParkLocked(WorkerRecord* w, SequenceRecord* s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets what w's parked sequences kept (they stay LOST).
+  void DropParkedLocked(WorkerRecord* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes back every parked sequence of `w` that `inventory` lists (OPEN,
+  // blocks restored and charged, SEQUENCE_RECOVERED) and forgets the rest.
+  // Returns the recovered ids in creation order.
+  std::vector<std::string> RecoverParkedLocked(WorkerRecord* w,
+                                               const Inventory& inventory,
+                                               std::vector<Event>* ev)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The inventory's sequence ids that are not open on `w` here, sorted.
+  std::vector<std::string> ReleaseListLocked(const WorkerRecord& w,
+                                             const Inventory& inventory) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Creates block `pb` of `s` (tag by turn, encoding by policy), tells the
   // pressure graph and records BLOCK_CREATED.
   BlockRecord* NewBlockLocked(SequenceRecord* s, const PlannedBlock& pb,

@@ -338,8 +338,12 @@ TEST_F(CoreTest, SilentWorkerGoesDownAndItsSequencesAreLost) {
   ASSERT_THAT(core_->Heartbeat("w1", Inventory{}), IsOk());
   clock_.AdvanceMs(2000);
   EXPECT_TRUE(core_->CheckWorkers().empty());
-  // Silence past the timeout marks it down.
+  // Silence past the timeout makes it suspect, past the down timeout down
+  // (manager_core_workers_test has the SUSPECT cases).
   clock_.AdvanceMs(1001);
+  EXPECT_TRUE(core_->CheckWorkers().empty());
+  EXPECT_EQ(core_->ListWorkers()[0].state, WorkerState::kSuspect);
+  clock_.AdvanceMs(27000);
   EXPECT_THAT(core_->CheckWorkers(), ElementsAre("w1"));
   auto lost = core_->GetSequence("acme", seq->sequence_id);
   ASSERT_THAT(lost, IsOk());
@@ -408,6 +412,11 @@ TEST_F(CoreTest, ReRegistrationLosesThePreviousSequences) {
   EXPECT_EQ(DeviceUsage(), 0u);
   // Once down, another address may take the id.
   clock_.AdvanceMs(3001);
+  core_->CheckWorkers();
+  EXPECT_THAT(core_->RegisterWorker({"", "w1", "10.0.0.9:1", "cpu", 1 << 20}),
+              StatusIs(absl::StatusCode::kAlreadyExists,
+                       HasSubstr("worker_id \"w1\" is suspect at address")));
+  clock_.AdvanceMs(27000);
   core_->CheckWorkers();
   EXPECT_THAT(core_->RegisterWorker({"", "w1", "10.0.0.9:1", "cpu", 1 << 20}),
               IsOk());

@@ -174,8 +174,15 @@ void ManagerService::Stop() {
 void ManagerService::CheckLoop(int64_t interval_ms) {
   while (
       !stop_.WaitForNotificationWithTimeout(absl::Milliseconds(interval_ms))) {
-    for (const std::string& id : core_->CheckWorkers()) {
+    std::vector<std::string> suspect;
+    for (const std::string& id : core_->CheckWorkers(&suspect)) {
       Log(LogLevel::kWarn, "manager", "worker marked down: no heartbeat",
+          absl::StrCat(
+              Kv("worker_id", id), " ",
+              Kv("timeout_ms", core_->options().worker_down_timeout_ms)));
+    }
+    for (const std::string& id : suspect) {
+      Log(LogLevel::kWarn, "manager", "worker suspect: no heartbeat",
           absl::StrCat(Kv("worker_id", id), " ",
                        Kv("timeout_ms", core_->options().worker_timeout_ms)));
     }
@@ -311,7 +318,11 @@ grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
         absl::StrCat(Kv("worker_id", req->worker_id()), " ",
                      Kv("address", req->address()), " ",
                      Kv("capacity_bytes", req->capacity_bytes()), " ",
-                     Kv("lost_sequences", r->lost_sequence_ids.size())));
+                     Kv("lost_sequences", r->lost_sequence_ids.size()), " ",
+                     Kv("recovered_sequences",
+                        r->recovered_sequence_ids.size()),
+                     " ",
+                     Kv("release_sequences", r->release_sequence_ids.size())));
     return absl::OkStatus();
   });
 }
@@ -319,8 +330,12 @@ grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
 grpc::ServerUnaryReactor* ManagerService::Heartbeat(
     grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
     v1::HeartbeatResponse* resp) {
-  return Unary(ctx, [&] {
-    return core_->Heartbeat(req->worker_id(), FromProto(req->inventory()));
+  return Unary(ctx, [&]() -> absl::Status {
+    auto r = core_->Heartbeat(req->worker_id(), FromProto(req->inventory()),
+                              req->incarnation());
+    if (!r.ok()) return r.status();
+    ToProto(*r, resp);
+    return absl::OkStatus();
   });
 }
 

@@ -59,6 +59,11 @@ struct WorkerRecord {
   // Spill-tier bytes held (index: Tier value; kDevice unused, see reserved).
   std::array<uint64_t, kNumTiers> tier_used{};
   absl::flat_hash_set<SequenceRecord*> open;  // its open sequences
+  // The incarnation it registered with (empty: none given).
+  std::string incarnation;
+  // Ids of the sequences lost when it went DOWN, recoverable when it comes
+  // back with the same incarnation (SequenceRecord::parked).
+  std::vector<std::string> parked;
 };
 
 // A calibration table as stored: immutable once built; sequences under an
@@ -122,6 +127,12 @@ struct SequenceRecord {
   int64_t last_access_ms = 0;
   uint32_t spilled = 0;
   uint64_t last_tool_call = 0;
+  // Lost because its worker went DOWN: copies of its blocks and turn starts
+  // as they were, to take back if the worker returns with the same
+  // incarnation still holding it (ManagerCore::RegisterWorker).
+  bool parked = false;
+  std::vector<BlockRecord> parked_blocks;
+  std::vector<uint32_t> parked_turn_start;
 };
 
 // --- Helpers -----------------------------------------------------------------

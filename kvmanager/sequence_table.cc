@@ -76,6 +76,13 @@ void SequenceTable::Retire(SequenceRecord* s) {
   }
 }
 
+void SequenceTable::Reopen(SequenceRecord* s) {
+  s->tenant->open_sequences++;
+  s->worker->open.insert(s);
+  auto it = std::find(retired_.begin(), retired_.end(), s->id);
+  if (it != retired_.end()) retired_.erase(it);
+}
+
 std::vector<SequenceInfo> SequenceTable::List(const TenantRecord* tenant,
                                               bool include_closed) const {
   std::vector<SequenceInfo> out;
@@ -143,6 +150,29 @@ BlockRecord* SequenceTable::NewBlock(SequenceRecord* s, uint64_t first_token,
   s->bytes += bytes;
   s->tenant->used[static_cast<int>(Tier::kDevice)] += bytes;
   s->worker->reserved += bytes;
+  blocks_.emplace(b->lineage_id, std::move(block));
+  return b;
+}
+
+BlockRecord* SequenceTable::RestoreBlock(SequenceRecord* s,
+                                         const BlockRecord& parked) {
+  auto block = std::make_unique<BlockRecord>(parked);
+  BlockRecord* b = block.get();
+  b->refcount = 1;
+  b->busy = 0;
+  b->charged = s->tenant;
+  b->worker = s->worker;
+  b->owner = s;
+  s->blocks.push_back(b);
+  if (!b->evicted) {
+    const int tier = static_cast<int>(b->tier);
+    s->tenant->used[tier] += b->bytes;
+    if (b->tier == Tier::kDevice) {
+      s->worker->reserved += b->bytes;
+    } else {
+      s->worker->tier_used[tier] += b->bytes;
+    }
+  }
   blocks_.emplace(b->lineage_id, std::move(block));
   return b;
 }

@@ -57,6 +57,10 @@ class SequenceTable {
   // already released): off its tenant's and worker's open counts, blocks
   // dropped, kept queryable until closed_retention newer ones retired.
   void Retire(SequenceRecord* s);
+  // Undoes Retire for a lost sequence that is open again (its blocks
+  // already restored): back on its tenant's and worker's open counts and
+  // out of closed retention. O(retained closed sequences).
+  void Reopen(SequenceRecord* s);
   // Without blocks, ordered by creation; tenant nullptr: every tenant's.
   std::vector<SequenceInfo> List(const TenantRecord* tenant,
                                  bool include_closed) const;
@@ -72,6 +76,11 @@ class SequenceTable {
                         uint32_t num_tokens, const Tag& tag,
                         const Encoding& encoding, uint32_t turn,
                         uint64_t bytes);
+  // Appends a copy of `parked` (a block `s` held when it was lost) to `s`
+  // under its old lineage id, with refcount 1, owner s, not busy, and
+  // charges its bytes to its tier of s's tenant and worker (nothing when
+  // evicted). The lineage id must not be live.
+  BlockRecord* RestoreBlock(SequenceRecord* s, const BlockRecord& parked);
   // Appends parent's block `b` to fork `s` (refcount + 1; not charged again).
   static void Share(SequenceRecord* s, BlockRecord* b);
   // Drops the reference of `s` to `b`. Returns true when it was the last:

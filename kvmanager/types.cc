@@ -26,7 +26,8 @@ std::string EventKindName(EventKind k) {
       "EVENT_WORKER_UP",         "EVENT_WORKER_DOWN",
       "EVENT_TENANT_CHANGED",    "EVENT_BLOCK_DEMOTED",
       "EVENT_BLOCK_SPILLED",     "EVENT_BLOCK_RESTORED",
-      "EVENT_BLOCK_EVICTED"};
+      "EVENT_BLOCK_EVICTED",     "EVENT_WORKER_SUSPECT",
+      "EVENT_WORKER_RECOVERED",  "EVENT_SEQUENCE_RECOVERED"};
   return NameOf("EVENT_KIND", static_cast<int>(k), kNames);
 }
 

@@ -20,7 +20,12 @@
 
 namespace triax::manager {
 
-enum class WorkerState : int { kUnspecified = 0, kUp = 1, kDown = 2 };
+enum class WorkerState : int {
+  kUnspecified = 0,
+  kUp = 1,
+  kDown = 2,
+  kSuspect = 3,  // missed heartbeats; not yet DOWN
+};
 enum class SequenceState : int {
   kUnspecified = 0,
   kOpen = 1,
@@ -48,6 +53,9 @@ enum class EventKind : int {
   kBlockSpilled = 16,
   kBlockRestored = 17,
   kBlockEvicted = 18,
+  kWorkerSuspect = 19,
+  kWorkerRecovered = 20,
+  kSequenceRecovered = 21,
 };
 
 // "EVENT_BLOCK_CREATED", ...; "EVENT_KIND(<int>)" when out of range.
@@ -245,6 +253,7 @@ struct WorkerInfo {
   uint32_t sequences = 0;            // open sequences placed on it
   uint64_t host_capacity_bytes = 0;  // spill tiers (0: none)
   uint64_t disk_capacity_bytes = 0;
+  std::string incarnation;  // as registered
 };
 
 struct SequenceInfo {
@@ -291,10 +300,23 @@ struct RegisterWorkerRequest {
   uint64_t capacity_bytes = 0;       // > 0
   uint64_t host_capacity_bytes = 0;  // host spill tier; 0: none
   uint64_t disk_capacity_bytes = 0;  // disk spill tier; 0: none
+  // The worker process's identity ([A-Za-z0-9._:-]{1,128}); empty: every
+  // re-registration is a restart. See ManagerCore::RegisterWorker.
+  std::string incarnation;
+  Inventory inventory;  // what the worker holds now
 };
 struct RegisterWorkerResult {
   uint32_t heartbeat_interval_ms = 0;
   std::vector<std::string> lost_sequence_ids;
+  // Inventory sequences the manager does not hold open on this worker: the
+  // worker frees them. Sorted.
+  std::vector<std::string> release_sequence_ids;
+  // LOST sequences of this worker that are OPEN again. Sorted.
+  std::vector<std::string> recovered_sequence_ids;
+};
+struct HeartbeatResult {
+  // As RegisterWorkerResult::release_sequence_ids.
+  std::vector<std::string> release_sequence_ids;
 };
 
 struct CreateTenantRequest {

@@ -23,12 +23,16 @@ absl::Status WorkerRegistry::ValidateRegistration(
   if (req.capacity_bytes == 0) {
     return absl::InvalidArgumentError("capacity_bytes is 0; it must be > 0");
   }
-  return absl::OkStatus();
+  return ValidateHeartbeat(req.worker_id, req.inventory, req.incarnation);
 }
 
 absl::Status WorkerRegistry::ValidateHeartbeat(const std::string& worker_id,
-                                               const Inventory& inventory) {
+                                               const Inventory& inventory,
+                                               const std::string& incarnation) {
   TRIAX_RETURN_IF_ERROR(ValidateId("worker_id", worker_id));
+  if (!incarnation.empty()) {
+    TRIAX_RETURN_IF_ERROR(ValidateId("incarnation", incarnation));
+  }
   for (size_t i = 0; i < inventory.formats.size(); ++i) {
     if (!IsValidFormat(inventory.formats[i].format)) {
       return absl::InvalidArgumentError(
@@ -58,9 +62,11 @@ absl::StatusOr<WorkerRecord*> WorkerRegistry::FindForRegistration(
   auto it = workers_.find(req.worker_id);
   if (it == workers_.end()) return nullptr;
   WorkerRecord* w = it->second.get();
-  if (w->info.state == WorkerState::kUp && w->info.address != req.address) {
+  if (w->info.state != WorkerState::kDown && w->info.address != req.address) {
     return absl::AlreadyExistsError(
-        absl::StrCat("worker_id ", Quote(req.worker_id), " is up at address ",
+        absl::StrCat("worker_id ", Quote(req.worker_id), " is ",
+                     w->info.state == WorkerState::kUp ? "up" : "suspect",
+                     " at address ",
                      Quote(w->info.address), "; a worker at address ",
                      Quote(req.address), " cannot take it"));
   }
@@ -80,24 +86,40 @@ WorkerRecord* WorkerRegistry::Register(const RegisterWorkerRequest& req,
   w->info.disk_capacity_bytes = req.disk_capacity_bytes;
   w->info.state = WorkerState::kUp;
   w->info.last_heartbeat_unix_ms = now_ms;
-  w->info.inventory = Inventory{};
+  w->info.inventory = req.inventory;
+  w->info.inventory.restored_lineage_ids.clear();
+  w->info.incarnation = req.incarnation;
+  w->incarnation = req.incarnation;
   w->reserved_at_heartbeat = w->reserved;
   return w;
 }
 
 absl::StatusOr<WorkerRecord*> WorkerRegistry::Heartbeat(
-    const std::string& worker_id, const Inventory& inventory, int64_t now_ms) {
+    const std::string& worker_id, const Inventory& inventory, int64_t now_ms,
+    const std::string& incarnation) {
   auto it = workers_.find(worker_id);
   if (it == workers_.end()) {
     return absl::NotFoundError(absl::StrCat("worker_id ", Quote(worker_id),
                                             " is not registered; re-register"));
   }
   WorkerRecord* w = it->second.get();
-  if (w->info.state != WorkerState::kUp) {
+  if (w->info.state == WorkerState::kDown) {
     return absl::NotFoundError(
         absl::StrCat("worker_id ", Quote(worker_id),
                      " was marked down (missed heartbeats); re-register"));
   }
+  if (!w->incarnation.empty() && incarnation.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("incarnation is empty; worker_id ", Quote(worker_id),
+                     " registered with incarnation ", Quote(w->incarnation)));
+  }
+  if (incarnation != w->incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "incarnation ", Quote(incarnation), " is stale: worker_id ",
+        Quote(worker_id), " is registered with incarnation ",
+        Quote(w->incarnation)));
+  }
+  w->info.state = WorkerState::kUp;
   w->info.last_heartbeat_unix_ms = now_ms;
   w->info.inventory = inventory;
   w->reserved_at_heartbeat = w->reserved;
@@ -105,10 +127,11 @@ absl::StatusOr<WorkerRecord*> WorkerRegistry::Heartbeat(
 }
 
 std::vector<WorkerRecord*> WorkerRegistry::Silent(int64_t now_ms,
-                                                  int64_t timeout_ms) const {
+                                                  int64_t timeout_ms,
+                                                  WorkerState state) const {
   std::vector<WorkerRecord*> out;
   for (const auto& [id, w] : workers_) {
-    if (w->info.state == WorkerState::kUp &&
+    if (w->info.state == state &&
         now_ms - w->info.last_heartbeat_unix_ms > timeout_ms) {
       out.push_back(w.get());
     }
@@ -245,6 +268,7 @@ absl::StatusOr<WorkerRecord*> WorkerRegistry::Place(
   absl::Status roomiest_why;
   bool any = false;
   for (const auto& [id, w] : workers_) {
+    // SUSPECT and DOWN workers take nothing new.
     if (w->info.state != WorkerState::kUp) continue;
     // A worker whose device failed (sticky CUDA error) takes nothing new.
     if (!w->info.inventory.device_error.empty()) continue;

@@ -1,7 +1,12 @@
 // WorkerRegistry: the workers the manager knows. Registration and heartbeat
-// bookkeeping, down detection, placement of new sequences and room checks.
-// What happens to a worker's sequences when it restarts or goes down is the
-// caller's (ManagerCore marks them LOST).
+// bookkeeping, silence detection, placement of new sequences and room checks.
+// What happens to a worker's sequences when it restarts, goes down or comes
+// back is the caller's (ManagerCore marks them LOST or reconciles them).
+//
+// States: UP (heartbeats arrive), SUSPECT (silent past the caller's first
+// timeout: no placement, sequences untouched), DOWN (silent past the second:
+// heartbeats are refused with NOT_FOUND so the worker re-registers). A
+// heartbeat of the registered incarnation brings a SUSPECT worker back UP.
 //
 // Placement: the UP worker with a healthy device (no inventory.device_error)
 // and the most room (RoomBytes) that fits the request (Fits) takes a new
@@ -22,8 +27,9 @@
 // only the byte count applies.
 //
 // Error codes: INVALID_ARGUMENT (a bad field, named with its value),
-// ALREADY_EXISTS (the id is UP at another address), NOT_FOUND (heartbeat of
-// an unknown or DOWN worker: "re-register"), UNAVAILABLE (no worker up with
+// ALREADY_EXISTS (the id is UP or SUSPECT at another address), NOT_FOUND
+// (heartbeat of an unknown or DOWN worker: "re-register"),
+// FAILED_PRECONDITION (heartbeat of another incarnation), UNAVAILABLE (no worker up with
 // a healthy device), RESOURCE_EXHAUSTED (no room: the message says how many
 // bytes are missing).
 //
@@ -62,28 +68,43 @@ class WorkerRegistry {
 
   using Map = absl::flat_hash_map<std::string, std::unique_ptr<WorkerRecord>>;
 
-  // worker_id an id; address 1..256 bytes; backend set; capacity_bytes > 0.
+  // worker_id an id; address 1..256 bytes; backend set; capacity_bytes > 0;
+  // incarnation empty or an id; every inventory format in range.
   static absl::Status ValidateRegistration(const RegisterWorkerRequest& req);
-  // worker_id an id; every inventory format in range.
+  // worker_id an id; incarnation empty or an id; every inventory format in
+  // range.
   static absl::Status ValidateHeartbeat(const std::string& worker_id,
-                                        const Inventory& inventory);
+                                        const Inventory& inventory,
+                                        const std::string& incarnation = "");
+  // Whether a registration of `req` continues `w` (the same process, paused
+  // or retrying) rather than replacing it: both carry the same non-empty
+  // incarnation.
+  static bool SameIncarnation(const WorkerRecord& w,
+                              const RegisterWorkerRequest& req) {
+    return !w.incarnation.empty() && w.incarnation == req.incarnation;
+  }
 
   // The record a registration takes over: the known worker of that id, or
-  // nullptr for a new id. A known worker re-registering has restarted: the
-  // caller marks its open sequences lost before Register. ALREADY_EXISTS
-  // when the id is UP at a different address.
+  // nullptr for a new id. ALREADY_EXISTS when the id is UP or SUSPECT at a
+  // different address.
   absl::StatusOr<WorkerRecord*> FindForRegistration(
       const RegisterWorkerRequest& req) const;
   // Creates or updates the worker's record: UP, heartbeat at now_ms, the
-  // request's address, backend and capacities, an empty inventory.
+  // request's address, backend, capacities, incarnation and inventory.
   WorkerRecord* Register(const RegisterWorkerRequest& req, int64_t now_ms);
-  // Records a heartbeat (time and inventory, as given). NOT_FOUND for an
-  // unknown or DOWN worker.
-  absl::StatusOr<WorkerRecord*> Heartbeat(const std::string& worker_id,
-                                          const Inventory& inventory,
-                                          int64_t now_ms);
-  // UP workers silent for more than timeout_ms at now_ms, ordered by id.
-  std::vector<WorkerRecord*> Silent(int64_t now_ms, int64_t timeout_ms) const;
+  // Records a heartbeat (time and inventory, as given) of an UP or SUSPECT
+  // worker; a SUSPECT one is UP again. NOT_FOUND for an unknown or DOWN
+  // worker; for a worker registered with an incarnation, INVALID_ARGUMENT
+  // when `incarnation` is empty and FAILED_PRECONDITION when it differs
+  // (a stale process); FAILED_PRECONDITION too when the worker registered
+  // without one and `incarnation` is set.
+  absl::StatusOr<WorkerRecord*> Heartbeat(
+      const std::string& worker_id, const Inventory& inventory, int64_t now_ms,
+      const std::string& incarnation = "");
+  // Workers in `state` silent for more than timeout_ms at now_ms, ordered by
+  // id.
+  std::vector<WorkerRecord*> Silent(int64_t now_ms, int64_t timeout_ms,
+                                    WorkerState state = WorkerState::kUp) const;
 
   // See "Placement" above. `bytes` 0 (and no demand) finds the candidate
   // without a room check.

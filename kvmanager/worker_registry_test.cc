@@ -184,5 +184,76 @@ TEST(WorkerRegistryTest, RoomChecksAndInfo) {
   EXPECT_EQ(reg.all().size(), 2u);
 }
 
+TEST(WorkerRegistryTest, SuspectWorkersTakeNothingNewAndComeBackOnAHeartbeat) {
+  WorkerRegistry reg;
+  RegisterWorkerRequest a = Req("a", 5000);
+  a.incarnation = "boot-a";
+  reg.Register(a, 0);
+  reg.Register(Req("b", 1000), 0);
+  EXPECT_EQ(reg.Find("a")->incarnation, "boot-a");
+  EXPECT_EQ(reg.List()[0].incarnation, "boot-a");
+  // Silent: the caller marks it SUSPECT; Silent by state finds it there.
+  ASSERT_THAT(reg.Heartbeat("b", Inventory{}, 1500), IsOk());
+  EXPECT_THAT(Ids(reg.Silent(1500, 1000)), ElementsAre("a"));
+  reg.Find("a")->info.state = WorkerState::kSuspect;
+  EXPECT_THAT(Ids(reg.Silent(1500, 1000)), ElementsAre());
+  EXPECT_THAT(Ids(reg.Silent(1500, 1000, WorkerState::kSuspect)),
+              ElementsAre("a"));
+  // The most free worker is SUSPECT: placement takes the other one.
+  auto p = reg.Place(10);
+  ASSERT_THAT(p, IsOk());
+  EXPECT_EQ((*p)->info.worker_id, "b");
+  // A different address cannot take a SUSPECT id.
+  EXPECT_THAT(reg.FindForRegistration(Req("a", 100, "10.0.0.2:1")),
+              StatusIs(C::kAlreadyExists, HasSubstr("is suspect at address")));
+  // Heartbeats of a worker registered with an incarnation must carry it.
+  EXPECT_THAT(reg.Heartbeat("a", Inventory{}, 1600),
+              StatusIs(C::kInvalidArgument,
+                       HasSubstr("incarnation is empty; worker_id \"a\" "
+                                 "registered with incarnation \"boot-a\"")));
+  EXPECT_THAT(reg.Heartbeat("a", Inventory{}, 1600, "boot-old"),
+              StatusIs(C::kFailedPrecondition,
+                       HasSubstr("incarnation \"boot-old\" is stale")));
+  EXPECT_THAT(reg.Heartbeat("b", Inventory{}, 1600, "boot-b"),
+              StatusIs(C::kFailedPrecondition, HasSubstr("is stale")));
+  EXPECT_EQ(reg.Find("a")->info.state, WorkerState::kSuspect);
+  // The right one: UP again, placeable again.
+  ASSERT_THAT(reg.Heartbeat("a", Inventory{}, 1700, "boot-a"), IsOk());
+  EXPECT_EQ(reg.Find("a")->info.state, WorkerState::kUp);
+  EXPECT_EQ(reg.Find("a")->info.last_heartbeat_unix_ms, 1700);
+  EXPECT_EQ((*reg.Place(10))->info.worker_id, "a");
+}
+
+TEST(WorkerRegistryTest, IncarnationsAreCheckedAndCompared) {
+  RegisterWorkerRequest req = Req("w1", 100);
+  req.incarnation = "1700000000-8f3a";
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(req), IsOk());
+  req.incarnation = "boot a";
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(req),
+              StatusIs(C::kInvalidArgument, HasSubstr("incarnation")));
+  req.incarnation = std::string(129, 'x');
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(req),
+              StatusIs(C::kInvalidArgument, HasSubstr("incarnation")));
+  EXPECT_THAT(WorkerRegistry::ValidateHeartbeat("w1", Inventory{}, "a/b"),
+              StatusIs(C::kInvalidArgument, HasSubstr("incarnation")));
+  EXPECT_THAT(WorkerRegistry::ValidateHeartbeat("w1", Inventory{}, ""), IsOk());
+  // A registration's inventory is checked like a heartbeat's.
+  req.incarnation = "boot-a";
+  req.inventory.formats.push_back(FormatInventory{});
+  req.inventory.formats[0].format = static_cast<Format>(42);
+  EXPECT_THAT(WorkerRegistry::ValidateRegistration(req),
+              StatusIs(C::kInvalidArgument,
+                       HasSubstr("inventory.formats[0].format")));
+
+  WorkerRecord w;
+  RegisterWorkerRequest again = Req("w1", 100);
+  EXPECT_FALSE(WorkerRegistry::SameIncarnation(w, again));  // both empty
+  w.incarnation = "boot-a";
+  again.incarnation = "boot-a";
+  EXPECT_TRUE(WorkerRegistry::SameIncarnation(w, again));
+  again.incarnation = "boot-b";
+  EXPECT_FALSE(WorkerRegistry::SameIncarnation(w, again));
+}
+
 }  // namespace
 }  // namespace triax::manager

@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,9 +14,22 @@
 
 namespace triax::worker {
 
+namespace {
+
+std::string NewIncarnation() {
+  std::random_device rd;
+  const uint64_t r = (uint64_t{rd()} << 32) ^ rd();
+  return absl::StrCat(absl::ToUnixMicros(absl::Now()), "-",
+                      absl::Hex(r, absl::kZeroPad16));
+}
+
+}  // namespace
+
 ManagerLink::ManagerLink(ManagerLinkOptions options, InventoryFn inventory,
                          LostFn on_lost, UnsentFn on_unsent)
     : options_(std::move(options)),
+      incarnation_(options_.incarnation.empty() ? NewIncarnation()
+                                                : options_.incarnation),
       inventory_(std::move(inventory)),
       on_lost_(std::move(on_lost)),
       on_unsent_(std::move(on_unsent)) {
@@ -80,11 +94,14 @@ void ManagerLink::Run() {
       req.set_capacity_bytes(options_.capacity_bytes);
       req.set_host_capacity_bytes(options_.host_capacity_bytes);
       req.set_disk_capacity_bytes(options_.disk_capacity_bytes);
+      req.set_incarnation(incarnation_);
+      *req.mutable_inventory() = inventory_();
       v1::RegisterWorkerResponse resp;
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::milliseconds(options_.rpc_deadline_ms));
       const grpc::Status s = stub_->RegisterWorker(&ctx, req, &resp);
+      if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
       if (s.ok()) {
         registered = true;
         failures = 0;
@@ -96,11 +113,21 @@ void ManagerLink::Run() {
           ++registrations_;
         }
         Log(LogLevel::kInfo, "worker", "registered with manager",
-            absl::StrCat(kvs, " ", Kv("heartbeat_ms", interval_ms), " ",
-                         Kv("lost_sequences", resp.lost_sequence_ids_size())));
+            absl::StrCat(
+                kvs, " ", Kv("incarnation", incarnation_), " ",
+                Kv("heartbeat_ms", interval_ms), " ",
+                Kv("lost_sequences", resp.lost_sequence_ids_size()), " ",
+                Kv("recovered_sequences", resp.recovered_sequence_ids_size()),
+                " ",
+                Kv("release_sequences", resp.release_sequence_ids_size())));
         if (resp.lost_sequence_ids_size() > 0 && on_lost_) {
           on_lost_(std::vector<std::string>(resp.lost_sequence_ids().begin(),
                                             resp.lost_sequence_ids().end()));
+        }
+        if (resp.release_sequence_ids_size() > 0 && on_lost_) {
+          on_lost_(
+              std::vector<std::string>(resp.release_sequence_ids().begin(),
+                                       resp.release_sequence_ids().end()));
         }
       } else {
         // Log the first failure and then every 25th (~5 s), not every retry.
@@ -117,6 +144,7 @@ void ManagerLink::Run() {
     if (WaitStop(interval_ms)) return;
     v1::HeartbeatRequest req;
     req.set_worker_id(options_.worker_id);
+    req.set_incarnation(incarnation_);
     *req.mutable_inventory() = inventory_();
     v1::HeartbeatResponse resp;
     grpc::ClientContext ctx;
@@ -125,6 +153,18 @@ void ManagerLink::Run() {
     const grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
     if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
     if (s.ok()) {
+      if (resp.release_sequence_ids_size() > 0) {
+        Log(LogLevel::kInfo, "worker",
+            "releasing sequences the manager does not hold",
+            absl::StrCat(kvs, " ", Kv("sequences",
+                                       absl::StrJoin(
+                                           resp.release_sequence_ids(), ","))));
+        if (on_lost_) {
+          on_lost_(
+              std::vector<std::string>(resp.release_sequence_ids().begin(),
+                                       resp.release_sequence_ids().end()));
+        }
+      }
       absl::MutexLock lock(&mu_);
       ++heartbeats_;
     } else if (s.error_code() == grpc::StatusCode::NOT_FOUND) {

@@ -2,9 +2,12 @@
 // every `retry_ms` until the manager answers OK), then heartbeats the
 // inventory (with the spill tiers' usage and counters) every
 // heartbeat_interval_ms the manager asked for; a heartbeat
-// answered NOT_FOUND (the manager forgot us, e.g. it restarted) registers
-// again. Sequences the manager reports lost on registration are dropped
-// through `on_lost`.
+// answered NOT_FOUND (the manager forgot us, e.g. it restarted, or marked us
+// DOWN after a pause) registers again. Registration and heartbeats carry the
+// link's incarnation (fixed for the process, so the manager tells a pause
+// from a restart) and the inventory. Sequences the manager reports lost on
+// registration, and those it says to release (registration or heartbeat:
+// sequences it no longer holds open here), are dropped through `on_lost`.
 //
 // Thread contract: Start/Stop from one owner thread; the link runs on its
 // own thread; the counters are thread-safe.
@@ -36,6 +39,8 @@ struct ManagerLinkOptions {
   int retry_ms = 200;                // between registration attempts
   int default_heartbeat_ms = 1000;   // when the manager says 0
   int rpc_deadline_ms = 2000;
+  // Empty: "<unix micros at start>-<16 random hex digits>".
+  std::string incarnation;
 };
 
 class ManagerLink {
@@ -54,6 +59,7 @@ class ManagerLink {
   // Returns once the link thread has exited; idempotent.
   void Stop();
 
+  const std::string& incarnation() const { return incarnation_; }
   int registrations() const;  // successful RegisterWorker calls
   int heartbeats() const;     // successful Heartbeat calls
   // Waits until at least `registrations` RegisterWorker and `heartbeats`
@@ -67,6 +73,7 @@ class ManagerLink {
   bool WaitStop(int ms);
 
   const ManagerLinkOptions options_;
+  const std::string incarnation_;
   const InventoryFn inventory_;
   const LostFn on_lost_;
   const UnsentFn on_unsent_;

@@ -1,5 +1,9 @@
 // The worker's gRPC health service following the device, and ManagerLink
-// registering, retrying and re-registering against a fake manager.
+// registering, retrying and re-registering against a fake manager, with its
+// incarnation, and dropping the sequences the manager says to release.
+
+#include <set>
+#include <string>
 
 #include "worker/worker_service.h"
 #include "worker/worker_service_test_util.h"
@@ -64,16 +68,21 @@ class FakeManager final : public v1::Manager::Service {
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "starting");
     }
     last_register_ = *req;
+    register_incarnations_.insert(req->incarnation());
     resp->set_heartbeat_interval_ms(10);
     if (register_calls_ == 3) resp->add_lost_sequence_ids("lost-seq");
     return grpc::Status::OK;
   }
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
-                         v1::HeartbeatResponse*) override {
+                         v1::HeartbeatResponse* resp) override {
     absl::MutexLock lock(&mu_);
+    heartbeat_incarnations_.insert(req->incarnation());
     if (++heartbeat_calls_ == 1) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown worker");
     }
+    // The manager no longer holds this one open (closed while we were
+    // away): the link drops it.
+    if (heartbeat_calls_ == 2) resp->add_release_sequence_ids("released-seq");
     last_inventory_ = req->inventory();
     return grpc::Status::OK;
   }
@@ -82,11 +91,14 @@ class FakeManager final : public v1::Manager::Service {
   int heartbeat_calls_ ABSL_GUARDED_BY(mu_) = 0;
   v1::RegisterWorkerRequest last_register_ ABSL_GUARDED_BY(mu_);
   v1::Inventory last_inventory_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> register_incarnations_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> heartbeat_incarnations_ ABSL_GUARDED_BY(mu_);
 };
 
 TEST_F(ServiceTest, ManagerLinkRegistersRetriesAndReregisters) {
   ASSERT_TRUE(Allocate(AllocRequest("lost-seq", 16)).ok());
   ASSERT_TRUE(Allocate(AllocRequest("kept", 16)).ok());
+  ASSERT_TRUE(Allocate(AllocRequest("released-seq", 16)).ok());
   FakeManager manager;
   grpc::ServerBuilder builder;
   int port = 0;
@@ -128,9 +140,19 @@ TEST_F(ServiceTest, ManagerLinkRegistersRetriesAndReregisters) {
   EXPECT_EQ(manager.last_inventory_.tiers(0).capacity_bytes(), 0u);
   // The device's health rides in every heartbeat.
   EXPECT_EQ(manager.last_inventory_.device_error(), "device poisoned: test");
-  // The sequence the manager declared lost was dropped; the other is kept.
+  // The sequence the manager declared lost and the one it said to release
+  // were dropped; the other is kept.
   ASSERT_EQ(manager.last_inventory_.sequence_ids_size(), 1);
   EXPECT_EQ(manager.last_inventory_.sequence_ids(0), "kept");
+  // One incarnation for the process, in every registration and heartbeat;
+  // registrations carry the inventory.
+  EXPECT_THAT(manager.register_incarnations_,
+              ::testing::ElementsAre(link->incarnation()));
+  EXPECT_THAT(manager.heartbeat_incarnations_,
+              ::testing::ElementsAre(link->incarnation()));
+  EXPECT_THAT(link->incarnation(),
+              ::testing::MatchesRegex("[0-9]+-[0-9a-f]{16}"));
+  EXPECT_GT(manager.last_register_.inventory().capacity_bytes(), 0u);
   server->Shutdown();
 }
 

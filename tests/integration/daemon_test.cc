@@ -66,6 +66,7 @@ TEST(DaemonTest, KvmanagerHelpExplainsItselfAndListsItsFlags) {
       AllOf(HasSubstr("triaxkv control plane"),
             HasSubstr("grpc.health.v1.Health"), HasSubstr("Exit status"),
             HasSubstr("--listen"), HasSubstr("--worker_timeout_ms"),
+            HasSubstr("--worker_down_timeout_ms"),
             HasSubstr("--pressure_mode"), HasSubstr("--high_watermark")));
 }
 
@@ -78,6 +79,10 @@ TEST(DaemonTest, KvmanagerRefusesContradictingFlagsNamingThem) {
           {{"--heartbeat_interval_ms=3000", "--worker_timeout_ms=3000"},
            {"--heartbeat_interval_ms=3000", "--worker_timeout_ms=3000"}},
           {{"--heartbeat_interval_ms=0"}, {"--heartbeat_interval_ms=0"}},
+          {{"--worker_timeout_ms=5000", "--worker_down_timeout_ms=5000"},
+           {"--worker_down_timeout_ms=5000", "--worker_timeout_ms=5000"}},
+          {{"--worker_down_timeout_ms=100"},
+           {"--worker_down_timeout_ms=100", "--worker_timeout_ms=3000"}},
           {{"--worker_rpc_timeout_ms=0"}, {"--worker_rpc_timeout_ms=0"}},
           {{"--pressure_interval_ms=-5"}, {"--pressure_interval_ms=-5"}},
           {{"--default_policy=fastest"}, {"fastest"}},

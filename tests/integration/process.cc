@@ -177,9 +177,24 @@ void Process::Kill() {
   pid_ = -1;
 }
 
+absl::Status Process::Pause() {
+  if (pid_ <= 0 || kill(pid_, SIGSTOP) != 0) {
+    return absl::FailedPreconditionError(name_ + " is not running");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Process::Resume() {
+  if (pid_ <= 0 || kill(pid_, SIGCONT) != 0) {
+    return absl::FailedPreconditionError(name_ + " is not running");
+  }
+  return absl::OkStatus();
+}
+
 void Process::Stop(absl::Duration grace) {
   if (pid_ <= 0) return;
   kill(pid_, SIGTERM);
+  kill(pid_, SIGCONT);  // a paused process handles SIGTERM once continued
   int wstatus = 0;
   if (ReapWithin(pid_, grace, &wstatus)) {
     pid_ = -1;

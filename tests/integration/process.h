@@ -54,8 +54,14 @@ class Process {
 
   // SIGKILL without grace, then reaps. Idempotent.
   void Kill();
-  // SIGTERM, up to `grace` for exit, then SIGKILL; reaps. Idempotent.
+  // SIGTERM (and SIGCONT, should it be paused), up to `grace` for exit,
+  // then SIGKILL; reaps. Idempotent.
   void Stop(absl::Duration grace = absl::Seconds(3));
+  // SIGSTOP / SIGCONT: the process freezes (its sockets stay open, nothing
+  // answers) and goes on where it was. FAILED_PRECONDITION when it is not
+  // running.
+  absl::Status Pause();
+  absl::Status Resume();
   bool running() const { return pid_ > 0; }
   // Waits up to `timeout` for the process to exit by itself; its exit code
   // (or 128 + signal), or DEADLINE_EXCEEDED (the process is then killed).

@@ -1,5 +1,6 @@
-// A worker killed with SIGKILL mid-session: the manager marks it DOWN after
-// --worker_timeout_ms, the sequence becomes LOST with its blocks' lineage
+// A worker killed with SIGKILL mid-session: the manager marks it SUSPECT
+// after --worker_timeout_ms and DOWN after --worker_down_timeout_ms, the
+// sequence becomes LOST with its blocks' lineage
 // ids, WatchEvents replays WORKER_DOWN and SEQUENCE_LOST, and the client's
 // next Attend fails with UNAVAILABLE.
 #include <gmock/gmock.h>
@@ -23,7 +24,8 @@ using ::testing::UnorderedElementsAreArray;
 
 TEST(WorkerFailureTest, KilledWorkerLosesItsSequences) {
   ClusterOptions o;
-  o.worker_timeout_ms = 600;
+  o.worker_timeout_ms = 300;
+  o.worker_down_timeout_ms = 600;
   o.heartbeat_interval_ms = 100;
   auto started = Cluster::Start(o);
   ASSERT_THAT(started, IsOk());
