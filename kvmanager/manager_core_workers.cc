@@ -67,8 +67,7 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
   }
   WorkerRecord* w = workers_.Register(req, clock_->NowMs());
   if (same) {
-    result.recovered_sequence_ids =
-        RecoverParkedLocked(w, req.inventory, &ev);
+    result.recovered_sequence_ids = RecoverParkedLocked(w, req.inventory, &ev);
   }
   result.release_sequence_ids = ReleaseListLocked(*w, req.inventory);
   if (!req.inventory.restored_lineage_ids.empty()) {
