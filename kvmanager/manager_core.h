@@ -9,8 +9,9 @@
 // held) over the records of manager_state.h:
 //   WorkerRegistry       workers: registration, heartbeats, SUSPECT/DOWN
 //                        detection, placement and room checks
-//                        (worker_registry.h); reconciling a returning
-//                        worker is manager_core_workers.cc
+//                        (worker_registry.h); the facade's worker calls and
+//                        the reconciliation of a returning worker are in
+//                        manager_core_workers.cc
 //   TenantLedger         tenants: budgets, usage per tier, admission
 //                        (tenant_ledger.h)
 //   PolicyStore          operator policies beside the built-ins

@@ -1,13 +1,16 @@
-// ManagerCore's reconciliation of a returning worker (manager_core.h
-// "Workers"): parking the sequences of a worker that goes DOWN, taking them
-// back when it returns with the same incarnation, and the list of sequences
-// a worker holds that the manager does not (for the worker to free).
+// ManagerCore's worker calls (manager_core.h "Workers"): registration,
+// heartbeats and SUSPECT/DOWN detection, and the reconciliation of a
+// returning worker: parking the sequences of a worker that goes DOWN, taking
+// them back when it returns with the same incarnation, and the list of
+// sequences a worker holds that the manager does not (for it to free).
 #include <algorithm>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/ids.h"
+#include "common/status_macros.h"
 #include "kvmanager/manager_core.h"
 
 namespace triax::manager {
@@ -28,6 +31,158 @@ void Unpark(SequenceRecord* s) {
 }
 
 }  // namespace
+
+// --- Workers -----------------------------------------------------------------
+
+absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
+    const RegisterWorkerRequest& req) {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
+  TRIAX_RETURN_IF_ERROR(WorkerRegistry::ValidateRegistration(req));
+  absl::MutexLock lock(&mu_);
+  if (auto hit = register_cache_.Find(req.worker_id, req.request_id)) {
+    return hit->reply;
+  }
+  std::vector<Event> ev;
+  std::vector<EventLog::LastPlan> forgotten;
+  RegisterWorkerResult result;
+  result.heartbeat_interval_ms = options_.heartbeat_interval_ms;
+  TRIAX_ASSIGN_OR_RETURN(WorkerRecord * known,
+                         workers_.FindForRegistration(req));
+  const bool same =
+      known != nullptr && WorkerRegistry::SameIncarnation(*known, req);
+  const WorkerState before =
+      known != nullptr ? known->info.state : WorkerState::kUnspecified;
+  if (known != nullptr && !same) {
+    // It restarted: whatever it held is gone.
+    DropParkedLocked(known);
+    std::vector<SequenceRecord*> lost(known->open.begin(), known->open.end());
+    std::sort(lost.begin(), lost.end(),
+              [](const SequenceRecord* a, const SequenceRecord* b) {
+                return a->id < b->id;
+              });
+    for (SequenceRecord* s : lost) {
+      result.lost_sequence_ids.push_back(s->id);
+      MarkLostLocked(s, "worker_restarted", &ev, &forgotten);
+    }
+  }
+  WorkerRecord* w = workers_.Register(req, clock_->NowMs());
+  if (same) {
+    result.recovered_sequence_ids = RecoverParkedLocked(w, req.inventory, &ev);
+  }
+  result.release_sequence_ids = ReleaseListLocked(*w, req.inventory);
+  if (!req.inventory.restored_lineage_ids.empty()) {
+    pressure_.ApplyWorkerRestores(w, req.inventory.restored_lineage_ids, &ev);
+  }
+  Event e;
+  e.unix_ms = clock_->NowMs();
+  e.kind = EventKind::kWorkerUp;
+  e.worker_id = req.worker_id;
+  e.detail = absl::StrCat(
+      "address=", req.address, " backend=", req.backend,
+      " capacity_bytes=", req.capacity_bytes,
+      " incarnation=", req.incarnation.empty() ? "-" : req.incarnation,
+      " lost_sequences=", result.lost_sequence_ids.size(),
+      " release_sequences=", result.release_sequence_ids.size());
+  ev.push_back(std::move(e));
+  if (same && before != WorkerState::kUp) {
+    Event r;
+    r.unix_ms = clock_->NowMs();
+    r.kind = EventKind::kWorkerRecovered;
+    r.worker_id = req.worker_id;
+    r.detail = absl::StrCat(
+        "from=", before == WorkerState::kDown ? "down" : "suspect",
+        " recovered_sequences=", result.recovered_sequence_ids.size());
+    ev.push_back(std::move(r));
+  }
+  events_.Append(&ev, &forgotten);
+  register_cache_.Put(req.worker_id, req.request_id, absl::OkStatus(), result);
+  return result;
+}
+
+absl::StatusOr<HeartbeatResult> ManagerCore::Heartbeat(
+    const std::string& worker_id, const Inventory& inventory,
+    const std::string& incarnation) {
+  TRIAX_RETURN_IF_ERROR(
+      WorkerRegistry::ValidateHeartbeat(worker_id, inventory, incarnation));
+  absl::MutexLock lock(&mu_);
+  const WorkerRecord* known = workers_.Find(worker_id);
+  const bool was_suspect =
+      known != nullptr && known->info.state == WorkerState::kSuspect;
+  const int64_t silent_ms =
+      known != nullptr ? clock_->NowMs() - known->info.last_heartbeat_unix_ms
+                       : 0;
+  TRIAX_ASSIGN_OR_RETURN(
+      WorkerRecord * w,
+      workers_.Heartbeat(worker_id, inventory, clock_->NowMs(), incarnation));
+  std::vector<Event> ev;
+  if (was_suspect) {
+    Event e;
+    e.unix_ms = clock_->NowMs();
+    e.kind = EventKind::kWorkerRecovered;
+    e.worker_id = worker_id;
+    e.detail = absl::StrCat("from=suspect silent_ms=", silent_ms,
+                            " sequences=", w->open.size());
+    ev.push_back(std::move(e));
+  }
+  if (!inventory.restored_lineage_ids.empty()) {
+    pressure_.ApplyWorkerRestores(w, inventory.restored_lineage_ids, &ev);
+    w->info.inventory.restored_lineage_ids.clear();
+  }
+  if (!ev.empty()) events_.Append(&ev);
+  HeartbeatResult result;
+  result.release_sequence_ids = ReleaseListLocked(*w, inventory);
+  return result;
+}
+
+std::vector<WorkerInfo> ManagerCore::ListWorkers() const {
+  absl::MutexLock lock(&mu_);
+  return workers_.List();
+}
+
+std::vector<std::string> ManagerCore::CheckWorkers(
+    std::vector<std::string>* suspect) {
+  absl::MutexLock lock(&mu_);
+  const int64_t now = clock_->NowMs();
+  std::vector<std::string> ids;
+  std::vector<Event> ev;
+  std::vector<EventLog::LastPlan> forgotten;
+  for (WorkerRecord* w : workers_.Silent(now, options_.worker_timeout_ms)) {
+    w->info.state = WorkerState::kSuspect;
+    if (suspect != nullptr) suspect->push_back(w->info.worker_id);
+    Event e;
+    e.unix_ms = now;
+    e.kind = EventKind::kWorkerSuspect;
+    e.worker_id = w->info.worker_id;
+    e.detail = absl::StrCat("silent_ms=", now - w->info.last_heartbeat_unix_ms,
+                            " sequences=", w->open.size());
+    ev.push_back(std::move(e));
+  }
+  for (WorkerRecord* w : workers_.Silent(now, options_.worker_down_timeout_ms,
+                                         WorkerState::kSuspect)) {
+    ids.push_back(w->info.worker_id);
+    std::vector<SequenceRecord*> lost(w->open.begin(), w->open.end());
+    std::sort(lost.begin(), lost.end(),
+              [](const SequenceRecord* a, const SequenceRecord* b) {
+                return a->id < b->id;
+              });
+    for (SequenceRecord* s : lost) {
+      ParkLocked(w, s);
+      MarkLostLocked(s, "worker_down", &ev, &forgotten);
+    }
+    w->info.state = WorkerState::kDown;
+    Event e;
+    e.unix_ms = now;
+    e.kind = EventKind::kWorkerDown;
+    e.worker_id = w->info.worker_id;
+    e.detail = absl::StrCat("silent_ms=", now - w->info.last_heartbeat_unix_ms,
+                            " lost_sequences=", lost.size());
+    ev.push_back(std::move(e));
+  }
+  if (!ev.empty()) events_.Append(&ev, &forgotten);
+  return ids;
+}
+
+// --- Reconciliation ----------------------------------------------------------
 
 void ManagerCore::ParkLocked(WorkerRecord* w, SequenceRecord* s) {
   s->parked = true;

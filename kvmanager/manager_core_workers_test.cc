@@ -29,8 +29,8 @@ class WorkersTest : public CoreTest {
     ASSERT_THAT(core_->RegisterWorker(Registration(kBoot, {})), IsOk());
   }
 
-  static RegisterWorkerRequest Registration(
-      const std::string& incarnation, std::vector<std::string> held) {
+  static RegisterWorkerRequest Registration(const std::string& incarnation,
+                                            std::vector<std::string> held) {
     RegisterWorkerRequest req{"", "w1", "127.0.0.1:9001", "cpu", 1ull << 40};
     req.incarnation = incarnation;
     req.inventory.sequence_ids = std::move(held);
@@ -105,10 +105,10 @@ TEST_F(WorkersTest, ASilentWorkerIsSuspectThenUpAgainWithNothingLost) {
   EXPECT_EQ(CountKind(EventKind::kBlockLost), 0u);
   // Calls that need the worker are UNAVAILABLE naming it; nothing new is
   // placed on it.
-  EXPECT_THAT(Extend(seq->sequence_id, {S(Role::kUser, 1)}, false),
-              StatusIs(C::kUnavailable,
-                       HasSubstr("worker \"w1\" of sequence_id \"" +
-                                 seq->sequence_id + "\" is suspect")));
+  EXPECT_THAT(
+      Extend(seq->sequence_id, {S(Role::kUser, 1)}, false),
+      StatusIs(C::kUnavailable, HasSubstr("worker \"w1\" of sequence_id \"" +
+                                          seq->sequence_id + "\" is suspect")));
   EXPECT_THAT(core_->ForkSequence({"", "acme", seq->sequence_id, 0}),
               StatusIs(C::kUnavailable, HasSubstr("is suspect")));
   EXPECT_THAT(Open({S(Role::kUser, 1)}),
@@ -176,9 +176,9 @@ TEST_F(WorkersTest, DownThenTheSameIncarnationTakesItsSequencesBack) {
 
   // It returns holding the parent, the fork, the sequence closed before and
   // an unknown one; `dropped` is not in its inventory.
-  auto reg = core_->RegisterWorker(Registration(
-      kBoot, {parent->sequence_id, fork->sequence_id, closed->sequence_id,
-              "seq-777"}));
+  auto reg = core_->RegisterWorker(
+      Registration(kBoot, {parent->sequence_id, fork->sequence_id,
+                           closed->sequence_id, "seq-777"}));
   ASSERT_THAT(reg, IsOk());
   EXPECT_THAT(reg->lost_sequence_ids, IsEmpty());
   EXPECT_THAT(reg->recovered_sequence_ids,
@@ -223,8 +223,8 @@ TEST_F(WorkersTest, DownThenTheSameIncarnationTakesItsSequencesBack) {
   EXPECT_EQ(Reserved(), 0u);
   // The parked copies were taken once: a second return recovers nothing.
   Silence(/*down=*/true);
-  auto again = core_->RegisterWorker(
-      Registration(kBoot, {dropped->sequence_id}));
+  auto again =
+      core_->RegisterWorker(Registration(kBoot, {dropped->sequence_id}));
   ASSERT_THAT(again, IsOk());
   EXPECT_THAT(again->recovered_sequence_ids, IsEmpty());
   EXPECT_THAT(again->release_sequence_ids, ElementsAre(dropped->sequence_id));
@@ -270,9 +270,9 @@ TEST_F(WorkersTest, RecoveryChargesEvenAboveALoweredCeiling) {
   auto seq = Open({S(Role::kUser, 48)});  // 3 BF16 blocks
   ASSERT_THAT(seq, IsOk());
   Silence(/*down=*/true);
-  ASSERT_THAT(core_->SetBudget({"", "acme",
-                                Budget{Tier::kDevice, 0, 2 * kBf16}}),
-              IsOk());
+  ASSERT_THAT(
+      core_->SetBudget({"", "acme", Budget{Tier::kDevice, 0, 2 * kBf16}}),
+      IsOk());
   auto reg = core_->RegisterWorker(Registration(kBoot, {seq->sequence_id}));
   ASSERT_THAT(reg, IsOk());
   EXPECT_THAT(reg->recovered_sequence_ids, ElementsAre(seq->sequence_id));
@@ -284,8 +284,9 @@ TEST_F(WorkersTest, RecoveryChargesEvenAboveALoweredCeiling) {
 }
 
 TEST_F(WorkersTest, PlacementGoesAroundASuspectWorker) {
-  ASSERT_THAT(core_->RegisterWorker({"", "w2", "127.0.0.1:9002", "cpu", 1 << 20}),
-              IsOk());
+  ASSERT_THAT(
+      core_->RegisterWorker({"", "w2", "127.0.0.1:9002", "cpu", 1 << 20}),
+      IsOk());
   // w1 has far more room; SUSPECT, it takes nothing.
   clock_.AdvanceMs(2000);
   ASSERT_THAT(core_->Heartbeat("w2", Inventory{}), IsOk());
@@ -329,8 +330,8 @@ TEST(WorkersSpillTest, SpilledBlocksComeBackInTheirTier) {
   auto made = ManagerCore::Create(ManagerOptions{}, &clock);
   ASSERT_THAT(made, IsOk());
   ManagerCore& core = **made;
-  RegisterWorkerRequest reg{"", "w1", "127.0.0.1:9001", "cpu", 28 * kBf16,
-                            64 * kBf16};
+  RegisterWorkerRequest reg{"",    "w1",       "127.0.0.1:9001",
+                            "cpu", 28 * kBf16, 64 * kBf16};
   reg.incarnation = kBoot;
   ASSERT_THAT(core.RegisterWorker(reg), IsOk());
   CreateTenantRequest t;
@@ -360,8 +361,8 @@ TEST(WorkersSpillTest, SpilledBlocksComeBackInTheirTier) {
   core.RefreshRanking();
   TierPlan plan = core.PlanPressure();
   ASSERT_NE(plan.token, 0u);
-  ASSERT_THAT(core.FinishTierPlan(plan.token, std::vector<absl::Status>(
-                                                  plan.commands.size())),
+  ASSERT_THAT(core.FinishTierPlan(
+                  plan.token, std::vector<absl::Status>(plan.commands.size())),
               IsOk());
   auto before = core.GetSequence("", idle->sequence_id);
   ASSERT_THAT(before, IsOk());
@@ -397,9 +398,9 @@ TEST(WorkersSpillTest, SpilledBlocksComeBackInTheirTier) {
   TierPlan prefetch = core.PlanPrefetch(idle->sequence_id, &sf);
   EXPECT_TRUE(prefetch.token != 0 || sf.request_bytes > 0);
   if (prefetch.token != 0) {
-    ASSERT_THAT(core.FinishTierPlan(prefetch.token,
-                                    std::vector<absl::Status>(
-                                        prefetch.commands.size())),
+    ASSERT_THAT(core.FinishTierPlan(
+                    prefetch.token,
+                    std::vector<absl::Status>(prefetch.commands.size())),
                 IsOk());
   }
   for (const std::string& id : back->recovered_sequence_ids) {

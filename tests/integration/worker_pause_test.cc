@@ -91,8 +91,8 @@ void PauseAndResume(const ClusterOptions& o, bool past_down) {
                                MakeSpan(triax::v1::ROLE_USER, 20)},
                               "bf16", 16);
   ASSERT_THAT(kept, IsOk());
-  auto closed = (*client)->Open(model, {MakeSpan(triax::v1::ROLE_USER, 16)},
-                                "bf16", 16);
+  auto closed =
+      (*client)->Open(model, {MakeSpan(triax::v1::ROLE_USER, 16)}, "bf16", 16);
   ASSERT_THAT(closed, IsOk());
   std::mt19937 rng(2026);
   const size_t per_token = model.n_kv_heads() * model.head_dim();
@@ -114,8 +114,7 @@ void PauseAndResume(const ClusterOptions& o, bool past_down) {
   a.out = before.data();
   ASSERT_THAT((*client)->Attend(*kept, a), IsOk());
   std::vector<float> k_before, v_before;
-  ASSERT_THAT((*client)->ReadKV(*kept, 1, 0, 36, &k_before, &v_before),
-              IsOk());
+  ASSERT_THAT((*client)->ReadKV(*kept, 1, 0, 36, &k_before, &v_before), IsOk());
   auto plan = (*client)->GetSequence(kept->sequence_id);
   ASSERT_THAT(plan, IsOk());
   const std::vector<uint64_t> lineages = Lineages(*plan);
@@ -134,11 +133,10 @@ void PauseAndResume(const ClusterOptions& o, bool past_down) {
   EXPECT_EQ(suspect->state(), triax::v1::SEQUENCE_STATE_OPEN);
   // Growing needs the worker: UNAVAILABLE naming it.
   client::SequenceHandle grow = *kept;
-  EXPECT_THAT(
-      (*client)->Extend(&grow, {MakeSpan(triax::v1::ROLE_USER, 2)}, false,
-                        false),
-      StatusIs(absl::StatusCode::kUnavailable,
-               HasSubstr("worker \"w0\" of sequence_id")));
+  EXPECT_THAT((*client)->Extend(&grow, {MakeSpan(triax::v1::ROLE_USER, 2)},
+                                false, false),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("worker \"w0\" of sequence_id")));
   // The client gives up on the paused worker and closes through the
   // manager alone.
   {
@@ -166,16 +164,14 @@ void PauseAndResume(const ClusterOptions& o, bool past_down) {
   ASSERT_THAT(worker->Resume(), IsOk());
   ASSERT_THAT(cluster.WaitForWorkerState("w0", triax::v1::WORKER_STATE_UP),
               IsOk());
-  ASSERT_THAT(Cluster::WaitFor("the kept sequence to be OPEN",
-                               absl::Seconds(10),
-                               [&]() -> absl::StatusOr<bool> {
-                                 auto s =
-                                     (*client)->GetSequence(kept->sequence_id);
-                                 if (!s.ok()) return s.status();
-                                 return s->state() ==
-                                        triax::v1::SEQUENCE_STATE_OPEN;
-                               }),
-              IsOk());
+  ASSERT_THAT(
+      Cluster::WaitFor("the kept sequence to be OPEN", absl::Seconds(10),
+                       [&]() -> absl::StatusOr<bool> {
+                         auto s = (*client)->GetSequence(kept->sequence_id);
+                         if (!s.ok()) return s.status();
+                         return s->state() == triax::v1::SEQUENCE_STATE_OPEN;
+                       }),
+      IsOk());
 
   // Nothing lost: the same blocks, the same bytes.
   auto back = (*client)->GetSequence(kept->sequence_id);
@@ -208,16 +204,16 @@ void PauseAndResume(const ClusterOptions& o, bool past_down) {
   // ...and closing the rest leaves nothing held.
   ASSERT_THAT((*client)->Close(grown), IsOk());
   triax::v1::Inventory last;
-  ASSERT_THAT(Cluster::WaitFor("the worker's inventory to be empty",
-                               absl::Seconds(10),
-                               [&]() -> absl::StatusOr<bool> {
-                                 auto inv = WorkerInventory(
-                                     client->get(), kept->worker_address);
-                                 if (!inv.ok()) return inv.status();
-                                 last = *inv;
-                                 return inv->sequence_ids_size() == 0;
-                               }),
-              IsOk());
+  ASSERT_THAT(
+      Cluster::WaitFor("the worker's inventory to be empty", absl::Seconds(10),
+                       [&]() -> absl::StatusOr<bool> {
+                         auto inv = WorkerInventory(client->get(),
+                                                    kept->worker_address);
+                         if (!inv.ok()) return inv.status();
+                         last = *inv;
+                         return inv->sequence_ids_size() == 0;
+                       }),
+      IsOk());
   EXPECT_EQ(last.used_bytes(), 0u);
   auto w = cluster.GetWorker("w0");
   ASSERT_THAT(w, IsOk());
