@@ -11,8 +11,9 @@
 //           pool holds it). A frame whose slots are all free goes back to the
 //           free list at once, so freeing everything returns every frame.
 //   pool    one per (encoding, page_bytes): the frames it holds. Allocate
-//           takes the lowest free slot of the pool's lowest-index frame with
-//           one, else the lowest free frame.
+//           takes a free slot of the pool's lowest-index frame with one
+//           (the most recently freed slot; a fresh frame hands out low
+//           slots first), else the lowest free frame.
 //   page    refcounted: forks share pages; the last Unref returns its slot.
 //           Page objects never move; Compact moves their bytes and changes
 //           Page::data (see Compaction). Pages are either target pages (a
