@@ -44,14 +44,13 @@ absl::Status WorkerRegistry::ValidateHeartbeat(const std::string& worker_id,
     const PoolInventory& p = inventory.pools[i];
     if (!IsValidFormat(p.encoding.k) || !IsValidFormat(p.encoding.v)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "inventory.pools[", i, "] has format ",
-          FormatProtoName(p.encoding.k), " / format_v ",
-          FormatProtoName(p.encoding.v)));
+          "inventory.pools[", i, "] has format ", FormatProtoName(p.encoding.k),
+          " / format_v ", FormatProtoName(p.encoding.v)));
     }
     if (p.page_bytes == 0 || p.page_bytes > inventory.frame_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "inventory.pools[", i, "].page_bytes=", p.page_bytes,
-          " must be in 1..frame_bytes=", inventory.frame_bytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat("inventory.pools[", i, "].page_bytes=", p.page_bytes,
+                       " must be in 1..frame_bytes=", inventory.frame_bytes));
     }
   }
   return absl::OkStatus();
@@ -225,10 +224,10 @@ absl::Status WorkerRegistry::Fits(const WorkerRecord& w, uint64_t bytes,
                                   const Demand& demand) {
   const uint64_t free = FreeBytes(w);
   if (bytes > free) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "worker ", Quote(w.info.worker_id), " has ", free,
-        " free bytes; the request needs ", bytes, " bytes; over by ",
-        bytes - free, " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("worker ", Quote(w.info.worker_id), " has ", free,
+                     " free bytes; the request needs ", bytes,
+                     " bytes; over by ", bytes - free, " bytes"));
   }
   const int64_t room = FrameRoomBytes(w);
   if (room < 0 || demand.empty()) return absl::OkStatus();
@@ -293,15 +292,15 @@ absl::StatusOr<WorkerRecord*> WorkerRegistry::Place(
   }
   if (best != nullptr) return best;
   if (const uint64_t free = FreeBytes(*roomiest); bytes > free) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "no worker has room: the request needs ", bytes,
-        " bytes; the largest free space is ", free, " bytes (worker ",
-        Quote(roomiest->info.worker_id), "); over by ", bytes - free,
-        " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("no worker has room: the request needs ", bytes,
+                     " bytes; the largest free space is ", free,
+                     " bytes (worker ", Quote(roomiest->info.worker_id),
+                     "); over by ", bytes - free, " bytes"));
   }
-  return absl::Status(roomiest_why.code(),
-                      absl::StrCat("no worker has room: ",
-                                   roomiest_why.message()));
+  return absl::Status(
+      roomiest_why.code(),
+      absl::StrCat("no worker has room: ", roomiest_why.message()));
 }
 
 WorkerRecord* WorkerRegistry::Find(const std::string& worker_id) const {

@@ -23,8 +23,8 @@
 // the bytes the manager planned onto the worker since that heartbeat
 // (reserved - reserved_at_heartbeat, taken from the free frames), and its
 // bytes fit capacity - reserved. An admission that fails on frames asks the
-// pressure coordinator for the missing frame bytes (AdmissionBytes). Before a worker reports frames (frame_bytes 0)
-// only the byte count applies.
+// pressure coordinator for the missing frame bytes (AdmissionBytes). Before a
+// worker reports frames (frame_bytes 0) only the byte count applies.
 //
 // Error codes: INVALID_ARGUMENT (a bad field, named with its value),
 // ALREADY_EXISTS (the id is UP or SUSPECT at another address), NOT_FOUND

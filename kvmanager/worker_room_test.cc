@@ -104,8 +104,8 @@ TEST(WorkerRoomTest, FitsCountsFramesPoolSlotsAndWhatWasPlannedSince) {
 
   // A page larger than the worker's frame can never be placed there.
   Demand huge;
-  WorkerRegistry::AddBlocks(ModelShape{"big", 2, 8, 8, 128}, 64,
-                            Format::kBF16, 1, &huge);
+  WorkerRegistry::AddBlocks(ModelShape{"big", 2, 8, 8, 128}, 64, Format::kBF16,
+                            1, &huge);
   EXPECT_THAT(WorkerRegistry::Fits(*w, 1, huge),
               StatusIs(C::kInvalidArgument, HasSubstr("frame_bytes 65536")));
 }
@@ -151,11 +151,11 @@ TEST_F(CoreTest, OpenIsAdmittedOnTheReportedFramesNotTheByteCount) {
   ASSERT_GT(frames, 0u);
 
   ASSERT_THAT(core_->Heartbeat("w1", Frames(frames - 1)), IsOk());
-  EXPECT_THAT(Open({S(Role::kUser, 160)}).status(),
-              StatusIs(C::kResourceExhausted,
-                       AllOf(HasSubstr("no worker has room"),
-                             HasSubstr(absl::StrCat("needs ", frames,
-                                                    " frames")))));
+  EXPECT_THAT(
+      Open({S(Role::kUser, 160)}).status(),
+      StatusIs(C::kResourceExhausted,
+               AllOf(HasSubstr("no worker has room"),
+                     HasSubstr(absl::StrCat("needs ", frames, " frames")))));
   ASSERT_THAT(core_->Heartbeat("w1", Frames(frames)), IsOk());
   auto opened = Open({S(Role::kUser, 160)});
   ASSERT_THAT(opened, IsOk());

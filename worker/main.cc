@@ -135,17 +135,16 @@ absl::Status CheckFlags() {
       !s.ok()) {
     return s;
   }
-  if (const int64_t f = absl::GetFlag(FLAGS_frame_kb);
-      f <= 0 || f % 16 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--frame_kb=", f, " must be a positive multiple of 16"));
+  if (const int64_t f = absl::GetFlag(FLAGS_frame_kb); f <= 0 || f % 16 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--frame_kb=", f, " must be a positive multiple of 16"));
   }
   if (const int64_t f = absl::GetFlag(FLAGS_frame_kb),
       pool = absl::GetFlag(FLAGS_pool_mb);
       f > pool * 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--frame_kb=", f, " is larger than the pool: --pool_mb=",
-                     pool, " is ", pool * 1024, " KiB"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--frame_kb=", f, " is larger than the pool: --pool_mb=", pool, " is ",
+        pool * 1024, " KiB"));
   }
   if (absl::Status s =
           CheckMb("host_tier_mb", absl::GetFlag(FLAGS_host_tier_mb), 0);

@@ -14,7 +14,7 @@ namespace triax::worker {
 struct PageAllocator::Pool {
   PoolKey key;
   size_t pages_per_frame = 0;
-  size_t frames = 0;           // frames held
+  size_t frames = 0;  // frames held
   uint64_t pages_used = 0;
   std::set<size_t> with_free;  // held frames with a free slot
 };
@@ -141,14 +141,14 @@ absl::StatusOr<Page*> PageAllocator::Allocate(const kernels::Encoding& encoding,
     frame_index = *pool->with_free.begin();
   } else {
     if (free_frames_.empty()) {
-      absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
-          "pool ", PoolName(encoding, page_bytes), " (",
-          use == PageUse::kWindow ? "window" : "target",
-          " page) exhausted: needs ", page_bytes, " bytes; ",
-          capacity_ - used_bytes_, " bytes free of ", capacity_,
-          ", 0 free frames of ", frames_.size(), " x ", frame_bytes_,
-          " bytes, no free slot in this pool's ",
-          pool == nullptr ? 0 : pool->frames, " frames"));
+      absl::Status s = absl::ResourceExhaustedError(
+          absl::StrCat("pool ", PoolName(encoding, page_bytes), " (",
+                       use == PageUse::kWindow ? "window" : "target",
+                       " page) exhausted: needs ", page_bytes, " bytes; ",
+                       capacity_ - used_bytes_, " bytes free of ", capacity_,
+                       ", 0 free frames of ", frames_.size(), " x ",
+                       frame_bytes_, " bytes, no free slot in this pool's ",
+                       pool == nullptr ? 0 : pool->frames, " frames"));
       s.SetPayload(kShortfallPayload, absl::Cord(absl::StrCat(page_bytes)));
       shortfalls_.fetch_add(1);
       return s;
@@ -311,9 +311,9 @@ absl::StatusOr<CompactionResult> PageAllocator::Compact() {
       r.frames_freed += 1;
     }
   }
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                            start)
-                  .count();
+  r.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   if (r.pages_moved > 0) compactions_ += 1;
   compacted_.pages_moved += r.pages_moved;
   compacted_.bytes_moved += r.bytes_moved;
@@ -361,11 +361,10 @@ AllocatorStats PageAllocator::Stats() const {
   }
   s.free_frames_compacted += s.free_frames;
   const uint64_t in_free_frames = s.free_frames * frame_bytes_;
-  s.fragmentation =
-      s.free_bytes == 0
-          ? 0.0
-          : static_cast<double>(s.free_bytes - in_free_frames) /
-                static_cast<double>(s.free_bytes);
+  s.fragmentation = s.free_bytes == 0
+                        ? 0.0
+                        : static_cast<double>(s.free_bytes - in_free_frames) /
+                              static_cast<double>(s.free_bytes);
   s.compactions = compactions_;
   s.pages_moved = compacted_.pages_moved;
   s.bytes_moved = compacted_.bytes_moved;

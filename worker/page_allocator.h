@@ -11,8 +11,9 @@
 //           pool holds it). A frame whose slots are all free goes back to the
 //           free list at once, so freeing everything returns every frame.
 //   pool    one per (encoding, page_bytes): the frames it holds. Allocate
-//           takes the lowest free slot of the pool's lowest-index frame with
-//           one, else the lowest free frame.
+//           takes a free slot of the pool's lowest-index frame with one
+//           (the most recently freed slot; a fresh frame hands out low
+//           slots first), else the lowest free frame.
 //   page    refcounted: forks share pages; the last Unref returns its slot.
 //           Page objects never move; Compact moves their bytes and changes
 //           Page::data (see Compaction). Pages are either target pages (a
@@ -60,8 +61,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -169,12 +170,12 @@ struct AllocatorStats {
   // Free frames once Compact packed every pool (what an allocation that
   // compacts on a shortfall can count on).
   uint64_t free_frames_compacted = 0;
-  uint64_t free_bytes = 0;   // capacity - used_bytes
-  uint64_t held_bytes = 0;   // bytes of frames held by pools
-  uint64_t free_slots = 0;   // free pages inside held frames, all pools
+  uint64_t free_bytes = 0;  // capacity - used_bytes
+  uint64_t held_bytes = 0;  // bytes of frames held by pools
+  uint64_t free_slots = 0;  // free pages inside held frames, all pools
   // Bytes no page can use: frame tails of held frames + the arena tail.
   uint64_t tail_bytes = 0;
-  double fragmentation = 0;  // see the header comment
+  double fragmentation = 0;      // see the header comment
   std::vector<PoolStats> pools;  // ordered by (page_bytes, encoding)
   // Since the allocator was created.
   uint64_t compactions = 0;  // Compact calls that moved at least one page
@@ -241,9 +242,9 @@ class PageAllocator {
   };
   struct Pool;
   struct Frame {
-    Pool* pool = nullptr;       // null: free
-    std::vector<Page*> slots;   // null: free slot
-    std::vector<uint32_t> free; // free slot numbers, lowest last
+    Pool* pool = nullptr;        // null: free
+    std::vector<Page*> slots;    // null: free slot
+    std::vector<uint32_t> free;  // free slot numbers, lowest last
     uint32_t used = 0;
   };
 

@@ -255,11 +255,9 @@ std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatchOnce(
   return results;
 }
 
-absl::StatusOr<ReadResult> SequenceStore::ReadOnce(absl::string_view tenant_id,
-                                               absl::string_view sequence_id,
-                                               uint32_t layer,
-                                               uint64_t first_token,
-                                               uint32_t num_tokens) {
+absl::StatusOr<ReadResult> SequenceStore::ReadOnce(
+    absl::string_view tenant_id, absl::string_view sequence_id, uint32_t layer,
+    uint64_t first_token, uint32_t num_tokens) {
   TRIAX_ASSIGN_OR_RETURN(LockedSequence locked,
                          LockOwned(tenant_id, sequence_id));
   Sequence& seq = *locked;

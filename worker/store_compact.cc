@@ -41,8 +41,8 @@ absl::Status SequenceStore::AfterCompaction(
              : absl::StrCat("compaction failed: ", c.status().message());
   return absl::Status(
       s.code(), absl::StrCat(s.message(), "; ", what, "; now ", st.free_bytes,
-                             " bytes free, ", st.free_frames, " free frames of ",
-                             st.frame_bytes, " bytes"));
+                             " bytes free, ", st.free_frames,
+                             " free frames of ", st.frame_bytes, " bytes"));
 }
 
 absl::StatusOr<AllocateResult> SequenceStore::AllocatePages(

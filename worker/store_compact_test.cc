@@ -117,12 +117,12 @@ TEST_F(CompactStoreTest, OpenNeedingAllFreeSpaceSucceedsAndSurvivorsAreExact) {
   const uint32_t blocks = static_cast<uint32_t>(can_after / 2);
   ASSERT_GT(uint64_t{blocks} * 2, can_now)
       << "the closes left no fragmentation to compact";
-  ASSERT_THAT(store_
-                  ->AllocatePages(kTenant, "big", m_, kT,
-                                  UniformPlan(blocks * kT, kT, kBf16),
-                                  uint32_t{0})
-                  .status(),
-              IsOk());
+  ASSERT_THAT(
+      store_
+          ->AllocatePages(kTenant, "big", m_, kT,
+                          UniformPlan(blocks * kT, kT, kBf16), uint32_t{0})
+          .status(),
+      IsOk());
   const AllocatorStats after = alloc_->Stats();
   EXPECT_EQ(after.compactions, 1u);
   EXPECT_GT(after.pages_moved, 0u);
@@ -198,9 +198,9 @@ TEST_F(CompactStoreTest, CompactionNeverRacesReaders) {
     const std::string id = absl::StrCat("churn", round);
     Open(id, round % 2 == 0 ? kInt2 : kInt4, 2 * kT, 100 + round);
     if (round % 2 == 1) {
-      ASSERT_THAT(store_->Free(kTenant, absl::StrCat("churn", round - 1))
-                      .status(),
-                  IsOk());
+      ASSERT_THAT(
+          store_->Free(kTenant, absl::StrCat("churn", round - 1)).status(),
+          IsOk());
     }
     if (round == 0) {
       ASSERT_THAT(store_->Free(kTenant, "r0").status(), IsOk());

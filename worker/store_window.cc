@@ -187,8 +187,8 @@ absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
 }
 
 absl::StatusOr<uint64_t> SequenceStore::WriteOnce(absl::string_view tenant_id,
-                                              absl::string_view sequence_id,
-                                              const KvWrite& chunk) {
+                                                  absl::string_view sequence_id,
+                                                  const KvWrite& chunk) {
   TRIAX_ASSIGN_OR_RETURN(LockedSequence seq, LockOwned(tenant_id, sequence_id));
   TRIAX_RETURN_IF_ERROR(WriteLocked(*seq, chunk, ""));
   return chunk.num_tokens;

@@ -111,8 +111,8 @@ TEST(DaemonTest, KvworkerHelpExplainsItselfAndListsItsFlags) {
       AllOf(HasSubstr("triaxkv data plane"), HasSubstr("grpc.health.v1.Health"),
             HasSubstr("Exit status"), HasSubstr("--listen"),
             HasSubstr("--pool_mb"), HasSubstr("--frame_kb"),
-            HasSubstr("--manager"),
-            HasSubstr("--disk_tier_dir"), HasSubstr("--restore_on_attend")));
+            HasSubstr("--manager"), HasSubstr("--disk_tier_dir"),
+            HasSubstr("--restore_on_attend")));
 }
 
 TEST(DaemonTest, KvworkerRefusesContradictingFlagsNamingThem) {
