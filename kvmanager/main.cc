@@ -76,6 +76,14 @@ ABSL_FLAG(uint32_t, window_guard_tokens, 64,
           "by the pressure manager (set it to the workers' --window_tokens)");
 ABSL_FLAG(double, reuse_half_life_ms, 30000,
           "half-life of the reuse probability of an idle sequence's blocks");
+ABSL_FLAG(int64_t, admission_deadline_ms, 5000,
+          "how long the reclaim round of a refused Open / Extend or of a "
+          "ReportAccess(active) restore may run (the call's own deadline "
+          "ends it sooner); > 0");
+ABSL_FLAG(bool, resume_reserve, true,
+          "an Open must fit beside the bytes of spilled blocks of open "
+          "sequences (on its worker and under its tenant's ceiling), so they "
+          "can be restored");
 
 namespace {
 
@@ -120,6 +128,10 @@ absl::Status CheckFlags() {
   if (const int64_t t = absl::GetFlag(FLAGS_worker_rpc_timeout_ms); t <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--worker_rpc_timeout_ms=", t, " must be > 0"));
+  }
+  if (const int64_t d = absl::GetFlag(FLAGS_admission_deadline_ms); d <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--admission_deadline_ms=", d, " must be > 0"));
   }
   if (const int64_t p = absl::GetFlag(FLAGS_pressure_interval_ms); p < 0) {
     return absl::InvalidArgumentError(
@@ -182,6 +194,8 @@ int main(int argc, char** argv) {
     options.window_guard_tokens = absl::GetFlag(FLAGS_window_guard_tokens);
     options.watermarks.high = absl::GetFlag(FLAGS_high_watermark);
     options.watermarks.low = absl::GetFlag(FLAGS_low_watermark);
+    options.admission_deadline_ms = absl::GetFlag(FLAGS_admission_deadline_ms);
+    options.resume_reserve = absl::GetFlag(FLAGS_resume_reserve);
   }
   auto core =
       triax::manager::ManagerCore::Create(options, triax::RealClock::Get());

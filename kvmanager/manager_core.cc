@@ -70,6 +70,11 @@ absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
         "worker_down_timeout_ms ", options.worker_down_timeout_ms,
         " must be > worker_timeout_ms ", options.worker_timeout_ms));
   }
+  if (options.admission_deadline_ms <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("admission_deadline_ms ", options.admission_deadline_ms,
+                     " must be > 0"));
+  }
   if (options.event_retention == 0 || options.watcher_queue_limit == 0) {
     return absl::InvalidArgumentError(
         "event_retention and watcher_queue_limit must be > 0");
@@ -272,6 +277,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
       absl::StatusOr<WorkerRecord*> w = workers_.Place(0);
       *shortfall = AdmissionShortfall{
           tenant->id, w.ok() ? (*w)->info.worker_id : "", bytes};
+      if (w.ok()) HoldForResumeLocked(*tenant, **w, shortfall);
     }
     return st;
   }
@@ -283,11 +289,16 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
         *shortfall = AdmissionShortfall{
             tenant->id, (*w)->info.worker_id,
             WorkerRegistry::AdmissionBytes(**w, bytes, demand)};
+        HoldForResumeLocked(*tenant, **w, shortfall);
       }
     }
     return placed.status();
   }
   WorkerRecord* worker = *placed;
+  if (options_.resume_reserve) {
+    TRIAX_RETURN_IF_ERROR(
+        CheckResumeReserveLocked(*tenant, *worker, bytes, shortfall));
+  }
 
   s->id = sequences_.NewId();
   s->worker = worker;
@@ -745,14 +756,14 @@ absl::StatusOr<CalibrationTableInfo> ManagerCore::GetCalibration(
 
 // --- Memory pressure ---------------------------------------------------------
 
-double ManagerCore::RefreshRanking() {
+double ManagerCore::RefreshRanking(bool spill_tiers) {
   const auto copy_start = std::chrono::steady_clock::now();
   // The blocks are copied in chunks, the mutex released in between, so the
   // hot path never waits for a whole snapshot.
   std::optional<SnapshotBuilder> builder;
   {
     absl::MutexLock lock(&mu_);
-    builder.emplace(pressure_.NewSnapshot());
+    builder.emplace(pressure_.NewSnapshot(spill_tiers));
     builder->Begin(clock_->NowMs());
   }
   while (!builder->done()) {
@@ -814,12 +825,68 @@ absl::StatusOr<TierPlan> ManagerCore::ReportAccess(
 }
 
 absl::Status ManagerCore::FinishTierPlan(
-    uint64_t token, const std::vector<absl::Status>& results) {
+    uint64_t token, const std::vector<absl::Status>& results,
+    TierPlanOutcome* outcome) {
   absl::MutexLock lock(&mu_);
   std::vector<Event> ev;
-  TRIAX_RETURN_IF_ERROR(pressure_.FinishTierPlan(token, results, &ev));
+  TRIAX_RETURN_IF_ERROR(pressure_.FinishTierPlan(token, results, &ev, outcome));
   events_.Append(&ev);
   return absl::OkStatus();
+}
+
+std::string ManagerCore::ExplainShortfall(const AdmissionShortfall& s) const {
+  absl::MutexLock lock(&mu_);
+  return pressure_.ExplainShortfall(s);
+}
+
+uint64_t ManagerCore::ShortBytes(const AdmissionShortfall& s) const {
+  absl::MutexLock lock(&mu_);
+  return pressure_.ShortBytes(s);
+}
+
+absl::Status ManagerCore::CheckResumeReserveLocked(
+    const TenantRecord& tenant, const WorkerRecord& worker, uint64_t bytes,
+    AdmissionShortfall* shortfall) const {
+  const int dev = static_cast<int>(Tier::kDevice);
+  const uint64_t tenant_held = PressureCoordinator::HeldForResume(tenant);
+  const uint64_t worker_held = PressureCoordinator::HeldForResume(worker);
+  std::string refused;
+  if (tenant.budgets[dev]) {
+    const uint64_t ceiling = tenant.budgets[dev]->ceiling_bytes;
+    const uint64_t want = tenant.used[dev] + tenant_held + bytes;
+    if (want > ceiling) {
+      refused = absl::StrCat(
+          "tenant ", Quote(tenant.id), " tier TIER_DEVICE: request needs ",
+          bytes, " bytes, ", tenant.used[dev], " of ceiling ", ceiling,
+          " in use and ", tenant_held,
+          " held for its spilled open sequences to resume; over by ",
+          want - ceiling, " bytes");
+    }
+  }
+  const uint64_t cap = worker.info.capacity_bytes;
+  const uint64_t want = worker.reserved + worker_held + bytes;
+  if (refused.empty() && want > cap) {
+    refused = absl::StrCat(
+        "worker ", Quote(worker.info.worker_id), ": request needs ", bytes,
+        " bytes, ", worker.reserved, " of capacity ", cap, " in use and ",
+        worker_held, " held for spilled open sequences to resume; over by ",
+        want - cap, " bytes");
+  }
+  if (refused.empty()) return absl::OkStatus();
+  if (shortfall != nullptr) {
+    *shortfall = AdmissionShortfall{tenant.id, worker.info.worker_id, bytes};
+    HoldForResumeLocked(tenant, worker, shortfall);
+  }
+  return absl::ResourceExhaustedError(refused);
+}
+
+void ManagerCore::HoldForResumeLocked(const TenantRecord& tenant,
+                                      const WorkerRecord& worker,
+                                      AdmissionShortfall* shortfall) const {
+  if (!options_.resume_reserve) return;
+  shortfall->resume_reserve = true;
+  shortfall->worker_held_bytes = PressureCoordinator::HeldForResume(worker);
+  shortfall->tenant_held_bytes = PressureCoordinator::HeldForResume(tenant);
 }
 
 PressureState ManagerCore::GetPressure(uint32_t top) const {

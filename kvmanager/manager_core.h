@@ -239,6 +239,12 @@ struct ManagerOptions {
   // be still in the worker's BF16 window (not spilled or evicted).
   uint32_t window_guard_tokens = 64;
   size_t max_plan_blocks = 4096;  // blocks one tier plan may act on
+  // An Open must fit beside the device bytes of the spilled blocks of open
+  // sequences (worker's and tenant's), so that they can come back.
+  bool resume_reserve = true;
+  // How long a reclaim round of an admission or a restore may run (the
+  // service also stops at the RPC's deadline); > 0.
+  int64_t admission_deadline_ms = 5000;
 };
 
 class ManagerCore {
@@ -283,7 +289,10 @@ class ManagerCore {
 
   // --- Sequences -------------------------------------------------------------
   // A RESOURCE_EXHAUSTED for the tenant's device ceiling or the worker's
-  // room fills *shortfall (when given), for PlanAdmission.
+  // room fills *shortfall (when given), for PlanAdmission. With
+  // options.resume_reserve an Open also counts, on its worker and under its
+  // tenant's ceiling, the bytes of spilled blocks (host and disk tiers) as
+  // taken: they are held for their open sequences to come back.
   absl::StatusOr<SequenceInfo> OpenSequence(
       const OpenSequenceRequest& req, AdmissionShortfall* shortfall = nullptr);
   absl::StatusOr<ExtendSequenceResult> ExtendSequence(
@@ -348,7 +357,9 @@ class ManagerCore {
   // Builds a snapshot of every rankable block under the lock, ranks it
   // outside the lock (block_ranker.h Rank) and publishes it; the planners below
   // read the published snapshot. Returns the ranking time in ms.
-  double RefreshRanking();
+  // spill_tiers false ranks without spill candidates (each block's cheapest
+  // demotion or eviction), for an Open under the resume reserve.
+  double RefreshRanking(bool spill_tiers = true);
   // Plans actions for every UP worker whose device pool (or host tier) is
   // above its high watermark, down to the low watermark, and for every
   // tenant above its device ceiling (after SetBudget lowered it), down to
@@ -385,8 +396,16 @@ class ManagerCore {
   // successful ones change tiers, encodings, bytes and emit events; failed
   // ones return their reservations. Blocks freed meanwhile are skipped.
   // NOT_FOUND for an unknown token.
+  // *outcome (when given): what was applied, by kind, and the device bytes
+  // freed.
   absl::Status FinishTierPlan(uint64_t token,
-                              const std::vector<absl::Status>& results);
+                              const std::vector<absl::Status>& results,
+                              TierPlanOutcome* outcome = nullptr);
+  // Why PlanAdmission(s) has nothing (more) to take, block counts and bytes
+  // by reason (PressureCoordinator::ExplainShortfall).
+  std::string ExplainShortfall(const AdmissionShortfall& s) const;
+  // Bytes the request of `s` is still over by (0 when it fits).
+  uint64_t ShortBytes(const AdmissionShortfall& s) const;
   // Pools, tenants, the top ranked actions of the snapshot, counters.
   PressureState GetPressure(uint32_t top) const;
 
@@ -398,6 +417,20 @@ class ManagerCore {
  private:
   ManagerCore(const ManagerOptions& options, const Clock* clock);
 
+  // options_.resume_reserve: an Open of `bytes` on `worker` must fit beside
+  // the bytes held for spilled open sequences (worker's and tenant's);
+  // RESOURCE_EXHAUSTED naming both, with *shortfall filled, when not.
+  absl::Status CheckResumeReserveLocked(const TenantRecord& tenant,
+                                        const WorkerRecord& worker,
+                                        uint64_t bytes,
+                                        AdmissionShortfall* shortfall) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks an Open's shortfall with the bytes held for resumption (when
+  // options_.resume_reserve), so that its reclaim takes no spills.
+  void HoldForResumeLocked(const TenantRecord& tenant,
+                           const WorkerRecord& worker,
+                           AdmissionShortfall* shortfall) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A sequence the tenant may mutate: INVALID_ARGUMENT / NOT_FOUND for the
   // tenant, then SequenceTable::FindOpen; with `needs_worker`, UNAVAILABLE
   // naming the worker when it is SUSPECT.

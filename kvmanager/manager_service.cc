@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -12,6 +13,7 @@
 #include "common/ids.h"
 #include "common/log.h"
 #include "kvmanager/convert.h"
+#include "kvmanager/reclaim_round.h"
 
 namespace triax::manager {
 namespace {
@@ -34,9 +36,15 @@ bool HasSpilledBlocks(const SequenceInfo& s) {
   return false;
 }
 
-// Reclaim-and-retry rounds of an admission: each round takes one action per
-// block (e.g. BF16 -> FP8, then FP8 -> INT4, ...).
-constexpr int kAdmissionRounds = 8;
+void ToProto(const ReclaimReport& r, v1::ReclaimSummary* out) {
+  out->set_stages(r.stages);
+  out->set_bytes_freed(r.bytes_freed);
+  out->set_demotions(r.demotions);
+  out->set_spills(r.spills);
+  out->set_evictions(r.evictions);
+  out->set_failed_commands(r.failed_commands);
+}
+
 // The background loop ranks every round while a pool or tenant is over,
 // else every this many rounds.
 constexpr int kIdleRankRounds = 10;
@@ -228,15 +236,23 @@ void ManagerService::PressureLoop(int64_t interval_ms) {
       if (core_->NeedsReclaim() || ++idle_rounds >= kIdleRankRounds) {
         idle_rounds = 0;
         core_->RefreshRanking();
-        RunTierPlan(core_->PlanPressure());
+        // Further stages (blocks acted on ranked again, so a block may be
+        // demoted twice, then spilled) while a pool is still above its high
+        // watermark, each stage applied something, and within one interval.
+        const absl::Time until = absl::Now() + absl::Milliseconds(interval_ms);
+        for (TierPlanOutcome out = RunTierPlan(core_->PlanPressure());
+             out.applied() > 0 && core_->NeedsReclaim() && absl::Now() < until;
+             out = RunTierPlan(core_->PlanPressure())) {
+          core_->RefreshRanking();
+        }
       }
       next_round = absl::Now() + absl::Milliseconds(interval_ms);
     }
   }
 }
 
-void ManagerService::RunTierPlan(const TierPlan& plan) {
-  if (plan.token == 0) return;
+TierPlanOutcome ManagerService::RunTierPlan(const TierPlan& plan) {
+  if (plan.token == 0) return TierPlanOutcome{};
   std::vector<absl::Status> results;
   results.reserve(plan.commands.size());
   uint64_t blocks = 0;
@@ -290,7 +306,8 @@ void ManagerService::RunTierPlan(const TierPlan& plan) {
     }
     results.push_back(std::move(result));
   }
-  absl::Status fin = core_->FinishTierPlan(plan.token, results);
+  TierPlanOutcome outcome;
+  absl::Status fin = core_->FinishTierPlan(plan.token, results, &outcome);
   size_t failed = 0;
   std::string first_error;
   for (const absl::Status& r : results) {
@@ -305,6 +322,18 @@ void ManagerService::RunTierPlan(const TierPlan& plan) {
           Kv("failed", failed),
           failed == 0 ? "" : absl::StrCat(" ", Kv("first_error", first_error)),
           fin.ok() ? "" : absl::StrCat(" ", Kv("error", fin.ToString()))));
+  return outcome;
+}
+
+absl::Time ManagerService::ReclaimDeadline(
+    const grpc::CallbackServerContext* ctx) const {
+  absl::Time deadline =
+      absl::Now() + absl::Milliseconds(core_->options().admission_deadline_ms);
+  if (ctx != nullptr &&
+      ctx->deadline() != std::chrono::system_clock::time_point::max()) {
+    deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
+  }
+  return deadline;
 }
 
 grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
@@ -402,11 +431,17 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
     return reactor;
   }
   // Admission after reclaiming: on the pressure executor.
-  Post([this, reactor, resp, open = std::move(open), shortfall] {
+  Post([this, reactor, resp, open = std::move(open), shortfall,
+        refused = r.status(), deadline = ReclaimDeadline(ctx)] {
+    ReclaimReport report;
     auto again = AdmitAfterReclaim<SequenceInfo>(
-        shortfall,
-        [&](AdmissionShortfall* sf) { return core_->OpenSequence(open, sf); });
-    if (again.ok()) ToProto(*again, resp->mutable_sequence());
+        refused, shortfall, deadline,
+        [&](AdmissionShortfall* sf) { return core_->OpenSequence(open, sf); },
+        &report);
+    if (again.ok()) {
+      ToProto(*again, resp->mutable_sequence());
+      ToProto(report, resp->mutable_reclaimed());
+    }
     reactor->Finish(ToGrpcStatus(again.status()));
   });
   return reactor;
@@ -421,12 +456,17 @@ grpc::ServerUnaryReactor* ManagerService::ExtendSequence(
   auto r = core_->ExtendSequence(extend, &shortfall);
   if (!r.ok() && absl::IsResourceExhausted(r.status()) &&
       shortfall.request_bytes > 0) {
-    Post([this, reactor, resp, extend = std::move(extend), shortfall] {
-      FinishExtend(reactor, resp,
-                   AdmitAfterReclaim<ExtendSequenceResult>(
-                       shortfall, [&](AdmissionShortfall* sf) {
-                         return core_->ExtendSequence(extend, sf);
-                       }));
+    Post([this, reactor, resp, extend = std::move(extend), shortfall,
+          refused = r.status(), deadline = ReclaimDeadline(ctx)] {
+      ReclaimReport report;
+      auto again = AdmitAfterReclaim<ExtendSequenceResult>(
+          refused, shortfall, deadline,
+          [&](AdmissionShortfall* sf) {
+            return core_->ExtendSequence(extend, sf);
+          },
+          &report);
+      if (again.ok()) ToProto(report, resp->mutable_reclaimed());
+      FinishExtend(reactor, resp, std::move(again));
     });
     return reactor;
   }
@@ -443,7 +483,12 @@ void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
     // active=true first, which waits). Extends of sequences with nothing
     // spilled (the common case) never touch the executor.
     const std::string seq = r->sequence.sequence_id;
-    Post([this, seq] { RestoreWithReclaim(seq); });
+    Post([this, seq] {
+      ReclaimReport report;
+      uint32_t blocks = 0;
+      RestoreWithReclaim(seq, ReclaimDeadline(nullptr), &blocks, &report)
+          .IgnoreError();
+    });
   }
   if (!r.ok() || !r->demotion) {
     if (r.ok()) ToProto(*r, resp);
@@ -486,48 +531,46 @@ grpc::ServerUnaryReactor* ManagerService::ReportAccess(
   // (reclaiming room from other sequences if needed), so the frontend's
   // next Attend finds them on the device.
   Post([this, reactor, resp, blocks, plan = std::move(*plan),
-        seq = req->sequence_id()] {
+        seq = req->sequence_id(), deadline = ReclaimDeadline(ctx)] {
     RunTierPlan(plan);
-    const uint32_t restored = RestoreWithReclaim(seq);
+    ReclaimReport report;
+    uint32_t restored = 0;
+    const absl::Status st =
+        RestoreWithReclaim(seq, deadline, &restored, &report);
     resp->set_blocks_prefetching(blocks + restored);
-    reactor->Finish(grpc::Status::OK);
+    if (report.stages > 0) ToProto(report, resp->mutable_reclaimed());
+    reactor->Finish(ToGrpcStatus(st));
   });
   return reactor;
 }
 
 template <typename T>
 absl::StatusOr<T> ManagerService::AdmitAfterReclaim(
-    AdmissionShortfall shortfall,
-    const std::function<absl::StatusOr<T>(AdmissionShortfall*)>& retry) {
-  absl::StatusOr<T> again = absl::ResourceExhaustedError("not retried");
-  for (int round = 0; round < kAdmissionRounds; ++round) {
-    core_->RefreshRanking();
-    const TierPlan plan = core_->PlanAdmission(shortfall);
-    RunTierPlan(plan);
-    again = retry(&shortfall);
-    // Done, another error, or nothing left to reclaim.
-    if (again.ok() || !absl::IsResourceExhausted(again.status()) ||
-        plan.token == 0) {
-      break;
-    }
-  }
+    const absl::Status& refused, AdmissionShortfall shortfall,
+    absl::Time deadline,
+    const std::function<absl::StatusOr<T>(AdmissionShortfall*)>& retry,
+    ReclaimReport* report) {
+  absl::StatusOr<T> again = refused;
+  const absl::Status st = ReclaimRound(
+      core_, refused, &shortfall, deadline,
+      [this](const TierPlan& plan) { return RunTierPlan(plan); },
+      [&](AdmissionShortfall* sf) {
+        again = retry(sf);
+        return again.status();
+      },
+      report);
+  if (!st.ok()) return st;
   return again;
 }
 
-uint32_t ManagerService::RestoreWithReclaim(const std::string& sequence_id) {
-  uint32_t blocks = 0;
-  for (int round = 0; round < kAdmissionRounds; ++round) {
-    AdmissionShortfall shortfall;
-    const TierPlan plan = core_->PlanPrefetch(sequence_id, &shortfall);
-    for (const TierCommand& c : plan.commands) blocks += c.blocks.size();
-    RunTierPlan(plan);
-    if (shortfall.request_bytes == 0) break;
-    core_->RefreshRanking();
-    const TierPlan room = core_->PlanAdmission(shortfall);
-    if (room.token == 0) break;
-    RunTierPlan(room);
-  }
-  return blocks;
+absl::Status ManagerService::RestoreWithReclaim(const std::string& sequence_id,
+                                                absl::Time deadline,
+                                                uint32_t* blocks,
+                                                ReclaimReport* report) {
+  return RestoreRound(
+      core_, sequence_id, deadline,
+      [this](const TierPlan& plan) { return RunTierPlan(plan); }, blocks,
+      report);
 }
 
 grpc::ServerUnaryReactor* ManagerService::GetPressure(

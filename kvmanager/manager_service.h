@@ -31,17 +31,24 @@
 // Memory pressure: one executor thread runs every tier plan (the worker's
 // Demote / Spill / Restore / Evict through the synchronous stub, deadline
 // worker_rpc_timeout_ms, then ManagerCore::FinishTierPlan), in order:
-//   - every pressure_interval_ms (when > 0): RefreshRanking, PlanPressure;
+//   - every pressure_interval_ms (when > 0): RefreshRanking, PlanPressure,
+//     and further stages (ranked again) while a pool is still above its
+//     high watermark and the last stage applied something, within the
+//     interval;
 //   - admission: an OpenSequence or ExtendSequence refused
 //     RESOURCE_EXHAUSTED for the tenant's ceiling or the worker's room is
-//     handed to the executor, which refreshes the ranking, runs
-//     PlanAdmission and retries the call once; the reply is the retry's
-//     (so a rejection reports what is still over, and by how much);
+//     handed to the executor, which runs one reclaim round
+//     (reclaim_round.h: stages of rank, PlanAdmission, apply, retry) until
+//     the call is admitted, nothing is left to take, or the deadline
+//     (ManagerOptions::admission_deadline_ms, or the call's own deadline if
+//     sooner); a success carries the round's ReclaimSummary, a rejection
+//     says what was freed, the bytes still short and why;
 //   - restore: ReportAccess with active=true restores the sequence's spilled
-//     blocks (reclaiming room from other sequences when the pool is full)
-//     and replies when done; every successful Extend does the same in the
-//     background; graph neighbours of reported blocks are restored in the
-//     background below the high watermark.
+//     blocks (a reclaim round from other sequences when they do not fit)
+//     and replies when done, RESOURCE_EXHAUSTED when some could not come
+//     back; every successful Extend does the same in the background; graph
+//     neighbours of reported blocks are restored in the background below
+//     the high watermark.
 //
 // Thread contract: thread-safe. Destroy after the grpc::Server that uses it
 // has been shut down (which ends all watch streams).
@@ -59,6 +66,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "kvmanager/manager_core.h"
+#include "kvmanager/reclaim_round.h"
 #include "triax/v1/manager.grpc.pb.h"
 #include "triax/v1/worker.grpc.pb.h"
 
@@ -147,20 +155,30 @@ class ManagerService final : public v1::Manager::CallbackService {
   // interval_ms > 0 without tasks, one background pressure round.
   void PressureLoop(int64_t interval_ms);
   void Post(std::function<void()> task);
-  // Runs a tier plan's worker calls and commits their outcome.
-  void RunTierPlan(const TierPlan& plan);
+  // Runs a tier plan's worker calls and commits their outcome; returns what
+  // was applied.
+  TierPlanOutcome RunTierPlan(const TierPlan& plan);
+  // The end of a reclaim round for a call: admission_deadline_ms from now,
+  // or the call's deadline if sooner (ctx null: no call).
+  absl::Time ReclaimDeadline(const grpc::CallbackServerContext* ctx) const;
   // Restores a sequence's spilled blocks, reclaiming room from other
-  // sequences (PlanAdmission) for up to kAdmissionRounds rounds; returns the
-  // blocks whose restore was planned. Runs on the executor.
-  uint32_t RestoreWithReclaim(const std::string& sequence_id);
-  // Reclaims for `shortfall` (PlanAdmission) and calls `retry` (which
-  // refills the shortfall), for up to kAdmissionRounds rounds while it is
-  // RESOURCE_EXHAUSTED and something could be reclaimed. Runs on the
+  // sequences (one ReclaimRound, until `deadline`) when they do not fit.
+  // *blocks: restores planned; *report: the reclaim. OK when every spilled
+  // block is back, RESOURCE_EXHAUSTED naming what was freed and what is
+  // still short, or the worker's error. Runs on the executor.
+  absl::Status RestoreWithReclaim(const std::string& sequence_id,
+                                  absl::Time deadline, uint32_t* blocks,
+                                  ReclaimReport* report);
+  // One ReclaimRound for a refused admission: reclaims for `shortfall` and
+  // calls `retry` (which refills it) after each stage, until it is admitted,
+  // fails otherwise, nothing is left to take or `deadline`. Runs on the
   // executor.
   template <typename T>
   absl::StatusOr<T> AdmitAfterReclaim(
-      AdmissionShortfall shortfall,
-      const std::function<absl::StatusOr<T>(AdmissionShortfall*)>& retry);
+      const absl::Status& refused, AdmissionShortfall shortfall,
+      absl::Time deadline,
+      const std::function<absl::StatusOr<T>(AdmissionShortfall*)>& retry,
+      ReclaimReport* report);
   // Finishes an Extend reply: runs its demotion (allocation policies) and
   // queues the prefetch of the sequence's spilled blocks.
   void FinishExtend(grpc::ServerUnaryReactor* reactor,

@@ -1,6 +1,7 @@
 // Manager RPCs over real gRPC that involve policies, a (fake) worker or the
 // tagger: PutPolicy/ListPolicies, DemoteBlocks through the worker, Open and
-// Extend with rendered text, the calibration RPCs.
+// Extend with rendered text, the calibration RPCs, an Open admitted after a
+// reclaim round through the worker (and refused when the worker fails).
 #include "kvmanager/manager_service.h"
 #include "kvmanager/manager_service_test_util.h"
 
@@ -143,6 +144,77 @@ TEST_F(ServiceTest, DemoteBlocksGoesThroughTheWorker) {
   EXPECT_THAT(st.error_message(), HasSubstr("worker \"wd\" Demote: "));
   ASSERT_TRUE(Call(&v1::Manager::Stub::GetSequence, get, &got).ok());
   EXPECT_EQ(got.sequence().blocks(2).format(), v1::FORMAT_INT2);
+}
+
+TEST_F(ServiceTest, RefusedOpenReclaimsThenReportsWhatWasFreed) {
+  FakeWorker fake;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&fake);
+  auto worker_server = builder.BuildAndStart();
+  ASSERT_NE(worker_server, nullptr);
+  v1::RegisterWorkerRequest reg;
+  reg.set_worker_id("wd");
+  reg.set_address("127.0.0.1:" + std::to_string(port));
+  reg.set_backend("cpu");
+  reg.set_capacity_bytes(1ull << 41);  // more room: sequences go here
+  v1::RegisterWorkerResponse reg_resp;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::RegisterWorker, reg, &reg_resp).ok());
+  // 33 blocks (28 outside the window guard) of the default policy's
+  // encodings, 546304 bytes: a second one is over the tenant's 1 MiB.
+  v1::OpenSequenceRequest req = OpenReq();
+  req.mutable_spans(1)->set_num_tokens(500);
+  v1::OpenSequenceResponse first;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::OpenSequence, req, &first).ok());
+  EXPECT_FALSE(first.has_reclaimed());  // it fit: no reclaim ran
+
+  // The worker fails every Demote: the round stops, the refusal says so.
+  {
+    absl::MutexLock lock(&fake.mu);
+    fake.fail = true;
+  }
+  v1::OpenSequenceResponse second;
+  grpc::Status st = Call(&v1::Manager::Stub::OpenSequence, req, &second);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(st.error_message(),
+              HasSubstr("tenant \"acme\" tier TIER_DEVICE"));
+  EXPECT_THAT(st.error_message(),
+              HasSubstr("reclaim freed 0 bytes in 1 stage (0 demotions"));
+  EXPECT_THAT(st.error_message(), HasSubstr("still short by "));
+  EXPECT_THAT(st.error_message(),
+              HasSubstr("worker \"wd\" Demote: pool is full"));
+
+  // The worker demotes: the Open is admitted and says what was freed.
+  {
+    absl::MutexLock lock(&fake.mu);
+    fake.fail = false;
+  }
+  ASSERT_TRUE(Call(&v1::Manager::Stub::OpenSequence, req, &second).ok());
+  ASSERT_TRUE(second.has_reclaimed());
+  EXPECT_GE(second.reclaimed().stages(), 1u);
+  EXPECT_GT(second.reclaimed().demotions(), 0u);
+  EXPECT_GE(second.reclaimed().bytes_freed(),
+            2 * first.sequence().bytes() - (1u << 20));
+  EXPECT_EQ(second.reclaimed().failed_commands(), 0u);
+  v1::GetSequenceRequest get;
+  get.set_tenant_id("acme");
+  get.set_sequence_id(first.sequence().sequence_id());
+  v1::GetSequenceResponse got;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::GetSequence, get, &got).ok());
+  // The first sequence gave exactly what the reply reports.
+  EXPECT_EQ(got.sequence().bytes() + second.reclaimed().bytes_freed(),
+            first.sequence().bytes());
+  {
+    absl::MutexLock lock(&fake.mu);
+    uint32_t demoted = 0;
+    for (const v1::DemoteRequest& d : fake.requests) {
+      EXPECT_EQ(d.sequence_id(), first.sequence().sequence_id());
+      demoted += d.blocks_size();
+    }
+    EXPECT_GE(demoted, second.reclaimed().demotions());
+  }
 }
 
 TEST_F(ServiceTest, OpenAndExtendWithRenderedText) {

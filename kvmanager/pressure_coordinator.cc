@@ -16,6 +16,11 @@ namespace triax::manager {
 namespace {
 
 constexpr size_t kMaxReportIds = 4096;
+// A worker writes a demotion's new pages before it frees the old ones, so a
+// Demote command needs that much free room on the worker while it runs:
+// small commands need little, and the room each frees serves the next one;
+// a command the worker refuses leaves the others of the plan.
+constexpr size_t kMaxDemoteCommandBlocks = 8;
 
 uint64_t Watermark(uint64_t capacity, double fraction) {
   return static_cast<uint64_t>(static_cast<double>(capacity) * fraction);
@@ -108,8 +113,9 @@ void PressureCoordinator::BlockCreated(SequenceRecord* s,
 
 // --- Snapshot ----------------------------------------------------------------
 
-SnapshotBuilder PressureCoordinator::NewSnapshot() const {
+SnapshotBuilder PressureCoordinator::NewSnapshot(bool spill_tiers) const {
   SnapshotBuilder::Options o;
+  o.spill_tiers = spill_tiers;
   o.evict_factor = options_.ranker.evict_factor;
   o.default_evict_distortion = options_.ranker.default_evict_distortion;
   o.window_guard_tokens = options_.window_guard_tokens;
@@ -159,7 +165,8 @@ TierPlan PressureCoordinator::PlanFromPicks(const Picks& picks,
   if (picks.empty()) return plan;
   auto pending = std::make_unique<PendingPlan>();
   const uint64_t token = (*next_token_)++;
-  // One command per (sequence, kind, destination).
+  // One command per (sequence, kind, destination), demotions in commands of
+  // at most kMaxDemoteCommandBlocks blocks.
   std::map<std::tuple<std::string, int, int>, size_t> command_of;
   for (const auto& [b, a] : picks) {
     SequenceRecord* s = SequenceTable::Owner(*b);
@@ -187,6 +194,11 @@ TierPlan PressureCoordinator::PlanFromPicks(const Picks& picks,
     const auto key =
         std::make_tuple(s->id, static_cast<int>(kind), static_cast<int>(to));
     auto [ci, fresh] = command_of.emplace(key, plan.commands.size());
+    if (!fresh && kind == TierCommand::Kind::kDemote &&
+        plan.commands[ci->second].blocks.size() >= kMaxDemoteCommandBlocks) {
+      ci->second = plan.commands.size();
+      fresh = true;
+    }
     if (fresh) {
       TierCommand c;
       c.kind = kind;
@@ -239,12 +251,10 @@ TierPlan PressureCoordinator::PlanFromPicks(const Picks& picks,
   return plan;
 }
 
-void PressureCoordinator::Pick(const PressureSnapshot& snap, uint32_t wi,
-                               Tier tier, uint64_t need,
-                               const TenantRecord* tenant,
-                               const SequenceRecord* exclude, Picks* picks,
-                               absl::flat_hash_set<uint64_t>* taken,
-                               uint64_t* freed) {
+void PressureCoordinator::Pick(
+    const PressureSnapshot& snap, uint32_t wi, Tier tier, uint64_t need,
+    const TenantRecord* tenant, const SequenceRecord* exclude, bool no_spills,
+    Picks* picks, absl::flat_hash_set<uint64_t>* taken, uint64_t* freed) {
   std::array<uint64_t, kNumTiers> worker_add{};
   absl::flat_hash_map<const TenantRecord*, std::array<uint64_t, kNumTiers>>
       tenant_add;
@@ -259,6 +269,10 @@ void PressureCoordinator::Pick(const PressureSnapshot& snap, uint32_t wi,
         if (s == nullptr) return true;
         if (tenant != nullptr && s->tenant != tenant) return true;
         if (s == exclude) return true;
+        if (no_spills && (a.action == PressureAction::kSpillHost ||
+                          a.action == PressureAction::kSpillDisk)) {
+          return true;
+        }
         if (!ActionValid(a, *b, *s, &worker_add,
                          tenant_add[s->tenant].data())) {
           return true;
@@ -319,8 +333,8 @@ TierPlan PressureCoordinator::PlanPressure() {
       const uint64_t need =
           w.reserved - Watermark(cap, options_.watermarks.low);
       uint64_t freed = 0;
-      Pick(snap, wi, Tier::kDevice, need, nullptr, nullptr, &picks, &taken,
-           &freed);
+      Pick(snap, wi, Tier::kDevice, need, nullptr, nullptr, false, &picks,
+           &taken, &freed);
       reasons.push_back(absl::StrCat("worker ", w.info.worker_id, " device ",
                                      w.reserved, "/", cap, " need ", need,
                                      " planned ", freed));
@@ -332,7 +346,7 @@ TierPlan PressureCoordinator::PlanPressure() {
       const uint64_t need =
           host_used - Watermark(host_cap, options_.watermarks.low);
       uint64_t freed = 0;
-      Pick(snap, wi, Tier::kHost, need, nullptr, nullptr, &picks, &taken,
+      Pick(snap, wi, Tier::kHost, need, nullptr, nullptr, false, &picks, &taken,
            &freed);
       reasons.push_back(absl::StrCat("worker ", w.info.worker_id, " host ",
                                      host_used, "/", host_cap, " need ", need,
@@ -348,8 +362,8 @@ TierPlan PressureCoordinator::PlanPressure() {
     uint64_t need = t->used[dev] - t->budgets[dev]->ceiling_bytes;
     uint64_t freed = 0;
     for (uint32_t wi = 0; wi < snap.worker_ids.size() && freed < need; ++wi) {
-      Pick(snap, wi, Tier::kDevice, need - freed, t.get(), nullptr, &picks,
-           &taken, &freed);
+      Pick(snap, wi, Tier::kDevice, need - freed, t.get(), nullptr, false,
+           &picks, &taken, &freed);
     }
     reasons.push_back(absl::StrCat("tenant ", id, " over ceiling by ", need,
                                    " planned ", freed));
@@ -373,12 +387,14 @@ TierPlan PressureCoordinator::PlanAdmission(const AdmissionShortfall& sf) {
   uint64_t tenant_freed = 0;
   if (tenant->budgets[dev]) {
     const uint64_t ceiling = tenant->budgets[dev]->ceiling_bytes;
-    if (tenant->used[dev] + sf.request_bytes > ceiling) {
-      const uint64_t need = tenant->used[dev] + sf.request_bytes - ceiling;
+    const uint64_t want =
+        tenant->used[dev] + sf.tenant_held_bytes + sf.request_bytes;
+    if (want > ceiling) {
+      const uint64_t need = want - ceiling;
       for (uint32_t wi = 0; wi < snap.worker_ids.size() && tenant_freed < need;
            ++wi) {
         Pick(snap, wi, Tier::kDevice, need - tenant_freed, tenant, exclude,
-             &picks, &taken, &tenant_freed);
+             sf.resume_reserve, &picks, &taken, &tenant_freed);
       }
       reasons.push_back(absl::StrCat("tenant ", sf.tenant_id, " ceiling need ",
                                      need, " planned ", tenant_freed));
@@ -392,23 +408,20 @@ TierPlan PressureCoordinator::PlanAdmission(const AdmissionShortfall& sf) {
     const uint64_t cap = w.info.capacity_bytes;
     // Room for the request, then down to the low watermark if that is more
     // (so the next admissions do not each trigger a reclaim).
+    const uint64_t want = w.reserved + sf.worker_held_bytes + sf.request_bytes;
     uint64_t need = 0;
-    if (w.reserved + sf.request_bytes > cap) {
-      need = w.reserved + sf.request_bytes - cap;
-    }
+    if (want > cap) need = want - cap;
     if (need == 0) break;
     const uint64_t low = Watermark(cap, options_.watermarks.low);
-    if (w.reserved + sf.request_bytes > low) {
-      need = std::max(need, w.reserved + sf.request_bytes - low);
-    }
+    if (want > low) need = std::max(need, want - low);
     // Blocks already picked for the tenant's ceiling on this worker count.
     uint64_t freed = 0;
     for (const auto& [b, a] : picks) {
       if (b->worker == &w && a.from == Tier::kDevice) freed += a.bytes_freed;
     }
     if (freed < need) {
-      Pick(snap, wi, Tier::kDevice, need - freed, nullptr, exclude, &picks,
-           &taken, &freed);
+      Pick(snap, wi, Tier::kDevice, need - freed, nullptr, exclude,
+           sf.resume_reserve, &picks, &taken, &freed);
     }
     reasons.push_back(absl::StrCat("worker ", sf.worker_id, " room need ", need,
                                    " planned ", freed));
@@ -566,7 +579,8 @@ TierPlan PressureCoordinator::PlanRestore(const std::vector<BlockRecord*>& want,
 
 absl::Status PressureCoordinator::FinishTierPlan(
     uint64_t token, const std::vector<absl::Status>& results,
-    std::vector<Event>* ev) {
+    std::vector<Event>* ev, TierPlanOutcome* outcome) {
+  TierPlanOutcome out;
   auto pit = pending_.find(token);
   if (pit == pending_.end()) {
     return absl::NotFoundError(
@@ -579,6 +593,7 @@ absl::Status PressureCoordinator::FinishTierPlan(
     const absl::Status st =
         ci < results.size() ? results[ci]
                             : absl::InternalError("no result for the command");
+    if (!st.ok() && out.failed_commands++ == 0) out.first_error = st;
     TenantRecord* t = tenants_->FindOrNull(c.tenant_id);
     WorkerRecord* w = workers_->Find(c.worker_id);
     uint64_t spilled_prev = 0;
@@ -621,6 +636,10 @@ absl::Status PressureCoordinator::FinishTierPlan(
                                   " to=", EncodingString(b->encoding),
                                   " bytes_freed=", freed, " by=pressure");
           ++demotions_;
+          ++out.demotions;
+          if (from == static_cast<int>(Tier::kDevice)) {
+            out.device_bytes_freed += freed;
+          }
           break;
         }
         case TierCommand::Kind::kSpill: {
@@ -628,6 +647,7 @@ absl::Status PressureCoordinator::FinishTierPlan(
           b->charged->used[from] -= b->bytes;
           if (b->tier == Tier::kDevice) {
             b->worker->reserved -= b->bytes;
+            out.device_bytes_freed += b->bytes;
             if (s != nullptr) {
               s->bytes -= b->bytes;
               ++s->spilled;
@@ -645,6 +665,7 @@ absl::Status PressureCoordinator::FinishTierPlan(
           e.detail =
               absl::StrCat("tier=", TierName(item.to), " bytes=", b->bytes);
           ++spills_;
+          ++out.spills;
           break;
         }
         case TierCommand::Kind::kRestore: {
@@ -659,12 +680,14 @@ absl::Status PressureCoordinator::FinishTierPlan(
           e.detail = absl::StrCat("from=", TierName(item.from),
                                   " bytes=", b->bytes, " by=manager");
           ++restores_;
+          ++out.restores;
           break;
         }
         case TierCommand::Kind::kEvict: {
           b->charged->used[from] -= b->bytes;
           if (b->tier == Tier::kDevice) {
             b->worker->reserved -= b->bytes;
+            out.device_bytes_freed += b->bytes;
             if (s != nullptr) s->bytes -= b->bytes;
           } else {
             b->worker->tier_used[from] -= b->bytes;
@@ -675,6 +698,7 @@ absl::Status PressureCoordinator::FinishTierPlan(
           e.detail =
               absl::StrCat("tier=", TierName(b->tier), " bytes=", b->bytes);
           ++evictions_;
+          ++out.evictions;
           break;
         }
       }
@@ -682,7 +706,136 @@ absl::Status PressureCoordinator::FinishTierPlan(
       ev->push_back(std::move(e));
     }
   }
+  if (outcome != nullptr) *outcome = std::move(out);
   return absl::OkStatus();
+}
+
+// --- Shortfalls --------------------------------------------------------------
+
+uint64_t PressureCoordinator::HeldForResume(const WorkerRecord& w) {
+  return w.tier_used[static_cast<int>(Tier::kHost)] +
+         w.tier_used[static_cast<int>(Tier::kDisk)];
+}
+
+uint64_t PressureCoordinator::HeldForResume(const TenantRecord& t) {
+  return t.used[static_cast<int>(Tier::kHost)] +
+         t.used[static_cast<int>(Tier::kDisk)];
+}
+
+uint64_t PressureCoordinator::ShortBytes(const AdmissionShortfall& sf) const {
+  uint64_t short_by = 0;
+  const int dev = static_cast<int>(Tier::kDevice);
+  if (const TenantRecord* t = tenants_->FindOrNull(sf.tenant_id);
+      t != nullptr && t->budgets[dev]) {
+    const uint64_t want =
+        t->used[dev] + sf.tenant_held_bytes + sf.request_bytes;
+    const uint64_t ceiling = t->budgets[dev]->ceiling_bytes;
+    if (want > ceiling) short_by = want - ceiling;
+  }
+  if (const WorkerRecord* w = workers_->Find(sf.worker_id); w != nullptr) {
+    const uint64_t want = w->reserved + sf.worker_held_bytes + sf.request_bytes;
+    const uint64_t cap = w->info.capacity_bytes;
+    if (want > cap) short_by = std::max(short_by, want - cap);
+  }
+  return short_by;
+}
+
+std::string PressureCoordinator::ExplainShortfall(
+    const AdmissionShortfall& sf) const {
+  const WorkerRecord* w = workers_->Find(sf.worker_id);
+  if (w == nullptr) {
+    return absl::StrCat("worker ", Quote(sf.worker_id), " is not known");
+  }
+  // The tenant's own blocks when its ceiling is what is short.
+  const TenantRecord* only = nullptr;
+  const int dev = static_cast<int>(Tier::kDevice);
+  if (const TenantRecord* t = tenants_->FindOrNull(sf.tenant_id);
+      t != nullptr && t->budgets[dev] &&
+      t->used[dev] + sf.tenant_held_bytes + sf.request_bytes >
+          t->budgets[dev]->ceiling_bytes) {
+    only = t;
+  }
+  // What the ranking still offers per block of this worker's device pool.
+  absl::flat_hash_map<uint64_t, PressureAction> offered;
+  if (snapshot_ != nullptr) {
+    const PressureSnapshot& snap = *snapshot_;
+    for (uint32_t wi = 0; wi < snap.worker_ids.size(); ++wi) {
+      if (snap.worker_ids[wi] != sf.worker_id ||
+          wi >= snap.ranking.pools.size() ||
+          snap.ranking.pools[wi].size() <= static_cast<size_t>(dev)) {
+        continue;
+      }
+      for (const RankedAction& a : snap.ranking.pools[wi][dev]) {
+        offered.emplace(a.lineage_id, a.action);
+      }
+    }
+  }
+  enum Reason : int {
+    kBusy = 0,
+    kShared,
+    kWindow,
+    kExcluded,
+    kNothingLeft,
+    kOnlySpill,
+    kOther,
+    kReasons
+  };
+  static constexpr const char* kNames[kReasons] = {
+      "in a tier plan",
+      "shared with a fork",
+      "in the window guard",
+      "of the sequence being resumed",
+      "with nothing left to take (protected from eviction, at their smallest "
+      "encoding, no spill room)",
+      "spillable only (a spill makes no room for a new sequence)",
+      "not taken (changed since the ranking, or the spill tier is full)"};
+  std::array<uint64_t, kReasons> blocks{};
+  std::array<uint64_t, kReasons> bytes{};
+  uint64_t total = 0;
+  for (const SequenceRecord* s : w->open) {
+    if (only != nullptr && s->tenant != only) continue;
+    for (const BlockRecord* b : s->blocks) {
+      if (b->tier != Tier::kDevice || b->evicted || b->bytes == 0) continue;
+      Reason r = kOther;
+      if (b->busy != 0) {
+        r = kBusy;
+      } else if (b->refcount != 1) {
+        r = kShared;
+      } else if (s->id == sf.exclude_sequence_id) {
+        r = kExcluded;
+      } else if (b->num_tokens != b->capacity ||
+                 b->first_token + b->num_tokens + options_.window_guard_tokens >
+                     s->num_tokens) {
+        r = kWindow;
+      } else if (auto it = offered.find(b->lineage_id); it == offered.end()) {
+        r = kNothingLeft;
+      } else if (sf.resume_reserve &&
+                 (it->second == PressureAction::kSpillHost ||
+                  it->second == PressureAction::kSpillDisk)) {
+        r = kOnlySpill;
+      }
+      ++blocks[r];
+      bytes[r] += b->bytes;
+      ++total;
+    }
+  }
+  std::vector<std::string> parts;
+  for (int r = 0; r < kReasons; ++r) {
+    if (blocks[r] == 0) continue;
+    parts.push_back(
+        absl::StrCat(blocks[r], " (", bytes[r], " bytes) ", kNames[r]));
+  }
+  std::string out = absl::StrCat(
+      "device blocks left on worker ", Quote(sf.worker_id),
+      only != nullptr ? absl::StrCat(" of tenant ", Quote(only->id)) : "", ": ",
+      total == 0 ? "none" : absl::StrJoin(parts, ", "));
+  if (sf.resume_reserve &&
+      (sf.worker_held_bytes > 0 || sf.tenant_held_bytes > 0)) {
+    absl::StrAppend(&out, "; ", sf.worker_held_bytes,
+                    " bytes on the worker and ", sf.tenant_held_bytes,
+                    " of the tenant held for spilled open sequences to resume");
+  }
+  return out;
 }
 
 void PressureCoordinator::ApplyWorkerRestores(WorkerRecord* w,

@@ -61,7 +61,9 @@
 namespace triax::manager {
 
 // One worker call of a tier plan; the service runs it and reports the
-// outcome with FinishTierPlan.
+// outcome with FinishTierPlan. A plan has one command per (sequence, kind,
+// destination tier), except demotions: at most 8 blocks per command (the
+// worker needs the new pages free before it frees the old).
 struct TierCommand {
   enum class Kind : int { kDemote = 0, kSpill = 1, kRestore = 2, kEvict = 3 };
   Kind kind = Kind::kDemote;
@@ -91,6 +93,28 @@ struct AdmissionShortfall {
   uint64_t request_bytes = 0;  // device bytes the request needs
   // A sequence whose blocks must not be taken (the one being restored).
   std::string exclude_sequence_id;
+  // An Open that keeps room for the resumption of spilled open sequences:
+  // the request must fit beside worker_held_bytes on the worker and
+  // tenant_held_bytes under the tenant's ceiling (their spilled blocks'
+  // bytes), so spills make no room for it (they only move bytes into that
+  // reserve) and reclaim takes demotions and evictions only.
+  bool resume_reserve = false;
+  uint64_t worker_held_bytes = 0;
+  uint64_t tenant_held_bytes = 0;
+};
+
+// What the worker calls of one tier plan did (FinishTierPlan): actions
+// applied by kind, device-pool bytes freed by demotions, spills and
+// evictions of device blocks, commands that failed and their first error.
+struct TierPlanOutcome {
+  uint64_t device_bytes_freed = 0;
+  uint32_t demotions = 0;
+  uint32_t spills = 0;
+  uint32_t restores = 0;
+  uint32_t evictions = 0;
+  uint32_t failed_commands = 0;
+  absl::Status first_error;  // of the first failed command
+  uint32_t applied() const { return demotions + spills + restores + evictions; }
 };
 
 struct RankedActionInfo {
@@ -161,7 +185,9 @@ class PressureCoordinator {
   // --- Snapshot
   // --------------------------------------------------------------- A builder
   // over the registry and the graph (see pressure_snapshot.h).
-  SnapshotBuilder NewSnapshot() const;
+  // spill_tiers false: ranked without spill candidates (an Open under the
+  // resume reserve, where a spill makes no room).
+  SnapshotBuilder NewSnapshot(bool spill_tiers = true) const;
   // Makes `snapshot` the one the planners read.
   void Publish(std::shared_ptr<const PressureSnapshot> snapshot) {
     snapshot_ = std::move(snapshot);
@@ -198,9 +224,28 @@ class PressureCoordinator {
   // Applies the outcome of a plan's commands (results[i] for commands[i];
   // missing results count as failed), events into *ev. Blocks freed
   // meanwhile are skipped. NOT_FOUND for an unknown token.
+  // *outcome (when given) says what was applied.
   absl::Status FinishTierPlan(uint64_t token,
                               const std::vector<absl::Status>& results,
-                              std::vector<Event>* ev);
+                              std::vector<Event>* ev,
+                              TierPlanOutcome* outcome = nullptr);
+  // Why PlanAdmission(s) found nothing (more) to take: the device blocks
+  // left on s.worker_id (of s.tenant_id when the tenant's ceiling is what
+  // is short), counted with their bytes by the reason they cannot be taken
+  // (in a plan, shared, in the window guard, of the excluded sequence,
+  // nothing left in the ranking for them: protected from eviction and at
+  // their smallest encoding with no spill room, only a spill while
+  // s.resume_reserve). O(blocks of the worker's open sequences).
+  std::string ExplainShortfall(const AdmissionShortfall& s) const;
+  // Bytes s.request_bytes is still over by: the larger of the tenant's
+  // (device ceiling) and the worker's (capacity), each counting the held
+  // bytes of s; 0 when it fits.
+  uint64_t ShortBytes(const AdmissionShortfall& s) const;
+  // Device bytes held for the resumption of spilled blocks: the worker's
+  // host- and disk-tier bytes (every such block belongs to one of its
+  // sequences), and the tenant's.
+  static uint64_t HeldForResume(const WorkerRecord& w);
+  static uint64_t HeldForResume(const TenantRecord& t);
   // Blocks worker `w` restored on its own (restore on Attend, reported by a
   // heartbeat) move back to the device in the accounting; blocks a plan is
   // acting on are left to it.
@@ -230,7 +275,7 @@ class PressureCoordinator {
   // blocks, `exclude` is never taken.
   void Pick(const PressureSnapshot& snap, uint32_t wi, Tier tier, uint64_t need,
             const TenantRecord* tenant, const SequenceRecord* exclude,
-            Picks* picks, absl::flat_hash_set<uint64_t>* taken,
+            bool no_spills, Picks* picks, absl::flat_hash_set<uint64_t>* taken,
             uint64_t* freed);
   TierPlan PlanFromPicks(const Picks& picks, const std::string& reason);
   // `limit_to_high`: restore only below the pool's high watermark (graph

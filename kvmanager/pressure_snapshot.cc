@@ -77,8 +77,10 @@ void SnapshotBuilder::Begin(int64_t now_ms) {
     WorkerView v;
     v.worker_id = id;
     v.capacity[static_cast<int>(Tier::kDevice)] = w->info.capacity_bytes;
-    v.capacity[static_cast<int>(Tier::kHost)] = w->info.host_capacity_bytes;
-    v.capacity[static_cast<int>(Tier::kDisk)] = w->info.disk_capacity_bytes;
+    if (options_.spill_tiers) {
+      v.capacity[static_cast<int>(Tier::kHost)] = w->info.host_capacity_bytes;
+      v.capacity[static_cast<int>(Tier::kDisk)] = w->info.disk_capacity_bytes;
+    }
     v.used[static_cast<int>(Tier::kDevice)] = w->reserved;
     v.used[static_cast<int>(Tier::kHost)] =
         w->tier_used[static_cast<int>(Tier::kHost)];

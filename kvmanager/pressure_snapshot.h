@@ -69,6 +69,10 @@ class SnapshotBuilder {
     double default_evict_distortion = 1.0;
     uint32_t window_guard_tokens = 64;
     size_t chunk_blocks = 4096;  // blocks copied per CopyChunk
+    // False: the workers' host and disk tiers are given to the ranker as
+    // absent, so no block's candidate is a spill (its cheapest demotion or
+    // eviction instead).
+    bool spill_tiers = true;
   };
   // The parts must outlive the builder.
   SnapshotBuilder(const Options& options, const WorkerRegistry& workers,

@@ -85,6 +85,8 @@ TEST(DaemonTest, KvmanagerRefusesContradictingFlagsNamingThem) {
            {"--worker_down_timeout_ms=100", "--worker_timeout_ms=3000"}},
           {{"--worker_rpc_timeout_ms=0"}, {"--worker_rpc_timeout_ms=0"}},
           {{"--pressure_interval_ms=-5"}, {"--pressure_interval_ms=-5"}},
+          {{"--admission_deadline_ms=0"}, {"--admission_deadline_ms=0"}},
+          {{"--admission_deadline_ms=-3"}, {"--admission_deadline_ms=-3"}},
           {{"--default_policy=fastest"}, {"fastest"}},
           {{"--pressure_mode=random"}, {"random"}},
       };

@@ -5,10 +5,11 @@
 // evicts; then every sequence is made active (ReportAccess active=true: the
 // manager has the worker restore its spilled blocks, checksums verified,
 // reclaiming room from others) and attended, and compared with a float64
-// reference
-// over exactly the values its blocks now decode to (evicted blocks' tokens
-// left out). No block may be lost: every lineage id stays in its plan,
-// in a tier or marked evicted, and no BLOCK_LOST event appears.
+// reference over exactly the values its blocks now decode to (a block
+// demoted several times holds each step's re-encoding of the last, as its
+// trace of BLOCK_DEMOTED events says; evicted blocks' tokens left out). No
+// block may be lost: every lineage id stays in its plan, in a tier or marked
+// evicted, and no BLOCK_LOST event appears.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -20,7 +21,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/kv_client.h"
 #include "common/status_matchers.h"
@@ -183,12 +187,29 @@ class MemoryPressureTest : public ::testing::Test {
             rpos.push_back(evicted[i] ? kept - 1 : kept + (p - first));
           }
           if (!evicted[i]) {
-            std::vector<float> dk(n * Elems()), dv(n * Elems());
-            ASSERT_THAT(RoundTripPage(
-                            EncodingFromProto(b), shape_,
-                            &s.k[l][first * Elems()], &s.v[l][first * Elems()],
-                            static_cast<int>(n), dk.data(), dv.data()),
-                        IsOk());
+            std::vector<kernels::Encoding> chain;
+            ASSERT_NO_FATAL_FAILURE(EncodingChain(b.lineage_id(), &chain));
+            ASSERT_FALSE(chain.empty());
+            EXPECT_EQ(chain.back(), EncodingFromProto(b)) << b.lineage_id();
+            std::vector<float> dk(&s.k[l][first * Elems()],
+                                  &s.k[l][(first + n) * Elems()]);
+            std::vector<float> dv(&s.v[l][first * Elems()],
+                                  &s.v[l][(first + n) * Elems()]);
+            // A block demoted more than once holds each step's re-encoding
+            // of the last (the worker decodes, rounds to BF16, encodes).
+            for (size_t c = 0; c < chain.size(); ++c) {
+              for (const kernels::Encoding& e :
+                   c == 0 ? std::vector<kernels::Encoding>{chain[0]}
+                          : std::vector<kernels::Encoding>{
+                                kernels::Encoding(kernels::Format::kBF16),
+                                chain[c]}) {
+                const std::vector<float> ik = dk, iv = dv;
+                ASSERT_THAT(
+                    RoundTripPage(e, shape_, ik.data(), iv.data(),
+                                  static_cast<int>(n), dk.data(), dv.data()),
+                    IsOk());
+              }
+            }
             rk.insert(rk.end(), dk.begin(), dk.end());
             rv.insert(rv.end(), dv.begin(), dv.end());
             kept += n;
@@ -229,6 +250,55 @@ class MemoryPressureTest : public ::testing::Test {
     }
     FAIL() << s.handle.sequence_id
            << ": no stable attempt in 5; last: " << last_problem;
+  }
+
+  // The encodings a block had, oldest first: at BLOCK_CREATED, then after
+  // each BLOCK_DEMOTED (their details' "encoding=" and "to=").
+  void EncodingChain(uint64_t lineage, std::vector<kernels::Encoding>* out) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(10));
+    triax::v1::QueryTraceRequest req;
+    req.set_lineage_id(lineage);
+    triax::v1::QueryTraceResponse resp;
+    ASSERT_TRUE(cluster_->manager()->QueryTrace(&ctx, req, &resp).ok());
+    for (const auto& e : resp.events()) {
+      const char* key = e.kind() == triax::v1::EVENT_BLOCK_CREATED ? "encoding="
+                        : e.kind() == triax::v1::EVENT_BLOCK_DEMOTED ? "to="
+                                                                     : nullptr;
+      if (key == nullptr) continue;
+      std::string name;
+      for (absl::string_view word : absl::StrSplit(e.detail(), ' ')) {
+        if (absl::ConsumePrefix(&word, key)) name = std::string(word);
+      }
+      ASSERT_FALSE(name.empty()) << e.detail();
+      out->push_back(ParseEncodingName(name));
+    }
+  }
+
+  // kernels::EncodingName's text back: "int4", or
+  // "k=int4,v=int2[,g=64][,scale=fp8]".
+  static kernels::Encoding ParseEncodingName(const std::string& name) {
+    kernels::Encoding e;
+    if (name.find('=') == std::string::npos) {
+      kernels::Format f;
+      EXPECT_TRUE(kernels::ParseFormat(name.c_str(), &f)) << name;
+      return kernels::Encoding(f);
+    }
+    for (absl::string_view part : absl::StrSplit(name, ',')) {
+      if (absl::ConsumePrefix(&part, "k=")) {
+        EXPECT_TRUE(kernels::ParseFormat(std::string(part).c_str(), &e.k));
+      } else if (absl::ConsumePrefix(&part, "v=")) {
+        EXPECT_TRUE(kernels::ParseFormat(std::string(part).c_str(), &e.v));
+      } else if (absl::ConsumePrefix(&part, "g=")) {
+        EXPECT_TRUE(absl::SimpleAtoi(part, &e.group)) << name;
+      } else if (part == "scale=fp8") {
+        e.scale_dtype = kernels::ScaleDtype::kFP8;
+      } else {
+        ADD_FAILURE() << "encoding " << name;
+      }
+    }
+    return e;
   }
 
   // Every block's trace: created, never lost or freed.

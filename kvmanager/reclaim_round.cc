@@ -1,0 +1,101 @@
+#include "kvmanager/reclaim_round.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/ids.h"
+
+namespace triax::manager {
+
+std::string ReclaimReport::Summary() const {
+  return absl::StrCat("freed ", bytes_freed, " bytes in ", stages,
+                      stages == 1 ? " stage" : " stages", " (", demotions,
+                      demotions == 1 ? " demotion, " : " demotions, ", spills,
+                      spills == 1 ? " spill, " : " spills, ", evictions,
+                      evictions == 1 ? " eviction)" : " evictions)");
+}
+
+void ReclaimReport::Add(const TierPlanOutcome& o) {
+  ++stages;
+  bytes_freed += o.device_bytes_freed;
+  demotions += o.demotions;
+  spills += o.spills;
+  evictions += o.evictions;
+  if (o.failed_commands > 0 && failed_commands == 0) {
+    first_error = o.first_error.ToString();
+  }
+  failed_commands += o.failed_commands;
+}
+
+absl::Status ReclaimRound(ManagerCore* core, const absl::Status& refused,
+                          AdmissionShortfall* shortfall, absl::Time deadline,
+                          const TierPlanRunner& run, const ReclaimRetry& retry,
+                          ReclaimReport* report) {
+  *report = ReclaimReport{};
+  absl::Status last = refused;
+  while (true) {
+    if (absl::Now() >= deadline) {
+      report->stopped = "the reclaim deadline passed";
+      break;
+    }
+    // An Open under the resume reserve is ranked without spills, so that
+    // each block offers its cheapest demotion or eviction instead.
+    core->RefreshRanking(/*spill_tiers=*/!shortfall->resume_reserve);
+    const TierPlan plan = core->PlanAdmission(*shortfall);
+    if (plan.token == 0) {
+      // Room may have come meanwhile (the background loop, a close).
+      last = retry(shortfall);
+      if (last.ok() || !absl::IsResourceExhausted(last)) return last;
+      report->stopped = absl::StrCat("nothing left to take; ",
+                                     core->ExplainShortfall(*shortfall));
+      break;
+    }
+    const TierPlanOutcome outcome = run(plan);
+    report->Add(outcome);
+    last = retry(shortfall);
+    if (last.ok() || !absl::IsResourceExhausted(last)) return last;
+    if (outcome.applied() == 0) {
+      report->stopped =
+          outcome.failed_commands > 0
+              ? absl::StrCat("no action of the last stage was applied (",
+                             outcome.failed_commands,
+                             " worker calls failed, first: ",
+                             outcome.first_error.ToString(), ")")
+              : "no action of the last stage was applied (its blocks "
+                "changed meanwhile)";
+      break;
+    }
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      last.message(), "; reclaim ", report->Summary(), "; still short by ",
+      core->ShortBytes(*shortfall), " bytes: ", report->stopped));
+}
+
+absl::Status RestoreRound(ManagerCore* core, const std::string& sequence_id,
+                          absl::Time deadline, const TierPlanRunner& run,
+                          uint32_t* blocks, ReclaimReport* report) {
+  *report = ReclaimReport{};
+  // Restores what fits; what does not is the shortfall to reclaim for.
+  auto restore = [&](AdmissionShortfall* sf) -> absl::Status {
+    const TierPlan plan = core->PlanPrefetch(sequence_id, sf);
+    for (const TierCommand& c : plan.commands) *blocks += c.blocks.size();
+    const TierPlanOutcome out = run(plan);
+    if (out.failed_commands > 0) {
+      return absl::Status(
+          out.first_error.code(),
+          absl::StrCat("restore of sequence_id ", Quote(sequence_id),
+                       " failed: ", out.first_error.message()));
+    }
+    if (sf->request_bytes == 0) return absl::OkStatus();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence_id ", Quote(sequence_id), ": ", sf->request_bytes,
+        " bytes of spilled blocks do not fit on worker ",
+        Quote(sf->worker_id)));
+  };
+  AdmissionShortfall shortfall;
+  const absl::Status first = restore(&shortfall);
+  if (!absl::IsResourceExhausted(first)) return first;
+  return ReclaimRound(core, first, &shortfall, deadline, run, restore, report);
+}
+
+}  // namespace triax::manager
