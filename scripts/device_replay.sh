@@ -10,8 +10,10 @@
 # Each NAME=FLAGS starts one pressure_replay with FLAGS (space-separated)
 # plus --data_dir, --out OUT_DIR/NAME.md and --worker_flags=--backend=cpu
 # (appended to a --worker_flags in FLAGS); all run at once. Logs are packed
-# into OUT_DIR/logs.tar.xz to keep the file count low. Exits non-zero when a
-# run fails.
+# into OUT_DIR/logs-LABEL.tar.xz (LABEL: $REPLAY_LABEL, default the bundle's
+# directory name) to keep the file count low. $REPLAY_TIMEOUT_S, when set,
+# stops each run after that many seconds (the device allows 600 s a
+# command). Exits non-zero when a run fails.
 set -uo pipefail
 bundle=$(cd "${1:?usage: scripts/device_replay.sh BUNDLE DATA_TAR_XZ OUT_DIR NAME=FLAGS...}" && pwd)
 data_tar=$(realpath "${2:?DATA_TAR_XZ}")
@@ -37,6 +39,7 @@ for spec in "$@"; do
     esac
   done
   ( start=$SECONDS
+    ${REPLAY_TIMEOUT_S:+timeout "$REPLAY_TIMEOUT_S"} \
     "$bundle/run" "$bundle/bin/pressure_replay" --data_dir="$data" \
       --out="$out/$name.md" --worker_flags="$worker" "${args[@]}" \
       > "$logs/$name.log" 2>&1
@@ -50,6 +53,6 @@ for name in "${!pids[@]}"; do
   wait "${pids[$name]}" || status=1
 done
 cat "$logs/summary.txt"
-tar cJf "$out/logs.tar.xz" -C "$logs" .
+tar cJf "$out/logs-${REPLAY_LABEL:-$(basename "$bundle")}.tar.xz" -C "$logs" .
 rm -rf "$data" "$logs"
 exit $status
