@@ -118,6 +118,12 @@ ABSL_FLAG(bool, report_mass, false,
           "attention mass the turn's queries put on them (measured in the "
           "local fp32 pass of the same tokens); the turn's ReportAccess "
           "(active=true) then names no blocks");
+ABSL_FLAG(std::string, reference_file, "",
+          "local fp32 references (NLL and attention mass per session): read "
+          "from this file when it exists (for the same sessions), else "
+          "computed and written to it; empty: computed, not kept");
+ABSL_FLAG(bool, references_only, false,
+          "compute the references (into --reference_file), then exit");
 ABSL_FLAG(bool, dry_run, false,
           "print the sessions and the pool arithmetic, then exit (no "
           "reference, no cluster)");
@@ -665,24 +671,62 @@ int Main(int argc, char** argv) {
   ps.heads = mc.n_kv_heads;
   ps.head_dim = mc.head_dim();
   const uint64_t bf16_block = kernels::PageBytes(kernels::Encoding(), ps);
+  const std::string ref_file = absl::GetFlag(FLAGS_reference_file);
+  const bool dry = absl::GetFlag(FLAGS_dry_run);
   for (const std::string& id : *ids) {
     auto s = MakeSession(*bfcl, id, absl::GetFlag(FLAGS_bfcl_max_context),
                          absl::GetFlag(FLAGS_max_turns));
     if (!s.ok()) return Fail(absl::StrCat("render ", id), s.status());
-    if (absl::Status st =
-            absl::GetFlag(FLAGS_dry_run)
-                ? absl::OkStatus()
-                : ComputeReference(&ref_tf, setup.chunk, setup.threads,
-                                   absl::GetFlag(FLAGS_report_mass), &*s);
-        !st.ok()) {
-      return Fail(absl::StrCat("reference ", id), st);
-    }
     total_tokens += s->bfcl.tokens.size();
     total_bf16 += Bf16PlanBytes(s->bfcl.tokens.size(), block_tokens, bf16_block,
                                 mc.n_layers);
     std::printf("session %s\n", s->note.c_str());
     std::fflush(stdout);
     sessions.push_back(std::move(*s));
+  }
+  std::vector<size_t> token_counts;
+  token_counts.reserve(sessions.size());
+  for (const Session& s : sessions) token_counts.push_back(s.bfcl.tokens.size());
+  absl::StatusOr<std::vector<SessionReference>> loaded =
+      absl::NotFoundError("no --reference_file");
+  if (!dry && !ref_file.empty()) {
+    loaded = ReadReferences(ref_file, *ids, token_counts);
+    if (!loaded.ok() && !absl::IsNotFound(loaded.status())) {
+      return Fail("--reference_file", loaded.status());
+    }
+  }
+  if (loaded.ok()) {
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      sessions[i].ref_nll = std::move((*loaded)[i].nll);
+      sessions[i].turn_mass = std::move((*loaded)[i].turn_mass);
+      if (absl::GetFlag(FLAGS_report_mass) &&
+          sessions[i].turn_mass.size() != sessions[i].bfcl.turns.size()) {
+        return Fail("--reference_file",
+                    absl::FailedPreconditionError(absl::StrCat(
+                        ref_file, " has no attention mass for ",
+                        sessions[i].bfcl.id, "; --report_mass needs it")));
+      }
+    }
+    std::printf("local fp32 references: read from %s\n", ref_file.c_str());
+  } else if (!dry) {
+    std::vector<SessionReference> refs;
+    for (Session& s : sessions) {
+      // The mass is tracked whenever the references are written, so that
+      // one file serves runs with and without --report_mass.
+      const bool mass = absl::GetFlag(FLAGS_report_mass) || !ref_file.empty();
+      if (absl::Status st = ComputeReference(&ref_tf, setup.chunk,
+                                             setup.threads, mass, &s);
+          !st.ok()) {
+        return Fail(absl::StrCat("reference ", s.bfcl.id), st);
+      }
+      refs.push_back({s.bfcl.id, s.ref_nll, s.turn_mass});
+    }
+    if (!ref_file.empty()) {
+      if (absl::Status st = WriteReferences(ref_file, refs); !st.ok()) {
+        return Fail("--reference_file", st);
+      }
+      std::printf("local fp32 references written to %s\n", ref_file.c_str());
+    }
   }
   std::printf("local fp32 references: %.1f s\n", Seconds(t_ref));
 
@@ -709,7 +753,9 @@ int Main(int argc, char** argv) {
                                 setup.host_mb, setup.disk_mb);
   std::printf("pool: %s\n", arithmetic.c_str());
   std::fflush(stdout);
-  if (absl::GetFlag(FLAGS_dry_run)) return 0;
+  if (absl::GetFlag(FLAGS_dry_run) || absl::GetFlag(FLAGS_references_only)) {
+    return 0;
+  }
   setup.sessions = &sessions;
 
   std::vector<ModeResult> results;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <set>
 
 #include "absl/strings/ascii.h"
@@ -192,6 +193,99 @@ AccessReport BlockWeights(const std::vector<BlockSpan>& blocks,
                   : 0.0f);
   }
   return r;
+}
+
+absl::Status WriteReferences(const std::string& path,
+                             const std::vector<SessionReference>& refs) {
+  std::string text = "triax-replay-reference 1\n";
+  for (const SessionReference& r : refs) {
+    absl::StrAppend(&text, "session ", r.id, " ", r.nll.size(), " ",
+                    r.turn_mass.size(), "\n");
+    for (double x : r.nll) absl::StrAppendFormat(&text, "%.17g\n", x);
+    for (const auto& m : r.turn_mass) {
+      absl::StrAppend(&text, "mass ", m.size(), "\n");
+      for (double x : m) absl::StrAppendFormat(&text, "%.17g\n", x);
+    }
+  }
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot write ", path));
+  }
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (std::fclose(f) != 0 || !ok) {
+    return absl::InternalError(absl::StrCat("writing ", path, " failed"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<SessionReference>> ReadReferences(
+    const std::string& path, const std::vector<std::string>& ids,
+    const std::vector<size_t>& tokens) {
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return absl::NotFoundError(absl::StrCat("no ", path));
+  std::string text;
+  char buf[1 << 16];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) {
+    text.append(buf, n);
+  }
+  std::fclose(f);
+  std::vector<absl::string_view> lines =
+      absl::StrSplit(text, '\n', absl::SkipEmpty());
+  size_t at = 0;
+  auto bad = [&](const std::string& what) {
+    return absl::DataLossError(
+        absl::StrCat(path, " line ", at + 1, ": ", what));
+  };
+  // Each reader consumes its line only when it parses, so `bad` names the
+  // line that did not.
+  auto number = [&](double* x) {
+    if (at >= lines.size() || !absl::SimpleAtod(lines[at], x)) return false;
+    ++at;
+    return true;
+  };
+  if (lines.empty() || lines[at] != "triax-replay-reference 1") {
+    return bad("not a replay reference file (version 1)");
+  }
+  ++at;
+  std::vector<SessionReference> out;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (at >= lines.size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path, " holds ", i, " sessions; want ", ids.size()));
+    }
+    std::vector<absl::string_view> head = absl::StrSplit(lines[at], ' ');
+    size_t n = 0, turns = 0;
+    if (head.size() != 4 || head[0] != "session" ||
+        !absl::SimpleAtoi(head[2], &n) || !absl::SimpleAtoi(head[3], &turns)) {
+      return bad("want \"session ID TOKENS TURNS\"");
+    }
+    ++at;
+    if (head[1] != ids[i] || n != tokens[i]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path, " session ", i, " is ", head[1], " with ", n,
+          " tokens; want ", ids[i], " with ", tokens[i]));
+    }
+    SessionReference r;
+    r.id = ids[i];
+    r.nll.resize(n);
+    for (double& x : r.nll) {
+      if (!number(&x)) return bad("want a number");
+    }
+    for (size_t t = 0; t < turns; ++t) {
+      size_t m = 0;
+      absl::string_view line = at < lines.size() ? lines[at] : "";
+      if (!absl::ConsumePrefix(&line, "mass ") || !absl::SimpleAtoi(line, &m)) {
+        return bad("want \"mass N\"");
+      }
+      ++at;
+      r.turn_mass.emplace_back(m);
+      for (double& x : r.turn_mass.back()) {
+        if (!number(&x)) return bad("want a number");
+      }
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
 }
 
 void ModeResult::AddScore(int session, int turn, double service_nll,

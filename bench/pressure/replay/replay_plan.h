@@ -93,6 +93,26 @@ struct AccessReport {
 AccessReport BlockWeights(const std::vector<BlockSpan>& blocks,
                           const std::vector<double>& token_mass);
 
+// The local fp32 reference of one session, as pressure_replay computes it:
+// the NLL of every focus token (NaN elsewhere) and, by turn, the attention
+// mass the turn's queries put on each earlier token (empty when not
+// tracked).
+struct SessionReference {
+  std::string id;
+  std::vector<double> nll;
+  std::vector<std::vector<double>> turn_mass;
+};
+// A text file of references (exact: every double printed round-trip), so
+// that runs side by side compute them once. ReadReferences checks that the
+// file holds `ids` in that order with the given token counts
+// (FAILED_PRECONDITION naming the first difference; NOT_FOUND when the
+// file is missing; DATA_LOSS when it does not parse).
+absl::Status WriteReferences(const std::string& path,
+                             const std::vector<SessionReference>& refs);
+absl::StatusOr<std::vector<SessionReference>> ReadReferences(
+    const std::string& path, const std::vector<std::string>& ids,
+    const std::vector<size_t>& tokens);
+
 // What one manager mode did to the replay.
 struct ModeResult {
   std::string mode;    // --pressure_mode
