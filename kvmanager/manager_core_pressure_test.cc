@@ -31,8 +31,8 @@ class PressureTest : public ::testing::Test {
  protected:
   // A worker with room for `blocks` BF16 blocks and a host tier of
   // `host_blocks`.
-  void Make(ManagerOptions options, uint64_t blocks, uint64_t host_blocks = 0,
-            uint64_t disk_blocks = 0) {
+  void Make(const ManagerOptions& options, uint64_t blocks,
+            uint64_t host_blocks = 0, uint64_t disk_blocks = 0) {
     auto core = ManagerCore::Create(options, &clock_);
     ASSERT_THAT(core, IsOk());
     core_ = std::move(*core);
@@ -83,7 +83,8 @@ class PressureTest : public ::testing::Test {
   uint64_t Reserved() { return core_->ListWorkers()[0].reserved_bytes; }
 
   // Plays the worker: every command succeeds (or fails with `fail`).
-  void Finish(const TierPlan& plan, absl::Status fail = absl::OkStatus()) {
+  void Finish(const TierPlan& plan,
+              const absl::Status& fail = absl::OkStatus()) {
     ASSERT_NE(plan.token, 0u);
     std::vector<absl::Status> results(plan.commands.size(), fail);
     ASSERT_THAT(core_->FinishTierPlan(plan.token, results), IsOk());
@@ -195,7 +196,7 @@ TEST_F(PressureTest, IdleSequenceIsSpilledActiveOneIsNot) {
   Make(options, 28, /*host_blocks=*/64);
   Tenant("t");
   ASSERT_THAT(Open("t"), IsOk());  // seq-1: goes idle
-  clock_.AdvanceMs(10 * 60 * 1000);
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
   ASSERT_THAT(Open("t"), IsOk());  // seq-2, seq-3: active now
   ASSERT_THAT(Open("t"), IsOk());
   core_->RefreshRanking();
@@ -414,7 +415,7 @@ TEST_F(PressureTest, FailedCommandsReturnReservationsAndFreeTheBlocks) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
   Tenant("t");
   ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(10 * 60 * 1000);
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_THAT(Open("t"), IsOk());
   const uint64_t before = Reserved();
@@ -439,7 +440,7 @@ TEST_F(PressureTest, BlocksClosedWhileBusyLeaveNoBytesBehind) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
   Tenant("t");
   ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(10 * 60 * 1000);
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_THAT(Open("t"), IsOk());
   core_->RefreshRanking();
@@ -459,7 +460,7 @@ TEST_F(PressureTest, WorkerSideRestoresArriveWithTheHeartbeat) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
   Tenant("t");
   ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(10 * 60 * 1000);
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_THAT(Open("t"), IsOk());
   core_->RefreshRanking();
@@ -484,7 +485,7 @@ TEST_F(PressureTest, SpilledBlocksRefuseDemoteAndFork) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
   Tenant("t");
   ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(10 * 60 * 1000);
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_THAT(Open("t"), IsOk());
   core_->RefreshRanking();
@@ -524,7 +525,7 @@ TEST_F(PressureTest, ReportedBlocksPrefetchTheirSpilledGraphNeighbours) {
                Span{Role::kToolResult, Modality::kText, 32},
                Span{Role::kUser, Modality::kText, 80}};
   ASSERT_THAT(core_->OpenSequence(req), IsOk());
-  clock_.AdvanceMs(10 * 60 * 1000);
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_THAT(Open("t"), IsOk());
   core_->RefreshRanking();

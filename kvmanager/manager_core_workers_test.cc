@@ -354,7 +354,7 @@ TEST(WorkersSpillTest, SpilledBlocksComeBackInTheirTier) {
   };
   auto idle = open();
   ASSERT_THAT(idle, IsOk());
-  clock.AdvanceMs(10 * 60 * 1000);
+  clock.AdvanceMs(int64_t{10} * 60 * 1000);
   ASSERT_THAT(core.Heartbeat("w1", Inventory{}, kBoot), IsOk());
   ASSERT_THAT(open(), IsOk());
   ASSERT_THAT(open(), IsOk());

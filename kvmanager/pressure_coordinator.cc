@@ -241,7 +241,7 @@ TierPlan PressureCoordinator::PlanFromPicks(const Picks& picks,
       plan.bytes += b->bytes;
     }
     b->busy = token;
-    c.blocks.push_back(std::move(bp));
+    c.blocks.push_back(bp);
     pc.items.push_back(item);
   }
   if (plan.commands.empty()) return TierPlan{};
@@ -785,8 +785,7 @@ std::string PressureCoordinator::ExplainShortfall(
       "shared with a fork",
       "in the window guard",
       "of the sequence being resumed",
-      "with nothing left to take (protected from eviction, at their smallest "
-      "encoding, no spill room)",
+      "with nothing left to take (protected, smallest encoding, no spill)",
       "spillable only (a spill makes no room for a new sequence)",
       "not taken (changed since the ranking, or the spill tier is full)"};
   std::array<uint64_t, kReasons> blocks{};

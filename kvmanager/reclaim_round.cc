@@ -93,7 +93,7 @@ absl::Status RestoreRound(ManagerCore* core, const std::string& sequence_id,
         Quote(sf->worker_id)));
   };
   AdmissionShortfall shortfall;
-  const absl::Status first = restore(&shortfall);
+  absl::Status first = restore(&shortfall);
   if (!absl::IsResourceExhausted(first)) return first;
   return ReclaimRound(core, first, &shortfall, deadline, run, restore, report);
 }

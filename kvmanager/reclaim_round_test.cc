@@ -34,7 +34,8 @@ class ReclaimRoundTest : public ::testing::Test {
  protected:
   // A worker with room for `blocks` BF16 blocks and a host tier of
   // `host_blocks`.
-  void Make(ManagerOptions options, uint64_t blocks, uint64_t host_blocks = 0) {
+  void Make(const ManagerOptions& options, uint64_t blocks,
+            uint64_t host_blocks = 0) {
     auto core = ManagerCore::Create(options, &clock_);
     ASSERT_THAT(core, IsOk());
     core_ = std::move(*core);
@@ -168,8 +169,7 @@ TEST_F(ReclaimRoundTest, OneRoundCoversAShortfallThatNeedsTwoActionsOnABlock) {
   std::printf(
       "deep round: shortfall %llu bytes covered, %s, %d blocks "
       "demoted twice or more\n",
-      static_cast<unsigned long long>(7 * kBf16), report.Summary().c_str(),
-      twice);
+      7ULL * kBf16, report.Summary().c_str(), twice);
   // What the report says was freed is what the tenant's usage shows.
   EXPECT_EQ(report.bytes_freed, before + 9 * kBf16 - Used("t", Tier::kDevice));
   EXPECT_GE(report.bytes_freed, 7 * kBf16);
@@ -320,7 +320,7 @@ TEST_F(ReclaimRoundTest, SpilledSessionsBytesAreNotTakenByANewOpen) {
     Make(options, 28, /*host_blocks=*/64);
     Tenant("t");
     ASSERT_THAT(Open("t"), IsOk());
-    clock_.AdvanceMs(10 * 60 * 1000);
+    clock_.AdvanceMs(int64_t{10} * 60 * 1000);
     ASSERT_THAT(Open("t"), IsOk());
     ASSERT_THAT(Open("t"), IsOk());
     const size_t spilled = SpillIdle("seq-1");
@@ -358,7 +358,7 @@ TEST_F(ReclaimRoundTest, SpilledSessionsBytesAreNotTakenByANewOpen) {
     // of every block; but the Open's reclaim ranks without spills (a spill
     // would move more bytes into the reserve) and demotes, then the Open
     // fits beside the reserve.
-    clock_.AdvanceMs(10 * 60 * 1000);
+    clock_.AdvanceMs(int64_t{10} * 60 * 1000);
     core_->RefreshRanking();
     const PressureState ranked = core_->GetPressure(1);
     ASSERT_FALSE(ranked.ranked.empty());
@@ -391,7 +391,7 @@ TEST_F(ReclaimRoundTest, ResumptionReclaimsFromOthersFirst) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
   Tenant("t");
   ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(10 * 60 * 1000);
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_THAT(Open("t"), IsOk());
   const size_t spilled = SpillIdle("seq-1");
@@ -426,7 +426,7 @@ TEST_F(ReclaimRoundTest, ResumptionIsRefusedOnlyWhenNothingElseIsReclaimable) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
   Tenant("t");
   ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(10 * 60 * 1000);
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_EQ(SpillIdle("seq-1"), 5u);

@@ -32,6 +32,7 @@ RegisterWorkerRequest Req(const std::string& id, uint64_t capacity,
 
 std::vector<std::string> Ids(const std::vector<WorkerRecord*>& ws) {
   std::vector<std::string> out;
+  out.reserve(ws.size());
   for (const WorkerRecord* w : ws) out.push_back(w->info.worker_id);
   return out;
 }
@@ -241,9 +242,9 @@ TEST(WorkerRegistryTest, IncarnationsAreCheckedAndCompared) {
   req.incarnation = "boot-a";
   req.inventory.formats.push_back(FormatInventory{});
   req.inventory.formats[0].format = static_cast<Format>(42);
-  EXPECT_THAT(WorkerRegistry::ValidateRegistration(req),
-              StatusIs(C::kInvalidArgument,
-                       HasSubstr("inventory.formats[0].format")));
+  EXPECT_THAT(
+      WorkerRegistry::ValidateRegistration(req),
+      StatusIs(C::kInvalidArgument, HasSubstr("inventory.formats[0].format")));
 
   WorkerRecord w;
   RegisterWorkerRequest again = Req("w1", 100);

@@ -61,7 +61,7 @@ TEST(WorkerRoomTest, FitsCountsFramesPoolSlotsAndWhatWasPlannedSince) {
   WorkerRegistry::AddBlocks(kModel, 16, Format::kBF16, 10, &bf16);
   ASSERT_EQ(bf16.size(), 1u);
   EXPECT_EQ(bf16[0].pages, 20u);
-  const uint64_t bytes = 20 * 8192;
+  const uint64_t bytes = uint64_t{20} * 8192;
   // No frames reported yet: bytes only.
   EXPECT_THAT(WorkerRegistry::Fits(*w, bytes, bf16), IsOk());
   EXPECT_EQ(WorkerRegistry::FrameRoomBytes(*w), -1);
@@ -80,9 +80,9 @@ TEST(WorkerRoomTest, FitsCountsFramesPoolSlotsAndWhatWasPlannedSince) {
   Demand int4;
   WorkerRegistry::AddBlocks(kModel, 16, Format::kINT4, 12, &int4);  // 24
   ASSERT_THAT(reg.Heartbeat("w1", Frames(0, 24), 30).status(), IsOk());
-  EXPECT_THAT(WorkerRegistry::Fits(*w, 24 * 2816, int4), IsOk());
+  EXPECT_THAT(WorkerRegistry::Fits(*w, uint64_t{24} * 2816, int4), IsOk());
   ASSERT_THAT(reg.Heartbeat("w1", Frames(0, 23), 40).status(), IsOk());
-  EXPECT_THAT(WorkerRegistry::Fits(*w, 24 * 2816, int4),
+  EXPECT_THAT(WorkerRegistry::Fits(*w, uint64_t{24} * 2816, int4),
               StatusIs(C::kResourceExhausted, HasSubstr("23 free slots")));
 
   // Bytes planned since the heartbeat come off its free frames.
@@ -118,13 +118,13 @@ TEST(WorkerRoomTest, PlacementGoesToAWorkerWhoseFramesFit) {
   ASSERT_THAT(reg.Heartbeat("small", Frames(8), 1).status(), IsOk());
   Demand bf16;
   WorkerRegistry::AddBlocks(kModel, 16, Format::kBF16, 10, &bf16);
-  auto w = reg.Place(20 * 8192, bf16);
+  auto w = reg.Place(uint64_t{20} * 8192, bf16);
   ASSERT_THAT(w, IsOk());
   EXPECT_EQ((*w)->info.worker_id, "small");
   // Neither fits 100 blocks (25 frames): the refusal names the roomiest.
   Demand more;
   WorkerRegistry::AddBlocks(kModel, 16, Format::kBF16, 100, &more);
-  EXPECT_THAT(reg.Place(200 * 8192, more).status(),
+  EXPECT_THAT(reg.Place(uint64_t{200} * 8192, more).status(),
               StatusIs(C::kResourceExhausted,
                        AllOf(HasSubstr("no worker has room"),
                              HasSubstr("small"), HasSubstr("25 frames"))));

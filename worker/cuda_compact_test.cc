@@ -48,7 +48,7 @@ std::vector<uint8_t> Pattern(size_t bytes, uint32_t seed) {
 }
 
 TEST_F(CudaCompactTest, MovedPagesKeepTheirBytes) {
-  auto alloc = PageAllocator::Create(gpu_.get(), 16 * 4096, 4096);
+  auto alloc = PageAllocator::Create(gpu_.get(), size_t{16} * 4096, 4096);
   ASSERT_THAT(alloc.status(), IsOk());
   PageAllocator& a = **alloc;
   // Two encodings in turns: INT4 pages of 1024 bytes, 4 to a frame (4
@@ -118,7 +118,7 @@ TEST_F(CudaCompactTest, StoreAnswersAreBitIdenticalAcrossCompaction) {
       BlockSpec s;
       s.index = b;
       s.lineage_id = 1000 * (i + 1) + b;
-      s.first_token = 16 * b;
+      s.first_token = uint64_t{16} * b;
       s.num_tokens = 16;
       s.encoding = formats[i % 4];
       plan.push_back(s);

@@ -566,6 +566,7 @@ TEST_F(CudaDeviceTest, BatchedAttentionIsBitIdenticalToPerEntry) {
     std::vector<std::vector<float>> outs(4);
     std::vector<absl::Status> st(4);
     std::vector<std::thread> threads;
+    threads.reserve(4);
     for (int t = 0; t < 4; ++t) {
       threads.emplace_back([&, t] {
         for (int rep = 0; rep < 3 && st[t].ok(); ++rep) {

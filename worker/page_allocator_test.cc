@@ -51,13 +51,14 @@ class PageAllocatorTest : public ::testing::Test {
   // Fills a page with a pattern derived from `seed`.
   static void Fill(Page* p, uint32_t seed) {
     for (size_t i = 0; i < p->bytes; ++i) {
-      p->data[i] = static_cast<uint8_t>((seed * 131 + i * 7 + (i >> 8)) & 0xFF);
+      p->data[i] =
+          static_cast<uint8_t>((size_t{seed} * 131 + i * 7 + (i >> 8)) & 0xFF);
     }
   }
   static bool Holds(const Page* p, uint32_t seed) {
     for (size_t i = 0; i < p->bytes; ++i) {
-      if (p->data[i] !=
-          static_cast<uint8_t>((seed * 131 + i * 7 + (i >> 8)) & 0xFF)) {
+      if (p->data[i] != static_cast<uint8_t>(
+                            (size_t{seed} * 131 + i * 7 + (i >> 8)) & 0xFF)) {
         return false;
       }
     }
@@ -148,7 +149,7 @@ TEST_F(PageAllocatorTest, WindowPagesAreCountedApart) {
 
 TEST_F(PageAllocatorTest, ExhaustionNamesPoolBytesAndFrames) {
   // Two 8 KiB frames (and a 2 KiB arena tail): two 8 KiB pages fit.
-  Make(18 * 1024, 8 << 10);
+  Make(size_t{18} * 1024, 8 << 10);
   auto a = alloc_->Allocate(Format::kINT4, 8192, PageUse::kTarget);
   auto b = alloc_->Allocate(Format::kINT4, 8192, PageUse::kTarget);
   ASSERT_THAT(a.status(), IsOk());
@@ -197,7 +198,7 @@ TEST_F(PageAllocatorTest, RejectsBadPageAndFrameSizes) {
 // Interleaved encodings leave sparse frames; a different encoding then needs
 // whole frames, which only compaction can free.
 TEST_F(PageAllocatorTest, CompactionFreesFramesForAnotherEncoding) {
-  Make(8 * 4096, 4096);  // 8 frames of 4 KiB
+  Make(size_t{8} * 4096, 4096);  // 8 frames of 4 KiB
   const kernels::Encoding a = Format::kINT4, b = Format::kINT2;
   // A: 1 KiB pages (4 a frame), B: 512 B pages (8 a frame). Allocate in turns
   // so each pool spreads over several frames.
@@ -297,7 +298,7 @@ TEST_F(PageAllocatorTest, CompactionFreesFramesForAnotherEncoding) {
 // A page shared three ways is one Page object: it moves once and every
 // holder sees the new address.
 TEST_F(PageAllocatorTest, SharedPageMovesOnce) {
-  Make(4 * 4096, 4096);
+  Make(size_t{4} * 4096, 4096);
   std::vector<Page*> first, second;
   for (int i = 0; i < 4; ++i) {
     auto p = alloc_->Allocate(Format::kINT4, 1024, PageUse::kTarget);

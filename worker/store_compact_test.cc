@@ -75,7 +75,7 @@ class CompactStoreTest : public StoreTest {
 TEST_F(CompactStoreTest, OpenNeedingAllFreeSpaceSucceedsAndSurvivorsAreExact) {
   // Frames of two BF16 pages of this shape.
   const size_t bf16_page = kernels::PageBytes(kBf16, {kT, 2, 64});
-  Make(0, 24 * 2 * bf16_page, 2 * bf16_page);
+  Make(0, size_t{24} * 2 * bf16_page, 2 * bf16_page);
   const Format formats[] = {kInt4, kInt2, kBf16};
   std::vector<std::string> ids;
   for (int i = 0; i < 12; ++i) {
@@ -168,7 +168,7 @@ TEST_F(CompactStoreTest, ShapesWhosePagesExceedAFrameAreRefusedAtOpen) {
 // answer equals the one before any page moved.
 TEST_F(CompactStoreTest, CompactionNeverRacesReaders) {
   const size_t bf16_page = kernels::PageBytes(kBf16, {kT, 2, 64});
-  Make(0, 64 * 2 * bf16_page, 2 * bf16_page);
+  Make(0, size_t{64} * 2 * bf16_page, 2 * bf16_page);
   for (int i = 0; i < 6; ++i) {
     Open(absl::StrCat("r", i), i % 2 == 0 ? kInt4 : kBf16, 2 * kT, 40 + i);
   }
@@ -182,6 +182,7 @@ TEST_F(CompactStoreTest, CompactionNeverRacesReaders) {
   std::atomic<bool> stop{false};
   std::atomic<int> mismatches{0}, answers{0};
   std::vector<std::thread> readers;
+  readers.reserve(2);
   for (int t = 0; t < 2; ++t) {
     readers.emplace_back([&] {
       while (!stop.load()) {

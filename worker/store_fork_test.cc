@@ -74,7 +74,8 @@ TEST_F(StoreTest, ForkSharesFullBlocksAndCopiesThePartialOne) {
   auto parent_read = store_->Read(kTenant, "p", 0, 32, 22);
   ASSERT_THAT(parent_read.status(), IsOk());
   EXPECT_EQ(parent_read->k,
-            std::vector<float>(kv[0].kr.begin() + 32 * 64, kv[0].kr.end()));
+            std::vector<float>(kv[0].kr.begin() + std::ptrdiff_t{32} * 64,
+                               kv[0].kr.end()));
 
   // Freeing the parent keeps the shared pages alive for the child.
   auto child_before = Attend("c", 1, q, 1, {20});

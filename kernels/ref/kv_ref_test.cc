@@ -269,7 +269,7 @@ TEST(KvRefTest, Bf16IsExact) {
   EXPECT_EQ(vd, Bf16VecToFloat(v));
   // Head-major placement: token 5, head 2, dim 3 of K.
   uint16_t stored;
-  std::memcpy(&stored, page.data() + size_t{((2 * 16 + 5) * 24 + 3) * 2}, 2);
+  std::memcpy(&stored, page.data() + (size_t{2 * 16 + 5} * 24 + 3) * 2, 2);
   EXPECT_EQ(stored, k[(5 * 4 + 2) * 24 + 3]);
 }
 
@@ -285,7 +285,7 @@ TEST(KvRefTest, ConstantInputDecodesExactly) {
       for (int d = 0; d < D; ++d) {
         k[(t * H + h) * D + d] = FloatToBf16(0.25f * (d % 16 - 8) + h);
         v[(t * H + h) * D + d] =
-            FloatToBf16(-0.25f * (t % 8) + static_cast<float>(d / 32));
+            FloatToBf16(-0.25f * (t % 8) + static_cast<float>(d >> 5));
       }
     }
   }

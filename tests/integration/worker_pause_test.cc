@@ -95,7 +95,7 @@ void PauseAndResume(const ClusterOptions& o, bool past_down) {
       (*client)->Open(model, {MakeSpan(triax::v1::ROLE_USER, 16)}, "bf16", 16);
   ASSERT_THAT(closed, IsOk());
   std::mt19937 rng(2026);
-  const size_t per_token = model.n_kv_heads() * model.head_dim();
+  const size_t per_token = size_t{model.n_kv_heads()} * model.head_dim();
   for (uint32_t l = 0; l < model.n_layers(); ++l) {
     auto k = RandomVector(36 * per_token, &rng);
     auto v = RandomVector(36 * per_token, &rng);
@@ -105,7 +105,7 @@ void PauseAndResume(const ClusterOptions& o, bool past_down) {
                 IsOk());
   }
   std::vector<float> q =
-      RandomVector(model.n_q_heads() * model.head_dim(), &rng);
+      RandomVector(size_t{model.n_q_heads()} * model.head_dim(), &rng);
   std::vector<float> before(q.size()), after(q.size());
   const uint64_t pos = 35;
   client::Client::AttendArgs a;
