@@ -242,11 +242,11 @@ int main(int argc, char** argv) {
   health->SetServingStatus(kServiceName, true);
   std::cout << "kvmanager listening on " << host << ":" << port << std::endl;
   Log(LogLevel::kInfo, "manager", "listening",
-      absl::StrCat(Kv("address", absl::StrCat(host, ":", port)), " ",
-                   Kv("default_policy", options.default_policy), " ",
-                   Kv("worker_timeout_ms", options.worker_timeout_ms), " ",
-                   Kv("worker_down_timeout_ms",
-                      options.worker_down_timeout_ms)));
+      absl::StrCat(
+          Kv("address", absl::StrCat(host, ":", port)), " ",
+          Kv("default_policy", options.default_policy), " ",
+          Kv("worker_timeout_ms", options.worker_timeout_ms), " ",
+          Kv("worker_down_timeout_ms", options.worker_down_timeout_ms)));
 
   int sig = 0;
   sigwait(&signals, &sig);

@@ -93,11 +93,11 @@ absl::StatusOr<SequenceRecord*> ManagerCore::FindOpenSequenceLocked(
   TRIAX_ASSIGN_OR_RETURN(SequenceRecord * s,
                          sequences_.FindOpen(*tenant, field, sequence_id));
   if (needs_worker && s->worker->info.state == WorkerState::kSuspect) {
-    return absl::UnavailableError(absl::StrCat(
-        "worker ", Quote(s->worker->info.worker_id), " of ", field, " ",
-        Quote(sequence_id), " is suspect (no heartbeat for ",
-        clock_->NowMs() - s->worker->info.last_heartbeat_unix_ms,
-        " ms); retry once it is back"));
+    return absl::UnavailableError(
+        absl::StrCat("worker ", Quote(s->worker->info.worker_id), " of ", field,
+                     " ", Quote(sequence_id), " is suspect (no heartbeat for ",
+                     clock_->NowMs() - s->worker->info.last_heartbeat_unix_ms,
+                     " ms); retry once it is back"));
   }
   return s;
 }

@@ -268,9 +268,9 @@ class ManagerCore {
   // ("re-register") for an unknown or DOWN worker; INVALID_ARGUMENT
   // (incarnation missing for a worker registered with one, or malformed),
   // FAILED_PRECONDITION (another incarnation: a stale process).
-  absl::StatusOr<HeartbeatResult> Heartbeat(const std::string& worker_id,
-                                            const Inventory& inventory,
-                                            const std::string& incarnation = "");
+  absl::StatusOr<HeartbeatResult> Heartbeat(
+      const std::string& worker_id, const Inventory& inventory,
+      const std::string& incarnation = "");
   std::vector<WorkerInfo> ListWorkers() const;
   // Marks SUSPECT every UP worker without a heartbeat for more than
   // worker_timeout_ms (WORKER_SUSPECT; ids into *suspect when given), and

@@ -344,14 +344,13 @@ grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
     Log(LogLevel::kInfo, "manager", "worker registered",
-        absl::StrCat(Kv("worker_id", req->worker_id()), " ",
-                     Kv("address", req->address()), " ",
-                     Kv("capacity_bytes", req->capacity_bytes()), " ",
-                     Kv("lost_sequences", r->lost_sequence_ids.size()), " ",
-                     Kv("recovered_sequences",
-                        r->recovered_sequence_ids.size()),
-                     " ",
-                     Kv("release_sequences", r->release_sequence_ids.size())));
+        absl::StrCat(
+            Kv("worker_id", req->worker_id()), " ",
+            Kv("address", req->address()), " ",
+            Kv("capacity_bytes", req->capacity_bytes()), " ",
+            Kv("lost_sequences", r->lost_sequence_ids.size()), " ",
+            Kv("recovered_sequences", r->recovered_sequence_ids.size()), " ",
+            Kv("release_sequences", r->release_sequence_ids.size())));
     return absl::OkStatus();
   });
 }

@@ -62,12 +62,11 @@ absl::StatusOr<WorkerRecord*> WorkerRegistry::FindForRegistration(
   if (it == workers_.end()) return nullptr;
   WorkerRecord* w = it->second.get();
   if (w->info.state != WorkerState::kDown && w->info.address != req.address) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("worker_id ", Quote(req.worker_id), " is ",
-                     w->info.state == WorkerState::kUp ? "up" : "suspect",
-                     " at address ",
-                     Quote(w->info.address), "; a worker at address ",
-                     Quote(req.address), " cannot take it"));
+    return absl::AlreadyExistsError(absl::StrCat(
+        "worker_id ", Quote(req.worker_id), " is ",
+        w->info.state == WorkerState::kUp ? "up" : "suspect", " at address ",
+        Quote(w->info.address), "; a worker at address ", Quote(req.address),
+        " cannot take it"));
   }
   return w;
 }

@@ -29,9 +29,9 @@
 // Error codes: INVALID_ARGUMENT (a bad field, named with its value),
 // ALREADY_EXISTS (the id is UP or SUSPECT at another address), NOT_FOUND
 // (heartbeat of an unknown or DOWN worker: "re-register"),
-// FAILED_PRECONDITION (heartbeat of another incarnation), UNAVAILABLE (no worker up with
-// a healthy device), RESOURCE_EXHAUSTED (no room: the message says how many
-// bytes are missing).
+// FAILED_PRECONDITION (heartbeat of another incarnation), UNAVAILABLE (no
+// worker up with a healthy device), RESOURCE_EXHAUSTED (no room: the message
+// says how many bytes are missing).
 //
 // Thread contract: not thread-safe; ManagerCore calls it with mu_ held. The
 // static Validate* functions are pure (ManagerCore runs them before taking
@@ -98,9 +98,10 @@ class WorkerRegistry {
   // when `incarnation` is empty and FAILED_PRECONDITION when it differs
   // (a stale process); FAILED_PRECONDITION too when the worker registered
   // without one and `incarnation` is set.
-  absl::StatusOr<WorkerRecord*> Heartbeat(
-      const std::string& worker_id, const Inventory& inventory, int64_t now_ms,
-      const std::string& incarnation = "");
+  absl::StatusOr<WorkerRecord*> Heartbeat(const std::string& worker_id,
+                                          const Inventory& inventory,
+                                          int64_t now_ms,
+                                          const std::string& incarnation = "");
   // Workers in `state` silent for more than timeout_ms at now_ms, ordered by
   // id.
   std::vector<WorkerRecord*> Silent(int64_t now_ms, int64_t timeout_ms,

@@ -125,9 +125,8 @@ void ManagerLink::Run() {
                                             resp.lost_sequence_ids().end()));
         }
         if (resp.release_sequence_ids_size() > 0 && on_lost_) {
-          on_lost_(
-              std::vector<std::string>(resp.release_sequence_ids().begin(),
-                                       resp.release_sequence_ids().end()));
+          on_lost_(std::vector<std::string>(resp.release_sequence_ids().begin(),
+                                            resp.release_sequence_ids().end()));
         }
       } else {
         // Log the first failure and then every 25th (~5 s), not every retry.
@@ -156,13 +155,12 @@ void ManagerLink::Run() {
       if (resp.release_sequence_ids_size() > 0) {
         Log(LogLevel::kInfo, "worker",
             "releasing sequences the manager does not hold",
-            absl::StrCat(kvs, " ", Kv("sequences",
-                                       absl::StrJoin(
-                                           resp.release_sequence_ids(), ","))));
+            absl::StrCat(kvs, " ",
+                         Kv("sequences",
+                            absl::StrJoin(resp.release_sequence_ids(), ","))));
         if (on_lost_) {
-          on_lost_(
-              std::vector<std::string>(resp.release_sequence_ids().begin(),
-                                       resp.release_sequence_ids().end()));
+          on_lost_(std::vector<std::string>(resp.release_sequence_ids().begin(),
+                                            resp.release_sequence_ids().end()));
         }
       }
       absl::MutexLock lock(&mu_);

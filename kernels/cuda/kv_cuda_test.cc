@@ -38,6 +38,7 @@ namespace triax::kernels::cuda {
 namespace {
 
 using ::testing::HasSubstr;
+using triax::kernels::testing::SameBits;
 using triax::testing::IsOk;
 using triax::testing::StatusIs;
 
@@ -586,7 +587,7 @@ TEST_F(KvCudaTest, AttentionFormatHint) {
   const size_t per_seq = static_cast<size_t>(n_q) * D;
   for (size_t i = 0; i < q.size(); ++i) {
     ASSERT_TRUE(std::isfinite(none[i])) << i;
-    ASSERT_TRUE(testing::SameBits(&none[i], &exact[i], 1)) << i;
+    ASSERT_TRUE(SameBits(&none[i], &exact[i], 1)) << i;
   }
   // Leave out each sequence's encoding in turn.
   for (int missing = 0; missing < batch; ++missing) {
@@ -599,7 +600,7 @@ TEST_F(KvCudaTest, AttentionFormatHint) {
         if (b == missing) {
           ASSERT_TRUE(std::isnan(got[i])) << "sequence " << b << " at " << i;
         } else {
-          ASSERT_TRUE(testing::SameBits(&none[i], &got[i], 1))
+          ASSERT_TRUE(SameBits(&none[i], &got[i], 1))
               << "sequence " << b << " at " << i;
         }
       }
@@ -688,13 +689,11 @@ TEST_F(KvCudaTest, AttentionPagesPerShareIsBatchInvariant) {
     const auto all = run({0, 1, 2}, splits);
     const auto rev = run({2, 0}, splits);
     for (int b = 0; b < batch; ++b) {
-      ASSERT_TRUE(
-          testing::SameBits(all.data() + b * per_seq, alone[b].data(), per_seq))
+      ASSERT_TRUE(SameBits(all.data() + b * per_seq, alone[b].data(), per_seq))
           << "sequence " << b << " batched vs alone";
     }
-    ASSERT_TRUE(testing::SameBits(rev.data(), alone[2].data(), per_seq));
-    ASSERT_TRUE(
-        testing::SameBits(rev.data() + per_seq, alone[0].data(), per_seq));
+    ASSERT_TRUE(SameBits(rev.data(), alone[2].data(), per_seq));
+    ASSERT_TRUE(SameBits(rev.data() + per_seq, alone[0].data(), per_seq));
   }
   for (int b = 0; b < batch; ++b) {
     std::vector<float> ref_out(per_seq, NAN);
@@ -949,9 +948,8 @@ TEST(KvCudaSchedulingTest, SplitsFillWaves) {
       ASSERT_GE(s, 1);
       ASSERT_LE(s, 64);
       const long long slots = 132LL * per_sm, n = ctas * s;
-      const auto whole_waves = (n + slots - 1) / slots;  // rounded up
-      const double fill =
-          static_cast<double>(n) / (static_cast<double>(whole_waves) * slots);
+      const long long waves = (n + slots - 1) / slots;  // rounded up
+      const double fill = double(n) / double(waves * slots);
       if (ctas * 64 >= slots) {
         EXPECT_GE(fill, 0.9) << ctas << " CTAs, " << per_sm << " per SM";
       }

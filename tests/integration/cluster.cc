@@ -28,8 +28,7 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
   std::vector<std::string> manager_args = {
       "--listen=127.0.0.1:0",
       absl::StrCat("--worker_timeout_ms=", options.worker_timeout_ms),
-      absl::StrCat("--worker_down_timeout_ms=",
-                   options.worker_down_timeout_ms),
+      absl::StrCat("--worker_down_timeout_ms=", options.worker_down_timeout_ms),
       absl::StrCat("--heartbeat_interval_ms=", options.heartbeat_interval_ms)};
   manager_args.insert(manager_args.end(), options.manager_flags.begin(),
                       options.manager_flags.end());

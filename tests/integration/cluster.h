@@ -20,7 +20,7 @@ namespace triax::testing {
 
 struct ClusterOptions {
   int num_workers = 1;
-  int worker_timeout_ms = 5000;  // silent this long: SUSPECT
+  int worker_timeout_ms = 5000;        // silent this long: SUSPECT
   int worker_down_timeout_ms = 20000;  // silent this long: DOWN
   int heartbeat_interval_ms = 100;
   int pool_mb = 64;

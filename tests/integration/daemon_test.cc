@@ -66,8 +66,8 @@ TEST(DaemonTest, KvmanagerHelpExplainsItselfAndListsItsFlags) {
       AllOf(HasSubstr("triaxkv control plane"),
             HasSubstr("grpc.health.v1.Health"), HasSubstr("Exit status"),
             HasSubstr("--listen"), HasSubstr("--worker_timeout_ms"),
-            HasSubstr("--worker_down_timeout_ms"),
-            HasSubstr("--pressure_mode"), HasSubstr("--high_watermark")));
+            HasSubstr("--worker_down_timeout_ms"), HasSubstr("--pressure_mode"),
+            HasSubstr("--high_watermark")));
 }
 
 TEST(DaemonTest, KvmanagerRefusesContradictingFlagsNamingThem) {

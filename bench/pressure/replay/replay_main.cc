@@ -686,7 +686,8 @@ int Main(int argc, char** argv) {
   }
   std::vector<size_t> token_counts;
   token_counts.reserve(sessions.size());
-  for (const Session& s : sessions) token_counts.push_back(s.bfcl.tokens.size());
+  for (const Session& s : sessions)
+    token_counts.push_back(s.bfcl.tokens.size());
   absl::StatusOr<std::vector<SessionReference>> loaded =
       absl::NotFoundError("no --reference_file");
   if (!dry && !ref_file.empty()) {
@@ -714,8 +715,8 @@ int Main(int argc, char** argv) {
       // The mass is tracked whenever the references are written, so that
       // one file serves runs with and without --report_mass.
       const bool mass = absl::GetFlag(FLAGS_report_mass) || !ref_file.empty();
-      if (absl::Status st = ComputeReference(&ref_tf, setup.chunk,
-                                             setup.threads, mass, &s);
+      if (absl::Status st =
+              ComputeReference(&ref_tf, setup.chunk, setup.threads, mass, &s);
           !st.ok()) {
         return Fail(absl::StrCat("reference ", s.bfcl.id), st);
       }

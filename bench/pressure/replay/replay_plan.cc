@@ -250,8 +250,8 @@ absl::StatusOr<std::vector<SessionReference>> ReadReferences(
   std::vector<SessionReference> out;
   for (size_t i = 0; i < ids.size(); ++i) {
     if (at >= lines.size()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path, " holds ", i, " sessions; want ", ids.size()));
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, " holds ", i, " sessions; want ", ids.size()));
     }
     std::vector<absl::string_view> head = absl::StrSplit(lines[at], ' ');
     size_t n = 0, turns = 0;
@@ -261,9 +261,9 @@ absl::StatusOr<std::vector<SessionReference>> ReadReferences(
     }
     ++at;
     if (head[1] != ids[i] || n != tokens[i]) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path, " session ", i, " is ", head[1], " with ", n,
-          " tokens; want ", ids[i], " with ", tokens[i]));
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, " session ", i, " is ", head[1], " with ", n,
+                       " tokens; want ", ids[i], " with ", tokens[i]));
     }
     SessionReference r;
     r.id = ids[i];

@@ -215,15 +215,15 @@ TEST(IdleRounds, BadInput) {
 }
 
 TEST(References, RoundTripExactlyAndCheckTheSessions) {
-  const std::string path =
-      ::testing::TempDir() + "/replay_references_test.txt";
+  const std::string path = ::testing::TempDir() + "/replay_references_test.txt";
   std::vector<SessionReference> refs = {
-      {"multi_turn_base_1", {std::nan(""), 0.1, 1.0 / 3, 2.5e-300},
+      {"multi_turn_base_1",
+       {std::nan(""), 0.1, 1.0 / 3, 2.5e-300},
        {{0.5, 0.25}, {1e-17, 7.0, 3.0}}},
       {"multi_turn_base_2", {std::nan(""), 9.75}, {}}};
   ASSERT_THAT(WriteReferences(path, refs), IsOk());
-  auto back = ReadReferences(path, {"multi_turn_base_1", "multi_turn_base_2"},
-                             {4, 2});
+  auto back =
+      ReadReferences(path, {"multi_turn_base_1", "multi_turn_base_2"}, {4, 2});
   ASSERT_THAT(back, IsOk());
   ASSERT_EQ(back->size(), 2u);
   EXPECT_TRUE(std::isnan((*back)[0].nll[0]));
@@ -231,10 +231,10 @@ TEST(References, RoundTripExactlyAndCheckTheSessions) {
   EXPECT_EQ((*back)[0].turn_mass, refs[0].turn_mass);
   EXPECT_EQ((*back)[1].nll[1], 9.75);
   EXPECT_TRUE((*back)[1].turn_mass.empty());
-  EXPECT_THAT(ReadReferences(path, {"multi_turn_base_1", "multi_turn_base_3"},
-                             {4, 2}),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("multi_turn_base_3")));
+  EXPECT_THAT(
+      ReadReferences(path, {"multi_turn_base_1", "multi_turn_base_3"}, {4, 2}),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               HasSubstr("multi_turn_base_3")));
   EXPECT_THAT(ReadReferences(path, {"multi_turn_base_1"}, {5}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("with 4 tokens; want multi_turn_base_1 "
@@ -245,9 +245,10 @@ TEST(References, RoundTripExactlyAndCheckTheSessions) {
   {
     std::FILE* f = std::fopen(path.c_str(), "w");
     ASSERT_NE(f, nullptr);
-    std::fputs("triax-replay-reference 1\nsession multi_turn_base_1 2 0\n"
-               "0.5\nbanana\n",
-               f);
+    std::fputs(
+        "triax-replay-reference 1\nsession multi_turn_base_1 2 0\n"
+        "0.5\nbanana\n",
+        f);
     std::fclose(f);
   }
   EXPECT_THAT(ReadReferences(path, {"multi_turn_base_1"}, {2}),
