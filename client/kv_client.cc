@@ -371,9 +371,44 @@ absl::Status Client::Extend(SequenceHandle* seq,
       "ExtendSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
         return manager_->ExtendSequence(ctx, req, &resp);
       }));
-  TRIAX_RETURN_IF_ERROR(AllocateOnWorker(resp.sequence(), seq->window_tokens));
+  absl::Status alloc = AllocateOnWorker(resp.sequence(), seq->window_tokens);
+  if (!alloc.ok()) {
+    // The worker allocates all or nothing: take the manager's plan back to
+    // what the worker holds, or reclaim would act on blocks it never had.
+    uint64_t added = 0;
+    for (const auto& s : spans) added += s.num_tokens();
+    const uint64_t planned = resp.sequence().num_tokens();
+    absl::Status undo =
+        added < planned
+            ? TruncateOnManager(seq->sequence_id, planned - added)
+            : absl::InternalError(absl::StrCat(
+                  "the manager's plan has ", planned,
+                  " tokens, not more than the ", added, " just added"));
+    if (!undo.ok()) {
+      return absl::Status(
+          alloc.code(),
+          absl::StrCat(alloc.message(), "; undoing the manager's extend of ",
+                       Quote(seq->sequence_id), " failed too (",
+                       undo.ToString(), "): close the sequence"));
+    }
+    return alloc;
+  }
   FillHandle(resp.sequence(), seq);
   return absl::OkStatus();
+}
+
+absl::Status Client::TruncateOnManager(const std::string& sequence_id,
+                                       uint64_t num_tokens) {
+  triax::v1::TruncateSequenceRequest req;
+  req.set_request_id(NewRequestId());
+  req.set_tenant_id(options_.tenant_id);
+  req.set_sequence_id(sequence_id);
+  req.set_num_tokens(num_tokens);
+  triax::v1::TruncateSequenceResponse resp;
+  return CallWithRetry("TruncateSequence", /*retry=*/true,
+                       [&](grpc::ClientContext* ctx) {
+                         return manager_->TruncateSequence(ctx, req, &resp);
+                       });
 }
 
 absl::StatusOr<SequenceHandle> Client::Fork(const SequenceHandle& parent,

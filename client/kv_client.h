@@ -31,8 +31,11 @@
 //   Open   = manager OpenSequence + worker AllocatePages; when the worker
 //            fails, the manager sequence is closed again (best effort).
 //   Extend = manager ExtendSequence + worker AllocatePages of the full plan;
-//            the handle is updated only when both succeed (on a worker
-//            failure the manager's plan is ahead; Close the sequence).
+//            the handle is updated only when both succeed. When the worker
+//            refuses, the manager's plan is truncated back to the tokens it
+//            had (TruncateSequence), so the sequence stays usable and the
+//            call can be retried; the worker's error is returned (with a
+//            note if the truncation failed too: then Close the sequence).
 //   Fork   = manager ForkSequence + worker ForkSequence on the parent's
 //            worker; on a worker failure the child is closed again.
 //   DemoteBlocks = manager DemoteBlocks (which itself drives the worker's
@@ -219,6 +222,10 @@ class Client {
                                 std::optional<uint32_t> window_tokens);
   // Undoes a manager-side open/fork after a worker failure; errors dropped.
   void CloseOnManagerQuietly(const std::string& sequence_id);
+  // Undoes a manager-side extend after a worker failure: the plan back to
+  // `num_tokens` tokens.
+  absl::Status TruncateOnManager(const std::string& sequence_id,
+                                 uint64_t num_tokens);
 
   ClientOptions options_;
   std::unique_ptr<triax::v1::Manager::Stub> manager_;

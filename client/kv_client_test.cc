@@ -1,7 +1,8 @@
 // Client behaviour that needs no server: option checks, local argument
 // checks, error prefixes, and UNAVAILABLE from an unreachable manager; and,
 // against in-process fake servers, the memory-pressure calls (ReportAccess,
-// GetPressure) and Attend's waiting on spilled blocks (retry_after_ms).
+// GetPressure), Attend's waiting on spilled blocks (retry_after_ms), and
+// Extend taking the manager's plan back when the worker refuses it.
 #include "client/kv_client.h"
 
 #include <gmock/gmock.h>
@@ -195,6 +196,47 @@ class FakeManager final : public triax::v1::Manager::Service {
     return grpc::Status::OK;
   }
 
+  // ExtendSequence plans the spans after `tokens_` planned tokens;
+  // TruncateSequence records its target (or fails, see SetTruncateFails).
+  grpc::Status ExtendSequence(
+      grpc::ServerContext*, const triax::v1::ExtendSequenceRequest* req,
+      triax::v1::ExtendSequenceResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    for (const auto& span : req->spans()) tokens_ += span.num_tokens();
+    resp->mutable_sequence()->set_sequence_id(req->sequence_id());
+    resp->mutable_sequence()->set_worker_address(worker_address_);
+    resp->mutable_sequence()->set_num_tokens(tokens_);
+    return grpc::Status::OK;
+  }
+  grpc::Status TruncateSequence(
+      grpc::ServerContext*, const triax::v1::TruncateSequenceRequest* req,
+      triax::v1::TruncateSequenceResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    ++truncates_;
+    if (truncate_fails_) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "sequence_id \"s1\" is closed");
+    }
+    tokens_ = req->num_tokens();
+    resp->mutable_sequence()->set_num_tokens(tokens_);
+    return grpc::Status::OK;
+  }
+  void SetTokens(uint64_t tokens, bool truncate_fails,
+                 const std::string& worker_address) {
+    absl::MutexLock lock(&mu_);
+    worker_address_ = worker_address;
+    tokens_ = tokens;
+    truncate_fails_ = truncate_fails;
+  }
+  uint64_t tokens() {
+    absl::MutexLock lock(&mu_);
+    return tokens_;
+  }
+  int truncates() {
+    absl::MutexLock lock(&mu_);
+    return truncates_;
+  }
+
   triax::v1::ReportAccessRequest last_report() {
     absl::MutexLock lock(&mu_);
     return last_report_;
@@ -213,6 +255,10 @@ class FakeManager final : public triax::v1::Manager::Service {
   triax::v1::ReportAccessRequest last_report_ ABSL_GUARDED_BY(mu_);
   int reports_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t last_top_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string worker_address_ ABSL_GUARDED_BY(mu_);
+  bool truncate_fails_ ABSL_GUARDED_BY(mu_) = false;
+  int truncates_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // A worker whose Attend answers UNAVAILABLE with retry_after_ms for the
@@ -239,6 +285,15 @@ class FakeWorker final : public triax::v1::Worker::Service {
       r->set_output(item.queries());
     }
     return grpc::Status::OK;
+  }
+
+  // Every AllocatePages is refused, as by a worker whose arena is full.
+  grpc::Status AllocatePages(grpc::ServerContext*,
+                             const triax::v1::AllocatePagesRequest* req,
+                             triax::v1::AllocatePagesResponse*) override {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        "AllocatePages sequence_id=\"" + req->sequence_id() +
+                            "\" needs 2 new pages; the arena is full");
   }
 
   void Set(int spilled_answers, uint32_t retry_after_ms) {
@@ -498,6 +553,45 @@ TEST_F(FakeServers, UnavailableWithoutRetryAfterIsReturnedAtOnce) {
   EXPECT_THAT(c->Attend(OnFake(), one.Args()),
               StatusIs(absl::StatusCode::kUnavailable, StartsWith("Attend: ")));
   EXPECT_EQ(worker_.calls(), 1);
+}
+
+TEST_F(FakeServers, ExtendRefusedByTheWorkerTakesTheManagersPlanBack) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  // Given a sequence of 30 planned tokens,
+  manager_.SetTokens(30, /*truncate_fails=*/false, address_);
+  SequenceHandle h = OnFake();
+  h.num_tokens = 30;
+  triax::v1::Span span;
+  span.set_role(triax::v1::ROLE_USER);
+  span.set_num_tokens(12);
+  // when the worker refuses the Extend's pages,
+  EXPECT_THAT(c->Extend(&h, {span, span}, /*new_turn=*/true,
+                        /*continue_last_span=*/false),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("the arena is full")));
+  // expect the manager's plan truncated back to 30 and the handle unchanged.
+  EXPECT_EQ(manager_.truncates(), 1);
+  EXPECT_EQ(manager_.tokens(), 30u);
+  EXPECT_EQ(h.num_tokens, 30u);
+}
+
+TEST_F(FakeServers, ExtendSaysWhenItCouldNotTakeThePlanBack) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  manager_.SetTokens(30, /*truncate_fails=*/true, address_);
+  SequenceHandle h = OnFake();
+  triax::v1::Span span;
+  span.set_role(triax::v1::ROLE_USER);
+  span.set_num_tokens(5);
+  EXPECT_THAT(
+      c->Extend(&h, {span}, /*new_turn=*/false, /*continue_last_span=*/false),
+      StatusIs(absl::StatusCode::kResourceExhausted,
+               AllOf(HasSubstr("the arena is full"),
+                     HasSubstr("undoing the manager's extend of \"s1\" "
+                               "failed too"),
+                     HasSubstr("is closed"), HasSubstr("close the sequence"))));
+  EXPECT_EQ(manager_.truncates(), 1);
 }
 
 }  // namespace

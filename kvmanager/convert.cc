@@ -186,6 +186,15 @@ CloseSequenceRequest FromProto(const v1::CloseSequenceRequest& p) {
   return d;
 }
 
+TruncateSequenceRequest FromProto(const v1::TruncateSequenceRequest& p) {
+  TruncateSequenceRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.num_tokens = p.num_tokens();
+  return d;
+}
+
 EventFilter FromProto(const v1::WatchEventsRequest& p) {
   EventFilter f;
   f.tenant_id = p.tenant_id();
@@ -474,6 +483,12 @@ void ToProto(const ExtendSequenceResult& d, v1::ExtendSequenceResponse* p) {
 }
 
 void ToProto(const CloseSequenceResult& d, v1::CloseSequenceResponse* p) {
+  for (uint64_t id : d.freed_lineage_ids) p->add_freed_lineage_ids(id);
+}
+
+void ToProto(const TruncateSequenceResult& d, v1::TruncateSequenceResponse* p) {
+  ToProto(d.sequence, p->mutable_sequence());
+  for (uint64_t id : d.released_lineage_ids) p->add_released_lineage_ids(id);
   for (uint64_t id : d.freed_lineage_ids) p->add_freed_lineage_ids(id);
 }
 

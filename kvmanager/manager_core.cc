@@ -37,6 +37,7 @@ ManagerCore::ManagerCore(const ManagerOptions& options, const Clock* clock)
       open_cache_(options.idempotency_capacity),
       extend_cache_(options.idempotency_capacity),
       close_cache_(options.idempotency_capacity),
+      truncate_cache_(options.idempotency_capacity),
       policy_cache_(options.idempotency_capacity),
       demote_cache_(options.idempotency_capacity),
       calibration_cache_(options.idempotency_capacity),
@@ -286,9 +287,10 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
     if (shortfall != nullptr && absl::IsResourceExhausted(placed.status())) {
       absl::StatusOr<WorkerRecord*> w = workers_.Place(0);
       if (w.ok()) {
-        *shortfall = AdmissionShortfall{
-            tenant->id, (*w)->info.worker_id,
-            WorkerRegistry::AdmissionBytes(**w, bytes, demand)};
+        *shortfall =
+            AdmissionShortfall{tenant->id, (*w)->info.worker_id, bytes};
+        shortfall->worker_request_bytes =
+            WorkerRegistry::AdmissionBytes(**w, bytes, demand);
         HoldForResumeLocked(*tenant, **w, shortfall);
       }
     }
@@ -386,9 +388,10 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
     if (st.ok()) st = WorkerRegistry::Fits(*s->worker, bytes, demand);
     if (!st.ok()) {
       if (shortfall != nullptr) {
-        *shortfall = AdmissionShortfall{
-            s->tenant->id, s->worker->info.worker_id,
-            WorkerRegistry::AdmissionBytes(*s->worker, bytes, demand)};
+        *shortfall =
+            AdmissionShortfall{s->tenant->id, s->worker->info.worker_id, bytes};
+        shortfall->worker_request_bytes =
+            WorkerRegistry::AdmissionBytes(*s->worker, bytes, demand);
       }
       return st;
     }

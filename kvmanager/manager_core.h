@@ -272,6 +272,17 @@ class ManagerCore {
       const std::string& worker_id, const Inventory& inventory,
       const std::string& incarnation = "");
   std::vector<WorkerInfo> ListWorkers() const;
+  // The device bytes planned onto a worker (0 when unknown), read before
+  // asking it for its inventory (RefreshWorkerRoom).
+  uint64_t ReservedOn(const std::string& worker_id) const;
+  // Takes the frame fields of `inventory` (a GetInventory answer, asked for
+  // after a reclaim stage changed the worker's pages) as the worker's room,
+  // as a heartbeat would, without touching its liveness or anything else
+  // the heartbeat carries. `reserved_before` is ReservedOn from before the
+  // call: what was planned after it counts as not yet in the frames. No-op
+  // for an unknown worker or one that is not UP.
+  void RefreshWorkerRoom(const std::string& worker_id,
+                         const Inventory& inventory, uint64_t reserved_before);
   // Marks SUSPECT every UP worker without a heartbeat for more than
   // worker_timeout_ms (WORKER_SUSPECT; ids into *suspect when given), and
   // DOWN every SUSPECT one silent for more than worker_down_timeout_ms:
@@ -301,6 +312,10 @@ class ManagerCore {
   absl::StatusOr<SequenceInfo> ForkSequence(const ForkSequenceRequest& req);
   absl::StatusOr<CloseSequenceResult> CloseSequence(
       const CloseSequenceRequest& req);
+  // Drops tokens num_tokens.. from the plan (manager_core_truncate.cc; the
+  // proto's TruncateSequenceRequest says what changes and the errors).
+  absl::StatusOr<TruncateSequenceResult> TruncateSequence(
+      const TruncateSequenceRequest& req);
   // tenant_id empty: operator view (any tenant). Closed and lost sequences
   // are returned (without blocks) while retained.
   absl::StatusOr<SequenceInfo> GetSequence(
@@ -485,6 +500,7 @@ class ManagerCore {
   IdempotencyCache<SequenceInfo> open_cache_;  // OpenSequence and ForkSequence
   IdempotencyCache<ExtendSequenceResult> extend_cache_;
   IdempotencyCache<CloseSequenceResult> close_cache_;
+  IdempotencyCache<TruncateSequenceResult> truncate_cache_;
   IdempotencyCache<PolicyInfo> policy_cache_;
   IdempotencyCache<DemoteBlocksResult> demote_cache_;
   IdempotencyCache<uint32_t> calibration_cache_;

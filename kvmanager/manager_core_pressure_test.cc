@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
-#include "kvmanager/manager_core.h"
+#include "kvmanager/pressure_test_fixture.h"
 
 namespace triax::manager {
 namespace {
@@ -23,64 +23,13 @@ using ::testing::HasSubstr;
 using ::triax::testing::IsOk;
 using ::triax::testing::StatusIs;
 
-constexpr uint64_t kBf16 = 16384;
-
-ModelShape Model() { return ModelShape{"test", 2, 2, 4, 64}; }
-
-class PressureTest : public ::testing::Test {
+class PressureTest : public PressureFixture {
  protected:
-  // A worker with room for `blocks` BF16 blocks and a host tier of
-  // `host_blocks`.
-  void Make(const ManagerOptions& options, uint64_t blocks,
-            uint64_t host_blocks = 0, uint64_t disk_blocks = 0) {
-    auto core = ManagerCore::Create(options, &clock_);
-    ASSERT_THAT(core, IsOk());
-    core_ = std::move(*core);
-    RegisterWorkerRequest reg;
-    reg.worker_id = "w1";
-    reg.address = "127.0.0.1:9001";
-    reg.backend = "cpu";
-    reg.capacity_bytes = blocks * kBf16;
-    reg.host_capacity_bytes = host_blocks * kBf16;
-    reg.disk_capacity_bytes = disk_blocks * kBf16;
-    ASSERT_THAT(core_->RegisterWorker(reg), IsOk());
-  }
-
-  void Tenant(const std::string& id, uint64_t floor = 0, uint64_t ceiling = 0) {
-    CreateTenantRequest req;
-    req.tenant_id = id;
-    if (ceiling > 0) req.budgets.push_back({Tier::kDevice, floor, ceiling});
-    req.default_policy = "bf16";
-    ASSERT_THAT(core_->CreateTenant(req), IsOk());
-  }
-
-  absl::StatusOr<SequenceInfo> Open(const std::string& tenant,
-                                    AdmissionShortfall* sf = nullptr,
-                                    uint32_t user_tokens = 128) {
-    OpenSequenceRequest req;
-    req.tenant_id = tenant;
-    req.model = Model();
-    req.spans = {Span{Role::kSystem, Modality::kText, 16}};
-    if (user_tokens > 0) {
-      req.spans.push_back(Span{Role::kUser, Modality::kText, user_tokens});
-    }
-    return core_->OpenSequence(req, sf);
-  }
-
   SequenceInfo Get(const std::string& seq) {
     auto s = core_->GetSequence("", seq);
     EXPECT_THAT(s, IsOk());
     return *s;
   }
-  uint64_t Used(const std::string& tenant, Tier tier) {
-    auto t = core_->GetTenant(tenant);
-    EXPECT_THAT(t, IsOk());
-    for (const TierUsage& u : t->usage) {
-      if (u.tier == tier) return u.used_bytes;
-    }
-    return 0;
-  }
-  uint64_t Reserved() { return core_->ListWorkers()[0].reserved_bytes; }
 
   // Plays the worker: every command succeeds (or fails with `fail`).
   void Finish(const TierPlan& plan,
@@ -100,9 +49,6 @@ class PressureTest : public ::testing::Test {
     for (const TierCommand& c : plan.commands) n += c.blocks.size();
     return n;
   }
-
-  FakeClock clock_;
-  std::unique_ptr<ManagerCore> core_;
 };
 
 TEST_F(PressureTest, NothingPlannedBelowTheHighWatermark) {
@@ -479,6 +425,58 @@ TEST_F(PressureTest, WorkerSideRestoresArriveWithTheHeartbeat) {
   EXPECT_EQ(Used("t", Tier::kHost), (spilled.size() - 1) * kBf16);
   EXPECT_EQ(Get("seq-1").blocks[spilled[0] - 1].tier, Tier::kDevice);
   EXPECT_EQ(CountKind(EventKind::kBlockRestored), 1u);
+}
+
+TEST_F(PressureTest, RestoresArePlannedIntoTheReportedFramesOnly) {
+  // Given seq-1 idle with blocks spilled to the host tier,
+  ManagerOptions options;
+  options.resume_reserve = false;
+  Make(options, 28, /*host_blocks=*/64);
+  Tenant("t");
+  ASSERT_THAT(Open("t"), IsOk());
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
+  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_THAT(Open("t"), IsOk());
+  core_->RefreshRanking();
+  Finish(core_->PlanPressure());
+  size_t spilled = 0;
+  for (const BlockPlan& b : Get("seq-1").blocks)
+    spilled += b.tier == Tier::kHost;
+  ASSERT_GT(spilled, 4u);
+  const uint64_t free_bytes = 28 * kBf16 - Reserved();
+  ASSERT_GE(free_bytes, spilled * kBf16);  // the byte count would take all
+  // when the worker reports one free frame of 64 KiB (8 BF16 pages of 8192
+  // bytes: 4 blocks of 2 layers) and no free pool slots,
+  Inventory inv;
+  inv.frame_bytes = 64 << 10;
+  inv.frames = 28 * kBf16 / inv.frame_bytes;
+  inv.free_frames = 1;
+  inv.free_frames_compacted = 1;
+  ASSERT_THAT(core_->Heartbeat("w1", inv), IsOk());
+  // expect the restore to take 4 blocks and ask reclaim for the rest.
+  AdmissionShortfall sf;
+  TierPlan restore = core_->PlanPrefetch("seq-1", &sf);
+  EXPECT_EQ(Blocks(restore), 4u);
+  EXPECT_EQ(sf.request_bytes, (spilled - 4) * kBf16);
+  Finish(restore);
+  // Planned since the heartbeat: nothing more fits until the next one,
+  // and the shortfall is in frames (the bytes would fit), so reclaim is
+  // asked for the frames' worth and finds something to take.
+  TierPlan more = core_->PlanPrefetch("seq-1", &sf);
+  EXPECT_EQ(more.token, 0u);
+  EXPECT_EQ(sf.request_bytes, (spilled - 4) * kBf16);
+  EXPECT_GT(sf.worker_request_bytes, sf.request_bytes);
+  EXPECT_GT(core_->ShortBytes(sf), 0u);
+  core_->RefreshRanking();
+  TierPlan room = core_->PlanAdmission(sf);
+  ASSERT_NE(room.token, 0u);
+  for (const TierCommand& c : room.commands) EXPECT_NE(c.sequence_id, "seq-1");
+  Finish(room);
+  inv.free_frames = inv.free_frames_compacted = 2;
+  ASSERT_THAT(core_->Heartbeat("w1", inv), IsOk());
+  TierPlan rest = core_->PlanPrefetch("seq-1", &sf);
+  EXPECT_EQ(Blocks(rest), spilled - 4);
+  EXPECT_EQ(sf.request_bytes, 0u);
 }
 
 TEST_F(PressureTest, SpilledBlocksRefuseDemoteAndFork) {

@@ -139,6 +139,32 @@ std::vector<WorkerInfo> ManagerCore::ListWorkers() const {
   return workers_.List();
 }
 
+uint64_t ManagerCore::ReservedOn(const std::string& worker_id) const {
+  absl::MutexLock lock(&mu_);
+  const WorkerRecord* w = workers_.Find(worker_id);
+  return w != nullptr ? w->reserved : 0;
+}
+
+void ManagerCore::RefreshWorkerRoom(const std::string& worker_id,
+                                    const Inventory& inventory,
+                                    uint64_t reserved_before) {
+  absl::MutexLock lock(&mu_);
+  WorkerRecord* w = workers_.Find(worker_id);
+  if (w == nullptr || w->info.state != WorkerState::kUp) return;
+  Inventory& have = w->info.inventory;
+  have.frame_bytes = inventory.frame_bytes;
+  have.frames = inventory.frames;
+  have.free_frames = inventory.free_frames;
+  have.free_frames_compacted = inventory.free_frames_compacted;
+  have.free_bytes = inventory.free_bytes;
+  have.tail_bytes = inventory.tail_bytes;
+  have.fragmentation = inventory.fragmentation;
+  have.pools = inventory.pools;
+  // Planned while the call ran may or may not be in the answer: count it
+  // as not (the next admission then under- rather than over-counts room).
+  w->reserved_at_heartbeat = std::min(reserved_before, w->reserved);
+}
+
 std::vector<std::string> ManagerCore::CheckWorkers(
     std::vector<std::string>* suspect) {
   absl::MutexLock lock(&mu_);

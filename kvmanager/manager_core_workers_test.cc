@@ -303,6 +303,34 @@ TEST_F(WorkersTest, PlacementGoesAroundASuspectWorker) {
   EXPECT_EQ(next->worker_id, "w1");
 }
 
+TEST_F(WorkersTest, ReclaimTakesNothingOnASuspectWorker) {
+  // Given blocks ranked while w1 was UP (200 tokens: 13 blocks, those
+  // before the 64-token window guard rankable)
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_THAT(Open({S(Role::kUser, 200)}), IsOk());
+  }
+  // and a tenant at its device ceiling (the ceiling's reclaim looks at
+  // every worker),
+  ASSERT_THAT(
+      core_->SetBudget({"", "acme", Budget{Tier::kDevice, 0, DeviceUsage()}}),
+      IsOk());
+  core_->RefreshRanking();
+  const AdmissionShortfall need{"acme", "w1", 4 * kBf16};
+  // when w1 goes SUSPECT, a reclaim plan takes none of its blocks (the
+  // worker calls could not run);
+  Silence(/*down=*/false);
+  EXPECT_EQ(core_->PlanAdmission(need).token, 0u);
+  // back UP, the same ranking serves again.
+  ASSERT_THAT(core_->Heartbeat("w1", Inventory{}, kBoot), IsOk());
+  const TierPlan plan = core_->PlanAdmission(need);
+  ASSERT_NE(plan.token, 0u);
+  for (const TierCommand& c : plan.commands) EXPECT_EQ(c.worker_id, "w1");
+  ASSERT_THAT(core_->FinishTierPlan(
+                  plan.token, std::vector<absl::Status>(plan.commands.size(),
+                                                        absl::OkStatus())),
+              IsOk());
+}
+
 TEST_F(WorkersTest, BadAndStaleIncarnationsAreRefused) {
   EXPECT_THAT(core_->Heartbeat("w1", Inventory{}),
               StatusIs(C::kInvalidArgument,

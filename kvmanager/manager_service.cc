@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -325,6 +326,33 @@ TierPlanOutcome ManagerService::RunTierPlan(const TierPlan& plan) {
   return outcome;
 }
 
+TierPlanOutcome ManagerService::RunReclaimStage(const TierPlan& plan) {
+  TierPlanOutcome outcome = RunTierPlan(plan);
+  if (outcome.applied() == 0) return outcome;
+  std::map<std::string, std::string> workers;  // id -> address
+  for (const TierCommand& c : plan.commands) {
+    workers.emplace(c.worker_id, c.worker_address);
+  }
+  for (const auto& [id, address] : workers) {
+    const uint64_t reserved_before = core_->ReservedOn(id);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(worker_rpc_timeout_ms_));
+    v1::Inventory inv;
+    const grpc::Status st = WorkerStub(address)->GetInventory(
+        &ctx, v1::GetInventoryRequest{}, &inv);
+    if (!st.ok()) {
+      // The next heartbeat brings the room; admission counts the old one.
+      Log(LogLevel::kWarn, "manager", "inventory after reclaim failed",
+          absl::StrCat(Kv("worker_id", id), " ",
+                       Kv("error", FromGrpcStatus(st).ToString())));
+      continue;
+    }
+    core_->RefreshWorkerRoom(id, FromProto(inv), reserved_before);
+  }
+  return outcome;
+}
+
 absl::Time ManagerService::ReclaimDeadline(
     const grpc::CallbackServerContext* ctx) const {
   absl::Time deadline =
@@ -552,7 +580,7 @@ absl::StatusOr<T> ManagerService::AdmitAfterReclaim(
   absl::StatusOr<T> again = refused;
   const absl::Status st = ReclaimRound(
       core_, refused, &shortfall, deadline,
-      [this](const TierPlan& plan) { return RunTierPlan(plan); },
+      [this](const TierPlan& plan) { return RunReclaimStage(plan); },
       [&](AdmissionShortfall* sf) {
         again = retry(sf);
         return again.status();
@@ -568,7 +596,7 @@ absl::Status ManagerService::RestoreWithReclaim(const std::string& sequence_id,
                                                 ReclaimReport* report) {
   return RestoreRound(
       core_, sequence_id, deadline,
-      [this](const TierPlan& plan) { return RunTierPlan(plan); }, blocks,
+      [this](const TierPlan& plan) { return RunReclaimStage(plan); }, blocks,
       report);
 }
 
@@ -601,6 +629,17 @@ grpc::ServerUnaryReactor* ManagerService::CloseSequence(
     v1::CloseSequenceResponse* resp) {
   return Unary(ctx, [&]() -> absl::Status {
     auto r = core_->CloseSequence(FromProto(*req));
+    if (!r.ok()) return r.status();
+    ToProto(*r, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* ManagerService::TruncateSequence(
+    grpc::CallbackServerContext* ctx, const v1::TruncateSequenceRequest* req,
+    v1::TruncateSequenceResponse* resp) {
+  return Unary(ctx, [&]() -> absl::Status {
+    auto r = core_->TruncateSequence(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
     return absl::OkStatus();

@@ -115,6 +115,9 @@ class ManagerService final : public v1::Manager::CallbackService {
   grpc::ServerUnaryReactor* CloseSequence(
       grpc::CallbackServerContext* ctx, const v1::CloseSequenceRequest* req,
       v1::CloseSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* TruncateSequence(
+      grpc::CallbackServerContext* ctx, const v1::TruncateSequenceRequest* req,
+      v1::TruncateSequenceResponse* resp) override;
   grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx,
                                         const v1::GetSequenceRequest* req,
                                         v1::GetSequenceResponse* resp) override;
@@ -158,6 +161,10 @@ class ManagerService final : public v1::Manager::CallbackService {
   // Runs a tier plan's worker calls and commits their outcome; returns what
   // was applied.
   TierPlanOutcome RunTierPlan(const TierPlan& plan);
+  // A reclaim round's stage: RunTierPlan, then each worker of the plan is
+  // asked for its inventory (GetInventory) so that the next admission
+  // check sees the frames the stage freed rather than the last heartbeat's.
+  TierPlanOutcome RunReclaimStage(const TierPlan& plan);
   // The end of a reclaim round for a call: admission_deadline_ms from now,
   // or the call's deadline if sooner (ctx null: no call).
   absl::Time ReclaimDeadline(const grpc::CallbackServerContext* ctx) const;

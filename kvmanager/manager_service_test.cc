@@ -96,6 +96,18 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
           return Call(&v1::Manager::Stub::CloseSequence, r, &resp);
         };
       };
+  auto truncate_with =
+      [&](const std::function<void(v1::TruncateSequenceRequest&)>& f) {
+        return [=]() {
+          v1::TruncateSequenceRequest r;
+          r.set_tenant_id("acme");
+          r.set_sequence_id(seq);
+          r.set_num_tokens(1);
+          f(r);
+          v1::TruncateSequenceResponse resp;
+          return Call(&v1::Manager::Stub::TruncateSequence, r, &resp);
+        };
+      };
   auto get_with = [&](const std::string& tenant, const std::string& id) {
     return [=]() {
       v1::GetSequenceRequest r;
@@ -339,6 +351,20 @@ TEST_F(ServiceTest, BadInputOnEveryRpcGetsItsCodeAndChangesNothing) {
        C::PERMISSION_DENIED, "another tenant"},
       {"close empty id", close_with([](auto& r) { r.set_sequence_id(""); }),
        C::INVALID_ARGUMENT, "sequence_id is empty"},
+      {"truncate to 0", truncate_with([](auto& r) { r.set_num_tokens(0); }),
+       C::INVALID_ARGUMENT, "num_tokens is 0"},
+      {"truncate past the end",
+       truncate_with([](auto& r) { r.set_num_tokens(1ull << 40); }),
+       C::INVALID_ARGUMENT, "num_tokens 1099511627776 exceeds the"},
+      {"truncate unknown",
+       truncate_with([](auto& r) { r.set_sequence_id("seq-77"); }),
+       C::NOT_FOUND, "\"seq-77\""},
+      {"truncate other tenant",
+       truncate_with([](auto& r) { r.set_tenant_id("other"); }),
+       C::PERMISSION_DENIED, "another tenant"},
+      {"truncate bad request id",
+       truncate_with([](auto& r) { r.set_request_id("a b"); }),
+       C::INVALID_ARGUMENT, "request_id"},
       {"get unknown", get_with("", "seq-77"), C::NOT_FOUND, "\"seq-77\""},
       {"get other tenant", get_with("other", seq), C::PERMISSION_DENIED,
        "another tenant"},

@@ -6,6 +6,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/ids.h"
@@ -125,8 +126,9 @@ SnapshotBuilder PressureCoordinator::NewSnapshot(bool spill_tiers) const {
 
 // --- Plans -------------------------------------------------------------------
 
-// Whether `b` may take `a` now: unchanged since the snapshot, idle, and (for
-// spills) with room in the destination tier of its worker and tenant.
+// Whether `b` may take `a` now: unchanged since the snapshot, idle, its
+// worker UP, and (for spills) with room in the destination tier of its
+// worker and tenant.
 bool PressureCoordinator::ActionValid(
     const RankedAction& a, const BlockRecord& b, const SequenceRecord& s,
     std::array<uint64_t, kNumTiers>* worker_add, uint64_t* tenant_add) const {
@@ -134,6 +136,8 @@ bool PressureCoordinator::ActionValid(
     return false;
   }
   if (s.state != SequenceState::kOpen) return false;
+  // A worker that went SUSPECT since the snapshot cannot run the command.
+  if (s.worker->info.state != WorkerState::kUp) return false;
   if (a.action == PressureAction::kDemote) {
     // The block may have been re-encoded since the snapshot (aging, an
     // earlier plan): only a target smaller than its encoding now is a
@@ -408,7 +412,8 @@ TierPlan PressureCoordinator::PlanAdmission(const AdmissionShortfall& sf) {
     const uint64_t cap = w.info.capacity_bytes;
     // Room for the request, then down to the low watermark if that is more
     // (so the next admissions do not each trigger a reclaim).
-    const uint64_t want = w.reserved + sf.worker_held_bytes + sf.request_bytes;
+    const uint64_t want =
+        w.reserved + sf.worker_held_bytes + sf.WorkerRequestBytes();
     uint64_t need = 0;
     if (want > cap) need = want - cap;
     if (need == 0) break;
@@ -507,6 +512,16 @@ TierPlan PressureCoordinator::PlanPrefetch(const std::string& sequence_id,
   if (shortfall != nullptr && unfit > 0) {
     *shortfall = AdmissionShortfall{s->tenant->id, s->worker->info.worker_id,
                                     unfit, s->id};
+    // The blocks left out may lack frames rather than bytes: the worker's
+    // side of the shortfall counts the frames they need.
+    Demand demand;
+    for (const BlockRecord* b : want) {
+      if (plan.token != 0 && b->busy == plan.token) continue;
+      WorkerRegistry::AddBlocks(s->model, s->block_tokens, b->encoding, 1,
+                                &demand);
+    }
+    shortfall->worker_request_bytes =
+        WorkerRegistry::AdmissionBytes(*s->worker, unfit, demand);
   }
   return plan;
 }
@@ -520,23 +535,44 @@ TierPlan PressureCoordinator::PlanRestore(const std::vector<BlockRecord*>& want,
   auto pending = std::make_unique<PendingPlan>();
   const uint64_t token = (*next_token_)++;
   std::map<std::string, size_t> command_of;
+  // Per worker: the bytes and pages this plan restores onto it, so that
+  // the frames the worker reported are checked for the plan as a whole.
+  struct Onto {
+    uint64_t bytes = 0;
+    Demand demand;
+  };
+  absl::flat_hash_map<WorkerRecord*, Onto> onto;
   const int dev = static_cast<int>(Tier::kDevice);
   for (BlockRecord* b : want) {
     SequenceRecord* s = SequenceTable::Owner(*b);
     if (s == nullptr || s->state != SequenceState::kOpen) continue;
     WorkerRecord* w = s->worker;
+    if (w->info.state != WorkerState::kUp) continue;  // it cannot restore
     TenantRecord* t = s->tenant;
     // Only what fits: below the high watermark for neighbours, the
-    // capacity for an active sequence; never past the tenant's ceiling.
+    // capacity for an active sequence; never past the tenant's ceiling;
+    // in the frames and pool slots the worker reported.
     const uint64_t limit = limit_to_high ? Watermark(w->info.capacity_bytes,
                                                      options_.watermarks.high)
                                          : w->info.capacity_bytes;
-    if (w->reserved + b->bytes > limit ||
+    Onto& o = onto[w];
+    Demand demand = o.demand;
+    WorkerRegistry::AddBlocks(s->model, s->block_tokens, b->encoding, 1,
+                              &demand);
+    // Fits counts what was planned since the heartbeat as taken; this
+    // plan's own blocks are in `demand` instead.
+    w->reserved -= o.bytes;
+    const bool frames_fit =
+        WorkerRegistry::Fits(*w, o.bytes + b->bytes, demand).ok();
+    w->reserved += o.bytes;
+    if (w->reserved + b->bytes > limit || !frames_fit ||
         (t->budgets[dev] &&
          t->used[dev] + b->bytes > t->budgets[dev]->ceiling_bytes)) {
       if (unfit_bytes != nullptr) *unfit_bytes += b->bytes;
       continue;
     }
+    o.bytes += b->bytes;
+    o.demand = std::move(demand);
     auto [ci, fresh] = command_of.emplace(s->id, plan.commands.size());
     if (fresh) {
       TierCommand c;
@@ -733,7 +769,8 @@ uint64_t PressureCoordinator::ShortBytes(const AdmissionShortfall& sf) const {
     if (want > ceiling) short_by = want - ceiling;
   }
   if (const WorkerRecord* w = workers_->Find(sf.worker_id); w != nullptr) {
-    const uint64_t want = w->reserved + sf.worker_held_bytes + sf.request_bytes;
+    const uint64_t want =
+        w->reserved + sf.worker_held_bytes + sf.WorkerRequestBytes();
     const uint64_t cap = w->info.capacity_bytes;
     if (want > cap) short_by = std::max(short_by, want - cap);
   }

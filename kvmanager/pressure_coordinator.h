@@ -101,6 +101,14 @@ struct AdmissionShortfall {
   bool resume_reserve = false;
   uint64_t worker_held_bytes = 0;
   uint64_t tenant_held_bytes = 0;
+  // What the request takes of the worker's room when more than its bytes:
+  // the frames it lacks count whole (WorkerRegistry::AdmissionBytes); 0:
+  // request_bytes. The tenant's ceiling is checked on request_bytes.
+  uint64_t worker_request_bytes = 0;
+  uint64_t WorkerRequestBytes() const {
+    return worker_request_bytes > request_bytes ? worker_request_bytes
+                                                : request_bytes;
+  }
 };
 
 // What the worker calls of one tier plan did (FinishTierPlan): actions

@@ -1,4 +1,5 @@
-// Reclaim rounds (reclaim_round.h) through the manager core: FakeClock,
+// Reclaim rounds (reclaim_round.h) through the manager core (fixture:
+// pressure_test_fixture.h): FakeClock,
 // one worker that is only a registry entry (the test plays the worker: each
 // tier command succeeds, or fails when told), exact bytes.
 // Model: 2 layers, 2 KV heads, head_dim 64, T = 16: a BF16 block is 16384
@@ -13,7 +14,7 @@
 #include <map>
 
 #include "common/status_matchers.h"
-#include "kvmanager/manager_core.h"
+#include "kvmanager/pressure_test_fixture.h"
 
 namespace triax::manager {
 namespace {
@@ -24,51 +25,10 @@ using ::testing::Not;
 using ::triax::testing::IsOk;
 using ::triax::testing::StatusIs;
 
-constexpr uint64_t kBf16 = 16384;
-
-ModelShape Model() { return ModelShape{"test", 2, 2, 4, 64}; }
-
 absl::Time Later() { return absl::Now() + absl::Seconds(30); }
 
-class ReclaimRoundTest : public ::testing::Test {
+class ReclaimRoundTest : public PressureFixture {
  protected:
-  // A worker with room for `blocks` BF16 blocks and a host tier of
-  // `host_blocks`.
-  void Make(const ManagerOptions& options, uint64_t blocks,
-            uint64_t host_blocks = 0) {
-    auto core = ManagerCore::Create(options, &clock_);
-    ASSERT_THAT(core, IsOk());
-    core_ = std::move(*core);
-    RegisterWorkerRequest reg;
-    reg.worker_id = "w1";
-    reg.address = "127.0.0.1:9001";
-    reg.backend = "cpu";
-    reg.capacity_bytes = blocks * kBf16;
-    reg.host_capacity_bytes = host_blocks * kBf16;
-    ASSERT_THAT(core_->RegisterWorker(reg), IsOk());
-  }
-
-  void Tenant(const std::string& id, uint64_t ceiling = 0) {
-    CreateTenantRequest req;
-    req.tenant_id = id;
-    if (ceiling > 0) req.budgets.push_back({Tier::kDevice, 0, ceiling});
-    req.default_policy = "bf16";
-    ASSERT_THAT(core_->CreateTenant(req), IsOk());
-  }
-
-  absl::StatusOr<SequenceInfo> Open(const std::string& tenant,
-                                    AdmissionShortfall* sf = nullptr,
-                                    uint32_t user_tokens = 128) {
-    OpenSequenceRequest req;
-    req.tenant_id = tenant;
-    req.model = Model();
-    req.spans = {Span{Role::kSystem, Modality::kText, 16}};
-    if (user_tokens > 0) {
-      req.spans.push_back(Span{Role::kUser, Modality::kText, user_tokens});
-    }
-    return core_->OpenSequence(req, sf);
-  }
-
   absl::StatusOr<ExtendSequenceResult> Extend(
       const std::string& tenant, const std::string& seq, uint32_t user_tokens,
       AdmissionShortfall* sf = nullptr) {
@@ -79,16 +39,6 @@ class ReclaimRoundTest : public ::testing::Test {
     req.spans = {Span{Role::kUser, Modality::kText, user_tokens}};
     return core_->ExtendSequence(req, sf);
   }
-
-  uint64_t Used(const std::string& tenant, Tier tier) {
-    auto t = core_->GetTenant(tenant);
-    EXPECT_THAT(t, IsOk());
-    for (const TierUsage& u : t->usage) {
-      if (u.tier == tier) return u.used_bytes;
-    }
-    return 0;
-  }
-  uint64_t Reserved() { return core_->ListWorkers()[0].reserved_bytes; }
 
   // Plays the worker: every command succeeds, or fails with fail_.
   TierPlanOutcome Run(const TierPlan& plan) {
@@ -142,8 +92,6 @@ class ReclaimRoundTest : public ::testing::Test {
     return n;
   }
 
-  FakeClock clock_;
-  std::unique_ptr<ManagerCore> core_;
   absl::Status fail_ = absl::OkStatus();
   int plans_ = 0;
 };
@@ -153,7 +101,7 @@ TEST_F(ReclaimRoundTest, OneRoundCoversAShortfallThatNeedsTwoActionsOnABlock) {
   // demotion of each of the 10 rankable blocks (BF16 -> INT8) frees about
   // half of each: not enough, so some blocks must be demoted again.
   Make(ManagerOptions{}, 1000);
-  Tenant("t", /*ceiling=*/20 * kBf16);
+  Tenant("t", 0, /*ceiling=*/20 * kBf16);
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_THAT(Open("t"), IsOk());
   const uint64_t before = Used("t", Tier::kDevice);
@@ -200,7 +148,7 @@ TEST_F(ReclaimRoundTest, WorkerRoomAdmissionSucceedsAndReportsWhatWasFreed) {
 
 TEST_F(ReclaimRoundTest, NothingReclaimableFailsNamingTheShortfallAndWhy) {
   Make(ManagerOptions{}, 1000);
-  Tenant("t", /*ceiling=*/12 * kBf16);
+  Tenant("t", 0, /*ceiling=*/12 * kBf16);
   // Short sequences: every block is within the window guard.
   for (int i = 0; i < 3; ++i) ASSERT_THAT(Open("t", nullptr, 48), IsOk());
   ReclaimReport report;
@@ -222,7 +170,7 @@ TEST_F(ReclaimRoundTest, ShortfallLeftAfterReclaimSaysWhatWasFreed) {
   // fit whatever is demoted (the new blocks alone need 24 > 20 - 8 of
   // guarded blocks), so the round takes all it can and stops.
   Make(ManagerOptions{}, 1000);
-  Tenant("t", /*ceiling=*/20 * kBf16);
+  Tenant("t", 0, /*ceiling=*/20 * kBf16);
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_THAT(Open("t"), IsOk());
   ReclaimReport report;
@@ -241,7 +189,7 @@ TEST_F(ReclaimRoundTest, ShortfallLeftAfterReclaimSaysWhatWasFreed) {
 
 TEST_F(ReclaimRoundTest, DeadlineAndFailingWorkerEndTheRound) {
   Make(ManagerOptions{}, 1000);
-  Tenant("t", /*ceiling=*/20 * kBf16);
+  Tenant("t", 0, /*ceiling=*/20 * kBf16);
   ASSERT_THAT(Open("t"), IsOk());
   ASSERT_THAT(Open("t"), IsOk());
   ReclaimReport report;
@@ -266,7 +214,7 @@ TEST_F(ReclaimRoundTest,
   // Open is over the 28-block ceiling by 6 blocks, which takes more than 8
   // demotions (each frees about half a block).
   Make(ManagerOptions{}, 1000);
-  Tenant("t", /*ceiling=*/28 * kBf16);
+  Tenant("t", 0, /*ceiling=*/28 * kBf16);
   ASSERT_THAT(Open("t", nullptr, 400), IsOk());
   AdmissionShortfall sf;
   ASSERT_THAT(

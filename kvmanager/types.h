@@ -56,6 +56,7 @@ enum class EventKind : int {
   kWorkerSuspect = 19,
   kWorkerRecovered = 20,
   kSequenceRecovered = 21,
+  kSequenceTruncated = 22,
 };
 
 // "EVENT_BLOCK_CREATED", ...; "EVENT_KIND(<int>)" when out of range.
@@ -368,6 +369,18 @@ struct CloseSequenceRequest {
   std::string sequence_id;
 };
 struct CloseSequenceResult {
+  std::vector<uint64_t> freed_lineage_ids;
+};
+
+struct TruncateSequenceRequest {
+  std::string request_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  uint64_t num_tokens = 0;
+};
+struct TruncateSequenceResult {
+  SequenceInfo sequence;
+  std::vector<uint64_t> released_lineage_ids;
   std::vector<uint64_t> freed_lineage_ids;
 };
 

@@ -1,7 +1,8 @@
 // Placement and admission on the worker's reported frames
 // (worker_registry.h, "Room"): the registry's room checks, and OpenSequence
 // through ManagerCore refused or placed by the heartbeat's free frames and
-// pool slots rather than by capacity - reserved alone.
+// pool slots rather than by capacity - reserved alone; the room refreshed
+// from an inventory answer after a reclaim stage (RefreshWorkerRoom).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -162,6 +163,59 @@ TEST_F(CoreTest, OpenIsAdmittedOnTheReportedFramesNotTheByteCount) {
   // Planned since that heartbeat: the same Open no longer fits.
   EXPECT_THAT(Open({S(Role::kUser, 160)}).status(),
               StatusIs(C::kResourceExhausted, HasSubstr("planned since")));
+}
+
+// A request refused for frames asks reclaim for the frames' worth on the
+// worker, while the tenant's ceiling is checked on the request's own bytes.
+TEST_F(CoreTest, AFrameShortfallDoesNotInflateTheTenantsNeed) {
+  auto probe = Open({S(Role::kUser, 160)});
+  ASSERT_THAT(probe, IsOk());
+  const uint64_t bytes = probe->bytes;
+  ASSERT_THAT(core_->CloseSequence({"", "acme", probe->sequence_id}), IsOk());
+  // The ceiling fits the request exactly; the worker reports one frame.
+  ASSERT_THAT(core_->SetBudget({"", "acme", Budget{Tier::kDevice, 0, bytes}}),
+              IsOk());
+  ASSERT_THAT(core_->Heartbeat("w1", Frames(1)), IsOk());
+  OpenSequenceRequest req;
+  req.tenant_id = "acme";
+  req.model = Model();
+  req.spans = {S(Role::kUser, 160)};
+  AdmissionShortfall sf;
+  EXPECT_THAT(core_->OpenSequence(req, &sf).status(),
+              StatusIs(C::kResourceExhausted, HasSubstr("frames")));
+  EXPECT_EQ(sf.request_bytes, bytes);
+  EXPECT_GT(sf.worker_request_bytes, bytes);
+  EXPECT_EQ(sf.WorkerRequestBytes(), sf.worker_request_bytes);
+  // Short by the frame bytes the worker lacks (its 1 TiB is free), not by
+  // anything of the tenant.
+  const uint64_t missing = sf.worker_request_bytes - (uint64_t{1} << 40);
+  EXPECT_GT(missing, 0u);
+  EXPECT_LE(missing, bytes);
+  EXPECT_EQ(core_->ShortBytes(sf), missing);
+}
+
+// After a reclaim stage the service asks the worker for its inventory: the
+// frames it reports replace the heartbeat's, and what was planned while
+// the call ran still counts as taken.
+TEST_F(CoreTest, RefreshWorkerRoomTakesTheFramesOfAnInventoryAnswer) {
+  ASSERT_THAT(core_->Heartbeat("w1", Frames(1)), IsOk());
+  EXPECT_THAT(Open({S(Role::kUser, 160)}).status(),
+              StatusIs(C::kResourceExhausted, HasSubstr("needs")));
+  const uint64_t before = core_->ReservedOn("w1");
+  core_->RefreshWorkerRoom("w1", Frames(64), before);
+  auto a = Open({S(Role::kUser, 160)});
+  ASSERT_THAT(a, IsOk());
+  // Planned after `before` was read: not in that answer's frames.
+  core_->RefreshWorkerRoom("w1", Frames(1), before);
+  EXPECT_THAT(Open({S(Role::kUser, 160)}).status(),
+              StatusIs(C::kResourceExhausted, HasSubstr("planned since")));
+  // Unknown workers are ignored; nothing else of the worker changes.
+  core_->RefreshWorkerRoom("ghost", Frames(64), 0);
+  const std::vector<WorkerInfo> w = core_->ListWorkers();
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_EQ(w[0].state, WorkerState::kUp);
+  EXPECT_EQ(w[0].inventory.free_frames_compacted, 1u);
+  EXPECT_EQ(core_->ReservedOn("ghost"), 0u);
 }
 
 }  // namespace
