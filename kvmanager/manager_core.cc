@@ -392,6 +392,9 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
             AdmissionShortfall{s->tenant->id, s->worker->info.worker_id, bytes};
         shortfall->worker_request_bytes =
             WorkerRegistry::AdmissionBytes(*s->worker, bytes, demand);
+        // Its own blocks may be demoted or evicted, not spilled: the next
+        // Attend would have to restore them.
+        shortfall->resident_sequence_id = s->id;
       }
       return st;
     }

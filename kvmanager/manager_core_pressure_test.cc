@@ -427,6 +427,65 @@ TEST_F(PressureTest, WorkerSideRestoresArriveWithTheHeartbeat) {
   EXPECT_EQ(CountKind(EventKind::kBlockRestored), 1u);
 }
 
+TEST_F(PressureTest, DemotionsInFlightHoldFramesUntilTheyFinish) {
+  // Given a pool above its high watermark and a worker reporting one free
+  // frame of 64 KiB (a 1-block Open needs one: 2 BF16 pages of 8 KiB),
+  Make(ManagerOptions{}, 28);
+  Tenant("t");
+  for (int i = 0; i < 3; ++i) ASSERT_THAT(Open("t"), IsOk());
+  Inventory inv;
+  inv.frame_bytes = 64 << 10;
+  inv.frames = 28 * kBf16 / inv.frame_bytes;
+  inv.free_frames = inv.free_frames_compacted = 1;
+  ASSERT_THAT(core_->Heartbeat("w1", inv), IsOk());
+  core_->RefreshRanking();
+  const TierPlan plan = core_->PlanPressure();
+  ASSERT_NE(plan.token, 0u);
+  for (const TierCommand& c : plan.commands) {
+    ASSERT_EQ(c.kind, TierCommand::Kind::kDemote);
+  }
+  // while the demotions run, their new pages take frame room: the Open is
+  // refused although its bytes fit;
+  EXPECT_THAT(Open("t", nullptr, 0).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("room for 0 more frames")));
+  // once they finished, it fits.
+  Finish(plan);
+  EXPECT_THAT(Open("t", nullptr, 0), IsOk());
+}
+
+TEST_F(PressureTest, ASequenceUsedSinceTheRankingIsNotTakenByIt) {
+  // Given seq-1 idle and ranked cold, two busy sequences on a full pool,
+  ManagerOptions options;
+  options.resume_reserve = false;
+  Make(options, 28, /*host_blocks=*/64);
+  Tenant("t");
+  ASSERT_THAT(Open("t"), IsOk());
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
+  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_THAT(Open("t"), IsOk());
+  core_->RefreshRanking();
+  auto touches = [](const TierPlan& plan, const std::string& seq) {
+    for (const TierCommand& c : plan.commands) {
+      if (c.sequence_id == seq) return true;
+    }
+    return false;
+  };
+  // the ranking takes seq-1 first (the worker refuses: nothing changes);
+  const TierPlan first = core_->PlanPressure();
+  ASSERT_TRUE(touches(first, "seq-1"));
+  Finish(first, absl::UnavailableError("worker away"));
+  // once seq-1 is used again, the same ranking leaves it alone,
+  clock_.AdvanceMs(1);
+  ReportAccessRequest report;
+  report.tenant_id = "t";
+  report.sequence_id = "seq-1";
+  ASSERT_THAT(core_->ReportAccess(report), IsOk());
+  const TierPlan second = core_->PlanPressure();
+  EXPECT_FALSE(touches(second, "seq-1"));
+  if (second.token != 0) Finish(second);
+}
+
 TEST_F(PressureTest, RestoresArePlannedIntoTheReportedFramesOnly) {
   // Given seq-1 idle with blocks spilled to the host tier,
   ManagerOptions options;

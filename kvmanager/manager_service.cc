@@ -328,7 +328,13 @@ TierPlanOutcome ManagerService::RunTierPlan(const TierPlan& plan) {
 
 TierPlanOutcome ManagerService::RunReclaimStage(const TierPlan& plan) {
   TierPlanOutcome outcome = RunTierPlan(plan);
-  if (outcome.applied() == 0) return outcome;
+  // Refresh when pages moved, or when a worker refused for room (the room
+  // the plan counted on was stale).
+  if (outcome.applied() == 0 &&
+      !(outcome.failed_commands > 0 &&
+        absl::IsResourceExhausted(outcome.first_error))) {
+    return outcome;
+  }
   std::map<std::string, std::string> workers;  // id -> address
   for (const TierCommand& c : plan.commands) {
     workers.emplace(c.worker_id, c.worker_address);

@@ -161,9 +161,10 @@ class ManagerService final : public v1::Manager::CallbackService {
   // Runs a tier plan's worker calls and commits their outcome; returns what
   // was applied.
   TierPlanOutcome RunTierPlan(const TierPlan& plan);
-  // A reclaim round's stage: RunTierPlan, then each worker of the plan is
-  // asked for its inventory (GetInventory) so that the next admission
-  // check sees the frames the stage freed rather than the last heartbeat's.
+  // A reclaim round's stage: RunTierPlan, then (when pages moved, or a
+  // worker refused for room) each worker of the plan is asked for its
+  // inventory (GetInventory) so that the next admission check sees the
+  // frames the stage freed rather than the last heartbeat's.
   TierPlanOutcome RunReclaimStage(const TierPlan& plan);
   // The end of a reclaim round for a call: admission_deadline_ms from now,
   // or the call's deadline if sooner (ctx null: no call).

@@ -56,6 +56,10 @@ struct WorkerRecord {
   // `reserved` when the last heartbeat (or the registration) came: what was
   // planned since is not in that heartbeat's free frames yet.
   uint64_t reserved_at_heartbeat = 0;
+  // Device bytes of the new pages of pressure demotions in flight: the
+  // worker holds them beside the old pages until the demotion finishes, so
+  // they are not in its free frames meanwhile.
+  uint64_t transient = 0;
   // Spill-tier bytes held (index: Tier value; kDevice unused, see reserved).
   std::array<uint64_t, kNumTiers> tier_used{};
   absl::flat_hash_set<SequenceRecord*> open;  // its open sequences

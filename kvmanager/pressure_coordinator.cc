@@ -231,6 +231,8 @@ TierPlan PressureCoordinator::PlanFromPicks(const Picks& picks,
     if (kind == TierCommand::Kind::kDemote) {
       item.encoding = a.encoding;
       item.to_bytes = BlockBytes(s->model, s->block_tokens, a.encoding);
+      // The worker allocates the new pages before it frees the old ones.
+      s->worker->transient += item.to_bytes;
       bp.encoding = a.encoding;
       plan.bytes += b->bytes - std::min(b->bytes, item.to_bytes);
     } else if (kind == TierCommand::Kind::kSpill) {
@@ -257,8 +259,9 @@ TierPlan PressureCoordinator::PlanFromPicks(const Picks& picks,
 
 void PressureCoordinator::Pick(
     const PressureSnapshot& snap, uint32_t wi, Tier tier, uint64_t need,
-    const TenantRecord* tenant, const SequenceRecord* exclude, bool no_spills,
-    Picks* picks, absl::flat_hash_set<uint64_t>* taken, uint64_t* freed) {
+    const TenantRecord* tenant, const SequenceRecord* exclude,
+    const SequenceRecord* resident, bool no_spills, Picks* picks,
+    absl::flat_hash_set<uint64_t>* taken, uint64_t* freed) {
   std::array<uint64_t, kNumTiers> worker_add{};
   absl::flat_hash_map<const TenantRecord*, std::array<uint64_t, kNumTiers>>
       tenant_add;
@@ -273,8 +276,12 @@ void PressureCoordinator::Pick(
         if (s == nullptr) return true;
         if (tenant != nullptr && s->tenant != tenant) return true;
         if (s == exclude) return true;
-        if (no_spills && (a.action == PressureAction::kSpillHost ||
-                          a.action == PressureAction::kSpillDisk)) {
+        // Used since the ranking was built (e.g. restored for its
+        // resumption): the ranking's recency for it is stale.
+        if (s->last_access_ms > snap.built_ms) return true;
+        if ((no_spills || s == resident) &&
+            (a.action == PressureAction::kSpillHost ||
+             a.action == PressureAction::kSpillDisk)) {
           return true;
         }
         if (!ActionValid(a, *b, *s, &worker_add,
@@ -337,8 +344,8 @@ TierPlan PressureCoordinator::PlanPressure() {
       const uint64_t need =
           w.reserved - Watermark(cap, options_.watermarks.low);
       uint64_t freed = 0;
-      Pick(snap, wi, Tier::kDevice, need, nullptr, nullptr, false, &picks,
-           &taken, &freed);
+      Pick(snap, wi, Tier::kDevice, need, nullptr, nullptr, nullptr, false,
+           &picks, &taken, &freed);
       reasons.push_back(absl::StrCat("worker ", w.info.worker_id, " device ",
                                      w.reserved, "/", cap, " need ", need,
                                      " planned ", freed));
@@ -350,8 +357,8 @@ TierPlan PressureCoordinator::PlanPressure() {
       const uint64_t need =
           host_used - Watermark(host_cap, options_.watermarks.low);
       uint64_t freed = 0;
-      Pick(snap, wi, Tier::kHost, need, nullptr, nullptr, false, &picks, &taken,
-           &freed);
+      Pick(snap, wi, Tier::kHost, need, nullptr, nullptr, nullptr, false,
+           &picks, &taken, &freed);
       reasons.push_back(absl::StrCat("worker ", w.info.worker_id, " host ",
                                      host_used, "/", host_cap, " need ", need,
                                      " planned ", freed));
@@ -366,8 +373,8 @@ TierPlan PressureCoordinator::PlanPressure() {
     uint64_t need = t->used[dev] - t->budgets[dev]->ceiling_bytes;
     uint64_t freed = 0;
     for (uint32_t wi = 0; wi < snap.worker_ids.size() && freed < need; ++wi) {
-      Pick(snap, wi, Tier::kDevice, need - freed, t.get(), nullptr, false,
-           &picks, &taken, &freed);
+      Pick(snap, wi, Tier::kDevice, need - freed, t.get(), nullptr, nullptr,
+           false, &picks, &taken, &freed);
     }
     reasons.push_back(absl::StrCat("tenant ", id, " over ceiling by ", need,
                                    " planned ", freed));
@@ -384,6 +391,10 @@ TierPlan PressureCoordinator::PlanAdmission(const AdmissionShortfall& sf) {
   if (!sf.exclude_sequence_id.empty()) {
     exclude = sequences_->Find(sf.exclude_sequence_id);
   }
+  const SequenceRecord* resident = nullptr;
+  if (!sf.resident_sequence_id.empty()) {
+    resident = sequences_->Find(sf.resident_sequence_id);
+  }
   Picks picks;
   absl::flat_hash_set<uint64_t> taken;
   std::vector<std::string> reasons;
@@ -398,7 +409,7 @@ TierPlan PressureCoordinator::PlanAdmission(const AdmissionShortfall& sf) {
       for (uint32_t wi = 0; wi < snap.worker_ids.size() && tenant_freed < need;
            ++wi) {
         Pick(snap, wi, Tier::kDevice, need - tenant_freed, tenant, exclude,
-             sf.resume_reserve, &picks, &taken, &tenant_freed);
+             resident, sf.resume_reserve, &picks, &taken, &tenant_freed);
       }
       reasons.push_back(absl::StrCat("tenant ", sf.tenant_id, " ceiling need ",
                                      need, " planned ", tenant_freed));
@@ -425,7 +436,7 @@ TierPlan PressureCoordinator::PlanAdmission(const AdmissionShortfall& sf) {
       if (b->worker == &w && a.from == Tier::kDevice) freed += a.bytes_freed;
     }
     if (freed < need) {
-      Pick(snap, wi, Tier::kDevice, need - freed, nullptr, exclude,
+      Pick(snap, wi, Tier::kDevice, need - freed, nullptr, exclude, resident,
            sf.resume_reserve, &picks, &taken, &freed);
     }
     reasons.push_back(absl::StrCat("worker ", sf.worker_id, " room need ", need,
@@ -634,6 +645,9 @@ absl::Status PressureCoordinator::FinishTierPlan(
     WorkerRecord* w = workers_->Find(c.worker_id);
     uint64_t spilled_prev = 0;
     for (const PendingPlan::Item& item : c.items) {
+      if (c.kind == TierCommand::Kind::kDemote && w != nullptr) {
+        w->transient -= std::min(w->transient, item.to_bytes);
+      }
       BlockRecord* b = sequences_->FindBlock(item.lineage_id);
       const bool live = b != nullptr && b->busy == token;
       if (b != nullptr && b->busy == token) b->busy = 0;

@@ -93,6 +93,9 @@ struct AdmissionShortfall {
   uint64_t request_bytes = 0;  // device bytes the request needs
   // A sequence whose blocks must not be taken (the one being restored).
   std::string exclude_sequence_id;
+  // A sequence whose blocks may be demoted or evicted but not spilled (the
+  // one being extended: its next Attend needs its blocks on the device).
+  std::string resident_sequence_id;
   // An Open that keeps room for the resumption of spilled open sequences:
   // the request must fit beside worker_held_bytes on the worker and
   // tenant_held_bytes under the tenant's ceiling (their spilled blocks'
@@ -280,11 +283,11 @@ class PressureCoordinator {
                    uint64_t* tenant_add) const;
   // Takes candidates from pool (worker index wi, tier) of the snapshot
   // until `need` bytes are freed; `tenant` (when set) restricts to its
-  // blocks, `exclude` is never taken.
+  // blocks, `exclude` is never taken, `resident`'s blocks are not spilled.
   void Pick(const PressureSnapshot& snap, uint32_t wi, Tier tier, uint64_t need,
             const TenantRecord* tenant, const SequenceRecord* exclude,
-            bool no_spills, Picks* picks, absl::flat_hash_set<uint64_t>* taken,
-            uint64_t* freed);
+            const SequenceRecord* resident, bool no_spills, Picks* picks,
+            absl::flat_hash_set<uint64_t>* taken, uint64_t* freed);
   TierPlan PlanFromPicks(const Picks& picks, const std::string& reason);
   // `limit_to_high`: restore only below the pool's high watermark (graph
   // neighbours); else up to its capacity (the active sequence's own blocks).

@@ -77,10 +77,15 @@ absl::Status RestoreRound(ManagerCore* core, const std::string& sequence_id,
   *report = ReclaimReport{};
   // Restores what fits; what does not is the shortfall to reclaim for.
   auto restore = [&](AdmissionShortfall* sf) -> absl::Status {
-    const TierPlan plan = core->PlanPrefetch(sequence_id, sf);
-    for (const TierCommand& c : plan.commands) *blocks += c.blocks.size();
-    const TierPlanOutcome out = run(plan);
-    if (out.failed_commands > 0) {
+    // A worker that refuses for room (RESOURCE_EXHAUSTED: the room the plan
+    // counted on was stale) is planned for once more, in the room the runner
+    // refreshed: what does not fit then is the shortfall to reclaim for.
+    for (int attempt = 0;; ++attempt) {
+      const TierPlan plan = core->PlanPrefetch(sequence_id, sf);
+      for (const TierCommand& c : plan.commands) *blocks += c.blocks.size();
+      const TierPlanOutcome out = run(plan);
+      if (out.failed_commands == 0) break;
+      if (attempt == 0 && absl::IsResourceExhausted(out.first_error)) continue;
       return absl::Status(
           out.first_error.code(),
           absl::StrCat("restore of sequence_id ", Quote(sequence_id),
@@ -94,7 +99,11 @@ absl::Status RestoreRound(ManagerCore* core, const std::string& sequence_id,
   };
   AdmissionShortfall shortfall;
   absl::Status first = restore(&shortfall);
-  if (!absl::IsResourceExhausted(first)) return first;
+  // A worker's refusal with no shortfall the manager can see has nothing to
+  // reclaim for: it is the answer.
+  if (!absl::IsResourceExhausted(first) || shortfall.request_bytes == 0) {
+    return first;
+  }
   return ReclaimRound(core, first, &shortfall, deadline, run, restore, report);
 }
 

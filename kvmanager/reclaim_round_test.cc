@@ -45,7 +45,12 @@ class ReclaimRoundTest : public PressureFixture {
     TierPlanOutcome out;
     if (plan.token == 0) return out;
     ++plans_;
-    std::vector<absl::Status> results(plan.commands.size(), fail_);
+    absl::Status fail = fail_;
+    if (fail_next_plans_ > 0) {
+      --fail_next_plans_;
+      fail = absl::ResourceExhaustedError("worker pool is full");
+    }
+    std::vector<absl::Status> results(plan.commands.size(), fail);
     EXPECT_THAT(core_->FinishTierPlan(plan.token, results, &out), IsOk());
     return out;
   }
@@ -93,6 +98,7 @@ class ReclaimRoundTest : public PressureFixture {
   }
 
   absl::Status fail_ = absl::OkStatus();
+  int fail_next_plans_ = 0;  // plans refused for room before fail_ applies
   int plans_ = 0;
 };
 
@@ -405,6 +411,74 @@ TEST_F(ReclaimRoundTest, ResumptionIsRefusedOnlyWhenNothingElseIsReclaimable) {
                                  HasSubstr("of the sequence being resumed"),
                                  Not(HasSubstr("still short by 0 ")))));
   EXPECT_EQ(report.stages, 0u);
+}
+
+// A worker that refuses a restore for room (its room was newer than the
+// plan's) gets one more plan in the refreshed room rather than an error.
+TEST_F(ReclaimRoundTest, ARestoreRefusedForRoomIsPlannedAgain) {
+  Make(ManagerOptions{}, 28, /*host_blocks=*/64);
+  Tenant("t");
+  ASSERT_THAT(Open("t"), IsOk());
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
+  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_THAT(Open("t"), IsOk());
+  const size_t spilled = SpillIdle("seq-1");
+  ASSERT_GT(spilled, 0u);
+  plans_ = 0;
+  fail_next_plans_ = 1;
+  uint32_t blocks = 0;
+  ReclaimReport report;
+  ASSERT_THAT(
+      RestoreRound(core_.get(), "seq-1", Later(), Runner(), &blocks, &report),
+      IsOk());
+  EXPECT_EQ(plans_, 2);
+  EXPECT_EQ(blocks, 2 * spilled);  // planned twice, restored once
+  auto s = core_->GetSequence("", "seq-1");
+  ASSERT_THAT(s, IsOk());
+  for (const BlockPlan& b : s->blocks) EXPECT_EQ(b.tier, Tier::kDevice);
+  // Refused twice: the second refusal is the answer.
+  ASSERT_EQ(SpillIdle("seq-1"), spilled);
+  fail_next_plans_ = 2;
+  EXPECT_THAT(
+      RestoreRound(core_.get(), "seq-1", Later(), Runner(), &blocks, &report),
+      StatusIs(absl::StatusCode::kResourceExhausted,
+               AllOf(HasSubstr("restore of sequence_id \"seq-1\" failed"),
+                     HasSubstr("worker pool is full"))));
+}
+
+// An Extend's reclaim may demote or evict the extended sequence's own
+// blocks but not spill them: its next Attend would restore them at once.
+TEST_F(ReclaimRoundTest, AnExtendsReclaimDoesNotSpillTheSequenceItself) {
+  Make(ManagerOptions{}, 28, /*host_blocks=*/64);
+  Tenant("t");
+  ASSERT_THAT(Open("t"), IsOk());  // seq-1: idle, ranked coldest
+  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
+  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_THAT(Open("t"), IsOk());  // 27 of 28 blocks
+  AdmissionShortfall sf;
+  ASSERT_THAT(Extend("t", "seq-1", 48, &sf).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("")));
+  EXPECT_EQ(sf.resident_sequence_id, "seq-1");
+  auto spills_of = [](const TierPlan& plan, const std::string& seq) {
+    size_t n = 0;
+    for (const TierCommand& c : plan.commands) {
+      if (c.kind == TierCommand::Kind::kSpill && c.sequence_id == seq) {
+        n += c.blocks.size();
+      }
+    }
+    return n;
+  };
+  core_->RefreshRanking();
+  const TierPlan plan = core_->PlanAdmission(sf);
+  ASSERT_NE(plan.token, 0u);
+  EXPECT_EQ(spills_of(plan, "seq-1"), 0u);
+  fail_ = absl::UnavailableError("worker away");  // changes nothing
+  Run(plan);
+  // Without the field the same ranking spills seq-1 first.
+  sf.resident_sequence_id.clear();
+  const TierPlan other = core_->PlanAdmission(sf);
+  EXPECT_GT(spills_of(other, "seq-1"), 0u);
+  Run(other);
 }
 
 }  // namespace

@@ -165,7 +165,7 @@ int64_t WorkerRegistry::FrameRoomBytes(const WorkerRecord& w) {
   const Inventory& inv = w.info.inventory;
   if (inv.frame_bytes == 0) return -1;
   const uint64_t frames = inv.free_frames_compacted * inv.frame_bytes;
-  const uint64_t since = PlannedSinceHeartbeat(w);
+  const uint64_t since = PlannedSinceHeartbeat(w) + w.transient;
   return frames > since ? static_cast<int64_t>(frames - since) : 0;
 }
 

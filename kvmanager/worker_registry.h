@@ -115,7 +115,8 @@ class WorkerRegistry {
   static uint64_t FreeBytes(const WorkerRecord& w);
   // Bytes in frames the manager can still plan on (see "Room"): the
   // heartbeat's free_frames_compacted x frame_bytes less what was planned
-  // since (0 at least); -1 while the worker reported no frames.
+  // since and the new pages of demotions in flight (WorkerRecord::
+  // transient) (0 at least); -1 while the worker reported no frames.
   static int64_t FrameRoomBytes(const WorkerRecord& w);
   // reserved - reserved_at_heartbeat, 0 when it went down.
   static uint64_t PlannedSinceHeartbeat(const WorkerRecord& w);

@@ -94,6 +94,10 @@ TEST(WorkerRoomTest, FitsCountsFramesPoolSlotsAndWhatWasPlannedSince) {
               StatusIs(C::kResourceExhausted,
                        AllOf(HasSubstr("room for 2 more frames"),
                              HasSubstr("1 bytes planned since"))));
+  // New pages of demotions in flight are not free either.
+  w->transient = 1;
+  EXPECT_EQ(WorkerRegistry::FrameRoomBytes(*w), int64_t{3 * kFrame - 2});
+  w->transient = 0;
   // The shortfall asks the coordinator for the byte the frames lack.
   EXPECT_EQ(WorkerRegistry::AdmissionBytes(*w, bytes, bf16),
             WorkerRegistry::FreeBytes(*w) + 1);
