@@ -170,7 +170,8 @@ TEST_F(ServiceTest, RefusedOpenReclaimsThenReportsWhatWasFreed) {
   ASSERT_TRUE(Call(&v1::Manager::Stub::OpenSequence, req, &first).ok());
   EXPECT_FALSE(first.has_reclaimed());  // it fit: no reclaim ran
 
-  // The worker fails every Demote: the round stops, the refusal says so.
+  // The worker fails every Demote for room: the round plans around the
+  // refused blocks for 3 stages, then stops; the refusal says so.
   {
     absl::MutexLock lock(&fake.mu);
     fake.fail = true;
@@ -181,7 +182,7 @@ TEST_F(ServiceTest, RefusedOpenReclaimsThenReportsWhatWasFreed) {
   EXPECT_THAT(st.error_message(),
               HasSubstr("tenant \"acme\" tier TIER_DEVICE"));
   EXPECT_THAT(st.error_message(),
-              HasSubstr("reclaim freed 0 bytes in 1 stage (0 demotions"));
+              HasSubstr("reclaim freed 0 bytes in 3 stages (0 demotions"));
   EXPECT_THAT(st.error_message(), HasSubstr("still short by "));
   EXPECT_THAT(st.error_message(),
               HasSubstr("worker \"wd\" Demote: pool is full"));

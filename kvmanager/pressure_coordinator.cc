@@ -396,7 +396,9 @@ TierPlan PressureCoordinator::PlanAdmission(const AdmissionShortfall& sf) {
     resident = sequences_->Find(sf.resident_sequence_id);
   }
   Picks picks;
-  absl::flat_hash_set<uint64_t> taken;
+  // Blocks whose worker command failed earlier in the round count as taken.
+  absl::flat_hash_set<uint64_t> taken(sf.skip_lineage_ids.begin(),
+                                      sf.skip_lineage_ids.end());
   std::vector<std::string> reasons;
   const int dev = static_cast<int>(Tier::kDevice);
   uint64_t tenant_freed = 0;
@@ -648,6 +650,7 @@ absl::Status PressureCoordinator::FinishTierPlan(
       if (c.kind == TierCommand::Kind::kDemote && w != nullptr) {
         w->transient -= std::min(w->transient, item.to_bytes);
       }
+      if (!st.ok()) out.failed_lineage_ids.push_back(item.lineage_id);
       BlockRecord* b = sequences_->FindBlock(item.lineage_id);
       const bool live = b != nullptr && b->busy == token;
       if (b != nullptr && b->busy == token) b->busy = 0;

@@ -96,6 +96,8 @@ struct AdmissionShortfall {
   // A sequence whose blocks may be demoted or evicted but not spilled (the
   // one being extended: its next Attend needs its blocks on the device).
   std::string resident_sequence_id;
+  // Blocks not to plan (their worker command failed earlier in the round).
+  std::vector<uint64_t> skip_lineage_ids;
   // An Open that keeps room for the resumption of spilled open sequences:
   // the request must fit beside worker_held_bytes on the worker and
   // tenant_held_bytes under the tenant's ceiling (their spilled blocks'
@@ -124,7 +126,8 @@ struct TierPlanOutcome {
   uint32_t restores = 0;
   uint32_t evictions = 0;
   uint32_t failed_commands = 0;
-  absl::Status first_error;  // of the first failed command
+  absl::Status first_error;                  // of the first failed command
+  std::vector<uint64_t> failed_lineage_ids;  // blocks of failed commands
   uint32_t applied() const { return demotions + spills + restores + evictions; }
 };
 

@@ -33,6 +33,10 @@ absl::Status ReclaimRound(ManagerCore* core, const absl::Status& refused,
                           ReclaimReport* report) {
   *report = ReclaimReport{};
   absl::Status last = refused;
+  // Blocks whose worker command failed: later stages plan around them.
+  std::vector<uint64_t> failed;
+  constexpr int kMaxRefusedStages = 3;
+  int refused_stages = 0;
   while (true) {
     if (absl::Now() >= deadline) {
       report->stopped = "the reclaim deadline passed";
@@ -41,6 +45,7 @@ absl::Status ReclaimRound(ManagerCore* core, const absl::Status& refused,
     // An Open under the resume reserve is ranked without spills, so that
     // each block offers its cheapest demotion or eviction instead.
     core->RefreshRanking(/*spill_tiers=*/!shortfall->resume_reserve);
+    shortfall->skip_lineage_ids = failed;
     const TierPlan plan = core->PlanAdmission(*shortfall);
     if (plan.token == 0) {
       // Room may have come meanwhile (the background loop, a close).
@@ -48,13 +53,26 @@ absl::Status ReclaimRound(ManagerCore* core, const absl::Status& refused,
       if (last.ok() || !absl::IsResourceExhausted(last)) return last;
       report->stopped = absl::StrCat("nothing left to take; ",
                                      core->ExplainShortfall(*shortfall));
+      if (!failed.empty()) {
+        absl::StrAppend(&report->stopped, "; ", failed.size(),
+                        " blocks left out after failed worker calls (first: ",
+                        report->first_error, ")");
+      }
       break;
     }
     const TierPlanOutcome outcome = run(plan);
     report->Add(outcome);
     last = retry(shortfall);
     if (last.ok() || !absl::IsResourceExhausted(last)) return last;
-    if (outcome.applied() == 0) {
+    failed.insert(failed.end(), outcome.failed_lineage_ids.begin(),
+                  outcome.failed_lineage_ids.end());
+    // A stage the worker refused for room (e.g. a full spill tier) is
+    // planned again without its blocks, up to kMaxRefusedStages in a row;
+    // any other stage that applied nothing ends the round.
+    refused_stages = outcome.applied() == 0 ? refused_stages + 1 : 0;
+    if (outcome.applied() == 0 &&
+        (!absl::IsResourceExhausted(outcome.first_error) ||
+         refused_stages >= kMaxRefusedStages)) {
       report->stopped =
           outcome.failed_commands > 0
               ? absl::StrCat("no action of the last stage was applied (",

@@ -14,11 +14,12 @@
 // round stops when the retry succeeds or fails other than
 // RESOURCE_EXHAUSTED, when a stage plans nothing (after one more retry:
 // room may have come from elsewhere; then nothing is left to take), when no
-// action of a stage was applied (the worker calls failed), or at the
-// deadline. An Open under the resume reserve
-// (AdmissionShortfall::resume_reserve) is ranked without spill candidates:
-// a spill makes no room for it, so its blocks offer their cheapest
-// demotion or eviction instead.
+// action of a stage was applied (its worker calls failed; when they failed
+// RESOURCE_EXHAUSTED, e.g. a full spill tier, the next stages plan around
+// those blocks, up to 3 such stages in a row), or at the deadline. An Open
+// under the resume reserve (AdmissionShortfall::resume_reserve) is ranked
+// without spill candidates: a spill makes no room for it, so its blocks offer
+// their cheapest demotion or eviction instead.
 //
 // Thread contract: the functions take the core's mutex through its public
 // methods; run them on one thread per core at a time (the service's

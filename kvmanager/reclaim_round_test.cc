@@ -214,6 +214,33 @@ TEST_F(ReclaimRoundTest, DeadlineAndFailingWorkerEndTheRound) {
   EXPECT_EQ(report.demotions, 0u);
 }
 
+// A stage the worker refuses for room (a full spill tier, a pool without
+// a frame) is planned again around its blocks; three in a row end it.
+TEST_F(ReclaimRoundTest, AStageRefusedForRoomIsPlannedAroundItsBlocks) {
+  Make(ManagerOptions{}, 1000);
+  Tenant("t", 0, /*ceiling=*/20 * kBf16);
+  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_THAT(Open("t"), IsOk());
+  fail_next_plans_ = 1;
+  ReclaimReport report;
+  // 4 blocks: 2 over the ceiling, a stage takes a few of the 10 rankable.
+  ASSERT_THAT(OpenAfterReclaim("t", 48, &report), IsOk());
+  EXPECT_GE(plans_, 2);
+  EXPECT_GT(report.failed_commands, 0u);
+  EXPECT_GT(report.demotions, 0u);
+  // Refused every time: the round ends after at most three such stages
+  // (or when the refused blocks leave nothing to take), naming the refusal.
+  plans_ = 0;
+  fail_next_plans_ = 100;
+  EXPECT_THAT(OpenAfterReclaim("t", 48, &report),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("worker pool is full")));
+  EXPECT_GE(plans_, 1);
+  EXPECT_LE(plans_, 3);
+  EXPECT_EQ(report.demotions + report.spills + report.evictions, 0u);
+  fail_next_plans_ = 0;
+}
+
 TEST_F(ReclaimRoundTest,
        DemotionsGoOutInSmallCommandsAndAFailedOneLeavesTheRest) {
   // One long sequence: 26 blocks, 22 outside the window guard; an 8-block
