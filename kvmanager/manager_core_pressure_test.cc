@@ -359,11 +359,7 @@ TEST_F(PressureTest, WorkerRoomAdmissionTakesFromAnyTenant) {
 
 TEST_F(PressureTest, FailedCommandsReturnReservationsAndFreeTheBlocks) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
-  Tenant("t");
-  ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
-  ASSERT_THAT(Open("t"), IsOk());
-  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_NO_FATAL_FAILURE(OneIdleTwoBusy());
   const uint64_t before = Reserved();
   core_->RefreshRanking();
   TierPlan plan = core_->PlanPressure();
@@ -384,11 +380,7 @@ TEST_F(PressureTest, FailedCommandsReturnReservationsAndFreeTheBlocks) {
 
 TEST_F(PressureTest, BlocksClosedWhileBusyLeaveNoBytesBehind) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
-  Tenant("t");
-  ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
-  ASSERT_THAT(Open("t"), IsOk());
-  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_NO_FATAL_FAILURE(OneIdleTwoBusy());
   core_->RefreshRanking();
   TierPlan plan = core_->PlanPressure();
   ASSERT_NE(plan.token, 0u);
@@ -404,11 +396,7 @@ TEST_F(PressureTest, BlocksClosedWhileBusyLeaveNoBytesBehind) {
 
 TEST_F(PressureTest, WorkerSideRestoresArriveWithTheHeartbeat) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
-  Tenant("t");
-  ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
-  ASSERT_THAT(Open("t"), IsOk());
-  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_NO_FATAL_FAILURE(OneIdleTwoBusy());
   core_->RefreshRanking();
   TierPlan plan = core_->PlanPressure();
   Finish(plan);
@@ -459,11 +447,7 @@ TEST_F(PressureTest, ASequenceUsedSinceTheRankingIsNotTakenByIt) {
   ManagerOptions options;
   options.resume_reserve = false;
   Make(options, 28, /*host_blocks=*/64);
-  Tenant("t");
-  ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
-  ASSERT_THAT(Open("t"), IsOk());
-  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_NO_FATAL_FAILURE(OneIdleTwoBusy());
   core_->RefreshRanking();
   auto touches = [](const TierPlan& plan, const std::string& seq) {
     for (const TierCommand& c : plan.commands) {
@@ -491,11 +475,7 @@ TEST_F(PressureTest, RestoresArePlannedIntoTheReportedFramesOnly) {
   ManagerOptions options;
   options.resume_reserve = false;
   Make(options, 28, /*host_blocks=*/64);
-  Tenant("t");
-  ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
-  ASSERT_THAT(Open("t"), IsOk());
-  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_NO_FATAL_FAILURE(OneIdleTwoBusy());
   core_->RefreshRanking();
   Finish(core_->PlanPressure());
   size_t spilled = 0;
@@ -540,11 +520,7 @@ TEST_F(PressureTest, RestoresArePlannedIntoTheReportedFramesOnly) {
 
 TEST_F(PressureTest, SpilledBlocksRefuseDemoteAndFork) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
-  Tenant("t");
-  ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
-  ASSERT_THAT(Open("t"), IsOk());
-  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_NO_FATAL_FAILURE(OneIdleTwoBusy());
   core_->RefreshRanking();
   Finish(core_->PlanPressure());
   uint64_t spilled = 0;

@@ -87,6 +87,11 @@ struct TierPlan {
 
 // Why an Open / Extend was refused RESOURCE_EXHAUSTED: what reclaiming
 // must make room for.
+// `fraction` of `capacity` bytes (a watermark).
+inline uint64_t Watermark(uint64_t capacity, double fraction) {
+  return static_cast<uint64_t>(static_cast<double>(capacity) * fraction);
+}
+
 struct AdmissionShortfall {
   std::string tenant_id;
   std::string worker_id;       // the worker the request would go to

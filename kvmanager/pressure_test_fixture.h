@@ -66,6 +66,16 @@ class PressureFixture : public ::testing::Test {
     return core_->OpenSequence(req, sf);
   }
 
+  // Tenant "t" and three 9-block sequences: seq-1 idle for 10 minutes
+  // (ranked coldest), then seq-2 and seq-3.
+  void OneIdleTwoBusy() {
+    Tenant("t");
+    ASSERT_THAT(Open("t"), ::triax::testing::IsOk());
+    clock_.AdvanceMs(int64_t{10} * 60 * 1000);
+    ASSERT_THAT(Open("t"), ::triax::testing::IsOk());
+    ASSERT_THAT(Open("t"), ::triax::testing::IsOk());
+  }
+
   uint64_t Used(const std::string& tenant, Tier tier) {
     auto t = core_->GetTenant(tenant);
     EXPECT_THAT(t, ::triax::testing::IsOk());

@@ -370,11 +370,7 @@ TEST_F(ReclaimRoundTest, SpilledSessionsBytesAreNotTakenByANewOpen) {
 
 TEST_F(ReclaimRoundTest, ResumptionReclaimsFromOthersFirst) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
-  Tenant("t");
-  ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
-  ASSERT_THAT(Open("t"), IsOk());
-  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_NO_FATAL_FAILURE(OneIdleTwoBusy());
   const size_t spilled = SpillIdle("seq-1");
   ASSERT_EQ(spilled, 5u);
   // The active sequences grow into the room (an Extend does not count the
@@ -405,11 +401,7 @@ TEST_F(ReclaimRoundTest, ResumptionReclaimsFromOthersFirst) {
 
 TEST_F(ReclaimRoundTest, ResumptionIsRefusedOnlyWhenNothingElseIsReclaimable) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
-  Tenant("t");
-  ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
-  ASSERT_THAT(Open("t"), IsOk());
-  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_NO_FATAL_FAILURE(OneIdleTwoBusy());
   ASSERT_EQ(SpillIdle("seq-1"), 5u);
   // The others are closed and the room goes to short sequences whose
   // blocks are all in the window guard: nothing is left to take.
@@ -444,11 +436,7 @@ TEST_F(ReclaimRoundTest, ResumptionIsRefusedOnlyWhenNothingElseIsReclaimable) {
 // plan's) gets one more plan in the refreshed room rather than an error.
 TEST_F(ReclaimRoundTest, ARestoreRefusedForRoomIsPlannedAgain) {
   Make(ManagerOptions{}, 28, /*host_blocks=*/64);
-  Tenant("t");
-  ASSERT_THAT(Open("t"), IsOk());
-  clock_.AdvanceMs(int64_t{10} * 60 * 1000);
-  ASSERT_THAT(Open("t"), IsOk());
-  ASSERT_THAT(Open("t"), IsOk());
+  ASSERT_NO_FATAL_FAILURE(OneIdleTwoBusy());
   const size_t spilled = SpillIdle("seq-1");
   ASSERT_GT(spilled, 0u);
   plans_ = 0;
