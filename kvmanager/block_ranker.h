@@ -112,6 +112,10 @@ enum class PressureAction : int {
   kEvict = 4,
 };
 
+inline bool IsSpill(PressureAction a) {
+  return a == PressureAction::kSpillHost || a == PressureAction::kSpillDisk;
+}
+
 // One demotion target of a tag for a sequence's shape.
 struct DemoteOption {
   Encoding encoding;

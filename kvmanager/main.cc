@@ -74,6 +74,10 @@ ABSL_FLAG(uint32_t, window_guard_tokens, 64,
           "blocks ending within this many tokens of a sequence's end are "
           "taken to be in the worker's BF16 window: never spilled or evicted "
           "by the pressure manager (set it to the workers' --window_tokens)");
+ABSL_FLAG(int64_t, active_guard_ms, 5000,
+          "a sequence used (Open, Extend, ReportAccess) within this many ms "
+          "is not spilled by the pressure manager, so a session restored "
+          "for its turn stays on the device for it; >= 0, 0: off");
 ABSL_FLAG(double, reuse_half_life_ms, 30000,
           "half-life of the reuse probability of an idle sequence's blocks");
 ABSL_FLAG(int64_t, admission_deadline_ms, 5000,
@@ -192,6 +196,7 @@ int main(int argc, char** argv) {
     options.ranker.spill_disk_penalty = absl::GetFlag(FLAGS_spill_disk_penalty);
     options.ranker.reuse_half_life_ms = absl::GetFlag(FLAGS_reuse_half_life_ms);
     options.window_guard_tokens = absl::GetFlag(FLAGS_window_guard_tokens);
+    options.active_guard_ms = absl::GetFlag(FLAGS_active_guard_ms);
     options.watermarks.high = absl::GetFlag(FLAGS_high_watermark);
     options.watermarks.low = absl::GetFlag(FLAGS_low_watermark);
     options.admission_deadline_ms = absl::GetFlag(FLAGS_admission_deadline_ms);

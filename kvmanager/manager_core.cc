@@ -20,6 +20,7 @@ PressureOptions PressureOptionsOf(const ManagerOptions& o) {
   p.ranker = o.ranker;
   p.watermarks = o.watermarks;
   p.window_guard_tokens = o.window_guard_tokens;
+  p.active_guard_ms = o.active_guard_ms;
   p.max_plan_blocks = o.max_plan_blocks;
   return p;
 }

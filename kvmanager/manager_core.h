@@ -238,6 +238,9 @@ struct ManagerOptions {
   // Blocks ending within this many tokens of a sequence's end are taken to
   // be still in the worker's BF16 window (not spilled or evicted).
   uint32_t window_guard_tokens = 64;
+  // Sequences used (Open, Extend, ReportAccess) this recently are not
+  // spilled (see PressureOptions::active_guard_ms); >= 0, 0: off.
+  int64_t active_guard_ms = 5000;
   size_t max_plan_blocks = 4096;  // blocks one tier plan may act on
   // An Open must fit beside the device bytes of the spilled blocks of open
   // sequences (worker's and tenant's), so that they can come back.

@@ -178,7 +178,9 @@ TEST_F(PressureTest, IdleSequenceIsSpilledActiveOneIsNot) {
   EXPECT_EQ(sf.request_bytes, on_host * kBf16);
   EXPECT_EQ(sf.exclude_sequence_id, "seq-1");
   // Room is reclaimed from the others, never from seq-1 itself, round by
-  // round as the service's RestoreWithReclaim does.
+  // round as the service's RestoreWithReclaim does (the others were opened
+  // just now: past the active guard, they may be spilled).
+  clock_.AdvanceMs(options.active_guard_ms);
   size_t restored = 0;
   for (int round = 0; round < 4; ++round) {
     core_->RefreshRanking();
@@ -468,6 +470,61 @@ TEST_F(PressureTest, ASequenceUsedSinceTheRankingIsNotTakenByIt) {
   const TierPlan second = core_->PlanPressure();
   EXPECT_FALSE(touches(second, "seq-1"));
   if (second.token != 0) Finish(second);
+}
+
+TEST_F(PressureTest, ASequenceInUseIsNotSpilled) {
+  // Given two sequences idle for 10 minutes in a full pool, one of them
+  // resumed (ReportAccess active) just before the ranking,
+  for (const int64_t guard_ms : {int64_t{5000}, int64_t{0}}) {
+    SCOPED_TRACE(absl::StrCat("active_guard_ms=", guard_ms));
+    ManagerOptions options;
+    options.active_guard_ms = guard_ms;
+    Make(options, 19, /*host_blocks=*/64);
+    Tenant("t");
+    ASSERT_THAT(Open("t"), IsOk());  // seq-1
+    ASSERT_THAT(Open("t"), IsOk());  // seq-2
+    clock_.AdvanceMs(int64_t{10} * 60 * 1000);
+    ReportAccessRequest report;
+    report.tenant_id = "t";
+    report.sequence_id = "seq-1";
+    report.active = true;
+    ASSERT_THAT(core_->ReportAccess(report), IsOk());
+    // when a reclaim round for a large request runs stage after stage
+    // (demoting seq-1's blocks to their smallest encoding, then spilling),
+    // nothing of seq-1 is spilled while it is in the guard; with the guard
+    // off it is.
+    AdmissionShortfall sf{"t", "w1", 19 * kBf16};
+    std::set<std::string> spilled;
+    for (int stage = 0; stage < 8; ++stage) {
+      clock_.AdvanceMs(1);
+      core_->RefreshRanking();
+      const TierPlan plan = core_->PlanAdmission(sf);
+      if (plan.token == 0) break;
+      for (const TierCommand& c : plan.commands) {
+        if (c.kind == TierCommand::Kind::kSpill) spilled.insert(c.sequence_id);
+      }
+      Finish(plan);
+    }
+    if (guard_ms > 0) {
+      EXPECT_EQ(spilled, std::set<std::string>{"seq-2"});
+    } else {
+      EXPECT_EQ(spilled, (std::set<std::string>{"seq-1", "seq-2"}));
+    }
+    // and a shortfall's explanation counts seq-1's blocks under the guard.
+    if (guard_ms > 0) {
+      core_->RefreshRanking();
+      EXPECT_THAT(core_->ExplainShortfall(sf),
+                  HasSubstr("of a sequence in use (the active guard)"));
+    }
+  }
+}
+
+TEST_F(PressureTest, ActiveGuardMustNotBeNegative) {
+  ManagerOptions options;
+  options.active_guard_ms = -1;
+  EXPECT_THAT(ManagerCore::Create(options, &clock_),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("active_guard_ms -1 must be >= 0")));
 }
 
 TEST_F(PressureTest, RestoresArePlannedIntoTheReportedFramesOnly) {

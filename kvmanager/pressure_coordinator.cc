@@ -68,6 +68,10 @@ absl::Status PressureCoordinator::ValidateOptions(
           absl::StrCat(name, " ", v, " must be finite and >= 0"));
     }
   }
+  if (options.active_guard_ms < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "active_guard_ms ", options.active_guard_ms, " must be >= 0"));
+  }
   if (!(r.reuse_half_life_ms > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "reuse_half_life_ms ", r.reuse_half_life_ms, " must be > 0"));
@@ -141,8 +145,7 @@ bool PressureCoordinator::ActionValid(
     return b.tier == Tier::kDevice &&
            BlockBytes(s.model, s.block_tokens, a.encoding) < b.bytes;
   }
-  if (a.action == PressureAction::kSpillHost ||
-      a.action == PressureAction::kSpillDisk) {
+  if (IsSpill(a.action)) {
     const Tier to =
         a.action == PressureAction::kSpillHost ? Tier::kHost : Tier::kDisk;
     const int t = static_cast<int>(to);
@@ -262,6 +265,7 @@ void PressureCoordinator::Pick(
   absl::flat_hash_map<const TenantRecord*, std::array<uint64_t, kNumTiers>>
       tenant_add;
   uint64_t got = 0;
+  const int64_t now = clock_->NowMs();
   const auto selected =
       SelectReclaim(snap.ranking, wi, tier, need, [&](const RankedAction& a) {
         if (picks->size() >= options_.max_plan_blocks) return true;
@@ -275,17 +279,15 @@ void PressureCoordinator::Pick(
         // Used since the ranking was built (e.g. restored for its
         // resumption): the ranking's recency for it is stale.
         if (s->last_access_ms > snap.built_ms) return true;
-        if ((no_spills || s == resident) &&
-            (a.action == PressureAction::kSpillHost ||
-             a.action == PressureAction::kSpillDisk)) {
+        if ((no_spills || s == resident || Active(*s, now)) &&
+            IsSpill(a.action)) {
           return true;
         }
         if (!ActionValid(a, *b, *s, &worker_add,
                          tenant_add[s->tenant].data())) {
           return true;
         }
-        if (a.action == PressureAction::kSpillHost ||
-            a.action == PressureAction::kSpillDisk) {
+        if (IsSpill(a.action)) {
           const int t = static_cast<int>(a.action == PressureAction::kSpillHost
                                              ? Tier::kHost
                                              : Tier::kDisk);

@@ -177,6 +177,10 @@ struct PressureOptions {
   // Blocks ending within this many tokens of a sequence's end are taken to
   // be still in the worker's BF16 window (not spilled or evicted).
   uint32_t window_guard_tokens = 64;
+  // A sequence used (Open, Extend, ReportAccess) within this many ms is
+  // active: nothing of it is spilled, so a session that was just restored
+  // for its turn is not spilled again before its Attend. 0: off.
+  int64_t active_guard_ms = 5000;
   size_t max_plan_blocks = 4096;  // blocks one tier plan may act on
 };
 
@@ -291,12 +295,18 @@ class PressureCoordinator {
                    uint64_t* tenant_add) const;
   // Takes candidates from pool (worker index wi, tier) of the snapshot
   // until `need` bytes are freed; `tenant` (when set) restricts to its
-  // blocks, `exclude` is never taken, `resident`'s blocks are not spilled.
+  // blocks, `exclude` is never taken, `resident`'s blocks and those of
+  // active sequences (Active) are not spilled.
   void Pick(const PressureSnapshot& snap, uint32_t wi, Tier tier, uint64_t need,
             const TenantRecord* tenant, const SequenceRecord* exclude,
             const SequenceRecord* resident, bool no_spills, Picks* picks,
             absl::flat_hash_set<uint64_t>* taken, uint64_t* freed);
   TierPlan PlanFromPicks(const Picks& picks, const std::string& reason);
+  // Used within options_.active_guard_ms of `now_ms` (none is spilled).
+  bool Active(const SequenceRecord& s, int64_t now_ms) const {
+    return options_.active_guard_ms > 0 &&
+           now_ms - s.last_access_ms < options_.active_guard_ms;
+  }
   // `limit_to_high`: restore only below the pool's high watermark (graph
   // neighbours); else up to its capacity (the active sequence's own blocks).
   TierPlan PlanRestore(const std::vector<BlockRecord*>& want,

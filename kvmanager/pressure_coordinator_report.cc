@@ -82,6 +82,7 @@ std::string PressureCoordinator::ExplainShortfall(
     kExcluded,
     kNothingLeft,
     kOnlySpill,
+    kActive,
     kOther,
     kReasons
   };
@@ -92,10 +93,12 @@ std::string PressureCoordinator::ExplainShortfall(
       "of the sequence being resumed",
       "with nothing left to take (protected, smallest encoding, no spill)",
       "spillable only (a spill makes no room for a new sequence)",
+      "spillable only, of a sequence in use (the active guard)",
       "not taken (changed since the ranking, or the spill tier is full)"};
   std::array<uint64_t, kReasons> blocks{};
   std::array<uint64_t, kReasons> bytes{};
   uint64_t total = 0;
+  const int64_t now = clock_->NowMs();
   for (const SequenceRecord* s : w->open) {
     if (only != nullptr && s->tenant != only) continue;
     for (const BlockRecord* b : s->blocks) {
@@ -107,16 +110,14 @@ std::string PressureCoordinator::ExplainShortfall(
         r = kShared;
       } else if (s->id == sf.exclude_sequence_id) {
         r = kExcluded;
-      } else if (b->num_tokens != b->capacity ||
-                 b->first_token + b->num_tokens + options_.window_guard_tokens >
-                     s->num_tokens) {
+      } else if (!SealedOutsideWindow(*s, *b, options_.window_guard_tokens)) {
         r = kWindow;
       } else if (auto it = offered.find(b->lineage_id); it == offered.end()) {
         r = kNothingLeft;
-      } else if (sf.resume_reserve &&
-                 (it->second == PressureAction::kSpillHost ||
-                  it->second == PressureAction::kSpillDisk)) {
+      } else if (sf.resume_reserve && IsSpill(it->second)) {
         r = kOnlySpill;
+      } else if (IsSpill(it->second) && Active(*s, now)) {
+        r = kActive;
       }
       ++blocks[r];
       bytes[r] += b->bytes;

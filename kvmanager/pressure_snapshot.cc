@@ -210,10 +210,7 @@ void SnapshotBuilder::CopyChunk() {
       v.tier = b->tier;
       v.tokens = b->num_tokens;
       v.refcount = b->refcount;
-      v.sealed =
-          b->num_tokens == b->capacity &&
-          b->first_token + b->num_tokens + options_.window_guard_tokens <=
-              s.num_tokens;
+      v.sealed = SealedOutsideWindow(s, *b, options_.window_guard_tokens);
       v.encoding = b->encoding;
       v.bytes = b->bytes;
       const int code = TagCode(b->tag);

@@ -6,10 +6,12 @@
 // What is copied: the UP workers (capacity and usage per tier), every
 // tenant (floor, ceiling and usage per tier), and every open sequence on an
 // UP worker with its blocks that are exclusively held (refcount 1), not
-// evicted and not busy. A block is sealed (rankable) when it is full and
-// ends at least window_guard_tokens before its sequence's end (the blocks
-// after it are taken to be the worker's BF16 window). Its option set: the
-// encodings of its tag in the sequence's calibration table (the allocation
+// evicted and not busy. A block is sealed (rankable) when it can no longer
+// grow (it is full, or a later block follows it: a span that ended short of
+// a block boundary leaves a partial block the worker seals like a full one)
+// and ends at least window_guard_tokens before its sequence's end (the
+// blocks after it are taken to be the worker's BF16 window). Its option set:
+// the encodings of its tag in the sequence's calibration table (the allocation
 // policy's, else the table stored under the model's name when the shapes
 // match) that are valid for the sequence's page shape, plus BF16; without
 // one, a fallback noise model 2^(-2 (bits - 2)) over BF16/FP8/INT8/INT4/
@@ -44,6 +46,16 @@
 #include "kvmanager/worker_registry.h"
 
 namespace triax::manager {
+
+// Whether block `b` of `s` is sealed as above: not the last block unless
+// full, and ending window_guard_tokens or more before the sequence's end.
+inline bool SealedOutsideWindow(const SequenceRecord& s, const BlockRecord& b,
+                                uint32_t window_guard_tokens) {
+  const bool final = b.num_tokens == b.capacity ||
+                     (!s.blocks.empty() && s.blocks.back() != &b);
+  return final &&
+         b.first_token + b.num_tokens + window_guard_tokens <= s.num_tokens;
+}
 
 // Temporal adjacency in the block graph: a block gains this share of the
 // importance of its more important neighbour in the sequence (index +-1),

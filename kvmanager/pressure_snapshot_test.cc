@@ -71,7 +71,7 @@ TEST(PressureSnapshotTest, CopiesWhatTheRankerMayActOn) {
   closed->state = SequenceState::kClosed;
   s->blocks[1]->refcount = 2;    // shared with a fork
   s->blocks[2]->busy = 4;        // in a tier plan
-  s->blocks[3]->num_tokens = 9;  // partial: not sealed
+  s->blocks[3]->num_tokens = 9;  // partial, followed by block 4: sealed
   SnapshotBuilder b = w.Builder();
   w.Build(&b);
   const PressureInput& in = b.input();
@@ -85,13 +85,41 @@ TEST(PressureSnapshotTest, CopiesWhatTheRankerMayActOn) {
   ASSERT_EQ(in.sequences.size(), 1u);
   EXPECT_EQ(in.sequences[0].sequence_id, "seq-1");
   EXPECT_THAT(Lineages(in), ElementsAre(1u, 4u, 5u));
-  // Sealed: full and at least window_guard_tokens before the end (80).
+  // Sealed: final and at least window_guard_tokens before the end (80).
   EXPECT_TRUE(in.blocks[0].sealed);
-  EXPECT_FALSE(in.blocks[1].sealed);  // partial
+  EXPECT_TRUE(in.blocks[1].sealed);   // partial, ends at 57
   EXPECT_FALSE(in.blocks[2].sealed);  // ends at 80: in the window
   EXPECT_THAT(b.snapshot().worker_ids, ElementsAre("up"));
   EXPECT_THAT(b.snapshot().sequence_ids, ElementsAre("seq-1"));
   EXPECT_EQ(b.snapshot().built_ms, w.clock.NowMs());
+}
+
+TEST(PressureSnapshotTest, OnlyTheLastBlockOfASequenceMayStillGrow) {
+  // A span that ends short of a block boundary leaves a partial block; once
+  // a later block follows it, it can no longer grow and the worker seals it
+  // like a full one. The last block, partial, may still grow.
+  SnapshotWorld w;
+  w.options.window_guard_tokens = 0;
+  TenantRecord* t = w.AddTenant("t", /*ceiling=*/1 << 30, /*floor=*/0);
+  WorkerRecord* up = w.AddWorker("up", 1 << 30);
+  SequenceRecord* s = w.Add(t, up, 3);
+  s->blocks[1]->num_tokens = 5;    // [16, 21): a short span
+  s->blocks[2]->first_token = 21;  // [21, 28): the last block, partial
+  s->blocks[2]->num_tokens = 7;
+  s->num_tokens = 28;
+  SnapshotBuilder b = w.Builder();
+  w.Build(&b);
+  const PressureInput& in = b.input();
+  ASSERT_EQ(in.blocks.size(), 3u);
+  EXPECT_TRUE(in.blocks[0].sealed);
+  EXPECT_TRUE(in.blocks[1].sealed);
+  EXPECT_FALSE(in.blocks[2].sealed);
+  // Full, it is final too.
+  s->blocks[2]->num_tokens = 16;
+  s->num_tokens = 37;
+  SnapshotBuilder full = w.Builder();
+  w.Build(&full);
+  EXPECT_TRUE(full.input().blocks[2].sealed);
 }
 
 TEST(PressureSnapshotTest, OptionSetsFromTheTableOrTheFallbackModel) {

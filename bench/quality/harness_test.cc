@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -18,11 +19,25 @@ using ::testing::HasSubstr;
 using ::testing::StartsWith;
 using ::triax::testing::StatusIs;
 
-std::string TempDir() {
-  char tmpl[] = "/tmp/bench_harness_test.XXXXXX";
-  EXPECT_NE(mkdtemp(tmpl), nullptr);
-  return tmpl;
-}
+// A fresh directory under /tmp, removed with everything in it at scope exit.
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/bench_harness_test.XXXXXX";
+    EXPECT_NE(mkdtemp(tmpl), nullptr);
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 std::string Slurp(const std::string& path) {
   std::ifstream in(path);
@@ -42,7 +57,8 @@ TEST(HarnessTest, ReportText) {
 }
 
 TEST(HarnessTest, EmitReportWritesTheFile) {
-  const std::string dir = TempDir();
+  const TempDir tmp;
+  const std::string& dir = tmp.path();
   EXPECT_TRUE(EmitReport("# r\n", "").ok());
   ASSERT_TRUE(EmitReport("# r\n", dir + "/r.md").ok());
   EXPECT_EQ(Slurp(dir + "/r.md"), "# r\n");
@@ -51,7 +67,8 @@ TEST(HarnessTest, EmitReportWritesTheFile) {
 }
 
 TEST(HarnessTest, ReadCalibrationTable) {
-  const std::string dir = TempDir();
+  const TempDir tmp;
+  const std::string& dir = tmp.path();
   {
     std::ofstream(dir + "/ok.txtpb") << "model: \"m1\"\n";
     std::ofstream(dir + "/bad.txtpb") << "model: [[\n";
@@ -70,7 +87,7 @@ TEST(HarnessTest, ReadCalibrationTable) {
 }
 
 TEST(HarnessTest, DataDirAndBinDir) {
-  EXPECT_THAT(CompleteDataDir(TempDir()),
+  EXPECT_THAT(CompleteDataDir(TempDir().path()),
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstr("lacks the models/text/bfcl files")));
   // A set TRIAX_BIN_DIR is kept; an empty one becomes this binary's dir.
