@@ -398,35 +398,40 @@ absl::Status TierStore::ReadFile(const SpilledPage& page, uint32_t layer,
   return absl::OkStatus();
 }
 
+absl::Status TierStore::VerifyHost(const SpilledPage& page, uint32_t layer,
+                                   const BlockLabel& label) const {
+  // Over the pieces in page order: the CRC32C of the contiguous page.
+  uint32_t got = 0;
+  for (const HostPiece& piece : page.host_pieces) {
+    got = Crc32c(host_base_ + piece.offset, piece.bytes, got);
+  }
+  if (got == page.crc) return absl::OkStatus();
+  return absl::DataLossError(
+      absl::StrCat(What(label), " layer ", layer,
+                   " in the host tier: checksum mismatch (CRC32C stored ",
+                   absl::Hex(page.crc, absl::kZeroPad8), ", computed ",
+                   absl::Hex(got, absl::kZeroPad8),
+                   "); the block stays spilled and is not served"));
+}
+
 absl::StatusOr<const uint8_t*> TierStore::LoadVerified(
     const SpilledBlock& block, uint32_t layer, const BlockLabel& label,
     std::vector<uint8_t>* buf) {
   const SpilledPage& page = block.pages[layer];
   if (block.tier == Tier::kHost) {
-    const uint8_t* p = host_base_;
+    TRIAX_RETURN_IF_ERROR(VerifyHost(page, layer, label));
     if (page.host_pieces.size() == 1) {
-      p += page.host_pieces[0].offset;
-    } else {
-      // Scattered: gathered so the checksum and the caller see the page
-      // contiguous, byte for byte as spilled.
-      buf->resize(page.bytes);
-      size_t at = 0;
-      for (const HostPiece& piece : page.host_pieces) {
-        std::memcpy(buf->data() + at, host_base_ + piece.offset, piece.bytes);
-        at += piece.bytes;
-      }
-      p = buf->data();
+      return static_cast<const uint8_t*>(host_base_ +
+                                         page.host_pieces[0].offset);
     }
-    const uint32_t got = Crc32c(p, page.bytes);
-    if (got != page.crc) {
-      return absl::DataLossError(
-          absl::StrCat(What(label), " layer ", layer,
-                       " in the host tier: checksum mismatch (CRC32C stored ",
-                       absl::Hex(page.crc, absl::kZeroPad8), ", computed ",
-                       absl::Hex(got, absl::kZeroPad8),
-                       "); the block stays spilled and is not served"));
+    // Scattered (or empty): gathered so the caller sees the page contiguous.
+    buf->resize(page.bytes);
+    size_t at = 0;
+    for (const HostPiece& piece : page.host_pieces) {
+      std::memcpy(buf->data() + at, host_base_ + piece.offset, piece.bytes);
+      at += piece.bytes;
     }
-    return p;
+    return static_cast<const uint8_t*>(buf->data());
   }
   TRIAX_RETURN_IF_ERROR(ReadFile(page, layer, label, buf));
   return static_cast<const uint8_t*>(buf->data() + kHeaderBytes);
@@ -546,11 +551,24 @@ absl::Status TierStore::Restore(const SpilledBlock& block,
   }
   std::vector<uint8_t> buf;
   for (size_t l = 0; l < block.pages.size(); ++l) {
+    const SpilledPage& page = block.pages[l];
+    if (block.tier == Tier::kHost) {
+      // Verified in place, then copied piece by piece to the matching
+      // offsets of the device page (no gather copy; on CUDA every piece
+      // stays a pinned-memory DMA).
+      TRIAX_RETURN_IF_ERROR(VerifyHost(page, static_cast<uint32_t>(l), label));
+      size_t at = 0;
+      for (const HostPiece& piece : page.host_pieces) {
+        TRIAX_RETURN_IF_ERROR(device_->CopyFromHost(
+            dst[l] + at, host_base_ + piece.offset, piece.bytes));
+        at += piece.bytes;
+      }
+      continue;
+    }
     TRIAX_ASSIGN_OR_RETURN(
         const uint8_t* src,
         LoadVerified(block, static_cast<uint32_t>(l), label, &buf));
-    TRIAX_RETURN_IF_ERROR(
-        device_->CopyFromHost(dst[l], src, block.pages[l].bytes));
+    TRIAX_RETURN_IF_ERROR(device_->CopyFromHost(dst[l], src, page.bytes));
   }
   return absl::OkStatus();
 }

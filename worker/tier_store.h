@@ -12,9 +12,10 @@
 //              all of the largest run (Arena::Gather). So a host spill is
 //              refused only when the free bytes do not cover the block's
 //              pages rounded to 256 (never for fragmentation). A scattered
-//              page costs one extra host copy on Restore and Move (its
-//              pieces are gathered into a buffer and checksummed there);
-//              Spill copies each piece straight from the device page.
+//              page is copied piece by piece (one device copy per piece on
+//              Spill and Restore, at the matching offsets of the device
+//              page) and checksummed over its pieces in page order; a move
+//              to disk gathers it into a buffer first (one extra host copy).
 //   disk tier  one file per spilled page under
 //              <disk_dir>/<owner>/<sequence_id>.<lineage_id>.L<layer>.<n>.kvpage
 //              (owner: the worker id, else "pid-<pid>"), written to
@@ -235,9 +236,14 @@ class TierStore {
   // Reads a page file into `out`, checking header, size and checksum.
   absl::Status ReadFile(const SpilledPage& page, uint32_t layer,
                         const BlockLabel& label, std::vector<uint8_t>* out);
+  // DATA_LOSS unless the CRC32C over a host page's pieces, in page order,
+  // is the one taken on spill.
+  absl::Status VerifyHost(const SpilledPage& page, uint32_t layer,
+                          const BlockLabel& label) const;
   // Reads page `layer` of `block` into host memory and verifies it: for a
   // host page in one extent a pointer into the arena; a scattered host page
-  // is gathered into `buf` first; a disk page is read into `buf`.
+  // is verified in place, then gathered into `buf`; a disk page is read into
+  // `buf`.
   absl::StatusOr<const uint8_t*> LoadVerified(const SpilledBlock& block,
                                               uint32_t layer,
                                               const BlockLabel& label,

@@ -509,11 +509,13 @@ TEST_F(TierStoreTest, CorruptByteInAScatteredPageIsDataLoss) {
   EXPECT_EQ(store_->Usage(Tier::kHost).free_bytes, kFragCapacity);
 }
 
-// A CPU device whose CopyToHost fails from call `fail_from` on.
+// A CPU device whose CopyToHost fails from call `fail_from` on; counts
+// both copy directions.
 class FailingCopyDevice final : public Device {
  public:
-  int calls = 0;
+  int calls = 0;  // CopyToHost
   int fail_from = 1 << 30;
+  int from_host_calls = 0;
 
   const char* Name() const override { return "failing-copy"; }
   absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override {
@@ -551,6 +553,7 @@ class FailingCopyDevice final : public Device {
   }
   absl::Status CopyFromHost(uint8_t* dst, const void* src,
                             size_t bytes) override {
+    ++from_host_calls;
     return cpu_.CopyFromHost(dst, src, bytes);
   }
   absl::StatusOr<uint8_t*> AllocateHostTier(size_t bytes) override {
@@ -612,9 +615,13 @@ TEST_F(TierStoreTest, FailedCopyOfAScatteredPageGivesBackEveryPiece) {
   ASSERT_THAT(ok.status(), IsOk());
   EXPECT_EQ(dev.calls, static_cast<int>(ok->pages[0].host_pieces.size()));
   EXPECT_GT(ok->pages[0].host_pieces.size(), 1u);
+  // Restore copies piece by piece too, straight from the extents.
   std::vector<uint8_t> back(3000);
   uint8_t* dst[] = {back.data()};
+  dev.from_host_calls = 0;
   ASSERT_THAT(tiers->Restore(*ok, dst, Label(21)), IsOk());
+  EXPECT_EQ(dev.from_host_calls,
+            static_cast<int>(ok->pages[0].host_pieces.size()));
   EXPECT_EQ(std::memcmp(back.data(), src[0], 3000), 0);
   tiers->Release(&*ok);
   for (int i : {1, 3, 5}) tiers->Release(&blocks[i]);
