@@ -247,6 +247,8 @@ void ToProto(const InventorySnapshot& d, v1::Inventory* p) {
     t->set_capacity_bytes(usage->capacity_bytes);
     t->set_used_bytes(usage->used_bytes);
     t->set_blocks(usage->blocks);
+    t->set_free_bytes(usage->free_bytes);
+    t->set_free_runs(usage->free_runs);
   }
   p->set_spills(d.spills);
   p->set_restores(d.restores);

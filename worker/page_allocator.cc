@@ -23,21 +23,81 @@ struct PageAllocator::Pool {
 // Arena
 
 Arena::Arena(size_t capacity) : capacity_(capacity), free_bytes_(capacity) {
-  if (capacity > 0) free_runs_.emplace(0, capacity);
+  if (capacity > 0) AddRun(0, capacity);
+}
+
+void Arena::AddRun(size_t offset, size_t bytes) {
+  free_runs_.emplace(offset, bytes);
+  by_length_.emplace(bytes, offset);
+}
+
+void Arena::EraseRun(std::map<size_t, size_t>::iterator it) {
+  by_length_.erase({it->second, it->first});
+  free_runs_.erase(it);
+}
+
+void Arena::TakeFrom(std::map<size_t, size_t>::iterator it, size_t bytes) {
+  const size_t rest = it->second - bytes;
+  const size_t rest_offset = it->first + bytes;
+  EraseRun(it);
+  if (rest > 0) AddRun(rest_offset, rest);
+  free_bytes_ -= bytes;
 }
 
 bool Arena::Take(size_t bytes, size_t* offset) {
   for (auto it = free_runs_.begin(); it != free_runs_.end(); ++it) {
     if (it->second < bytes) continue;
     *offset = it->first;
-    const size_t rest = it->second - bytes;
-    const size_t rest_offset = it->first + bytes;
-    free_runs_.erase(it);
-    if (rest > 0) free_runs_.emplace(rest_offset, rest);
-    free_bytes_ -= bytes;
+    TakeFrom(it, bytes);
     return true;
   }
   return false;
+}
+
+size_t Arena::TakeLargest(size_t max_bytes, size_t unit, size_t* offset) {
+  if (by_length_.empty() || unit == 0) return 0;
+  const auto [length, at] = *by_length_.begin();
+  const size_t bytes = std::min(max_bytes, length - length % unit);
+  if (bytes == 0) return 0;
+  *offset = at;
+  TakeFrom(free_runs_.find(at), bytes);
+  return bytes;
+}
+
+bool Arena::Gather(size_t bytes, size_t unit, std::vector<Run>* runs) {
+  if (bytes == 0 || unit == 0 || bytes % unit != 0) return false;
+  size_t usable = 0;
+  for (const auto& [len, off] : by_length_) {
+    if (len < unit) break;  // longest first: the rest are shorter still
+    usable += len - len % unit;
+    if (usable >= bytes) break;
+  }
+  if (usable < bytes) return false;
+  // Each step lowers the usable bytes by exactly what it takes (runs start
+  // and end on `unit` when every caller uses multiples of it), so the check
+  // above guarantees progress; the guard keeps all-or-nothing regardless.
+  const size_t first = runs->size();
+  size_t rest = bytes;
+  while (rest > 0) {
+    Run run;
+    if (Take(rest, &run.offset)) {
+      run.bytes = rest;
+    } else {
+      // No run holds the rest, so the largest is shorter than it and
+      // TakeLargest takes all of it (rounded down to `unit`).
+      run.bytes = TakeLargest(rest, unit, &run.offset);
+    }
+    if (run.bytes == 0) {
+      for (size_t i = first; i < runs->size(); ++i) {
+        Give((*runs)[i].offset, (*runs)[i].bytes);
+      }
+      runs->resize(first);
+      return false;
+    }
+    runs->push_back(run);
+    rest -= run.bytes;
+  }
+  return true;
 }
 
 void Arena::Give(size_t offset, size_t bytes) {
@@ -48,21 +108,19 @@ void Arena::Give(size_t offset, size_t bytes) {
     if (prev->first + prev->second == offset) {
       start = prev->first;
       len += prev->second;
-      free_runs_.erase(prev);
+      EraseRun(prev);
     }
   }
   if (next != free_runs_.end() && offset + bytes == next->first) {
     len += next->second;
-    free_runs_.erase(next);
+    EraseRun(next);
   }
-  free_runs_.emplace(start, len);
+  AddRun(start, len);
   free_bytes_ += bytes;
 }
 
 size_t Arena::LargestFreeRun() const {
-  size_t best = 0;
-  for (const auto& [off, len] : free_runs_) best = std::max(best, len);
-  return best;
+  return by_length_.empty() ? 0 : by_length_.begin()->first;
 }
 
 // ---------------------------------------------------------------------------

@@ -64,6 +64,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -101,23 +102,60 @@ struct Page {
   uint32_t slot = 0;
 };
 
-// A contiguous range allocator over [0, capacity), first fit with
-// coalescing (the host spill tier's, worker/tier_store.h); not thread-safe
-// (its owner serializes it).
+// A range allocator over [0, capacity), first fit with coalescing (the host
+// spill tier's, worker/tier_store.h); not thread-safe (its owner serializes
+// it). Free runs are kept by offset (first fit, coalescing) and by length
+// (largest first), so LargestFreeRun is O(1) and TakeLargest O(log runs).
 class Arena {
  public:
+  // One range handed out by Gather.
+  struct Run {
+    size_t offset = 0;
+    size_t bytes = 0;
+  };
+
   explicit Arena(size_t capacity);
   // Offset of a free run of `bytes` (first fit), or false.
   bool Take(size_t bytes, size_t* offset);
+  // Takes up to `max_bytes` from the start of the largest free run (the
+  // lowest-offset one among equals), a multiple of `unit` (> 0) bytes:
+  // min(max_bytes, the run's length rounded down to `unit`). Returns the
+  // bytes taken, 0 when no run holds `unit` bytes (nothing taken then).
+  // `max_bytes` should be a multiple of `unit` for the result to be one.
+  size_t TakeLargest(size_t max_bytes, size_t unit, size_t* offset);
+  // Takes `bytes` (a multiple of `unit`, > 0) as one run when a free run
+  // holds them (first fit), else as several: each step takes the rest in one
+  // run if one holds it (first fit), else all of the largest run (rounded
+  // down to `unit`). Appends the runs in the order taken; all or nothing:
+  // false, nothing taken and `runs` untouched, when the free runs (each
+  // rounded down to `unit`) do not cover `bytes`. When every Take / Give /
+  // Gather uses multiples of `unit` and the capacity is one, Gather succeeds
+  // exactly when bytes <= free_bytes().
+  bool Gather(size_t bytes, size_t unit, std::vector<Run>* runs);
   void Give(size_t offset, size_t bytes);
   size_t free_bytes() const { return free_bytes_; }
   size_t capacity() const { return capacity_; }
   size_t LargestFreeRun() const;
+  size_t free_runs() const { return free_runs_.size(); }
 
  private:
+  // Longest first, then lowest offset.
+  struct LongerFirst {
+    bool operator()(const std::pair<size_t, size_t>& a,
+                    const std::pair<size_t, size_t>& b) const {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;
+    }
+  };
+  void AddRun(size_t offset, size_t bytes);
+  void EraseRun(std::map<size_t, size_t>::iterator it);
+  // Takes `bytes` from the start of the run at `it` (bytes <= its length).
+  void TakeFrom(std::map<size_t, size_t>::iterator it, size_t bytes);
+
   size_t capacity_;
   size_t free_bytes_;
   std::map<size_t, size_t> free_runs_;  // offset -> length, non-adjacent
+  // (length, offset) of every entry of free_runs_.
+  std::set<std::pair<size_t, size_t>, LongerFirst> by_length_;
 };
 
 struct FormatUsage {

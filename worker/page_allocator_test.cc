@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <random>
 #include <set>
 #include <vector>
 
@@ -39,6 +40,174 @@ TEST(ArenaTest, FirstFitAndCoalescing) {
   EXPECT_EQ(a.LargestFreeRun(), 1000u);
   ASSERT_TRUE(a.Take(1000, &w));
   EXPECT_EQ(w, 0u);
+}
+
+TEST(ArenaTest, TakeLargestTakesWholeUnitsFromTheLongestRun) {
+  Arena a(4096);
+  size_t x, y, z, w;
+  ASSERT_TRUE(a.Take(1024, &x));  // [0, 1024)
+  ASSERT_TRUE(a.Take(1024, &y));  // [1024, 2048)
+  ASSERT_TRUE(a.Take(1536, &z));  // [2048, 3584)
+  a.Give(x, 1024);                // free: [0, 1024) and [3584, 4096)
+  EXPECT_EQ(a.free_runs(), 2u);
+  EXPECT_EQ(a.LargestFreeRun(), 1024u);
+  // Capped by max_bytes: taken from the start of the longest run.
+  size_t off = 99;
+  EXPECT_EQ(a.TakeLargest(256, 256, &off), 256u);
+  EXPECT_EQ(off, 0u);
+  // Then the longest left: 768 at 256, then 512 at 3584.
+  EXPECT_EQ(a.TakeLargest(4096, 256, &off), 768u);
+  EXPECT_EQ(off, 256u);
+  EXPECT_EQ(a.TakeLargest(4096, 256, &off), 512u);
+  EXPECT_EQ(off, 3584u);
+  EXPECT_EQ(a.free_bytes(), 0u);
+  EXPECT_EQ(a.free_runs(), 0u);
+  off = 99;
+  EXPECT_EQ(a.TakeLargest(4096, 256, &off), 0u);  // nothing left
+  EXPECT_EQ(off, 99u);
+  // Rounded down to the unit; a run shorter than the unit gives nothing.
+  a.Give(0, 300);
+  EXPECT_EQ(a.TakeLargest(4096, 256, &off), 256u);
+  EXPECT_EQ(off, 0u);
+  EXPECT_EQ(a.TakeLargest(4096, 256, &off), 0u);
+  EXPECT_EQ(a.free_bytes(), 44u);
+  // Equal longest runs: the lowest offset goes first.
+  Arena b(3072);
+  ASSERT_TRUE(b.Take(3072, &w));
+  b.Give(2048, 512);
+  b.Give(0, 512);
+  EXPECT_EQ(b.TakeLargest(256, 256, &off), 256u);
+  EXPECT_EQ(off, 0u);
+}
+
+TEST(ArenaTest, GatherTakesOneRunWhenOneHoldsTheBytes) {
+  Arena a(8192);
+  size_t x, y;
+  ASSERT_TRUE(a.Take(1024, &x));
+  ASSERT_TRUE(a.Take(1024, &y));
+  a.Give(x, 1024);  // free: [0, 1024), [2048, 8192)
+  std::vector<Arena::Run> runs;
+  ASSERT_TRUE(a.Gather(768, 256, &runs));  // first fit: the first run
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_EQ(runs[0].offset, 0u);
+  EXPECT_EQ(runs[0].bytes, 768u);
+  ASSERT_TRUE(a.Gather(2048, 256, &runs));  // appended
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[1].offset, 2048u);
+  EXPECT_EQ(runs[1].bytes, 2048u);
+  // Not a multiple of the unit, zero bytes, zero unit: refused, nothing
+  // taken.
+  EXPECT_FALSE(a.Gather(100, 256, &runs));
+  EXPECT_FALSE(a.Gather(0, 256, &runs));
+  EXPECT_FALSE(a.Gather(256, 0, &runs));
+  EXPECT_EQ(runs.size(), 2u);
+  EXPECT_EQ(a.free_bytes(), 8192u - 1024 - 768 - 2048);
+}
+
+TEST(ArenaTest, GatherScattersOverTheLargestRunsAllOrNothing) {
+  // Ten 512-byte slots; the odd ones stay taken.
+  Arena a(5120);
+  std::vector<size_t> slot(10);
+  for (size_t& o : slot) ASSERT_TRUE(a.Take(512, &o));
+  for (int i = 0; i < 10; i += 2) a.Give(slot[i], 512);
+  a.Give(slot[9], 512);  // joins slot 8: a 1024-byte run at 4096
+  EXPECT_EQ(a.free_bytes(), 3072u);
+  EXPECT_EQ(a.free_runs(), 5u);
+  EXPECT_EQ(a.LargestFreeRun(), 1024u);
+
+  std::vector<Arena::Run> runs;
+  EXPECT_FALSE(a.Gather(3328, 256, &runs));  // 256 more than free
+  EXPECT_TRUE(runs.empty());
+  EXPECT_EQ(a.free_bytes(), 3072u);
+  EXPECT_EQ(a.free_runs(), 5u);
+
+  // 1792 bytes: all of the largest run, then the rest (768) in no run, so
+  // the largest again (512 at 0), then 256 first fit (at 1024).
+  ASSERT_TRUE(a.Gather(1792, 256, &runs));
+  ASSERT_EQ(runs.size(), 3u);
+  EXPECT_EQ(runs[0].offset, 4096u);
+  EXPECT_EQ(runs[0].bytes, 1024u);
+  EXPECT_EQ(runs[1].offset, 0u);
+  EXPECT_EQ(runs[1].bytes, 512u);
+  EXPECT_EQ(runs[2].offset, 1024u);
+  EXPECT_EQ(runs[2].bytes, 256u);
+  EXPECT_EQ(a.free_bytes(), 3072u - 1792);
+  // Exactly the rest: every free byte, scattered.
+  ASSERT_TRUE(a.Gather(1280, 256, &runs));
+  EXPECT_EQ(a.free_bytes(), 0u);
+  EXPECT_EQ(a.free_runs(), 0u);
+  size_t total = 0;
+  for (const Arena::Run& r : runs) {
+    EXPECT_EQ(r.offset % 256, 0u);
+    EXPECT_EQ(r.bytes % 256, 0u);
+    total += r.bytes;
+  }
+  EXPECT_EQ(total, 3072u);
+  for (const Arena::Run& r : runs) a.Give(r.offset, r.bytes);
+  for (int i = 1; i < 9; i += 2) a.Give(slot[i], 512);
+  EXPECT_EQ(a.free_bytes(), 5120u);
+  EXPECT_EQ(a.free_runs(), 1u);
+  EXPECT_EQ(a.LargestFreeRun(), 5120u);
+}
+
+// Random takes, gathers and gives in 256-byte units: a gather succeeds
+// exactly when the free bytes cover it, no two live runs overlap, and
+// giving everything back leaves one run.
+TEST(ArenaTest, GatherSucceedsExactlyWhenFreeBytesCover) {
+  constexpr size_t kUnit = 256, kUnits = 256;
+  for (uint32_t seed : {1u, 2u, 3u, 17u}) {
+    SCOPED_TRACE(absl::StrCat("seed ", seed));
+    std::mt19937 rng(seed);
+    Arena a(kUnits * kUnit);
+    std::vector<bool> owned(kUnits, false);
+    std::vector<std::vector<Arena::Run>> live;
+    int scattered = 0;
+    for (int step = 0; step < 3000; ++step) {
+      if (!live.empty() && rng() % 3 == 0) {
+        const size_t i = rng() % live.size();
+        for (const Arena::Run& r : live[i]) {
+          for (size_t u = r.offset / kUnit; u < (r.offset + r.bytes) / kUnit;
+               ++u) {
+            owned[u] = false;
+          }
+          a.Give(r.offset, r.bytes);
+        }
+        live.erase(live.begin() + i);
+        continue;
+      }
+      const size_t bytes = (1 + rng() % 24) * kUnit;
+      const size_t free_before = a.free_bytes();
+      std::vector<Arena::Run> runs;
+      const bool ok = a.Gather(bytes, kUnit, &runs);
+      ASSERT_EQ(ok, bytes <= free_before) << "step " << step;
+      if (!ok) {
+        EXPECT_TRUE(runs.empty());
+        EXPECT_EQ(a.free_bytes(), free_before);
+        continue;
+      }
+      size_t sum = 0;
+      for (const Arena::Run& r : runs) {
+        ASSERT_EQ(r.offset % kUnit, 0u);
+        ASSERT_GT(r.bytes, 0u);
+        ASSERT_EQ(r.bytes % kUnit, 0u);
+        for (size_t u = r.offset / kUnit; u < (r.offset + r.bytes) / kUnit;
+             ++u) {
+          ASSERT_FALSE(owned[u]) << "unit " << u << " handed out twice";
+          owned[u] = true;
+        }
+        sum += r.bytes;
+      }
+      ASSERT_EQ(sum, bytes);
+      if (runs.size() > 1) ++scattered;
+      live.push_back(std::move(runs));
+    }
+    EXPECT_GT(scattered, 0);  // the mix did fragment the arena
+    for (const auto& runs : live) {
+      for (const Arena::Run& r : runs) a.Give(r.offset, r.bytes);
+    }
+    EXPECT_EQ(a.free_bytes(), kUnits * kUnit);
+    EXPECT_EQ(a.free_runs(), 1u);
+  }
 }
 
 class PageAllocatorTest : public ::testing::Test {

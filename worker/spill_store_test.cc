@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "kernels/numeric.h"
 #include "kernels/ref/kv_ref.h"
@@ -280,6 +281,70 @@ TEST_F(SpillTest, SpillAndRestoreKeepAttentionBitExact) {
   EXPECT_EQ(inv.spills, 8u);  // 2 blocks x (host, disk, host, disk)
   EXPECT_EQ(inv.restores, 6u);
   EXPECT_EQ(inv.checksum_failures, 0u);
+}
+
+// The replayed failure: a host tier left fragmented by spills and restores
+// of small INT4 blocks, with no free run as long as one BF16 page, still
+// takes a BF16 block (its pages scattered), and attention over it after the
+// restore is bit-exact.
+TEST_F(SpillTest, FragmentedHostTierStillTakesABlockItsFreeBytesCover) {
+  const kernels::PageShape shape{16, kKvHeads, kDim};
+  const size_t int4 =
+      (kernels::PageBytes(kernels::Encoding(kernels::Format::kINT4), shape) +
+       255) /
+      256 * 256;
+  const size_t bf16 =
+      kernels::PageBytes(kernels::Encoding(kernels::Format::kBF16), shape);
+  Config c;
+  c.host = 8 * kLayers * int4;  // block 0 of s0..s7 fills it
+  Make(c);
+  for (int i = 0; i < 8; ++i) {
+    const std::string seq = absl::StrCat("s", i);
+    Install(seq, {kInt4, kInt4, kInt4, kInt4}, kTokens, 10 + i);
+    const uint64_t ids[] = {100};
+    ASSERT_THAT(store_->Spill(kTenant, seq, ids, Tier::kHost).status(), IsOk());
+  }
+  EXPECT_EQ(store_->Inventory().host.free_bytes, 0u);
+  for (int i = 0; i < 8; i += 2) {
+    ASSERT_THAT(store_
+                    ->Restore(kTenant, absl::StrCat("s", i), {},
+                              /*background=*/false)
+                    .status(),
+                IsOk());
+  }
+  const TierUsage frag = store_->Inventory().host;
+  EXPECT_EQ(frag.free_runs, 4u);
+  ASSERT_LT(frag.largest_free_run, bf16);      // no run holds a page
+  ASSERT_GE(frag.free_bytes, kLayers * bf16);  // the free bytes do
+
+  Install("b", kFormats, kTokens, 40);  // block 0 is BF16
+  const std::vector<uint64_t> pos = {59, 20, 3};
+  const auto before = AttendAll("b", pos);
+  const uint64_t ids[] = {100};
+  auto r = store_->Spill(kTenant, "b", ids, Tier::kHost);
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->bytes_moved, kLayers * bf16);
+  EXPECT_EQ(BlockTier("b", 0), static_cast<int>(Tier::kHost));
+  const TierUsage after = store_->Inventory().host;
+  EXPECT_EQ(after.scattered_pages, kLayers);
+  EXPECT_EQ(after.free_bytes, frag.free_bytes - kLayers * bf16);
+  ASSERT_THAT(store_->Restore(kTenant, "b", {}, /*background=*/false).status(),
+              IsOk());
+  const auto back = AttendAll("b", pos);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    EXPECT_TRUE(SameBits(back[l], before[l])) << "layer " << l;
+  }
+  for (int i = 1; i < 8; i += 2) {
+    ASSERT_THAT(store_
+                    ->Restore(kTenant, absl::StrCat("s", i), {},
+                              /*background=*/false)
+                    .status(),
+                IsOk());
+  }
+  const TierUsage empty = store_->Inventory().host;
+  EXPECT_EQ(empty.free_bytes, c.host);
+  EXPECT_EQ(empty.free_runs, 1u);
+  EXPECT_EQ(empty.scattered_pages, 0u);
 }
 
 TEST_F(SpillTest, RestoresOnTheWorkersOwnInitiativeAreReportedOnce) {

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -30,6 +31,11 @@ constexpr char kTmpSuffix[] = ".kvpage.tmp";
 constexpr size_t kHostAlign = 256;
 
 size_t RoundUp(size_t n) { return (n + kHostAlign - 1) & ~(kHostAlign - 1); }
+size_t RoundDown(size_t n) { return n & ~(kHostAlign - 1); }
+
+std::string Runs(size_t n) {
+  return absl::StrCat(n, n == 1 ? " free run" : " free runs");
+}
 
 std::string Errno(int e) { return std::strerror(e); }
 
@@ -97,6 +103,19 @@ int RemovePageFiles(const fs::path& dir) {
 
 }  // namespace
 
+uint8_t& HostPageView::operator[](size_t i) const {
+  static uint8_t none = 0;  // what an empty view's misuse gets
+  if (pieces_ == nullptr || pieces_->empty()) return none;
+  for (const HostPiece& piece : *pieces_) {
+    if (i < piece.bytes) return base_[piece.offset + i];
+    i -= piece.bytes;
+  }
+  // Out of range (i >= size()): the last byte of the last extent, so a
+  // misuse stays inside the arena.
+  const HostPiece& last = pieces_->back();
+  return base_[last.offset + last.extent - 1];
+}
+
 uint64_t SpilledBlock::bytes() const {
   uint64_t n = 0;
   for (const SpilledPage& p : pages) n += p.bytes;
@@ -123,7 +142,8 @@ absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Create(
     store->host_base_ = *base;
     store->host_capacity_ = bytes;
     absl::MutexLock lock(&store->mu_);
-    store->host_arena_ = std::make_unique<Arena>(bytes);
+    // Whole 256-byte units only, so every extent and free run is one.
+    store->host_arena_ = std::make_unique<Arena>(RoundDown(bytes));
     store->host_.capacity_bytes = bytes;
   }
   if (!store->options_.disk_dir.empty() &&
@@ -201,24 +221,65 @@ absl::Status TierStore::CheckTier(Tier tier) const {
 
 absl::Status TierStore::CheckHostRoom(uint64_t extents, uint64_t block_bytes,
                                       const BlockLabel& label) {
-  absl::MutexLock lock(&mu_);
   const uint64_t free_bytes = host_arena_->free_bytes();
   if (extents <= free_bytes) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
       "host tier: ", What(label), " needs ", block_bytes, " bytes (", extents,
       " in 256-byte extents); ", free_bytes, " of ", host_capacity_,
-      " bytes are free, ", extents - free_bytes, " bytes over"));
+      " bytes are free (", Runs(host_arena_->free_runs()), "), ",
+      extents - free_bytes, " bytes over"));
 }
 
-absl::Status TierStore::ReserveHost(size_t extent, size_t* offset,
-                                    const BlockLabel& label) {
+absl::Status TierStore::ReserveHost(absl::Span<const size_t> bytes,
+                                    const BlockLabel& label,
+                                    std::vector<SpilledPage>* pages) {
+  uint64_t extents = 0, total = 0;
+  for (size_t b : bytes) {
+    extents += RoundUp(b);
+    total += b;
+  }
   absl::MutexLock lock(&mu_);
-  if (host_arena_->Take(extent, offset)) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "host tier: ", What(label), " needs an extent of ", extent, " bytes; ",
-      host_arena_->free_bytes(), " of ", host_capacity_,
-      " bytes are free but the largest free run is ",
-      host_arena_->LargestFreeRun(), " bytes (fragmented)"));
+  TRIAX_RETURN_IF_ERROR(CheckHostRoom(extents, total, label));
+  const size_t first = pages->size();
+  std::vector<Arena::Run> runs;
+  for (size_t b : bytes) {
+    runs.clear();
+    const size_t extent = RoundUp(b);
+    // b == 0 takes nothing; such a page has no pieces.
+    if (extent > 0 && !host_arena_->Gather(extent, kHostAlign, &runs)) {
+      // Unreachable while the room check holds (every run is whole 256-byte
+      // units); given back all the same so a refusal changes nothing.
+      for (size_t i = first; i < pages->size(); ++i) {
+        GiveHostPieces((*pages)[i]);
+      }
+      pages->resize(first);
+      return absl::InternalError(
+          absl::StrCat("host tier: ", What(label), " could not gather ", extent,
+                       " bytes although ", host_arena_->free_bytes(),
+                       " are free in ", Runs(host_arena_->free_runs())));
+    }
+    SpilledPage p;
+    p.bytes = b;
+    size_t left = b;
+    for (const Arena::Run& run : runs) {
+      const size_t in = std::min(left, run.bytes);
+      p.host_pieces.push_back(HostPiece{run.offset, run.bytes, in});
+      left -= in;
+    }
+    pages->push_back(std::move(p));
+  }
+  for (size_t i = first; i < pages->size(); ++i) {
+    host_.used_bytes += (*pages)[i].bytes;
+    host_.pages += 1;
+    if ((*pages)[i].host_pieces.size() > 1) host_.scattered_pages += 1;
+  }
+  return absl::OkStatus();
+}
+
+void TierStore::GiveHostPieces(const SpilledPage& page) {
+  for (const HostPiece& piece : page.host_pieces) {
+    host_arena_->Give(piece.offset, piece.extent);
+  }
 }
 
 absl::Status TierStore::ReserveDisk(uint64_t bytes, const BlockLabel& label) {
@@ -337,22 +398,40 @@ absl::Status TierStore::ReadFile(const SpilledPage& page, uint32_t layer,
   return absl::OkStatus();
 }
 
+absl::Status TierStore::VerifyHost(const SpilledPage& page, uint32_t layer,
+                                   const BlockLabel& label) const {
+  // Over the pieces in page order: the CRC32C of the contiguous page.
+  uint32_t got = 0;
+  for (const HostPiece& piece : page.host_pieces) {
+    got = Crc32c(host_base_ + piece.offset, piece.bytes, got);
+  }
+  if (got == page.crc) return absl::OkStatus();
+  return absl::DataLossError(
+      absl::StrCat(What(label), " layer ", layer,
+                   " in the host tier: checksum mismatch (CRC32C stored ",
+                   absl::Hex(page.crc, absl::kZeroPad8), ", computed ",
+                   absl::Hex(got, absl::kZeroPad8),
+                   "); the block stays spilled and is not served"));
+}
+
 absl::StatusOr<const uint8_t*> TierStore::LoadVerified(
     const SpilledBlock& block, uint32_t layer, const BlockLabel& label,
     std::vector<uint8_t>* buf) {
   const SpilledPage& page = block.pages[layer];
   if (block.tier == Tier::kHost) {
-    const uint8_t* p = host_base_ + page.host_offset;
-    const uint32_t got = Crc32c(p, page.bytes);
-    if (got != page.crc) {
-      return absl::DataLossError(
-          absl::StrCat(What(label), " layer ", layer,
-                       " in the host tier: checksum mismatch (CRC32C stored ",
-                       absl::Hex(page.crc, absl::kZeroPad8), ", computed ",
-                       absl::Hex(got, absl::kZeroPad8),
-                       "); the block stays spilled and is not served"));
+    TRIAX_RETURN_IF_ERROR(VerifyHost(page, layer, label));
+    if (page.host_pieces.size() == 1) {
+      return static_cast<const uint8_t*>(host_base_ +
+                                         page.host_pieces[0].offset);
     }
-    return p;
+    // Scattered (or empty): gathered so the caller sees the page contiguous.
+    buf->resize(page.bytes);
+    size_t at = 0;
+    for (const HostPiece& piece : page.host_pieces) {
+      std::memcpy(buf->data() + at, host_base_ + piece.offset, piece.bytes);
+      at += piece.bytes;
+    }
+    return static_cast<const uint8_t*>(buf->data());
   }
   TRIAX_RETURN_IF_ERROR(ReadFile(page, layer, label, buf));
   return static_cast<const uint8_t*>(buf->data() + kHeaderBytes);
@@ -364,7 +443,10 @@ absl::Status TierStore::Put(Tier to, const uint8_t* host_src, size_t bytes,
   page->bytes = bytes;
   page->crc = crc;
   if (to == Tier::kHost) {
-    std::memcpy(host_base_ + page->host_offset, host_src, bytes);
+    for (const HostPiece& piece : page->host_pieces) {
+      std::memcpy(host_base_ + piece.offset, host_src, piece.bytes);
+      host_src += piece.bytes;
+    }
     return absl::OkStatus();
   }
   return WriteFile(page->path, host_src, bytes, crc, layer, label.lineage_id);
@@ -373,9 +455,10 @@ absl::Status TierStore::Put(Tier to, const uint8_t* host_src, size_t bytes,
 void TierStore::FreePage(Tier tier, const SpilledPage& page) {
   if (tier == Tier::kHost) {
     absl::MutexLock lock(&mu_);
-    host_arena_->Give(page.host_offset, page.host_extent);
+    GiveHostPieces(page);
     host_.used_bytes -= page.bytes;
     host_.pages -= 1;
+    if (page.host_pieces.size() > 1) host_.scattered_pages -= 1;
   } else if (tier == Tier::kDisk) {
     if (!page.path.empty()) ::unlink(page.path.c_str());
     absl::MutexLock lock(&mu_);
@@ -400,43 +483,38 @@ absl::StatusOr<SpilledBlock> TierStore::Spill(
   // Reserve the whole block first, so a full tier changes nothing.
   if (tier == Tier::kDisk) {
     TRIAX_RETURN_IF_ERROR(ReserveDisk(total, label));
+    for (size_t l = 0; l < pages.size(); ++l) {
+      SpilledPage p;
+      p.bytes = bytes[l];
+      p.path = PagePath(label, static_cast<uint32_t>(l));
+      block.pages.push_back(std::move(p));
+    }
+    absl::MutexLock lock(&mu_);
+    disk_.pages += pages.size();  // used_bytes was reserved above
   } else {
-    uint64_t extents = 0;
-    for (size_t b : bytes) extents += RoundUp(b);
-    TRIAX_RETURN_IF_ERROR(CheckHostRoom(extents, total, label));
+    TRIAX_RETURN_IF_ERROR(ReserveHost(bytes, label, &block.pages));
   }
   auto undo = [&] {
     for (const SpilledPage& p : block.pages) FreePage(tier, p);
     block.pages.clear();
   };
-  for (size_t l = 0; l < pages.size(); ++l) {
-    SpilledPage p;
-    p.bytes = bytes[l];
-    if (tier == Tier::kHost) {
-      p.host_extent = RoundUp(bytes[l]);
-      if (absl::Status s = ReserveHost(p.host_extent, &p.host_offset, label);
-          !s.ok()) {
-        undo();
-        return s;
-      }
-      absl::MutexLock lock(&mu_);
-      host_.used_bytes += p.bytes;
-      host_.pages += 1;
-    } else {
-      p.path = PagePath(label, static_cast<uint32_t>(l));
-      absl::MutexLock lock(&mu_);
-      disk_.pages += 1;  // used_bytes was reserved above
-    }
-    block.pages.push_back(std::move(p));
-  }
   std::vector<uint8_t> staging;
   for (size_t l = 0; l < pages.size(); ++l) {
     SpilledPage& p = block.pages[l];
     absl::Status s;
     if (tier == Tier::kHost) {
-      uint8_t* dst = host_base_ + p.host_offset;
-      s = device_->CopyToHost(dst, pages[l], p.bytes);
-      if (s.ok()) p.crc = Crc32c(dst, p.bytes);
+      // Piece by piece from the matching offsets of the device page; the
+      // checksum runs over the pieces in page order.
+      uint32_t crc = 0;
+      size_t at = 0;
+      for (const HostPiece& piece : p.host_pieces) {
+        uint8_t* dst = host_base_ + piece.offset;
+        s = device_->CopyToHost(dst, pages[l] + at, piece.bytes);
+        if (!s.ok()) break;
+        crc = Crc32c(dst, piece.bytes, crc);
+        at += piece.bytes;
+      }
+      if (s.ok()) p.crc = crc;
     } else {
       staging.resize(p.bytes);
       s = device_->CopyToHost(staging.data(), pages[l], p.bytes);
@@ -473,11 +551,24 @@ absl::Status TierStore::Restore(const SpilledBlock& block,
   }
   std::vector<uint8_t> buf;
   for (size_t l = 0; l < block.pages.size(); ++l) {
+    const SpilledPage& page = block.pages[l];
+    if (block.tier == Tier::kHost) {
+      // Verified in place, then copied piece by piece to the matching
+      // offsets of the device page (no gather copy; on CUDA every piece
+      // stays a pinned-memory DMA).
+      TRIAX_RETURN_IF_ERROR(VerifyHost(page, static_cast<uint32_t>(l), label));
+      size_t at = 0;
+      for (const HostPiece& piece : page.host_pieces) {
+        TRIAX_RETURN_IF_ERROR(device_->CopyFromHost(
+            dst[l] + at, host_base_ + piece.offset, piece.bytes));
+        at += piece.bytes;
+      }
+      continue;
+    }
     TRIAX_ASSIGN_OR_RETURN(
         const uint8_t* src,
         LoadVerified(block, static_cast<uint32_t>(l), label, &buf));
-    TRIAX_RETURN_IF_ERROR(
-        device_->CopyFromHost(dst[l], src, block.pages[l].bytes));
+    TRIAX_RETURN_IF_ERROR(device_->CopyFromHost(dst[l], src, page.bytes));
   }
   return absl::OkStatus();
 }
@@ -498,35 +589,23 @@ absl::StatusOr<SpilledBlock> TierStore::Move(const SpilledBlock& block, Tier to,
   moved.tier = to;
   if (to == Tier::kDisk) {
     TRIAX_RETURN_IF_ERROR(ReserveDisk(total, label));
+    for (size_t l = 0; l < block.pages.size(); ++l) {
+      SpilledPage p;
+      p.bytes = block.pages[l].bytes;
+      p.path = PagePath(label, static_cast<uint32_t>(l));
+      moved.pages.push_back(std::move(p));
+    }
+    absl::MutexLock lock(&mu_);
+    disk_.pages += block.pages.size();
   } else {
-    uint64_t extents = 0;
-    for (const SpilledPage& p : block.pages) extents += RoundUp(p.bytes);
-    TRIAX_RETURN_IF_ERROR(CheckHostRoom(extents, total, label));
+    std::vector<size_t> sizes;
+    for (const SpilledPage& p : block.pages) sizes.push_back(p.bytes);
+    TRIAX_RETURN_IF_ERROR(ReserveHost(sizes, label, &moved.pages));
   }
   auto undo = [&] {
     for (const SpilledPage& p : moved.pages) FreePage(to, p);
     moved.pages.clear();
   };
-  for (size_t l = 0; l < block.pages.size(); ++l) {
-    SpilledPage p;
-    p.bytes = block.pages[l].bytes;
-    if (to == Tier::kHost) {
-      p.host_extent = RoundUp(p.bytes);
-      if (absl::Status s = ReserveHost(p.host_extent, &p.host_offset, label);
-          !s.ok()) {
-        undo();
-        return s;
-      }
-      absl::MutexLock lock(&mu_);
-      host_.used_bytes += p.bytes;
-      host_.pages += 1;
-    } else {
-      p.path = PagePath(label, static_cast<uint32_t>(l));
-      absl::MutexLock lock(&mu_);
-      disk_.pages += 1;
-    }
-    moved.pages.push_back(std::move(p));
-  }
   std::vector<uint8_t> buf;
   for (size_t l = 0; l < block.pages.size(); ++l) {
     absl::StatusOr<const uint8_t*> src =
@@ -559,14 +638,26 @@ void TierStore::Release(SpilledBlock* block) {
 
 TierUsage TierStore::Usage(Tier tier) const {
   absl::MutexLock lock(&mu_);
-  if (tier == Tier::kHost) return host_;
-  if (tier == Tier::kDisk) return disk_;
+  if (tier == Tier::kHost) {
+    TierUsage u = host_;
+    if (host_arena_ != nullptr) {
+      u.free_bytes = host_arena_->free_bytes();
+      u.free_runs = host_arena_->free_runs();
+      u.largest_free_run = host_arena_->LargestFreeRun();
+    }
+    return u;
+  }
+  if (tier == Tier::kDisk) {
+    TierUsage u = disk_;
+    u.free_bytes = disk_.capacity_bytes - disk_.used_bytes;
+    return u;
+  }
   return TierUsage{};
 }
 
-absl::Span<uint8_t> TierStore::HostPageBytes(const SpilledPage& page) {
-  if (host_base_ == nullptr) return {};
-  return absl::MakeSpan(host_base_ + page.host_offset, page.bytes);
+HostPageView TierStore::HostPageBytes(const SpilledPage& page) {
+  if (host_base_ == nullptr || page.host_pieces.empty()) return {};
+  return HostPageView(host_base_, &page.host_pieces, page.bytes);
 }
 
 }  // namespace triax::worker

@@ -3,8 +3,19 @@
 //
 //   host tier  one allocation of --host_tier_mb MiB (Device::AllocateHostTier:
 //              pinned memory on CUDA, plain aligned memory on the CPU
-//              backend), carved first fit with coalescing (worker::Arena) in
-//              256-byte-aligned extents, one extent per spilled page.
+//              backend), carved with coalescing (worker::Arena) in extents
+//              of whole 256-byte units (a capacity's last capacity % 256
+//              bytes are never used). A spilled page takes one extent (its
+//              bytes rounded up to 256, first fit) when a free run holds it;
+//              otherwise it is scattered over several extents (pieces),
+//              each step taking the rest in one run if one holds it, else
+//              all of the largest run (Arena::Gather). So a host spill is
+//              refused only when the free bytes do not cover the block's
+//              pages rounded to 256 (never for fragmentation). A scattered
+//              page is copied piece by piece (one device copy per piece on
+//              Spill and Restore, at the matching offsets of the device
+//              page) and checksummed over its pieces in page order; a move
+//              to disk gathers it into a buffer first (one extra host copy).
 //   disk tier  one file per spilled page under
 //              <disk_dir>/<owner>/<sequence_id>.<lineage_id>.L<layer>.<n>.kvpage
 //              (owner: the worker id, else "pid-<pid>"), written to
@@ -46,8 +57,9 @@
 //   INTERNAL            a file system call failed (path and errno text)
 //
 // Thread contract: thread-safe. The mutex guards the host arena, the disk
-// reservation and the counters; copies and file I/O run outside it (each
-// page's extent or file belongs to one SpilledBlock, and callers serialize
+// reservation and the counters; a block's host extents are reserved under
+// one hold of it (all or nothing); copies and file I/O run outside it (each
+// page's extents or file belong to one SpilledBlock, and callers serialize
 // operations on one block).
 #pragma once
 
@@ -84,15 +96,54 @@ struct TierUsage {
   uint64_t used_bytes = 0;      // page bytes held
   uint64_t blocks = 0;
   uint64_t pages = 0;
+  // Bytes a spill can still take: host, free extent bytes (whole 256-byte
+  // units, so capacity - used_bytes less the rounding); disk, capacity -
+  // used_bytes.
+  uint64_t free_bytes = 0;
+  // Host: free runs the free bytes are split into (1 when unfragmented, 0
+  // when full); disk: 0.
+  uint64_t free_runs = 0;
+  uint64_t largest_free_run = 0;  // host: bytes of the longest; disk: 0
+  // Host: pages held in more than one extent.
+  uint64_t scattered_pages = 0;
+};
+
+// One extent of a host-tier page: `bytes` of the page (the next ones, in
+// order) at `offset` in the host arena, in an extent of `extent` bytes
+// (a multiple of 256, >= bytes).
+struct HostPiece {
+  size_t offset = 0;
+  size_t extent = 0;
+  size_t bytes = 0;
 };
 
 // One spilled page (one layer of a block).
 struct SpilledPage {
   size_t bytes = 0;
-  uint32_t crc = 0;        // CRC32C of the page bytes, taken on spill
-  size_t host_offset = 0;  // kHost: extent offset in the host arena
-  size_t host_extent = 0;  // kHost: extent length (bytes rounded to 256)
-  std::string path;        // kDisk: the page's file
+  uint32_t crc = 0;  // CRC32C of the page bytes, taken on spill
+  // kHost: the page's extents, in page order (one unless it was scattered);
+  // their `bytes` sum to `bytes`.
+  std::vector<HostPiece> host_pieces;
+  std::string path;  // kDisk: the page's file
+};
+
+// A host-tier page's bytes in place, across its pieces (for tests and
+// diagnostics). Valid while the page is held.
+class HostPageView {
+ public:
+  HostPageView() = default;
+  HostPageView(uint8_t* base, const std::vector<HostPiece>* pieces,
+               size_t bytes)
+      : base_(base), pieces_(pieces), bytes_(bytes) {}
+  size_t size() const { return bytes_; }
+  bool empty() const { return bytes_ == 0; }
+  // Byte `i` of the page; i < size().
+  uint8_t& operator[](size_t i) const;
+
+ private:
+  uint8_t* base_ = nullptr;
+  const std::vector<HostPiece>* pieces_ = nullptr;
+  size_t bytes_ = 0;
 };
 
 // A block's pages in one tier, one per layer. Owned by the caller, which
@@ -157,9 +208,10 @@ class TierStore {
   // The disk tier's directory ("" when disabled).
   const std::string& disk_dir() const { return dir_; }
 
-  // The bytes of a host-tier page, for tests and diagnostics (corruption
-  // tests flip one to check that Restore refuses it).
-  absl::Span<uint8_t> HostPageBytes(const SpilledPage& page);
+  // The bytes of a host-tier page, scattered or not, for tests and
+  // diagnostics (corruption tests flip one to check that Restore refuses
+  // it). Empty when the host tier is disabled.
+  HostPageView HostPageBytes(const SpilledPage& page);
 
  private:
   TierStore(Device* device, TierStoreOptions options);
@@ -167,9 +219,15 @@ class TierStore {
 
   // RESOURCE_EXHAUSTED unless `extents` bytes of host extents are free.
   absl::Status CheckHostRoom(uint64_t extents, uint64_t block_bytes,
-                             const BlockLabel& label);
-  absl::Status ReserveHost(size_t extent, size_t* offset,
-                           const BlockLabel& label);
+                             const BlockLabel& label)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reserves host extents for pages of `bytes[i]` bytes (one SpilledPage
+  // each, appended to `pages` with bytes and host_pieces set) and counts
+  // them in the usage. All or nothing, under one hold of the mutex:
+  // RESOURCE_EXHAUSTED (CheckHostRoom's) leaves everything as it was.
+  absl::Status ReserveHost(absl::Span<const size_t> bytes,
+                           const BlockLabel& label,
+                           std::vector<SpilledPage>* pages);
   absl::Status ReserveDisk(uint64_t bytes, const BlockLabel& label);
   // Writes one page file (temp name, fsync, rename).
   absl::Status WriteFile(const std::string& path, const uint8_t* data,
@@ -178,12 +236,21 @@ class TierStore {
   // Reads a page file into `out`, checking header, size and checksum.
   absl::Status ReadFile(const SpilledPage& page, uint32_t layer,
                         const BlockLabel& label, std::vector<uint8_t>* out);
-  // Reads page `layer` of `block` into host memory and verifies it: for the
-  // host tier a pointer into the arena, for disk into `buf`.
+  // DATA_LOSS unless the CRC32C over a host page's pieces, in page order,
+  // is the one taken on spill.
+  absl::Status VerifyHost(const SpilledPage& page, uint32_t layer,
+                          const BlockLabel& label) const;
+  // Reads page `layer` of `block` into host memory and verifies it: for a
+  // host page in one extent a pointer into the arena; a scattered host page
+  // is verified in place, then gathered into `buf`; a disk page is read into
+  // `buf`.
   absl::StatusOr<const uint8_t*> LoadVerified(const SpilledBlock& block,
                                               uint32_t layer,
                                               const BlockLabel& label,
                                               std::vector<uint8_t>* buf);
+  // Gives a host page's extents back to the arena.
+  void GiveHostPieces(const SpilledPage& page)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string PagePath(const BlockLabel& label, uint32_t layer);
   // Stores host bytes into `to` as layer `layer`; fills `page`.
   absl::Status Put(Tier to, const uint8_t* host_src, size_t bytes, uint32_t crc,

@@ -130,7 +130,10 @@ TEST_F(TierServiceTest, SpillRestoreEvictRoundTripAndIdempotency) {
   EXPECT_EQ(inv.tiers(1).capacity_bytes(), 1u << 20);
   EXPECT_EQ(inv.tiers(1).used_bytes(), a.bytes_moved());
   EXPECT_EQ(inv.tiers(1).blocks(), 2u);
+  EXPECT_EQ(inv.tiers(1).free_bytes(), (1u << 20) - a.bytes_moved());
   EXPECT_EQ(inv.tiers(0).capacity_bytes(), 256u << 10);
+  EXPECT_EQ(inv.tiers(0).free_bytes(), 256u << 10);  // nothing on the host
+  EXPECT_EQ(inv.tiers(0).free_runs(), 1u);
 
   // Restore on attend is off: UNAVAILABLE with retry_after_ms, then served
   // once the background restore ran.
