@@ -1,18 +1,22 @@
 // policy_bench: the triaxial allocation policy (budget_bits + calibration
 // table, solved by the manager per turn, blocks demoted as turns age)
-// against uniform baselines (BF16, FP8, INT4, KIVI-style INT2 with a BF16
-// residual window) on held-out BFCL sessions of kvproxy-18m, processed turn
-// by turn through a real kvmanager and kvworker (started here). Also the
-// ablations that collapse one tag axis of the calibration table, and the
-// memory reduction against BF16 at matched quality. Writes a markdown report.
-// Exit code 0 when the report was written, 1 on any failure.
+// against the uniform formats (BF16, FP8, INT8, INT4 g32/64/128, INT2 with
+// and without a BF16 residual window, TQ4/3/2) on held-out BFCL sessions of
+// kvproxy-18m, processed turn by turn through a real kvmanager and kvworker
+// (started here), and the ablations that collapse one tag axis of the
+// calibration table. Keeps per-(conversation, configuration) sums
+// (--raw_out writes them as a shard), or builds the report from shards
+// without running (--merge). Writes the frontier report (policy_report.h).
+// Exit code 0 when the report was written, 1 on any failure or bad flag.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -24,6 +28,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/policy/policy_report.h"
 #include "bench/policy/policy_tables.h"
 #include "bench/quality/bench_service.h"
 #include "bench/quality/harness.h"
@@ -44,10 +49,18 @@ ABSL_FLAG(std::string, data_dir, "",
 ABSL_FLAG(std::string, calibration,
           "bench/results/calibration_kvproxy-18m.txtpb",
           "text-format triax.v1.CalibrationTable of kvproxy-18m");
-ABSL_FLAG(std::string, bfcl_ids, "multi_turn_base_42,multi_turn_base_8",
-          "held-out BFCL conversations of kvproxy-18m (README list only)");
+ABSL_FLAG(std::string, bfcl_ids,
+          "multi_turn_base_3,multi_turn_base_8,multi_turn_base_15,"
+          "multi_turn_base_17,multi_turn_base_42,multi_turn_base_46,"
+          "multi_turn_base_50,multi_turn_base_59,multi_turn_base_121,"
+          "multi_turn_base_177,multi_turn_base_181",
+          "held-out BFCL conversations of kvproxy-18m (README list only); "
+          "one that does not render is skipped and listed in the report");
 ABSL_FLAG(int, bfcl_max_context, 2048, "token budget per conversation");
-ABSL_FLAG(std::string, budgets, "2.5,3,3.5,4,4.5,5",
+ABSL_FLAG(std::string, configs, "all",
+          "configurations to run, comma-separated names (bf16 always runs: "
+          "it is the reference); \"all\": every one");
+ABSL_FLAG(std::string, budgets, "2.5,3,3.5,4,4.5,5,5.5,6",
           "budget_bits of the triaxial policy sweep");
 ABSL_FLAG(double, ablation_budget, 3.5, "budget_bits of the ablations");
 ABSL_FLAG(std::string, tri_windows, "0",
@@ -62,6 +75,15 @@ ABSL_FLAG(bool, attention_error, true,
           "run the teacher-forced attention-error pass");
 ABSL_FLAG(int, pool_mb, 1024, "kvworker --pool_mb");
 ABSL_FLAG(std::string, out, "", "markdown report path; empty: print only");
+ABSL_FLAG(std::string, raw_out, "",
+          "shard file of per-(conversation, config) sums (tab-separated, "
+          "bench/policy/policy_tables.h); rewritten after every run; with "
+          "--merge, the merged shards");
+ABSL_FLAG(std::string, merge, "",
+          "comma-separated shard files: build the report from them and run "
+          "nothing");
+ABSL_FLAG(int, bootstrap, 2000, "bootstrap resamples of the intervals");
+ABSL_FLAG(uint64_t, seed, 1, "bootstrap seed");
 
 namespace triax::bench {
 namespace {
@@ -111,26 +133,25 @@ absl::StatusOr<Session> MakeSession(const BfclData& bfcl, const std::string& id,
 
 // One configuration of the comparison.
 struct Config {
-  std::string name;    // row label
+  std::string name;    // row label and --configs name
   std::string policy;  // policy registered with PutPolicy
   uint32_t window = 0;
-  std::string kind;  // "baseline", "triaxial", "ablation"
+  std::string kind;  // "uniform", "triaxial", "ablation"
   double budget = 0;
   std::string note;
-  // Results, summed over sessions.
-  NextTokenStats stats;
-  std::vector<TeeKvStore::LayerError> attn;
-  uint64_t plan_bytes = 0, worker_bytes = 0, tokens = 0;
-  std::map<std::string, uint64_t> tokens_by_encoding;  // final plan
-  double seconds = 0;
 };
 
-v1::Policy RulePolicy(const std::string& name, v1::Format f) {
+// A rule policy with one catch-all rule: `f`, INT group `group` (0 for the
+// other formats), FP16 scales.
+v1::Policy RulePolicy(const std::string& name, v1::Format f, uint32_t group) {
   v1::Policy p;
   p.set_name(name);
   v1::PolicyRule* r = p.add_rules();
   r->set_format(f);
-  if (f == v1::FORMAT_INT4 || f == v1::FORMAT_INT2) r->set_group_size(32);
+  if (group > 0) {
+    r->set_group_size(group);
+    r->set_scale_dtype(v1::SCALE_DTYPE_FP16);
+  }
   return p;
 }
 
@@ -163,11 +184,12 @@ class Runner {
   }
 
   // Turn-by-turn forward of `s` with the KV in `c`'s policy; logits of every
-  // position into *logits; final plan bytes into `c`.
-  absl::Status RunConfig(const Session& s, Config* c,
+  // position into *logits; final plan bytes, worker bytes, token counts and
+  // plan mix into `row`.
+  absl::Status RunConfig(const Session& s, const Config& c, RawRow* row,
                          std::vector<float>* logits) {
     const auto& mc = model_->config;
-    TRIAX_ASSIGN_OR_RETURN(client::SequenceHandle h, Open(s, *c));
+    TRIAX_ASSIGN_OR_RETURN(client::SequenceHandle h, Open(s, c));
     absl::Status st = [&]() -> absl::Status {
       ServiceKvStore kv(client_, &h, mc.n_kv_heads, mc.head_dim());
       logits->clear();
@@ -187,7 +209,7 @@ class Runner {
       }
       TRIAX_ASSIGN_OR_RETURN(v1::Inventory inv,
                              WorkerInventory(client_, h.worker_address));
-      c->worker_bytes += inv.used_bytes();
+      row->worker_bytes = inv.used_bytes();
       TRIAX_ASSIGN_OR_RETURN(v1::SequenceInfo info,
                              client_->GetSequence(h.sequence_id));
       for (const auto& b : info.blocks()) {
@@ -197,10 +219,11 @@ class Runner {
         ps.heads = mc.n_kv_heads;
         ps.head_dim = mc.head_dim();
         const kernels::Encoding e = EncodingFromProto(b);
-        c->plan_bytes += kernels::PageBytes(e, ps) * mc.n_layers;
-        c->tokens_by_encoding[client::EncodingLabel(e)] += b.num_tokens();
+        row->plan_bytes += kernels::PageBytes(e, ps) * mc.n_layers;
+        row->tokens_by_encoding[client::EncodingLabel(e)] += b.num_tokens();
       }
-      c->tokens += s.bfcl.tokens.size();
+      row->seq_tokens = s.bfcl.tokens.size();
+      row->values_per_token = 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim();
       return absl::OkStatus();
     }();
     absl::Status close = client_->Close(h);
@@ -210,15 +233,16 @@ class Runner {
 
   // Teacher-forced attention error: a BF16 primary and one sequence per
   // config, all extended turn by turn (so the secondaries age and demote as
-  // in a real session); errors added into each config.
+  // in a real session); (*attn)[j] receives config j's per-layer sums.
   absl::Status RunTee(const Session& s, const Config& bf16,
-                      std::vector<Config>* configs) {
+                      const std::vector<Config>& configs,
+                      std::vector<std::vector<LayerErrSums>>* attn) {
     const auto& mc = model_->config;
     std::vector<client::SequenceHandle> seqs;
     absl::Status st = [&]() -> absl::Status {
       TRIAX_ASSIGN_OR_RETURN(client::SequenceHandle p, Open(s, bf16));
       seqs.push_back(p);
-      for (const Config& c : *configs) {
+      for (const Config& c : configs) {
         TRIAX_ASSIGN_OR_RETURN(client::SequenceHandle h, Open(s, c));
         seqs.push_back(h);
       }
@@ -248,14 +272,12 @@ class Runner {
                             .subspan(turn.first, turn.end - turn.first),
                         turn.first, chunk_, &tee, &part));
       }
-      for (size_t j = 0; j < configs->size(); ++j) {
-        auto& attn = (*configs)[j].attn;
-        attn.resize(mc.n_layers);
+      attn->assign(configs.size(), {});
+      for (size_t j = 0; j < configs.size(); ++j) {
         for (int l = 0; l < mc.n_layers; ++l) {
           const auto& e = tee.error(static_cast<int>(j), l);
-          attn[l].sum_sq_diff += e.sum_sq_diff;
-          attn[l].sum_sq_ref += e.sum_sq_ref;
-          attn[l].queries += e.queries;
+          (*attn)[j].push_back(
+              {e.sum_sq_diff, e.sum_sq_ref, static_cast<int64_t>(e.queries)});
         }
       }
       return absl::OkStatus();
@@ -277,339 +299,382 @@ class Runner {
   v1::ModelShape shape_;
 };
 
-double MeanAttnErr(const Config& c) {
-  if (c.attn.empty()) return std::nan("");
-  double sum = 0;
-  for (const auto& e : c.attn) {
-    sum += e.queries && e.sum_sq_ref > 0
-               ? std::sqrt(e.sum_sq_diff / e.sum_sq_ref)
-               : 0.0;
-  }
-  return sum / c.attn.size();
-}
-
 int Fail(const std::string& what, const absl::Status& s) {
   std::fprintf(stderr, "policy_bench: %s: %s\n", what.c_str(),
                s.ToString().c_str());
   return 1;
 }
 
-int Main(int argc, char** argv) {
-  const auto t_all = Clock::now();
-  std::vector<std::string> args(argv, argv + argc);
-  const std::string command = absl::StrJoin(args, " ");
-  const auto dir_or = CompleteDataDir(absl::GetFlag(FLAGS_data_dir));
-  if (!dir_or.ok()) return Fail("data directory", dir_or.status());
-  const std::string& dir = *dir_or;
-  const int chunk = absl::GetFlag(FLAGS_chunk);
-  if (chunk < 1 || chunk > 256) {
-    return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
-                             "--chunk = ", chunk, "; must be 1..256")));
+absl::Status FlagError(const std::string& flag, absl::string_view value,
+                       const std::string& why) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, ": \"", value, "\" ", why));
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot read \"", path, "\""));
   }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) {
+    return absl::InternalError(absl::StrCat("cannot write \"", path, "\""));
+  }
+  return absl::OkStatus();
+}
+
+// The sweep and ablation parameters of the flags.
+struct Plan {
   std::vector<double> budgets;
+  std::vector<uint32_t> tri_windows;
+  uint32_t kivi_window = 32;
+  double ablation_budget = 3.5;
+};
+
+absl::StatusOr<Plan> ParsePlan() {
+  Plan p;
   for (absl::string_view b :
        absl::StrSplit(absl::GetFlag(FLAGS_budgets), ',', absl::SkipEmpty())) {
     double v;
     if (!absl::SimpleAtod(b, &v) || !(v > 0) || v > 64) {
-      return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
-                               "--budgets: \"", b, "\" is not in (0, 64]")));
+      return FlagError("budgets", b, "is not in (0, 64]");
     }
-    budgets.push_back(v);
+    p.budgets.push_back(v);
   }
-  std::vector<uint32_t> tri_windows;
   for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_tri_windows),
                                             ',', absl::SkipEmpty())) {
     uint32_t v;
     if (!absl::SimpleAtoi(w, &v) || v > 2048) {
-      return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
-                               "--tri_windows: \"", w,
-                               "\" is not a window in [0, 2048]")));
+      return FlagError("tri_windows", w, "is not a window in [0, 2048]");
     }
-    tri_windows.push_back(v);
+    p.tri_windows.push_back(v);
   }
-  const int kivi_window = absl::GetFlag(FLAGS_kivi_window);
-  if (kivi_window < 0 || kivi_window > 2048) {
-    return Fail("flags", absl::InvalidArgumentError(
-                             absl::StrCat("--kivi_window = ", kivi_window,
-                                          "; must be in [0, 2048]")));
+  const int kivi = absl::GetFlag(FLAGS_kivi_window);
+  if (kivi < 1 || kivi > 2048) {
+    return FlagError("kivi_window", absl::StrCat(kivi),
+                     "is not in [1, 2048] (INT2 without a window is \"int2\")");
   }
+  p.kivi_window = static_cast<uint32_t>(kivi);
+  p.ablation_budget = absl::GetFlag(FLAGS_ablation_budget);
+  if (!(p.ablation_budget > 0) || p.ablation_budget > 64) {
+    return FlagError("ablation_budget", absl::StrCat(p.ablation_budget),
+                     "is not in (0, 64]");
+  }
+  return p;
+}
 
-  // Calibration table and its ablations.
-  auto table_or =
-      ReadCalibrationTable(absl::GetFlag(FLAGS_calibration), kModel);
-  if (!table_or.ok()) return Fail("calibration", table_or.status());
-  const v1::CalibrationTable& table = *table_or;
-  struct Ablation {
-    TagAxis axis;
-    v1::CalibrationTable table;
-    int merged = 0;
-  };
-  std::vector<Ablation> ablations;
-  for (TagAxis a : {TagAxis::kTemporal, TagAxis::kRole, TagAxis::kModality}) {
-    Ablation ab;
-    ab.axis = a;
-    auto t = CollapseAxis(
-        table, a, absl::StrCat(kModel, "-no-", TagAxisName(a)), &ab.merged);
-    if (!t.ok()) return Fail("ablation table", t.status());
-    ab.table = std::move(*t);
-    ablations.push_back(std::move(ab));
-  }
+// Every configuration of `plan`, in report order ([0] is bf16), and the
+// policies they use. Ablations only for axes that merge something.
+struct Ablation {
+  TagAxis axis;
+  v1::CalibrationTable table;
+  int merged = 0;
+};
 
-  DefaultBinDirToSelf();
-  auto svc_or = StartBenchCluster(
-      OneWorkerOptions(absl::GetFlag(FLAGS_pool_mb)), kTenant);
-  if (!svc_or.ok()) return Fail("start kvmanager + kvworker", svc_or.status());
-  client::Client* svc = svc_or->client.get();
-  if (absl::Status s = PutCalibration(svc, table); !s.ok()) {
-    return Fail("PutCalibration", s);
-  }
-  for (const auto& ab : ablations) {
-    if (absl::Status s = PutCalibration(svc, ab.table); !s.ok()) {
-      return Fail("PutCalibration " + ab.table.model(), s);
-    }
-  }
-
-  // Configurations; [0] is the BF16 reference.
-  std::vector<Config> cfgs;
-  std::vector<v1::Policy> policies;
-  auto add_rule = [&](const std::string& name, v1::Format f, uint32_t window,
-                      const std::string& note) {
+void BuildConfigs(const Plan& plan, const std::vector<Ablation>& ablations,
+                  std::vector<Config>* cfgs,
+                  std::map<std::string, v1::Policy>* policies) {
+  auto uniform = [&](const std::string& name, v1::Format f, uint32_t group,
+                     uint32_t window, const std::string& note) {
     const std::string pol =
-        absl::StrCat("pb-", absl::AsciiStrToLower(v1::Format_Name(f)));
-    bool have = false;
-    for (const auto& p : policies) have |= p.name() == pol;
-    if (!have) policies.push_back(RulePolicy(pol, f));
-    Config c;
-    c.name = name;
-    c.policy = pol;
-    c.window = window;
-    c.kind = "baseline";
-    c.note = note;
-    cfgs.push_back(std::move(c));
+        absl::StrCat("pb-", absl::AsciiStrToLower(v1::Format_Name(f)),
+                     group ? absl::StrCat("-g", group) : "");
+    policies->emplace(pol, RulePolicy(pol, f, group));
+    cfgs->push_back({name, pol, window, "uniform", 0, note});
   };
-  add_rule("bf16", v1::FORMAT_BF16, 0, "reference");
-  add_rule("fp8", v1::FORMAT_FP8_E4M3, 0, "uniform FP8 E4M3");
-  add_rule("int4", v1::FORMAT_INT4, 0, "uniform INT4 g32 fp16 scales");
-  add_rule(
-      absl::StrCat("kivi2 (w", kivi_window, ")"), v1::FORMAT_INT2, kivi_window,
-      absl::StrFormat("uniform INT2 g32 + %d-token BF16 window", kivi_window));
-  for (uint32_t w : tri_windows) {
-    for (double b : budgets) {
-      Config c;
-      c.policy = absl::StrFormat("tri-%g", b);
-      c.name = w ? absl::StrFormat("tri-%g (w%d)", b, w) : c.policy;
-      c.window = w;
-      c.kind = "triaxial";
-      c.budget = b;
-      bool have = false;
-      for (const auto& p : policies) have |= p.name() == c.policy;
-      if (!have) policies.push_back(AllocPolicy(c.policy, b, kModel));
-      cfgs.push_back(std::move(c));
+  uniform("bf16", v1::FORMAT_BF16, 0, 0, "reference");
+  uniform("fp8", v1::FORMAT_FP8_E4M3, 0, 0, "FP8 E4M3, f32 scale per head");
+  uniform("int8", v1::FORMAT_INT8, 32, 0, "INT8 g32, FP16 scales");
+  uniform("int4", v1::FORMAT_INT4, 32, 0, "INT4 g32, FP16 scales");
+  uniform("int4-g64", v1::FORMAT_INT4, 64, 0, "INT4 g64, FP16 scales");
+  uniform("int4-g128", v1::FORMAT_INT4, 128, 0, "INT4 g128, FP16 scales");
+  uniform("int2", v1::FORMAT_INT2, 32, 0, "INT2 g32, FP16 scales, no window");
+  uniform("kivi2", v1::FORMAT_INT2, 32, plan.kivi_window,
+          absl::StrFormat("INT2 g32 + %d-token BF16 window (KIVI-2)",
+                          plan.kivi_window));
+  uniform("tq4", v1::FORMAT_TQ4, 0, 0, "TQ4 (rotated, Lloyd-Max)");
+  uniform("tq3", v1::FORMAT_TQ3, 0, 0, "TQ3 (rotated, Lloyd-Max)");
+  uniform("tq2", v1::FORMAT_TQ2, 0, 0, "TQ2 (rotated, Lloyd-Max)");
+  for (uint32_t w : plan.tri_windows) {
+    for (double b : plan.budgets) {
+      const std::string pol = absl::StrFormat("tri-%g", b);
+      policies->emplace(pol, AllocPolicy(pol, b, kModel));
+      cfgs->push_back({w ? absl::StrFormat("%s-w%d", pol, w) : pol, pol, w,
+                       "triaxial", b,
+                       w ? absl::StrFormat("%d-token BF16 window", w) : ""});
     }
   }
-  const double ab_budget = absl::GetFlag(FLAGS_ablation_budget);
-  std::vector<std::string> vacuous;
-  for (const auto& ab : ablations) {
-    if (ab.merged == 0) {
-      vacuous.emplace_back(TagAxisName(ab.axis));
-      continue;
-    }
-    Config c;
-    c.policy = absl::StrFormat("tri-%g-no-%s", ab_budget, TagAxisName(ab.axis));
-    c.name = c.policy;
-    c.window = tri_windows.empty() ? 0 : tri_windows[0];
-    c.kind = "ablation";
-    c.budget = ab_budget;
-    c.note = absl::StrFormat("%d tag groups merged", ab.merged);
-    policies.push_back(AllocPolicy(c.policy, ab_budget, ab.table.model()));
-    cfgs.push_back(std::move(c));
+  const uint32_t ab_window = plan.tri_windows.empty() ? 0 : plan.tri_windows[0];
+  for (const Ablation& ab : ablations) {
+    if (ab.merged == 0) continue;
+    const std::string pol = absl::StrFormat(
+        "tri-%g-no-%s", plan.ablation_budget, TagAxisName(ab.axis));
+    policies->emplace(pol,
+                      AllocPolicy(pol, plan.ablation_budget, ab.table.model()));
+    cfgs->push_back(
+        {ab_window ? absl::StrFormat("%s-w%d", pol, ab_window) : pol, pol,
+         ab_window, "ablation", plan.ablation_budget,
+         absl::StrFormat("%d tag groups merged", ab.merged)});
   }
-  for (const auto& p : policies) {
-    if (absl::Status s = PutPolicy(svc, p); !s.ok()) {
-      return Fail("PutPolicy " + p.name(), s);
-    }
-  }
-  std::printf("policy_bench: %zu configurations, %zu policies\n", cfgs.size(),
-              policies.size());
+}
 
+// --configs: "all" or names of `all` (bf16 added first when missing).
+absl::StatusOr<std::vector<Config>> SelectConfigs(
+    const std::vector<Config>& all, const std::string& spec) {
+  if (spec == "all") return all;
+  std::set<std::string> want;
+  for (absl::string_view n : absl::StrSplit(spec, ',', absl::SkipEmpty())) {
+    bool known = false;
+    for (const Config& c : all) known |= c.name == n;
+    if (!known) {
+      std::vector<std::string> names;
+      for (const Config& c : all) names.push_back(c.name);
+      return FlagError("configs", n,
+                       absl::StrCat("is not a configuration of this run; use "
+                                    "\"all\" or some of: ",
+                                    absl::StrJoin(names, ",")));
+    }
+    want.insert(std::string(n));
+  }
+  if (want.empty()) {
+    return FlagError("configs", spec, "names no configuration");
+  }
+  std::vector<Config> out;
+  for (const Config& c : all) {
+    if (c.name == "bf16" || want.count(c.name)) out.push_back(c);
+  }
+  return out;
+}
+
+// Reads and merges the --merge shards.
+absl::StatusOr<RawShard> MergeFiles(const std::string& spec,
+                                    std::vector<std::string>* files) {
+  std::vector<RawShard> shards;
+  for (absl::string_view f : absl::StrSplit(spec, ',', absl::SkipEmpty())) {
+    files->emplace_back(f);
+    auto text = ReadFile(files->back());
+    if (!text.ok()) {
+      return FlagError("merge", f, std::string(text.status().message()));
+    }
+    TRIAX_ASSIGN_OR_RETURN(RawShard s, ParseRaw(*text, files->back()));
+    shards.push_back(std::move(s));
+  }
+  if (shards.empty()) return FlagError("merge", spec, "names no file");
+  return MergeRaw(shards);
+}
+
+// Runs every configuration on every session; rows (and skipped sessions)
+// into *shard, rewritten to `raw_out` after every row when not empty.
+absl::Status RunAll(const std::vector<Ablation>& ablations,
+                    const v1::CalibrationTable& table,
+                    const std::vector<Config>& cfgs,
+                    const std::map<std::string, v1::Policy>& policies,
+                    const std::string& raw_out, RawShard* shard) {
+  const std::string dir_flag = absl::GetFlag(FLAGS_data_dir);
+  TRIAX_ASSIGN_OR_RETURN(const std::string dir, CompleteDataDir(dir_flag));
   auto m = frontend::LoadModel(dir + "/models/kvproxy-18m/model.bin");
-  if (!m.ok()) return Fail("load kvproxy-18m", m.status());
+  if (!m.ok()) return m.status();
   (*m)->name = kModel;
   const auto& mc = (*m)->config;
-  const int vocab = mc.vocab_size;
-  auto bfcl = BfclData::Load(dir);
-  if (!bfcl.ok()) return Fail("load BFCL", bfcl.status());
+  TRIAX_ASSIGN_OR_RETURN(BfclData bfcl, BfclData::Load(dir));
   std::vector<Session> sessions;
   for (absl::string_view id :
        absl::StrSplit(absl::GetFlag(FLAGS_bfcl_ids), ',', absl::SkipEmpty())) {
-    if (!HeldOutBfcl().count(std::string(id))) {
-      return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
-                               "--bfcl_ids: \"", id,
-                               "\" is not a held-out conversation of "
-                               "kvproxy-18m; use one of: ",
-                               absl::StrJoin(HeldOutBfcl(), ", "))));
-    }
-    auto s = MakeSession(*bfcl, std::string(id),
+    auto s = MakeSession(bfcl, std::string(id),
                          absl::GetFlag(FLAGS_bfcl_max_context));
-    if (!s.ok()) return Fail(absl::StrCat("render ", id), s.status());
+    if (!s.ok()) {
+      std::printf("skip %s: %s\n", std::string(id).c_str(),
+                  s.status().ToString().c_str());
+      std::fflush(stdout);
+      shard->skipped.emplace_back(std::string(id),
+                                  std::string(s.status().message()));
+      continue;
+    }
     std::printf("session %s\n", s->note.c_str());
+    std::fflush(stdout);
+    shard->sessions.emplace_back(s->bfcl.id, s->note);
     sessions.push_back(std::move(*s));
   }
+  if (sessions.empty()) {
+    return absl::FailedPreconditionError(
+        "no --bfcl_ids conversation renders; nothing to run");
+  }
 
-  Runner runner(svc, m->get(), chunk, absl::GetFlag(FLAGS_threads),
+  DefaultBinDirToSelf();
+  TRIAX_ASSIGN_OR_RETURN(
+      BenchCluster svc_holder,
+      StartBenchCluster(OneWorkerOptions(absl::GetFlag(FLAGS_pool_mb)),
+                        kTenant));
+  client::Client* svc = svc_holder.client.get();
+  TRIAX_RETURN_IF_ERROR(PutCalibration(svc, table));
+  for (const auto& ab : ablations) {
+    TRIAX_RETURN_IF_ERROR(PutCalibration(svc, ab.table));
+  }
+  std::set<std::string> used;
+  for (const Config& c : cfgs) used.insert(c.policy);
+  for (const auto& [name, p] : policies) {
+    if (used.count(name)) TRIAX_RETURN_IF_ERROR(PutPolicy(svc, p));
+  }
+  std::printf("policy_bench: %zu configurations, %zu policies, %zu sessions\n",
+              cfgs.size(), used.size(), sessions.size());
+  std::fflush(stdout);
+
+  Runner runner(svc, m->get(), absl::GetFlag(FLAGS_chunk),
+                absl::GetFlag(FLAGS_threads),
                 absl::GetFlag(FLAGS_query_stride));
   for (const Session& s : sessions) {
-    const auto t0 = Clock::now();
-    if (absl::GetFlag(FLAGS_attention_error)) {
+    std::vector<std::vector<LayerErrSums>> attn;
+    if (absl::GetFlag(FLAGS_attention_error) && cfgs.size() > 1) {
+      const auto t0 = Clock::now();
       std::vector<Config> others(cfgs.begin() + 1, cfgs.end());
-      for (auto& o : others) o.attn.clear();
-      if (absl::Status st = runner.RunTee(s, cfgs[0], &others); !st.ok()) {
-        return Fail("tee pass " + s.bfcl.id, st);
-      }
-      for (size_t i = 1; i < cfgs.size(); ++i) {
-        auto& attn = cfgs[i].attn;
-        attn.resize(mc.n_layers);
-        for (int l = 0; l < mc.n_layers; ++l) {
-          attn[l].sum_sq_diff += others[i - 1].attn[l].sum_sq_diff;
-          attn[l].sum_sq_ref += others[i - 1].attn[l].sum_sq_ref;
-          attn[l].queries += others[i - 1].attn[l].queries;
-        }
-      }
+      TRIAX_RETURN_IF_ERROR(runner.RunTee(s, cfgs[0], others, &attn));
       std::printf("[%s] tee pass: %.1f s\n", s.bfcl.id.c_str(), Seconds(t0));
       std::fflush(stdout);
     }
     std::vector<float> ref, logits;
     for (size_t i = 0; i < cfgs.size(); ++i) {
-      Config& c = cfgs[i];
+      const Config& c = cfgs[i];
+      RawRow row;
+      row.conversation = s.bfcl.id;
+      row.config = c.name;
+      row.kind = c.kind;
+      row.budget = c.budget;
+      row.window = c.window;
+      row.note = c.note;
       const auto t1 = Clock::now();
-      if (absl::Status st = runner.RunConfig(s, &c, i == 0 ? &ref : &logits);
-          !st.ok()) {
-        return Fail(absl::StrCat(s.bfcl.id, " ", c.name), st);
+      absl::Status st = runner.RunConfig(s, c, &row, i == 0 ? &ref : &logits);
+      if (!st.ok()) {
+        return absl::Status(st.code(), absl::StrCat(s.bfcl.id, " ", c.name,
+                                                    ": ", st.message()));
       }
-      const std::vector<float>& mine = i == 0 ? ref : logits;
       NextTokenStats one;
-      if (absl::Status st =
-              one.AddSequence(ref, mine, vocab, s.bfcl.tokens, s.bfcl.focus);
-          !st.ok()) {
-        return Fail(absl::StrCat(s.bfcl.id, " ", c.name, " stats"), st);
-      }
-      c.stats.Merge(one);
-      c.seconds += Seconds(t1);
-      std::printf("[%s] %-22s NLL %.4f focus %.4f KL %.5f (%.1f s)\n",
+      TRIAX_RETURN_IF_ERROR(one.AddSequence(ref, i == 0 ? ref : logits,
+                                            mc.vocab_size, s.bfcl.tokens,
+                                            s.bfcl.focus));
+      row.count = one.count;
+      row.nll_sum = one.nll_sum;
+      row.answer_count = one.focus_count;
+      row.answer_nll_sum = one.focus_nll_sum;
+      row.kl_sum = one.kl_sum;
+      row.top1_agree = one.top1_agree;
+      if (i > 0 && i - 1 < attn.size()) row.attn = attn[i - 1];
+      row.seconds = Seconds(t1);
+      std::printf("[%s] %-22s NLL %.4f answer %.4f KL %.5f (%.1f s)\n",
                   s.bfcl.id.c_str(), c.name.c_str(), one.nll(), one.focus_nll(),
-                  one.kl(), Seconds(t1));
+                  one.kl(), row.seconds);
       std::fflush(stdout);
-    }
-  }
-
-  // Report.
-  const Config& bf = cfgs[0];
-  auto bits = [&](const Config& c, uint64_t bytes) {
-    return BitsPerValue(bytes, c.tokens, mc.n_layers, mc.n_kv_heads,
-                        mc.head_dim());
-  };
-  auto dn = [&](const Config& c) { return c.stats.nll() - bf.stats.nll(); };
-  auto dnf = [&](const Config& c) {
-    return c.stats.focus_nll() - bf.stats.focus_nll();
-  };
-  auto mix = [&](const Config& c) {
-    std::vector<std::string> parts;
-    uint64_t total = 0;
-    for (const auto& [k, v] : c.tokens_by_encoding) total += v;
-    for (const auto& [k, v] : c.tokens_by_encoding) {
-      parts.push_back(absl::StrFormat("%s %.0f%%", k, 100.0 * v / total));
-    }
-    return absl::StrJoin(parts, ", ");
-  };
-  std::string table_md =
-      "| config | budget | window | bits/value (plan) | KV bytes (plan) | "
-      "vs bf16 | worker bytes | ΔNLL all | ΔNLL assistant+tool-call | "
-      "top-1 agree | KL(bf16‖cfg) | attn err mean | final plan mix (tokens) "
-      "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
-  auto row = [&](const Config& c) {
-    const double ae = MeanAttnErr(c);
-    table_md += absl::StrFormat(
-        "| %s | %s | %d | %.3f | %d | %.3f | %d | %+.4f | %+.4f | %.4f | "
-        "%.5f | %s | %s |\n",
-        c.name, c.budget > 0 ? absl::StrFormat("%g", c.budget) : "-", c.window,
-        bits(c, c.plan_bytes), c.plan_bytes,
-        static_cast<double>(c.plan_bytes) / bf.plan_bytes, c.worker_bytes,
-        dn(c), dnf(c), c.stats.top1(), c.stats.kl(),
-        std::isnan(ae) ? "-" : absl::StrFormat("%.4f", ae), mix(c));
-  };
-  std::string main_rows = table_md, abl_rows = table_md;
-  for (const Config& c : cfgs) {
-    if (c.kind != "ablation") row(c);
-  }
-  main_rows = table_md;
-  table_md = abl_rows;
-  for (const Config& c : cfgs) {
-    if (c.kind == "ablation" ||
-        (c.kind == "triaxial" && c.budget == ab_budget &&
-         c.window == (tri_windows.empty() ? 0u : tri_windows[0]))) {
-      row(c);
-    }
-  }
-  abl_rows = table_md;
-
-  // Matched quality: per baseline and per triaxial window.
-  std::string matched =
-      "| baseline | its ΔNLL (asst+tool) | its KV vs bf16 | triaxial window "
-      "| smallest triaxial budget with ΔNLL ≤ baseline | its ΔNLL | its KV "
-      "vs bf16 | memory reduction vs bf16 | vs the baseline |\n"
-      "|---|---|---|---|---|---|---|---|---|\n";
-  for (size_t i = 1; i < cfgs.size(); ++i) {
-    const Config& b = cfgs[i];
-    if (b.kind != "baseline") continue;
-    for (uint32_t w : tri_windows) {
-      std::vector<SweepPoint> sweep;
-      for (const Config& c : cfgs) {
-        if (c.kind == "triaxial" && c.window == w) {
-          sweep.push_back(
-              {c.budget, dnf(c), static_cast<double>(c.plan_bytes)});
-        }
+      shard->rows.push_back(std::move(row));
+      if (!raw_out.empty()) {
+        TRIAX_RETURN_IF_ERROR(WriteFile(raw_out, FormatRaw(*shard)));
       }
-      const auto p = SmallestMatching(sweep, dnf(b));
-      const double bratio = static_cast<double>(b.plan_bytes) / bf.plan_bytes;
-      if (!p) {
-        matched += absl::StrFormat(
-            "| %s | %+.4f | %.3f | %d | none of the sweep | - | - | - | - |\n",
-            b.name, dnf(b), bratio, w);
-        continue;
-      }
-      matched += absl::StrFormat(
-          "| %s | %+.4f | %.3f | %d | %g | %+.4f | %.3f | %.2fx | %.2fx |\n",
-          b.name, dnf(b), bratio, w, p->budget_bits, p->dnll,
-          p->kv_bytes / bf.plan_bytes, bf.plan_bytes / p->kv_bytes,
-          b.plan_bytes / p->kv_bytes);
     }
   }
+  return absl::OkStatus();
+}
 
+int Main(int argc, char** argv) {
+  const auto t_all = Clock::now();
+  std::vector<std::string> args(argv, argv + argc);
+  const std::string command = absl::StrJoin(args, " ");
+  const int chunk = absl::GetFlag(FLAGS_chunk);
+  if (chunk < 1 || chunk > 256) {
+    return Fail("flags",
+                FlagError("chunk", absl::StrCat(chunk), "is not in 1..256"));
+  }
+  const int resamples = absl::GetFlag(FLAGS_bootstrap);
+  if (resamples < 1 || resamples > 1000000) {
+    return Fail("flags", FlagError("bootstrap", absl::StrCat(resamples),
+                                   "is not in 1..1000000"));
+  }
+  for (absl::string_view id :
+       absl::StrSplit(absl::GetFlag(FLAGS_bfcl_ids), ',', absl::SkipEmpty())) {
+    if (!HeldOutBfcl().count(std::string(id))) {
+      return Fail("flags",
+                  FlagError("bfcl_ids", id,
+                            absl::StrCat("is not a held-out conversation of "
+                                         "kvproxy-18m; use some of: ",
+                                         absl::StrJoin(HeldOutBfcl(), ","))));
+    }
+  }
+  auto plan = ParsePlan();
+  if (!plan.ok()) return Fail("flags", plan.status());
+  const std::string raw_out = absl::GetFlag(FLAGS_raw_out);
+  const std::string merge = absl::GetFlag(FLAGS_merge);
+
+  ReportOptions ro;
+  ro.resamples = resamples;
+  ro.seed = absl::GetFlag(FLAGS_seed);
+  ro.ablation_budget = plan->ablation_budget;
+  std::string preface;
+  RawShard shard;
+  if (!merge.empty()) {
+    std::vector<std::string> files;
+    auto merged = MergeFiles(merge, &files);
+    if (!merged.ok()) return Fail("merge", merged.status());
+    shard = std::move(*merged);
+    if (!raw_out.empty()) {
+      if (absl::Status st = WriteFile(raw_out, FormatRaw(shard)); !st.ok()) {
+        return Fail("raw_out", st);
+      }
+    }
+    preface = absl::StrFormat("Merged from %d shard(s): %s (%d rows).\n\n",
+                              files.size(), absl::StrJoin(files, ", "),
+                              shard.rows.size());
+  } else {
+    auto table_or =
+        ReadCalibrationTable(absl::GetFlag(FLAGS_calibration), kModel);
+    if (!table_or.ok()) return Fail("calibration", table_or.status());
+    const v1::CalibrationTable& table = *table_or;
+    std::vector<Ablation> ablations;
+    std::vector<std::string> vacuous;
+    for (TagAxis a : {TagAxis::kTemporal, TagAxis::kRole, TagAxis::kModality}) {
+      Ablation ab;
+      ab.axis = a;
+      auto t = CollapseAxis(
+          table, a, absl::StrCat(kModel, "-no-", TagAxisName(a)), &ab.merged);
+      if (!t.ok()) return Fail("ablation table", t.status());
+      ab.table = std::move(*t);
+      if (ab.merged == 0) vacuous.emplace_back(TagAxisName(a));
+      ablations.push_back(std::move(ab));
+    }
+    std::vector<Config> all;
+    std::map<std::string, v1::Policy> policies;
+    BuildConfigs(*plan, ablations, &all, &policies);
+    auto cfgs = SelectConfigs(all, absl::GetFlag(FLAGS_configs));
+    if (!cfgs.ok()) return Fail("flags", cfgs.status());
+    if (absl::Status st =
+            RunAll(ablations, table, *cfgs, policies, raw_out, &shard);
+        !st.ok()) {
+      return Fail("run", st);
+    }
+    preface = absl::StrFormat(
+        "Calibration: `%s` (%d entries), put with `PutCalibration`; "
+        "ablation tables `kvproxy-18m-no-<axis>` collapse one axis "
+        "(token-weighted mean distortion over the tags that differ only in "
+        "that axis).%s\n\n",
+        absl::GetFlag(FLAGS_calibration), table.entries_size(),
+        vacuous.empty()
+            ? ""
+            : absl::StrCat(" Vacuous (nothing to merge on this table, so not "
+                           "run): ",
+                           absl::StrJoin(vacuous, ", "), "."));
+  }
+  auto body = BuildReport(shard, ro);
+  if (!body.ok()) return Fail("report", body.status());
   const double total = Seconds(t_all);
-  std::vector<std::string> notes;
-  notes.reserve(sessions.size());
-  for (const auto& s : sessions) notes.push_back(s.note);
-  std::string md = absl::StrCat(
-      "# Triaxial allocation policy vs uniform baselines (kvproxy-18m, "
+  const std::string md = absl::StrCat(
+      "# Triaxial allocation policy vs the uniform formats (kvproxy-18m, "
       "held-out BFCL)\n\n",
-      GeneratedBy("policy_bench", total), CommandBlock(command),
-      "Sessions: ", absl::StrJoin(notes, "; "), ".\n\n",
-      absl::StrFormat(
-          "Calibration: `%s` (%d entries), put with `PutCalibration`; "
-          "ablation tables `kvproxy-18m-no-<axis>` collapse one axis "
-          "(token-weighted mean distortion over the tags that differ only "
-          "in that axis).%s\n\n",
-          absl::GetFlag(FLAGS_calibration), table.entries_size(),
-          vacuous.empty()
-              ? ""
-              : absl::StrCat(" Vacuous (nothing to merge on this table, so "
-                             "not run): ",
-                             absl::StrJoin(vacuous, ", "), ".")),
-      "## Results (summed over sessions)\n\n", main_rows,
-      absl::StrFormat("\n## Ablations at %g bits\n\n", ab_budget), abl_rows,
-      "\n## Memory at matched quality (ΔNLL on assistant + tool-call "
-      "tokens)\n\n",
-      matched, "\n");
+      GeneratedBy("policy_bench", total), CommandBlock(command), preface,
+      *body);
   if (absl::Status st = EmitReport(md, absl::GetFlag(FLAGS_out)); !st.ok()) {
     return Fail("write report", st);
   }

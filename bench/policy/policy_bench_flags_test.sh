@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# policy_bench's bad flags and bad shards: each run must exit 1 before
+# starting anything, with a message that names the flag (or shard file and
+# line) and the value. Usage: policy_bench_flags_test.sh <policy_bench>
+# <calibration table>.
+set -u
+BIN="$1"
+CAL="$2"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+failures=0
+
+# expect <substring> <args...>: exit code 1 and <substring> on stderr.
+expect() {
+  local want="$1"
+  shift
+  "$BIN" --calibration="$CAL" "$@" >"$TMP/out" 2>"$TMP/err"
+  local rc=$?
+  if [[ $rc -ne 1 ]]; then
+    echo "FAIL: $* exited $rc, expected 1"
+    failures=$((failures + 1))
+  elif ! grep -qF -- "$want" "$TMP/err"; then
+    echo "FAIL: $*: stderr lacks '$want':"
+    cat "$TMP/err"
+    failures=$((failures + 1))
+  else
+    echo "ok: $*"
+  fi
+}
+
+expect '--configs: "int5"' --configs=bf16,int5
+expect '--configs: ","' --configs=,
+expect '--bfcl_ids: "multi_turn_base_1"' --bfcl_ids=multi_turn_base_1
+expect '--budgets: "0"' --budgets=3,0
+expect '--budgets: "x"' --budgets=x
+expect '--tri_windows: "-1"' --tri_windows=-1
+expect '--kivi_window: "0"' --kivi_window=0
+expect '--ablation_budget: "-2"' --ablation_budget=-2
+expect '--bootstrap: "0"' --bootstrap=0
+expect '--chunk: "0"' --chunk=0
+expect "--merge: \"$TMP/none.tsv\"" --merge="$TMP/none.tsv"
+printf 'conversation\tconfig\n' >"$TMP/bad.tsv"
+expect "$TMP/bad.tsv:1: expected the header line" --merge="$TMP/bad.tsv"
+
+if [[ $failures -ne 0 ]]; then
+  echo "$failures failure(s)"
+  exit 1
+fi
+echo "all passed"
