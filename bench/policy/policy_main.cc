@@ -645,6 +645,28 @@ int Main(int argc, char** argv) {
       if (ab.merged == 0) vacuous.emplace_back(TagAxisName(a));
       ablations.push_back(std::move(ab));
     }
+    shard.notes.emplace_back(
+        "Calibration",
+        absl::StrFormat(
+            "`%s` (%d entries), put with `PutCalibration`; "
+            "ablation tables `kvproxy-18m-no-<axis>` collapse one axis "
+            "(token-weighted mean distortion over the tags that differ only in "
+            "that axis).%s",
+            absl::GetFlag(FLAGS_calibration), table.entries_size(),
+            vacuous.empty()
+                ? ""
+                : absl::StrCat(
+                      " Vacuous (nothing to merge on this table, so not "
+                      "run): ",
+                      absl::StrJoin(vacuous, ", "), ".")));
+    shard.notes.emplace_back(
+        "Run settings",
+        absl::StrFormat("context %d tokens, prefill chunk %d, attention "
+                        "error %s (query stride %d), kvworker pool %d MiB",
+                        absl::GetFlag(FLAGS_bfcl_max_context), chunk,
+                        absl::GetFlag(FLAGS_attention_error) ? "on" : "off",
+                        absl::GetFlag(FLAGS_query_stride),
+                        absl::GetFlag(FLAGS_pool_mb)));
     std::vector<Config> all;
     std::map<std::string, v1::Policy> policies;
     BuildConfigs(*plan, ablations, &all, &policies);
@@ -655,17 +677,6 @@ int Main(int argc, char** argv) {
         !st.ok()) {
       return Fail("run", st);
     }
-    preface = absl::StrFormat(
-        "Calibration: `%s` (%d entries), put with `PutCalibration`; "
-        "ablation tables `kvproxy-18m-no-<axis>` collapse one axis "
-        "(token-weighted mean distortion over the tags that differ only in "
-        "that axis).%s\n\n",
-        absl::GetFlag(FLAGS_calibration), table.entries_size(),
-        vacuous.empty()
-            ? ""
-            : absl::StrCat(" Vacuous (nothing to merge on this table, so not "
-                           "run): ",
-                           absl::StrJoin(vacuous, ", "), "."));
   }
   auto body = BuildReport(shard, ro);
   if (!body.ok()) return Fail("report", body.status());

@@ -77,6 +77,19 @@ absl::StatusOr<std::vector<ConfigSummary>> Summarize(const RawShard& merged,
   for (const RawRow& r : merged.rows) {
     if (seen.insert(r.config).second) names.push_back(r.config);
   }
+  // Uniform, then triaxial, then ablations; first-seen order within each.
+  auto rank = [&](const std::string& name) {
+    for (const RawRow& r : merged.rows) {
+      if (r.config == name) {
+        return r.kind == "uniform" ? 0 : r.kind == "triaxial" ? 1 : 2;
+      }
+    }
+    return 0;
+  };
+  std::stable_sort(names.begin() + 1, names.end(),
+                   [&](const std::string& a, const std::string& b) {
+                     return rank(a) < rank(b);
+                   });
   std::vector<ConfigSummary> out;
   for (const std::string& name : names) {
     ConfigSummary s;
@@ -172,6 +185,9 @@ absl::StatusOr<std::string> BuildReport(const RawShard& merged,
   for (const auto& [id, why] : merged.skipped) {
     absl::StrAppend(&md, "- skipped ", id, ": ", why, "\n");
   }
+  for (const auto& [key, text] : merged.notes) {
+    absl::StrAppend(&md, "\n", key, ": ", text, "\n");
+  }
   absl::StrAppend(
       &md, absl::StrFormat(
                "\nIntervals: 95%% session bootstrap (conversations resampled "
@@ -230,10 +246,13 @@ absl::StatusOr<std::string> BuildReport(const RawShard& merged,
       "(over the same conversations) are <= its own: the paired difference "
       "triaxial − uniform of ΔNLL on the same resamples (negative: the "
       "triaxial point is better). Dominated when an interval lies wholly "
-      "above 0.\n\n"
-      "| triaxial | its bytes vs bf16 | uniform | its bytes vs bf16 | "
+      "above 0 over at least two shared conversations (one conversation "
+      "gives a point, not an interval, and decides nothing). Plan bytes leave "
+      "out BF16 window pages (the worker "
+      "bytes column of the frontier table has them).\n\n"
+      "| triaxial | its bytes vs bf16 | uniform | its bytes vs bf16 | convs | "
       "tri − uni, all [95% CI] | tri − uni, assistant+tool-call [95% CI] |\n"
-      "|---|---|---|---|---|---|\n");
+      "|---|---|---|---|---|---|---|\n");
   std::string verdicts =
       "\n| triaxial | bytes vs bf16 | ΔNLL all | ΔNLL assistant+tool-call | "
       "verdict |\n|---|---|---|---|---|\n";
@@ -245,15 +264,16 @@ absl::StatusOr<std::string> BuildReport(const RawShard& merged,
                            CheckFrontier(merged, s.name, o.resamples, o.seed));
     for (const FrontierComparison& c : v.comparisons) {
       absl::StrAppend(
-          &md, absl::StrFormat("| %s | %.3f | %s | %.3f | %s | %s |\n", s.name,
-                               v.bytes_ratio, c.uniform, c.uniform_bytes_ratio,
-                               Ci(c.diff_all), Ci(c.diff_answer)));
+          &md,
+          absl::StrFormat("| %s | %.3f | %s | %.3f | %d | %s | %s |\n", s.name,
+                          v.bytes_ratio, c.uniform, c.uniform_bytes_ratio,
+                          c.conversations, Ci(c.diff_all), Ci(c.diff_answer)));
     }
     if (v.comparisons.empty()) {
       absl::StrAppend(
-          &md,
-          absl::StrFormat("| %s | %.3f | none with <= bytes | - | - | - |\n",
-                          s.name, v.bytes_ratio));
+          &md, absl::StrFormat(
+                   "| %s | %.3f | none with <= bytes | - | - | - | - |\n",
+                   s.name, v.bytes_ratio));
     }
     if (!v.dominated_all.empty() || !v.dominated_answer.empty()) ++dominated;
     absl::StrAppend(&verdicts,
@@ -280,18 +300,21 @@ absl::StatusOr<std::string> BuildReport(const RawShard& merged,
     }
     absl::StrAppend(&abl, SummaryRow(a));
     if (base == nullptr) continue;
-    Interval d[2];
+    std::string d[2] = {"-", "-"};
+    int shared = 0;
     for (Metric m : {Metric::kAll, Metric::kAnswer}) {
       TRIAX_ASSIGN_OR_RETURN(auto items,
                              DnllItems(merged, a.name, base->name, m));
+      shared = static_cast<int>(items.size());
       if (items.empty()) continue;
-      TRIAX_ASSIGN_OR_RETURN(d[m == Metric::kAll ? 0 : 1],
+      TRIAX_ASSIGN_OR_RETURN(Interval iv,
                              BootstrapRatio(items, o.resamples, o.seed));
+      d[m == Metric::kAll ? 0 : 1] = Ci(iv);
     }
     absl::StrAppend(
-        &abl, absl::StrFormat("| ↳ %s − %s | paired | | | | | | | %s | %s | | "
-                              "| | |\n",
-                              a.name, base->name, Ci(d[0]), Ci(d[1])));
+        &abl, absl::StrFormat("| ↳ %s − %s | paired | | | %d | | | | %s | %s "
+                              "| | | | |\n",
+                              a.name, base->name, shared, d[0], d[1]));
   }
   if (!abl.empty()) {
     std::string base_rows;

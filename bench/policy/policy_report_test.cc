@@ -75,7 +75,7 @@ TEST(PolicyReportTest, ReportHasEverySection) {
   // tri-3.5 (0.219 of bf16) has no uniform at <= bytes; tri-4 (0.375) is
   // compared with int4 (0.35) and is better (-0.005 on all tokens).
   EXPECT_THAT(*md, HasSubstr("| tri-3.5 | 0.219 | none with <= bytes"));
-  EXPECT_THAT(*md, HasSubstr("| tri-4 | 0.375 | int4 | 0.350 | -0.0050"));
+  EXPECT_THAT(*md, HasSubstr("| tri-4 | 0.375 | int4 | 0.350 | 2 | -0.0050"));
   EXPECT_THAT(*md, HasSubstr("0 of 2 triaxial points dominated"));
   EXPECT_THAT(*md, HasSubstr("## Ablations at 3.5 bits"));
   EXPECT_THAT(*md, HasSubstr("↳ tri-3.5-no-role − tri-3.5"));

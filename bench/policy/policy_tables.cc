@@ -178,6 +178,9 @@ std::string FormatRaw(const RawShard& shard) {
   for (const auto& [id, why] : shard.skipped) {
     absl::StrAppend(&out, "#skipped\t", id, "\t", why, "\n");
   }
+  for (const auto& [key, text] : shard.notes) {
+    absl::StrAppend(&out, "#note\t", key, "\t", text, "\n");
+  }
   absl::StrAppend(&out, RawHeader(), "\n");
   for (const RawRow& r : shard.rows) {
     std::vector<std::string> enc, attn;
@@ -228,14 +231,18 @@ absl::StatusOr<RawShard> ParseRaw(const std::string& text,
     if (line[0] == '#') {
       const bool session = absl::StartsWith(line, "#session\t");
       const bool skipped = absl::StartsWith(line, "#skipped\t");
-      if (!session && !skipped) continue;
+      const bool note = absl::StartsWith(line, "#note\t");
+      if (!session && !skipped && !note) continue;
       std::vector<std::string> f =
           absl::StrSplit(line, absl::MaxSplits('\t', 2));
       if (f.size() != 3 || !IsName(f[1])) {
         return bad(absl::StrCat(
             "\"", f[0], "\" line needs <id> (no whitespace) and a text"));
       }
-      (session ? shard.sessions : shard.skipped).emplace_back(f[1], f[2]);
+      (session   ? shard.sessions
+       : skipped ? shard.skipped
+                 : shard.notes)
+          .emplace_back(f[1], f[2]);
       continue;
     }
     if (!header) {
@@ -329,9 +336,13 @@ absl::StatusOr<RawShard> MergeRaw(const std::vector<RawShard>& shards) {
   RawShard out;
   std::map<std::string, std::string> sessions;
   std::set<std::string> skipped;
+  std::set<std::pair<std::string, std::string>> notes;
   std::map<std::pair<std::string, std::string>, size_t> rows;
   std::map<std::string, const RawRow*> configs;
   for (const RawShard& s : shards) {
+    for (const auto& n : s.notes) {
+      if (notes.insert(n).second) out.notes.push_back(n);
+    }
     for (const auto& [id, note] : s.sessions) {
       auto [it, fresh] = sessions.emplace(id, note);
       if (fresh) {
@@ -480,10 +491,19 @@ absl::StatusOr<std::vector<RatioItem>> DnllItems(const RawShard& merged,
 
 std::string FrontierVerdict::Text() const {
   if (dominated_all.empty() && dominated_answer.empty()) {
-    return comparisons.empty()
-               ? "on or below the frontier (no uniform format of equal or "
-                 "fewer bytes)"
-               : "on or below the frontier";
+    if (comparisons.empty()) {
+      return "on or below the frontier (no uniform format of equal or fewer "
+             "bytes)";
+    }
+    std::vector<std::string> single;
+    for (const FrontierComparison& c : comparisons) {
+      if (c.conversations < 2) single.push_back(c.uniform);
+    }
+    return single.empty()
+               ? "on or below the frontier"
+               : absl::StrCat("on or below the frontier (undecided against ",
+                              absl::StrJoin(single, ", "),
+                              ": fewer than two shared conversations)");
   }
   std::vector<std::string> parts;
   if (!dominated_all.empty()) {
@@ -548,7 +568,8 @@ absl::StatusOr<FrontierVerdict> CheckFrontier(const RawShard& merged,
       TRIAX_ASSIGN_OR_RETURN(Interval iv,
                              BootstrapRatio(items, resamples, seed));
       (m == Metric::kAll ? c.diff_all : c.diff_answer) = iv;
-      if (iv.lo > 0) {
+      c.conversations = static_cast<int>(items.size());
+      if (iv.lo > 0 && items.size() >= 2) {
         (m == Metric::kAll ? v.dominated_all : v.dominated_answer).push_back(u);
       }
     }

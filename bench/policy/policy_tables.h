@@ -88,11 +88,14 @@ struct RawRow {
 struct RawShard {
   std::vector<std::pair<std::string, std::string>> sessions;
   std::vector<std::pair<std::string, std::string>> skipped;
+  // Notes of the runs (key and text), e.g. the calibration table used.
+  std::vector<std::pair<std::string, std::string>> notes;
   std::vector<RawRow> rows;
 };
 
 // The shard file (text, tab-separated):
-//   "#session\t<id>\t<description>" and "#skipped\t<id>\t<reason>" lines;
+//   "#session\t<id>\t<description>", "#skipped\t<id>\t<reason>" and
+//   "#note\t<key>\t<text>" lines;
 //   other lines starting with '#' and empty lines are ignored;
 //   the header line RawHeader(), then one line per row with the header's
 //   fields: numbers in decimal (doubles with 17 significant digits),
@@ -109,12 +112,12 @@ std::string FormatRaw(const RawShard& shard);
 absl::StatusOr<RawShard> ParseRaw(const std::string& text,
                                   const std::string& file);
 
-// Merges shards: sessions, skipped conversations and rows in first-seen
-// order. A (conversation, config) pair or session seen twice is kept once
-// when both copies agree (every field but seconds); INVALID_ARGUMENT naming
-// both when they differ, or when one configuration name has two different
-// kinds, budgets or windows. A conversation that one shard skipped and
-// another ran counts as run.
+// Merges shards: sessions, skipped conversations, notes (each distinct
+// (key, text) once) and rows in first-seen order. A (conversation, config) pair
+// or session seen twice is kept once when both copies agree (every field but
+// seconds); INVALID_ARGUMENT naming both when they differ, or when one
+// configuration name has two different kinds, budgets or windows. A
+// conversation that one shard skipped and another ran counts as run.
 absl::StatusOr<RawShard> MergeRaw(const std::vector<RawShard>& shards);
 
 // ---------------------------------------------------------------------------
@@ -160,6 +163,7 @@ absl::StatusOr<std::vector<RatioItem>> DnllItems(const RawShard& merged,
 struct FrontierComparison {
   std::string uniform;
   double uniform_bytes_ratio = 0;  // its plan bytes / bf16's
+  int conversations = 0;           // conversations both ran
   Interval diff_all, diff_answer;
 };
 
@@ -171,14 +175,19 @@ struct FrontierVerdict {
   // configurations better beyond the interval on all tokens
   // (dominated_all) or on answer tokens (dominated_answer).
   std::vector<std::string> dominated_all, dominated_answer;
-  std::string Text() const;  // "on or below the frontier" / "dominated (...)"
+  // "on or below the frontier" (with the uniform configurations shared on
+  // fewer than two conversations named as undecided) or "dominated (...)".
+  std::string Text() const;
 };
 
 // The frontier check of `triaxial`: every configuration of kind "uniform"
 // (except "bf16") whose plan bytes, summed over the conversations both ran,
 // are <= the triaxial point's over the same conversations. A uniform
 // configuration dominates on a metric when the lower end of the paired
-// interval of triaxial − uniform is > 0 (it is better beyond the interval).
+// interval of triaxial − uniform is > 0 (it is better beyond the interval)
+// and the two share at least two conversations (with one, the interval is a
+// point and says nothing about the spread; the comparison is listed but
+// decides nothing).
 // INVALID_ARGUMENT when `triaxial` has no row beside a bf16 row, or as
 // DnllItems and BootstrapRatio.
 absl::StatusOr<FrontierVerdict> CheckFrontier(const RawShard& merged,

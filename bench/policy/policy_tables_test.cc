@@ -128,6 +128,7 @@ TEST(RawShardTest, FormatParseRoundTrip) {
   RawShard s;
   s.sessions = {{"multi_turn_base_42", "multi_turn_base_42 (1814 tokens)"}};
   s.skipped = {{"multi_turn_base_3", "does not render: too long"}};
+  s.notes = {{"Calibration", "`t.txtpb` (190 entries)"}};
   s.rows = {Row("multi_turn_base_42", "bf16", "uniform", 100.0 / 3, 7, 1000),
             Row("multi_turn_base_42", "tri-4", "triaxial", 35.1, 7.5, 250)};
   s.rows[1].tokens_by_encoding.clear();
@@ -137,6 +138,7 @@ TEST(RawShardTest, FormatParseRoundTrip) {
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->sessions, s.sessions);
   EXPECT_EQ(p->skipped, s.skipped);
+  EXPECT_EQ(p->notes, s.notes);
   ASSERT_EQ(p->rows.size(), 2u);
   const RawRow& a = p->rows[0];
   EXPECT_EQ(a.nll_sum, 100.0 / 3);  // exact: 17 significant digits
@@ -202,9 +204,11 @@ TEST(RawShardTest, MergeKeepsAgreeingDuplicatesAndRefusesConflicts) {
   RawShard a, b;
   a.sessions = {{"c1", "one"}};
   a.skipped = {{"c2", "no render"}, {"c3", "no render"}};
+  a.notes = {{"Calibration", "x"}};
   a.rows = {Row("c1", "bf16", "uniform", 10, 1, 100),
             Row("c1", "int4", "uniform", 11, 1.5, 30)};
   b.sessions = {{"c1", "one"}, {"c3", "three"}};
+  b.notes = {{"Calibration", "x"}, {"Calibration", "y"}};
   b.rows = {Row("c1", "bf16", "uniform", 10, 1, 100),
             Row("c3", "bf16", "uniform", 20, 2, 100)};
   b.rows[0].seconds = 99;  // seconds do not take part in the comparison
@@ -214,6 +218,7 @@ TEST(RawShardTest, MergeKeepsAgreeingDuplicatesAndRefusesConflicts) {
   EXPECT_EQ(m->sessions.size(), 2u);
   ASSERT_EQ(m->skipped.size(), 1u);  // c3 ran in b
   EXPECT_EQ(m->skipped[0].first, "c2");
+  EXPECT_EQ(m->notes.size(), 2u);  // x once, y
   // Through text and back, merged again: same rows.
   auto pa = ParseRaw(FormatRaw(a), "a.tsv");
   auto pb = ParseRaw(FormatRaw(b), "b.tsv");
@@ -348,6 +353,23 @@ TEST(FrontierTest, VerdictsOnAndOffTheFrontier) {
   EXPECT_EQ(b->Text(),
             "dominated (uniform int2 better on all tokens beyond the "
             "interval)");
+
+  EXPECT_EQ(b->comparisons[0].conversations, 3);
+
+  // One shared conversation: the interval is a point; listed, not decisive.
+  RawShard one;
+  for (const RawRow& r : FrontierShard().rows) {
+    if (r.conversation == "c1") one.rows.push_back(r);
+  }
+  auto b1 = CheckFrontier(one, "tri-b", 500, 1);
+  ASSERT_TRUE(b1.ok());
+  ASSERT_EQ(b1->comparisons.size(), 1u);
+  EXPECT_EQ(b1->comparisons[0].conversations, 1);
+  EXPECT_GT(b1->comparisons[0].diff_all.lo, 0);
+  EXPECT_TRUE(b1->dominated_all.empty());
+  EXPECT_EQ(b1->Text(),
+            "on or below the frontier (undecided against int2: fewer than "
+            "two shared conversations)");
 
   EXPECT_THAT(CheckFrontier(FrontierShard(), "tri-z", 10, 1),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tri-z")));
