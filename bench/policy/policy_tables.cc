@@ -92,16 +92,6 @@ absl::StatusOr<v1::CalibrationTable> CollapseAxis(
   return out;
 }
 
-std::optional<SweepPoint> SmallestMatching(const std::vector<SweepPoint>& sweep,
-                                           double target_dnll) {
-  std::optional<SweepPoint> best;
-  for (const SweepPoint& p : sweep) {
-    if (p.dnll > target_dnll) continue;
-    if (!best || p.budget_bits < best->budget_bits) best = p;
-  }
-  return best;
-}
-
 // ---------------------------------------------------------------------------
 // Raw rows and shards.
 

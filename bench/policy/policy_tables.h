@@ -1,14 +1,13 @@
-// Helpers of policy_bench: ablated calibration tables, the "matched
-// quality" lookup, the raw per-(conversation, configuration) results and
-// their shard files, and the session bootstrap. Uses the triax.v1 protobuf
-// types (a bench, not a core library).
+// Helpers of policy_bench: ablated calibration tables, the raw
+// per-(conversation, configuration) results and their shard files, and the
+// session bootstrap. Uses the triax.v1 protobuf types (a bench, not a core
+// library).
 //
 // Thread contract: free functions, no shared state; thread-safe.
 #pragma once
 
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,19 +34,6 @@ const char* TagAxisName(TagAxis a);  // "temporal", "modality", "role"
 absl::StatusOr<v1::CalibrationTable> CollapseAxis(
     const v1::CalibrationTable& table, TagAxis axis, const std::string& model,
     int* groups_merged = nullptr);
-
-// One point of the triaxial sweep: budget (effective bits) and its quality
-// loss (ΔNLL vs BF16; smaller is better).
-struct SweepPoint {
-  double budget_bits = 0;
-  double dnll = 0;
-  double kv_bytes = 0;
-};
-
-// The point with the smallest budget_bits whose dnll <= `target_dnll`, or
-// nullopt when none reaches it. Ties on budget: the first in `sweep`.
-std::optional<SweepPoint> SmallestMatching(const std::vector<SweepPoint>& sweep,
-                                           double target_dnll);
 
 // ---------------------------------------------------------------------------
 // Raw results: one row per (conversation, configuration), the sums every

@@ -87,16 +87,6 @@ TEST(CollapseAxisTest, RejectsBadInput) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("CollapseAxis")));
 }
 
-TEST(SmallestMatchingTest, PicksSmallestBudgetWithinTarget) {
-  std::vector<SweepPoint> s = {
-      {2.5, 0.30, 1}, {3, 0.10, 2}, {3.5, 0.05, 3}, {4, 0.12, 4}};
-  auto p = SmallestMatching(s, 0.11);
-  ASSERT_TRUE(p.has_value());
-  EXPECT_EQ(p->budget_bits, 3);
-  EXPECT_FALSE(SmallestMatching(s, 0.01).has_value());
-  EXPECT_EQ(SmallestMatching(s, 1.0)->budget_bits, 2.5);
-}
-
 // --- Raw shards --------------------------------------------------------------
 
 RawRow Row(const std::string& conv, const std::string& config,
