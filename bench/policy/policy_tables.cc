@@ -225,9 +225,12 @@ absl::StatusOr<RawShard> ParseRaw(const std::string& text,
       if (!session && !skipped && !note) continue;
       std::vector<std::string> f =
           absl::StrSplit(line, absl::MaxSplits('\t', 2));
-      if (f.size() != 3 || !IsName(f[1])) {
-        return bad(absl::StrCat(
-            "\"", f[0], "\" line needs <id> (no whitespace) and a text"));
+      // Session and skipped ids are names; a note's key is free text
+      // without tabs (e.g. "Run settings").
+      if (f.size() != 3 || (note ? f[1].empty() : !IsName(f[1]))) {
+        return bad(absl::StrCat("\"", f[0], "\" line needs ",
+                                note ? "a key" : "<id> (no whitespace)",
+                                " and a text"));
       }
       (session   ? shard.sessions
        : skipped ? shard.skipped

@@ -81,7 +81,8 @@ struct RawShard {
 
 // The shard file (text, tab-separated):
 //   "#session\t<id>\t<description>", "#skipped\t<id>\t<reason>" and
-//   "#note\t<key>\t<text>" lines;
+//   "#note\t<key>\t<text>" lines (a key is any non-empty text without a
+//   tab);
 //   other lines starting with '#' and empty lines are ignored;
 //   the header line RawHeader(), then one line per row with the header's
 //   fields: numbers in decimal (doubles with 17 significant digits),

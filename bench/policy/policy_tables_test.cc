@@ -118,7 +118,8 @@ TEST(RawShardTest, FormatParseRoundTrip) {
   RawShard s;
   s.sessions = {{"multi_turn_base_42", "multi_turn_base_42 (1814 tokens)"}};
   s.skipped = {{"multi_turn_base_3", "does not render: too long"}};
-  s.notes = {{"Calibration", "`t.txtpb` (190 entries)"}};
+  s.notes = {{"Calibration", "`t.txtpb` (190 entries)"},
+             {"Run settings", "context 2048 tokens"}};  // a key with a space
   s.rows = {Row("multi_turn_base_42", "bf16", "uniform", 100.0 / 3, 7, 1000),
             Row("multi_turn_base_42", "tri-4", "triaxial", 35.1, 7.5, 250)};
   s.rows[1].tokens_by_encoding.clear();
