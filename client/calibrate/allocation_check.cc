@@ -146,8 +146,7 @@ std::vector<NamedAllocation> CheckAllocations(
 }
 
 absl::StatusOr<std::vector<EffectSums>> MeasureAllocations(
-    const frontend::Model& model,
-    const std::vector<OutputConversation>& convs,
+    const frontend::Model& model, const std::vector<OutputConversation>& convs,
     const std::vector<NamedAllocation>& allocs, int threads,
     const std::function<void(const std::string&)>& progress) {
   if (threads < 1 || threads > 64) {
@@ -173,15 +172,15 @@ absl::StatusOr<std::vector<EffectSums>> MeasureAllocations(
       failure = absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
     }
   };
-  const auto run_threads = [threads](size_t n, const std::function<void(
-                                                   std::atomic<size_t>*)>& f) {
-    std::atomic<size_t> next{0};
-    const int T = std::max(1, std::min<int>(threads, static_cast<int>(n)));
-    std::vector<std::thread> pool;
-    for (int t = 1; t < T; ++t) pool.emplace_back(f, &next);
-    f(&next);
-    for (std::thread& t : pool) t.join();
-  };
+  const auto run_threads =
+      [threads](size_t n, const std::function<void(std::atomic<size_t>*)>& f) {
+        std::atomic<size_t> next{0};
+        const int T = std::max(1, std::min<int>(threads, static_cast<int>(n)));
+        std::vector<std::thread> pool;
+        for (int t = 1; t < T; ++t) pool.emplace_back(f, &next);
+        f(&next);
+        for (std::thread& t : pool) t.join();
+      };
   run_threads(convs.size(), [&](std::atomic<size_t>* next) {
     frontend::Transformer tf(&model, 1);
     for (size_t c = (*next)++; c < convs.size(); c = (*next)++) {
@@ -221,10 +220,10 @@ absl::StatusOr<std::vector<EffectSums>> MeasureAllocations(
         }
       }
       if (progress) {
-        progress(absl::StrFormat(
-            "[%d/%zu] %s on %s: %.1f s (from token %lld)", ++done,
-            jobs.size(), allocs[a].name, convs[c].id, r->seconds,
-            static_cast<long long>(r->first_computed)));
+        progress(absl::StrFormat("[%d/%zu] %s on %s: %.1f s (from token %lld)",
+                                 ++done, jobs.size(), allocs[a].name,
+                                 convs[c].id, r->seconds,
+                                 static_cast<long long>(r->first_computed)));
       }
     }
   });
@@ -260,8 +259,7 @@ std::string PredictionReport(
     const std::vector<EffectSums>& measured,
     const std::vector<TablePredictor>& tables,
     const std::vector<std::vector<EffectSums>>& predicted) {
-  std::string out =
-      "| allocation | KL | KL answer | dNLL | dNLL answer |";
+  std::string out = "| allocation | KL | KL answer | dNLL | dNLL answer |";
   for (const TablePredictor& t : tables) {
     absl::StrAppend(&out, " ", t.name(), " predicted |");
     if (t.output_metric()) {
@@ -299,11 +297,10 @@ std::string PredictionReport(
     for (size_t a = 0; a < allocs.size(); ++a) v.push_back(get(a));
     return v;
   };
-  const std::vector<double> kl = column(
-      [&](size_t a) { return measured[a].Mean(measured[a].kl, false); });
-  const std::vector<double> kla = column([&](size_t a) {
-    return measured[a].Mean(measured[a].kl_answer, true);
-  });
+  const std::vector<double> kl =
+      column([&](size_t a) { return measured[a].Mean(measured[a].kl, false); });
+  const std::vector<double> kla = column(
+      [&](size_t a) { return measured[a].Mean(measured[a].kl_answer, true); });
   const std::vector<double> dn = column(
       [&](size_t a) { return measured[a].Mean(measured[a].dnll, false); });
   const std::vector<double> dna = column([&](size_t a) {
@@ -329,14 +326,13 @@ std::string PredictionReport(
     }
     const double n = static_cast<double>(std::max<size_t>(1, allocs.size()));
     const bool out_metric = tables[t].output_metric();
-    absl::StrAppend(
-        &out, "| ", tables[t].name(), " | ", Num(Spearman(p, kl)), " | ",
-        Num(Spearman(p, dn)), " | ", Num(Spearman(pa, kla)), " | ",
-        Num(Spearman(pa, dna)), " | ",
-        out_metric ? Num(mae / n) : "n/a (attention units)", " | ",
-        out_metric ? Num(rel_n ? rel / rel_n : 0.0) : "n/a", " | ",
-        out_metric ? Num(Spearman(pd, dn)) : "n/a", " | ",
-        out_metric ? Num(dmae / n) : "n/a", " |\n");
+    absl::StrAppend(&out, "| ", tables[t].name(), " | ", Num(Spearman(p, kl)),
+                    " | ", Num(Spearman(p, dn)), " | ", Num(Spearman(pa, kla)),
+                    " | ", Num(Spearman(pa, dna)), " | ",
+                    out_metric ? Num(mae / n) : "n/a (attention units)", " | ",
+                    out_metric ? Num(rel_n ? rel / rel_n : 0.0) : "n/a", " | ",
+                    out_metric ? Num(Spearman(pd, dn)) : "n/a", " | ",
+                    out_metric ? Num(dmae / n) : "n/a", " |\n");
   }
   return out;
 }

@@ -73,16 +73,14 @@ struct NamedAllocation {
 // each of `tags` an encoding drawn uniformly from `encodings` (seeded).
 std::vector<NamedAllocation> CheckAllocations(
     const std::vector<Tag>& tags,
-    const std::vector<kernels::Encoding>& encodings, int random,
-    uint64_t seed);
+    const std::vector<kernels::Encoding>& encodings, int random, uint64_t seed);
 
 // Measured sums per allocation (index as `allocs`), pooled over `convs`:
 // one reference pass per conversation, then one pass per (allocation,
 // conversation) on `threads` threads. `progress(line)` gets one line per
 // pass. INVALID_ARGUMENT for threads outside 1..64.
 absl::StatusOr<std::vector<EffectSums>> MeasureAllocations(
-    const frontend::Model& model,
-    const std::vector<OutputConversation>& convs,
+    const frontend::Model& model, const std::vector<OutputConversation>& convs,
     const std::vector<NamedAllocation>& allocs, int threads,
     const std::function<void(const std::string&)>& progress);
 

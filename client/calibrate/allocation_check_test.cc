@@ -72,8 +72,8 @@ TEST(PredictionTest, AdditiveTablePredictsWholeAllocations) {
   const frontend::RenderedConversation conv =
       testutil::MakeConversation(3, 60, 24);
   frontend::ByteTokenizer bt;
-  auto oc = PrepareOutputConversation(conv, bt.Encode(conv.text, true), 1, 16,
-                                      2, 64);
+  auto oc =
+      PrepareOutputConversation(conv, bt.Encode(conv.text, true), 1, 16, 2, 64);
   ASSERT_THAT(oc.status(), IsOk());
   auto model = frontend::MakeSyntheticModel(testutil::SmallConfig(2), 31);
   OutputCalibratorOptions opt;
@@ -125,8 +125,8 @@ TEST(PredictionTest, AdditiveTablePredictsWholeAllocations) {
   }
   EXPECT_GT(Spearman(p, m), 0.8);
 
-  const std::string md = PredictionReport(allocs, *measured, {*pred},
-                                          {predicted});
+  const std::string md =
+      PredictionReport(allocs, *measured, {*pred}, {predicted});
   EXPECT_THAT(md, HasSubstr("| uniform int2 |"));
   EXPECT_THAT(md, HasSubstr("| output | "));
   EXPECT_THAT(md, HasSubstr("ρ(pred, KL)"));
@@ -136,8 +136,8 @@ TEST(PredictionTest, MissingEntriesAttentionTablesAndBadTables) {
   const frontend::RenderedConversation conv =
       testutil::MakeConversation(2, 40, 20);
   frontend::ByteTokenizer bt;
-  auto oc = PrepareOutputConversation(conv, bt.Encode(conv.text, true), 1, 16,
-                                      2, 64);
+  auto oc =
+      PrepareOutputConversation(conv, bt.Encode(conv.text, true), 1, 16, 2, 64);
   ASSERT_THAT(oc.status(), IsOk());
   const frontend::ModelConfig cfg = testutil::SmallConfig(1);
   TableMeta meta = OutputMeta(cfg);
@@ -185,9 +185,9 @@ TEST(PredictionTest, MissingEntriesAttentionTablesAndBadTables) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("table bad.pb: model is empty")));
   auto model = frontend::MakeSyntheticModel(cfg, 3);
-  EXPECT_THAT(MeasureAllocations(*model, {*oc}, allocs, 0, nullptr).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("threads 0")));
+  EXPECT_THAT(
+      MeasureAllocations(*model, {*oc}, allocs, 0, nullptr).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("threads 0")));
 }
 
 }  // namespace

@@ -17,7 +17,8 @@ struct Outcome {
   std::string out, err;
 };
 
-Outcome RunBinary(const std::string& binary, const std::vector<std::string>& args) {
+Outcome RunBinary(const std::string& binary,
+                  const std::vector<std::string>& args) {
   Outcome r;
   auto dir = TempDir::Create("calibrate_flags");
   EXPECT_TRUE(dir.ok()) << dir.status();
@@ -36,8 +37,8 @@ TEST(CalibrateFlagsTest, KvcalibrateRefusesUnknownMetricAndHeldOutIds) {
   r = RunBinary("kvcalibrate", {"--metric=output", "--output_chunk=0"});
   EXPECT_EQ(r.rc, 2) << r.err;
   EXPECT_THAT(r.err, HasSubstr("--output_chunk 0 is outside 1..256"));
-  r = RunBinary("kvcalibrate",
-                {"--metric=output", "--ids=multi_turn_base_1,multi_turn_base_3"});
+  r = RunBinary("kvcalibrate", {"--metric=output",
+                                "--ids=multi_turn_base_1,multi_turn_base_3"});
   EXPECT_EQ(r.rc, 2) << r.err;
   EXPECT_THAT(r.err, HasSubstr("\"multi_turn_base_3\" is held out"));
 }

@@ -6,8 +6,8 @@
 #include <set>
 #include <tuple>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/model_proto.h"
 #include "common/status_macros.h"
@@ -158,9 +158,9 @@ absl::Status ValidateTable(const v1::CalibrationTable& table) {
     if (e.format() == v1::FORMAT_BF16 && e.format_v() == v1::FORMAT_BF16 &&
         (e.distortion() != 0 || e.distortion_answer() != 0 || e.dnll() != 0 ||
          e.dnll_answer() != 0)) {
-      return bad(absl::StrCat(at, ".distortion ", e.distortion(),
-                              " (answer ", e.distortion_answer(), ", dnll ",
-                              e.dnll(), ", dnll_answer ", e.dnll_answer(),
+      return bad(absl::StrCat(at, ".distortion ", e.distortion(), " (answer ",
+                              e.distortion_answer(), ", dnll ", e.dnll(),
+                              ", dnll_answer ", e.dnll_answer(),
                               ") for bf16; expected 0 (the reference)"));
     }
     if (e.tokens() < 1 || e.queries() < 1) {

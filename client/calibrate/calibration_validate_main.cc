@@ -65,9 +65,9 @@ absl::StatusOr<v1::CalibrationTable> ReadTable(const std::string& path) {
   const bool text = absl::EndsWith(path, ".txtpb") ||
                     absl::EndsWith(path, ".textproto") ||
                     absl::EndsWith(path, ".pbtxt");
-  const bool ok = text ? google::protobuf::TextFormat::ParseFromString(
-                             ss.str(), &t)
-                       : t.ParseFromString(ss.str());
+  const bool ok =
+      text ? google::protobuf::TextFormat::ParseFromString(ss.str(), &t)
+           : t.ParseFromString(ss.str());
   if (!ok) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, " is not a CalibrationTable"));
@@ -87,8 +87,8 @@ absl::Status Run(const std::vector<std::string>& table_paths,
     tables.push_back(std::move(p));
   }
   const std::string data_dir = ResolveDataDir(absl::GetFlag(FLAGS_data_dir));
-  TRIAX_ASSIGN_OR_RETURN(
-      auto model, LoadModel(data_dir + "/models/kvproxy-18m/model.bin"));
+  TRIAX_ASSIGN_OR_RETURN(auto model,
+                         LoadModel(data_dir + "/models/kvproxy-18m/model.bin"));
   TRIAX_ASSIGN_OR_RETURN(BfclData data, BfclData::Load(data_dir));
   ByteTokenizer bt;
   std::vector<calibrate::OutputConversation> convs;
@@ -140,8 +140,8 @@ absl::Status Run(const std::vector<std::string>& table_paths,
           tables[t].name().c_str(), static_cast<long long>(missing));
     }
   }
-  std::string md = calibrate::PredictionReport(allocs, measured, tables,
-                                               predicted);
+  std::string md =
+      calibrate::PredictionReport(allocs, measured, tables, predicted);
   absl::StrAppend(
       &md,
       "\nρ: Spearman rank correlation over the allocations; MAE and relative "
@@ -158,8 +158,8 @@ absl::Status Run(const std::vector<std::string>& table_paths,
     out << md;
     out.close();
     if (!out) {
-      return absl::DataLossError(absl::StrCat(
-          "cannot write ", absl::GetFlag(FLAGS_markdown_out)));
+      return absl::DataLossError(
+          absl::StrCat("cannot write ", absl::GetFlag(FLAGS_markdown_out)));
     }
   }
   return absl::OkStatus();

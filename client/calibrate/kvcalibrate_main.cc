@@ -105,12 +105,13 @@ absl::Status WriteFile(const std::string& path, const std::string& bytes) {
   return absl::OkStatus();
 }
 
-// Measures the output metric and fills `entries`, `meta` (source without
-// metric) and prints progress.
-absl::Status MeasureOutput(const std::vector<std::string>& ids,
-                           const Model& model, const BfclData& data,
-                           std::vector<calibrate::CalibrationResultEntry>* entries,
-                           int64_t* total_tokens, int64_t* positions) {
+// Measures the output metric on `ids`, printing every pass; fills the table
+// entries, the tokens measured and the predicted positions.
+absl::Status MeasureOutput(
+    const std::vector<std::string>& ids, const Model& model,
+    const BfclData& data,
+    std::vector<calibrate::CalibrationResultEntry>* entries,
+    int64_t* total_tokens, int64_t* positions) {
   const ModelConfig& cfg = model.config;
   calibrate::OutputCalibratorOptions opt;
   opt.block_tokens = 16;
@@ -126,11 +127,10 @@ absl::Status MeasureOutput(const std::vector<std::string>& ids,
     TRIAX_ASSIGN_OR_RETURN(
         RenderedConversation conv,
         data.Render(ids[i], absl::GetFlag(FLAGS_max_tokens) - 1));
-    TRIAX_ASSIGN_OR_RETURN(
-        calibrate::OutputConversation oc,
-        calibrate::PrepareOutputConversation(conv, bt.Encode(conv.text, true),
-                                             1, opt.block_tokens,
-                                             opt.recent_turns, opt.chunk));
+    TRIAX_ASSIGN_OR_RETURN(calibrate::OutputConversation oc,
+                           calibrate::PrepareOutputConversation(
+                               conv, bt.Encode(conv.text, true), 1,
+                               opt.block_tokens, opt.recent_turns, opt.chunk));
     std::printf(
         "[%zu/%zu] %s: %zu tokens, %d of %d exchanges, %zu blocks, %zu tags, "
         "%zu passes\n",
@@ -143,8 +143,8 @@ absl::Status MeasureOutput(const std::vector<std::string>& ids,
         [](const std::string& id, const Tag& tag, const kernels::Encoding& e,
            double seconds, int done, int total) {
           if (done == 0) {
-            std::printf("  %s reference pass (all BF16): %.2f s\n",
-                        id.c_str(), seconds);
+            std::printf("  %s reference pass (all BF16): %.2f s\n", id.c_str(),
+                        seconds);
             std::fflush(stdout);
             return;
           }
@@ -202,8 +202,8 @@ absl::Status Run(const std::vector<std::string>& ids) {
   std::vector<calibrate::CalibrationResultEntry> entries;
   int64_t measured = 0;
   if (output) {
-    TRIAX_RETURN_IF_ERROR(MeasureOutput(ids, *model, data, &entries,
-                                        &total_tokens, &measured));
+    TRIAX_RETURN_IF_ERROR(
+        MeasureOutput(ids, *model, data, &entries, &total_tokens, &measured));
   }
   for (size_t i = 0; i < ids.size() && !output; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -319,8 +319,8 @@ int main(int argc, char** argv) {
   };
   const std::string metric = absl::GetFlag(FLAGS_metric);
   if (metric != "attention" && metric != "output") {
-    return bad(absl::StrCat("--metric \"", metric,
-                            "\" is not attention or output"));
+    return bad(
+        absl::StrCat("--metric \"", metric, "\" is not attention or output"));
   }
   if (absl::GetFlag(FLAGS_output_chunk) < 1 ||
       absl::GetFlag(FLAGS_output_chunk) > 256) {

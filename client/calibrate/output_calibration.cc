@@ -51,9 +51,9 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
 // --- OutputConversation ----------------------------------------------------
 
 Tag OutputConversation::TagOf(int b, uint32_t turn) const {
-  return Tag{TemporalFor(static_cast<uint32_t>(b), blocks[b].turn, turn,
-                         recent_turns),
-             blocks[b].modality, blocks[b].role};
+  return Tag{
+      TemporalFor(static_cast<uint32_t>(b), blocks[b].turn, turn, recent_turns),
+      blocks[b].modality, blocks[b].role};
 }
 
 int64_t OutputConversation::FirstPerturbed(const Allocation& alloc) const {
@@ -74,9 +74,9 @@ absl::StatusOr<OutputConversation> PrepareOutputConversation(
         absl::StrCat("chunk ", chunk, " must be >= 1"));
   }
   if (tokens.size() < 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "conversation \"", conv.id, "\" has ", tokens.size(),
-        " tokens; at least 2 are needed to predict one"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("conversation \"", conv.id, "\" has ", tokens.size(),
+                     " tokens; at least 2 are needed to predict one"));
   }
   OutputConversation c;
   c.id = conv.id;
@@ -113,7 +113,8 @@ absl::StatusOr<OutputConversation> PrepareOutputConversation(
   for (size_t i = 0; i < c.chunks.size(); ++i) {
     OutputConversation::Chunk& ch = c.chunks[i];
     const int64_t end = ch.first + ch.tokens;
-    while (sealed < B && c.blocks[sealed].first + c.blocks[sealed].tokens <= end)
+    while (sealed < B &&
+           c.blocks[sealed].first + c.blocks[sealed].tokens <= end)
       ++sealed;
     ch.sealed_blocks = sealed;
     for (int64_t p = ch.first; p < end; ++p) {
@@ -139,8 +140,9 @@ absl::StatusOr<OutputConversation> PrepareOutputConversation(
     const OutputConversation::Chunk& ch = c.chunks[c.chunk_of[p]];
     double* row = &c.share[static_cast<size_t>(p) * T];
     for (int b = 0; b < ch.sealed_blocks && c.blocks[b].first <= p; ++b) {
-      const int64_t seen = std::min<int64_t>(
-          c.blocks[b].first + c.blocks[b].tokens, p + 1) - c.blocks[b].first;
+      const int64_t seen =
+          std::min<int64_t>(c.blocks[b].first + c.blocks[b].tokens, p + 1) -
+          c.blocks[b].first;
       row[index[c.TagOf(b, ch.turn)]] += static_cast<double>(seen);
     }
     for (size_t i = 0; i < T; ++i) row[i] /= static_cast<double>(p + 1);
@@ -199,7 +201,8 @@ absl::StatusOr<std::unique_ptr<FakeQuantKvStore>> FakeQuantKvStore::Create(
     }
   }
   const int L = config.n_layers;
-  const size_t size = conv->tokens.size() * static_cast<size_t>(config.kv_dim());
+  const size_t size =
+      conv->tokens.size() * static_cast<size_t>(config.kv_dim());
   s->k_.assign(L, std::vector<float>(size));
   s->v_.assign(L, std::vector<float>(size));
   s->dk_.assign(s->encodings_.size(),
@@ -324,8 +327,8 @@ absl::Status FakeQuantKvStore::Attend(int layer, int n_queries,
     const uint32_t turn = conv_->chunks[conv_->chunk_of[p]].turn;
     runs.clear();
     for (int b = 0; b < B && conv_->blocks[b].first <= p; ++b) {
-      const int e = b < sealed_[layer] ? enc_[static_cast<size_t>(turn) * B + b]
-                                       : -1;
+      const int e =
+          b < sealed_[layer] ? enc_[static_cast<size_t>(turn) * B + b] : -1;
       const float* ks = e < 0 ? k_[layer].data() : dk_[e][layer].data();
       const float* vs = e < 0 ? v_[layer].data() : dv_[e][layer].data();
       const int64_t end = std::min<int64_t>(
@@ -387,9 +390,9 @@ absl::StatusOr<PassResult> RunPass(frontend::Transformer* tf,
   if (reference_store != nullptr && reference_logits != nullptr) {
     r.first_computed = conv.FirstPerturbed(alloc);
     if (reference_logits->size() != conv.tokens.size() * vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "reference logits hold ", reference_logits->size(),
-          " values; expected ", conv.tokens.size() * vocab));
+      return absl::InvalidArgumentError(
+          absl::StrCat("reference logits hold ", reference_logits->size(),
+                       " values; expected ", conv.tokens.size() * vocab));
     }
     TRIAX_RETURN_IF_ERROR(
         (*store)->CopyPrefix(*reference_store, r.first_computed));
@@ -399,9 +402,9 @@ absl::StatusOr<PassResult> RunPass(frontend::Transformer* tf,
   std::vector<float> part;
   for (const OutputConversation::Chunk& c : conv.chunks) {
     if (c.first < r.first_computed) continue;
-    TRIAX_RETURN_IF_ERROR(tf->Forward(
-        absl::MakeConstSpan(conv.tokens).subspan(c.first, c.tokens), c.first,
-        store->get(), &part));
+    TRIAX_RETURN_IF_ERROR(
+        tf->Forward(absl::MakeConstSpan(conv.tokens).subspan(c.first, c.tokens),
+                    c.first, store->get(), &part));
     r.logits.insert(r.logits.end(), part.begin(), part.end());
   }
   r.seconds = Seconds(t0);
@@ -503,9 +506,9 @@ absl::StatusOr<OutputCalibrator> OutputCalibrator::Create(
   return OutputCalibrator(config, std::move(options));
 }
 
-absl::Status OutputCalibrator::AddConversation(
-    const frontend::Model& model, const OutputConversation& conv,
-    const PassProgress& progress) {
+absl::Status OutputCalibrator::AddConversation(const frontend::Model& model,
+                                               const OutputConversation& conv,
+                                               const PassProgress& progress) {
   if (conv.block_tokens != options_.block_tokens ||
       conv.recent_turns != options_.recent_turns) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -516,10 +519,9 @@ absl::Status OutputCalibrator::AddConversation(
   }
   for (const OutputConversation::Chunk& c : conv.chunks) {
     if (c.tokens > options_.chunk) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("conversation \"", conv.id, "\" has a chunk of ",
-                       c.tokens, " tokens; the calibrator's chunk is ",
-                       options_.chunk));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "conversation \"", conv.id, "\" has a chunk of ", c.tokens,
+          " tokens; the calibrator's chunk is ", options_.chunk));
     }
   }
   const int vocab = model.config.vocab_size;
@@ -527,10 +529,11 @@ absl::Status OutputCalibrator::AddConversation(
   std::unique_ptr<FakeQuantKvStore> ref_store;
   TRIAX_ASSIGN_OR_RETURN(
       PassResult ref, RunPass(&ref_tf, conv, {}, nullptr, nullptr, &ref_store));
-  const int passes = static_cast<int>(conv.tags.size()) *
-                     static_cast<int>(std::count_if(
-                         options_.encodings.begin(), options_.encodings.end(),
-                         [](const kernels::Encoding& e) { return !IsBf16(e); }));
+  const int passes =
+      static_cast<int>(conv.tags.size()) *
+      static_cast<int>(
+          std::count_if(options_.encodings.begin(), options_.encodings.end(),
+                        [](const kernels::Encoding& e) { return !IsBf16(e); }));
   if (progress) {
     progress(conv.id, Tag{}, kernels::Format::kBF16, ref.seconds, 0, passes);
   }
@@ -556,8 +559,7 @@ absl::Status OutputCalibrator::AddConversation(
     std::unique_ptr<FakeQuantKvStore> store;
     for (size_t j = next++; j < jobs.size(); j = next++) {
       Job& job = jobs[j];
-      const Allocation alloc{
-          {conv.tags[job.tag], options_.encodings[job.enc]}};
+      const Allocation alloc{{conv.tags[job.tag], options_.encodings[job.enc]}};
       absl::StatusOr<PassResult> r =
           RunPass(&tf, conv, alloc, ref_store.get(), &ref.logits, &store);
       if (!r.ok()) {
@@ -565,8 +567,8 @@ absl::Status OutputCalibrator::AddConversation(
         if (failure.ok()) failure = r.status();
         return;
       }
-      const PositionEffects fx = CompareLogits(conv, vocab, ref.logits,
-                                               r->logits);
+      const PositionEffects fx =
+          CompareLogits(conv, vocab, ref.logits, r->logits);
       for (int64_t p = 0; p < conv.positions(); ++p) {
         job.kl += fx.kl[p];
         job.dnll += fx.dnll[p];
@@ -624,10 +626,10 @@ absl::Status OutputCalibrator::AddConversation(
   for (int64_t p = 0; p < conv.positions(); ++p) {
     const OutputConversation::Chunk& ch = conv.chunks[conv.chunk_of[p]];
     for (int b = 0; b < ch.sealed_blocks && conv.blocks[b].first <= p; ++b) {
-      const int64_t n = std::min<int64_t>(conv.blocks[b].first +
-                                              conv.blocks[b].tokens,
-                                          p + 1) -
-                        conv.blocks[b].first;
+      const int64_t n =
+          std::min<int64_t>(conv.blocks[b].first + conv.blocks[b].tokens,
+                            p + 1) -
+          conv.blocks[b].first;
       int64_t& m = seen[{index[conv.TagOf(b, ch.turn)], b}];
       m = std::max(m, n);
     }

@@ -91,9 +91,9 @@ struct OutputConversation {
 };
 
 // Plans `tokens` (bos_tokens leading BOS, then one token per byte of
-// conv.text) into blocks, chunks, per-position shares and answer positions. INVALID_ARGUMENT for
-// block_tokens outside 1..4096, chunk < 1, fewer than 2 tokens, or a
-// conversation whose spans do not cover the tokens.
+// conv.text) into blocks, chunks, per-position shares and answer positions.
+// INVALID_ARGUMENT for block_tokens outside 1..4096, chunk < 1, fewer than 2
+// tokens, or a conversation whose spans do not cover the tokens.
 absl::StatusOr<OutputConversation> PrepareOutputConversation(
     const frontend::RenderedConversation& conv, const std::vector<int>& tokens,
     int bos_tokens, int block_tokens, uint32_t recent_turns, int chunk);
@@ -190,10 +190,9 @@ struct OutputCalibratorOptions {
 // Progress of one pass: conversation id, tag, encoding, pass seconds,
 // passes done and total for the conversation. The reference pass reports
 // done = 0 with an unspecified tag and BF16.
-using PassProgress =
-    std::function<void(const std::string& id, const Tag& tag,
-                       const kernels::Encoding& e, double seconds, int done,
-                       int total)>;
+using PassProgress = std::function<void(const std::string& id, const Tag& tag,
+                                        const kernels::Encoding& e,
+                                        double seconds, int done, int total)>;
 
 // Accumulates output-effect distortions over conversations.
 // Thread-compatible; AddConversation runs its passes on `threads` threads,

@@ -98,12 +98,12 @@ TEST(PrepareOutputConversationTest, ChunksPerTurnSharesAndAnswerPositions) {
   int64_t answers = 0;
   for (int64_t p = 0; p < oc.positions(); ++p) answers += oc.answer[p];
   EXPECT_EQ(answers, 3 * (24 / 2 + 3));
-  EXPECT_THAT(PrepareOutputConversation(conv, {1}, 1, 16, 2, 64).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("at least 2")));
-  EXPECT_THAT(PrepareOutputConversation(conv, oc.tokens, 1, 16, 2, 0).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("chunk 0")));
+  EXPECT_THAT(
+      PrepareOutputConversation(conv, {1}, 1, 16, 2, 64).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least 2")));
+  EXPECT_THAT(
+      PrepareOutputConversation(conv, oc.tokens, 1, 16, 2, 0).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("chunk 0")));
   std::vector<int> short_tokens(oc.tokens.begin(), oc.tokens.end() - 1);
   EXPECT_THAT(
       PrepareOutputConversation(conv, short_tokens, 1, 16, 2, 64).status(),
@@ -133,8 +133,10 @@ TEST(FakeQuantKvStoreTest, Bf16EverywhereMatchesLocalKvStoreToBf16Rounding) {
   double max_rounded = 0, max_exact = 0, norm = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
     ASSERT_TRUE(std::isfinite(pass->logits[i])) << i;
-    max_rounded = std::max<double>(max_rounded, std::abs(pass->logits[i] - ref[i]));
-    max_exact = std::max<double>(max_exact, std::abs(pass->logits[i] - fp32[i]));
+    max_rounded =
+        std::max<double>(max_rounded, std::abs(pass->logits[i] - ref[i]));
+    max_exact =
+        std::max<double>(max_exact, std::abs(pass->logits[i] - fp32[i]));
     norm = std::max<double>(norm, std::abs(ref[i]));
   }
   EXPECT_GT(norm, 0.01);
@@ -170,14 +172,16 @@ TEST(FakeQuantKvStoreTest, ReadsARoundTripOnlyOnceSealedAndOnlyForItsTag) {
   auto sink = make({{kSinkDelim, kernels::Format::kINT2}});
   auto user = make({{kCurrentUser, kernels::Format::kINT2}});
   auto recent = make({{kRecentUser, kernels::Format::kINT2}});
-  for (FakeQuantKvStore* s : {ref.get(), sink.get(), user.get(), recent.get()}) {
+  for (FakeQuantKvStore* s :
+       {ref.get(), sink.get(), user.get(), recent.get()}) {
     ASSERT_THAT(s->Write(0, 0, 10, k.data(), v.data()), IsOk());
   }
   // Block 0 (16 tokens) is not complete: everyone reads BF16.
   EXPECT_EQ(sink->sealed_blocks(0), 0);
   EXPECT_EQ(attend(sink.get(), 5), attend(ref.get(), 5));
   EXPECT_EQ(sink->quantized_reads(), 0);
-  for (FakeQuantKvStore* s : {ref.get(), sink.get(), user.get(), recent.get()}) {
+  for (FakeQuantKvStore* s :
+       {ref.get(), sink.get(), user.get(), recent.get()}) {
     ASSERT_THAT(s->Write(0, 10, n - 10, &k[10 * kv_dim], &v[10 * kv_dim]),
                 IsOk());
     EXPECT_EQ(s->sealed_blocks(0), static_cast<int>(oc.blocks.size()));
@@ -259,9 +263,8 @@ TEST(RunPassTest, KlIsZeroForBf16PositiveForInt2AndThePrefixCopyIsExact) {
 
   // A tag that first appears in turn 2 (OLDER): the pass starts there when
   // it may copy the reference, and agrees bit for bit with a full pass.
-  const Allocation older{
-      {Tag{Temporal::kOlder, Modality::kText, Role::kUser},
-       kernels::Format::kINT4}};
+  const Allocation older{{Tag{Temporal::kOlder, Modality::kText, Role::kUser},
+                          kernels::Format::kINT4}};
   const int64_t start = oc.FirstPerturbed(older);
   EXPECT_GE(start, static_cast<int64_t>(conv.turns[3].begin));
   auto copied = RunPass(&tf, oc, older, ref_store.get(), &ref->logits, &store);
@@ -329,19 +332,19 @@ TEST(OutputCalibratorTest, EntriesAreZeroForBf16AndOrderedByBits) {
 
   // Options and plans that do not match.
   opt.chunk = 0;
-  EXPECT_THAT(OutputCalibrator::Create(model->config, opt).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("chunk 0")));
+  EXPECT_THAT(
+      OutputCalibrator::Create(model->config, opt).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("chunk 0")));
   opt.chunk = 64;
   opt.threads = 65;
-  EXPECT_THAT(OutputCalibrator::Create(model->config, opt).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("threads 65")));
+  EXPECT_THAT(
+      OutputCalibrator::Create(model->config, opt).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("threads 65")));
   opt.threads = 1;
   opt.encodings.push_back(kernels::Format::kINT8);
-  EXPECT_THAT(OutputCalibrator::Create(model->config, opt).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("repeats")));
+  EXPECT_THAT(
+      OutputCalibrator::Create(model->config, opt).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("repeats")));
   opt.encodings.pop_back();
   opt.chunk = 32;
   auto small = OutputCalibrator::Create(model->config, opt);
