@@ -261,6 +261,10 @@ TEST_F(AllocationTest, CalibrationValidationNamesTheFieldAndChangesNothing) {
        "table.entries[3].distortion is nan"},
       {"negative", [](auto* t) { t->entries[3].distortion = -1; },
        "table.entries[3].distortion is -1"},
+      {"negative answer", [](auto* t) { t->entries[3].distortion_answer = -2; },
+       "table.entries[3].distortion_answer is -2"},
+      {"nan dnll", [nan](auto* t) { t->entries[4].dnll = nan; },
+       "table.entries[4].dnll / dnll_answer are nan / 0"},
       {"duplicate",
        [](auto* t) {
          t->entries[7] = t->entries[1];

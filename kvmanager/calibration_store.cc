@@ -70,6 +70,16 @@ absl::StatusOr<std::shared_ptr<const CalibrationTable>> CalibrationStore::Build(
           absl::StrCat(field, ".distortion is ", in.distortion,
                        "; it must be finite and >= 0"));
     }
+    if (!std::isfinite(in.distortion_answer) || in.distortion_answer < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".distortion_answer is ", in.distortion_answer,
+                       "; it must be finite and >= 0"));
+    }
+    if (!std::isfinite(in.dnll) || !std::isfinite(in.dnll_answer)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".dnll / dnll_answer are ", in.dnll, " / ",
+                       in.dnll_answer, "; they must be finite"));
+    }
     CalibrationEntryInfo entry = in;
     entry.tag.modality = NormalizeModality(in.tag.modality);
     entry.encoding = SpecOf(e);

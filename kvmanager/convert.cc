@@ -249,6 +249,9 @@ CalibrationTableInfo FromProto(const v1::CalibrationTable& p) {
     de.distortion = e.distortion();
     de.tokens = e.tokens();
     de.queries = e.queries();
+    de.distortion_answer = e.distortion_answer();
+    de.dnll = e.dnll();
+    de.dnll_answer = e.dnll_answer();
     d.entries.push_back(de);
   }
   const auto& s = p.source();
@@ -282,6 +285,9 @@ void ToProto(const CalibrationTableInfo& d, v1::CalibrationTable* p) {
     pe->set_distortion(e.distortion);
     pe->set_tokens(e.tokens);
     pe->set_queries(e.queries);
+    pe->set_distortion_answer(e.distortion_answer);
+    pe->set_dnll(e.dnll);
+    pe->set_dnll_answer(e.dnll_answer);
   }
   auto* s = p->mutable_source();
   s->set_tool(d.source.tool);

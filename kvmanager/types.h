@@ -140,6 +140,9 @@ struct CalibrationEntryInfo {
   double distortion = 0;  // finite, >= 0
   uint64_t tokens = 0;
   uint64_t queries = 0;
+  double distortion_answer = 0;  // finite, >= 0
+  double dnll = 0;               // finite
+  double dnll_answer = 0;        // finite
 };
 
 // triax.v1.CalibrationSource: where a table came from; stored as given.

@@ -136,6 +136,11 @@ struct CalibrationResultEntry {
   Tag tag;
   kernels::Encoding encoding;
   double distortion = 0;  // see the file comment
+  // Output metric only (output_calibration.h): KL per share over answer
+  // positions, and dNLL per share over all / answer positions.
+  double distortion_answer = 0;
+  double dnll = 0;
+  double dnll_answer = 0;
   double mean_error = 0;  // sum err / measured (query, layer) samples
   double mean_share = 0;  // sum share / measured (query, layer) samples
   uint64_t tokens = 0;    // token positions that carried the tag

@@ -70,6 +70,18 @@ TEST(CalibrationManagerTest, PutCalibrationRoundTrips) {
   v1::CalibrationTable second = table;
   second.mutable_entries(1)->set_distortion(42);
   EXPECT_THAT(PutAndVerify(c->get(), second), IsOk());
+  // An output-metric table: distortion_answer, dnll and dnll_answer (dNLL
+  // may be negative) come back as stored.
+  v1::CalibrationTable output = table;
+  output.mutable_source()->set_metric(OutputMetricDescription(64, 2));
+  for (int i = 0; i < output.entries_size(); ++i) {
+    v1::CalibrationEntry* e = output.mutable_entries(i);
+    if (e->distortion() == 0) continue;
+    e->set_distortion_answer(2 * e->distortion());
+    e->set_dnll(-0.25 * e->distortion());
+    e->set_dnll_answer(0.5 * e->distortion());
+  }
+  EXPECT_THAT(PutAndVerify(c->get(), output), IsOk());
   // The manager's own validation comes back with the call named.
   v1::CalibrationTable empty = table;
   empty.clear_entries();

@@ -6,6 +6,7 @@
 #include <set>
 #include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/model_proto.h"
@@ -22,12 +23,7 @@ bool IsInt(v1::Format f) {
 }
 
 std::string EncodingLabel(const v1::CalibrationEntry& e) {
-  kernels::Encoding enc(static_cast<kernels::Format>(e.format()),
-                        static_cast<kernels::Format>(e.format_v()),
-                        static_cast<int>(e.group_size()),
-                        e.scale_dtype() == v1::SCALE_DTYPE_FP8_E4M3
-                            ? kernels::ScaleDtype::kFP8
-                            : kernels::ScaleDtype::kFP16);
+  const kernels::Encoding enc = EntryEncoding(e);
   char buf[96];
   return kernels::EncodingName(enc, buf, sizeof(buf));
 }
@@ -37,6 +33,29 @@ std::string TagLabel(const v1::Tag& t) {
 }
 
 }  // namespace
+
+kernels::Encoding EntryEncoding(const v1::CalibrationEntry& e) {
+  return kernels::Encoding(static_cast<kernels::Format>(e.format()),
+                           static_cast<kernels::Format>(e.format_v()),
+                           static_cast<int>(e.group_size()),
+                           e.scale_dtype() == v1::SCALE_DTYPE_FP8_E4M3
+                               ? kernels::ScaleDtype::kFP8
+                               : kernels::ScaleDtype::kFP16);
+}
+
+std::string OutputMetricDescription(int chunk, uint32_t recent_turns) {
+  return absl::StrCat(
+      "output-kl: distortion = sum over predicted positions p of "
+      "KL(P_ref(.|p) || P_kf(.|p)) in nats divided by sum of share_k(p) = "
+      "sealed tag-k tokens in [0, p] / (p + 1); distortion_answer the same "
+      "over positions whose next token is ASSISTANT or TOOL_CALL; dnll / "
+      "dnll_answer = sum of next-token NLL increase / sum share_k. P_ref: "
+      "teacher-forced fp32 forward over BF16 K/V; P_kf: same with every "
+      "sealed 16-token block whose tag (relative to the query's turn) is k "
+      "read through EncodePage/DecodePage in f; turns prefilled in chunks "
+      "of ",
+      chunk, " tokens; recent_turns ", recent_turns);
+}
 
 std::string MetricDescription(int query_stride, int64_t first_query,
                               uint32_t recent_turns) {
@@ -75,6 +94,9 @@ absl::StatusOr<v1::CalibrationTable> BuildTable(
                              : v1::SCALE_DTYPE_FP16);
     }
     e->set_distortion(r.distortion);
+    e->set_distortion_answer(r.distortion_answer);
+    e->set_dnll(r.dnll);
+    e->set_dnll_answer(r.dnll_answer);
     e->set_tokens(r.tokens);
     e->set_queries(r.queries);
   }
@@ -125,10 +147,21 @@ absl::Status ValidateTable(const v1::CalibrationTable& table) {
       return bad(absl::StrCat(at, ".distortion ", e.distortion(),
                               " is not a finite value >= 0"));
     }
+    if (!std::isfinite(e.distortion_answer()) || e.distortion_answer() < 0) {
+      return bad(absl::StrCat(at, ".distortion_answer ", e.distortion_answer(),
+                              " is not a finite value >= 0"));
+    }
+    if (!std::isfinite(e.dnll()) || !std::isfinite(e.dnll_answer())) {
+      return bad(absl::StrCat(at, ".dnll / dnll_answer ", e.dnll(), " / ",
+                              e.dnll_answer(), " are not finite"));
+    }
     if (e.format() == v1::FORMAT_BF16 && e.format_v() == v1::FORMAT_BF16 &&
-        e.distortion() != 0) {
-      return bad(absl::StrCat(at, ".distortion ", e.distortion(),
-                              " for bf16; expected 0 (the reference)"));
+        (e.distortion() != 0 || e.distortion_answer() != 0 || e.dnll() != 0 ||
+         e.dnll_answer() != 0)) {
+      return bad(absl::StrCat(at, ".distortion ", e.distortion(), " (answer ",
+                              e.distortion_answer(), ", dnll ", e.dnll(),
+                              ", dnll_answer ", e.dnll_answer(),
+                              ") for bf16; expected 0 (the reference)"));
     }
     if (e.tokens() < 1 || e.queries() < 1) {
       return bad(absl::StrCat(at, " measured tokens ", e.tokens(),
@@ -166,7 +199,10 @@ absl::Status ValidateTable(const v1::CalibrationTable& table) {
   return absl::OkStatus();
 }
 
-std::string MarkdownTable(const v1::CalibrationTable& table) {
+namespace {
+
+std::string MarkdownOf(const v1::CalibrationTable& table,
+                       double (v1::CalibrationEntry::*value)() const) {
   std::vector<std::string> encs;
   std::map<std::string, std::map<std::string, double>> cell;  // tag -> enc
   std::map<std::string, std::pair<uint64_t, uint64_t>> counts;
@@ -176,7 +212,7 @@ std::string MarkdownTable(const v1::CalibrationTable& table) {
       encs.push_back(enc);
     }
     const std::string tag = TagLabel(e.tag());
-    cell[tag][enc] = e.distortion();
+    cell[tag][enc] = (e.*value)();
     counts[tag] = {e.tokens(), e.queries()};
   }
   std::vector<std::pair<double, std::string>> order;
@@ -213,6 +249,20 @@ std::string MarkdownTable(const v1::CalibrationTable& table) {
                     " |\n");
   }
   return out;
+}
+
+}  // namespace
+
+std::string MarkdownTable(const v1::CalibrationTable& table) {
+  if (!absl::StartsWith(table.source().metric(), "output-kl")) {
+    return MarkdownOf(table, &v1::CalibrationEntry::distortion);
+  }
+  return absl::StrCat(
+      "distortion: KL (nats) per share, all predicted positions\n\n",
+      MarkdownOf(table, &v1::CalibrationEntry::distortion),
+      "\ndistortion_answer: KL (nats) per share, positions predicting "
+      "ASSISTANT / TOOL_CALL tokens\n\n",
+      MarkdownOf(table, &v1::CalibrationEntry::distortion_answer));
 }
 
 }  // namespace triax::calibrate

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/calibrate/calibration.h"
+#include "kernels/layout.h"
 #include "triax/v1/types.pb.h"
 
 namespace triax::calibrate {
@@ -27,9 +28,16 @@ struct TableMeta {
   triax::v1::CalibrationSource source;
 };
 
-// The metric text stored in CalibrationSource.metric.
+// The metric text stored in CalibrationSource.metric: the attention metric
+// (calibration.h) and the output metric (output_calibration.h; the text
+// starts with "output-kl").
 std::string MetricDescription(int query_stride, int64_t first_query,
                               uint32_t recent_turns);
+std::string OutputMetricDescription(int chunk, uint32_t recent_turns);
+
+// The kernels::Encoding an entry names (group 0 = 32, scale FP16 unless
+// FP8_E4M3).
+kernels::Encoding EntryEncoding(const triax::v1::CalibrationEntry& e);
 
 // INVALID_ARGUMENT when the result is not a well-formed table (see
 // ValidateTable).
@@ -39,8 +47,9 @@ absl::StatusOr<triax::v1::CalibrationTable> BuildTable(
 // Checks a table: model non-empty; shape with positive dimensions and
 // n_kv_heads dividing n_q_heads; block_tokens 1..4096; at least one entry;
 // every entry with temporal, modality, role, format and format_v specified,
-// group_size 0/32/64/128, a finite distortion >= 0, tokens and queries >= 1,
-// and no (tag, encoding) twice; BF16/BF16 entries with distortion 0; source
+// group_size 0/32/64/128, finite distortion and distortion_answer >= 0,
+// finite dnll and dnll_answer, tokens and queries >= 1, and no (tag,
+// encoding) twice; BF16/BF16 entries with all four values 0; source
 // with tool, model_file, dataset, metric, created_unix_ms > 0, at least one
 // calibration id and none of them among held_out_ids. INVALID_ARGUMENT
 // naming the field (e.g. "entries[3].distortion") and the value.
@@ -48,7 +57,9 @@ absl::Status ValidateTable(const triax::v1::CalibrationTable& table);
 
 // A Markdown table: one row per tag (sorted by the tag's mean distortion
 // over the non-BF16 encodings, most sensitive first), one column per
-// encoding (in entry order), plus tokens and queries.
+// encoding (in entry order), plus tokens and queries. For an output-metric
+// table (source.metric starts with "output-kl"), two such tables:
+// distortion, then distortion_answer.
 std::string MarkdownTable(const triax::v1::CalibrationTable& table);
 
 }  // namespace triax::calibrate

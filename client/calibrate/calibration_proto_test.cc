@@ -1,5 +1,6 @@
 #include "client/calibrate/calibration_proto.h"
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -121,6 +122,16 @@ TEST(ValidateTableTest, RejectsMalformedTables) {
        [](v1::CalibrationTable* t) {
          t->mutable_entries(0)->set_distortion(0.5);
        }},
+      {"entries[2].distortion_answer -0.5",
+       [](v1::CalibrationTable* t) {
+         t->mutable_entries(2)->set_distortion_answer(-0.5);
+       }},
+      {"entries[3].dnll / dnll_answer 0 / inf are not finite",
+       [](v1::CalibrationTable* t) {
+         t->mutable_entries(3)->set_dnll_answer(HUGE_VAL);
+       }},
+      {"entries[0].distortion 0 (answer 0, dnll 0.25",
+       [](v1::CalibrationTable* t) { t->mutable_entries(0)->set_dnll(0.25); }},
       {"entries[6] repeats tag older/text/tool_schema encoding fp8",
        [](v1::CalibrationTable* t) { *t->mutable_entries(6) = t->entries(5); }},
       {"group_size 16",
@@ -157,6 +168,43 @@ TEST(ValidateTableTest, RejectsMalformedTables) {
   EXPECT_THAT(BuildTable(Meta(), es).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("entries[1].distortion")));
+}
+
+TEST(BuildTableTest, OutputMetricFieldsRoundTrip) {
+  TableMeta meta = Meta();
+  meta.source.set_metric(OutputMetricDescription(64, 2));
+  std::vector<CalibrationResultEntry> es = Entries();
+  for (CalibrationResultEntry& e : es) {
+    if (e.distortion == 0) continue;
+    e.distortion_answer = 2 * e.distortion;
+    e.dnll = -0.5 * e.distortion;  // dNLL may be negative
+    e.dnll_answer = 3 * e.distortion;
+  }
+  auto table = BuildTable(meta, es);
+  ASSERT_THAT(table.status(), IsOk());
+  EXPECT_THAT(table->source().metric(), ::testing::StartsWith("output-kl"));
+  EXPECT_THAT(table->source().metric(), HasSubstr("chunks of 64 tokens"));
+  const v1::CalibrationEntry& mixed = table->entries(3);
+  EXPECT_DOUBLE_EQ(mixed.distortion_answer(), 8.0);
+  EXPECT_DOUBLE_EQ(mixed.dnll(), -2.0);
+  EXPECT_DOUBLE_EQ(mixed.dnll_answer(), 12.0);
+  EXPECT_EQ(table->entries(0).distortion_answer(), 0.0);
+  std::string bytes;
+  ASSERT_TRUE(table->SerializeToString(&bytes));
+  v1::CalibrationTable back;
+  ASSERT_TRUE(back.ParseFromString(bytes));
+  EXPECT_THAT(ValidateTable(back), IsOk());
+  EXPECT_EQ(back.entries(3).dnll(), -2.0);
+  // Both tables in the Markdown.
+  const std::string md = MarkdownTable(*table);
+  EXPECT_THAT(md, HasSubstr("distortion_answer: KL"));
+  EXPECT_THAT(md, HasSubstr("| sink/text/delimiter | 0 | 0.1 | 1 | 4 |"));
+  EXPECT_THAT(md, HasSubstr("| sink/text/delimiter | 0 | 0.2 | 2 | 8 |"));
+  // The attention table has one.
+  auto attention = BuildTable(Meta(), Entries());
+  ASSERT_THAT(attention.status(), IsOk());
+  EXPECT_THAT(MarkdownTable(*attention),
+              ::testing::Not(HasSubstr("distortion_answer")));
 }
 
 TEST(MarkdownTableTest, RowsSortedMostSensitiveFirst) {

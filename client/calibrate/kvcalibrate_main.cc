@@ -1,6 +1,9 @@
-// kvcalibrate: measures the per-tag, per-encoding attention-output
-// distortion of kvproxy-18m on BFCL multi-turn conversations (see
-// calibration.h for the metric) and emits a triax.v1.CalibrationTable:
+// kvcalibrate: measures the per-tag, per-encoding distortion of kvproxy-18m
+// on BFCL multi-turn conversations and emits a triax.v1.CalibrationTable.
+// --metric=attention: the attention-output error (calibration.h);
+// --metric=output: the KL / dNLL of the next-token distribution when the
+// tag's sealed blocks alone take the encoding (output_calibration.h). The
+// table is
 // written to --out (text format for *.txtpb / *.textproto / *.pbtxt, binary
 // otherwise) and, with --manager, stored by PutCalibration and read back
 // with GetCalibration. Runs in process on the CPU kernels; no service is
@@ -23,6 +26,7 @@
 #include "client/calibrate/calibration.h"
 #include "client/calibrate/calibration_proto.h"
 #include "client/calibrate/calibration_rpc.h"
+#include "client/calibrate/output_calibration.h"
 #include "client/calibrate/sha256.h"
 #include "client/frontend/bfcl.h"
 #include "client/frontend/data_dir.h"
@@ -50,10 +54,21 @@ ABSL_FLAG(std::string, ids,
 ABSL_FLAG(int, max_tokens, 2048,
           "context per conversation in tokens, BOS included (2..2048); "
           "longer conversations are truncated like kvdemo's");
-ABSL_FLAG(int, query_stride, 8, "measure every N-th query position");
-ABSL_FLAG(int, first_query, 64, "first measured query position");
-ABSL_FLAG(int, threads, 2, "threads for the forward pass and measurement");
-ABSL_FLAG(int, chunk, 256, "prefill chunk in tokens");
+ABSL_FLAG(std::string, metric, "attention",
+          "attention: attention-output error per tag share (one capture "
+          "pass per conversation); output: next-token KL / dNLL per tag "
+          "share, one forward pass per (tag, encoding) per conversation");
+ABSL_FLAG(int, output_chunk, 64,
+          "--metric=output: prefill chunk per turn in tokens (1..256), as "
+          "policy_bench feeds the service");
+ABSL_FLAG(int, query_stride, 8,
+          "--metric=attention: measure every N-th query position");
+ABSL_FLAG(int, first_query, 64,
+          "--metric=attention: first measured query position");
+ABSL_FLAG(int, threads, 2,
+          "threads for the forward pass and measurement (attention) or for "
+          "the passes, run in parallel (output)");
+ABSL_FLAG(int, chunk, 256, "--metric=attention: prefill chunk in tokens");
 ABSL_FLAG(uint32_t, recent_turns, 2,
           "the manager's --recent_turns (turns before the current that are "
           "RECENT_TURNS)");
@@ -90,6 +105,65 @@ absl::Status WriteFile(const std::string& path, const std::string& bytes) {
   return absl::OkStatus();
 }
 
+// Measures the output metric on `ids`, printing every pass; fills the table
+// entries, the tokens measured and the predicted positions.
+absl::Status MeasureOutput(
+    const std::vector<std::string>& ids, const Model& model,
+    const BfclData& data,
+    std::vector<calibrate::CalibrationResultEntry>* entries,
+    int64_t* total_tokens, int64_t* positions) {
+  const ModelConfig& cfg = model.config;
+  calibrate::OutputCalibratorOptions opt;
+  opt.block_tokens = 16;
+  opt.recent_turns = absl::GetFlag(FLAGS_recent_turns);
+  opt.chunk = absl::GetFlag(FLAGS_output_chunk);
+  opt.encodings = calibrate::DefaultEncodings();
+  opt.threads = absl::GetFlag(FLAGS_threads);
+  TRIAX_ASSIGN_OR_RETURN(calibrate::OutputCalibrator cal,
+                         calibrate::OutputCalibrator::Create(cfg, opt));
+  ByteTokenizer bt;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    TRIAX_ASSIGN_OR_RETURN(
+        RenderedConversation conv,
+        data.Render(ids[i], absl::GetFlag(FLAGS_max_tokens) - 1));
+    TRIAX_ASSIGN_OR_RETURN(calibrate::OutputConversation oc,
+                           calibrate::PrepareOutputConversation(
+                               conv, bt.Encode(conv.text, true), 1,
+                               opt.block_tokens, opt.recent_turns, opt.chunk));
+    std::printf(
+        "[%zu/%zu] %s: %zu tokens, %d of %d exchanges, %zu blocks, %zu tags, "
+        "%zu passes\n",
+        i + 1, ids.size(), ids[i].c_str(), oc.tokens.size(), conv.turns_kept,
+        conv.turns_total, oc.blocks.size(), oc.tags.size(),
+        oc.tags.size() * (opt.encodings.size() - 1) + 1);
+    std::fflush(stdout);
+    TRIAX_RETURN_IF_ERROR(cal.AddConversation(
+        model, oc,
+        [](const std::string& id, const Tag& tag, const kernels::Encoding& e,
+           double seconds, int done, int total) {
+          if (done == 0) {
+            std::printf("  %s reference pass (all BF16): %.2f s\n", id.c_str(),
+                        seconds);
+            std::fflush(stdout);
+            return;
+          }
+          char buf[96];
+          std::printf("  %s pass %d/%d: %s %s %.2f s\n", id.c_str(), done,
+                      total, TagLabel(tag).c_str(),
+                      kernels::EncodingName(e, buf, sizeof(buf)), seconds);
+          std::fflush(stdout);
+        }));
+    *total_tokens += static_cast<int64_t>(oc.tokens.size());
+    std::printf("[%zu/%zu] %s done in %.1f s\n", i + 1, ids.size(),
+                ids[i].c_str(), Since(t0));
+    std::fflush(stdout);
+  }
+  *entries = cal.Entries();
+  *positions = cal.positions();
+  return absl::OkStatus();
+}
+
 absl::Status Run(const std::vector<std::string>& ids) {
   const auto t_start = std::chrono::steady_clock::now();
   const std::string data_dir = ResolveDataDir(absl::GetFlag(FLAGS_data_dir));
@@ -101,22 +175,37 @@ absl::Status Run(const std::vector<std::string>& ids) {
   const ModelConfig& cfg = model->config;
   const int max_tokens = absl::GetFlag(FLAGS_max_tokens);
   const int threads = absl::GetFlag(FLAGS_threads);
+  const bool output = absl::GetFlag(FLAGS_metric) == "output";
   calibrate::CalibratorOptions opt;
   opt.block_tokens = 16;
   opt.recent_turns = absl::GetFlag(FLAGS_recent_turns);
   opt.encodings = calibrate::DefaultEncodings();
   opt.threads = threads;
   TRIAX_ASSIGN_OR_RETURN(Calibrator cal, Calibrator::Create(cfg, opt));
-  std::printf(
-      "kvcalibrate %s: kvproxy-18m (sha256 %s), %zu conversations, "
-      "context %d, queries every %d from %d, %d threads\n",
-      KVCALIBRATE_VERSION, sha.c_str(), ids.size(), max_tokens,
-      absl::GetFlag(FLAGS_query_stride), absl::GetFlag(FLAGS_first_query),
-      threads);
+  if (output) {
+    std::printf(
+        "kvcalibrate %s: kvproxy-18m (sha256 %s), metric output, %zu "
+        "conversations, context %d, chunk %d per turn, %d threads\n",
+        KVCALIBRATE_VERSION, sha.c_str(), ids.size(), max_tokens,
+        absl::GetFlag(FLAGS_output_chunk), threads);
+  } else {
+    std::printf(
+        "kvcalibrate %s: kvproxy-18m (sha256 %s), %zu conversations, "
+        "context %d, queries every %d from %d, %d threads\n",
+        KVCALIBRATE_VERSION, sha.c_str(), ids.size(), max_tokens,
+        absl::GetFlag(FLAGS_query_stride), absl::GetFlag(FLAGS_first_query),
+        threads);
+  }
   Transformer tf(model.get(), threads);
   ByteTokenizer bt;
   int64_t total_tokens = 0;
-  for (size_t i = 0; i < ids.size(); ++i) {
+  std::vector<calibrate::CalibrationResultEntry> entries;
+  int64_t measured = 0;
+  if (output) {
+    TRIAX_RETURN_IF_ERROR(
+        MeasureOutput(ids, *model, data, &entries, &total_tokens, &measured));
+  }
+  for (size_t i = 0; i < ids.size() && !output; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     TRIAX_ASSIGN_OR_RETURN(RenderedConversation conv,
                            data.Render(ids[i], max_tokens - 1));
@@ -164,18 +253,26 @@ absl::Status Run(const std::vector<std::string>& ids) {
   for (const std::string& id : calibrate::HeldOutIds()) {
     src.add_held_out_ids(id);
   }
-  src.set_metric(calibrate::MetricDescription(absl::GetFlag(FLAGS_query_stride),
-                                              absl::GetFlag(FLAGS_first_query),
-                                              opt.recent_turns));
+  if (output) {
+    src.set_metric(calibrate::OutputMetricDescription(
+        absl::GetFlag(FLAGS_output_chunk), opt.recent_turns));
+  } else {
+    src.set_metric(calibrate::MetricDescription(
+        absl::GetFlag(FLAGS_query_stride), absl::GetFlag(FLAGS_first_query),
+        opt.recent_turns));
+    entries = cal.Entries();
+    measured = cal.measured_queries();
+  }
   src.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
   TRIAX_ASSIGN_OR_RETURN(v1::CalibrationTable table,
-                         calibrate::BuildTable(meta, cal.Entries()));
+                         calibrate::BuildTable(meta, entries));
   const std::string md = calibrate::MarkdownTable(table);
   std::printf(
-      "\n%s\n%d entries from %lld tokens, %lld query positions; "
+      "\n%s\n%d entries from %lld tokens, %lld %s positions; "
       "%.1f s\n",
       md.c_str(), table.entries_size(), static_cast<long long>(total_tokens),
-      static_cast<long long>(cal.measured_queries()), Since(t_start));
+      static_cast<long long>(measured), output ? "predicted" : "query",
+      Since(t_start));
 
   const std::string out = absl::GetFlag(FLAGS_out);
   if (!out.empty()) {
@@ -210,8 +307,9 @@ absl::Status Run(const std::vector<std::string>& ids) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "kvcalibrate [--ids=a,b] [--out=table.txtpb] [--manager=host:port]: "
-      "per-tag KV quantization distortion of kvproxy-18m on BFCL");
+      "kvcalibrate [--metric=attention|output] [--ids=a,b] "
+      "[--out=table.txtpb] [--manager=host:port]: per-tag KV quantization "
+      "distortion of kvproxy-18m on BFCL");
   absl::ParseCommandLine(argc, argv);
   std::vector<std::string> ids =
       absl::StrSplit(absl::GetFlag(FLAGS_ids), ',', absl::SkipWhitespace());
@@ -219,6 +317,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcalibrate: %s\n", msg.c_str());
     return kBadFlags;
   };
+  const std::string metric = absl::GetFlag(FLAGS_metric);
+  if (metric != "attention" && metric != "output") {
+    return bad(
+        absl::StrCat("--metric \"", metric, "\" is not attention or output"));
+  }
+  if (absl::GetFlag(FLAGS_output_chunk) < 1 ||
+      absl::GetFlag(FLAGS_output_chunk) > 256) {
+    return bad(absl::StrCat("--output_chunk ",
+                            absl::GetFlag(FLAGS_output_chunk),
+                            " is outside 1..256"));
+  }
   if (absl::Status s = triax::calibrate::CheckCalibrationIds(ids); !s.ok()) {
     return bad(std::string(s.message()));
   }

@@ -1,0 +1,62 @@
+// kvcalibrate and calibration_validate refuse bad flags with exit code 2
+// and a message naming the flag and the value, before loading any data.
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/process.h"
+
+namespace triax::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Outcome {
+  int rc = -1;
+  std::string out, err;
+};
+
+Outcome RunBinary(const std::string& binary,
+                  const std::vector<std::string>& args) {
+  Outcome r;
+  auto dir = TempDir::Create("calibrate_flags");
+  EXPECT_TRUE(dir.ok()) << dir.status();
+  if (!dir.ok()) return r;
+  auto rc = RunToCompletion(binary, args, (*dir)->path(), &r.out, &r.err,
+                            absl::Seconds(30));
+  EXPECT_TRUE(rc.ok()) << rc.status();
+  if (rc.ok()) r.rc = *rc;
+  return r;
+}
+
+TEST(CalibrateFlagsTest, KvcalibrateRefusesUnknownMetricAndHeldOutIds) {
+  Outcome r = RunBinary("kvcalibrate", {"--metric=kl"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--metric \"kl\" is not attention or output"));
+  r = RunBinary("kvcalibrate", {"--metric=output", "--output_chunk=0"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--output_chunk 0 is outside 1..256"));
+  r = RunBinary("kvcalibrate", {"--metric=output",
+                                "--ids=multi_turn_base_1,multi_turn_base_3"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("\"multi_turn_base_3\" is held out"));
+}
+
+TEST(CalibrateFlagsTest, CalibrationValidateRefusesBadValues) {
+  Outcome r = RunBinary("calibration_validate", {"--validate=-1"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--validate -1 must be >= 0"));
+  r = RunBinary("calibration_validate", {"--threads=0"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--threads 0 is outside 1..64"));
+  r = RunBinary("calibration_validate", {"--tables="});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--tables is empty"));
+  r = RunBinary("calibration_validate", {"--chunk=300"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--chunk 300 is outside 1..256"));
+}
+
+}  // namespace
+}  // namespace triax::testing
