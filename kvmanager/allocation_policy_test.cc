@@ -319,6 +319,10 @@ TEST_F(AllocationTest, PutPolicyValidatesAllocationFields) {
          p->candidates[1].group_size = 32;
        },
        "policy.candidates[1] encoding int4 repeats policy.candidates[0]"},
+      {[](auto* p) { p->answer_weight = -0.5; },
+       "policy.answer_weight is -0.5; it must be finite and >= 0"},
+      {[nan](auto* p) { p->answer_weight = nan; },
+       "policy.answer_weight is nan"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     PolicyInfo p = AllocPolicy("alloc", 4);
@@ -339,6 +343,13 @@ TEST_F(AllocationTest, PutPolicyValidatesAllocationFields) {
   EXPECT_THAT(core_->PutPolicy({"", rules}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("policy.candidates has 1 entries but "
+                                 "policy.budget_bits is 0")));
+  // So does an answer weight.
+  rules.candidates.clear();
+  rules.answer_weight = 1;
+  EXPECT_THAT(core_->PutPolicy({"", rules}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("policy.answer_weight is 1 but "
                                  "policy.budget_bits is 0")));
   // Valid: no rules, no catch-all needed; the table may come later.
   PolicyInfo ok = AllocPolicy("alloc", 4.5);
@@ -415,6 +426,38 @@ TEST_F(AllocationTest, OpenChoosesWhatTheAllocatorChooses) {
   }
   EXPECT_EQ(seq7->blocks[1].encoding, Format::kINT2);  // user
   EXPECT_EQ(seq7->blocks[4].encoding, Format::kINT4);  // assistant
+}
+
+TEST_F(AllocationTest, AnswerWeightProtectsTheAnswerPositions) {
+  // The table of OpenChoosesWhatTheAllocatorChooses plus an answer-position
+  // distortion: INT2 user tokens hurt the answer positions (10 per token),
+  // nothing else does.
+  CalibrationTableInfo t = Table();
+  for (CalibrationEntryInfo& e : t.entries) {
+    if (e.tag.role == Role::kUser && e.encoding.format == Format::kINT2) {
+      e.distortion_answer = 10;
+    }
+  }
+  ASSERT_THAT(core_->PutCalibration({"", t}), IsOk());
+  // Budget 6.5, user 48 + assistant 64 current tokens (see above): all
+  // tokens only, user INT2 + assistant INT4 (48x8 + 64x1 = 448) beats user
+  // INT4 + assistant INT2 (48x1 + 64x8 = 560);
+  ASSERT_THAT(core_->PutPolicy({"", AllocPolicy("w0", 6.5)}), IsOk());
+  PolicyInfo weighted = AllocPolicy("w1", 6.5);
+  weighted.answer_weight = 1;
+  auto stored = core_->PutPolicy({"", weighted});
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_EQ(stored->answer_weight, 1);
+  auto plain = Open({S(Role::kUser, 64), S(Role::kAssistant, 64)}, "w0");
+  ASSERT_THAT(plain, IsOk());
+  EXPECT_EQ(plain->blocks[1].encoding, Format::kINT2);  // user
+  EXPECT_EQ(plain->blocks[7].encoding, Format::kINT4);  // assistant
+  // with answer_weight 1 the user's INT2 costs 48 x (8 + 10) = 864 more, so
+  // user INT4 + assistant INT2 (560) wins.
+  auto protect = Open({S(Role::kUser, 64), S(Role::kAssistant, 64)}, "w1");
+  ASSERT_THAT(protect, IsOk());
+  EXPECT_EQ(protect->blocks[1].encoding, Format::kINT4);
+  EXPECT_EQ(protect->blocks[7].encoding, Format::kINT2);
 }
 
 TEST_F(AllocationTest, PinsCandidatesAndFallbacks) {

@@ -525,4 +525,91 @@ absl::StatusOr<AllocOption> MakeAllocOption(const Encoding& encoding,
   return o;
 }
 
+absl::StatusOr<std::vector<int>> PreferDominatingUniform(
+    const AllocProblem& problem,
+    const std::array<std::vector<std::vector<double>>, 2>& metrics,
+    std::vector<int> choice) {
+  const size_t n = problem.groups.size();
+  if (choice.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "choice has ", choice.size(), " entries for ", n, " groups"));
+  }
+  for (int m = 0; m < 2; ++m) {
+    if (metrics[m].size() != n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "metrics[", m, "] has ", metrics[m].size(), " groups, want ", n));
+    }
+    for (size_t k = 0; k < n; ++k) {
+      if (metrics[m][k].size() != problem.groups[k].options.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("metrics[", m, "][", k, "] has ",
+                         metrics[m][k].size(), " options, want ",
+                         problem.groups[k].options.size()));
+      }
+    }
+  }
+  for (size_t k = 0; k < n; ++k) {
+    if (choice[k] < 0 ||
+        static_cast<size_t>(choice[k]) >= problem.groups[k].options.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("choice[", k, "] is ", choice[k], "; group ", k,
+                       " has ", problem.groups[k].options.size(), " options"));
+    }
+  }
+  auto totals = [&](const std::vector<int>& c) {
+    std::array<double, 3> t{};  // cost, metric 0, metric 1
+    for (size_t k = 0; k < n; ++k) {
+      const double tokens = static_cast<double>(problem.groups[k].tokens);
+      t[0] += tokens * problem.groups[k].options[c[k]].bits;
+      t[1] += tokens * metrics[0][k][c[k]];
+      t[2] += tokens * metrics[1][k][c[k]];
+    }
+    return t;
+  };
+  auto free_group = [&](size_t k) {
+    return !problem.groups[k].pinned && problem.groups[k].tokens > 0;
+  };
+  size_t first = n;
+  for (size_t k = 0; k < n && first == n; ++k) {
+    if (free_group(k)) first = k;
+  }
+  if (first == n) return choice;
+  const std::array<double, 3> have = totals(choice);
+  constexpr double kRel = 1e-9;
+  auto le = [&](double a, double b) { return a <= b + kRel * std::abs(b); };
+  auto lt = [&](double a, double b) { return a < b - kRel * std::abs(b); };
+  std::vector<int> best;
+  double best_metric = 0;
+  for (const AllocOption& candidate : problem.groups[first].options) {
+    std::vector<int> u = choice;
+    bool complete = true;
+    for (size_t k = 0; k < n && complete; ++k) {
+      if (problem.groups[k].pinned) {
+        u[k] = 0;
+        continue;
+      }
+      if (!free_group(k)) continue;
+      complete = false;
+      const auto& opts = problem.groups[k].options;
+      for (size_t i = 0; i < opts.size(); ++i) {
+        if (opts[i].encoding == candidate.encoding) {
+          u[k] = static_cast<int>(i);
+          complete = true;
+          break;
+        }
+      }
+    }
+    if (!complete) continue;
+    const std::array<double, 3> t = totals(u);
+    if (t[0] > have[0] * (1 + kBudgetRelTol)) continue;
+    if (!le(t[1], have[1]) || !le(t[2], have[2])) continue;
+    if (!lt(t[1], have[1]) && !lt(t[2], have[2])) continue;
+    if (best.empty() || t[1] < best_metric) {
+      best = std::move(u);
+      best_metric = t[1];
+    }
+  }
+  return best.empty() ? choice : best;
+}
+
 }  // namespace triax::manager

@@ -61,6 +61,7 @@
 // safe to call concurrently.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -153,5 +154,22 @@ absl::StatusOr<AllocOption> MakeAllocOption(const Encoding& encoding,
                                             const kernels::PageShape& shape,
                                             double distortion,
                                             int64_t tokens = 0);
+
+// The uniform check: an allocation that a uniform one beats on both
+// metrics is never kept. `metrics` holds two per-option metrics (e.g. the
+// calibration's all-token and answer-position distortion), each shaped like
+// the options: metrics[m][k][i] for option i of group k. A uniform
+// allocation puts every free group (not pinned, tokens > 0) at its option of
+// one encoding e (every free group must have one), pinned groups at
+// options[0], groups without tokens as in `choice`. Returns the uniform
+// allocation of cost <= choice's cost (within kBudgetRelTol) that is <=
+// choice on both metrics and < on at least one (relative 1e-9), the one
+// with the lowest first metric if several; else `choice` unchanged.
+// INVALID_ARGUMENT when the shapes of `metrics` or `choice` do not match
+// the problem.
+absl::StatusOr<std::vector<int>> PreferDominatingUniform(
+    const AllocProblem& problem,
+    const std::array<std::vector<std::vector<double>>, 2>& metrics,
+    std::vector<int> choice);
 
 }  // namespace triax::manager

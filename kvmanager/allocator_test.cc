@@ -567,5 +567,59 @@ TEST(AllocatorTest, OptionsUseEffectiveBits) {
   EXPECT_LT(bits(2), bits(3));
 }
 
+TEST(AllocatorTest, AUniformAllocationThatBeatsTheChoiceOnBothMetricsWins) {
+  // Two free groups with INT4 and INT2 options and a pinned BF16 sink. The
+  // per-option metrics: all-token m0 and answer-position m1.
+  auto opt = [](Format f, double bits) {
+    AllocOption o;
+    o.encoding = Encoding(f);
+    o.bits = bits;
+    return o;
+  };
+  AllocProblem p;
+  p.budget_bits = 8;
+  p.groups = {Group(16, {opt(Format::kBF16, 16)}, /*pinned=*/true),
+              Group(100, {opt(Format::kINT4, 4.5), opt(Format::kINT2, 2.5)}),
+              Group(50, {opt(Format::kINT2, 2.5), opt(Format::kINT4, 4.5)})};
+  std::array<std::vector<std::vector<double>>, 2> m;
+  m[0] = {{0}, {1, 6}, {6, 1}};  // INT4 better everywhere on all tokens
+  m[1] = {{0}, {2, 3}, {3, 2}};  // and on the answer positions
+  // A mixed choice (group 1 INT2, group 2 INT4): cost 100x2.5 + 50x4.5 =
+  // 475 plus the sink. Uniform INT4 costs 675 (more): kept.
+  auto kept = PreferDominatingUniform(p, m, {0, 1, 1});
+  ASSERT_THAT(kept, IsOk());
+  EXPECT_EQ(*kept, (std::vector<int>{0, 1, 1}));
+  // Uniform INT2 (cost 375) is worse on all tokens (100x6 + 50x6 = 900
+  // against 100x6 + 50x1 = 650): kept too.
+  // A choice of group 1 INT4, group 2 INT2 (cost 450 + 125 = 575; all-token
+  // 100 + 300 = 400, answer 200 + 150 = 350) against uniform INT4 (675):
+  // more bytes, so kept; with group 2 made cheaper at INT4 than at INT2,
+  // uniform INT4 costs no more and beats it on both metrics.
+  auto mixed = PreferDominatingUniform(p, m, {0, 0, 0});
+  ASSERT_THAT(mixed, IsOk());
+  EXPECT_EQ(*mixed, (std::vector<int>{0, 0, 0}));
+  p.groups[2].options[1].bits = 2.0;  // INT4 option of group 2: 2 bits
+  auto won = PreferDominatingUniform(p, m, {0, 0, 0});
+  ASSERT_THAT(won, IsOk());
+  EXPECT_EQ(*won, (std::vector<int>{0, 0, 1}));
+  // Equal on both metrics is not better.
+  m[0][2] = {1, 1};
+  m[1][2] = {2, 2};
+  auto tie = PreferDominatingUniform(p, m, {0, 0, 0});
+  ASSERT_THAT(tie, IsOk());
+  EXPECT_EQ(*tie, (std::vector<int>{0, 0, 0}));
+  // Bad shapes are INVALID_ARGUMENT naming what is wrong.
+  EXPECT_THAT(PreferDominatingUniform(p, m, {0, 0}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("choice has 2 entries for 3 groups")));
+  EXPECT_THAT(PreferDominatingUniform(p, m, {0, 0, 2}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("choice[2] is 2")));
+  m[1][1].pop_back();
+  EXPECT_THAT(PreferDominatingUniform(p, m, {0, 0, 0}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("metrics[1][1] has 1 options, want 2")));
+}
+
 }  // namespace
 }  // namespace triax::manager

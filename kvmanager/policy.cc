@@ -98,6 +98,7 @@ PolicyInfo Policy::Info() const {
   info.builtin = builtin;
   info.budget_bits = budget_bits;
   info.calibration_model = calibration_model;
+  info.answer_weight = answer_weight;
   for (const Encoding& e : candidates) info.candidates.push_back(SpecOf(e));
   info.rules.reserve(rules.size());
   for (const Rule& r : rules) {
@@ -176,6 +177,17 @@ absl::StatusOr<std::shared_ptr<const Policy>> BuildPolicy(
         " but policy.budget_bits is 0; set budget_bits > 0 for an allocation "
         "policy, or leave calibration_model empty"));
   }
+  if (!(std::isfinite(info.answer_weight) && info.answer_weight >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.answer_weight is ", info.answer_weight,
+                     "; it must be finite and >= 0"));
+  }
+  if (!allocation && info.answer_weight != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.answer_weight is ", info.answer_weight,
+        " but policy.budget_bits is 0; answer_weight needs an allocation "
+        "policy (budget_bits > 0)"));
+  }
   if (!allocation && !info.candidates.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.candidates has ", info.candidates.size(),
@@ -206,6 +218,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> BuildPolicy(
     }
     p->budget_bits = info.budget_bits;
     p->calibration_model = info.calibration_model;
+    p->answer_weight = info.answer_weight;
   }
   if (info.rules.empty() && !allocation) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -73,6 +73,7 @@ struct Policy {
   double budget_bits = 0;
   std::string calibration_model;
   std::vector<Encoding> candidates;  // canonical, distinct
+  double answer_weight = 0;          // finite, >= 0
 
   bool IsAllocation() const { return budget_bits > 0; }
   // Rule policies: the encoding of the first matching rule.

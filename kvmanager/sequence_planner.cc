@@ -1,6 +1,7 @@
 #include "kvmanager/sequence_planner.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <map>
 #include <tuple>
@@ -322,10 +323,14 @@ absl::StatusOr<TagAllocation> SequencePlanner::Allocate(
   AllocProblem problem;
   problem.budget_bits = policy.budget_bits;
   problem.groups.reserve(groups.size());
+  // Per option: the calibration's all-token and answer-position distortion
+  // (the objective weighs them by policy.answer_weight).
+  std::array<std::vector<std::vector<double>>, 2> metrics;
   for (const TagTokens& g : groups) {
     AllocGroup group;
     group.tag = g.tag;
     group.tokens = g.tokens;
+    std::vector<double> all, answer;
     if (!policy.IsPinned(g.tag)) {
       // The calibration tag to take options from (see the header).
       const Tag* source = nullptr;
@@ -345,21 +350,35 @@ absl::StatusOr<TagAllocation> SequencePlanner::Allocate(
           if (!(entry.tag == *source)) continue;
           TRIAX_ASSIGN_OR_RETURN(
               AllocOption o,
-              MakeAllocOption(table.encodings[i], shape, entry.distortion));
+              MakeAllocOption(
+                  table.encodings[i], shape,
+                  entry.distortion +
+                      policy.answer_weight * entry.distortion_answer));
           group.options.push_back(o);
+          all.push_back(entry.distortion);
+          answer.push_back(entry.distortion_answer);
         }
       }
     }
     if (group.options.empty()) {
       group.options.push_back(bf16);
       group.pinned = true;
+      all.assign(1, 0.0);
+      answer.assign(1, 0.0);
     }
     problem.groups.push_back(std::move(group));
+    metrics[0].push_back(std::move(all));
+    metrics[1].push_back(std::move(answer));
   }
   std::vector<int> choice;
   auto solved = Solve(problem);
   if (solved.ok()) {
-    choice = std::move(solved->choice);
+    // Never an allocation a uniform one of no more bits beats on both the
+    // all-token and the answer-position prediction (the exact solver's
+    // optimum never is; a greedy or node-limited one may be).
+    TRIAX_ASSIGN_OR_RETURN(
+        choice,
+        PreferDominatingUniform(problem, metrics, std::move(solved->choice)));
   } else if (solved.status().code() == absl::StatusCode::kResourceExhausted &&
              allow_infeasible) {
     *infeasible = true;

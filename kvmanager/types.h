@@ -131,6 +131,7 @@ struct PolicyInfo {
   double budget_bits = 0;
   std::string calibration_model;
   std::vector<EncodingSpec> candidates;  // wire: PolicyRule, tag ignored
+  double answer_weight = 0;
 };
 
 // triax.v1.CalibrationEntry: distortion per token of one tag at one encoding.
