@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/numeric.h"
 #include "kernels/ref/kv_ref.h"
 
@@ -176,24 +177,24 @@ std::vector<kernels::Encoding> DefaultEncodings() {
   return e;
 }
 
-absl::StatusOr<Calibrator> Calibrator::Create(
-    const frontend::ModelConfig& config, CalibratorOptions options) {
-  if (options.block_tokens < 1 || options.block_tokens > kMaxBlockTokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block_tokens ", options.block_tokens, " is outside 1..",
-                     kMaxBlockTokens));
+absl::Status ValidateCalibrationOptions(
+    const frontend::ModelConfig& config, int block_tokens, int threads,
+    const std::vector<kernels::Encoding>& encodings) {
+  if (block_tokens < 1 || block_tokens > kMaxBlockTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block_tokens ", block_tokens, " is outside 1..", kMaxBlockTokens));
   }
-  if (options.threads < 1 || options.threads > 64) {
+  if (threads < 1 || threads > 64) {
     return absl::InvalidArgumentError(
-        absl::StrCat("threads ", options.threads, " is outside 1..64"));
+        absl::StrCat("threads ", threads, " is outside 1..64"));
   }
-  if (options.encodings.empty()) {
+  if (encodings.empty()) {
     return absl::InvalidArgumentError("encodings is empty");
   }
-  const kernels::PageShape shape{options.block_tokens, config.n_kv_heads,
+  const kernels::PageShape shape{block_tokens, config.n_kv_heads,
                                  config.head_dim()};
-  for (size_t i = 0; i < options.encodings.size(); ++i) {
-    const kernels::Encoding& e = options.encodings[i];
+  for (size_t i = 0; i < encodings.size(); ++i) {
+    const kernels::Encoding& e = encodings[i];
     if (const char* why = kernels::ValidateEncoding(e, shape)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "encodings[", i, "] ", EncName(e), " is invalid for block_tokens ",
@@ -201,12 +202,19 @@ absl::StatusOr<Calibrator> Calibrator::Create(
           shape.head_dim, ": ", why));
     }
     for (size_t j = 0; j < i; ++j) {
-      if (options.encodings[j] == e) {
+      if (encodings[j] == e) {
         return absl::InvalidArgumentError(absl::StrCat(
             "encodings[", i, "] ", EncName(e), " repeats encodings[", j, "]"));
       }
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Calibrator> Calibrator::Create(
+    const frontend::ModelConfig& config, CalibratorOptions options) {
+  TRIAX_RETURN_IF_ERROR(ValidateCalibrationOptions(
+      config, options.block_tokens, options.threads, options.encodings));
   return Calibrator(config, std::move(options));
 }
 

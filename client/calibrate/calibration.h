@@ -128,6 +128,14 @@ struct CalibratorOptions {
   int threads = 1;                           // 1..64
 };
 
+// INVALID_ARGUMENT (naming the field and value) unless block_tokens is in
+// 1..4096, threads in 1..64, and `encodings` is non-empty, without
+// duplicates and valid for {block_tokens, n_kv_heads, head_dim}. Shared by
+// Calibrator and OutputCalibrator.
+absl::Status ValidateCalibrationOptions(
+    const frontend::ModelConfig& config, int block_tokens, int threads,
+    const std::vector<kernels::Encoding>& encodings);
+
 // The default candidates: bf16, fp8, int8, int4, int2, tq4, tq3, tq2,
 // k=int4/v=int2 and k=int8/v=int4 (INT groups 32, FP16 scales).
 std::vector<kernels::Encoding> DefaultEncodings();

@@ -470,39 +470,12 @@ EffectMeans MeanEffects(const OutputConversation& conv,
 
 absl::StatusOr<OutputCalibrator> OutputCalibrator::Create(
     const frontend::ModelConfig& config, OutputCalibratorOptions options) {
-  if (options.block_tokens < 1 || options.block_tokens > kMaxBlockTokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block_tokens ", options.block_tokens, " is outside 1..",
-                     kMaxBlockTokens));
-  }
   if (options.chunk < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk ", options.chunk, " must be >= 1"));
   }
-  if (options.threads < 1 || options.threads > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("threads ", options.threads, " is outside 1..64"));
-  }
-  if (options.encodings.empty()) {
-    return absl::InvalidArgumentError("encodings is empty");
-  }
-  const kernels::PageShape shape{options.block_tokens, config.n_kv_heads,
-                                 config.head_dim()};
-  for (size_t i = 0; i < options.encodings.size(); ++i) {
-    const kernels::Encoding& e = options.encodings[i];
-    if (const char* why = kernels::ValidateEncoding(e, shape)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "encodings[", i, "] ", EncName(e), " is invalid for block_tokens ",
-          shape.tokens, ", n_kv_heads ", shape.heads, ", head_dim ",
-          shape.head_dim, ": ", why));
-    }
-    for (size_t j = 0; j < i; ++j) {
-      if (options.encodings[j] == e) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "encodings[", i, "] ", EncName(e), " repeats encodings[", j, "]"));
-      }
-    }
-  }
+  TRIAX_RETURN_IF_ERROR(ValidateCalibrationOptions(
+      config, options.block_tokens, options.threads, options.encodings));
   return OutputCalibrator(config, std::move(options));
 }
 
