@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "client/calibrate/calibrate_test_util.h"
 #include "client/calibrate/sha256.h"
 #include "client/frontend/llama2c.h"
 #include "common/status_matchers.h"
@@ -28,42 +29,8 @@ constexpr Role kDelim = Role::kDelimiter, kSystem = Role::kSystem,
                kSchema = Role::kToolSchema, kUser = Role::kUser,
                kCall = Role::kToolCall, kResult = Role::kToolResult;
 
-// A conversation of `turns` turns laid out like the BFCL converter: turn 0
-// holds a system header, schema and the first exchange; later turns an
-// exchange each. Span lengths are given in bytes.
-RenderedConversation MakeConversation(int turns, int schema_bytes,
-                                      int exchange_bytes) {
-  RenderedConversation c;
-  c.id = "synthetic";
-  size_t pos = 0;
-  auto add = [&](RenderedTurn* t, Role r, size_t n) {
-    t->spans.push_back(RoleSpan{r, pos, n});
-    pos += n;
-  };
-  for (int t = 0; t < turns; ++t) {
-    RenderedTurn turn;
-    turn.begin = pos;
-    if (t == 0) {
-      add(&turn, Role::kDelimiter, 19);
-      add(&turn, Role::kSystem, 40);
-      add(&turn, Role::kToolSchema, schema_bytes);
-      add(&turn, Role::kDelimiter, 11);
-    }
-    add(&turn, Role::kDelimiter, 17);
-    add(&turn, Role::kUser, exchange_bytes);
-    add(&turn, Role::kDelimiter, 33);
-    add(&turn, Role::kToolCall, exchange_bytes / 2 + 3);
-    add(&turn, Role::kDelimiter, 29);
-    add(&turn, Role::kToolResult, 16);
-    add(&turn, Role::kDelimiter, 11);
-    turn.end = pos;
-    c.turns.push_back(turn);
-  }
-  c.text.assign(pos, 'x');
-  std::mt19937 rng(5);
-  for (char& ch : c.text) ch = static_cast<char>('a' + rng() % 26);
-  return c;
-}
+using testutil::MakeConversation;
+using testutil::SmallConfig;
 
 TEST(TemporalForTest, MirrorsManagerRules) {
   // kvmanager ManagerCore::TemporalFor with recent_turns 2.
@@ -172,18 +139,6 @@ TEST(Sha256Test, KnownAnswers) {
       "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
   EXPECT_THAT(Sha256File("/nonexistent/kvcalibrate").status(),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("cannot open")));
-}
-
-frontend::ModelConfig SmallConfig(int layers) {
-  frontend::ModelConfig c;
-  c.dim = 64;  // 4 heads x 16
-  c.hidden_dim = 96;
-  c.n_layers = layers;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.vocab_size = 260;
-  c.max_seq_len = 1024;
-  return c;
 }
 
 struct Captured {
