@@ -275,17 +275,18 @@ class ManagerCore {
       const std::string& worker_id, const Inventory& inventory,
       const std::string& incarnation = "");
   std::vector<WorkerInfo> ListWorkers() const;
-  // The device bytes planned onto a worker (0 when unknown), read before
-  // asking it for its inventory (RefreshWorkerRoom).
-  uint64_t ReservedOn(const std::string& worker_id) const;
+  // Every device byte ever planned onto a worker (WorkerRecord::
+  // planned_total; 0 when unknown), read before asking it for its inventory
+  // (RefreshWorkerRoom).
+  uint64_t PlannedOn(const std::string& worker_id) const;
   // Takes the frame fields of `inventory` (a GetInventory answer, asked for
   // after a reclaim stage changed the worker's pages) as the worker's room,
   // as a heartbeat would, without touching its liveness or anything else
-  // the heartbeat carries. `reserved_before` is ReservedOn from before the
+  // the heartbeat carries. `planned_before` is PlannedOn from before the
   // call: what was planned after it counts as not yet in the frames. No-op
   // for an unknown worker or one that is not UP.
   void RefreshWorkerRoom(const std::string& worker_id,
-                         const Inventory& inventory, uint64_t reserved_before);
+                         const Inventory& inventory, uint64_t planned_before);
   // Marks SUSPECT every UP worker without a heartbeat for more than
   // worker_timeout_ms (WORKER_SUSPECT; ids into *suspect when given), and
   // DOWN every SUSPECT one silent for more than worker_down_timeout_ms:

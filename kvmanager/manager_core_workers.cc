@@ -139,15 +139,15 @@ std::vector<WorkerInfo> ManagerCore::ListWorkers() const {
   return workers_.List();
 }
 
-uint64_t ManagerCore::ReservedOn(const std::string& worker_id) const {
+uint64_t ManagerCore::PlannedOn(const std::string& worker_id) const {
   absl::MutexLock lock(&mu_);
   const WorkerRecord* w = workers_.Find(worker_id);
-  return w != nullptr ? w->reserved : 0;
+  return w != nullptr ? w->planned_total : 0;
 }
 
 void ManagerCore::RefreshWorkerRoom(const std::string& worker_id,
                                     const Inventory& inventory,
-                                    uint64_t reserved_before) {
+                                    uint64_t planned_before) {
   absl::MutexLock lock(&mu_);
   WorkerRecord* w = workers_.Find(worker_id);
   if (w == nullptr || w->info.state != WorkerState::kUp) return;
@@ -162,7 +162,7 @@ void ManagerCore::RefreshWorkerRoom(const std::string& worker_id,
   have.pools = inventory.pools;
   // Planned while the call ran may or may not be in the answer: count it
   // as not (the next admission then under- rather than over-counts room).
-  w->reserved_at_heartbeat = std::min(reserved_before, w->reserved);
+  w->planned_at_report = std::min(planned_before, w->planned_total);
 }
 
 std::vector<std::string> ManagerCore::CheckWorkers(

@@ -339,24 +339,27 @@ TierPlanOutcome ManagerService::RunReclaimStage(const TierPlan& plan) {
   for (const TierCommand& c : plan.commands) {
     workers.emplace(c.worker_id, c.worker_address);
   }
-  for (const auto& [id, address] : workers) {
-    const uint64_t reserved_before = core_->ReservedOn(id);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(worker_rpc_timeout_ms_));
-    v1::Inventory inv;
-    const grpc::Status st = WorkerStub(address)->GetInventory(
-        &ctx, v1::GetInventoryRequest{}, &inv);
-    if (!st.ok()) {
-      // The next heartbeat brings the room; admission counts the old one.
-      Log(LogLevel::kWarn, "manager", "inventory after reclaim failed",
-          absl::StrCat(Kv("worker_id", id), " ",
-                       Kv("error", FromGrpcStatus(st).ToString())));
-      continue;
-    }
-    core_->RefreshWorkerRoom(id, FromProto(inv), reserved_before);
-  }
+  for (const auto& [id, address] : workers) RefreshRoom(id, address);
   return outcome;
+}
+
+void ManagerService::RefreshRoom(const std::string& worker_id,
+                                 const std::string& address) {
+  const uint64_t planned_before = core_->PlannedOn(worker_id);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(worker_rpc_timeout_ms_));
+  v1::Inventory inv;
+  const grpc::Status st =
+      WorkerStub(address)->GetInventory(&ctx, v1::GetInventoryRequest{}, &inv);
+  if (!st.ok()) {
+    // The next heartbeat brings the room; admission counts the old one.
+    Log(LogLevel::kWarn, "manager", "inventory for room failed",
+        absl::StrCat(Kv("worker_id", worker_id), " ",
+                     Kv("error", FromGrpcStatus(st).ToString())));
+    return;
+  }
+  core_->RefreshWorkerRoom(worker_id, FromProto(inv), planned_before);
 }
 
 absl::Time ManagerService::ReclaimDeadline(
@@ -584,8 +587,22 @@ absl::StatusOr<T> ManagerService::AdmitAfterReclaim(
     const std::function<absl::StatusOr<T>(AdmissionShortfall*)>& retry,
     ReclaimReport* report) {
   absl::StatusOr<T> again = refused;
+  // The room the refusal counted is the worker's last report less all that
+  // was planned since; what was freed since is not in it. Ask the worker
+  // first: the request may fit its real room without taking anything.
+  if (!shortfall.worker_id.empty()) {
+    for (const WorkerInfo& w : core_->ListWorkers()) {
+      if (w.worker_id != shortfall.worker_id) continue;
+      if (w.inventory.frame_bytes > 0) RefreshRoom(w.worker_id, w.address);
+    }
+    AdmissionShortfall fresh;
+    again = retry(&fresh);
+    if (again.ok() || fresh.request_bytes == 0) return again;
+    shortfall = std::move(fresh);
+  }
+  const absl::Status still = again.status();
   const absl::Status st = ReclaimRound(
-      core_, refused, &shortfall, deadline,
+      core_, still, &shortfall, deadline,
       [this](const TierPlan& plan) { return RunReclaimStage(plan); },
       [&](AdmissionShortfall* sf) {
         again = retry(sf);

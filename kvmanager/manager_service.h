@@ -177,10 +177,11 @@ class ManagerService final : public v1::Manager::CallbackService {
   absl::Status RestoreWithReclaim(const std::string& sequence_id,
                                   absl::Time deadline, uint32_t* blocks,
                                   ReclaimReport* report);
-  // One ReclaimRound for a refused admission: reclaims for `shortfall` and
-  // calls `retry` (which refills it) after each stage, until it is admitted,
-  // fails otherwise, nothing is left to take or `deadline`. Runs on the
-  // executor.
+  // One ReclaimRound for a refused admission: asks the shortfall's worker
+  // for its room first (RefreshRoom) and retries; then reclaims for
+  // `shortfall` and calls `retry` (which refills it) after each stage, until it
+  // is admitted, fails otherwise, nothing is left to take or `deadline`. Runs
+  // on the executor.
   template <typename T>
   absl::StatusOr<T> AdmitAfterReclaim(
       const absl::Status& refused, AdmissionShortfall shortfall,
@@ -193,6 +194,10 @@ class ManagerService final : public v1::Manager::CallbackService {
                     v1::ExtendSequenceResponse* resp,
                     absl::StatusOr<ExtendSequenceResult> r);
   std::shared_ptr<v1::Worker::Stub> WorkerStub(const std::string& address);
+  // Asks the worker for its inventory (deadline worker_rpc_timeout_ms) and
+  // takes its frames as the worker's room (ManagerCore::RefreshWorkerRoom);
+  // on error logs and keeps the old room. Blocking: runs on the executor.
+  void RefreshRoom(const std::string& worker_id, const std::string& address);
   // Runs the worker's Demote for `prepared` through the async stub (deadline
   // worker_rpc_timeout_ms; counted in in_flight_); `done` runs on the
   // completion callback with OK or the worker's error prefixed

@@ -53,9 +53,19 @@ struct TenantRecord {
 struct WorkerRecord {
   WorkerInfo info;        // reserved_bytes and sequences are kept below
   uint64_t reserved = 0;  // device pool bytes planned onto it
-  // `reserved` when the last heartbeat (or the registration) came: what was
-  // planned since is not in that heartbeat's free frames yet.
-  uint64_t reserved_at_heartbeat = 0;
+  // Every device byte ever planned onto the worker: new blocks, restores,
+  // growth and the new pages of finished demotions. Frees never lower it:
+  // freed pages become room only when the worker reports its frames (its
+  // pools may not be able to give them back as whole frames).
+  uint64_t planned_total = 0;
+  // planned_total when the last heartbeat, registration or inventory answer
+  // came: what was planned since is not in that report's free frames yet.
+  uint64_t planned_at_report = 0;
+  // Puts `bytes` of new pages onto the device pool (reserved and planned).
+  void Reserve(uint64_t bytes) {
+    reserved += bytes;
+    planned_total += bytes;
+  }
   // Device bytes of the new pages of pressure demotions in flight: the
   // worker holds them beside the old pages until the demotion finishes, so
   // they are not in its free frames meanwhile.

@@ -152,7 +152,7 @@ absl::StatusOr<DemotePrepared> PendingDemotes::Prepare(
     TRIAX_RETURN_IF_ERROR(
         WorkerRegistry::Fits(*s->worker, static_cast<uint64_t>(delta)));
     s->tenant->used[static_cast<int>(Tier::kDevice)] += delta;
-    s->worker->reserved += delta;
+    s->worker->Reserve(static_cast<uint64_t>(delta));
     pending->reserved = static_cast<uint64_t>(delta);
   }
   const uint64_t token = (*next_token_)++;

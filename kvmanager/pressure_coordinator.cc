@@ -573,9 +573,11 @@ TierPlan PressureCoordinator::PlanRestore(const std::vector<BlockRecord*>& want,
     // Fits counts what was planned since the heartbeat as taken; this
     // plan's own blocks are in `demand` instead.
     w->reserved -= o.bytes;
+    w->planned_total -= o.bytes;
     const bool frames_fit =
         WorkerRegistry::Fits(*w, o.bytes + b->bytes, demand).ok();
     w->reserved += o.bytes;
+    w->planned_total += o.bytes;
     if (w->reserved + b->bytes > limit || !frames_fit ||
         (t->budgets[dev] &&
          t->used[dev] + b->bytes > t->budgets[dev]->ceiling_bytes)) {
@@ -608,7 +610,7 @@ TierPlan PressureCoordinator::PlanRestore(const std::vector<BlockRecord*>& want,
     item.from = b->tier;
     item.to = Tier::kDevice;
     item.reserved = b->bytes;
-    w->reserved += b->bytes;
+    w->Reserve(b->bytes);
     t->used[dev] += b->bytes;
     b->busy = token;
     plan.bytes += b->bytes;
@@ -681,6 +683,9 @@ absl::Status PressureCoordinator::FinishTierPlan(
           const uint64_t freed = old_bytes - std::min(old_bytes, b->bytes);
           b->charged->used[from] -= freed;
           b->worker->reserved -= freed;
+          // The new pages left `transient` above; they are in the worker's
+          // frames now but not in a report yet.
+          if (b->tier == Tier::kDevice) b->worker->planned_total += b->bytes;
           if (s != nullptr) s->bytes -= freed;
           e = MakeEvent(*clock_, EventKind::kBlockDemoted, s, b);
           e.detail = absl::StrCat("from=", EncodingString(old),
@@ -778,7 +783,7 @@ void PressureCoordinator::ApplyWorkerRestores(WorkerRecord* w,
     w->tier_used[from] -= b->bytes;
     b->tier = Tier::kDevice;
     b->charged->used[static_cast<int>(Tier::kDevice)] += b->bytes;
-    w->reserved += b->bytes;
+    w->Reserve(b->bytes);
     SequenceRecord* s = SequenceTable::Owner(*b);
     if (s != nullptr) {
       s->bytes += b->bytes;

@@ -149,7 +149,7 @@ BlockRecord* SequenceTable::NewBlock(SequenceRecord* s, uint64_t first_token,
   s->blocks.push_back(b);
   s->bytes += bytes;
   s->tenant->used[static_cast<int>(Tier::kDevice)] += bytes;
-  s->worker->reserved += bytes;
+  s->worker->Reserve(bytes);
   blocks_.emplace(b->lineage_id, std::move(block));
   return b;
 }
@@ -168,7 +168,7 @@ BlockRecord* SequenceTable::RestoreBlock(SequenceRecord* s,
     const int tier = static_cast<int>(b->tier);
     s->tenant->used[tier] += b->bytes;
     if (b->tier == Tier::kDevice) {
-      s->worker->reserved += b->bytes;
+      s->worker->Reserve(b->bytes);
     } else {
       s->worker->tier_used[tier] += b->bytes;
     }

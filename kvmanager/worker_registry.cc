@@ -88,7 +88,7 @@ WorkerRecord* WorkerRegistry::Register(const RegisterWorkerRequest& req,
   w->info.inventory.restored_lineage_ids.clear();
   w->info.incarnation = req.incarnation;
   w->incarnation = req.incarnation;
-  w->reserved_at_heartbeat = w->reserved;
+  w->planned_at_report = w->planned_total;
   return w;
 }
 
@@ -120,7 +120,7 @@ absl::StatusOr<WorkerRecord*> WorkerRegistry::Heartbeat(
   w->info.state = WorkerState::kUp;
   w->info.last_heartbeat_unix_ms = now_ms;
   w->info.inventory = inventory;
-  w->reserved_at_heartbeat = w->reserved;
+  w->planned_at_report = w->planned_total;
   return w;
 }
 
@@ -170,9 +170,7 @@ int64_t WorkerRegistry::FrameRoomBytes(const WorkerRecord& w) {
 }
 
 uint64_t WorkerRegistry::PlannedSinceHeartbeat(const WorkerRecord& w) {
-  return w.reserved > w.reserved_at_heartbeat
-             ? w.reserved - w.reserved_at_heartbeat
-             : 0;
+  return w.planned_total - std::min(w.planned_total, w.planned_at_report);
 }
 
 uint64_t WorkerRegistry::RoomBytes(const WorkerRecord& w) {

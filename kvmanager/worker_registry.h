@@ -21,7 +21,9 @@
 // the pools' free slots cannot take need no more frames (ceil(pages /
 // pages_per_frame) per encoding, frame tails counted) than are free, less
 // the bytes the manager planned onto the worker since that heartbeat
-// (reserved - reserved_at_heartbeat, taken from the free frames), and its
+// (WorkerRecord::planned_total - planned_at_report, taken from the free
+// frames; bytes freed since do not offset them, as the worker may not be
+// able to return them as whole frames until it reports), and its
 // bytes fit capacity - reserved. An admission that fails on frames asks the
 // pressure coordinator for the missing frame bytes (AdmissionBytes). Before a
 // worker reports frames (frame_bytes 0) only the byte count applies.
@@ -118,7 +120,8 @@ class WorkerRegistry {
   // since and the new pages of demotions in flight (WorkerRecord::
   // transient) (0 at least); -1 while the worker reported no frames.
   static int64_t FrameRoomBytes(const WorkerRecord& w);
-  // reserved - reserved_at_heartbeat, 0 when it went down.
+  // Bytes planned onto `w` since its last report (planned_total -
+  // planned_at_report).
   static uint64_t PlannedSinceHeartbeat(const WorkerRecord& w);
   // FreeBytes, capped by FrameRoomBytes plus the pools' compacted free
   // slots when the worker reports frames.
