@@ -41,6 +41,19 @@ TEST(CalibrateFlagsTest, KvcalibrateRefusesUnknownMetricAndHeldOutIds) {
                                 "--ids=multi_turn_base_1,multi_turn_base_3"});
   EXPECT_EQ(r.rc, 2) << r.err;
   EXPECT_THAT(r.err, HasSubstr("\"multi_turn_base_3\" is held out"));
+  // Sums files belong to the output metric only.
+  r = RunBinary("kvcalibrate", {"--sums_out=x.sums"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err,
+              HasSubstr("--sums_out and --merge_sums need --metric=output"));
+  r = RunBinary("kvcalibrate", {"--merge_sums=a.sums", "--ids="});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err,
+              HasSubstr("--sums_out and --merge_sums need --metric=output"));
+  // Without --merge_sums an empty --ids is refused as before.
+  r = RunBinary("kvcalibrate", {"--metric=output", "--ids="});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--ids is empty"));
 }
 
 TEST(CalibrateFlagsTest, CalibrationValidateRefusesBadValues) {

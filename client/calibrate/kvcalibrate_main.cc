@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,12 @@ ABSL_FLAG(std::string, metric, "attention",
 ABSL_FLAG(int, output_chunk, 64,
           "--metric=output: prefill chunk per turn in tokens (1..256), as "
           "policy_bench feeds the service");
+ABSL_FLAG(std::string, sums_out, "",
+          "--metric=output: write the accumulated sums here after every "
+          "conversation (OutputCalibrator::SaveSums), to merge later");
+ABSL_FLAG(std::string, merge_sums, "",
+          "--metric=output: comma-separated sums files of earlier runs to add "
+          "before measuring --ids (which may then be empty: --ids=)");
 ABSL_FLAG(int, query_stride, 8,
           "--metric=attention: measure every N-th query position");
 ABSL_FLAG(int, first_query, 64,
@@ -111,7 +118,8 @@ absl::Status MeasureOutput(
     const std::vector<std::string>& ids, const Model& model,
     const BfclData& data,
     std::vector<calibrate::CalibrationResultEntry>* entries,
-    int64_t* total_tokens, int64_t* positions) {
+    int64_t* total_tokens, int64_t* positions,
+    std::vector<std::string>* measured_ids) {
   const ModelConfig& cfg = model.config;
   calibrate::OutputCalibratorOptions opt;
   opt.block_tokens = 16;
@@ -121,6 +129,41 @@ absl::Status MeasureOutput(
   opt.threads = absl::GetFlag(FLAGS_threads);
   TRIAX_ASSIGN_OR_RETURN(calibrate::OutputCalibrator cal,
                          calibrate::OutputCalibrator::Create(cfg, opt));
+  for (absl::string_view path : absl::StrSplit(absl::GetFlag(FLAGS_merge_sums),
+                                               ',', absl::SkipWhitespace())) {
+    std::ifstream in{std::string(path)};
+    if (!in) {
+      return absl::NotFoundError(
+          absl::StrCat("--merge_sums: cannot open \"", path, "\""));
+    }
+    std::stringstream text;
+    text << in.rdbuf();
+    TRIAX_RETURN_IF_ERROR(cal.AddSums(text.str(), path));
+    std::printf("merged %s: %zu conversations so far\n",
+                std::string(path).c_str(), cal.conversation_ids().size());
+  }
+  if (!cal.conversation_ids().empty()) {
+    // Sums files are input too: no held-out conversation may hide in them.
+    TRIAX_RETURN_IF_ERROR(
+        calibrate::CheckCalibrationIds(cal.conversation_ids()));
+  }
+  const std::string sums_out = absl::GetFlag(FLAGS_sums_out);
+  auto save_sums = [&]() -> absl::Status {
+    if (sums_out.empty()) return absl::OkStatus();
+    const std::string tmp = sums_out + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << cal.SaveSums();
+      if (!out.flush()) {
+        return absl::InternalError(absl::StrCat("cannot write \"", tmp, "\""));
+      }
+    }
+    if (std::rename(tmp.c_str(), sums_out.c_str()) != 0) {
+      return absl::InternalError(
+          absl::StrCat("cannot rename \"", tmp, "\" to \"", sums_out, "\""));
+    }
+    return absl::OkStatus();
+  };
   ByteTokenizer bt;
   for (size_t i = 0; i < ids.size(); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -154,13 +197,20 @@ absl::Status MeasureOutput(
                       kernels::EncodingName(e, buf, sizeof(buf)), seconds);
           std::fflush(stdout);
         }));
-    *total_tokens += static_cast<int64_t>(oc.tokens.size());
+    TRIAX_RETURN_IF_ERROR(save_sums());
     std::printf("[%zu/%zu] %s done in %.1f s\n", i + 1, ids.size(),
                 ids[i].c_str(), Since(t0));
     std::fflush(stdout);
   }
+  TRIAX_RETURN_IF_ERROR(save_sums());
+  if (cal.conversation_ids().empty()) {
+    return absl::InvalidArgumentError(
+        "nothing to calibrate: --ids is empty and --merge_sums added none");
+  }
   *entries = cal.Entries();
   *positions = cal.positions();
+  *total_tokens = cal.tokens();
+  *measured_ids = cal.conversation_ids();
   return absl::OkStatus();
 }
 
@@ -201,9 +251,11 @@ absl::Status Run(const std::vector<std::string>& ids) {
   int64_t total_tokens = 0;
   std::vector<calibrate::CalibrationResultEntry> entries;
   int64_t measured = 0;
+  std::vector<std::string> calibration_ids = ids;
   if (output) {
-    TRIAX_RETURN_IF_ERROR(
-        MeasureOutput(ids, *model, data, &entries, &total_tokens, &measured));
+    TRIAX_RETURN_IF_ERROR(MeasureOutput(ids, *model, data, &entries,
+                                        &total_tokens, &measured,
+                                        &calibration_ids));
   }
   for (size_t i = 0; i < ids.size() && !output; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -249,7 +301,7 @@ absl::Status Run(const std::vector<std::string>& ids) {
       "BFCL v4 multi_turn_base (", data_dir,
       "/bfcl), rendered as ChatML like kvproxy-18m's training, truncated to ",
       max_tokens, " tokens with BOS"));
-  for (const std::string& id : ids) src.add_calibration_ids(id);
+  for (const std::string& id : calibration_ids) src.add_calibration_ids(id);
   for (const std::string& id : calibrate::HeldOutIds()) {
     src.add_held_out_ids(id);
   }
@@ -328,8 +380,15 @@ int main(int argc, char** argv) {
                             absl::GetFlag(FLAGS_output_chunk),
                             " is outside 1..256"));
   }
-  if (absl::Status s = triax::calibrate::CheckCalibrationIds(ids); !s.ok()) {
-    return bad(std::string(s.message()));
+  const bool merging = !absl::GetFlag(FLAGS_merge_sums).empty();
+  if (metric != "output" &&
+      (merging || !absl::GetFlag(FLAGS_sums_out).empty())) {
+    return bad("--sums_out and --merge_sums need --metric=output");
+  }
+  if (!(merging && ids.empty())) {
+    if (absl::Status s = triax::calibrate::CheckCalibrationIds(ids); !s.ok()) {
+      return bad(std::string(s.message()));
+    }
   }
   const int max_tokens = absl::GetFlag(FLAGS_max_tokens);
   if (max_tokens < 2 || max_tokens > 2048) {

@@ -8,7 +8,10 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "kernels/numeric.h"
 #include "kernels/ref/kv_ref.h"
@@ -482,6 +485,10 @@ absl::StatusOr<OutputCalibrator> OutputCalibrator::Create(
 absl::Status OutputCalibrator::AddConversation(const frontend::Model& model,
                                                const OutputConversation& conv,
                                                const PassProgress& progress) {
+  if (std::find(ids_.begin(), ids_.end(), conv.id) != ids_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("conversation \"", conv.id, "\" is measured already"));
+  }
   if (conv.block_tokens != options_.block_tokens ||
       conv.recent_turns != options_.recent_turns) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -618,6 +625,172 @@ absl::Status OutputCalibrator::AddConversation(const frontend::Model& model,
     acc.dnll_answer[job.enc] += job.dnll_answer;
   }
   positions_ += conv.positions();
+  ids_.push_back(conv.id);
+  conv_tokens_.push_back(static_cast<int64_t>(conv.tokens.size()));
+  tokens_ += conv_tokens_.back();
+  return absl::OkStatus();
+}
+
+std::string OutputCalibrator::SaveSums() const {
+  std::string out = "kvcalibrate-output-sums 1\n";
+  absl::StrAppend(&out, "options ", options_.block_tokens, " ",
+                  options_.recent_turns, " ", options_.chunk, "\nencodings");
+  for (const kernels::Encoding& e : options_.encodings) {
+    absl::StrAppend(&out, " ", EncName(e));
+  }
+  absl::StrAppend(&out, "\npositions ", positions_, "\n");
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    absl::StrAppend(&out, "conversation ", ids_[i], " ", conv_tokens_[i], "\n");
+  }
+  for (const auto& [tag, acc] : acc_) {
+    absl::StrAppend(&out, "tag ", static_cast<int>(tag.temporal), " ",
+                    static_cast<int>(tag.modality), " ",
+                    static_cast<int>(tag.role), " ",
+                    absl::StrFormat("%.17g %.17g", acc.share, acc.share_answer),
+                    " ", acc.tokens, " ", acc.queries);
+    for (const std::vector<double>* v :
+         {&acc.kl, &acc.kl_answer, &acc.dnll, &acc.dnll_answer}) {
+      for (size_t e = 0; e < options_.encodings.size(); ++e) {
+        absl::StrAppend(&out,
+                        absl::StrFormat(" %.17g", v->empty() ? 0.0 : (*v)[e]));
+      }
+    }
+    absl::StrAppend(&out, "\n");
+  }
+  return out;
+}
+
+absl::Status OutputCalibrator::AddSums(absl::string_view text,
+                                       absl::string_view name) {
+  const size_t E = options_.encodings.size();
+  std::map<Tag, TagAcc> add;
+  std::vector<std::string> ids;
+  std::vector<int64_t> conv_tokens;
+  int64_t positions = -1;
+  bool header = false, have_options = false, have_encodings = false;
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    if (line.empty()) continue;
+    auto bad = [&](const std::string& what) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ":", line_no, ": ", what));
+    };
+    const std::vector<absl::string_view> f =
+        absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (!header) {
+      if (line != "kvcalibrate-output-sums 1") {
+        return bad("not a kvcalibrate-output-sums 1 file");
+      }
+      header = true;
+      continue;
+    }
+    if (f[0] == "options") {
+      int bt = 0, chunk = 0;
+      uint32_t recent = 0;
+      if (f.size() != 4 || !absl::SimpleAtoi(f[1], &bt) ||
+          !absl::SimpleAtoi(f[2], &recent) || !absl::SimpleAtoi(f[3], &chunk)) {
+        return bad("options needs block_tokens, recent_turns and chunk");
+      }
+      if (bt != options_.block_tokens || recent != options_.recent_turns ||
+          chunk != options_.chunk) {
+        return bad(absl::StrCat("options ", bt, " ", recent, " ", chunk,
+                                " differ from this run's ",
+                                options_.block_tokens, " ",
+                                options_.recent_turns, " ", options_.chunk));
+      }
+      have_options = true;
+    } else if (f[0] == "encodings") {
+      bool same = f.size() == E + 1;
+      for (size_t e = 0; same && e < E; ++e) {
+        same = f[e + 1] == EncName(options_.encodings[e]);
+      }
+      if (!same) return bad("encodings differ from this run's");
+      have_encodings = true;
+    } else if (f[0] == "positions") {
+      if (f.size() != 2 || !absl::SimpleAtoi(f[1], &positions) ||
+          positions < 0) {
+        return bad("positions needs a count >= 0");
+      }
+    } else if (f[0] == "conversation") {
+      int64_t n = 0;
+      if (f.size() != 3 || !absl::SimpleAtoi(f[2], &n) || n < 0) {
+        return bad("conversation needs an id and its tokens");
+      }
+      const std::string id(f[1]);
+      if (std::find(ids_.begin(), ids_.end(), id) != ids_.end() ||
+          std::find(ids.begin(), ids.end(), id) != ids.end()) {
+        return bad(
+            absl::StrCat("conversation \"", id, "\" is measured already"));
+      }
+      ids.push_back(id);
+      conv_tokens.push_back(n);
+    } else if (f[0] == "tag") {
+      int temporal = 0, modality = 0, role = 0;
+      TagAcc acc;
+      if (f.size() != 8 + 4 * E || !absl::SimpleAtoi(f[1], &temporal) ||
+          !absl::SimpleAtoi(f[2], &modality) ||
+          !absl::SimpleAtoi(f[3], &role) ||
+          !absl::SimpleAtod(f[4], &acc.share) ||
+          !absl::SimpleAtod(f[5], &acc.share_answer) ||
+          !absl::SimpleAtoi(f[6], &acc.tokens) ||
+          !absl::SimpleAtoi(f[7], &acc.queries)) {
+        return bad(
+            absl::StrCat("tag needs temporal, modality, role, share, "
+                         "share_answer, tokens, queries and ",
+                         4 * E, " sums"));
+      }
+      const Tag tag{static_cast<Temporal>(temporal),
+                    static_cast<Modality>(modality), static_cast<Role>(role)};
+      if (!IsValid(tag.temporal) || !IsValid(tag.modality) ||
+          !IsValid(tag.role) || add.count(tag)) {
+        return bad("tag is invalid or repeated");
+      }
+      size_t k = 8;
+      for (std::vector<double>* v :
+           {&acc.kl, &acc.kl_answer, &acc.dnll, &acc.dnll_answer}) {
+        v->assign(E, 0.0);
+        for (size_t e = 0; e < E; ++e, ++k) {
+          if (!absl::SimpleAtod(f[k], &(*v)[e]) || !std::isfinite((*v)[e])) {
+            return bad(absl::StrCat("field ", k + 1, " is not a number"));
+          }
+        }
+      }
+      add.emplace(tag, std::move(acc));
+    } else {
+      return bad(absl::StrCat("unknown line \"", f[0], "\""));
+    }
+  }
+  if (!header || !have_options || !have_encodings || positions < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name,
+                     ": incomplete (needs the header, options, encodings and "
+                     "positions lines)"));
+  }
+  for (auto& [tag, a] : add) {
+    TagAcc& acc = acc_[tag];
+    if (acc.kl.empty()) {
+      acc.kl.assign(E, 0.0);
+      acc.kl_answer.assign(E, 0.0);
+      acc.dnll.assign(E, 0.0);
+      acc.dnll_answer.assign(E, 0.0);
+    }
+    acc.share += a.share;
+    acc.share_answer += a.share_answer;
+    acc.tokens += a.tokens;
+    acc.queries += a.queries;
+    for (size_t e = 0; e < E; ++e) {
+      acc.kl[e] += a.kl[e];
+      acc.kl_answer[e] += a.kl_answer[e];
+      acc.dnll[e] += a.dnll[e];
+      acc.dnll_answer[e] += a.dnll_answer[e];
+    }
+  }
+  positions_ += positions;
+  ids_.insert(ids_.end(), ids.begin(), ids.end());
+  for (int64_t n : conv_tokens) tokens_ += n;
+  conv_tokens_.insert(conv_tokens_.end(), conv_tokens.begin(),
+                      conv_tokens.end());
   return absl::OkStatus();
 }
 

@@ -48,6 +48,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "client/calibrate/calibration.h"
 #include "client/frontend/bfcl.h"
 #include "client/frontend/forward.h"
@@ -205,7 +206,8 @@ class OutputCalibrator {
       const frontend::ModelConfig& config, OutputCalibratorOptions options);
 
   // The reference pass and one pass per (tag present, non-BF16 encoding).
-  // `conv` must be planned with the same block_tokens, recent_turns, chunk.
+  // `conv` must be planned with the same block_tokens, recent_turns, chunk,
+  // and not measured already (INVALID_ARGUMENT naming its id).
   absl::Status AddConversation(const frontend::Model& model,
                                const OutputConversation& conv,
                                const PassProgress& progress = nullptr);
@@ -215,6 +217,28 @@ class OutputCalibrator {
   // conversations (each counted once); queries = positions with share > 0.
   std::vector<CalibrationResultEntry> Entries() const;
   int64_t positions() const { return positions_; }
+  // Conversations measured (AddConversation or AddSums), in order, and
+  // their tokens.
+  const std::vector<std::string>& conversation_ids() const { return ids_; }
+  int64_t tokens() const { return tokens_; }
+
+  // The accumulated sums as text, so that conversations measured by
+  // separate runs (e.g. one per device call) merge into one table:
+  //   kvcalibrate-output-sums 1
+  //   options <block_tokens> <recent_turns> <chunk>
+  //   encodings <name> ...            (kernels::EncodingName, option order)
+  //   positions <n>
+  //   conversation <id> <tokens>      (one per conversation)
+  //   tag <temporal> <modality> <role> <share> <share_answer> <tokens>
+  //       <queries> then per encoding kl, then kl_answer, dnll, dnll_answer
+  // (one line per tag; enums as their proto numbers, doubles with 17
+  // significant digits, so a merge reproduces a single run's table).
+  std::string SaveSums() const;
+  // Adds sums written by SaveSums. INVALID_ARGUMENT naming `name` and the
+  // line for a malformed line, other options or encodings than this
+  // calibrator's, or a conversation already measured; nothing is added
+  // then.
+  absl::Status AddSums(absl::string_view text, absl::string_view name);
   const OutputCalibratorOptions& options() const { return options_; }
 
  private:
@@ -232,6 +256,9 @@ class OutputCalibrator {
   OutputCalibratorOptions options_;
   std::map<Tag, TagAcc> acc_;
   int64_t positions_ = 0;
+  std::vector<std::string> ids_;
+  std::vector<int64_t> conv_tokens_;  // per entry of ids_
+  int64_t tokens_ = 0;
 };
 
 // Means of `effects` over the conversation's positions (all and answer).

@@ -354,5 +354,92 @@ TEST(OutputCalibratorTest, EntriesAreZeroForBf16AndOrderedByBits) {
                        HasSubstr("chunk of 64 tokens")));
 }
 
+TEST(OutputCalibratorTest, SumsOfSeparateRunsMergeIntoTheSameTable) {
+  // Two conversations measured in one run, and each in its own run whose
+  // sums are merged: the same entries (to double rounding: the sums are
+  // added in another association).
+  RenderedConversation a_conv = MakeConversation(3, 60, 24);
+  RenderedConversation b_conv = MakeConversation(2, 40, 30);
+  a_conv.id = "conv-a";
+  b_conv.id = "conv-b";
+  const OutputConversation a = Prepare(a_conv), b = Prepare(b_conv);
+  auto model = frontend::MakeSyntheticModel(SmallConfig(2), 17);
+  OutputCalibratorOptions opt;
+  opt.encodings = {kernels::Format::kBF16, kernels::Format::kINT4,
+                   kernels::Format::kINT2};
+  opt.threads = 2;
+  auto both = OutputCalibrator::Create(model->config, opt);
+  auto only_a = OutputCalibrator::Create(model->config, opt);
+  auto only_b = OutputCalibrator::Create(model->config, opt);
+  auto merged = OutputCalibrator::Create(model->config, opt);
+  ASSERT_THAT(both.status(), IsOk());
+  ASSERT_THAT(both->AddConversation(*model, a), IsOk());
+  ASSERT_THAT(both->AddConversation(*model, b), IsOk());
+  ASSERT_THAT(only_a->AddConversation(*model, a), IsOk());
+  ASSERT_THAT(only_b->AddConversation(*model, b), IsOk());
+  ASSERT_THAT(merged->AddSums(only_a->SaveSums(), "a.sums"), IsOk());
+  ASSERT_THAT(merged->AddSums(only_b->SaveSums(), "b.sums"), IsOk());
+  EXPECT_EQ(merged->conversation_ids(),
+            (std::vector<std::string>{"conv-a", "conv-b"}));
+  EXPECT_EQ(merged->tokens(), both->tokens());
+  EXPECT_EQ(merged->positions(), both->positions());
+  const auto want = both->Entries();
+  const auto got = merged->Entries();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].tag, want[i].tag) << i;
+    EXPECT_EQ(got[i].encoding, want[i].encoding) << i;
+    EXPECT_NEAR(got[i].distortion, want[i].distortion,
+                1e-12 * std::abs(want[i].distortion))
+        << i;
+    EXPECT_NEAR(got[i].distortion_answer, want[i].distortion_answer,
+                1e-12 * std::abs(want[i].distortion_answer))
+        << i;
+    EXPECT_NEAR(got[i].dnll, want[i].dnll, 1e-12 * std::abs(want[i].dnll)) << i;
+    EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+    EXPECT_EQ(got[i].queries, want[i].queries) << i;
+  }
+  EXPECT_GT(want.size(), 0u);
+  // A conversation is never counted twice: not from sums, not measured.
+  EXPECT_THAT(merged->AddSums(only_a->SaveSums(), "again.sums"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("again.sums:5: conversation \"conv-a\" is "
+                                 "measured already")));
+  EXPECT_THAT(merged->AddConversation(*model, b),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"conv-b\" is measured already")));
+  // Sums of other options or encodings, and malformed ones, are refused
+  // and change nothing.
+  OutputCalibratorOptions other = opt;
+  other.encodings = {kernels::Format::kBF16, kernels::Format::kINT8};
+  auto fresh = OutputCalibrator::Create(model->config, other);
+  ASSERT_THAT(fresh.status(), IsOk());
+  EXPECT_THAT(fresh->AddSums(only_a->SaveSums(), "x.sums"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("x.sums:3: encodings differ")));
+  other = opt;
+  other.chunk = 32;
+  auto chunked = OutputCalibrator::Create(model->config, other);
+  ASSERT_THAT(chunked.status(), IsOk());
+  EXPECT_THAT(chunked->AddSums(only_a->SaveSums(), "c.sums"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("c.sums:2: options 16 2 64 differ")));
+  auto empty = OutputCalibrator::Create(model->config, opt);
+  ASSERT_THAT(empty.status(), IsOk());
+  EXPECT_THAT(empty->AddSums("hello\n", "h.sums"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("h.sums:1: not a kvcalibrate-output-sums")));
+  std::string broken = only_a->SaveSums();
+  broken += "tag 1 1 1 nope\n";
+  EXPECT_THAT(empty->AddSums(broken, "t.sums"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("tag needs temporal")));
+  EXPECT_THAT(empty->AddSums("kvcalibrate-output-sums 1\n", "i.sums"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("i.sums: incomplete")));
+  EXPECT_TRUE(empty->conversation_ids().empty());
+  EXPECT_TRUE(empty->Entries().empty());
+}
+
 }  // namespace
 }  // namespace triax::calibrate

@@ -107,59 +107,86 @@ void RmsNorm(float* o, const float* x, const float* w, int size) {
   for (int j = 0; j < size; ++j) o[j] = w[j] * (ss * x[j]);
 }
 
-// y[t][o] = sum_i w[o][i] x[t][i] for rows [o0, o1). Four tokens share each
-// pass over a weight row; eight partial sums per token let the compiler use
-// vector registers without reassociating.
+// Every y[t][o] = sum_i w[o][i] x[t][i] is summed in one fixed order: eight
+// lane sums over i = j (mod 8) for the multiple-of-8 part, the lanes added
+// 0..7, then the tail in order. The tiling below only changes which sums
+// run side by side, never that order, so results are byte-identical however
+// rows and tokens are grouped (and across -march levels, as the build turns
+// off FMA contraction).
+
+// The lanes of one sum, finished: lanes 0..7 added, then the tail.
+inline float FinishDot(const float* lanes, const float* w, const float* x,
+                       int in8, int in_dim) {
+  float s = 0;
+  for (int j = 0; j < 8; ++j) s += lanes[j];
+  for (int i = in8; i < in_dim; ++i) s += w[i] * x[i];
+  return s;
+}
+
+// One row against one token.
+inline float Dot(const float* w, const float* x, int in8, int in_dim) {
+  float a[8] = {};
+  for (int i = 0; i < in8; i += 8) {
+    for (int j = 0; j < 8; ++j) a[j] += w[i + j] * x[i + j];
+  }
+  return FinishDot(a, w, x, in8, in_dim);
+}
+
+// Rows [o0, o1) in tiles of two rows by four tokens: each weight value
+// loaded serves four tokens and each token value two rows (eight
+// accumulators of eight lanes: the tile fills the vector registers without
+// spilling); see bench/results/calibration.md for what it did to a pass.
 void MatMulRows(const float* w, int in_dim, const float* x, int n, float* y,
                 int out_dim, int o0, int o1) {
   const int in8 = in_dim & ~7;
-  for (int o = o0; o < o1; ++o) {
-    const float* wr = w + static_cast<size_t>(o) * in_dim;
+  auto out = [&](int t, int o) -> float& {
+    return y[static_cast<size_t>(t) * out_dim + o];
+  };
+  auto xrow = [&](int t) { return x + static_cast<size_t>(t) * in_dim; };
+  int o = o0;
+  for (; o + 2 <= o1; o += 2) {
+    const float* wa = w + static_cast<size_t>(o) * in_dim;
+    const float* wb = wa + in_dim;
     int t = 0;
     for (; t + 4 <= n; t += 4) {
-      const float* x0 = x + static_cast<size_t>(t) * in_dim;
+      const float* x0 = xrow(t);
       const float* x1 = x0 + in_dim;
       const float* x2 = x1 + in_dim;
       const float* x3 = x2 + in_dim;
       float a0[8] = {}, a1[8] = {}, a2[8] = {}, a3[8] = {};
+      float b0[8] = {}, b1[8] = {}, b2[8] = {}, b3[8] = {};
       for (int i = 0; i < in8; i += 8) {
         for (int j = 0; j < 8; ++j) {
-          const float wv = wr[i + j];
-          a0[j] += wv * x0[i + j];
-          a1[j] += wv * x1[i + j];
-          a2[j] += wv * x2[i + j];
-          a3[j] += wv * x3[i + j];
+          const float va = wa[i + j], vb = wb[i + j];
+          const float u0 = x0[i + j], u1 = x1[i + j];
+          const float u2 = x2[i + j], u3 = x3[i + j];
+          a0[j] += va * u0;
+          a1[j] += va * u1;
+          a2[j] += va * u2;
+          a3[j] += va * u3;
+          b0[j] += vb * u0;
+          b1[j] += vb * u1;
+          b2[j] += vb * u2;
+          b3[j] += vb * u3;
         }
       }
-      float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-      for (int j = 0; j < 8; ++j) {
-        s0 += a0[j];
-        s1 += a1[j];
-        s2 += a2[j];
-        s3 += a3[j];
-      }
-      for (int i = in8; i < in_dim; ++i) {
-        s0 += wr[i] * x0[i];
-        s1 += wr[i] * x1[i];
-        s2 += wr[i] * x2[i];
-        s3 += wr[i] * x3[i];
-      }
-      y[static_cast<size_t>(t) * out_dim + o] = s0;
-      y[static_cast<size_t>(t + 1) * out_dim + o] = s1;
-      y[static_cast<size_t>(t + 2) * out_dim + o] = s2;
-      y[static_cast<size_t>(t + 3) * out_dim + o] = s3;
+      out(t, o) = FinishDot(a0, wa, x0, in8, in_dim);
+      out(t + 1, o) = FinishDot(a1, wa, x1, in8, in_dim);
+      out(t + 2, o) = FinishDot(a2, wa, x2, in8, in_dim);
+      out(t + 3, o) = FinishDot(a3, wa, x3, in8, in_dim);
+      out(t, o + 1) = FinishDot(b0, wb, x0, in8, in_dim);
+      out(t + 1, o + 1) = FinishDot(b1, wb, x1, in8, in_dim);
+      out(t + 2, o + 1) = FinishDot(b2, wb, x2, in8, in_dim);
+      out(t + 3, o + 1) = FinishDot(b3, wb, x3, in8, in_dim);
     }
     for (; t < n; ++t) {
-      const float* xt = x + static_cast<size_t>(t) * in_dim;
-      float a[8] = {};
-      for (int i = 0; i < in8; i += 8) {
-        for (int j = 0; j < 8; ++j) a[j] += wr[i + j] * xt[i + j];
-      }
-      float s = 0;
-      for (int j = 0; j < 8; ++j) s += a[j];
-      for (int i = in8; i < in_dim; ++i) s += wr[i] * xt[i];
-      y[static_cast<size_t>(t) * out_dim + o] = s;
+      out(t, o) = Dot(wa, xrow(t), in8, in_dim);
+      out(t, o + 1) = Dot(wb, xrow(t), in8, in_dim);
     }
+  }
+  for (; o < o1; ++o) {
+    const float* wr = w + static_cast<size_t>(o) * in_dim;
+    for (int t = 0; t < n; ++t) out(t, o) = Dot(wr, xrow(t), in8, in_dim);
   }
 }
 
