@@ -460,6 +460,64 @@ TEST_F(AllocationTest, AnswerWeightProtectsTheAnswerPositions) {
   EXPECT_EQ(protect->blocks[7].encoding, Format::kINT2);
 }
 
+TEST_F(AllocationTest, DnllObjectiveAllocatesByTheMeasuredNllIncrease) {
+  // An output-metric table whose NLL increase disagrees with its KL: user
+  // INT2 costs the next tokens' NLL most (+5 per token) and user INT4
+  // lowers it (-0.2, negative like TQ4 on kvproxy-18m), while assistant
+  // INT2 barely moves it (+0.1).
+  CalibrationTableInfo t = Table();
+  t.source.metric = "output-kl: test";
+  for (CalibrationEntryInfo& e : t.entries) {
+    if (e.tag.temporal != Temporal::kCurrentTurn) continue;
+    if (e.encoding.format == Format::kINT4) {
+      e.dnll = e.tag.role == Role::kUser ? -0.2 : 0.3;
+    } else if (e.encoding.format == Format::kINT2) {
+      e.dnll = e.tag.role == Role::kUser ? 5.0 : 0.1;
+    }
+  }
+  ASSERT_THAT(core_->PutCalibration({"", t}), IsOk());
+  PolicyInfo by_nll = AllocPolicy("nll", 6.5);
+  by_nll.objective = 1;
+  auto stored = core_->PutPolicy({"", by_nll});
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_EQ(stored->objective, 1);
+  ASSERT_THAT(core_->PutPolicy({"", AllocPolicy("kl", 6.5)}), IsOk());
+  // By KL (AnswerWeightProtectsTheAnswerPositions): user INT2, assistant
+  // INT4. By NLL: user INT2 + assistant INT4 costs 48 x 5 + 64 x 0.3 = 259,
+  // user INT4 + assistant INT2 48 x -0.2 + 64 x 0.1 = -3.2: the latter.
+  auto kl = Open({S(Role::kUser, 64), S(Role::kAssistant, 64)}, "kl");
+  ASSERT_THAT(kl, IsOk());
+  EXPECT_EQ(kl->blocks[1].encoding, Format::kINT2);
+  EXPECT_EQ(kl->blocks[7].encoding, Format::kINT4);
+  auto nll = Open({S(Role::kUser, 64), S(Role::kAssistant, 64)}, "nll");
+  ASSERT_THAT(nll, IsOk());
+  EXPECT_EQ(nll->blocks[1].encoding, Format::kINT4);
+  EXPECT_EQ(nll->blocks[7].encoding, Format::kINT2);
+}
+
+TEST_F(AllocationTest, DnllObjectiveNeedsAnOutputTableAndAnAllocation) {
+  ASSERT_THAT(core_->PutCalibration({"", Table()}), IsOk());  // metric "mse"
+  PolicyInfo p = AllocPolicy("nll", 6.5);
+  p.objective = 1;
+  ASSERT_THAT(core_->PutPolicy({"", p}), IsOk());
+  EXPECT_THAT(Open({S(Role::kUser, 64)}, "nll").status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("OBJECTIVE_DNLL"),
+                             HasSubstr("has metric \"mse\""))));
+  p.objective = 7;
+  EXPECT_THAT(core_->PutPolicy({"", p}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("policy.objective is 7")));
+  PolicyInfo rules;
+  rules.name = "rules-nll";
+  rules.rules.resize(1);
+  rules.rules[0].encoding.format = Format::kINT4;
+  rules.objective = 1;
+  EXPECT_THAT(core_->PutPolicy({"", rules}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("policy.budget_bits is 0")));
+}
+
 TEST_F(AllocationTest, PinsCandidatesAndFallbacks) {
   ASSERT_THAT(core_->PutCalibration({"", Table()}), IsOk());
   PolicyInfo p = AllocPolicy("pins", 12);

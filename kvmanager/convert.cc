@@ -226,6 +226,7 @@ PolicyInfo FromProto(const v1::Policy& p) {
   d.budget_bits = p.budget_bits();
   d.calibration_model = p.calibration_model();
   d.answer_weight = p.answer_weight();
+  d.objective = static_cast<int>(p.objective());
   d.candidates.reserve(p.candidates_size());
   for (const auto& r : p.candidates()) {
     d.candidates.push_back(SpecFromWire(r.format(), r.format_v(),
@@ -334,6 +335,7 @@ void ToProto(const PolicyInfo& d, v1::Policy* p) {
   p->set_budget_bits(d.budget_bits);
   p->set_calibration_model(d.calibration_model);
   p->set_answer_weight(d.answer_weight);
+  p->set_objective(static_cast<v1::Objective>(d.objective));
   for (const EncodingSpec& e : d.candidates)
     SetEncoding(e, p->add_candidates());
 }

@@ -99,6 +99,7 @@ PolicyInfo Policy::Info() const {
   info.budget_bits = budget_bits;
   info.calibration_model = calibration_model;
   info.answer_weight = answer_weight;
+  info.objective = static_cast<int>(objective);
   for (const Encoding& e : candidates) info.candidates.push_back(SpecOf(e));
   info.rules.reserve(rules.size());
   for (const Rule& r : rules) {
@@ -188,6 +189,16 @@ absl::StatusOr<std::shared_ptr<const Policy>> BuildPolicy(
         " but policy.budget_bits is 0; answer_weight needs an allocation "
         "policy (budget_bits > 0)"));
   }
+  if (info.objective != 0 && info.objective != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.objective is ", info.objective,
+                     "; it must be OBJECTIVE_KL (0) or OBJECTIVE_DNLL (1)"));
+  }
+  if (!allocation && info.objective != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.objective is OBJECTIVE_DNLL but policy.budget_bits is 0; "
+        "an objective needs an allocation policy (budget_bits > 0)"));
+  }
   if (!allocation && !info.candidates.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.candidates has ", info.candidates.size(),
@@ -219,6 +230,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> BuildPolicy(
     p->budget_bits = info.budget_bits;
     p->calibration_model = info.calibration_model;
     p->answer_weight = info.answer_weight;
+    p->objective = static_cast<Policy::Objective>(info.objective);
   }
   if (info.rules.empty() && !allocation) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -74,6 +74,9 @@ struct Policy {
   std::string calibration_model;
   std::vector<Encoding> candidates;  // canonical, distinct
   double answer_weight = 0;          // finite, >= 0
+  // What the allocator minimizes (PolicyInfo::objective).
+  enum class Objective { kKl = 0, kDnll = 1 };
+  Objective objective = Objective::kKl;
 
   bool IsAllocation() const { return budget_bits > 0; }
   // Rule policies: the encoding of the first matching rule.

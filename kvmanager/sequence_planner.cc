@@ -7,6 +7,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
@@ -320,11 +321,21 @@ absl::StatusOr<TagAllocation> SequencePlanner::Allocate(
   TRIAX_ASSIGN_OR_RETURN(
       const AllocOption bf16,
       MakeAllocOption(Encoding(Format::kBF16), shape, /*distortion=*/0));
+  const bool dnll = policy.objective == Policy::Objective::kDnll;
+  if (dnll && !absl::StartsWith(table.info.source.metric, "output-kl")) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "policy ", Quote(policy.name),
+        " has objective OBJECTIVE_DNLL but calibration ",
+        Quote(table.info.model), " has metric ",
+        Quote(table.info.source.metric),
+        "; dnll needs an output-metric table (kvcalibrate --metric=output)"));
+  }
   AllocProblem problem;
   problem.budget_bits = policy.budget_bits;
   problem.groups.reserve(groups.size());
-  // Per option: the calibration's all-token and answer-position distortion
-  // (the objective weighs them by policy.answer_weight).
+  // Per option: the calibration's all-token and answer-position measure (KL,
+  // or the NLL increase for OBJECTIVE_DNLL; the objective weighs them by
+  // policy.answer_weight).
   std::array<std::vector<std::vector<double>>, 2> metrics;
   for (const TagTokens& g : groups) {
     AllocGroup group;
@@ -345,18 +356,28 @@ absl::StatusOr<TagAllocation> SequencePlanner::Allocate(
         }
       }
       if (source != nullptr) {
+        std::vector<size_t> entries;
+        std::vector<double> objective;
         for (size_t i : usable) {
           const CalibrationEntryInfo& entry = table.info.entries[i];
           if (!(entry.tag == *source)) continue;
+          const double a = dnll ? entry.dnll : entry.distortion;
+          const double b = dnll ? entry.dnll_answer : entry.distortion_answer;
+          entries.push_back(i);
+          objective.push_back(a + policy.answer_weight * b);
+          all.push_back(a);
+          answer.push_back(b);
+        }
+        // The NLL increase may be negative; the allocator takes D >= 0. One
+        // shift per group adds the same N_k x shift to every choice, so the
+        // optimum is the same.
+        double shift = 0;
+        for (double d : objective) shift = std::min(shift, d);
+        for (size_t j = 0; j < entries.size(); ++j) {
           TRIAX_ASSIGN_OR_RETURN(
-              AllocOption o,
-              MakeAllocOption(
-                  table.encodings[i], shape,
-                  entry.distortion +
-                      policy.answer_weight * entry.distortion_answer));
+              AllocOption o, MakeAllocOption(table.encodings[entries[j]], shape,
+                                             objective[j] - shift));
           group.options.push_back(o);
-          all.push_back(entry.distortion);
-          answer.push_back(entry.distortion_answer);
         }
       }
     }

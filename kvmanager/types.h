@@ -132,6 +132,8 @@ struct PolicyInfo {
   std::string calibration_model;
   std::vector<EncodingSpec> candidates;  // wire: PolicyRule, tag ignored
   double answer_weight = 0;
+  // triax.v1.Objective as sent (0 KL, 1 DNLL; BuildPolicy refuses others).
+  int objective = 0;
 };
 
 // triax.v1.CalibrationEntry: distortion per token of one tag at one encoding.

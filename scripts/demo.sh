@@ -48,7 +48,7 @@ echo "demo: kvmanager on $manager (pid ${pids[0]}), kvworker on 127.0.0.1:$(cat 
 echo "demo: data directory $data"
 status=0
 "$bin/kvdemo" --manager "$manager" --data_dir "$data" \
-  --calibration "$root/bench/results/calibration_kvproxy-18m.txtpb" "$@" || status=$?
+  --calibration "$root/bench/results/calibration_kvproxy-18m-output.txtpb" "$@" || status=$?
 if [ $status -ne 0 ]; then
   echo "demo: kvdemo failed with exit code $status; last lines of the service logs:" >&2
   tail -n 20 "$run/kvmanager.log" "$run/kvworker.log" >&2

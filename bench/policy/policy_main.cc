@@ -47,8 +47,9 @@
 ABSL_FLAG(std::string, data_dir, "",
           "data directory; empty: $TRIAX_DATA_DIR, else ../shared/data");
 ABSL_FLAG(std::string, calibration,
-          "bench/results/calibration_kvproxy-18m.txtpb",
-          "text-format triax.v1.CalibrationTable of kvproxy-18m");
+          "bench/results/calibration_kvproxy-18m-output.txtpb",
+          "text-format triax.v1.CalibrationTable of kvproxy-18m (the "
+          "output-metric one: --objectives=dnll needs it)");
 ABSL_FLAG(std::string, bfcl_ids,
           "multi_turn_base_3,multi_turn_base_8,multi_turn_base_15,"
           "multi_turn_base_17,multi_turn_base_42,multi_turn_base_46,"
@@ -62,6 +63,16 @@ ABSL_FLAG(std::string, configs, "all",
           "it is the reference); \"all\": every one");
 ABSL_FLAG(std::string, budgets, "2.5,3,3.5,4,4.5,5,5.5,6",
           "budget_bits of the triaxial policy sweep");
+ABSL_FLAG(std::string, answer_weights, "0",
+          "Policy.answer_weight values the triaxial sweep runs with, "
+          "comma-separated (0: all positions only; w > 0 adds w x the "
+          "answer-position distortion; needs an output-metric table); the "
+          "first also sets the ablations'");
+ABSL_FLAG(std::string, objectives, "dnll",
+          "Policy.objective of the triaxial sweep, comma-separated: dnll "
+          "(the table's next-token NLL increase; needs an output-metric "
+          "table) or kl (its distortion). The first names the plain tri-B "
+          "points and the ablations; the others add tri-B-<objective>");
 ABSL_FLAG(double, ablation_budget, 3.5, "budget_bits of the ablations");
 ABSL_FLAG(std::string, tri_windows, "0",
           "BF16 residual windows (tokens) the triaxial sweep runs with, "
@@ -156,11 +167,14 @@ v1::Policy RulePolicy(const std::string& name, v1::Format f, uint32_t group) {
 }
 
 v1::Policy AllocPolicy(const std::string& name, double budget,
-                       const std::string& calibration_model) {
+                       const std::string& calibration_model,
+                       double answer_weight, v1::Objective objective) {
   v1::Policy p;
   p.set_name(name);
   p.set_budget_bits(budget);
   p.set_calibration_model(calibration_model);
+  p.set_answer_weight(answer_weight);
+  p.set_objective(objective);
   return p;  // candidates empty: every encoding of the table
 }
 
@@ -335,6 +349,8 @@ absl::Status WriteFile(const std::string& path, const std::string& text) {
 struct Plan {
   std::vector<double> budgets;
   std::vector<uint32_t> tri_windows;
+  std::vector<double> answer_weights;
+  std::vector<std::pair<std::string, v1::Objective>> objectives;
   uint32_t kivi_window = 32;
   double ablation_budget = 3.5;
 };
@@ -356,6 +372,33 @@ absl::StatusOr<Plan> ParsePlan() {
       return FlagError("tri_windows", w, "is not a window in [0, 2048]");
     }
     p.tri_windows.push_back(v);
+  }
+  for (absl::string_view a : absl::StrSplit(absl::GetFlag(FLAGS_answer_weights),
+                                            ',', absl::SkipEmpty())) {
+    double v;
+    if (!absl::SimpleAtod(a, &v) || !(v >= 0) || v > 1000) {
+      return FlagError("answer_weights", a, "is not in [0, 1000]");
+    }
+    p.answer_weights.push_back(v);
+  }
+  if (p.answer_weights.empty()) {
+    return FlagError("answer_weights", absl::GetFlag(FLAGS_answer_weights),
+                     "names no weight (0: all positions only)");
+  }
+  for (absl::string_view o : absl::StrSplit(absl::GetFlag(FLAGS_objectives),
+                                            ',', absl::SkipEmpty())) {
+    if (o != "dnll" && o != "kl") {
+      return FlagError("objectives", o, "is not dnll or kl");
+    }
+    for (const auto& have : p.objectives) {
+      if (have.first == o) return FlagError("objectives", o, "is listed twice");
+    }
+    p.objectives.emplace_back(
+        std::string(o), o == "dnll" ? v1::OBJECTIVE_DNLL : v1::OBJECTIVE_KL);
+  }
+  if (p.objectives.empty()) {
+    return FlagError("objectives", absl::GetFlag(FLAGS_objectives),
+                     "names no objective (dnll or kl)");
   }
   const int kivi = absl::GetFlag(FLAGS_kivi_window);
   if (kivi < 1 || kivi > 2048) {
@@ -403,13 +446,22 @@ void BuildConfigs(const Plan& plan, const std::vector<Ablation>& ablations,
   uniform("tq4", v1::FORMAT_TQ4, 0, 0, "TQ4 (rotated, Lloyd-Max)");
   uniform("tq3", v1::FORMAT_TQ3, 0, 0, "TQ3 (rotated, Lloyd-Max)");
   uniform("tq2", v1::FORMAT_TQ2, 0, 0, "TQ2 (rotated, Lloyd-Max)");
-  for (uint32_t w : plan.tri_windows) {
-    for (double b : plan.budgets) {
-      const std::string pol = absl::StrFormat("tri-%g", b);
-      policies->emplace(pol, AllocPolicy(pol, b, kModel));
-      cfgs->push_back({w ? absl::StrFormat("%s-w%d", pol, w) : pol, pol, w,
-                       "triaxial", b,
-                       w ? absl::StrFormat("%d-token BF16 window", w) : ""});
+  for (size_t oi = 0; oi < plan.objectives.size(); ++oi) {
+    const auto& [oname, objective] = plan.objectives[oi];
+    for (uint32_t w : plan.tri_windows) {
+      for (double aw : plan.answer_weights) {
+        for (double b : plan.budgets) {
+          std::string pol = absl::StrFormat("tri-%g", b);
+          if (aw > 0) absl::StrAppendFormat(&pol, "-a%g", aw);
+          if (oi > 0) absl::StrAppend(&pol, "-", oname);
+          policies->emplace(pol, AllocPolicy(pol, b, kModel, aw, objective));
+          std::vector<std::string> note = {absl::StrCat("objective ", oname)};
+          if (w) note.push_back(absl::StrFormat("%d-token BF16 window", w));
+          if (aw > 0) note.push_back(absl::StrFormat("answer_weight %g", aw));
+          cfgs->push_back({w ? absl::StrFormat("%s-w%d", pol, w) : pol, pol, w,
+                           "triaxial", b, absl::StrJoin(note, ", ")});
+        }
+      }
     }
   }
   const uint32_t ab_window = plan.tri_windows.empty() ? 0 : plan.tri_windows[0];
@@ -417,8 +469,9 @@ void BuildConfigs(const Plan& plan, const std::vector<Ablation>& ablations,
     if (ab.merged == 0) continue;
     const std::string pol = absl::StrFormat(
         "tri-%g-no-%s", plan.ablation_budget, TagAxisName(ab.axis));
-    policies->emplace(pol,
-                      AllocPolicy(pol, plan.ablation_budget, ab.table.model()));
+    policies->emplace(
+        pol, AllocPolicy(pol, plan.ablation_budget, ab.table.model(),
+                         plan.answer_weights[0], plan.objectives[0].second));
     cfgs->push_back(
         {ab_window ? absl::StrFormat("%s-w%d", pol, ab_window) : pol, pol,
          ab_window, "ablation", plan.ablation_budget,

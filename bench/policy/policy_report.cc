@@ -6,13 +6,38 @@
 #include <set>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 
 namespace triax::bench {
 namespace {
+
+// A point of the main triaxial sweep: "tri-<budget>" or "tri-<budget>-w<N>"
+// (no answer weight or second objective: policy_bench names those
+// tri-<budget>-a<w> and tri-<budget>-<objective>).
+bool IsMainSweep(const std::string& name) {
+  std::vector<absl::string_view> parts = absl::StrSplit(name, '-');
+  if (parts.size() < 2 || parts.size() > 3 || parts[0] != "tri") return false;
+  double b;
+  if (!absl::SimpleAtod(parts[1], &b)) return false;
+  return parts.size() == 2 || (parts[2].size() > 1 && parts[2][0] == 'w' &&
+                               parts[2].find_first_not_of("0123456789", 1) ==
+                                   absl::string_view::npos);
+}
+
+// The full policy an ablation is compared with: its name less "-no-<axis>"
+// ("tri-3.5-no-role-w32" -> "tri-3.5-w32").
+std::string AblationBase(const std::string& name) {
+  const size_t at = name.find("-no-");
+  if (at == std::string::npos) return "";
+  const size_t end = name.find('-', at + 4);
+  return name.substr(0, at) +
+         (end == std::string::npos ? "" : name.substr(end));
+}
 
 using RowKey = std::pair<std::string, std::string>;  // (conversation, config)
 
@@ -293,10 +318,7 @@ absl::StatusOr<std::string> BuildReport(const RawShard& merged,
     if (a.kind != "ablation") continue;
     const ConfigSummary* base = nullptr;
     for (const ConfigSummary& s : sums) {
-      if (s.kind == "triaxial" && s.budget == a.budget &&
-          s.window == a.window) {
-        base = &s;
-      }
+      if (s.kind == "triaxial" && s.name == AblationBase(a.name)) base = &s;
     }
     absl::StrAppend(&abl, SummaryRow(a));
     if (base == nullptr) continue;
@@ -322,8 +344,8 @@ absl::StatusOr<std::string> BuildReport(const RawShard& merged,
     for (const ConfigSummary& a : sums) {
       if (a.kind != "ablation") continue;
       for (const ConfigSummary& s : sums) {
-        if (s.kind == "triaxial" && s.budget == a.budget &&
-            s.window == a.window && done.insert(s.name).second) {
+        if (s.kind == "triaxial" && s.name == AblationBase(a.name) &&
+            done.insert(s.name).second) {
           base_rows += SummaryRow(s);
         }
       }
@@ -337,12 +359,18 @@ absl::StatusOr<std::string> BuildReport(const RawShard& merged,
         SummaryHeader(), base_rows, abl);
   }
 
-  // The point nearest target_ratio of BF16 bytes against INT4.
+  // The point of the main sweep (IsMainSweep; any triaxial point when the
+  // run has none) nearest target_ratio of BF16 bytes against INT4.
   const ConfigSummary* near = nullptr;
   const ConfigSummary* int4 = nullptr;
+  bool any_main = false;
+  for (const ConfigSummary& s : sums) {
+    any_main |= s.kind == "triaxial" && IsMainSweep(s.name);
+  }
   for (const ConfigSummary& s : sums) {
     if (s.name == "int4") int4 = &s;
     if (s.kind != "triaxial") continue;
+    if (any_main && !IsMainSweep(s.name)) continue;
     if (near == nullptr || std::abs(s.bytes_ratio - o.target_ratio) <
                                std::abs(near->bytes_ratio - o.target_ratio)) {
       near = &s;

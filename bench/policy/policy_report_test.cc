@@ -85,6 +85,25 @@ TEST(PolicyReportTest, ReportHasEverySection) {
   EXPECT_THAT(*md, Not(HasSubstr("Not computed")));
 }
 
+// Variants of the sweep (a second objective, an answer weight) at the same
+// budget neither serve as the ablations' base nor as the 4.5x point, even
+// when nearer 0.222 of the BF16 bytes.
+TEST(PolicyReportTest, AblationsAndTheTargetPointUseTheMainSweep) {
+  RawShard s = Shard();
+  for (const std::string c : {"multi_turn_base_1", "multi_turn_base_2"}) {
+    s.rows.push_back(Row(c, "tri-3.5-kl", "triaxial", 3.5, 103, 355));
+    s.rows.push_back(Row(c, "tri-3.5-a1", "triaxial", 3.5, 105, 356));
+  }
+  ReportOptions o;
+  o.resamples = 200;
+  auto md = BuildReport(s, o);
+  ASSERT_TRUE(md.ok()) << md.status();
+  EXPECT_THAT(*md, HasSubstr("↳ tri-3.5-no-role − tri-3.5 |"));
+  EXPECT_THAT(*md, Not(HasSubstr("− tri-3.5-a1")));
+  EXPECT_THAT(*md,
+              HasSubstr("nearest 0.222 of the BF16 plan bytes is tri-3.5 at"));
+}
+
 TEST(PolicyReportTest, NoBf16IsAnError) {
   RawShard s = Shard();
   s.rows.erase(s.rows.begin());

@@ -63,15 +63,20 @@ absl::StatusOr<v1::CalibrationTable> CollapseAxis(
     return absl::InvalidArgumentError(absl::StrCat(
         "CollapseAxis: table of model \"", table.model(), "\" has no entries"));
   }
+  // Every measure of the entry (KL or attention error, and for output
+  // tables the answer-position KL and the NLL increases) is averaged alike.
   struct Acc {
-    double weighted = 0, weight = 0;
+    double distortion = 0, answer = 0, dnll = 0, dnll_answer = 0, weight = 0;
     std::set<std::tuple<int, int, int>> tags;
   };
   std::map<Key, Acc> acc;
   for (const auto& e : table.entries()) {
     Acc& a = acc[MergeKey(e, axis)];
     const double w = e.tokens() > 0 ? static_cast<double>(e.tokens()) : 1.0;
-    a.weighted += w * e.distortion();
+    a.distortion += w * e.distortion();
+    a.answer += w * e.distortion_answer();
+    a.dnll += w * e.dnll();
+    a.dnll_answer += w * e.dnll_answer();
     a.weight += w;
     a.tags.insert({e.tag().temporal(), e.tag().modality(), e.tag().role()});
   }
@@ -79,7 +84,10 @@ absl::StatusOr<v1::CalibrationTable> CollapseAxis(
   out.set_model(model);
   for (auto& e : *out.mutable_entries()) {
     const Acc& a = acc[MergeKey(e, axis)];
-    e.set_distortion(a.weighted / a.weight);
+    e.set_distortion(a.distortion / a.weight);
+    e.set_distortion_answer(a.answer / a.weight);
+    e.set_dnll(a.dnll / a.weight);
+    e.set_dnll_answer(a.dnll_answer / a.weight);
   }
   if (groups_merged != nullptr) {
     // Count merge groups per tag set (not per encoding).

@@ -68,6 +68,23 @@ TEST(CollapseAxisTest, RoleAveragesOverRoles) {
   EXPECT_THAT(out->entries(1).distortion(), DoubleNear(0.4, 1e-12));
 }
 
+TEST(CollapseAxisTest, OutputMeasuresAverageLikeTheDistortion) {
+  v1::CalibrationTable t = Table();
+  // current user int4 (100 tokens) and older user int4 (300 tokens).
+  t.mutable_entries(0)->set_dnll(-0.2);
+  t.mutable_entries(1)->set_dnll(0.6);
+  t.mutable_entries(0)->set_distortion_answer(1.0);
+  t.mutable_entries(1)->set_dnll_answer(2.0);
+  auto out = CollapseAxis(t, TagAxis::kTemporal, "m-no-temporal");
+  ASSERT_TRUE(out.ok()) << out.status();
+  // (-0.2*100 + 0.6*300) / 400 = 0.4; (1*100) / 400; (2*300) / 400.
+  for (int i : {0, 1}) {
+    EXPECT_THAT(out->entries(i).dnll(), DoubleNear(0.4, 1e-12));
+    EXPECT_THAT(out->entries(i).distortion_answer(), DoubleNear(0.25, 1e-12));
+    EXPECT_THAT(out->entries(i).dnll_answer(), DoubleNear(1.5, 1e-12));
+  }
+}
+
 TEST(CollapseAxisTest, ModalityIsVacuousOnTextOnlyTable) {
   int merged = -1;
   auto out = CollapseAxis(Table(), TagAxis::kModality, "m-no-mod", &merged);

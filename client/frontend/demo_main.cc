@@ -25,6 +25,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -56,10 +57,11 @@ ABSL_FLAG(int, chunk, 64, "prefill chunk (tokens per forward call, <= 256)");
 ABSL_FLAG(int, threads, 2, "threads for the matrix products");
 ABSL_FLAG(int, decode_steps, 64, "decode steps timed per policy in step (c)");
 ABSL_FLAG(std::string, calibration,
-          "bench/results/calibration_kvproxy-18m.txtpb",
+          "bench/results/calibration_kvproxy-18m-output.txtpb",
           "calibration table (text triax.v1.CalibrationTable) for step (b)'s "
-          "triaxial allocation policy; empty: use the static table "
-          "triaxial-static");
+          "triaxial allocation policy (an output-metric table: the policy "
+          "minimizes its next-token NLL increase, OBJECTIVE_DNLL; any other: "
+          "its distortion); empty: use the static table triaxial-static");
 ABSL_FLAG(double, budget_bits, 3.5,
           "step (b): effective bits per value of the triaxial policy");
 ABSL_FLAG(std::string, steps, "abc",
@@ -337,14 +339,17 @@ absl::StatusOr<std::string> SetUpTriaxialPolicy(client::Client* c,
   req.mutable_policy()->set_name(name);
   req.mutable_policy()->set_budget_bits(budget_bits);
   req.mutable_policy()->set_calibration_model(table.model());
+  const bool output = absl::StartsWith(table.source().metric(), "output-kl");
+  req.mutable_policy()->set_objective(output ? v1::OBJECTIVE_DNLL
+                                             : v1::OBJECTIVE_KL);
   v1::PutPolicyResponse resp;
   TRIAX_RETURN_IF_ERROR(
       FromGrpcStatus(c->manager()->PutPolicy(&ctx, req, &resp)));
   std::printf(
       "policy %s: budget %.2f effective bits/value, calibration of %s "
-      "(%d entries, from %s)\n",
+      "(%d entries, from %s), minimizing %s\n",
       name.c_str(), budget_bits, table.model().c_str(), table.entries_size(),
-      path.c_str());
+      path.c_str(), output ? "the next-token NLL increase" : "distortion");
   return name;
 }
 
