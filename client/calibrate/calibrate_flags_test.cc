@@ -41,6 +41,11 @@ TEST(CalibrateFlagsTest, KvcalibrateRefusesUnknownMetricAndHeldOutIds) {
                                 "--ids=multi_turn_base_1,multi_turn_base_3"});
   EXPECT_EQ(r.rc, 2) << r.err;
   EXPECT_THAT(r.err, HasSubstr("\"multi_turn_base_3\" is held out"));
+  // --model is a directory name under models/, not a path.
+  r = RunBinary("kvcalibrate", {"--model=../etc"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--model"));
+  EXPECT_THAT(r.err, HasSubstr("../etc"));
   // Sums files belong to the output metric only.
   r = RunBinary("kvcalibrate", {"--sums_out=x.sums"});
   EXPECT_EQ(r.rc, 2) << r.err;
@@ -66,6 +71,9 @@ TEST(CalibrateFlagsTest, CalibrationValidateRefusesBadValues) {
   r = RunBinary("calibration_validate", {"--tables="});
   EXPECT_EQ(r.rc, 2) << r.err;
   EXPECT_THAT(r.err, HasSubstr("--tables is empty"));
+  r = RunBinary("calibration_validate", {"--model=a/b"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--model"));
   r = RunBinary("calibration_validate", {"--chunk=300"});
   EXPECT_EQ(r.rc, 2) << r.err;
   EXPECT_THAT(r.err, HasSubstr("--chunk 300 is outside 1..256"));

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/ids.h"
 #include "common/status_macros.h"
 #include "kernels/numeric.h"
 #include "kernels/ref/kv_ref.h"
@@ -89,6 +90,29 @@ const std::vector<std::string>& HeldOutIds() {
     return v;
   }();
   return *ids;
+}
+
+absl::StatusOr<CalibrationModel> LoadCalibrationModel(
+    const std::string& data_dir, const std::string& name, int max_tokens) {
+  TRIAX_RETURN_IF_ERROR(ValidateId("--model", name));
+  CalibrationModel m;
+  m.name = name;
+  m.path = absl::StrCat(data_dir, "/models/", name, "/model.bin");
+  TRIAX_ASSIGN_OR_RETURN(m.model, frontend::LoadModel(m.path));
+  const frontend::ModelConfig& c = m.model->config;
+  if (c.vocab_size < frontend::ByteTokenizer().vocab_size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--model ", name, ": vocab_size ", c.vocab_size,
+        " is below the byte tokenizer's ",
+        frontend::ByteTokenizer().vocab_size(),
+        "; the BFCL rendering needs a byte-level model like kvproxy-18m"));
+  }
+  if (c.max_seq_len < max_tokens) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--model ", name, ": context ", c.max_seq_len,
+                     " is below --max_tokens ", max_tokens));
+  }
+  return m;
 }
 
 absl::Status CheckCalibrationIds(const std::vector<std::string>& ids) {

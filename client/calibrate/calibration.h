@@ -43,6 +43,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,7 @@
 #include "absl/status/statusor.h"
 #include "client/frontend/bfcl.h"
 #include "client/frontend/forward.h"
+#include "client/frontend/llama2c.h"
 #include "common/model.h"
 #include "kernels/layout.h"
 
@@ -76,6 +78,20 @@ absl::StatusOr<std::vector<CalBlock>> PlanBlocks(
 // The tag of every block when the current turn is `current`.
 std::vector<Tag> TagBlocks(const std::vector<CalBlock>& blocks,
                            uint32_t current, uint32_t recent_turns);
+
+// The model a calibration runs on: DATA_DIR/models/<name>/model.bin, a
+// llama2.c checkpoint that reads the BFCL rendering's byte tokens (vocab >=
+// ByteTokenizer's 260, as kvproxy-18m) with a context of at least
+// `max_tokens`. INVALID_ARGUMENT naming --model for a name that is not an id
+// ([A-Za-z0-9._:-]{1,128}: no path), FAILED_PRECONDITION for a vocabulary
+// or context too small, the loader's NOT_FOUND / DATA_LOSS otherwise.
+struct CalibrationModel {
+  std::string name;
+  std::string path;
+  std::unique_ptr<frontend::Model> model;
+};
+absl::StatusOr<CalibrationModel> LoadCalibrationModel(
+    const std::string& data_dir, const std::string& name, int max_tokens);
 
 // BFCL conversations kept for evaluation (models/kvproxy-18m/README.md): the
 // multi-turn base and long-context pairs 3, 8, 15, 17, 42, 46, 50, 59, 121,

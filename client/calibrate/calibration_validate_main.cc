@@ -22,13 +22,18 @@
 #include "client/frontend/data_dir.h"
 #include "client/frontend/forward.h"
 #include "client/frontend/llama2c.h"
+#include "common/ids.h"
 #include "common/status_macros.h"
 #include "google/protobuf/text_format.h"
 
 ABSL_FLAG(std::string, data_dir, "",
           "shared data directory (default $TRIAX_DATA_DIR, else "
           "../shared/data)");
-ABSL_FLAG(std::string, tables, "bench/results/calibration_kvproxy-18m.txtpb",
+ABSL_FLAG(std::string, model, "kvproxy-18m",
+          "model the tables are of: DATA_DIR/models/<model>/model.bin");
+ABSL_FLAG(std::string, tables,
+          "bench/results/calibration_kvproxy-18m.txtpb,"
+          "bench/results/calibration_kvproxy-18m-output.txtpb",
           "comma-separated CalibrationTable files (text format for .txtpb/"
           ".textproto/.pbtxt, else binary) whose predictions are checked");
 ABSL_FLAG(std::string, validate_ids,
@@ -87,8 +92,11 @@ absl::Status Run(const std::vector<std::string>& table_paths,
     tables.push_back(std::move(p));
   }
   const std::string data_dir = ResolveDataDir(absl::GetFlag(FLAGS_data_dir));
-  TRIAX_ASSIGN_OR_RETURN(auto model,
-                         LoadModel(data_dir + "/models/kvproxy-18m/model.bin"));
+  TRIAX_ASSIGN_OR_RETURN(
+      calibrate::CalibrationModel loaded,
+      calibrate::LoadCalibrationModel(data_dir, absl::GetFlag(FLAGS_model),
+                                      absl::GetFlag(FLAGS_max_tokens)));
+  std::unique_ptr<Model> model = std::move(loaded.model);
   TRIAX_ASSIGN_OR_RETURN(BfclData data, BfclData::Load(data_dir));
   ByteTokenizer bt;
   std::vector<calibrate::OutputConversation> convs;
@@ -180,6 +188,10 @@ int main(int argc, char** argv) {
   const std::vector<std::string> tables =
       absl::StrSplit(absl::GetFlag(FLAGS_tables), ',', absl::SkipWhitespace());
   if (tables.empty()) return bad("--tables is empty");
+  if (absl::Status s = triax::ValidateId("--model", absl::GetFlag(FLAGS_model));
+      !s.ok()) {
+    return bad(std::string(s.message()));
+  }
   const std::vector<std::string> ids = absl::StrSplit(
       absl::GetFlag(FLAGS_validate_ids), ',', absl::SkipWhitespace());
   if (ids.empty()) return bad("--validate_ids is empty");

@@ -34,6 +34,7 @@
 #include "client/frontend/forward.h"
 #include "client/frontend/llama2c.h"
 #include "client/kv_client.h"
+#include "common/ids.h"
 #include "common/status_macros.h"
 #include "google/protobuf/text_format.h"
 
@@ -44,6 +45,9 @@
 ABSL_FLAG(std::string, data_dir, "",
           "shared data directory (default $TRIAX_DATA_DIR, else "
           "../shared/data)");
+ABSL_FLAG(std::string, model, "kvproxy-18m",
+          "model to calibrate: DATA_DIR/models/<model>/model.bin (a "
+          "byte-level llama2.c checkpoint); also the table's model id");
 ABSL_FLAG(std::string, ids,
           "multi_turn_base_1,multi_turn_base_25,multi_turn_base_33,"
           "multi_turn_base_67,multi_turn_base_71,multi_turn_base_102,"
@@ -217,8 +221,13 @@ absl::Status MeasureOutput(
 absl::Status Run(const std::vector<std::string>& ids) {
   const auto t_start = std::chrono::steady_clock::now();
   const std::string data_dir = ResolveDataDir(absl::GetFlag(FLAGS_data_dir));
-  const std::string model_path = data_dir + "/models/kvproxy-18m/model.bin";
-  TRIAX_ASSIGN_OR_RETURN(auto model, LoadModel(model_path));
+  TRIAX_ASSIGN_OR_RETURN(
+      calibrate::CalibrationModel loaded,
+      calibrate::LoadCalibrationModel(data_dir, absl::GetFlag(FLAGS_model),
+                                      absl::GetFlag(FLAGS_max_tokens)));
+  const std::string& model_path = loaded.path;
+  const std::string& model_name = loaded.name;
+  std::unique_ptr<Model> model = std::move(loaded.model);
   TRIAX_ASSIGN_OR_RETURN(const std::string sha,
                          calibrate::Sha256File(model_path));
   TRIAX_ASSIGN_OR_RETURN(BfclData data, BfclData::Load(data_dir));
@@ -234,17 +243,17 @@ absl::Status Run(const std::vector<std::string>& ids) {
   TRIAX_ASSIGN_OR_RETURN(Calibrator cal, Calibrator::Create(cfg, opt));
   if (output) {
     std::printf(
-        "kvcalibrate %s: kvproxy-18m (sha256 %s), metric output, %zu "
+        "kvcalibrate %s: %s (sha256 %s), metric output, %zu "
         "conversations, context %d, chunk %d per turn, %d threads\n",
-        KVCALIBRATE_VERSION, sha.c_str(), ids.size(), max_tokens,
-        absl::GetFlag(FLAGS_output_chunk), threads);
+        KVCALIBRATE_VERSION, model_name.c_str(), sha.c_str(), ids.size(),
+        max_tokens, absl::GetFlag(FLAGS_output_chunk), threads);
   } else {
     std::printf(
-        "kvcalibrate %s: kvproxy-18m (sha256 %s), %zu conversations, "
+        "kvcalibrate %s: %s (sha256 %s), %zu conversations, "
         "context %d, queries every %d from %d, %d threads\n",
-        KVCALIBRATE_VERSION, sha.c_str(), ids.size(), max_tokens,
-        absl::GetFlag(FLAGS_query_stride), absl::GetFlag(FLAGS_first_query),
-        threads);
+        KVCALIBRATE_VERSION, model_name.c_str(), sha.c_str(), ids.size(),
+        max_tokens, absl::GetFlag(FLAGS_query_stride),
+        absl::GetFlag(FLAGS_first_query), threads);
   }
   Transformer tf(model.get(), threads);
   ByteTokenizer bt;
@@ -287,8 +296,8 @@ absl::Status Run(const std::vector<std::string>& ids) {
   }
 
   calibrate::TableMeta meta;
-  meta.model = "kvproxy-18m";
-  meta.shape.set_name("kvproxy-18m");
+  meta.model = model_name;
+  meta.shape.set_name(model_name);
   meta.shape.set_n_layers(cfg.n_layers);
   meta.shape.set_n_kv_heads(cfg.n_kv_heads);
   meta.shape.set_n_q_heads(cfg.n_heads);
@@ -299,7 +308,8 @@ absl::Status Run(const std::vector<std::string>& ids) {
   src.set_model_file(absl::StrCat(model_path, " sha256:", sha));
   src.set_dataset(absl::StrCat(
       "BFCL v4 multi_turn_base (", data_dir,
-      "/bfcl), rendered as ChatML like kvproxy-18m's training, truncated to ",
+      "/bfcl), rendered as ChatML like kvproxy-18m's training (byte tokens), "
+      "truncated to ",
       max_tokens, " tokens with BOS"));
   for (const std::string& id : calibration_ids) src.add_calibration_ids(id);
   for (const std::string& id : calibrate::HeldOutIds()) {
@@ -379,6 +389,10 @@ int main(int argc, char** argv) {
     return bad(absl::StrCat("--output_chunk ",
                             absl::GetFlag(FLAGS_output_chunk),
                             " is outside 1..256"));
+  }
+  if (absl::Status s = triax::ValidateId("--model", absl::GetFlag(FLAGS_model));
+      !s.ok()) {
+    return bad(std::string(s.message()));
   }
   const bool merging = !absl::GetFlag(FLAGS_merge_sums).empty();
   if (metric != "output" &&
