@@ -38,6 +38,9 @@ expect '--answer_weights: "-1"' --answer_weights=0,-1
 expect '--answer_weights: ","' --answer_weights=,
 expect '--objectives: "mse"' --objectives=dnll,mse
 expect '--objectives: "kl"' --objectives=kl,kl
+# An attention-metric table cannot serve the NLL objective.
+expect '--objectives: "dnll" needs an output-metric table' --configs=bf16,tri-3 \
+  --calibration="$(dirname "$CAL")/calibration_kvproxy-18m.txtpb"
 expect '--kivi_window: "0"' --kivi_window=0
 expect '--ablation_budget: "-2"' --ablation_budget=-2
 expect '--bootstrap: "0"' --bootstrap=0

@@ -23,6 +23,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -686,6 +687,19 @@ int Main(int argc, char** argv) {
         ReadCalibrationTable(absl::GetFlag(FLAGS_calibration), kModel);
     if (!table_or.ok()) return Fail("calibration", table_or.status());
     const v1::CalibrationTable& table = *table_or;
+    if (!absl::StartsWith(table.source().metric(), "output-kl")) {
+      for (const auto& [name, objective] : plan->objectives) {
+        if (objective != v1::OBJECTIVE_DNLL) continue;
+        return Fail(
+            "flags",
+            FlagError(
+                "objectives", name,
+                absl::StrCat("needs an output-metric table; ",
+                             absl::GetFlag(FLAGS_calibration), " has metric \"",
+                             table.source().metric().substr(0, 40),
+                             "...\" (use --objectives=kl)")));
+      }
+    }
     std::vector<Ablation> ablations;
     std::vector<std::string> vacuous;
     for (TagAxis a : {TagAxis::kTemporal, TagAxis::kRole, TagAxis::kModality}) {
