@@ -46,6 +46,12 @@ TEST(CalibrateFlagsTest, KvcalibrateRefusesUnknownMetricAndHeldOutIds) {
   EXPECT_EQ(r.rc, 2) << r.err;
   EXPECT_THAT(r.err, HasSubstr("--model"));
   EXPECT_THAT(r.err, HasSubstr("../etc"));
+  r = RunBinary("kvcalibrate", {"--union_tables=a.txtpb,b.txtpb"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--union_tables needs --out"));
+  r = RunBinary("kvcalibrate", {"--encodings=tq4;int5"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--encodings: \"int5\" is not an encoding"));
   // Sums files belong to the output metric only.
   r = RunBinary("kvcalibrate", {"--sums_out=x.sums"});
   EXPECT_EQ(r.rc, 2) << r.err;

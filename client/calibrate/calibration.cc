@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
 #include "kernels/numeric.h"
@@ -90,6 +91,48 @@ const std::vector<std::string>& HeldOutIds() {
     return v;
   }();
   return *ids;
+}
+
+absl::StatusOr<std::vector<kernels::Encoding>> ParseEncodings(
+    absl::string_view text) {
+  if (text.empty()) return DefaultEncodings();
+  using kernels::Format;
+  using kernels::ScaleDtype;
+  std::vector<kernels::Encoding> out;
+  for (absl::string_view name : absl::StrSplit(text, ';', absl::SkipEmpty())) {
+    bool found = false;
+    for (Format k : kernels::kAllFormats) {
+      for (Format v : kernels::kAllFormats) {
+        for (int g : {0, 64, 128}) {
+          for (ScaleDtype s : {ScaleDtype::kFP16, ScaleDtype::kFP8}) {
+            const kernels::Encoding e(k, v, g, s);
+            char buf[96];
+            if (!found && name == kernels::EncodingName(e, buf, sizeof(buf))) {
+              for (const kernels::Encoding& have : out) {
+                if (have == e) {
+                  return absl::InvalidArgumentError(absl::StrCat(
+                      "--encodings: \"", name, "\" is listed twice"));
+                }
+              }
+              out.push_back(e);
+              found = true;
+            }
+          }
+        }
+      }
+    }
+    if (!found) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--encodings: \"", name,
+                       "\" is not an encoding name (e.g. tq4, k=tq4,v=tq3, "
+                       "k=int4,v=int4,g=64; separate them with ';')"));
+    }
+  }
+  if (out.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--encodings: \"", text, "\" names no encoding"));
+  }
+  return out;
 }
 
 absl::StatusOr<CalibrationModel> LoadCalibrationModel(

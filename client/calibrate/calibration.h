@@ -49,6 +49,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "client/frontend/bfcl.h"
 #include "client/frontend/forward.h"
 #include "client/frontend/llama2c.h"
@@ -78,6 +79,12 @@ absl::StatusOr<std::vector<CalBlock>> PlanBlocks(
 // The tag of every block when the current turn is `current`.
 std::vector<Tag> TagBlocks(const std::vector<CalBlock>& blocks,
                            uint32_t current, uint32_t recent_turns);
+
+// Encodings named as kernels::EncodingName writes them ("tq4",
+// "k=tq4,v=tq3", "k=int4,v=int4,g=64"), separated by ';'. Empty text:
+// DefaultEncodings(). INVALID_ARGUMENT naming the unknown or repeated name.
+absl::StatusOr<std::vector<kernels::Encoding>> ParseEncodings(
+    absl::string_view text);
 
 // The model a calibration runs on: DATA_DIR/models/<name>/model.bin, a
 // llama2.c checkpoint that reads the BFCL rendering's byte tokens (vocab >=

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 #include <tuple>
 
 #include "absl/strings/match.h"
@@ -11,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "common/model_proto.h"
 #include "common/status_macros.h"
+#include "google/protobuf/text_format.h"
 #include "kernels/layout.h"
 
 namespace triax::calibrate {
@@ -263,6 +266,81 @@ std::string MarkdownTable(const v1::CalibrationTable& table) {
       "\ndistortion_answer: KL (nats) per share, positions predicting "
       "ASSISTANT / TOOL_CALL tokens\n\n",
       MarkdownOf(table, &v1::CalibrationEntry::distortion_answer));
+}
+
+absl::StatusOr<v1::CalibrationTable> ReadTableFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  v1::CalibrationTable t;
+  const bool text = absl::EndsWith(path, ".txtpb") ||
+                    absl::EndsWith(path, ".textproto") ||
+                    absl::EndsWith(path, ".pbtxt");
+  const bool ok =
+      text ? google::protobuf::TextFormat::ParseFromString(ss.str(), &t)
+           : t.ParseFromString(ss.str());
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is not a CalibrationTable"));
+  }
+  return t;
+}
+
+absl::StatusOr<v1::CalibrationTable> UnionTables(
+    const std::vector<v1::CalibrationTable>& tables) {
+  if (tables.empty()) return absl::InvalidArgumentError("no tables to join");
+  v1::CalibrationTable out = tables[0];
+  auto key = [](const v1::CalibrationEntry& e) {
+    const kernels::Encoding enc = EntryEncoding(e);
+    return std::make_tuple(e.tag().temporal(), e.tag().modality(),
+                           e.tag().role(), static_cast<int>(enc.k),
+                           static_cast<int>(enc.v), enc.Group(),
+                           static_cast<int>(enc.scale_dtype));
+  };
+  std::set<decltype(key(out.entries(0)))> have;
+  for (const auto& e : out.entries()) have.insert(key(e));
+  auto ids = [](const google::protobuf::RepeatedPtrField<std::string>& r) {
+    return std::set<std::string>(r.begin(), r.end());
+  };
+  for (size_t t = 1; t < tables.size(); ++t) {
+    const v1::CalibrationTable& b = tables[t];
+    auto differs = [&](const char* field) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tables[", t, "].", field, " differs from tables[0]'s"));
+    };
+    if (b.model() != out.model()) return differs("model");
+    if (b.shape().SerializeAsString() != out.shape().SerializeAsString()) {
+      return differs("shape");
+    }
+    if (b.block_tokens() != out.block_tokens()) return differs("block_tokens");
+    if (b.source().metric() != out.source().metric()) {
+      return differs("source.metric");
+    }
+    if (ids(b.source().calibration_ids()) !=
+        ids(out.source().calibration_ids())) {
+      return differs("source.calibration_ids");
+    }
+    if (ids(b.source().held_out_ids()) != ids(out.source().held_out_ids())) {
+      return differs("source.held_out_ids");
+    }
+    for (int i = 0; i < b.entries_size(); ++i) {
+      const v1::CalibrationEntry& e = b.entries(i);
+      const bool bf16 =
+          e.format() == v1::FORMAT_BF16 && e.format_v() == v1::FORMAT_BF16;
+      if (!have.insert(key(e)).second) {
+        if (bf16) continue;  // zeros in every table
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tables[", t, "].entries[", i,
+            "]: its tag and encoding are already in an earlier table"));
+      }
+      *out.add_entries() = e;
+    }
+    out.mutable_source()->set_created_unix_ms(
+        std::max(out.source().created_unix_ms(), b.source().created_unix_ms()));
+  }
+  TRIAX_RETURN_IF_ERROR(ValidateTable(out));
+  return out;
 }
 
 }  // namespace triax::calibrate

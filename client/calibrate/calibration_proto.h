@@ -55,6 +55,24 @@ absl::StatusOr<triax::v1::CalibrationTable> BuildTable(
 // naming the field (e.g. "entries[3].distortion") and the value.
 absl::Status ValidateTable(const triax::v1::CalibrationTable& table);
 
+// Reads a table: text format for .txtpb / .textproto / .pbtxt, binary
+// otherwise. NOT_FOUND when unreadable, INVALID_ARGUMENT when it does not
+// parse. Does not validate (ValidateTable).
+absl::StatusOr<triax::v1::CalibrationTable> ReadTableFile(
+    const std::string& path);
+
+// One table from runs over the same conversations with different encodings
+// (kvcalibrate --encodings): the entries of all, the rest of tables[0]
+// (source.created_unix_ms the latest). Each per-(tag, encoding) entry is
+// measured against the same BF16 reference independently of the others,
+// so the union equals one run over every encoding. INVALID_ARGUMENT naming
+// the table index and field when model, shape, block_tokens,
+// source.metric, calibration or held-out ids differ, or when a (tag,
+// encoding) other than BF16 (all zeros everywhere) occurs twice; the result
+// is checked with ValidateTable.
+absl::StatusOr<triax::v1::CalibrationTable> UnionTables(
+    const std::vector<triax::v1::CalibrationTable>& tables);
+
 // A Markdown table: one row per tag (sorted by the tag's mean distortion
 // over the non-BF16 encodings, most sensitive first), one column per
 // encoding (in entry order), plus tokens and queries. For an output-metric

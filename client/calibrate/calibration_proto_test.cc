@@ -207,6 +207,55 @@ TEST(BuildTableTest, OutputMetricFieldsRoundTrip) {
               ::testing::Not(HasSubstr("distortion_answer")));
 }
 
+// Runs over the same conversations with different encodings join into one
+// table; anything that makes them different runs is refused.
+TEST(UnionTablesTest, JoinsDisjointEncodingsOfTheSameRun) {
+  std::vector<CalibrationResultEntry> a, b;
+  for (const CalibrationResultEntry& e : Entries()) {
+    // bf16 and fp8 in the first run, bf16 and int4 pairs in the second.
+    const bool first = e.encoding == kernels::Encoding(Format::kBF16) ||
+                       e.encoding == kernels::Encoding(Format::kFP8);
+    if (first || e.encoding == kernels::Encoding(Format::kBF16)) a.push_back(e);
+    if (!first || e.encoding == kernels::Encoding(Format::kBF16)) {
+      b.push_back(e);
+    }
+  }
+  TableMeta later = Meta();
+  later.source.set_created_unix_ms(1700000000999);
+  auto ta = BuildTable(Meta(), a);
+  auto tb = BuildTable(later, b);
+  auto all = BuildTable(Meta(), Entries());
+  ASSERT_TRUE(ta.ok() && tb.ok() && all.ok());
+  auto u = UnionTables({*ta, *tb});
+  ASSERT_TRUE(u.ok()) << u.status();
+  // Every entry of the one-run table, BF16 once per tag.
+  EXPECT_EQ(u->entries_size(), all->entries_size());
+  EXPECT_EQ(u->source().created_unix_ms(), 1700000000999);
+  EXPECT_TRUE(ValidateTable(*u).ok());
+  // The same entry twice, another model, another metric: refused.
+  EXPECT_THAT(UnionTables({*all, *tb}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("already in an earlier table")));
+  v1::CalibrationTable other = *tb;
+  other.set_model("other");
+  EXPECT_THAT(UnionTables({*ta, other}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("tables[1].model differs")));
+  other = *tb;
+  other.mutable_source()->set_metric(OutputMetricDescription(64, 2));
+  EXPECT_THAT(UnionTables({*ta, other}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("tables[1].source.metric differs")));
+  other = *tb;
+  other.mutable_source()->add_calibration_ids("multi_turn_base_1");
+  EXPECT_THAT(UnionTables({*ta, other}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("source.calibration_ids differs")));
+  EXPECT_THAT(
+      UnionTables({}).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no tables")));
+}
+
 TEST(MarkdownTableTest, RowsSortedMostSensitiveFirst) {
   auto table = BuildTable(Meta(), Entries());
   ASSERT_THAT(table.status(), IsOk());

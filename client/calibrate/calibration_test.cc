@@ -368,5 +368,35 @@ TEST(CalibratorTest, RejectsBadOptionsAndInputs) {
   EXPECT_TRUE(cal->Entries().empty());
 }
 
+TEST(ParseEncodingsTest, NamesAsEncodingNameWritesThem) {
+  auto d = ParseEncodings("");
+  ASSERT_THAT(d, IsOk());
+  EXPECT_EQ(*d, DefaultEncodings());
+  // Every default round-trips through its name.
+  std::string all;
+  for (const kernels::Encoding& e : DefaultEncodings()) {
+    char buf[96];
+    if (!all.empty()) all += ";";
+    all += kernels::EncodingName(e, buf, sizeof(buf));
+  }
+  auto again = ParseEncodings(all);
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(*again, DefaultEncodings());
+  auto mixed = ParseEncodings("k=tq4,v=tq3;k=int4,v=int4,g=64");
+  ASSERT_THAT(mixed, IsOk());
+  ASSERT_EQ(mixed->size(), 2u);
+  EXPECT_EQ((*mixed)[0],
+            kernels::Encoding(kernels::Format::kTQ4, kernels::Format::kTQ3));
+  EXPECT_EQ((*mixed)[1].Group(), 64);
+  EXPECT_THAT(ParseEncodings("tq4;int5"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"int5\" is not an encoding name")));
+  EXPECT_THAT(ParseEncodings("tq4;tq4"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"tq4\" is listed twice")));
+  EXPECT_THAT(ParseEncodings(";"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("names no encoding")));
+}
+
 }  // namespace
 }  // namespace triax::calibrate

@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "client/calibrate/allocation_check.h"
 #include "client/calibrate/calibration.h"
+#include "client/calibrate/calibration_proto.h"
 #include "client/calibrate/output_calibration.h"
 #include "client/frontend/bfcl.h"
 #include "client/frontend/data_dir.h"
@@ -61,31 +62,13 @@ using namespace triax::frontend;  // NOLINT(build/namespaces)
 constexpr int kBadFlags = 2;
 constexpr int kBlockTokens = 16;
 
-absl::StatusOr<v1::CalibrationTable> ReadTable(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  v1::CalibrationTable t;
-  const bool text = absl::EndsWith(path, ".txtpb") ||
-                    absl::EndsWith(path, ".textproto") ||
-                    absl::EndsWith(path, ".pbtxt");
-  const bool ok =
-      text ? google::protobuf::TextFormat::ParseFromString(ss.str(), &t)
-           : t.ParseFromString(ss.str());
-  if (!ok) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, " is not a CalibrationTable"));
-  }
-  return t;
-}
-
 absl::Status Run(const std::vector<std::string>& table_paths,
                  const std::vector<std::string>& ids) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<calibrate::TablePredictor> tables;
   for (const std::string& path : table_paths) {
-    TRIAX_ASSIGN_OR_RETURN(v1::CalibrationTable t, ReadTable(path));
+    TRIAX_ASSIGN_OR_RETURN(v1::CalibrationTable t,
+                           calibrate::ReadTableFile(path));
     TRIAX_ASSIGN_OR_RETURN(
         calibrate::TablePredictor p,
         calibrate::TablePredictor::Create(t, path, kBlockTokens));

@@ -48,6 +48,15 @@ ABSL_FLAG(std::string, data_dir, "",
 ABSL_FLAG(std::string, model, "kvproxy-18m",
           "model to calibrate: DATA_DIR/models/<model>/model.bin (a "
           "byte-level llama2.c checkpoint); also the table's model id");
+ABSL_FLAG(std::string, encodings, "",
+          "encodings to measure, ';'-separated names (\"tq4;k=tq4,v=tq3\"); "
+          "empty: the default 10 (bf16, fp8, int8, int4, int2, tq4, tq3, "
+          "tq2, k=int4,v=int2, k=int8,v=int4)");
+ABSL_FLAG(std::string, union_tables, "",
+          "comma-separated tables of runs over the same conversations with "
+          "different --encodings: write their union to --out / "
+          "--markdown_out and measure nothing (calibration_proto.h "
+          "UnionTables)");
 ABSL_FLAG(std::string, ids,
           "multi_turn_base_1,multi_turn_base_25,multi_turn_base_33,"
           "multi_turn_base_67,multi_turn_base_71,multi_turn_base_102,"
@@ -129,7 +138,8 @@ absl::Status MeasureOutput(
   opt.block_tokens = 16;
   opt.recent_turns = absl::GetFlag(FLAGS_recent_turns);
   opt.chunk = absl::GetFlag(FLAGS_output_chunk);
-  opt.encodings = calibrate::DefaultEncodings();
+  TRIAX_ASSIGN_OR_RETURN(
+      opt.encodings, calibrate::ParseEncodings(absl::GetFlag(FLAGS_encodings)));
   opt.threads = absl::GetFlag(FLAGS_threads);
   TRIAX_ASSIGN_OR_RETURN(calibrate::OutputCalibrator cal,
                          calibrate::OutputCalibrator::Create(cfg, opt));
@@ -218,6 +228,46 @@ absl::Status MeasureOutput(
   return absl::OkStatus();
 }
 
+// Writes `table` to --out: text format for .txtpb / .textproto / .pbtxt,
+// binary otherwise; nothing when --out is empty.
+absl::Status WriteTableOut(const v1::CalibrationTable& table) {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (!out.empty()) {
+    std::string bytes;
+    if (absl::EndsWith(out, ".txtpb") || absl::EndsWith(out, ".textproto") ||
+        absl::EndsWith(out, ".pbtxt")) {
+      google::protobuf::TextFormat::PrintToString(table, &bytes);
+    } else {
+      table.SerializeToString(&bytes);
+    }
+    TRIAX_RETURN_IF_ERROR(WriteFile(out, bytes));
+    std::printf("wrote %s (%zu bytes)\n", out.c_str(), bytes.size());
+  }
+  return absl::OkStatus();
+}
+
+// --union_tables: joins the tables, writes --out and --markdown_out.
+absl::Status Union(const std::string& paths) {
+  std::vector<v1::CalibrationTable> tables;
+  for (absl::string_view path :
+       absl::StrSplit(paths, ',', absl::SkipWhitespace())) {
+    TRIAX_ASSIGN_OR_RETURN(v1::CalibrationTable t,
+                           calibrate::ReadTableFile(std::string(path)));
+    std::printf("%s: %d entries\n", std::string(path).c_str(),
+                t.entries_size());
+    tables.push_back(std::move(t));
+  }
+  TRIAX_ASSIGN_OR_RETURN(v1::CalibrationTable table,
+                         calibrate::UnionTables(tables));
+  std::printf("union: %d entries\n", table.entries_size());
+  TRIAX_RETURN_IF_ERROR(WriteTableOut(table));
+  if (!absl::GetFlag(FLAGS_markdown_out).empty()) {
+    TRIAX_RETURN_IF_ERROR(WriteFile(absl::GetFlag(FLAGS_markdown_out),
+                                    calibrate::MarkdownTable(table)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Run(const std::vector<std::string>& ids) {
   const auto t_start = std::chrono::steady_clock::now();
   const std::string data_dir = ResolveDataDir(absl::GetFlag(FLAGS_data_dir));
@@ -238,7 +288,8 @@ absl::Status Run(const std::vector<std::string>& ids) {
   calibrate::CalibratorOptions opt;
   opt.block_tokens = 16;
   opt.recent_turns = absl::GetFlag(FLAGS_recent_turns);
-  opt.encodings = calibrate::DefaultEncodings();
+  TRIAX_ASSIGN_OR_RETURN(
+      opt.encodings, calibrate::ParseEncodings(absl::GetFlag(FLAGS_encodings)));
   opt.threads = threads;
   TRIAX_ASSIGN_OR_RETURN(Calibrator cal, Calibrator::Create(cfg, opt));
   if (output) {
@@ -336,18 +387,7 @@ absl::Status Run(const std::vector<std::string>& ids) {
       static_cast<long long>(measured), output ? "predicted" : "query",
       Since(t_start));
 
-  const std::string out = absl::GetFlag(FLAGS_out);
-  if (!out.empty()) {
-    std::string bytes;
-    if (absl::EndsWith(out, ".txtpb") || absl::EndsWith(out, ".textproto") ||
-        absl::EndsWith(out, ".pbtxt")) {
-      google::protobuf::TextFormat::PrintToString(table, &bytes);
-    } else {
-      table.SerializeToString(&bytes);
-    }
-    TRIAX_RETURN_IF_ERROR(WriteFile(out, bytes));
-    std::printf("wrote %s (%zu bytes)\n", out.c_str(), bytes.size());
-  }
+  TRIAX_RETURN_IF_ERROR(WriteTableOut(table));
   if (!absl::GetFlag(FLAGS_markdown_out).empty()) {
     TRIAX_RETURN_IF_ERROR(WriteFile(absl::GetFlag(FLAGS_markdown_out), md));
   }
@@ -373,6 +413,21 @@ int main(int argc, char** argv) {
       "[--out=table.txtpb] [--manager=host:port]: per-tag KV quantization "
       "distortion of kvproxy-18m on BFCL");
   absl::ParseCommandLine(argc, argv);
+  if (const std::string u = absl::GetFlag(FLAGS_union_tables); !u.empty()) {
+    if (absl::GetFlag(FLAGS_out).empty() &&
+        absl::GetFlag(FLAGS_markdown_out).empty()) {
+      std::fprintf(stderr,
+                   "kvcalibrate: --union_tables needs --out or "
+                   "--markdown_out\n");
+      return kBadFlags;
+    }
+    const absl::Status s = Union(u);
+    if (!s.ok()) {
+      std::fprintf(stderr, "kvcalibrate: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    return 0;
+  }
   std::vector<std::string> ids =
       absl::StrSplit(absl::GetFlag(FLAGS_ids), ',', absl::SkipWhitespace());
   auto bad = [](const std::string& msg) {
@@ -391,6 +446,12 @@ int main(int argc, char** argv) {
                             " is outside 1..256"));
   }
   if (absl::Status s = triax::ValidateId("--model", absl::GetFlag(FLAGS_model));
+      !s.ok()) {
+    return bad(std::string(s.message()));
+  }
+  if (absl::Status s =
+          triax::calibrate::ParseEncodings(absl::GetFlag(FLAGS_encodings))
+              .status();
       !s.ok()) {
     return bad(std::string(s.message()));
   }
