@@ -542,9 +542,8 @@ absl::StatusOr<std::vector<int>> PreferDominatingUniform(
     for (size_t k = 0; k < n; ++k) {
       if (metrics[m][k].size() != problem.groups[k].options.size()) {
         return absl::InvalidArgumentError(
-            absl::StrCat("metrics[", m, "][", k, "] has ",
-                         metrics[m][k].size(), " options, want ",
-                         problem.groups[k].options.size()));
+            absl::StrCat("metrics[", m, "][", k, "] has ", metrics[m][k].size(),
+                         " options, want ", problem.groups[k].options.size()));
       }
     }
   }
@@ -552,8 +551,8 @@ absl::StatusOr<std::vector<int>> PreferDominatingUniform(
     if (choice[k] < 0 ||
         static_cast<size_t>(choice[k]) >= problem.groups[k].options.size()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("choice[", k, "] is ", choice[k], "; group ", k,
-                       " has ", problem.groups[k].options.size(), " options"));
+          absl::StrCat("choice[", k, "] is ", choice[k], "; group ", k, " has ",
+                       problem.groups[k].options.size(), " options"));
     }
   }
   auto totals = [&](const std::vector<int>& c) {
