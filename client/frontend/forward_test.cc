@@ -122,6 +122,28 @@ TEST(ForwardTest, ChunkedPrefillEqualsTokenByToken) {
   EXPECT_GT(norm, 0.0);
 }
 
+// The matrix products sum every output in one fixed order however tokens
+// and rows are tiled (forward.cc MatMulRows), so prefill in chunks of 7 on
+// 2 threads gives the very floats of token-by-token prefill.
+TEST(ForwardTest, ChunkingDoesNotChangeAnyFloat) {
+  auto model = MakeSyntheticModel(SmallConfig(), 11);
+  ByteTokenizer bt;
+  const std::vector<int> tokens = bt.Encode("Tiles of two rows by four.", true);
+  std::vector<float> one, chunked;
+  {
+    Transformer tf(model.get());
+    LocalKvStore kv(model->config);
+    ASSERT_TRUE(tf.Prefill(tokens, 0, 1, &kv, &one).ok());
+  }
+  {
+    Transformer tf(model.get(), 2);
+    LocalKvStore kv(model->config);
+    ASSERT_TRUE(tf.Prefill(tokens, 0, 7, &kv, &chunked).ok());
+  }
+  ASSERT_EQ(chunked.size(), one.size());
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_EQ(chunked[i], one[i]) << i;
+}
+
 TEST(ForwardTest, BadInputsAreErrors) {
   auto model = MakeSyntheticModel(SmallConfig(), 7);
   Transformer tf(model.get());
