@@ -6,7 +6,8 @@
 # the merge. CAL: the calibration table (default policy_bench's);
 # GROUPS_RUN: configuration groups (A uniform, B triaxial with the dnll
 # objective and the ablations, C triaxial with the kl objective; default
-# "A B C"); AW: answer weight of a further dnll sweep, group D. With
+# "A B C"); AW: answer weight of a further dnll sweep, group D; EXTRA:
+# configurations of a further group E (e.g. bf16,tri-3.6,tri-3.8). With
 # device-bundle/cal.tar.xz carried too, VALIDATE_TABLES (comma-separated)
 # get calibration_validate's prediction check on the held-out conversations.
 set -u
@@ -24,11 +25,13 @@ C=bf16; D=bf16
 for b in 2.5 3 3.5 4 4.5 5 5.5 6; do C="$C,tri-$b-kl"; D="$D,tri-$b-a$AW"; done
 GROUPS_RUN=${GROUPS_RUN:-A B C}
 [ -n "$AW" ] && GROUPS_RUN="$GROUPS_RUN D"
+E=${EXTRA:-}
+[ -n "$E" ] && GROUPS_RUN="$GROUPS_RUN E"
 groups=$GROUPS_RUN
 start=$SECONDS
 for id in 3 8 15 17 42 46 50 59 121 177 181; do
   for g in $groups; do
-    cfg=$A; [ $g = B ] && cfg=$B; [ $g = C ] && cfg=$C; [ $g = D ] && cfg=$D
+    cfg=$A; [ $g = B ] && cfg=$B; [ $g = C ] && cfg=$C; [ $g = D ] && cfg=$D; [ $g = E ] && cfg=$E
     ( timeout 560 /tmp/pbundle/run /tmp/pbundle/bin/policy_bench --data_dir=/tmp/pdata "${cal_flag[@]}" \
         --bfcl_ids=multi_turn_base_$id --configs=$cfg --threads=1 --attention_error=false \
         --answer_weights=0${AW:+,$AW} --objectives=dnll,kl \

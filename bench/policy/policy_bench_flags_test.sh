@@ -41,6 +41,12 @@ expect '--objectives: "kl"' --objectives=kl,kl
 # An attention-metric table cannot serve the NLL objective.
 expect '--objectives: "dnll" needs an output-metric table' --configs=bf16,tri-3 \
   --calibration="$(dirname "$CAL")/calibration_kvproxy-18m.txtpb"
+# Variant names: tri-<budget>[-a<answer weight>][-<objective after the
+# first>][-w<window>], and the ablations at --ablation_budget.
+variants=(--budgets=3.6 --answer_weights=0,1 --objectives=dnll,kl --tri_windows=0,32 --configs=bogus)
+expect 'tq2,tri-3.6,tri-3.6-a1,tri-3.6-w32,tri-3.6-a1-w32,tri-3.6-kl,' "${variants[@]}"
+expect 'tri-3.6-a1-kl-w32,tri-3.5-no-temporal,tri-3.5-no-role' "${variants[@]}"
+expect '"tri-3.7" is not a configuration of this run' --budgets=3.6 --configs=tri-3.7
 expect '--kivi_window: "0"' --kivi_window=0
 expect '--ablation_budget: "-2"' --ablation_budget=-2
 expect '--bootstrap: "0"' --bootstrap=0

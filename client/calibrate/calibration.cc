@@ -241,6 +241,15 @@ std::vector<kernels::Encoding> DefaultEncodings() {
   for (Format f : kernels::kAllFormats) e.emplace_back(f);
   e.emplace_back(Format::kINT4, Format::kINT2);
   e.emplace_back(Format::kINT8, Format::kINT4);
+  // K is the more sensitive half, but which TQ pair wins depends on the tag.
+  for (Format k : {Format::kTQ4, Format::kTQ3, Format::kTQ2}) {
+    for (Format v : {Format::kTQ4, Format::kTQ3, Format::kTQ2}) {
+      if (k != v) e.emplace_back(k, v);
+    }
+  }
+  for (Format f : {Format::kINT4, Format::kINT2}) {
+    for (int g : {64, 128}) e.emplace_back(f, f, g);
+  }
   return e;
 }
 

@@ -159,8 +159,10 @@ absl::Status ValidateCalibrationOptions(
     const frontend::ModelConfig& config, int block_tokens, int threads,
     const std::vector<kernels::Encoding>& encodings);
 
-// The default candidates: bf16, fp8, int8, int4, int2, tq4, tq3, tq2,
-// k=int4/v=int2 and k=int8/v=int4 (INT groups 32, FP16 scales).
+// The default candidates (20): bf16, fp8, int8, int4, int2, tq4, tq3, tq2,
+// k=int4/v=int2, k=int8/v=int4 (INT groups 32, FP16 scales), the six TQ K/V
+// pairs (k=tq4/v=tq3, k=tq4/v=tq2, k=tq3/v=tq4, k=tq3/v=tq2, k=tq2/v=tq4,
+// k=tq2/v=tq3) and INT4 and INT2 with groups 64 and 128.
 std::vector<kernels::Encoding> DefaultEncodings();
 
 struct CalibrationResultEntry {
