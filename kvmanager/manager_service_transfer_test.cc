@@ -326,5 +326,43 @@ TEST_F(TransferServiceTest, BadInputNamesTheField) {
   EXPECT_TRUE(dst_.imports.empty());
 }
 
+TEST_F(TransferServiceTest, ReplayOnlyWatchEndsAfterTheHistory) {
+  {
+    absl::MutexLock lock(&dst_.mu);
+    dst_.mode = FakeWorker::Mode::kDataLoss;
+  }
+  v1::TransferSequenceResponse r;
+  ASSERT_FALSE(Call(&v1::Manager::Stub::TransferSequence, Req(), &r).ok());
+  {
+    absl::MutexLock lock(&dst_.mu);
+    dst_.mode = FakeWorker::Mode::kOk;
+  }
+  ASSERT_TRUE(Call(&v1::Manager::Stub::TransferSequence, Req(), &r).ok());
+  v1::WatchEventsRequest w;
+  w.set_from_id(1);
+  w.set_sequence_id(seq_);
+  w.set_replay_only(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto reader = stub_->WatchEvents(&ctx, w);
+  std::vector<v1::EventKind> kinds;
+  v1::Event e;
+  while (reader->Read(&e)) {
+    if (e.kind() == v1::EVENT_TRANSFER_STARTED ||
+        e.kind() == v1::EVENT_TRANSFER_FAILED ||
+        e.kind() == v1::EVENT_SEQUENCE_TRANSFERRED) {
+      kinds.push_back(e.kind());
+      EXPECT_EQ(e.source_worker_id(), "src");
+      EXPECT_EQ(e.worker_id(), "dst");
+    }
+  }
+  grpc::Status st = reader->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();  // ended, not the deadline
+  EXPECT_EQ(kinds, (std::vector<v1::EventKind>{
+                       v1::EVENT_TRANSFER_STARTED, v1::EVENT_TRANSFER_FAILED,
+                       v1::EVENT_TRANSFER_STARTED,
+                       v1::EVENT_SEQUENCE_TRANSFERRED}));
+}
+
 }  // namespace
 }  // namespace triax::manager
