@@ -441,11 +441,11 @@ std::string SequenceDetail(const triax::v1::SequenceInfo& s) {
     head.AddRow({"parent:", s.parent_sequence_id()});
   }
   if (!s.transfer_id().empty()) {
-    head.AddRow({"transfer:",
-                 absl::StrCat(s.transfer_id(), " to ",
-                              OrDash(s.transfer_destination_worker_id()),
-                              " in flight (the source serves until the "
-                              "commit)")});
+    head.AddRow(
+        {"transfer:", absl::StrCat(s.transfer_id(), " to ",
+                                   OrDash(s.transfer_destination_worker_id()),
+                                   " in flight (the source serves until the "
+                                   "commit)")});
   }
   if (s.state() == triax::v1::SEQUENCE_STATE_LOST) {
     head.AddRow({"lost lineages:", IdList({s.lost_lineage_ids().begin(),
@@ -586,8 +586,8 @@ std::string TraceDetail(uint64_t lineage_id,
   head.AddRow({"format:", FormatName(b.format())});
   head.AddRow({"refcount:", absl::StrCat(b.refcount())});
   head.AddRow({"path:", WorkerPath(resp)});
-  Table events({"ID", "TIME", "KIND", "SEQUENCE", "WORKER", "TAG", "FORMAT",
-                "DETAIL"});
+  Table events(
+      {"ID", "TIME", "KIND", "SEQUENCE", "WORKER", "TAG", "FORMAT", "DETAIL"});
   for (const auto& e : resp.events()) {
     const std::string worker =
         e.source_worker_id().empty()
@@ -670,18 +670,17 @@ std::string EventJson(const triax::v1::Event& e) {
         ",\"modality\":", JsonString(ModalityName(e.tag().modality())),
         ",\"role\":", JsonString(RoleName(e.tag().role())), "}");
   }
-  return absl::StrCat("{\"id\":", e.id(), ",\"unix_ms\":", e.unix_ms(),
-                      ",\"kind\":", JsonString(EventKindName(e.kind())),
-                      ",\"lineage_id\":", e.lineage_id(),
-                      ",\"sequence_id\":", JsonString(e.sequence_id()),
-                      ",\"tenant_id\":", JsonString(e.tenant_id()),
-                      ",\"worker_id\":", JsonString(e.worker_id()),
-                      ",\"source_worker_id\":",
-                      JsonString(e.source_worker_id()),
-                      ",\"tag\":", tag,
-                      ",\"format\":", JsonString(FormatName(e.format())),
-                      ",\"lineage_ids\":[", absl::StrJoin(e.lineage_ids(), ","),
-                      "]", ",\"detail\":", JsonString(e.detail()), "}");
+  return absl::StrCat(
+      "{\"id\":", e.id(), ",\"unix_ms\":", e.unix_ms(),
+      ",\"kind\":", JsonString(EventKindName(e.kind())),
+      ",\"lineage_id\":", e.lineage_id(),
+      ",\"sequence_id\":", JsonString(e.sequence_id()),
+      ",\"tenant_id\":", JsonString(e.tenant_id()),
+      ",\"worker_id\":", JsonString(e.worker_id()),
+      ",\"source_worker_id\":", JsonString(e.source_worker_id()),
+      ",\"tag\":", tag, ",\"format\":", JsonString(FormatName(e.format())),
+      ",\"lineage_ids\":[", absl::StrJoin(e.lineage_ids(), ","), "]",
+      ",\"detail\":", JsonString(e.detail()), "}");
 }
 
 std::string DetailValue(absl::string_view detail, absl::string_view key) {
@@ -715,8 +714,7 @@ std::string TransferHistory(const std::vector<triax::v1::Event>& events) {
     ++rows;
     t.AddRow({absl::StrCat(e.id()), UnixMsString(e.unix_ms()),
               OrDash(DetailValue(e.detail(), "transfer")), what,
-              OrDash(e.source_worker_id()), OrDash(e.worker_id()),
-              e.detail()});
+              OrDash(e.source_worker_id()), OrDash(e.worker_id()), e.detail()});
   }
   if (rows == 0) return "transfers: none\n";
   return absl::StrCat("transfers:\n", t.Render());
@@ -733,18 +731,16 @@ std::string TransferReport(const triax::v1::TransferSequenceResponse& r) {
                                            r.wire_bytes(), ")")});
   head.AddRow({"bf16 bytes:", absl::StrCat(HumanBytes(r.bf16_bytes()), " (",
                                            r.bf16_bytes(), ")")});
-  head.AddRow(
-      {"wire / bf16:",
-       r.wire_bytes() == 0 || r.bf16_bytes() == 0
-           ? std::string("-")
-           : absl::StrFormat(
-                 "%.3f (%.2fx fewer bytes than BF16)",
-                 static_cast<double>(r.wire_bytes()) /
-                     static_cast<double>(r.bf16_bytes()),
-                 static_cast<double>(r.bf16_bytes()) /
-                     static_cast<double>(r.wire_bytes()))});
-  head.AddRow({"source bytes:", absl::StrCat(HumanBytes(r.source_bytes()),
-                                             " (", r.source_bytes(), ")")});
+  head.AddRow({"wire / bf16:",
+               r.wire_bytes() == 0 || r.bf16_bytes() == 0
+                   ? std::string("-")
+                   : absl::StrFormat("%.3f (%.2fx fewer bytes than BF16)",
+                                     static_cast<double>(r.wire_bytes()) /
+                                         static_cast<double>(r.bf16_bytes()),
+                                     static_cast<double>(r.bf16_bytes()) /
+                                         static_cast<double>(r.wire_bytes()))});
+  head.AddRow({"source bytes:", absl::StrCat(HumanBytes(r.source_bytes()), " (",
+                                             r.source_bytes(), ")")});
   head.AddRow({"seconds:", absl::StrFormat("%.3f (pull %.3f)", r.seconds(),
                                            r.pull_seconds())});
   return absl::StrCat(head.Render(), "\n", SequenceDetail(r.sequence()));
@@ -761,9 +757,10 @@ std::string WorkerPath(const triax::v1::QueryTraceResponse& resp) {
         steps.push_back(absl::StrCat("on ", OrDash(e.source_worker_id())));
       }
       const std::string id = DetailValue(e.detail(), "transfer");
-      steps.push_back(absl::StrCat("transferred ", OrDash(e.source_worker_id()),
-                                   " -> ", OrDash(e.worker_id()),
-                                   id.empty() ? "" : absl::StrCat(" (", id, ")")));
+      steps.push_back(
+          absl::StrCat("transferred ", OrDash(e.source_worker_id()), " -> ",
+                       OrDash(e.worker_id()),
+                       id.empty() ? "" : absl::StrCat(" (", id, ")")));
     }
   }
   if (steps.empty()) return "-";

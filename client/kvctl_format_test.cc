@@ -238,13 +238,12 @@ TEST(DetailValue, FindsKeysOnly) {
 }
 
 TEST(EventLine, TransferEventsNameTheSource) {
-  const std::string line =
-      EventLine(TransferEvent(4, triax::v1::EVENT_SEQUENCE_TRANSFERRED, "wa",
-                              "wb", "transfer=xfer-1"));
+  const std::string line = EventLine(TransferEvent(
+      4, triax::v1::EVENT_SEQUENCE_TRANSFERRED, "wa", "wb", "transfer=xfer-1"));
   EXPECT_THAT(line, HasSubstr("kind=SEQUENCE_TRANSFERRED"));
   EXPECT_THAT(line, HasSubstr("worker=wb source=wa"));
-  EXPECT_THAT(EventJson(TransferEvent(4, triax::v1::EVENT_TRANSFER_FAILED,
-                                      "wa", "wb", "")),
+  EXPECT_THAT(EventJson(TransferEvent(4, triax::v1::EVENT_TRANSFER_FAILED, "wa",
+                                      "wb", "")),
               HasSubstr(R"("worker_id":"wb","source_worker_id":"wa")"));
   EXPECT_EQ(EventKindName(triax::v1::EVENT_BLOCK_TRANSFERRED),
             "BLOCK_TRANSFERRED");
@@ -326,7 +325,8 @@ TEST(SequenceDetail, ShowsATransferInFlight) {
   EXPECT_THAT(SequenceDetail(s), Not(HasSubstr("transfer:")));
   s.set_transfer_id("xfer-2");
   s.set_transfer_destination_worker_id("wb");
-  EXPECT_THAT(SequenceDetail(s), HasSubstr("transfer:  xfer-2 to wb in flight"));
+  EXPECT_THAT(SequenceDetail(s),
+              HasSubstr("transfer:  xfer-2 to wb in flight"));
 }
 
 }  // namespace

@@ -23,6 +23,9 @@
 //   SequenceTable        sequences by id, live blocks by lineage id, their
 //                        charging and release (sequence_table.h)
 //   PendingDemotes       two-phase re-encodings (pending_demotes.h)
+//   PendingTransfers     two-phase worker-to-worker transfers
+//                        (pending_transfers.h; the facade's calls in
+//                        manager_core_transfer.cc)
 //   PressureCoordinator  block graph, ranking snapshot (pressure_snapshot.h,
 //                        block_ranker.h), tier plans (pressure_coordinator.h)
 //

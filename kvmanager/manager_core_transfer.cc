@@ -65,9 +65,9 @@ absl::StatusOr<WorkerRecord*> ManagerCore::TransferDestinationLocked(
     }
     absl::Status fits = WorkerRegistry::Fits(*w, bytes, demand);
     if (!fits.ok()) {
-      return absl::Status(fits.code(), absl::StrCat("destination worker ",
-                                                    Quote(named), ": ",
-                                                    fits.message()));
+      return absl::Status(
+          fits.code(), absl::StrCat("destination worker ", Quote(named), ": ",
+                                    fits.message()));
     }
     return w;
   }
@@ -99,20 +99,21 @@ absl::StatusOr<WorkerRecord*> ManagerCore::TransferDestinationLocked(
   if (best != nullptr) return best;
   if (candidates == 0) {
     return absl::UnavailableError(absl::StrCat(
-        "no UP worker with a healthy device besides the source ",
-        Quote(source), " to transfer sequence ", Quote(s.id), " to"));
+        "no UP worker with a healthy device besides the source ", Quote(source),
+        " to transfer sequence ", Quote(s.id), " to"));
   }
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "no worker besides the source ", Quote(source), " has room for the ",
-      bytes, " bytes of sequence ", Quote(s.id), " (", candidates,
-      " UP; e.g. ", refused, ")"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("no worker besides the source ", Quote(source),
+                   " has room for the ", bytes, " bytes of sequence ",
+                   Quote(s.id), " (", candidates, " UP; e.g. ", refused, ")"));
 }
 
 absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
     const TransferSequenceRequest& req) {
   TRIAX_RETURN_IF_ERROR(PendingTransfers::ValidateRequest(req));
   absl::MutexLock lock(&mu_);
-  const std::string cache_key = absl::StrCat("TransferSequence/", req.tenant_id);
+  const std::string cache_key =
+      absl::StrCat("TransferSequence/", req.tenant_id);
   if (auto hit = transfer_cache_.Find(cache_key, req.request_id)) {
     TransferPrepared done;
     done.done = hit->reply;
@@ -158,11 +159,10 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
         tags.emplace_back(b->tag, b->num_tokens);
       }
       TRIAX_ASSIGN_OR_RETURN(
-          p->allocation,
-          SequencePlanner::Allocate(**policy, *p->calibration, s->model,
-                                    s->block_tokens,
-                                    SequencePlanner::GroupTags(tags),
-                                    /*allow_infeasible=*/false, nullptr));
+          p->allocation, SequencePlanner::Allocate(
+                             **policy, *p->calibration, s->model,
+                             s->block_tokens, SequencePlanner::GroupTags(tags),
+                             /*allow_infeasible=*/false, nullptr));
     }
     p->policy = *std::move(policy);
   }
@@ -201,9 +201,9 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
   // The tenant's ceiling first (both copies are charged until the commit),
   // then the destination's room.
   TRIAX_RETURN_IF_ERROR(TenantLedger::Admit(*s->tenant, p->reserved));
-  TRIAX_ASSIGN_OR_RETURN(WorkerRecord * dest,
-                         TransferDestinationLocked(*s, req.destination_worker_id,
-                                                   p->reserved, demand));
+  TRIAX_ASSIGN_OR_RETURN(WorkerRecord * dest, TransferDestinationLocked(
+                                                  *s, req.destination_worker_id,
+                                                  p->reserved, demand));
 
   // Reserve and mark.
   s->tenant->used[static_cast<int>(Tier::kDevice)] += p->reserved;
@@ -226,8 +226,8 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
   ev[0].detail = absl::StrCat(
       "transfer=", pending->transfer_id, " blocks=", pending->encodings.size(),
       " reserved_bytes=", pending->reserved,
-      " source_bytes=", pending->source_bytes, " policy=",
-      pending->policy != nullptr ? pending->policy->name : "-",
+      " source_bytes=", pending->source_bytes,
+      " policy=", pending->policy != nullptr ? pending->policy->name : "-",
       " placed=", req.destination_worker_id.empty() ? "true" : "false");
   events_.Append(&ev);
 
@@ -263,21 +263,21 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
   if (refused.empty()) {
     if (s == nullptr || s->state != SequenceState::kOpen ||
         s->transfer_id != p->transfer_id) {
-      refused = absl::StrCat(
-          "sequence ", Quote(p->sequence_id), " is ",
-          s == nullptr || s->state == SequenceState::kClosed ? "closed"
-                                                             : "lost");
+      refused = absl::StrCat("sequence ", Quote(p->sequence_id), " is ",
+                             s == nullptr || s->state == SequenceState::kClosed
+                                 ? "closed"
+                                 : "lost");
     } else if (dest == nullptr || dest->info.state == WorkerState::kDown) {
       refused = absl::StrCat("destination worker ", Quote(p->destination_id),
                              " went down");
     }
   }
   if (!refused.empty()) {
-    const std::string message =
-        absl::StrCat("transfer ", p->transfer_id, " of ", Quote(p->sequence_id),
-                     " from ", Quote(p->source_id), " to ",
-                     Quote(p->destination_id), " aborted at the commit: ",
-                     refused, "; the source copy stays authoritative");
+    const std::string message = absl::StrCat(
+        "transfer ", p->transfer_id, " of ", Quote(p->sequence_id), " from ",
+        Quote(p->source_id), " to ", Quote(p->destination_id),
+        " aborted at the commit: ", refused,
+        "; the source copy stays authoritative");
     AbortTransferLocked(token, absl::AbortedError(refused));
     return absl::AbortedError(message);
   }
@@ -354,11 +354,11 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
   r.pull_seconds = figures.seconds;
   Event e = TransferEvent(*clock_, EventKind::kSequenceTransferred, s, nullptr,
                           p->source_id, p->destination_id);
-  e.detail = absl::StrCat(
-      "transfer=", p->transfer_id, " blocks=", r.blocks, " pages=", r.pages,
-      " wire_bytes=", r.wire_bytes, " bf16_bytes=", r.bf16_bytes,
-      " source_bytes=", r.source_bytes, " bytes=", s->bytes,
-      " policy=", s->policy->name);
+  e.detail = absl::StrCat("transfer=", p->transfer_id, " blocks=", r.blocks,
+                          " pages=", r.pages, " wire_bytes=", r.wire_bytes,
+                          " bf16_bytes=", r.bf16_bytes,
+                          " source_bytes=", r.source_bytes, " bytes=", s->bytes,
+                          " policy=", s->policy->name);
   ev.push_back(std::move(e));
   events_.Append(&ev);
   out.source_address = source->info.address;

@@ -29,9 +29,8 @@ class TransferTest : public CoreTest {
   void SetUp() override {
     CoreTest::SetUp();
     // Less room than w1, so that Opens go to w1.
-    ASSERT_THAT(core_->RegisterWorker(
-                    {"", "w2", "127.0.0.1:9002", "cpu", 1ull << 30, 0, 0,
-                     "inc-w2"}),
+    ASSERT_THAT(core_->RegisterWorker({"", "w2", "127.0.0.1:9002", "cpu",
+                                       1ull << 30, 0, 0, "inc-w2"}),
                 IsOk());
     // bf16 everywhere: 20 system + 12 user tokens = 3 blocks of kBf16.
     ASSERT_THAT(core_->CreateTenant({"", "t", {}, "bf16"}), IsOk());
@@ -72,10 +71,9 @@ class TransferTest : public CoreTest {
   std::string Snapshot() {
     auto s = core_->GetSequence("", seq_);
     EXPECT_THAT(s, IsOk());
-    std::string out = absl::StrCat(s->worker_id, " ", s->bytes, " ",
-                                   s->transfer_id, " ", s->policy, " ",
-                                   DeviceUsage("t"), " ", Reserved("w1"), " ",
-                                   Reserved("w2"));
+    std::string out = absl::StrCat(
+        s->worker_id, " ", s->bytes, " ", s->transfer_id, " ", s->policy, " ",
+        DeviceUsage("t"), " ", Reserved("w1"), " ", Reserved("w2"));
     for (const BlockPlan& b : s->blocks) {
       absl::StrAppend(&out, " ", b.lineage_id, ":", static_cast<int>(b.tier),
                       ":", EncodingString(b.encoding));
@@ -166,9 +164,8 @@ TEST_F(TransferTest, PrepareReservesAndCommitMovesTheSequence) {
     EXPECT_EQ(moved[i].worker_id, "w2");
     EXPECT_EQ(moved[i].source_worker_id, "w1");
     EXPECT_EQ(moved[i].format, Format::kBF16);
-    EXPECT_THAT(moved[i].detail,
-                HasSubstr(absl::StrCat("bytes_from=", kBf16,
-                                       " bytes_to=", kBf16)));
+    EXPECT_THAT(moved[i].detail, HasSubstr(absl::StrCat("bytes_from=", kBf16,
+                                                        " bytes_to=", kBf16)));
   }
   auto done = Kind(EventKind::kSequenceTransferred);
   ASSERT_EQ(done.size(), 1u);
@@ -244,8 +241,8 @@ TEST_F(TransferTest, DestinationPolicyReencodesOnTheWay) {
   auto moved = Kind(EventKind::kBlockTransferred);
   ASSERT_EQ(moved.size(), 3u);
   EXPECT_EQ(moved[0].format, Format::kINT4);
-  EXPECT_THAT(moved[0].detail, HasSubstr(absl::StrCat(
-                                   "bytes_from=", kBf16, " bytes_to=", kInt4)));
+  EXPECT_THAT(moved[0].detail, HasSubstr(absl::StrCat("bytes_from=", kBf16,
+                                                      " bytes_to=", kInt4)));
   // New blocks follow the destination policy.
   ExtendSequenceRequest ext;
   ext.tenant_id = "t";
@@ -273,7 +270,8 @@ TEST_F(TransferTest, AbortReturnsEveryReservation) {
   EXPECT_THAT(failed[0].detail, HasSubstr("code=DATA_LOSS"));
   EXPECT_THAT(failed[0].detail, HasSubstr("page 3 checksum mismatch"));
   // The token is gone: a commit is refused, a second abort is a no-op.
-  EXPECT_THAT(core_->CommitTransfer(p->token, {}), StatusIs(C::kNotFound, HasSubstr("not pending")));
+  EXPECT_THAT(core_->CommitTransfer(p->token, {}),
+              StatusIs(C::kNotFound, HasSubstr("not pending")));
   core_->AbortTransfer(p->token, absl::InternalError("again"));
   EXPECT_EQ(Kind(EventKind::kTransferFailed).size(), 1u);
   // The sequence is mutable again, and a retry (same request id: failures
@@ -346,10 +344,10 @@ TEST_F(TransferTest, PressurePlansSkipATransferringSequence) {
   TierPlan plan = core_->PlanPressure();
   EXPECT_FALSE(touches(plan, big_id));
   if (plan.token != 0) {
-    ASSERT_THAT(core_->FinishTierPlan(
-                    plan.token, std::vector<absl::Status>(
-                                    plan.commands.size(),
-                                    absl::UnavailableError("not run"))),
+    ASSERT_THAT(core_->FinishTierPlan(plan.token,
+                                      std::vector<absl::Status>(
+                                          plan.commands.size(),
+                                          absl::UnavailableError("not run"))),
                 IsOk());
   }
   core_->AbortTransfer(p->token, absl::CancelledError("test"));
@@ -382,11 +380,13 @@ TEST_F(TransferTest, BadRequestsNameTheField) {
               StatusIs(C::kNotFound, HasSubstr("seq-99")));
   EXPECT_THAT(with([](auto& r) { r.tenant_id = "acme"; }),
               StatusIs(C::kPermissionDenied, HasSubstr("another tenant")));
-  EXPECT_THAT(with([](auto& r) { r.destination_worker_id = "w1"; }),
-              StatusIs(C::kInvalidArgument,
-                       HasSubstr("destination_worker_id \"w1\" is the worker")));
-  EXPECT_THAT(with([](auto& r) { r.destination_worker_id = "w9"; }),
-              StatusIs(C::kNotFound, HasSubstr("\"w9\" is not a known worker")));
+  EXPECT_THAT(
+      with([](auto& r) { r.destination_worker_id = "w1"; }),
+      StatusIs(C::kInvalidArgument,
+               HasSubstr("destination_worker_id \"w1\" is the worker")));
+  EXPECT_THAT(
+      with([](auto& r) { r.destination_worker_id = "w9"; }),
+      StatusIs(C::kNotFound, HasSubstr("\"w9\" is not a known worker")));
   EXPECT_THAT(with([](auto& r) { r.destination_policy = "nope"; }),
               StatusIs(C::kNotFound, HasSubstr("nope")));
   EXPECT_EQ(Kind(EventKind::kTransferStarted).size(), 0u);
@@ -405,20 +405,20 @@ TEST_F(TransferTest, RefusalsReserveNothing) {
   ASSERT_THAT(core_->RegisterWorker(
                   {"", "w3", "127.0.0.1:9003", "cpu", 2 * kBf16, 0, 0, "i3"}),
               IsOk());
-  EXPECT_THAT(core_->PrepareTransfer(Req("w3")),
-              StatusIs(C::kResourceExhausted,
-                       HasSubstr("destination worker \"w3\"")));
+  EXPECT_THAT(
+      core_->PrepareTransfer(Req("w3")),
+      StatusIs(C::kResourceExhausted, HasSubstr("destination worker \"w3\"")));
   EXPECT_EQ(Snapshot(), before);
   // A fork shares the blocks: they stay with the source.
   auto fork = core_->ForkSequence({"", "t", seq_, 0});
   ASSERT_THAT(fork, IsOk());
   auto shared = core_->GetSequence("t", seq_);
-  EXPECT_THAT(core_->PrepareTransfer(Req("w2")),
-              StatusIs(C::kFailedPrecondition,
-                       HasSubstr(absl::StrCat("lineage ",
-                                              shared->blocks[0].lineage_id,
-                                              " (block 0) of sequence \"",
-                                              seq_, "\" is shared with a fork"))));
+  EXPECT_THAT(
+      core_->PrepareTransfer(Req("w2")),
+      StatusIs(C::kFailedPrecondition,
+               HasSubstr(absl::StrCat("lineage ", shared->blocks[0].lineage_id,
+                                      " (block 0) of sequence \"", seq_,
+                                      "\" is shared with a fork"))));
   ASSERT_THAT(core_->CloseSequence({"", "t", fork->sequence_id}), IsOk());
   // Closed: refused.
   ASSERT_THAT(core_->CloseSequence({"", "t", seq_}), IsOk());
@@ -435,8 +435,9 @@ TEST_F(TransferTest, DestinationMustBeUp) {
   EXPECT_THAT(core_->PrepareTransfer(Req("w2")),
               StatusIs(C::kUnavailable,
                        HasSubstr("destination worker \"w2\" is suspect")));
-  EXPECT_THAT(core_->PrepareTransfer(Req()),
-              StatusIs(C::kUnavailable, HasSubstr("besides the source \"w1\"")));
+  EXPECT_THAT(
+      core_->PrepareTransfer(Req()),
+      StatusIs(C::kUnavailable, HasSubstr("besides the source \"w1\"")));
   clock_.AdvanceMs(30000);
   ASSERT_THAT(core_->Heartbeat("w1", Inventory{}), IsOk());
   core_->CheckWorkers();
@@ -462,13 +463,12 @@ TEST_F(TransferTest, DestinationDownMidTransferAborts) {
   ASSERT_THAT(core_->Heartbeat("w1", Inventory{}), IsOk());
   core_->CheckWorkers();
   // It comes back as another process before the commit: still refused.
-  ASSERT_THAT(core_->RegisterWorker(
-                  {"", "w2", "127.0.0.1:9002", "cpu", 1ull << 30, 0, 0,
-                   "inc-w2b"}),
+  ASSERT_THAT(core_->RegisterWorker({"", "w2", "127.0.0.1:9002", "cpu",
+                                     1ull << 30, 0, 0, "inc-w2b"}),
               IsOk());
-  EXPECT_THAT(core_->CommitTransfer(p->token, {}),
-              StatusIs(C::kAborted,
-                       HasSubstr("destination worker \"w2\" went down")));
+  EXPECT_THAT(
+      core_->CommitTransfer(p->token, {}),
+      StatusIs(C::kAborted, HasSubstr("destination worker \"w2\" went down")));
   EXPECT_EQ(Reserved("w2"), 0u);
   EXPECT_EQ(Reserved("w1"), 3 * kBf16);
   EXPECT_EQ(DeviceUsage("t"), 3 * kBf16);
@@ -498,8 +498,9 @@ TEST_F(TransferTest, SourceDownMidTransferAborts) {
   auto lost = core_->GetSequence("t", seq_);
   ASSERT_THAT(lost, IsOk());
   EXPECT_EQ(lost->state, SequenceState::kLost);
-  EXPECT_THAT(core_->CommitTransfer(p->token, {}),
-              StatusIs(C::kAborted, HasSubstr("source worker \"w1\" went down")));
+  EXPECT_THAT(
+      core_->CommitTransfer(p->token, {}),
+      StatusIs(C::kAborted, HasSubstr("source worker \"w1\" went down")));
   EXPECT_EQ(Reserved("w2"), 0u);
   EXPECT_EQ(DeviceUsage("t"), 0u);
   EXPECT_EQ(Kind(EventKind::kTransferFailed).size(), 1u);

@@ -64,17 +64,16 @@ grpc::ServerUnaryReactor* ManagerService::TransferSequence(
       &call->ctx, &call->req, &call->resp,
       [this, call, reactor, resp](const grpc::Status& status) {
         const TransferPrepared& p = call->prepared;
-        const std::string what =
-            absl::StrCat("transfer ", p.transfer_id, " of ",
-                         Quote(p.sequence_id), " from ",
-                         Quote(p.source_worker_id), " to ",
-                         Quote(p.destination_worker_id), ": ");
+        const std::string what = absl::StrCat(
+            "transfer ", p.transfer_id, " of ", Quote(p.sequence_id), " from ",
+            Quote(p.source_worker_id), " to ", Quote(p.destination_worker_id),
+            ": ");
         absl::Status result;
         if (!status.ok()) {
           const absl::Status ws = FromGrpcStatus(status);
           result = absl::Status(
-              ws.code(), absl::StrCat(what, "destination ImportSequence: ",
-                                      ws.message()));
+              ws.code(),
+              absl::StrCat(what, "destination ImportSequence: ", ws.message()));
           core_->AbortTransfer(p.token, result);
         } else {
           absl::StatusOr<TransferCommitted> committed =
@@ -143,7 +142,8 @@ void ManagerService::FreePagesBestEffort(const std::string& worker_id,
       &call->ctx, &call->req, &call->resp,
       [this, call, worker_id, why](const grpc::Status& status) {
         // NOT_FOUND: the worker never had it (or freed it already).
-        if (!status.ok() && status.error_code() != grpc::StatusCode::NOT_FOUND) {
+        if (!status.ok() &&
+            status.error_code() != grpc::StatusCode::NOT_FOUND) {
           Log(LogLevel::kWarn, "manager",
               "FreePages failed; the pages are the worker's orphans until its "
               "next heartbeat's release list or its return",

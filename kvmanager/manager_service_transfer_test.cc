@@ -143,8 +143,8 @@ class TransferServiceTest : public ServiceTest {
             .ok());
     std::string out = s.sequence().DebugString() + t.DebugString();
     for (const auto& worker : w.workers()) {
-      out += worker.worker_id() + "=" + std::to_string(worker.reserved_bytes()) +
-             " ";
+      out += worker.worker_id() + "=" +
+             std::to_string(worker.reserved_bytes()) + " ";
     }
     return out;
   }
@@ -358,10 +358,10 @@ TEST_F(TransferServiceTest, ReplayOnlyWatchEndsAfterTheHistory) {
   }
   grpc::Status st = reader->Finish();
   EXPECT_TRUE(st.ok()) << st.error_message();  // ended, not the deadline
-  EXPECT_EQ(kinds, (std::vector<v1::EventKind>{
-                       v1::EVENT_TRANSFER_STARTED, v1::EVENT_TRANSFER_FAILED,
-                       v1::EVENT_TRANSFER_STARTED,
-                       v1::EVENT_SEQUENCE_TRANSFERRED}));
+  EXPECT_EQ(kinds,
+            (std::vector<v1::EventKind>{
+                v1::EVENT_TRANSFER_STARTED, v1::EVENT_TRANSFER_FAILED,
+                v1::EVENT_TRANSFER_STARTED, v1::EVENT_SEQUENCE_TRANSFERRED}));
 }
 
 }  // namespace
