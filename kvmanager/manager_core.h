@@ -398,8 +398,10 @@ class ManagerCore {
   // destination not UP or its device failed; no UP worker besides the
   // source), RESOURCE_EXHAUSTED (the tenant's ceiling or the destination's
   // room, nothing reserved), ABORTED (a block busy with a tier plan; the
-  // same request id in flight). A repeat of a committed request id returns
-  // its reply in `done`; failed transfers are not remembered.
+  // same request id in flight). A repeat of the request id of a transfer
+  // that ended returns its final reply: the committed reply in `done`, or
+  // the error it aborted with. (Refusals here start nothing and are not
+  // remembered.)
   absl::StatusOr<TransferPrepared> PrepareTransfer(
       const TransferSequenceRequest& req);
   // Commits: the sequence is on the destination (placement, encodings,
@@ -412,8 +414,8 @@ class ManagerCore {
   absl::StatusOr<TransferCommitted> CommitTransfer(
       uint64_t token, const TransferImportFigures& figures);
   // Returns every reservation, clears the mark, emits TRANSFER_FAILED with
-  // `error`; the sequence stays on the source, unchanged. No-op for an
-  // unknown token.
+  // `error` and remembers `error` as the final reply of the request id; the
+  // sequence stays on the source, unchanged. No-op for an unknown token.
   void AbortTransfer(uint64_t token, const absl::Status& error);
 
   // --- Memory pressure (pressure_coordinator.h) -----------------------------

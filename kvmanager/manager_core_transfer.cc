@@ -115,6 +115,7 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
   const std::string cache_key =
       absl::StrCat("TransferSequence/", req.tenant_id);
   if (auto hit = transfer_cache_.Find(cache_key, req.request_id)) {
+    if (!hit->status.ok()) return hit->status;  // it aborted
     TransferPrepared done;
     done.done = hit->reply;
     return done;
@@ -273,13 +274,13 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
     }
   }
   if (!refused.empty()) {
-    const std::string message = absl::StrCat(
+    const absl::Status aborted = absl::AbortedError(absl::StrCat(
         "transfer ", p->transfer_id, " of ", Quote(p->sequence_id), " from ",
         Quote(p->source_id), " to ", Quote(p->destination_id),
-        " aborted at the commit: ", refused,
-        "; the source copy stays authoritative");
-    AbortTransferLocked(token, absl::AbortedError(refused));
-    return absl::AbortedError(message);
+        ": aborted at the commit: ", refused,
+        "; the source copy stays authoritative"));
+    AbortTransferLocked(token, aborted);
+    return aborted;
   }
 
   WorkerRecord* source = s->worker;
@@ -379,6 +380,9 @@ void ManagerCore::AbortTransferLocked(uint64_t token,
                                       const absl::Status& error) {
   std::optional<PendingTransfers::Pending> p = transfers_.Release(token);
   if (!p) return;
+  // The final reply of its request id (a transfer that started and failed).
+  transfer_cache_.Put(absl::StrCat("TransferSequence/", p->tenant_id),
+                      p->request_id, error, TransferSequenceResult{});
   SequenceRecord* s = sequences_.Find(p->sequence_id);
   if (s == nullptr) return;  // left closed retention meanwhile
   if (s->transfer_id == p->transfer_id) {

@@ -274,9 +274,11 @@ TEST_F(TransferTest, AbortReturnsEveryReservation) {
               StatusIs(C::kNotFound, HasSubstr("not pending")));
   core_->AbortTransfer(p->token, absl::InternalError("again"));
   EXPECT_EQ(Kind(EventKind::kTransferFailed).size(), 1u);
-  // The sequence is mutable again, and a retry (same request id: failures
-  // are not remembered) succeeds.
-  auto retry = core_->PrepareTransfer(Req("w2", "x-1"));
+  // The request id's final reply is the error; a retry (a new request id)
+  // succeeds: the sequence is mutable again.
+  EXPECT_THAT(core_->PrepareTransfer(Req("w2", "x-1")),
+              StatusIs(C::kDataLoss, HasSubstr("page 3 checksum mismatch")));
+  auto retry = core_->PrepareTransfer(Req("w2", "x-2"));
   ASSERT_THAT(retry, IsOk());
   EXPECT_EQ(retry->transfer_id, "xfer-2");
   ASSERT_THAT(core_->CommitTransfer(retry->token, {}), IsOk());

@@ -227,8 +227,10 @@ TEST_F(TransferServiceTest, ImportDataLossAbortsAndFreesTheDestination) {
     dst_.mode = FakeWorker::Mode::kDataLoss;
   }
   const std::string before = Accounting();
+  v1::TransferSequenceRequest req = Req();
+  req.set_request_id("dl-1");
   v1::TransferSequenceResponse r;
-  grpc::Status st = Call(&v1::Manager::Stub::TransferSequence, Req(), &r);
+  grpc::Status st = Call(&v1::Manager::Stub::TransferSequence, req, &r);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS);
   EXPECT_EQ(st.error_message(),
             "transfer xfer-1 of \"" + seq_ +
@@ -241,11 +243,19 @@ TEST_F(TransferServiceTest, ImportDataLossAbortsAndFreesTheDestination) {
     EXPECT_EQ(dst_.frees[0].sequence_id(), seq_);
   }
   EXPECT_EQ(src_.Frees(), 0u);
-  // A retry succeeds.
+  // The request id's final reply is that error, with no second import.
   {
     absl::MutexLock lock(&dst_.mu);
     dst_.mode = FakeWorker::Mode::kOk;
   }
+  grpc::Status again = Call(&v1::Manager::Stub::TransferSequence, req, &r);
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::DATA_LOSS);
+  EXPECT_EQ(again.error_message(), st.error_message());
+  {
+    absl::MutexLock lock(&dst_.mu);
+    EXPECT_EQ(dst_.imports.size(), 1u);
+  }
+  // A retry (a new request id) succeeds.
   st = Call(&v1::Manager::Stub::TransferSequence, Req(), &r);
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(r.transfer_id(), "xfer-2");
