@@ -73,6 +73,10 @@ ABSL_FLAG(bool, restore_on_attend, true,
           "background");
 ABSL_FLAG(int32_t, retry_after_ms, 20,
           "retry delay suggested when restore_on_attend is false");
+ABSL_FLAG(int32_t, testing_corrupt_export_pages, 0,
+          "TEST HOOK: flip one byte of every N-th page this worker exports "
+          "(ExportPages), after its CRC32C was taken, so that the importing "
+          "worker answers DATA_LOSS; 0 (the default) is off");
 
 namespace {
 
@@ -234,7 +238,14 @@ int main(int argc, char** argv) {
       static_cast<uint32_t>(absl::GetFlag(FLAGS_retry_after_ms));
   SequenceStore store(device->get(), allocator->get(), store_options);
   WorkerCore core(&store, device->get());
-  WorkerService service(&core);
+  const int32_t corrupt = absl::GetFlag(FLAGS_testing_corrupt_export_pages);
+  if (corrupt < 0) {
+    return Fail(2, absl::StrCat("--testing_corrupt_export_pages=", corrupt,
+                                " must be >= 0"));
+  }
+  WorkerServiceOptions service_options;
+  service_options.testing_corrupt_export_pages = static_cast<uint32_t>(corrupt);
+  WorkerService service(&core, service_options);
 
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;
