@@ -164,6 +164,11 @@ absl::Status CheckFlags() {
     return absl::InvalidArgumentError(
         absl::StrCat("--retry_after_ms=", r, " must be >= 0"));
   }
+  if (const int32_t n = absl::GetFlag(FLAGS_testing_corrupt_export_pages);
+      n < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--testing_corrupt_export_pages=", n, " must be >= 0"));
+  }
   if (backend != "auto" && backend != "cpu" && backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat(
         "--backend=", triax::Quote(backend), " is not one of auto, cpu, cuda"));
@@ -238,13 +243,9 @@ int main(int argc, char** argv) {
       static_cast<uint32_t>(absl::GetFlag(FLAGS_retry_after_ms));
   SequenceStore store(device->get(), allocator->get(), store_options);
   WorkerCore core(&store, device->get());
-  const int32_t corrupt = absl::GetFlag(FLAGS_testing_corrupt_export_pages);
-  if (corrupt < 0) {
-    return Fail(2, absl::StrCat("--testing_corrupt_export_pages=", corrupt,
-                                " must be >= 0"));
-  }
   WorkerServiceOptions service_options;
-  service_options.testing_corrupt_export_pages = static_cast<uint32_t>(corrupt);
+  service_options.testing_corrupt_export_pages =
+      static_cast<uint32_t>(absl::GetFlag(FLAGS_testing_corrupt_export_pages));
   WorkerService service(&core, service_options);
 
   const std::string listen = absl::GetFlag(FLAGS_listen);

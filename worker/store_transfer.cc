@@ -74,9 +74,9 @@ absl::StatusOr<uint64_t> CheckExportBlocks(const Device& device,
     const Block& b = seq.blocks[want.index];
     if (want.lineage_id != b.spec.lineage_id) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "blocks[", i, "] (index=", want.index,
-          ") lineage_id=", want.lineage_id, " mismatches sequence_id=",
-          Quote(seq.id), "'s block lineage_id=", b.spec.lineage_id));
+          "blocks[", i, "] (index=", want.index, ") lineage_id=",
+          want.lineage_id, " mismatches sequence_id=", Quote(seq.id),
+          "'s block lineage_id=", b.spec.lineage_id));
     }
     BlockSpec spec = b.spec;
     spec.encoding = want.encoding;
@@ -84,10 +84,10 @@ absl::StatusOr<uint64_t> CheckExportBlocks(const Device& device,
         BlockEncoding(device, spec, absl::StrCat("blocks[", i, "]"), seq.shape)
             .status());
     if (b.spec.evicted) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("blocks[", i, "] (index=", want.index,
-                       " lineage_id=", want.lineage_id, ") of sequence_id=",
-                       Quote(seq.id), " is evicted; it has no pages to send"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "blocks[", i, "] (index=", want.index,
+          " lineage_id=", want.lineage_id, ") of sequence_id=", Quote(seq.id),
+          " is evicted; it has no pages to send"));
     }
     end = std::max(end, b.end());
   }
@@ -141,13 +141,13 @@ absl::Status SequenceStore::Export(
               absl::StrCat(what, ": deadline passed"));
         }
         seq->written_cv.WaitWithDeadline(
-            &seq->mu, std::min(options.deadline, now + absl::Milliseconds(100)));
+            &seq->mu,
+            std::min(options.deadline, now + absl::Milliseconds(100)));
       }
     }
     absl::StatusOr<std::vector<TransferPage>> pages =
-        WithRoom<std::vector<TransferPage>>([&] {
-          return ExportLayerOnce(seq, tenant_id, blocks, l, end);
-        });
+        WithRoom<std::vector<TransferPage>>(
+            [&] { return ExportLayerOnce(seq, tenant_id, blocks, l, end); });
     TRIAX_RETURN_IF_ERROR(pages.status());
     Checksum(&*pages);
     TRIAX_RETURN_IF_ERROR(sink(l, &*pages));
@@ -186,9 +186,10 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
       const Page* src =
           IsBf16(b.spec.encoding) ? b.target[layer] : b.window[layer];
       if (src == nullptr) {
-        return absl::InternalError(absl::StrCat(
-            "sequence_id=", Quote(seq.id), " ", store_internal::BlockName(b.spec),
-            " layer ", layer, " is unsealed but has no BF16 page"));
+        return absl::InternalError(
+            absl::StrCat("sequence_id=", Quote(seq.id), " ",
+                         store_internal::BlockName(b.spec), " layer ", layer,
+                         " is unsealed but has no BF16 page"));
       }
       p.encoding = Bf16();
       p.sealed = false;
@@ -391,8 +392,8 @@ absl::Status ImportSession::InstallOnce(const TransferPage& page) {
   const std::string where = Where(page);
   if (page.layer >= seq.model.n_layers) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, "layer=", page.layer, " is >= model.n_layers=",
-                     seq.model.n_layers));
+        absl::StrCat(where, "layer=", page.layer,
+                     " is >= model.n_layers=", seq.model.n_layers));
   }
   if (page.block_index >= seq.blocks.size()) {
     return absl::InvalidArgumentError(
@@ -401,9 +402,9 @@ absl::Status ImportSession::InstallOnce(const TransferPage& page) {
   }
   Block& b = seq.blocks[page.block_index];
   if (page.lineage_id != b.spec.lineage_id) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, "lineage_id=", page.lineage_id,
-                     " differs from the plan's lineage_id=", b.spec.lineage_id));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "lineage_id=", page.lineage_id,
+        " differs from the plan's lineage_id=", b.spec.lineage_id));
   }
   if (b.spec.evicted) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -416,10 +417,10 @@ absl::Status ImportSession::InstallOnce(const TransferPage& page) {
   }
   const Encoding want = page.sealed ? b.spec.encoding : Bf16();
   if (!(page.encoding == want)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, "format (encoding ", EncName(page.encoding), ") of a ",
-        page.sealed ? "sealed" : "window", " page differs from the expected ",
-        EncName(want)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "format (encoding ", EncName(page.encoding),
+                     ") of a ", page.sealed ? "sealed" : "window",
+                     " page differs from the expected ", EncName(want)));
   }
   const size_t bytes = kernels::PageBytes(want, seq.shape);
   if (page.data.size() != bytes) {
@@ -428,9 +429,9 @@ absl::Status ImportSession::InstallOnce(const TransferPage& page) {
                      EncName(want), " page has ", bytes));
   }
   if (page.num_tokens != b.spec.num_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, "num_tokens=", page.num_tokens,
-                     " differs from the plan's num_tokens=", b.spec.num_tokens));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "num_tokens=", page.num_tokens,
+        " differs from the plan's num_tokens=", b.spec.num_tokens));
   }
   const uint32_t crc = Crc32c(page.data.data(), page.data.size());
   if (crc != page.crc32c) {
@@ -446,15 +447,16 @@ absl::Status ImportSession::InstallOnce(const TransferPage& page) {
     absl::StatusOr<Page*> w =
         store_->allocator_->Allocate(Format::kBF16, bytes, PageUse::kWindow);
     if (!w.ok()) {
-      return absl::Status(w.status().code(),
-                          absl::StrCat(where, "window page: ",
-                                       w.status().message()));
+      return absl::Status(
+          w.status().code(),
+          absl::StrCat(where, "window page: ", w.status().message()));
     }
     b.window[page.layer] = *w;
     st.result.page_bytes += bytes;
     dst = *w;
   }
-  TRIAX_RETURN_IF_ERROR(device->CopyFromHost(dst->data, page.data.data(), bytes));
+  TRIAX_RETURN_IF_ERROR(
+      device->CopyFromHost(dst->data, page.data.data(), bytes));
   if (page.sealed) {
     Page* t = b.target[page.layer];
     absl::MutexLock seal_lock(&t->seal_mu);
@@ -475,9 +477,9 @@ absl::StatusOr<ImportResult> ImportSession::Commit() {
   State& st = *state_;
   if (st.committed) return st.result;
   Sequence& seq = *st.seq;
-  const std::string what = absl::StrCat(
-      "import of sequence_id=", Quote(plan_.sequence_id), " from ",
-      plan_.source, ": ");
+  const std::string what =
+      absl::StrCat("import of sequence_id=", Quote(plan_.sequence_id), " from ",
+                   plan_.source, ": ");
   {
     absl::ReaderMutexLock data(&store_->data_mu_);
     absl::MutexLock lock(&seq.mu);
@@ -488,9 +490,9 @@ absl::StatusOr<ImportResult> ImportSession::Commit() {
         const Block& b = seq.blocks[i];
         const uint8_t have = st.have[i][l];
         if (!b.spec.evicted && have == 0) {
-          return absl::DataLossError(absl::StrCat(
-              what, store_internal::BlockName(b.spec), " layer ", l,
-              " never arrived (the stream ended without it)"));
+          return absl::DataLossError(
+              absl::StrCat(what, store_internal::BlockName(b.spec), " layer ",
+                           l, " never arrived (the stream ended without it)"));
         }
         const bool is_sealed = b.spec.evicted || have == 1;
         if (is_sealed && window_seen) {

@@ -53,7 +53,8 @@
 // Commit checks that every (block, layer) arrived (DATA_LOSS naming the
 // first missing one) and that each layer's sealed pages form a prefix,
 // sets every layer's written length to the plan's tokens, seals what the
-// window rule seals here, and only then makes the sequence visible: until
+// window rule seals here, and only then makes the sequence visible (or
+// answers ALREADY_EXISTS when AllocatePages created the id meanwhile): until
 // Commit it is not listed, and Attend, Read, Write and AllocatePages do not
 // see it (its pages count as used in the inventory). A session destroyed
 // without a successful Commit frees every page it allocated.
@@ -110,9 +111,8 @@ struct ExportOptions {
 };
 
 // Receives one layer's pages (in block order); an error stops the export.
-using ExportSink =
-    absl::FunctionRef<absl::Status(uint32_t layer,
-                                   std::vector<TransferPage>* pages)>;
+using ExportSink = absl::FunctionRef<absl::Status(
+    uint32_t layer, std::vector<TransferPage>* pages)>;
 
 struct ImportPlan {
   std::string tenant_id;

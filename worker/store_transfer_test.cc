@@ -125,20 +125,24 @@ class TransferTest : public ::testing::Test {
   void Install(SequenceStore* store, const std::string& seq,
                const std::vector<BlockSpec>& plan, uint32_t written,
                uint32_t seed = 1) {
-    ASSERT_THAT(store->AllocatePages(kTenant, seq, Model(), kBlock, plan)
-                    .status(),
-                IsOk());
-    for (uint32_t l = 0; l < kLayers; ++l) Write(store, seq, l, 0, written, seed);
+    ASSERT_THAT(
+        store->AllocatePages(kTenant, seq, Model(), kBlock, plan).status(),
+        IsOk());
+    for (uint32_t l = 0; l < kLayers; ++l)
+      Write(store, seq, l, 0, written, seed);
   }
   void Write(SequenceStore* store, const std::string& seq, uint32_t layer,
              uint32_t first, uint32_t n, uint32_t seed = 1) {
-    const std::vector<float> k = Random((first + n) * kPerToken, seed + 2 * layer);
+    const std::vector<float> k =
+        Random((first + n) * kPerToken, seed + 2 * layer);
     const std::vector<float> v =
         Random((first + n) * kPerToken, seed + 2 * layer + 1);
-    const std::string kb(reinterpret_cast<const char*>(k.data() + first * kPerToken),
-                         n * kPerToken * 4);
-    const std::string vb(reinterpret_cast<const char*>(v.data() + first * kPerToken),
-                         n * kPerToken * 4);
+    const std::string kb(
+        reinterpret_cast<const char*>(k.data() + first * kPerToken),
+        n * kPerToken * 4);
+    const std::string vb(
+        reinterpret_cast<const char*>(v.data() + first * kPerToken),
+        n * kPerToken * 4);
     KvWrite w;
     w.layer = layer;
     w.first_token = first;
@@ -154,13 +158,14 @@ class TransferTest : public ::testing::Test {
       ExportOptions options = {}) {
     std::vector<TransferPage> all;
     std::vector<uint32_t> layers;
-    absl::Status s = src_->Export(
-        kTenant, seq, blocks, options,
-        [&](uint32_t layer, std::vector<TransferPage>* pages) {
-          layers.push_back(layer);
-          for (TransferPage& p : *pages) all.push_back(std::move(p));
-          return absl::OkStatus();
-        });
+    absl::Status s =
+        src_->Export(kTenant, seq, blocks, options,
+                     [&](uint32_t layer, std::vector<TransferPage>* pages) {
+                       layers.push_back(layer);
+                       for (TransferPage& p : *pages)
+                         all.push_back(std::move(p));
+                       return absl::OkStatus();
+                     });
     if (!s.ok()) return s;
     // Layer by layer, in order.
     for (size_t i = 0; i < layers.size(); ++i) EXPECT_EQ(layers[i], i);
@@ -278,8 +283,7 @@ TEST_P(EveryEncodingTransferTest, RoundTripIsByteExact) {
   EXPECT_EQ(r->pages, plan.size() * kLayers);
   EXPECT_EQ(r->wire_bytes, kLayers * (3 * page + 2 * bf16_page));
   EXPECT_EQ(r->bf16_bytes, kLayers * 5 * bf16_page);
-  EXPECT_EQ(r->page_bytes,
-            kLayers * (5 * page + (bf16 ? 0 : 2 * bf16_page)));
+  EXPECT_EQ(r->page_bytes, kLayers * (5 * page + (bf16 ? 0 : 2 * bf16_page)));
   ASSERT_EQ(r->layer_done_seconds.size(), kLayers);
   EXPECT_LE(r->layer_done_seconds[0], r->layer_done_seconds[1]);
 
@@ -295,14 +299,14 @@ TEST_P(EveryEncodingTransferTest, RoundTripIsByteExact) {
 
   // The destination keeps going: its window seals into its own target
   // encoding exactly as the source's does.
-  ASSERT_THAT(src_->AllocatePages(kTenant, "s", Model(), kBlock,
-                                  Plan(kTokens + 40, e))
-                  .status(),
-              IsOk());
-  ASSERT_THAT(dst_->AllocatePages(kTenant, "d", Model(), kBlock,
-                                  Plan(kTokens + 40, e))
-                  .status(),
-              IsOk());
+  ASSERT_THAT(
+      src_->AllocatePages(kTenant, "s", Model(), kBlock, Plan(kTokens + 40, e))
+          .status(),
+      IsOk());
+  ASSERT_THAT(
+      dst_->AllocatePages(kTenant, "d", Model(), kBlock, Plan(kTokens + 40, e))
+          .status(),
+      IsOk());
   for (uint32_t l = 0; l < kLayers; ++l) {
     Write(src_.get(), "s", l, kTokens, 40, 9);
     Write(dst_.get(), "d", l, kTokens, 40, 9);
@@ -397,9 +401,9 @@ TEST_F(TransferTest, EvictedBlocksMoveNoBytes) {
   const uint64_t evict[] = {100};
   ASSERT_THAT(src_->Evict(kTenant, "s", evict).status(), IsOk());
   // Naming the evicted block is refused.
-  EXPECT_THAT(Export("s", ExportList(plan)).status(),
-              StatusIs(absl::StatusCode::kFailedPrecondition,
-                       HasSubstr("is evicted")));
+  EXPECT_THAT(
+      Export("s", ExportList(plan)).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is evicted")));
   plan[0].evicted = true;
   auto pages = Export("s", ExportList(plan));
   ASSERT_THAT(pages.status(), IsOk());
@@ -426,8 +430,9 @@ TEST_F(TransferTest, ExportRefusals) {
   Install(src_.get(), "s", plan, 40);
   EXPECT_THAT(Export("nope", ExportList(plan)).status(),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
-  EXPECT_THAT(Export("s", {}).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("blocks")));
+  EXPECT_THAT(
+      Export("s", {}).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("blocks")));
   std::vector<ExportBlock> bad = ExportList(plan);
   bad[1].index = 9;
   EXPECT_THAT(Export("s", bad).status(),
@@ -455,9 +460,8 @@ TEST_F(TransferTest, ExportRefusals) {
 
 TEST_F(TransferTest, FollowWritesWaitsForEachLayer) {
   const std::vector<BlockSpec> plan = Plan(40, Encoding(Format::kINT4));
-  ASSERT_THAT(
-      src_->AllocatePages(kTenant, "s", Model(), kBlock, plan).status(),
-      IsOk());
+  ASSERT_THAT(src_->AllocatePages(kTenant, "s", Model(), kBlock, plan).status(),
+              IsOk());
   std::vector<uint32_t> layers_seen;
   std::vector<TransferPage> pages;
   absl::Mutex mu;
@@ -497,9 +501,8 @@ TEST_F(TransferTest, FollowWritesWaitsForEachLayer) {
 
 TEST_F(TransferTest, FollowWritesEndsAtTheDeadlineOrOnCancel) {
   const std::vector<BlockSpec> plan = Plan(40, Encoding(Format::kINT4));
-  ASSERT_THAT(
-      src_->AllocatePages(kTenant, "s", Model(), kBlock, plan).status(),
-      IsOk());
+  ASSERT_THAT(src_->AllocatePages(kTenant, "s", Model(), kBlock, plan).status(),
+              IsOk());
   Write(src_.get(), "s", 0, 0, 40);
   ExportOptions o;
   o.follow_writes = true;
@@ -627,9 +630,9 @@ TEST_F(TransferTest, ImportIsInvisibleUntilCommitAndIdsAreExclusive) {
   ASSERT_THAT(pages.status(), IsOk());
   auto session = dst_->BeginImport(DstPlan("d", plan));
   ASSERT_THAT(session.status(), IsOk());
-  EXPECT_THAT(dst_->BeginImport(DstPlan("d", plan)).status(),
-              StatusIs(absl::StatusCode::kAlreadyExists,
-                       HasSubstr("already running")));
+  EXPECT_THAT(
+      dst_->BeginImport(DstPlan("d", plan)).status(),
+      StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("already running")));
   for (size_t i = 0; i < 4; ++i) {
     ASSERT_THAT((*session)->Install((*pages)[i]), IsOk());
   }
@@ -654,13 +657,13 @@ TEST_F(TransferTest, ImportIsInvisibleUntilCommitAndIdsAreExclusive) {
                        HasSubstr("blocks[2].first_token=5")));
   ImportPlan p = DstPlan("e", plan);
   p.model.head_dim = 0;
-  EXPECT_THAT(dst_->BeginImport(p).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("head_dim")));
+  EXPECT_THAT(
+      dst_->BeginImport(p).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("head_dim")));
   p = DstPlan("bad id!", plan);
-  EXPECT_THAT(dst_->BeginImport(p).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("sequence_id")));
+  EXPECT_THAT(
+      dst_->BeginImport(p).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("sequence_id")));
   // No room: RESOURCE_EXHAUSTED and nothing kept.
   auto small = PageAllocator::Create(&device_, 64 << 10, 16 << 10);
   ASSERT_THAT(small.status(), IsOk());

@@ -46,13 +46,12 @@ absl::Status TransferClient::Fetch(
   }
   const grpc::Status s = reader->Finish();
   if (s.ok()) return absl::OkStatus();
-  std::string message =
-      absl::StrCat(SourceLabel(req), ": ", s.error_message());
+  std::string message = absl::StrCat(SourceLabel(req), ": ", s.error_message());
   if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    absl::StrAppend(&message, " (the import's timeout_ms=",
-                    req.timeout_ms == 0 ? kDefaultImportTimeoutMs
-                                        : req.timeout_ms,
-                    " passed)");
+    absl::StrAppend(
+        &message, " (the import's timeout_ms=",
+        req.timeout_ms == 0 ? kDefaultImportTimeoutMs : req.timeout_ms,
+        " passed)");
   }
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), message);
 }

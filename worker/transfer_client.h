@@ -15,11 +15,11 @@
 // Thread contract: thread-safe; fetches run concurrently.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <cstddef>
 #include <memory>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -35,9 +35,9 @@ class TransferClient {
  public:
   static constexpr int kMaxReceiveBytes = 64 << 20;
 
-  absl::Status Fetch(const ImportRequest& req, absl::Time deadline,
-                     absl::FunctionRef<absl::Status(const TransferPage&)>
-                         install);
+  absl::Status Fetch(
+      const ImportRequest& req, absl::Time deadline,
+      absl::FunctionRef<absl::Status(const TransferPage&)> install);
 
   // A PageFetcher bound to this client (which must outlive it).
   PageFetcher AsFetcher();

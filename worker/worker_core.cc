@@ -246,10 +246,9 @@ absl::StatusOr<ImportReply> WorkerCore::Import(const ImportRequest& req,
               "source_address is empty; name the source worker's address");
         }
         if (req.timeout_ms > kMaxImportTimeoutMs) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("timeout_ms=", req.timeout_ms, " is above ",
-                           kMaxImportTimeoutMs, " (0 means ",
-                           kDefaultImportTimeoutMs, ")"));
+          return absl::InvalidArgumentError(absl::StrCat(
+              "timeout_ms=", req.timeout_ms, " is above ", kMaxImportTimeoutMs,
+              " (0 means ", kDefaultImportTimeoutMs, ")"));
         }
         const absl::Time start = absl::Now();
         const uint32_t timeout_ms =
@@ -264,11 +263,9 @@ absl::StatusOr<ImportReply> WorkerCore::Import(const ImportRequest& req,
         plan.source = SourceLabel(req);
         TRIAX_ASSIGN_OR_RETURN(std::unique_ptr<ImportSession> session,
                                store_->BeginImport(plan));
-        TRIAX_RETURN_IF_ERROR(
-            fetch(req, start + absl::Milliseconds(timeout_ms),
-                  [&](const TransferPage& page) {
-                    return session->Install(page);
-                  }));
+        TRIAX_RETURN_IF_ERROR(fetch(
+            req, start + absl::Milliseconds(timeout_ms),
+            [&](const TransferPage& page) { return session->Install(page); }));
         ImportReply reply;
         TRIAX_ASSIGN_OR_RETURN(reply.result, session->Commit());
         reply.seconds = absl::ToDoubleSeconds(absl::Now() - start);
@@ -277,8 +274,7 @@ absl::StatusOr<ImportReply> WorkerCore::Import(const ImportRequest& req,
 }
 
 absl::Status WorkerCore::Export(const ExportRequest& req,
-                                const ExportOptions& options,
-                                ExportSink sink) {
+                                const ExportOptions& options, ExportSink sink) {
   std::vector<ExportBlock> blocks;
   blocks.reserve(req.blocks.size());
   for (const BlockSpec& b : req.blocks) {

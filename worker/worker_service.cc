@@ -136,9 +136,9 @@ grpc::Status WorkerService::GetInventory(grpc::ServerContext*,
   return Serve(&WorkerCore::GetInventory, FromProto(*req), resp);
 }
 
-grpc::Status WorkerService::ImportSequence(
-    grpc::ServerContext*, const v1::ImportSequenceRequest* req,
-    v1::ImportSequenceResponse* resp) {
+grpc::Status WorkerService::ImportSequence(grpc::ServerContext*,
+                                           const v1::ImportSequenceRequest* req,
+                                           v1::ImportSequenceResponse* resp) {
   absl::StatusOr<ImportReply> reply =
       core_->Import(FromProto(*req), transfers_.AsFetcher());
   if (!reply.ok()) return ToGrpcStatus(reply.status());

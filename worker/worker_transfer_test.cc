@@ -20,8 +20,8 @@ struct Node {
     auto a = PageAllocator::Create(&device, 4 << 20);
     EXPECT_TRUE(a.ok());
     alloc = *std::move(a);
-    store = std::make_unique<SequenceStore>(&device, alloc.get(),
-                                            StoreOptions{4});
+    store =
+        std::make_unique<SequenceStore>(&device, alloc.get(), StoreOptions{4});
     core = std::make_unique<WorkerCore>(store.get(), &device);
     service = std::make_unique<WorkerService>(core.get(), options);
     grpc::ServerBuilder builder;
@@ -32,8 +32,8 @@ struct Node {
     server = builder.BuildAndStart();
     EXPECT_NE(server, nullptr);
     address = "127.0.0.1:" + std::to_string(port);
-    stub = v1::Worker::NewStub(grpc::CreateChannel(
-        address, grpc::InsecureChannelCredentials()));
+    stub = v1::Worker::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   }
   ~Node() { server->Shutdown(); }
 
@@ -324,8 +324,8 @@ TEST(TransferHookTest, CorruptedPagesAreDataLossAndNothingIsInstalled) {
                      v = Random(size_t{kTokens} * 64, 2);
   grpc::ClientContext ctx;
   v1::AllocatePagesResponse resp;
-  ASSERT_TRUE(a.stub->AllocatePages(&ctx, AllocRequest("s", kTokens), &resp)
-                  .ok());
+  ASSERT_TRUE(
+      a.stub->AllocatePages(&ctx, AllocRequest("s", kTokens), &resp).ok());
   for (uint32_t l = 0; l < 2; ++l) {
     ASSERT_TRUE(a.Write("s", F32Chunk(l, 0, kTokens, k, v)).ok());
   }
@@ -342,9 +342,9 @@ TEST(TransferHookTest, CorruptedPagesAreDataLossAndNothingIsInstalled) {
   v1::ImportSequenceResponse iresp;
   const grpc::Status s = b.stub->ImportSequence(&ictx, r, &iresp);
   // The 4th page: layer 1, block 0 (lineage 1000).
-  EXPECT_CODE(s, grpc::StatusCode::DATA_LOSS,
-              "block 0 (lineage_id=1000) layer 1 from source worker at " +
-                  a.address);
+  EXPECT_CODE(
+      s, grpc::StatusCode::DATA_LOSS,
+      "block 0 (lineage_id=1000) layer 1 from source worker at " + a.address);
   EXPECT_THAT(s.error_message(), HasSubstr("sequence_id=\"s\""));
   EXPECT_THAT(b.store->Inventory().sequence_ids, ::testing::IsEmpty());
   EXPECT_EQ(b.store->Inventory().used_bytes, 0u);

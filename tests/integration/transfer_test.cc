@@ -41,10 +41,9 @@ struct Worker {
 absl::StatusOr<Worker> StartWorker(const std::string& id,
                                    const std::string& dir,
                                    std::vector<std::string> extra = {}) {
-  std::vector<std::string> args = {"--listen=127.0.0.1:0",
-                                   absl::StrCat("--worker_id=", id),
-                                   "--pool_mb=64", "--window_tokens=8",
-                                   "--host_tier_mb=8"};
+  std::vector<std::string> args = {
+      "--listen=127.0.0.1:0", absl::StrCat("--worker_id=", id), "--pool_mb=64",
+      "--window_tokens=8", "--host_tier_mb=8"};
   args.insert(args.end(), extra.begin(), extra.end());
   auto p = Process::Start(id, "kvworker", args, dir);
   if (!p.ok()) return p.status();
@@ -117,8 +116,10 @@ grpc::Status WriteAll(Worker& w, const std::string& seq, uint32_t tokens) {
     c->set_first_token(0);
     c->set_num_tokens(tokens);
     c->set_dtype(v1::KV_DTYPE_F32);
-    c->set_k(std::string(reinterpret_cast<const char*>(k.data()), k.size() * 4));
-    c->set_v(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+    c->set_k(
+        std::string(reinterpret_cast<const char*>(k.data()), k.size() * 4));
+    c->set_v(
+        std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
     if (!writer->Write(m)) break;
   }
   writer->WritesDone();
@@ -228,8 +229,8 @@ TEST_F(TransferTest, ImportedSequenceReadsAsOnTheSource) {
     std::cout << "figure: transfer " << kTokens << " tokens x " << kLayers
               << " layers, " << v1::Format_Name(f)
               << " -> same: wire_bytes=" << resp.wire_bytes()
-              << " bf16_bytes=" << resp.bf16_bytes() << " ratio="
-              << double(resp.bf16_bytes()) / resp.wire_bytes()
+              << " bf16_bytes=" << resp.bf16_bytes()
+              << " ratio=" << double(resp.bf16_bytes()) / resp.wire_bytes()
               << " seconds=" << resp.seconds() << "\n";
   }
   // BF16 on A, INT4 / INT2 on B: encoded on the way, so the wire carries
@@ -239,7 +240,8 @@ TEST_F(TransferTest, ImportedSequenceReadsAsOnTheSource) {
     v1::Format format;
     double min_ratio;
   };
-  for (const Case& c : {Case{v1::FORMAT_INT4, 2.5}, Case{v1::FORMAT_INT2, 3.5}}) {
+  for (const Case& c :
+       {Case{v1::FORMAT_INT4, 2.5}, Case{v1::FORMAT_INT2, 3.5}}) {
     const std::string seq = absl::StrCat("bf16-to-", v1::Format_Name(c.format));
     ASSERT_TRUE(Allocate(*a, seq, kTokens, v1::FORMAT_BF16).ok());
     ASSERT_TRUE(WriteAll(*a, seq, kTokens).ok());
@@ -280,8 +282,8 @@ TEST_F(TransferTest, KilledSourceFailsTheImportAndBHoldsNothing) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("source worker-a at "));
   EXPECT_LT(took, absl::Seconds(5));
-  std::cout << "figure: source killed mid-import: " << s.error_code() << " after "
-            << absl::ToDoubleMilliseconds(took) << " ms\n";
+  std::cout << "figure: source killed mid-import: " << s.error_code()
+            << " after " << absl::ToDoubleMilliseconds(took) << " ms\n";
   ExpectHoldsNothing(*b);
 }
 
