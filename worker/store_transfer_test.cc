@@ -618,6 +618,7 @@ TEST_F(TransferTest, BadPayloadsAreRefusedAndNothingLeaks) {
   const AllocatorStats after = dst_alloc_->Stats();
   EXPECT_EQ(after.used_bytes, before.used_bytes);
   EXPECT_EQ(after.free_bytes, before.free_bytes);
+  EXPECT_EQ(after.free_frames, before.free_frames);
   // And the good pages still import.
   ASSERT_THAT(Import(DstPlan("d", plan), *pages).status(), IsOk());
   ExpectSameReads(src_.get(), "s", dst_.get(), "d");

@@ -316,6 +316,37 @@ TEST_F(TransferServiceTest, ExportPagesBatchesAndChecksumsEveryPage) {
   EXPECT_EQ(batches, 4);  // per layer: two int4 pages, then the bf16 one
 }
 
+TEST_F(TransferServiceTest, ACancelledExportStopsPromptly) {
+  grpc::ClientContext actx;
+  v1::AllocatePagesResponse aresp;
+  ASSERT_TRUE(
+      a_->stub->AllocatePages(&actx, AllocRequest("s", kTokens), &aresp).ok());
+  ASSERT_TRUE(a_->Write("s", F32Chunk(0, 0, kTokens, k_, v_)).ok());
+  const uint64_t used = a_->store->Inventory().used_bytes;
+  v1::ExportPagesRequest r;
+  r.set_tenant_id(kTenant);
+  r.set_sequence_id("s");
+  *r.mutable_blocks() = AllocRequest("s", kTokens).blocks();
+  r.set_follow_writes(true);  // layer 1 is never written: the export waits
+  grpc::ClientContext ctx;
+  auto reader = a_->stub->ExportPages(&ctx, r);
+  v1::PageBatch batch;
+  int pages = 0;
+  while (pages < 3 && reader->Read(&batch)) pages += batch.pages_size();
+  ASSERT_EQ(pages, 3);  // layer 0
+  const absl::Time start = absl::Now();
+  ctx.TryCancel();
+  while (reader->Read(&batch)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // The handler sees the cancellation at its next wake (<= 100 ms) and
+  // returns: a server shutdown waiting for in-flight calls ends at once.
+  a_->server->Shutdown(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_EQ(a_->store->Inventory().used_bytes, used);
+}
+
 TEST(TransferHookTest, CorruptedPagesAreDataLossAndNothingIsInstalled) {
   WorkerServiceOptions o;
   o.testing_corrupt_export_pages = 4;
