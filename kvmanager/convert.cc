@@ -594,6 +594,7 @@ void ToProto(const TransferPrepared& d, v1::ImportSequenceRequest* p) {
   p->mutable_blocks()->Reserve(static_cast<int>(d.blocks.size()));
   for (const BlockPlan& b : d.blocks) ToProto(b, p->add_blocks());
   p->set_source_address(d.source_address);
+  p->set_source_worker_id(d.source_worker_id);
   p->set_timeout_ms(d.timeout_ms);
   p->set_follow_writes(d.follow_writes);
 }
