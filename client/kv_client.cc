@@ -479,6 +479,49 @@ absl::StatusOr<int64_t> Client::DemoteBlocks(
   return resp.bytes_delta();
 }
 
+absl::StatusOr<triax::v1::TransferSequenceResponse> Client::TransferSequence(
+    const std::string& sequence_id, const TransferOptions& options) {
+  triax::v1::TransferSequenceRequest req;
+  req.set_request_id(NewRequestId());
+  req.set_tenant_id(options_.tenant_id);
+  req.set_sequence_id(sequence_id);
+  req.set_destination_worker_id(options.destination_worker_id);
+  req.set_destination_policy(options.destination_policy);
+  req.set_timeout_ms(options.timeout_ms);
+  req.set_follow_writes(options.follow_writes);
+  // The manager answers within the transfer's bound; the margin covers the
+  // prepare, the commit and the network.
+  const int64_t bound =
+      int64_t{options.timeout_ms != 0 ? options.timeout_ms : 10000} + 5000;
+  const int64_t deadline_ms = std::max(bound, options_.rpc_timeout_ms);
+  triax::v1::TransferSequenceResponse resp;
+  absl::Status s;
+  // Retried once on UNAVAILABLE with the same request id: a committed
+  // transfer answers its reply again, one in flight ABORTED.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(deadline_ms));
+    s = FromGrpcStatus(manager_->TransferSequence(&ctx, req, &resp));
+    if (s.code() != absl::StatusCode::kUnavailable) break;
+  }
+  TRIAX_RETURN_IF_ERROR(Prefixed("TransferSequence", s));
+  return resp;
+}
+
+absl::StatusOr<triax::v1::TransferSequenceResponse> Client::TransferSequence(
+    SequenceHandle* seq, const TransferOptions& options) {
+  if (seq == nullptr) {
+    return absl::InvalidArgumentError("TransferSequence: seq is null");
+  }
+  TRIAX_ASSIGN_OR_RETURN(triax::v1::TransferSequenceResponse resp,
+                         TransferSequence(seq->sequence_id, options));
+  const std::optional<uint32_t> window = seq->window_tokens;
+  FillHandle(resp.sequence(), seq);
+  seq->window_tokens = window;
+  return resp;
+}
+
 absl::Status Client::Close(const SequenceHandle& seq) {
   absl::Status worker_status;
   auto w = worker(seq.worker_address);

@@ -41,6 +41,11 @@
 //   DemoteBlocks = manager DemoteBlocks (which itself drives the worker's
 //            Demote and commits the plan); the handle's plan is refreshed
 //            from the reply. A failure leaves the handle unchanged.
+//   TransferSequence = manager TransferSequence (which itself drives the
+//            destination worker's ImportSequence, commits and frees the
+//            source); the handle's plan and worker address are refreshed
+//            from the reply. A failure leaves the handle unchanged (the
+//            source copy stays authoritative).
 //   Close  = worker FreePages + manager CloseSequence; the manager is told
 //            even when the worker answers NOT_FOUND or UNAVAILABLE (a gone
 //            worker holds nothing); any other worker error is returned
@@ -143,6 +148,28 @@ class Client {
   absl::StatusOr<int64_t> DemoteBlocks(
       SequenceHandle* seq,
       const std::vector<triax::v1::BlockEncoding>& encodings);
+
+  // Moves a sequence to another worker (manager TransferSequence; see
+  // docs/manager.md "Transfers"). The call's deadline is the transfer's bound
+  // (timeout_ms, or 10000 when 0: the manager's default) plus 5 s, and at
+  // least rpc_timeout_ms. Returns the manager's reply (the sequence after the
+  // commit and the figures: blocks, pages, wire and BF16 bytes, seconds).
+  // Errors: the manager's (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED,
+  // FAILED_PRECONDITION, UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED) or the
+  // destination worker's (DATA_LOSS for a checksum mismatch,
+  // DEADLINE_EXCEEDED past the bound), prefixed "TransferSequence: ".
+  struct TransferOptions {
+    std::string destination_worker_id;  // empty: placement chooses
+    std::string destination_policy;     // empty: encodings unchanged
+    uint32_t timeout_ms = 0;            // 0: the manager's default
+    bool follow_writes = false;         // layer by layer behind the writes
+  };
+  absl::StatusOr<triax::v1::TransferSequenceResponse> TransferSequence(
+      const std::string& sequence_id, const TransferOptions& options);
+  // The same for a handle: on success seq's plan and worker address are the
+  // destination's (window_tokens kept). INVALID_ARGUMENT for null.
+  absl::StatusOr<triax::v1::TransferSequenceResponse> TransferSequence(
+      SequenceHandle* seq, const TransferOptions& options);
 
   // Writes K/V for tokens [first_token, first_token + num_tokens) of `layer`.
   // k, v: float32 [num_tokens][n_kv_heads][head_dim]; sent as BF16.

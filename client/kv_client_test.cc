@@ -11,8 +11,12 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <set>
+#include <string>
+#include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "common/status_matchers.h"
 
 namespace triax::client {
@@ -592,6 +596,87 @@ TEST_F(FakeServers, ExtendSaysWhenItCouldNotTakeThePlanBack) {
                                "failed too"),
                      HasSubstr("is closed"), HasSubstr("close the sequence"))));
   EXPECT_EQ(manager_.truncates(), 1);
+}
+
+// A manager that answers TransferSequence only, recording the request.
+class TransferManager final : public triax::v1::Manager::Service {
+ public:
+  grpc::Status TransferSequence(
+      grpc::ServerContext*, const triax::v1::TransferSequenceRequest* req,
+      triax::v1::TransferSequenceResponse* resp) override {
+    absl::MutexLock lock(&mu);
+    requests.push_back(*req);
+    if (fail) return grpc::Status(grpc::StatusCode::DATA_LOSS, "crc mismatch");
+    resp->set_transfer_id("xfer-1");
+    resp->set_destination_worker_id("wb");
+    resp->set_wire_bytes(100);
+    triax::v1::SequenceInfo* s = resp->mutable_sequence();
+    s->set_sequence_id(req->sequence_id());
+    s->set_worker_id("wb");
+    s->set_worker_address("127.0.0.1:2");
+    s->set_block_tokens(16);
+    s->set_num_tokens(5);
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu;
+  bool fail ABSL_GUARDED_BY(mu) = false;
+  std::vector<triax::v1::TransferSequenceRequest> requests ABSL_GUARDED_BY(mu);
+};
+
+TEST(Client, TransferSequenceRefreshesTheHandle) {
+  TransferManager fake;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&fake);
+  auto server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ClientOptions o = Unreachable();
+  o.manager_address = "127.0.0.1:" + std::to_string(port);
+  auto c = Client::Connect(o);
+  ASSERT_THAT(c, IsOk());
+  EXPECT_THAT((*c)->TransferSequence(nullptr, {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("null")));
+
+  SequenceHandle h = Handle();
+  h.window_tokens = 64;
+  Client::TransferOptions t;
+  t.destination_worker_id = "wb";
+  t.destination_policy = "triaxial-static";
+  t.timeout_ms = 500;
+  t.follow_writes = true;
+  {
+    absl::MutexLock lock(&fake.mu);
+    fake.fail = true;
+  }
+  EXPECT_THAT((*c)->TransferSequence(&h, t),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       StartsWith("TransferSequence: crc mismatch")));
+  EXPECT_EQ(h.worker_address, "127.0.0.1:1");  // unchanged
+  {
+    absl::MutexLock lock(&fake.mu);
+    fake.fail = false;
+  }
+  auto r = (*c)->TransferSequence(&h, t);
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->transfer_id(), "xfer-1");
+  EXPECT_EQ(r->wire_bytes(), 100u);
+  EXPECT_EQ(h.worker_address, "127.0.0.1:2");
+  EXPECT_EQ(h.num_tokens, 5u);
+  EXPECT_EQ(h.window_tokens, std::optional<uint32_t>(64));
+  absl::MutexLock lock(&fake.mu);
+  ASSERT_EQ(fake.requests.size(), 2u);
+  const auto& req = fake.requests[1];
+  EXPECT_EQ(req.tenant_id(), "acme");
+  EXPECT_EQ(req.sequence_id(), "s1");
+  EXPECT_EQ(req.destination_worker_id(), "wb");
+  EXPECT_EQ(req.destination_policy(), "triaxial-static");
+  EXPECT_EQ(req.timeout_ms(), 500u);
+  EXPECT_TRUE(req.follow_writes());
+  EXPECT_FALSE(req.request_id().empty());
+  EXPECT_NE(req.request_id(), fake.requests[0].request_id());
+  server->Shutdown();
 }
 
 }  // namespace

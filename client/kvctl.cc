@@ -27,14 +27,22 @@
 #include "common/grpc_status.h"
 
 ABSL_FLAG(std::string, manager, "127.0.0.1:7070", "manager address host:port");
-ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each unary RPC");
+ABSL_FLAG(int64_t, timeout_ms, 10000,
+          "deadline of each unary RPC; transfer: the transfer's bound (the "
+          "manager's --transfer_timeout_ms when not given)");
 ABSL_FLAG(std::string, tenant, "",
-          "tenant filter (sequences, events); owner tenant (demote)");
+          "tenant filter (sequences, events); owner tenant (demote; transfer: "
+          "looked up when empty)");
 ABSL_FLAG(bool, all, false, "sequences: include closed sequences");
 ABSL_FLAG(uint64_t, device_floor_bytes, 0, "tenant-create: device floor");
 ABSL_FLAG(uint64_t, device_ceiling_bytes, 0,
           "tenant-create: device ceiling (no device budget when both are 0)");
-ABSL_FLAG(std::string, policy, "", "tenant-create: default policy");
+ABSL_FLAG(std::string, policy, "",
+          "tenant-create: default policy; transfer: destination policy");
+ABSL_FLAG(std::string, to, "",
+          "transfer: destination worker (empty: placement chooses)");
+ABSL_FLAG(bool, follow_writes, false,
+          "transfer: take each layer as the source writes it");
 ABSL_FLAG(std::string, tier, "", "budget-set: device|host|disk");
 ABSL_FLAG(uint64_t, floor_bytes, 0, "budget-set: guaranteed bytes");
 ABSL_FLAG(uint64_t, ceiling_bytes, 0, "budget-set: admission limit in bytes");
@@ -66,7 +74,9 @@ commands:
   budget-set ID --tier device|host|disk --floor_bytes N --ceiling_bytes N
   sequences [--tenant T] [--all]
   sequence ID                   plan (K/V formats, group, scale, tier,
-                                evicted), state and lost lineage ids
+                                evicted), state, lost lineage ids, current
+                                worker, transfer in flight and the transfer
+                                history (retained events)
   policies                      built-in and operator policies, rule by rule
   policy-put NAME RULE...       add or replace an operator policy; RULE is
                                 [SELECTOR,...:]ENCODING or *:ENCODING, e.g.
@@ -81,7 +91,12 @@ commands:
                                 ceiling per tier, mode, ranking time,
                                 snapshot size, applied-action counters and
                                 the N cheapest ranked actions (default 20)
-  trace LINEAGE_ID              a block and its lifecycle events
+  transfer SEQ [--to W] [--policy P] [--timeout_ms N] [--follow_writes]
+              [--tenant T]      move a sequence to worker W (placement when
+                                not given), re-encoded to policy P; prints
+                                blocks, pages, wire vs BF16 bytes, seconds
+  trace LINEAGE_ID              a block, its worker path (created on A,
+                                transferred A -> B, ...) and its events
   events [--from N] [--max N] [--tenant T] [--sequence S] [--lineage L]
          [--wait_ms N] [--json]  one event per line (key=value or JSON)
 )";
@@ -121,7 +136,9 @@ bool CheckFlagNames(int argc, char** argv, std::string* bad) {
 
 class Kvctl {
  public:
-  explicit Kvctl(triax::client::Client* client) : client_(client) {}
+  // timeout_given: --timeout_ms was on the command line.
+  Kvctl(triax::client::Client* client, bool timeout_given)
+      : client_(client), timeout_given_(timeout_given) {}
 
   void Deadline(grpc::ClientContext* ctx) const {
     ctx->set_deadline(
@@ -235,6 +252,61 @@ class Kvctl {
     auto s = m()->GetSequence(&ctx, req, &resp);
     if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
     std::cout << triax::kvctl::SequenceDetail(resp.sequence());
+    // The transfer history from the retained events of the sequence.
+    triax::v1::WatchEventsRequest watch;
+    watch.set_from_id(1);
+    watch.set_sequence_id(id);
+    watch.set_replay_only(true);
+    grpc::ClientContext wctx;
+    Deadline(&wctx);
+    auto reader = m()->WatchEvents(&wctx, watch);
+    std::vector<triax::v1::Event> events;
+    triax::v1::Event e;
+    while (reader->Read(&e)) events.push_back(e);
+    s = reader->Finish();
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << "\n" << triax::kvctl::TransferHistory(events);
+    return 0;
+  }
+
+  int Transfer(const std::string& seq) {
+    std::string tenant = absl::GetFlag(FLAGS_tenant);
+    if (tenant.empty()) {  // the owner, from the operator view
+      triax::v1::GetSequenceRequest g;
+      g.set_sequence_id(seq);
+      grpc::ClientContext ctx;
+      Deadline(&ctx);
+      triax::v1::GetSequenceResponse info;
+      auto s = m()->GetSequence(&ctx, g, &info);
+      if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+      tenant = info.sequence().tenant_id();
+    }
+    triax::v1::TransferSequenceRequest req;
+    req.set_request_id(client_->NewRequestId());
+    req.set_tenant_id(tenant);
+    req.set_sequence_id(seq);
+    req.set_destination_worker_id(absl::GetFlag(FLAGS_to));
+    req.set_destination_policy(absl::GetFlag(FLAGS_policy));
+    req.set_follow_writes(absl::GetFlag(FLAGS_follow_writes));
+    // --timeout_ms bounds the transfer only when given; the call's deadline
+    // leaves the manager 5 s beyond it to answer.
+    int64_t bound_ms = 10000;
+    if (timeout_given_) {
+      const int64_t t = absl::GetFlag(FLAGS_timeout_ms);
+      if (t < 1 || t > 3600000) {
+        return Usage(absl::StrCat("transfer: --timeout_ms=", t,
+                                  " is not in [1, 3600000]"));
+      }
+      req.set_timeout_ms(static_cast<uint32_t>(t));
+      bound_ms = t;
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(bound_ms + 5000));
+    triax::v1::TransferSequenceResponse resp;
+    auto s = m()->TransferSequence(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << triax::kvctl::TransferReport(resp);
     return 0;
   }
 
@@ -347,7 +419,20 @@ class Kvctl {
  private:
   triax::v1::Manager::Stub* m() { return client_->manager(); }
   triax::client::Client* client_;
+  const bool timeout_given_;
 };
+
+// Whether flag `name` is given in argv ("--name", "--name=...", "-name").
+bool FlagGiven(int argc, char** argv, absl::string_view name) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view a = argv[i];
+    if (a == "--") break;
+    if (a.size() < 2 || a[0] != '-') continue;
+    a.remove_prefix(a[1] == '-' ? 2 : 1);
+    if (a.substr(0, a.find('=')) == name) return true;
+  }
+  return false;
+}
 
 }  // namespace
 
@@ -357,6 +442,7 @@ int main(int argc, char** argv) {
   if (!CheckFlagNames(argc, argv, &bad)) {
     return Usage(absl::StrCat("unknown flag ", bad));
   }
+  const bool timeout_given = FlagGiven(argc, argv, "timeout_ms");
   std::vector<char*> pos = absl::ParseCommandLine(argc, argv);
   if (pos.size() < 2) return Usage("missing command");
   const std::string cmd = pos[1];
@@ -368,7 +454,7 @@ int main(int argc, char** argv) {
   opts.rpc_timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
   auto client = triax::client::Client::Connect(opts);
   if (!client.ok()) return Fail(client.status());
-  Kvctl k(client->get());
+  Kvctl k(client->get(), timeout_given);
 
   if (cmd == "workers" && want_args(0)) return k.Workers();
   if (cmd == "pools" && want_args(0)) return k.Pools();
@@ -377,6 +463,7 @@ int main(int argc, char** argv) {
   if (cmd == "budget-set" && want_args(1)) return k.BudgetSet(args[0]);
   if (cmd == "sequences" && want_args(0)) return k.Sequences();
   if (cmd == "sequence" && want_args(1)) return k.Sequence(args[0]);
+  if (cmd == "transfer" && want_args(1)) return k.Transfer(args[0]);
   if (cmd == "trace" && want_args(1)) {
     uint64_t lineage = 0;
     if (!absl::SimpleAtoi(args[0], &lineage) || lineage == 0) {

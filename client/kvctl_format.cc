@@ -440,6 +440,13 @@ std::string SequenceDetail(const triax::v1::SequenceInfo& s) {
   if (!s.parent_sequence_id().empty()) {
     head.AddRow({"parent:", s.parent_sequence_id()});
   }
+  if (!s.transfer_id().empty()) {
+    head.AddRow(
+        {"transfer:", absl::StrCat(s.transfer_id(), " to ",
+                                   OrDash(s.transfer_destination_worker_id()),
+                                   " in flight (the source serves until the "
+                                   "commit)")});
+  }
   if (s.state() == triax::v1::SEQUENCE_STATE_LOST) {
     head.AddRow({"lost lineages:", IdList({s.lost_lineage_ids().begin(),
                                            s.lost_lineage_ids().end()})});
@@ -578,10 +585,16 @@ std::string TraceDetail(uint64_t lineage_id,
   head.AddRow({"tag:", TagString(b.tag())});
   head.AddRow({"format:", FormatName(b.format())});
   head.AddRow({"refcount:", absl::StrCat(b.refcount())});
-  Table events({"ID", "TIME", "KIND", "SEQUENCE", "TAG", "FORMAT", "DETAIL"});
+  head.AddRow({"path:", WorkerPath(resp)});
+  Table events(
+      {"ID", "TIME", "KIND", "SEQUENCE", "WORKER", "TAG", "FORMAT", "DETAIL"});
   for (const auto& e : resp.events()) {
+    const std::string worker =
+        e.source_worker_id().empty()
+            ? OrDash(e.worker_id())
+            : absl::StrCat(e.source_worker_id(), " -> ", OrDash(e.worker_id()));
     events.AddRow({absl::StrCat(e.id()), UnixMsString(e.unix_ms()),
-                   EventKindName(e.kind()), OrDash(e.sequence_id()),
+                   EventKindName(e.kind()), OrDash(e.sequence_id()), worker,
                    e.has_tag() ? TagString(e.tag()) : "-",
                    FormatName(e.format()), e.detail()});
   }
@@ -602,6 +615,8 @@ std::string EventLine(const triax::v1::Event& e) {
     kv.push_back(absl::StrCat("tenant=", e.tenant_id()));
   if (!e.worker_id().empty())
     kv.push_back(absl::StrCat("worker=", e.worker_id()));
+  if (!e.source_worker_id().empty())
+    kv.push_back(absl::StrCat("source=", e.source_worker_id()));
   if (e.has_tag()) kv.push_back(absl::StrCat("tag=", TagString(e.tag())));
   if (e.format() != triax::v1::FORMAT_UNSPECIFIED) {
     kv.push_back(absl::StrCat("format=", FormatName(e.format())));
@@ -655,16 +670,101 @@ std::string EventJson(const triax::v1::Event& e) {
         ",\"modality\":", JsonString(ModalityName(e.tag().modality())),
         ",\"role\":", JsonString(RoleName(e.tag().role())), "}");
   }
-  return absl::StrCat("{\"id\":", e.id(), ",\"unix_ms\":", e.unix_ms(),
-                      ",\"kind\":", JsonString(EventKindName(e.kind())),
-                      ",\"lineage_id\":", e.lineage_id(),
-                      ",\"sequence_id\":", JsonString(e.sequence_id()),
-                      ",\"tenant_id\":", JsonString(e.tenant_id()),
-                      ",\"worker_id\":", JsonString(e.worker_id()),
-                      ",\"tag\":", tag,
-                      ",\"format\":", JsonString(FormatName(e.format())),
-                      ",\"lineage_ids\":[", absl::StrJoin(e.lineage_ids(), ","),
-                      "]", ",\"detail\":", JsonString(e.detail()), "}");
+  return absl::StrCat(
+      "{\"id\":", e.id(), ",\"unix_ms\":", e.unix_ms(),
+      ",\"kind\":", JsonString(EventKindName(e.kind())),
+      ",\"lineage_id\":", e.lineage_id(),
+      ",\"sequence_id\":", JsonString(e.sequence_id()),
+      ",\"tenant_id\":", JsonString(e.tenant_id()),
+      ",\"worker_id\":", JsonString(e.worker_id()),
+      ",\"source_worker_id\":", JsonString(e.source_worker_id()),
+      ",\"tag\":", tag, ",\"format\":", JsonString(FormatName(e.format())),
+      ",\"lineage_ids\":[", absl::StrJoin(e.lineage_ids(), ","), "]",
+      ",\"detail\":", JsonString(e.detail()), "}");
+}
+
+std::string DetailValue(absl::string_view detail, absl::string_view key) {
+  for (absl::string_view part : absl::StrSplit(detail, ' ')) {
+    const size_t eq = part.find('=');
+    if (eq != absl::string_view::npos && part.substr(0, eq) == key) {
+      return std::string(part.substr(eq + 1));
+    }
+  }
+  return "";
+}
+
+std::string TransferHistory(const std::vector<triax::v1::Event>& events) {
+  Table t({"ID", "TIME", "TRANSFER", "EVENT", "FROM", "TO", "DETAIL"});
+  size_t rows = 0;
+  for (const auto& e : events) {
+    const char* what = nullptr;
+    switch (e.kind()) {
+      case triax::v1::EVENT_TRANSFER_STARTED:
+        what = "started";
+        break;
+      case triax::v1::EVENT_TRANSFER_FAILED:
+        what = "failed";
+        break;
+      case triax::v1::EVENT_SEQUENCE_TRANSFERRED:
+        what = "committed";
+        break;
+      default:
+        continue;
+    }
+    ++rows;
+    t.AddRow({absl::StrCat(e.id()), UnixMsString(e.unix_ms()),
+              OrDash(DetailValue(e.detail(), "transfer")), what,
+              OrDash(e.source_worker_id()), OrDash(e.worker_id()), e.detail()});
+  }
+  if (rows == 0) return "transfers: none\n";
+  return absl::StrCat("transfers:\n", t.Render());
+}
+
+std::string TransferReport(const triax::v1::TransferSequenceResponse& r) {
+  Table head({"transfer:", r.transfer_id()});
+  head.AddRow({"sequence:", r.sequence().sequence_id()});
+  head.AddRow({"from -> to:", absl::StrCat(r.source_worker_id(), " -> ",
+                                           r.destination_worker_id())});
+  head.AddRow({"blocks:", absl::StrCat(r.blocks(), " (", r.pages(),
+                                       " pages; evicted blocks do not move)")});
+  head.AddRow({"wire bytes:", absl::StrCat(HumanBytes(r.wire_bytes()), " (",
+                                           r.wire_bytes(), ")")});
+  head.AddRow({"bf16 bytes:", absl::StrCat(HumanBytes(r.bf16_bytes()), " (",
+                                           r.bf16_bytes(), ")")});
+  head.AddRow({"wire / bf16:",
+               r.wire_bytes() == 0 || r.bf16_bytes() == 0
+                   ? std::string("-")
+                   : absl::StrFormat("%.3f (%.2fx fewer bytes than BF16)",
+                                     static_cast<double>(r.wire_bytes()) /
+                                         static_cast<double>(r.bf16_bytes()),
+                                     static_cast<double>(r.bf16_bytes()) /
+                                         static_cast<double>(r.wire_bytes()))});
+  head.AddRow({"source bytes:", absl::StrCat(HumanBytes(r.source_bytes()), " (",
+                                             r.source_bytes(), ")")});
+  head.AddRow({"seconds:", absl::StrFormat("%.3f (pull %.3f)", r.seconds(),
+                                           r.pull_seconds())});
+  return absl::StrCat(head.Render(), "\n", SequenceDetail(r.sequence()));
+}
+
+std::string WorkerPath(const triax::v1::QueryTraceResponse& resp) {
+  std::vector<std::string> steps;
+  for (const auto& e : resp.events()) {
+    if (e.kind() == triax::v1::EVENT_BLOCK_CREATED && steps.empty() &&
+        !e.worker_id().empty()) {
+      steps.push_back(absl::StrCat("created on ", e.worker_id()));
+    } else if (e.kind() == triax::v1::EVENT_BLOCK_TRANSFERRED) {
+      if (steps.empty()) {
+        steps.push_back(absl::StrCat("on ", OrDash(e.source_worker_id())));
+      }
+      const std::string id = DetailValue(e.detail(), "transfer");
+      steps.push_back(
+          absl::StrCat("transferred ", OrDash(e.source_worker_id()), " -> ",
+                       OrDash(e.worker_id()),
+                       id.empty() ? "" : absl::StrCat(" (", id, ")")));
+    }
+  }
+  if (steps.empty()) return "-";
+  return absl::StrJoin(steps, ", ");
 }
 
 }  // namespace triax::kvctl

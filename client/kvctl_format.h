@@ -88,10 +88,27 @@ std::string WorkersTable(const triax::v1::ListWorkersResponse& resp);
 std::string PoolsTable(const triax::v1::ListWorkersResponse& resp);
 std::string TenantsTable(const triax::v1::ListTenantsResponse& resp);
 std::string SequencesTable(const triax::v1::ListSequencesResponse& resp);
-// Header fields, the plan as a table (K and V formats, INT group and scale
-// dtype, tier (unspecified prints as "device") and evicted flag per block),
-// and the lost lineage ids when LOST.
+// Header fields (with the transfer in flight, if any), the plan as a table
+// (K and V formats, INT group and scale dtype, tier (unspecified prints as
+// "device") and evicted flag per block), and the lost lineage ids when LOST.
 std::string SequenceDetail(const triax::v1::SequenceInfo& seq);
+// The value of `key` in an event detail of key=value pairs ("" when absent).
+std::string DetailValue(absl::string_view detail, absl::string_view key);
+// `kvctl sequence`'s transfer history: one row per transfer event among
+// `events` (TRANSFER_STARTED, TRANSFER_FAILED, SEQUENCE_TRANSFERRED):
+//   ID TIME TRANSFER EVENT FROM TO DETAIL
+// with EVENT "started", "failed" or "committed"; "transfers: none" when
+// there is none.
+std::string TransferHistory(const std::vector<triax::v1::Event>& events);
+// `kvctl transfer`: the transfer, source -> destination, blocks and pages,
+// wire bytes against BF16 bytes (ratio and "N.NNx fewer"), source bytes,
+// seconds and pull seconds; then the sequence (SequenceDetail).
+std::string TransferReport(const triax::v1::TransferSequenceResponse& r);
+// Where a block has been, from its trace's events in order: "created on A,
+// transferred A -> B (xfer-1), transferred B -> A (xfer-2)". Starts with
+// "on A" when the creation event is no longer retained; "-" when no event
+// names a worker.
+std::string WorkerPath(const triax::v1::QueryTraceResponse& resp);
 // `kvctl pressure`: the mode, the ranker's snapshot (blocks, age, ranking
 // time) and the applied-action counters; then three tables:
 //   POOLS    WORKER TIER USED CAPACITY USE LOW_WM HIGH_WM STATE, where STATE
@@ -103,13 +120,15 @@ std::string SequenceDetail(const triax::v1::SequenceInfo& seq);
 //   RANKED   # LINEAGE SEQUENCE TENANT ACTION ENCODING BYTES_FREED COST,
 //            cheapest first (ENCODING is the new encoding of a demote).
 std::string PressureReport(const triax::v1::GetPressureResponse& resp);
-// The block's current state and its lifecycle events as a table.
+// The block's current state, its worker path (WorkerPath) and its lifecycle
+// events as a table (WORKER: the worker, "A -> B" for a transfer).
 std::string TraceDetail(uint64_t lineage_id,
                         const triax::v1::QueryTraceResponse& resp);
 
 // One event as key=value pairs, empty fields left out:
 //   id=7 time=... kind=BLOCK_CREATED lineage=3 sequence=s1 tenant=t1
-//   worker=w1 tag=sink/text/system format=bf16 lineages=1,2 detail="..."
+//   worker=w1 source=w0 tag=sink/text/system format=bf16 lineages=1,2
+//   detail="..."   (source: transfer events' source worker)
 std::string EventLine(const triax::v1::Event& e);
 // One event as a JSON object on one line, every field present:
 //   {"id":7,"unix_ms":...,"kind":"BLOCK_CREATED","lineage_id":3,...}

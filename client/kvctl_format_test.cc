@@ -3,6 +3,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 namespace triax::kvctl {
 namespace {
 
@@ -90,6 +94,7 @@ TEST(EventJson, EveryFieldEscaped) {
   EXPECT_EQ(EventJson(e),
             R"({"id":3,"unix_ms":42,"kind":"BLOCK_CREATED","lineage_id":9,)"
             R"("sequence_id":"","tenant_id":"t\"1","worker_id":"",)"
+            R"("source_worker_id":"",)"
             R"("tag":{"temporal":"current_turn","modality":"text",)"
             R"("role":"user"},"format":"int4","lineage_ids":[],)"
             R"("detail":"a\nb"})");
@@ -207,6 +212,121 @@ TEST(SequenceDetail, ShowsKvFormatsGroupAndScale) {
   EXPECT_THAT(out, HasSubstr("K    V     GROUP  SCALE"));
   EXPECT_THAT(out, HasSubstr("fp8  int4  64     fp8"));
   EXPECT_THAT(out, HasSubstr("tq3  tq3   -      -"));
+}
+
+triax::v1::Event TransferEvent(uint64_t id, triax::v1::EventKind kind,
+                               const std::string& from, const std::string& to,
+                               const std::string& detail,
+                               uint64_t lineage = 0) {
+  triax::v1::Event e;
+  e.set_id(id);
+  e.set_unix_ms(1000 * id);
+  e.set_kind(kind);
+  e.set_sequence_id("seq-1");
+  e.set_lineage_id(lineage);
+  e.set_source_worker_id(from);
+  e.set_worker_id(to);
+  e.set_detail(detail);
+  return e;
+}
+
+TEST(DetailValue, FindsKeysOnly) {
+  EXPECT_EQ(DetailValue("transfer=xfer-2 blocks=3", "transfer"), "xfer-2");
+  EXPECT_EQ(DetailValue("transfer=xfer-2 blocks=3", "blocks"), "3");
+  EXPECT_EQ(DetailValue("transfer=xfer-2 blocks=3", "block"), "");
+  EXPECT_EQ(DetailValue("", "transfer"), "");
+}
+
+TEST(EventLine, TransferEventsNameTheSource) {
+  const std::string line = EventLine(TransferEvent(
+      4, triax::v1::EVENT_SEQUENCE_TRANSFERRED, "wa", "wb", "transfer=xfer-1"));
+  EXPECT_THAT(line, HasSubstr("kind=SEQUENCE_TRANSFERRED"));
+  EXPECT_THAT(line, HasSubstr("worker=wb source=wa"));
+  EXPECT_THAT(EventJson(TransferEvent(4, triax::v1::EVENT_TRANSFER_FAILED, "wa",
+                                      "wb", "")),
+              HasSubstr(R"("worker_id":"wb","source_worker_id":"wa")"));
+  EXPECT_EQ(EventKindName(triax::v1::EVENT_BLOCK_TRANSFERRED),
+            "BLOCK_TRANSFERRED");
+}
+
+TEST(TransferHistory, OneRowPerTransferEvent) {
+  EXPECT_EQ(TransferHistory({}), "transfers: none\n");
+  triax::v1::Event other;
+  other.set_kind(triax::v1::EVENT_SEQUENCE_OPENED);
+  EXPECT_EQ(TransferHistory({other}), "transfers: none\n");
+  const std::string out = TransferHistory(
+      {other,
+       TransferEvent(5, triax::v1::EVENT_TRANSFER_STARTED, "wa", "wb",
+                     "transfer=xfer-1 blocks=3"),
+       TransferEvent(6, triax::v1::EVENT_TRANSFER_FAILED, "wa", "wb",
+                     "transfer=xfer-1 code=DATA_LOSS error=crc"),
+       TransferEvent(7, triax::v1::EVENT_TRANSFER_STARTED, "wa", "wb",
+                     "transfer=xfer-2 blocks=3"),
+       TransferEvent(8, triax::v1::EVENT_SEQUENCE_TRANSFERRED, "wa", "wb",
+                     "transfer=xfer-2 wire_bytes=10")});
+  EXPECT_THAT(out, HasSubstr("TRANSFER  EVENT"));
+  EXPECT_THAT(out, HasSubstr("xfer-1    failed     wa    wb"));
+  EXPECT_THAT(out, HasSubstr("xfer-2    committed  wa    wb"));
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 6);  // title, header, 4
+}
+
+TEST(TransferReport, WireAgainstBf16) {
+  triax::v1::TransferSequenceResponse r;
+  r.set_transfer_id("xfer-3");
+  r.set_source_worker_id("prefill-0");
+  r.set_destination_worker_id("decode-1");
+  r.mutable_sequence()->set_sequence_id("seq-9");
+  r.mutable_sequence()->set_worker_id("decode-1");
+  r.set_blocks(4);
+  r.set_pages(128);
+  r.set_wire_bytes(1000);
+  r.set_bf16_bytes(3500);
+  r.set_source_bytes(3500);
+  r.set_seconds(0.25);
+  r.set_pull_seconds(0.2);
+  const std::string out = TransferReport(r);
+  EXPECT_THAT(out, HasSubstr("prefill-0 -> decode-1"));
+  EXPECT_THAT(out, HasSubstr("4 (128 pages"));
+  EXPECT_THAT(out, HasSubstr("0.286 (3.50x fewer bytes than BF16)"));
+  EXPECT_THAT(out, HasSubstr("0.250 (pull 0.200)"));
+  EXPECT_THAT(out, HasSubstr("decode-1 ("));  // the sequence's worker
+  r.set_wire_bytes(0);
+  EXPECT_THAT(TransferReport(r), HasSubstr("wire / bf16:   -"));
+}
+
+TEST(WorkerPath, NodeByNode) {
+  triax::v1::QueryTraceResponse t;
+  EXPECT_EQ(WorkerPath(t), "-");
+  triax::v1::Event created;
+  created.set_kind(triax::v1::EVENT_BLOCK_CREATED);
+  created.set_worker_id("wa");
+  *t.add_events() = created;
+  *t.add_events() = TransferEvent(3, triax::v1::EVENT_BLOCK_TRANSFERRED, "wa",
+                                  "wb", "transfer=xfer-1 index=0", 5);
+  *t.add_events() = TransferEvent(9, triax::v1::EVENT_BLOCK_TRANSFERRED, "wb",
+                                  "wa", "transfer=xfer-4 index=0", 5);
+  EXPECT_EQ(WorkerPath(t),
+            "created on wa, transferred wa -> wb (xfer-1), transferred wb -> "
+            "wa (xfer-4)");
+  const std::string trace = TraceDetail(5, t);
+  EXPECT_THAT(trace, HasSubstr("path:"));
+  EXPECT_THAT(trace, HasSubstr("wa -> wb"));
+  // The creation is no longer retained: the path starts at the source.
+  t.mutable_events()->DeleteSubrange(0, 1);
+  EXPECT_EQ(WorkerPath(t),
+            "on wa, transferred wa -> wb (xfer-1), transferred wb -> wa "
+            "(xfer-4)");
+}
+
+TEST(SequenceDetail, ShowsATransferInFlight) {
+  triax::v1::SequenceInfo s;
+  s.set_sequence_id("seq-1");
+  s.set_worker_id("wa");
+  EXPECT_THAT(SequenceDetail(s), Not(HasSubstr("transfer:")));
+  s.set_transfer_id("xfer-2");
+  s.set_transfer_destination_worker_id("wb");
+  EXPECT_THAT(SequenceDetail(s),
+              HasSubstr("transfer:  xfer-2 to wb in flight"));
 }
 
 }  // namespace

@@ -450,6 +450,8 @@ void ToProto(const SequenceInfo& d, v1::SequenceInfo* p) {
   for (const BlockPlan& b : d.blocks) ToProto(b, p->add_blocks());
   p->set_bytes(d.bytes);
   for (uint64_t id : d.lost_lineage_ids) p->add_lost_lineage_ids(id);
+  p->set_transfer_id(d.transfer_id);
+  p->set_transfer_destination_worker_id(d.transfer_destination_worker_id);
 }
 
 void ToProto(const Event& d, v1::Event* p) {
@@ -466,6 +468,7 @@ void ToProto(const Event& d, v1::Event* p) {
   }
   p->set_detail(d.detail);
   for (uint64_t id : d.lineage_ids) p->add_lineage_ids(id);
+  p->set_source_worker_id(d.source_worker_id);
 }
 
 void ToProto(const RegisterWorkerResult& d, v1::RegisterWorkerResponse* p) {
@@ -543,6 +546,57 @@ void ToProto(const PressureState& d, v1::GetPressureResponse* p) {
   p->set_spills(d.spills);
   p->set_restores(d.restores);
   p->set_evictions(d.evictions);
+}
+
+TransferSequenceRequest FromProto(const v1::TransferSequenceRequest& p) {
+  TransferSequenceRequest d;
+  d.request_id = p.request_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.destination_worker_id = p.destination_worker_id();
+  d.destination_policy = p.destination_policy();
+  d.timeout_ms = p.timeout_ms();
+  d.follow_writes = p.follow_writes();
+  return d;
+}
+
+TransferImportFigures FromProto(const v1::ImportSequenceResponse& p) {
+  TransferImportFigures d;
+  d.pages = p.pages();
+  d.wire_bytes = p.wire_bytes();
+  d.bf16_bytes = p.bf16_bytes();
+  d.page_bytes = p.page_bytes();
+  d.seconds = p.seconds();
+  return d;
+}
+
+void ToProto(const TransferSequenceResult& d, v1::TransferSequenceResponse* p) {
+  p->set_transfer_id(d.transfer_id);
+  p->set_source_worker_id(d.source_worker_id);
+  p->set_destination_worker_id(d.destination_worker_id);
+  ToProto(d.sequence, p->mutable_sequence());
+  p->set_blocks(d.blocks);
+  p->set_pages(d.pages);
+  p->set_wire_bytes(d.wire_bytes);
+  p->set_bf16_bytes(d.bf16_bytes);
+  p->set_source_bytes(d.source_bytes);
+  p->set_seconds(d.seconds);
+  p->set_pull_seconds(d.pull_seconds);
+}
+
+void ToProto(const TransferPrepared& d, v1::ImportSequenceRequest* p) {
+  p->set_request_id(d.worker_request_id);
+  p->set_transfer_id(d.transfer_id);
+  p->set_tenant_id(d.tenant_id);
+  p->set_sequence_id(d.sequence_id);
+  ToProto(d.model, p->mutable_model());
+  p->set_block_tokens(d.block_tokens);
+  p->mutable_blocks()->Reserve(static_cast<int>(d.blocks.size()));
+  for (const BlockPlan& b : d.blocks) ToProto(b, p->add_blocks());
+  p->set_source_address(d.source_address);
+  p->set_source_worker_id(d.source_worker_id);
+  p->set_timeout_ms(d.timeout_ms);
+  p->set_follow_writes(d.follow_writes);
 }
 
 }  // namespace triax::manager

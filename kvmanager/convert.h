@@ -36,6 +36,8 @@ DemoteBlocksRequest FromProto(const v1::DemoteBlocksRequest& p);
 PutCalibrationRequest FromProto(const v1::PutCalibrationRequest& p);
 CalibrationTableInfo FromProto(const v1::CalibrationTable& p);
 ReportAccessRequest FromProto(const v1::ReportAccessRequest& p);
+TransferSequenceRequest FromProto(const v1::TransferSequenceRequest& p);
+TransferImportFigures FromProto(const v1::ImportSequenceResponse& p);
 
 // Replies and infos.
 void ToProto(const BlockPlan& d, v1::BlockPlan* p);
@@ -57,5 +59,8 @@ void ToProto(const CalibrationTableInfo& d, v1::CalibrationTable* p);
 // The worker's DemoteRequest from a prepared demote.
 void ToProto(const DemotePrepared& d, v1::DemoteRequest* p);
 void ToProto(const PressureState& d, v1::GetPressureResponse* p);
+void ToProto(const TransferSequenceResult& d, v1::TransferSequenceResponse* p);
+// The destination's ImportSequenceRequest from a prepared transfer.
+void ToProto(const TransferPrepared& d, v1::ImportSequenceRequest* p);
 
 }  // namespace triax::manager

@@ -88,6 +88,10 @@ ABSL_FLAG(bool, resume_reserve, true,
           "an Open must fit beside the bytes of spilled blocks of open "
           "sequences (on its worker and under its tenant's ceiling), so they "
           "can be restored");
+ABSL_FLAG(uint32_t, transfer_timeout_ms, 10000,
+          "bound on a TransferSequence whose request gives no timeout_ms: "
+          "allocate, pull, verify and commit, else it aborts; "
+          "1..3600000");
 
 namespace {
 
@@ -202,6 +206,7 @@ int main(int argc, char** argv) {
     options.admission_deadline_ms = absl::GetFlag(FLAGS_admission_deadline_ms);
     options.resume_reserve = absl::GetFlag(FLAGS_resume_reserve);
   }
+  options.transfer_timeout_ms = absl::GetFlag(FLAGS_transfer_timeout_ms);
   auto core =
       triax::manager::ManagerCore::Create(options, triax::RealClock::Get());
   if (!core.ok()) {

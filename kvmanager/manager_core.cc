@@ -42,8 +42,10 @@ ManagerCore::ManagerCore(const ManagerOptions& options, const Clock* clock)
       policy_cache_(options.idempotency_capacity),
       demote_cache_(options.idempotency_capacity),
       calibration_cache_(options.idempotency_capacity),
+      transfer_cache_(options.idempotency_capacity),
       sequences_(options.closed_retention),
       demotes_(clock, &workers_, &tenants_, &sequences_, &next_token_),
+      transfers_(&tenants_, &workers_, &next_token_),
       pressure_(PressureOptionsOf(options), clock, &workers_, &tenants_,
                 &sequences_, &calibrations_, &next_token_) {}
 
@@ -77,6 +79,12 @@ absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
         absl::StrCat("admission_deadline_ms ", options.admission_deadline_ms,
                      " must be > 0"));
   }
+  if (options.transfer_timeout_ms < 1 ||
+      options.transfer_timeout_ms > kMaxTransferTimeoutMs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transfer_timeout_ms ", options.transfer_timeout_ms,
+                     " is outside 1..", kMaxTransferTimeoutMs));
+  }
   if (options.event_retention == 0 || options.watcher_queue_limit == 0) {
     return absl::InvalidArgumentError(
         "event_retention and watcher_queue_limit must be > 0");
@@ -90,10 +98,11 @@ absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
 
 absl::StatusOr<SequenceRecord*> ManagerCore::FindOpenSequenceLocked(
     const std::string& tenant_id, const std::string& field,
-    const std::string& sequence_id, bool needs_worker) const {
+    const std::string& sequence_id, bool needs_worker, bool mutates) const {
   TRIAX_ASSIGN_OR_RETURN(TenantRecord * tenant, tenants_.Find(tenant_id));
   TRIAX_ASSIGN_OR_RETURN(SequenceRecord * s,
                          sequences_.FindOpen(*tenant, field, sequence_id));
+  if (mutates) TRIAX_RETURN_IF_ERROR(CheckNotTransferring(*s));
   if (needs_worker && s->worker->info.state == WorkerState::kSuspect) {
     return absl::UnavailableError(
         absl::StrCat("worker ", Quote(s->worker->info.worker_id), " of ", field,
@@ -827,7 +836,8 @@ absl::StatusOr<TierPlan> ManagerCore::ReportAccess(
   absl::MutexLock lock(&mu_);
   TRIAX_ASSIGN_OR_RETURN(
       SequenceRecord * s,
-      FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id));
+      FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id,
+                             /*needs_worker=*/true, /*mutates=*/false));
   return pressure_.ReportAccess(s, req);
 }
 

@@ -23,6 +23,9 @@
 //   SequenceTable        sequences by id, live blocks by lineage id, their
 //                        charging and release (sequence_table.h)
 //   PendingDemotes       two-phase re-encodings (pending_demotes.h)
+//   PendingTransfers     two-phase worker-to-worker transfers
+//                        (pending_transfers.h; the facade's calls in
+//                        manager_core_transfer.cc)
 //   PressureCoordinator  block graph, ranking snapshot (pressure_snapshot.h,
 //                        block_ranker.h), tier plans (pressure_coordinator.h)
 //
@@ -204,6 +207,7 @@
 #include "kvmanager/event_log.h"
 #include "kvmanager/manager_state.h"
 #include "kvmanager/pending_demotes.h"
+#include "kvmanager/pending_transfers.h"
 #include "kvmanager/policy.h"
 #include "kvmanager/policy_store.h"
 #include "kvmanager/pressure_coordinator.h"
@@ -248,6 +252,9 @@ struct ManagerOptions {
   // How long a reclaim round of an admission or a restore may run (the
   // service also stops at the RPC's deadline); > 0.
   int64_t admission_deadline_ms = 5000;
+  // Bound on a TransferSequence whose request has timeout_ms 0;
+  // 1..kMaxTransferTimeoutMs.
+  uint32_t transfer_timeout_ms = 10000;
 };
 
 class ManagerCore {
@@ -372,6 +379,45 @@ class ManagerCore {
   // Drops a pending demote and returns its reservation; no-op when unknown.
   void AbortDemote(uint64_t token);
 
+  // --- TransferSequence (two-phase, manager_core_transfer.cc) ---------------
+  // Moves an open sequence to another worker (docs/manager.md "Transfers").
+  // PrepareTransfer validates, picks or checks the destination, chooses the
+  // destination encodings (destination_policy: its rule or allocation per
+  // tag, as an Open under it would; empty: each block keeps its own),
+  // reserves the moving blocks' bytes in those encodings on the tenant
+  // (TIER_DEVICE, against its ceiling: both copies exist until the commit)
+  // and the destination worker, marks the sequence transferring and emits
+  // TRANSFER_STARTED. While it is marked, Extend, Fork, Truncate,
+  // DemoteBlocks and Close fail FAILED_PRECONDITION ("sequence S is being
+  // transferred (transfer T ...)") and pressure plans skip its blocks.
+  // Errors: INVALID_ARGUMENT (a bad field; destination = the source),
+  // NOT_FOUND (tenant, sequence, destination worker, destination_policy),
+  // PERMISSION_DENIED (another tenant's sequence), FAILED_PRECONDITION (not
+  // open; already transferring; a block shared with a fork; a calibration
+  // table the policy needs missing), UNAVAILABLE (the source SUSPECT; the
+  // destination not UP or its device failed; no UP worker besides the
+  // source), RESOURCE_EXHAUSTED (the tenant's ceiling or the destination's
+  // room, nothing reserved), ABORTED (a block busy with a tier plan; the
+  // same request id in flight). A repeat of the request id of a transfer
+  // that ended returns its final reply: the committed reply in `done`, or
+  // the error it aborted with. (Refusals here start nothing and are not
+  // remembered.)
+  absl::StatusOr<TransferPrepared> PrepareTransfer(
+      const TransferSequenceRequest& req);
+  // Commits: the sequence is on the destination (placement, encodings,
+  // TIER_DEVICE for every moved block), the source's charges are released,
+  // the reservation becomes the charge; BLOCK_TRANSFERRED per moved block and
+  // SEQUENCE_TRANSFERRED. NOT_FOUND for an unknown token. When the sequence
+  // is no longer open or a worker of the transfer went DOWN or restarted
+  // meanwhile, aborts instead (as AbortTransfer) and returns ABORTED naming
+  // the reason. The token is consumed either way.
+  absl::StatusOr<TransferCommitted> CommitTransfer(
+      uint64_t token, const TransferImportFigures& figures);
+  // Returns every reservation, clears the mark, emits TRANSFER_FAILED with
+  // `error` and remembers `error` as the final reply of the request id; the
+  // sequence stays on the source, unchanged. No-op for an unknown token.
+  void AbortTransfer(uint64_t token, const absl::Status& error);
+
   // --- Memory pressure (pressure_coordinator.h) -----------------------------
   // Builds a snapshot of every rankable block under the lock, ranks it
   // outside the lock (block_ranker.h Rank) and publishes it; the planners below
@@ -453,9 +499,22 @@ class ManagerCore {
   // A sequence the tenant may mutate: INVALID_ARGUMENT / NOT_FOUND for the
   // tenant, then SequenceTable::FindOpen; with `needs_worker`, UNAVAILABLE
   // naming the worker when it is SUSPECT.
+  // With `mutates`, FAILED_PRECONDITION while the sequence is being
+  // transferred (CheckNotTransferring).
   absl::StatusOr<SequenceRecord*> FindOpenSequenceLocked(
       const std::string& tenant_id, const std::string& field,
-      const std::string& sequence_id, bool needs_worker = true) const
+      const std::string& sequence_id, bool needs_worker = true,
+      bool mutates = true) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // --- Transfers (manager_core_transfer.cc) ---
+  // The destination of a transfer of `s`: the named worker (checked) or the
+  // UP worker other than the source with a healthy device and the most room
+  // that fits `bytes` / `demand`.
+  absl::StatusOr<WorkerRecord*> TransferDestinationLocked(
+      const SequenceRecord& s, const std::string& named, uint64_t bytes,
+      const Demand& demand) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases a pending transfer, clears its sequence's mark and appends
+  // TRANSFER_FAILED with `error`.
+  void AbortTransferLocked(uint64_t token, const absl::Status& error)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // --- Reconciling workers (manager_core_workers.cc) ---
   // Keeps copies of s's blocks and turn starts (before MarkLostLocked) so
@@ -508,6 +567,7 @@ class ManagerCore {
   IdempotencyCache<PolicyInfo> policy_cache_;
   IdempotencyCache<DemoteBlocksResult> demote_cache_;
   IdempotencyCache<uint32_t> calibration_cache_;
+  IdempotencyCache<TransferSequenceResult> transfer_cache_;
 
   mutable absl::Mutex mu_;
   WorkerRegistry workers_ ABSL_GUARDED_BY(mu_);
@@ -519,6 +579,7 @@ class ManagerCore {
   // so that a token names one operation.
   uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
   PendingDemotes demotes_ ABSL_GUARDED_BY(mu_);
+  PendingTransfers transfers_ ABSL_GUARDED_BY(mu_);
   PressureCoordinator pressure_ ABSL_GUARDED_BY(mu_);
   // Serializes RefreshRanking's Rank (its scratch buffers); never taken
   // with mu_ held.

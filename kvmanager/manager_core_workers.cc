@@ -55,6 +55,7 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
   if (known != nullptr && !same) {
     // It restarted: whatever it held is gone.
     DropParkedLocked(known);
+    transfers_.WorkerLost(req.worker_id, "restarted");
     std::vector<SequenceRecord*> lost(known->open.begin(), known->open.end());
     std::sort(lost.begin(), lost.end(),
               [](const SequenceRecord* a, const SequenceRecord* b) {
@@ -186,6 +187,7 @@ std::vector<std::string> ManagerCore::CheckWorkers(
   for (WorkerRecord* w : workers_.Silent(now, options_.worker_down_timeout_ms,
                                          WorkerState::kSuspect)) {
     ids.push_back(w->info.worker_id);
+    transfers_.WorkerLost(w->info.worker_id, "went down");
     std::vector<SequenceRecord*> lost(w->open.begin(), w->open.end());
     std::sort(lost.begin(), lost.end(),
               [](const SequenceRecord* a, const SequenceRecord* b) {
@@ -309,6 +311,8 @@ std::vector<std::string> ManagerCore::ReleaseListLocked(
         (s->state == SequenceState::kOpen || s->parked)) {
       continue;
     }
+    // Imported by a transfer not yet committed: not to be freed.
+    if (transfers_.Importing(w.info.worker_id, id)) continue;
     out.push_back(id);
   }
   std::sort(out.begin(), out.end());

@@ -66,7 +66,7 @@ grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, F&& body) {
 class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
  public:
   WatchReactor(EventLog* log, const v1::WatchEventsRequest& req)
-      : max_events_(req.max_events()) {
+      : max_events_(req.max_events()), replay_only_(req.replay_only()) {
     sub_ = log->Subscribe(FromProto(req), req.from_id());
     sub_->SetNotify([this] { Pump(); });
     Pump();
@@ -127,6 +127,8 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
         StartWrite(&out_);
         return;
       case EventSubscription::Result::kEmpty:
+        // Everything retained is sent: a replay ends here.
+        if (replay_only_) FinishLocked(grpc::Status::OK);
         return;  // the notify callback calls Pump again
       case EventSubscription::Result::kEnded:
         FinishLocked(ToGrpcStatus(end));
@@ -142,6 +144,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
   }
 
   const uint32_t max_events_;
+  const bool replay_only_;
   std::shared_ptr<EventSubscription> sub_;
   absl::Mutex mu_;
   v1::Event out_ ABSL_GUARDED_BY(mu_);

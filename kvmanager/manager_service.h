@@ -25,6 +25,17 @@
 // message prefixed "worker <id> Demote: ". Worker stubs are cached by
 // address. Worker calls have a deadline of worker_rpc_timeout_ms.
 //
+// TransferSequence (manager_service_transfer.cc): ManagerCore::
+// PrepareTransfer, then the destination's ImportSequence through the async
+// stub with the transfer's deadline (the request's timeout_ms, else
+// --transfer_timeout_ms; the caller's own deadline if sooner), then
+// CommitTransfer and the source's FreePages (async, best effort), and the
+// reply with the figures. An ImportSequence error (or a refused commit)
+// aborts (AbortTransfer), asks the destination to free what it may hold
+// (best effort) and answers the worker's code with the message "transfer T
+// of S from A to B: ...". Nothing waits on a callback thread; the answer
+// comes when the worker call completes or its deadline passes.
+//
 // A background thread calls ManagerCore::CheckWorkers every
 // check_interval_ms (failure detection) until Stop() or destruction.
 //
@@ -136,6 +147,9 @@ class ManagerService final : public v1::Manager::CallbackService {
   grpc::ServerUnaryReactor* DemoteBlocks(
       grpc::CallbackServerContext* ctx, const v1::DemoteBlocksRequest* req,
       v1::DemoteBlocksResponse* resp) override;
+  grpc::ServerUnaryReactor* TransferSequence(
+      grpc::CallbackServerContext* ctx, const v1::TransferSequenceRequest* req,
+      v1::TransferSequenceResponse* resp) override;
   grpc::ServerUnaryReactor* PutCalibration(
       grpc::CallbackServerContext* ctx, const v1::PutCalibrationRequest* req,
       v1::PutCalibrationResponse* resp) override;
@@ -205,6 +219,17 @@ class ManagerService final : public v1::Manager::CallbackService {
   void CallWorkerDemote(
       const DemotePrepared& prepared,
       std::function<void(const absl::Status&, uint64_t)> done);
+  // Asks the worker at `address` to free the sequence's pages through the
+  // async stub (deadline worker_rpc_timeout_ms; counted in in_flight_),
+  // best effort: a failure is logged with `why` (the pages are then the
+  // worker's orphans, freed by its next heartbeat's release list or the
+  // reconciliation of its return).
+  void FreePagesBestEffort(const std::string& worker_id,
+                           const std::string& address,
+                           const std::string& request_id,
+                           const std::string& tenant_id,
+                           const std::string& sequence_id,
+                           const std::string& why);
 
   ManagerCore* const core_;
   const int64_t worker_rpc_timeout_ms_;

@@ -145,6 +145,12 @@ struct SequenceRecord {
   // as they were, to take back if the worker returns with the same
   // incarnation still holding it (ManagerCore::RegisterWorker).
   bool parked = false;
+  // A transfer in flight (ManagerCore::PrepareTransfer): its id and
+  // destination; empty / null otherwise. While set, the sequence is not
+  // mutated (Extend, Fork, Truncate, Demote, Close refused) and its blocks
+  // are busy (pressure plans skip them).
+  std::string transfer_id;
+  WorkerRecord* transfer_destination = nullptr;
   std::vector<BlockRecord> parked_blocks;
   std::vector<uint32_t> parked_turn_start;
 };

@@ -117,6 +117,11 @@ SequenceInfo SequenceTable::Info(const SequenceRecord& s, bool with_blocks) {
   info.parent_sequence_id = s.parent;
   info.bytes = s.bytes;
   info.lost_lineage_ids = s.lost_lineage_ids;
+  info.transfer_id = s.transfer_id;
+  if (s.transfer_destination != nullptr) {
+    info.transfer_destination_worker_id =
+        s.transfer_destination->info.worker_id;
+  }
   if (with_blocks) {
     info.blocks.reserve(s.blocks.size());
     for (const BlockRecord* b : s.blocks) info.blocks.push_back(PlanOf(*b));

@@ -57,6 +57,12 @@ enum class EventKind : int {
   kWorkerRecovered = 20,
   kSequenceRecovered = 21,
   kSequenceTruncated = 22,
+  // Worker-to-worker transfers: worker_id is the destination,
+  // source_worker_id the source.
+  kTransferStarted = 23,
+  kBlockTransferred = 24,
+  kTransferFailed = 25,
+  kSequenceTransferred = 26,
 };
 
 // "EVENT_BLOCK_CREATED", ...; "EVENT_KIND(<int>)" when out of range.
@@ -281,6 +287,9 @@ struct SequenceInfo {
   // sequences here, but are charged to the tenant once.
   uint64_t bytes = 0;
   std::vector<uint64_t> lost_lineage_ids;  // set when state is kLost
+  // Set while a transfer of the sequence is in flight.
+  std::string transfer_id;
+  std::string transfer_destination_worker_id;
 };
 
 struct Event {
@@ -295,6 +304,7 @@ struct Event {
   Format format = static_cast<Format>(0);  // K format; 0: non-block events
   std::string detail;                      // key=value
   std::vector<uint64_t> lineage_ids;       // SEQUENCE_LOST: every lost block
+  std::string source_worker_id;            // transfer events
 };
 
 // --- Requests and results of the mutating calls ------------------------------

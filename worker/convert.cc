@@ -283,4 +283,83 @@ void ToProto(const InventorySnapshot& d, v1::Inventory* p) {
   p->set_free_frames_compacted(a.free_frames_compacted);
 }
 
+// ---------------------------------------------------------------------------
+// Transfers
+
+ImportRequest FromProto(const v1::ImportSequenceRequest& p) {
+  ImportRequest d;
+  d.request_id = p.request_id();
+  d.transfer_id = p.transfer_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.model = FromProto(p.model());
+  d.block_tokens = p.block_tokens();
+  if (p.has_window_tokens()) d.window_tokens = p.window_tokens();
+  d.blocks = PlanFromProto(p.blocks());
+  d.source_address = p.source_address();
+  d.source_worker_id = p.source_worker_id();
+  d.timeout_ms = p.timeout_ms();
+  d.follow_writes = p.follow_writes();
+  return d;
+}
+
+ExportRequest FromProto(const v1::ExportPagesRequest& p) {
+  ExportRequest d;
+  d.transfer_id = p.transfer_id();
+  d.tenant_id = p.tenant_id();
+  d.sequence_id = p.sequence_id();
+  d.blocks = PlanFromProto(p.blocks());
+  d.follow_writes = p.follow_writes();
+  return d;
+}
+
+v1::ExportPagesRequest ExportRequestFor(const ImportRequest& req) {
+  v1::ExportPagesRequest r;
+  r.set_transfer_id(req.transfer_id);
+  r.set_tenant_id(req.tenant_id);
+  r.set_sequence_id(req.sequence_id);
+  r.set_follow_writes(req.follow_writes);
+  for (const BlockSpec& b : req.blocks) {
+    if (b.evicted) continue;
+    v1::BlockPlan* out = r.add_blocks();
+    out->set_index(b.index);
+    out->set_lineage_id(b.lineage_id);
+    EncodingToProto(b.encoding, out);
+  }
+  return r;
+}
+
+TransferPage FromProto(v1::PagePayload* p) {
+  TransferPage d;
+  d.layer = p->layer();
+  d.block_index = p->block_index();
+  d.lineage_id = p->lineage_id();
+  d.encoding = EncodingFromProto(*p);
+  d.num_tokens = p->num_tokens();
+  d.sealed = p->sealed();
+  d.data = std::move(*p->mutable_data());
+  d.crc32c = p->crc32c();
+  return d;
+}
+
+void ToProto(TransferPage&& d, v1::PagePayload* p) {
+  p->set_layer(d.layer);
+  p->set_block_index(d.block_index);
+  p->set_lineage_id(d.lineage_id);
+  EncodingToProto(d.encoding, p);
+  p->set_num_tokens(d.num_tokens);
+  p->set_sealed(d.sealed);
+  *p->mutable_data() = std::move(d.data);
+  p->set_crc32c(d.crc32c);
+}
+
+void ToProto(const ImportReply& d, v1::ImportSequenceResponse* p) {
+  p->set_pages(d.result.pages);
+  p->set_wire_bytes(d.result.wire_bytes);
+  p->set_bf16_bytes(d.result.bf16_bytes);
+  p->set_page_bytes(d.result.page_bytes);
+  p->set_seconds(d.seconds);
+  for (double s : d.result.layer_done_seconds) p->add_layer_done_seconds(s);
+}
+
 }  // namespace triax::worker

@@ -35,6 +35,15 @@ KvWrite FromProto(const v1::KvChunk& p);
 ReadRequest FromProto(const v1::ReadKVRequest& p);
 AttendRequest FromProto(const v1::AttendRequest& p);
 InventoryRequest FromProto(const v1::GetInventoryRequest& p);
+ImportRequest FromProto(const v1::ImportSequenceRequest& p);
+ExportRequest FromProto(const v1::ExportPagesRequest& p);
+// The ExportPages request a destination sends for `req`: its non-evicted
+// blocks with their encodings here.
+v1::ExportPagesRequest ExportRequestFor(const ImportRequest& req);
+// Moves the payload's data into the page.
+TransferPage FromProto(v1::PagePayload* p);
+void ToProto(TransferPage&& d, v1::PagePayload* p);
+void ToProto(const ImportReply& d, v1::ImportSequenceResponse* p);
 
 // Replies.
 void ToProto(const AllocateResult& d, v1::AllocatePagesResponse* p);

@@ -73,6 +73,10 @@ ABSL_FLAG(bool, restore_on_attend, true,
           "background");
 ABSL_FLAG(int32_t, retry_after_ms, 20,
           "retry delay suggested when restore_on_attend is false");
+ABSL_FLAG(int32_t, testing_corrupt_export_pages, 0,
+          "TEST HOOK: flip one byte of every N-th page this worker exports "
+          "(ExportPages), after its CRC32C was taken, so that the importing "
+          "worker answers DATA_LOSS; 0 (the default) is off");
 
 namespace {
 
@@ -160,6 +164,11 @@ absl::Status CheckFlags() {
     return absl::InvalidArgumentError(
         absl::StrCat("--retry_after_ms=", r, " must be >= 0"));
   }
+  if (const int32_t n = absl::GetFlag(FLAGS_testing_corrupt_export_pages);
+      n < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--testing_corrupt_export_pages=", n, " must be >= 0"));
+  }
   if (backend != "auto" && backend != "cpu" && backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat(
         "--backend=", triax::Quote(backend), " is not one of auto, cpu, cuda"));
@@ -234,7 +243,10 @@ int main(int argc, char** argv) {
       static_cast<uint32_t>(absl::GetFlag(FLAGS_retry_after_ms));
   SequenceStore store(device->get(), allocator->get(), store_options);
   WorkerCore core(&store, device->get());
-  WorkerService service(&core);
+  WorkerServiceOptions service_options;
+  service_options.testing_corrupt_export_pages =
+      static_cast<uint32_t>(absl::GetFlag(FLAGS_testing_corrupt_export_pages));
+  WorkerService service(&core, service_options);
 
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;

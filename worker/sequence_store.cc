@@ -195,12 +195,8 @@ absl::StatusOr<SequenceStore::LockedSequence> SequenceStore::LockOwned(
 // ---------------------------------------------------------------------------
 // AllocatePages
 
-absl::StatusOr<AllocateResult> SequenceStore::AllocatePagesOnce(
-    absl::string_view tenant_id, absl::string_view sequence_id,
-    const ModelShape& model, uint32_t block_tokens,
-    absl::Span<const BlockSpec> blocks, std::optional<uint32_t> window_tokens) {
-  TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", tenant_id));
-  TRIAX_RETURN_IF_ERROR(ValidateId("sequence_id", sequence_id));
+absl::Status SequenceStore::CheckShape(const ModelShape& model,
+                                       uint32_t block_tokens) const {
   TRIAX_RETURN_IF_ERROR(ValidateModelShape(model));
   TRIAX_RETURN_IF_ERROR(ValidateBlockTokens(block_tokens));
   const PageShape shape = PageShapeOf(model, block_tokens);
@@ -224,6 +220,17 @@ absl::StatusOr<AllocateResult> SequenceStore::AllocatePagesOnce(
         allocator_->frame_bytes(),
         " (--frame_kb); use smaller blocks or a larger --frame_kb"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AllocateResult> SequenceStore::AllocatePagesOnce(
+    absl::string_view tenant_id, absl::string_view sequence_id,
+    const ModelShape& model, uint32_t block_tokens,
+    absl::Span<const BlockSpec> blocks, std::optional<uint32_t> window_tokens) {
+  TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", tenant_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId("sequence_id", sequence_id));
+  TRIAX_RETURN_IF_ERROR(CheckShape(model, block_tokens));
+  const PageShape shape = PageShapeOf(model, block_tokens);
   TRIAX_RETURN_IF_ERROR(ValidatePlan(*device_, blocks, block_tokens, shape));
 
   for (;;) {
@@ -475,6 +482,7 @@ FreeResult SequenceStore::Retire(const std::shared_ptr<Sequence>& seq) {
     if (it != sequences_.end() && it->second == seq) sequences_.erase(it);
   }
   absl::MutexLock lock(&seq->mu);
+  seq->written_cv.SignalAll();
   return ReleaseAll(*seq);
 }
 

@@ -170,6 +170,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -184,6 +185,12 @@
 #include "worker/tier_store.h"
 
 namespace triax::worker {
+
+class ImportSession;
+struct ImportPlan;
+struct ExportBlock;
+struct ExportOptions;
+struct TransferPage;
 
 namespace store_internal {
 struct Sequence;
@@ -415,6 +422,17 @@ class SequenceStore {
   absl::StatusOr<SequenceSnapshot> Describe(absl::string_view sequence_id);
   InventorySnapshot Inventory() const;
 
+  // Worker-to-worker transfer (worker/store_transfer.h, store_transfer.cc):
+  // streams a sequence's pages layer by layer into `sink`, and installs a
+  // sequence from pages another worker sent.
+  absl::Status Export(
+      absl::string_view tenant_id, absl::string_view sequence_id,
+      absl::Span<const ExportBlock> blocks, const ExportOptions& options,
+      absl::FunctionRef<absl::Status(uint32_t, std::vector<TransferPage>*)>
+          sink);
+  absl::StatusOr<std::unique_ptr<ImportSession>> BeginImport(
+      const ImportPlan& plan);
+
   // Target page of (block, layer), for tests that build PageRefs directly.
   absl::StatusOr<Page*> TargetPage(absl::string_view sequence_id,
                                    uint32_t block, uint32_t layer);
@@ -425,6 +443,7 @@ class SequenceStore {
                                             uint32_t block);
 
  private:
+  friend class ImportSession;
   using Sequence = store_internal::Sequence;
   using LockedSequence = store_internal::LockedSequence;
   using PreparedAttend = store_internal::PreparedAttend;
@@ -482,6 +501,13 @@ class SequenceStore {
       absl::string_view tenant_id, absl::string_view sequence_id,
       absl::Span<const uint64_t> lineage_ids, bool background);
 
+  // One layer of an Export (store_transfer.cc): the pages of `blocks` copied
+  // out under the sequence's mutex, re-encoded where asked; `end` is where
+  // the last named block ends.
+  absl::StatusOr<std::vector<TransferPage>> ExportLayerOnce(
+      const std::shared_ptr<Sequence>& seq, absl::string_view tenant_id,
+      absl::Span<const ExportBlock> blocks, uint32_t layer, uint64_t end);
+
   // Runs `op` with data_mu_ held shared; when it fails RESOURCE_EXHAUSTED
   // after an allocator shortfall (PageAllocator::Shortfalls grew), releases
   // the lock, compacts, and runs it once more (also when compaction freed
@@ -509,6 +535,9 @@ class SequenceStore {
   // bytes and frames appended, when it is RESOURCE_EXHAUSTED.
   absl::Status AfterCompaction(const absl::Status& s,
                                const absl::StatusOr<CompactionResult>& c) const;
+  // The model shape and block_tokens of a new sequence: valid, supported by
+  // the backend, and BF16 pages that fit a frame.
+  absl::Status CheckShape(const ModelShape& model, uint32_t block_tokens) const;
   absl::StatusOr<AllocateResult> Extend(Sequence& seq,
                                         absl::string_view tenant_id,
                                         const ModelShape& model,
@@ -587,6 +616,8 @@ class SequenceStore {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_
       ABSL_GUARDED_BY(mu_);
+  // Ids of sequences being imported (not yet in sequences_).
+  absl::flat_hash_set<std::string> importing_ ABSL_GUARDED_BY(mu_);
 
   absl::Mutex self_restored_mu_;
   std::vector<uint64_t> self_restored_ ABSL_GUARDED_BY(self_restored_mu_);

@@ -15,6 +15,7 @@
 //   store_attend.cc    Attend, AttendBatch and Read
 //   store_compact.cc   the public operations on page data: the data lock,
 //                      compaction and one more run after a shortfall
+//   store_transfer.cc  Export and ImportSession (worker/store_transfer.h)
 //
 // Locking: every Sequence field but `id` is guarded by its `mu`. Functions
 // here and SequenceStore's private methods that take a Sequence run with its
@@ -75,6 +76,9 @@ struct Sequence {
   std::vector<uint32_t> sealed ABSL_GUARDED_BY(mu);   // per layer
   uint64_t planned ABSL_GUARDED_BY(mu) = 0;
   bool freed ABSL_GUARDED_BY(mu) = false;
+  // Signalled when `written` grows or the sequence is freed (an export
+  // following the writes waits on it).
+  absl::CondVar written_cv;
 };
 
 // A sequence whose mutex the holder has taken (SequenceStore::LockOwned);

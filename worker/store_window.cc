@@ -145,6 +145,7 @@ absl::Status SequenceStore::WriteLocked(Sequence& seq, const KvWrite& c,
                                  static_cast<int>(to - from), page->data));
   }
   seq.written[c.layer] = end;
+  seq.written_cv.SignalAll();
   return SealReady(seq, c.layer);
 }
 

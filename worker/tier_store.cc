@@ -573,6 +573,25 @@ absl::Status TierStore::Restore(const SpilledBlock& block,
   return absl::OkStatus();
 }
 
+absl::Status TierStore::ReadPage(const SpilledBlock& block, uint32_t layer,
+                                 const BlockLabel& label,
+                                 std::vector<uint8_t>* out) {
+  if (block.tier != Tier::kHost && block.tier != Tier::kDisk) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ReadPage ", What(label), ": the block is not in a spill tier"));
+  }
+  if (layer >= block.pages.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ReadPage ", What(label), ": layer ", layer,
+                     " of a block of ", block.pages.size(), " pages"));
+  }
+  std::vector<uint8_t> buf;
+  TRIAX_ASSIGN_OR_RETURN(const uint8_t* src,
+                         LoadVerified(block, layer, label, &buf));
+  out->assign(src, src + block.pages[layer].bytes);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<SpilledBlock> TierStore::Move(const SpilledBlock& block, Tier to,
                                              const BlockLabel& label) {
   TRIAX_RETURN_IF_ERROR(CheckTier(to));

@@ -195,6 +195,11 @@ class TierStore {
   absl::Status Restore(const SpilledBlock& block,
                        absl::Span<uint8_t* const> dst, const BlockLabel& label);
 
+  // Copies page `layer` of `block` into `out`, its checksum verified
+  // (DATA_LOSS on a mismatch, as Restore). The block is left as it is.
+  absl::Status ReadPage(const SpilledBlock& block, uint32_t layer,
+                        const BlockLabel& label, std::vector<uint8_t>* out);
+
   // Copies a block into the other tier, verifying each page on the way.
   // The source is left for the caller to Release. Errors as Spill, plus
   // DATA_LOSS.

@@ -60,7 +60,8 @@ WorkerCore::WorkerCore(SequenceStore* store, const Device* device,
       free_cache_(options.idempotency_capacity),
       spill_cache_(options.idempotency_capacity),
       restore_cache_(options.idempotency_capacity),
-      evict_cache_(options.idempotency_capacity) {}
+      evict_cache_(options.idempotency_capacity),
+      import_cache_(options.idempotency_capacity) {}
 
 template <typename Reply, typename Apply>
 absl::StatusOr<Reply> WorkerCore::Once(
@@ -223,6 +224,63 @@ void WorkerCore::ReturnSelfRestored(const std::vector<uint64_t>& lineage_ids) {
 
 void WorkerCore::DropLost(const std::vector<std::string>& sequence_ids) {
   for (const std::string& id : sequence_ids) (void)store_->Drop(id);
+}
+
+// ---------------------------------------------------------------------------
+// Transfers
+
+std::string SourceLabel(const ImportRequest& req) {
+  return req.source_worker_id.empty()
+             ? absl::StrCat("source worker at ", req.source_address)
+             : absl::StrCat("source ", req.source_worker_id, " at ",
+                            req.source_address);
+}
+
+absl::StatusOr<ImportReply> WorkerCore::Import(const ImportRequest& req,
+                                               const PageFetcher& fetch) {
+  return Once(
+      import_cache_, "ImportSequence", req.tenant_id, req.request_id,
+      [&]() -> absl::StatusOr<ImportReply> {
+        if (req.source_address.empty()) {
+          return absl::InvalidArgumentError(
+              "source_address is empty; name the source worker's address");
+        }
+        if (req.timeout_ms > kMaxImportTimeoutMs) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "timeout_ms=", req.timeout_ms, " is above ", kMaxImportTimeoutMs,
+              " (0 means ", kDefaultImportTimeoutMs, ")"));
+        }
+        const absl::Time start = absl::Now();
+        const uint32_t timeout_ms =
+            req.timeout_ms == 0 ? kDefaultImportTimeoutMs : req.timeout_ms;
+        ImportPlan plan;
+        plan.tenant_id = req.tenant_id;
+        plan.sequence_id = req.sequence_id;
+        plan.model = req.model;
+        plan.block_tokens = req.block_tokens;
+        plan.window_tokens = req.window_tokens;
+        plan.blocks = req.blocks;
+        plan.source = SourceLabel(req);
+        TRIAX_ASSIGN_OR_RETURN(std::unique_ptr<ImportSession> session,
+                               store_->BeginImport(plan));
+        TRIAX_RETURN_IF_ERROR(fetch(
+            req, start + absl::Milliseconds(timeout_ms),
+            [&](const TransferPage& page) { return session->Install(page); }));
+        ImportReply reply;
+        TRIAX_ASSIGN_OR_RETURN(reply.result, session->Commit());
+        reply.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+        return reply;
+      });
+}
+
+absl::Status WorkerCore::Export(const ExportRequest& req,
+                                const ExportOptions& options, ExportSink sink) {
+  std::vector<ExportBlock> blocks;
+  blocks.reserve(req.blocks.size());
+  for (const BlockSpec& b : req.blocks) {
+    blocks.push_back(ExportBlock{b.index, b.lineage_id, b.encoding});
+  }
+  return store_->Export(req.tenant_id, req.sequence_id, blocks, options, sink);
 }
 
 }  // namespace triax::worker

@@ -32,6 +32,16 @@
 // WriteKV errors name the message ("message 2 (40 tokens of earlier messages
 // were written): ..."): chunks before it stay written.
 //
+// Transfers. Import (the destination side) is idempotent per request id
+// like the mutating calls: a repeat of a finished import answers its reply.
+// It checks source_address (non-empty), timeout_ms (0 means
+// kDefaultImportTimeoutMs; at most kMaxImportTimeoutMs) and the plan
+// (SequenceStore::BeginImport: ids, shape, blocks; ALREADY_EXISTS when the
+// sequence is here), then pulls the pages through a PageFetcher (the
+// service's gRPC client: worker/transfer_client.h) with a deadline of now +
+// timeout_ms, installs them as they arrive and commits. Export (the source
+// side) is read-only: SequenceStore::Export.
+//
 // Thread contract: thread-safe; calls run concurrently on the caller's
 // thread (the store serializes operations on one sequence). Only calls
 // sharing an idempotency key wait for each other. No lock is held across a
@@ -47,15 +57,18 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/idempotency.h"
 #include "common/model.h"
 #include "worker/device.h"
 #include "worker/sequence_store.h"
+#include "worker/store_transfer.h"
 
 namespace triax::worker {
 
@@ -170,6 +183,51 @@ struct AttendResult {
 
 struct InventoryRequest {};
 
+// The destination side of a transfer (see "Transfers" above).
+struct ImportRequest {
+  std::string request_id;
+  std::string transfer_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  ModelShape model;
+  uint32_t block_tokens = 0;
+  std::optional<uint32_t> window_tokens;  // nullopt: the store's default
+  std::vector<BlockSpec> blocks;          // the plan here
+  std::string source_address;             // the source worker's address
+  std::string source_worker_id;           // for messages; may be empty
+  uint32_t timeout_ms = 0;                // 0: kDefaultImportTimeoutMs
+  bool follow_writes = false;
+};
+
+struct ImportReply {
+  ImportResult result;
+  double seconds = 0;  // the whole import
+};
+
+// The source side: the blocks of `blocks` (index, lineage_id and the wanted
+// encoding) sent layer by layer.
+struct ExportRequest {
+  std::string transfer_id;
+  std::string tenant_id;
+  std::string sequence_id;
+  std::vector<BlockSpec> blocks;
+  bool follow_writes = false;
+};
+
+// Pulls the pages of `req` from its source until `deadline`, handing each
+// to `install` in arrival order; returns install's first error unchanged
+// (and stops the stream), or the source's error with the canonical code and
+// the source named ("source worker-a at 127.0.0.1:1234: ...").
+using PageFetcher = std::function<absl::Status(
+    const ImportRequest& req, absl::Time deadline,
+    absl::FunctionRef<absl::Status(const TransferPage&)> install)>;
+
+// "source worker-a at 127.0.0.1:1234" (the id left out when empty).
+std::string SourceLabel(const ImportRequest& req);
+
+inline constexpr uint32_t kDefaultImportTimeoutMs = 10000;
+inline constexpr uint32_t kMaxImportTimeoutMs = 3600 * 1000;
+
 struct WorkerCoreOptions {
   size_t idempotency_capacity = 65536;  // remembered replies per method
 };
@@ -195,7 +253,17 @@ class WorkerCore {
   absl::StatusOr<RestoreResult> Restore(const RestoreRequest& req);
   absl::StatusOr<EvictResult> Evict(const EvictRequest& req);
 
+  // Installs a sequence from another worker (see "Transfers" above):
+  // validates the request, reserves the plan's pages, pulls the pages
+  // through `fetch` and commits; any error frees everything.
+  absl::StatusOr<ImportReply> Import(const ImportRequest& req,
+                                     const PageFetcher& fetch);
+
   // --- Read-only calls ---------------------------------------------------
+  // The source side of a transfer (SequenceStore::Export).
+  absl::Status Export(const ExportRequest& req, const ExportOptions& options,
+                      ExportSink sink);
+
   // INVALID_ARGUMENT for a malformed tenant_id; otherwise one result per
   // item (SequenceStore::AttendBatch: one device batch where appends allow).
   absl::StatusOr<AttendResult> Attend(const AttendRequest& req);
@@ -246,6 +314,7 @@ class WorkerCore {
   IdempotencyCache<SpillResult> spill_cache_;
   IdempotencyCache<RestoreResult> restore_cache_;
   IdempotencyCache<EvictResult> evict_cache_;
+  IdempotencyCache<ImportReply> import_cache_;
 };
 
 }  // namespace triax::worker

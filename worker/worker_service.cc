@@ -1,7 +1,9 @@
 #include "worker/worker_service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
+#include <utility>
 
 #include "common/grpc_status.h"
 #include "worker/convert.h"
@@ -43,7 +45,8 @@ absl::Status Answer(const ReadResult& result, ReadStream* out) {
 
 }  // namespace
 
-WorkerService::WorkerService(WorkerCore* core) : core_(core) {}
+WorkerService::WorkerService(WorkerCore* core, WorkerServiceOptions options)
+    : core_(core), options_(options) {}
 
 template <typename Call, typename Request, typename Reply>
 grpc::Status WorkerService::Serve(Call call, const Request& request,
@@ -131,6 +134,59 @@ grpc::Status WorkerService::GetInventory(grpc::ServerContext*,
                                          const v1::GetInventoryRequest* req,
                                          v1::Inventory* resp) {
   return Serve(&WorkerCore::GetInventory, FromProto(*req), resp);
+}
+
+grpc::Status WorkerService::ImportSequence(grpc::ServerContext*,
+                                           const v1::ImportSequenceRequest* req,
+                                           v1::ImportSequenceResponse* resp) {
+  absl::StatusOr<ImportReply> reply =
+      core_->Import(FromProto(*req), transfers_.AsFetcher());
+  if (!reply.ok()) return ToGrpcStatus(reply.status());
+  ToProto(*reply, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::ExportPages(
+    grpc::ServerContext* ctx, const v1::ExportPagesRequest* req,
+    grpc::ServerWriter<v1::PageBatch>* writer) {
+  const uint32_t max_batch = req->max_batch_bytes() == 0
+                                 ? kDefaultMaxBatchBytes
+                                 : req->max_batch_bytes();
+  ExportOptions options;
+  options.follow_writes = req->follow_writes();
+  // A deadline more than a day away (or none) counts as none.
+  const auto deadline = ctx->deadline();
+  if (deadline - std::chrono::system_clock::now() < std::chrono::hours(24)) {
+    options.deadline = absl::FromChrono(deadline);
+  }
+  options.cancelled = [ctx] { return ctx->IsCancelled(); };
+  const uint32_t corrupt_every = options_.testing_corrupt_export_pages;
+  auto sink = [&](uint32_t, std::vector<TransferPage>* pages) -> absl::Status {
+    v1::PageBatch batch;
+    size_t bytes = 0;
+    auto flush = [&]() -> absl::Status {
+      if (batch.pages_size() == 0) return absl::OkStatus();
+      if (ctx->IsCancelled() || !writer->Write(batch)) {
+        return absl::CancelledError("ExportPages: the client went away");
+      }
+      batch.Clear();
+      bytes = 0;
+      return absl::OkStatus();
+    };
+    for (TransferPage& page : *pages) {
+      if (bytes > 0 && bytes + page.data.size() > max_batch) {
+        if (absl::Status s = flush(); !s.ok()) return s;
+      }
+      if (corrupt_every > 0 && !page.data.empty() &&
+          (exported_pages_.fetch_add(1) + 1) % corrupt_every == 0) {
+        page.data[page.data.size() / 2] ^= 0x40;  // after the CRC was taken
+      }
+      bytes += page.data.size();
+      ToProto(std::move(page), batch.add_pages());
+    }
+    return flush();
+  };
+  return ToGrpcStatus(core_->Export(FromProto(*req), options, sink));
 }
 
 }  // namespace triax::worker

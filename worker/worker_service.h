@@ -23,23 +23,46 @@
 // the RPC itself fails only for a malformed tenant_id. Inventories carry
 // device_error (Device::Health's message; empty while healthy).
 //
+// Transfers. ImportSequence runs the whole import on its handler thread
+// (a sync-pool thread, so waiting on the source blocks no callback thread):
+// WorkerCore::Import with a TransferClient that pulls the source's
+// ExportPages stream. ExportPages sends a layer's pages in PageBatch
+// messages of at most max_batch_bytes (0: kDefaultMaxBatchBytes; a page
+// larger than that goes alone), each layer's last batch flushed before the
+// next layer is waited for, so a destination holds layer 0 while later
+// layers are still being written (follow_writes). The client's deadline
+// and cancellation bound the export (a cancelled stream stops at the next
+// wait or batch and its scratch pages are freed). The test hook
+// WorkerServiceOptions::testing_corrupt_export_pages = N flips one byte of
+// every N-th exported page after its CRC32C was taken (kvworker
+// --testing_corrupt_export_pages), so a destination must answer DATA_LOSS.
+//
 // Thread contract: thread-safe; handlers run concurrently.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 
 #include "triax/v1/worker.grpc.pb.h"
+#include "worker/transfer_client.h"
 #include "worker/worker_core.h"
 
 namespace triax::worker {
 
+struct WorkerServiceOptions {
+  // Test hook: 0 off; N flips one byte of every N-th exported page after
+  // its checksum was taken.
+  uint32_t testing_corrupt_export_pages = 0;
+};
+
 class WorkerService final : public v1::Worker::Service {
  public:
   static constexpr uint32_t kMaxReadChunkTokens = 256;
+  static constexpr uint32_t kDefaultMaxBatchBytes = 4 << 20;
 
   // `core` must outlive the service.
-  explicit WorkerService(WorkerCore* core);
+  explicit WorkerService(WorkerCore* core, WorkerServiceOptions options = {});
 
   grpc::Status AllocatePages(grpc::ServerContext* ctx,
                              const v1::AllocatePagesRequest* req,
@@ -68,6 +91,12 @@ class WorkerService final : public v1::Worker::Service {
                        v1::RestoreResponse* resp) override;
   grpc::Status Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req,
                      v1::EvictResponse* resp) override;
+  grpc::Status ImportSequence(grpc::ServerContext* ctx,
+                              const v1::ImportSequenceRequest* req,
+                              v1::ImportSequenceResponse* resp) override;
+  grpc::Status ExportPages(grpc::ServerContext* ctx,
+                           const v1::ExportPagesRequest* req,
+                           grpc::ServerWriter<v1::PageBatch>* writer) override;
 
  private:
   // The one path of every RPC: `call` (a WorkerCore member) on the domain
@@ -77,6 +106,9 @@ class WorkerService final : public v1::Worker::Service {
   grpc::Status Serve(Call call, const Request& request, Reply* reply);
 
   WorkerCore* const core_;
+  const WorkerServiceOptions options_;
+  TransferClient transfers_;
+  std::atomic<uint64_t> exported_pages_{0};  // for the corruption hook
 };
 
 }  // namespace triax::worker

@@ -3,6 +3,7 @@
 //   EncodePagesCuda    BF16 token-major tokens -> pages of any format
 //   DecodePagesCuda    pages of any format -> float32 token-major
 //   DemotePagesCuda    re-encodes pages in place (decode old -> encode new)
+//   Crc32cCuda         CRC32C of byte ranges (transfers verify on the device)
 //   DecodeAttentionCuda  fused decode attention over per-sequence page lists
 //                        whose pages each have their own format (GQA),
 //                        split-K (flash-decoding) with a reduce kernel
@@ -39,6 +40,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/cuda/crc32c.h"       // IWYU pragma: export
 #include "kernels/cuda/device_page.h"  // IWYU pragma: export
 #include "kernels/layout.h"
 
@@ -107,6 +109,19 @@ struct DemotePagesParams {
 };
 size_t DemoteScratchBytes(const PageShape& shape, int num_pages);
 absl::Status DemotePagesCuda(const DemotePagesParams& p);
+
+// CRC32C (worker/checksum.h's checksum, Castagnoli) of each byte range:
+// out[i] = CRC32C(ranges[i]), 0 for an empty range. Ranges may have any
+// alignment and length (crc32c.h). `ranges` and `out` are device arrays of
+// num_ranges; INVALID_ARGUMENT for num_ranges < 0 or a null array with
+// num_ranges > 0. Asynchronous on `stream` like the other entry points.
+struct Crc32cParams {
+  const ByteRange* ranges = nullptr;  // [num_ranges], device
+  int num_ranges = 0;
+  uint32_t* out = nullptr;  // [num_ranges], device
+  cudaStream_t stream = nullptr;
+};
+absl::Status Crc32cCuda(const Crc32cParams& p);
 
 // Decode attention for a batch of sequences, one query token each.
 //   q:   float32 [batch][n_q_heads][D]; query head h reads KV head

@@ -73,11 +73,17 @@ TEST_F(KvctlTest, ShowsWorkersTenantsSequencesTracesAndEvents) {
   EXPECT_THAT(out_, HasSubstr(lineage));
   EXPECT_THAT(out_, HasSubstr("sink/text/system"));
   EXPECT_THAT(out_, HasSubstr("bf16"));
+  EXPECT_THAT(out_, HasSubstr("transfers: none"));
+  // One worker: nowhere to transfer to (the manager's code, exit 1).
+  EXPECT_EQ(Kvctl({"transfer", seq->sequence_id}), 1);
+  EXPECT_THAT(err_, StartsWith("kvctl: UNAVAILABLE: "));
+  EXPECT_THAT(err_, HasSubstr("besides the source \"w0\""));
 
   ASSERT_EQ(Kvctl({"trace", lineage}), 0) << err_;
   EXPECT_THAT(out_, HasSubstr(lineage));
   EXPECT_THAT(out_, HasSubstr(seq->sequence_id));
   EXPECT_THAT(out_, HasSubstr("BLOCK_CREATED"));
+  EXPECT_THAT(out_, HasSubstr("created on w0"));
 
   ASSERT_EQ(Kvctl({"events", "--from=1", "--max=5"}), 0) << err_;
   std::vector<std::string> lines =

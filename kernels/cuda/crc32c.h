@@ -1,0 +1,30 @@
+// CRC32C on the device: the checksum of worker/checksum.h (Castagnoli,
+// reflected polynomial 0x82F63B78, CRC32C("123456789") = 0xE3069283)
+// computed where the bytes are, so a transfer between GPU workers verifies
+// its pages without a host round trip. A header without absl (see
+// device_page.h) for crc32c.cu; the absl entry point is Crc32cCuda in
+// kv_cuda.cuh.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/launch_result.h"
+
+namespace triax::kernels::cuda {
+
+// One byte range in device memory (any alignment, any length; 16 bytes so
+// an array of them is one copy).
+struct ByteRange {
+  const uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+};
+static_assert(sizeof(ByteRange) == 16, "ByteRange is copied as raw bytes");
+
+// Crc32cKernel: one CTA per range; out[i] = CRC32C of range i (0 for an
+// empty range). `ranges` and `out` are device arrays of num_ranges.
+LaunchResult LaunchCrc32c(const ByteRange* ranges, int num_ranges,
+                          uint32_t* out, cudaStream_t stream);
+
+}  // namespace triax::kernels::cuda

@@ -1,0 +1,531 @@
+// SequenceStore::Export and ImportSession (see worker/store_transfer.h).
+#include "worker/store_transfer.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/ids.h"
+#include "common/status_macros.h"
+#include "worker/checksum.h"
+#include "worker/sequence_store_internal.h"
+
+namespace triax::worker {
+
+using kernels::Encoding;
+using kernels::Format;
+using kernels::PageShape;
+using store_internal::Block;
+using store_internal::BlockEncoding;
+using store_internal::CheckOwner;
+using store_internal::EncName;
+using store_internal::IsBf16;
+using store_internal::Sequence;
+
+namespace {
+
+Encoding Bf16() {
+  Encoding e;
+  e.k = Format::kBF16;
+  e.v = Format::kBF16;
+  return e;
+}
+
+// Scratch pages of the pool, released when it goes.
+class Scratch {
+ public:
+  explicit Scratch(PageAllocator* allocator) : allocator_(allocator) {}
+  ~Scratch() {
+    for (Page* p : pages_) allocator_->Unref(p);
+  }
+  absl::StatusOr<Page*> Take(const Encoding& e, size_t bytes) {
+    absl::StatusOr<Page*> p = allocator_->Allocate(e, bytes, PageUse::kTarget);
+    if (p.ok()) pages_.push_back(*p);
+    return p;
+  }
+
+ private:
+  PageAllocator* const allocator_;
+  std::vector<Page*> pages_;
+};
+
+// Checks the export list against the sequence; returns the end (token) of
+// the last named block.
+absl::StatusOr<uint64_t> CheckExportBlocks(const Device& device,
+                                           const Sequence& seq,
+                                           absl::Span<const ExportBlock> blocks)
+    ABSL_SHARED_LOCKS_REQUIRED(seq.mu) {
+  std::vector<bool> named(seq.blocks.size(), false);
+  uint64_t end = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const ExportBlock& want = blocks[i];
+    if (want.index >= seq.blocks.size()) {
+      return absl::NotFoundError(absl::StrCat(
+          "blocks[", i, "].index=", want.index, " (lineage_id=",
+          want.lineage_id, ") is not a block of sequence_id=", Quote(seq.id),
+          ", which has ", seq.blocks.size(), " blocks"));
+    }
+    if (named[want.index]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "blocks[", i, "].index=", want.index, " is named more than once"));
+    }
+    named[want.index] = true;
+    const Block& b = seq.blocks[want.index];
+    if (want.lineage_id != b.spec.lineage_id) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "blocks[", i, "] (index=", want.index, ") lineage_id=",
+          want.lineage_id, " mismatches sequence_id=", Quote(seq.id),
+          "'s block lineage_id=", b.spec.lineage_id));
+    }
+    BlockSpec spec = b.spec;
+    spec.encoding = want.encoding;
+    TRIAX_RETURN_IF_ERROR(
+        BlockEncoding(device, spec, absl::StrCat("blocks[", i, "]"), seq.shape)
+            .status());
+    if (b.spec.evicted) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "blocks[", i, "] (index=", want.index,
+          " lineage_id=", want.lineage_id, ") of sequence_id=", Quote(seq.id),
+          " is evicted; it has no pages to send"));
+    }
+    end = std::max(end, b.end());
+  }
+  return end;
+}
+
+void Checksum(std::vector<TransferPage>* pages) {
+  for (TransferPage& p : *pages) {
+    p.crc32c = Crc32c(p.data.data(), p.data.size());
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Export
+
+absl::Status SequenceStore::Export(
+    absl::string_view tenant_id, absl::string_view sequence_id,
+    absl::Span<const ExportBlock> blocks, const ExportOptions& options,
+    absl::FunctionRef<absl::Status(uint32_t, std::vector<TransferPage>*)>
+        sink) {
+  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<Sequence> seq,
+                         LookupOwned(tenant_id, sequence_id));
+  if (blocks.empty()) {
+    return absl::InvalidArgumentError("blocks is empty; name >= 1 block");
+  }
+  uint32_t layers = 0;
+  uint64_t end = 0;
+  {
+    TRIAX_ASSIGN_OR_RETURN(LockedSequence locked, LockOwned(seq, tenant_id));
+    TRIAX_ASSIGN_OR_RETURN(end, CheckExportBlocks(*device_, *locked, blocks));
+    layers = locked->model.n_layers;
+  }
+  for (uint32_t l = 0; l < layers; ++l) {
+    if (options.follow_writes) {
+      absl::MutexLock lock(&seq->mu);
+      for (;;) {
+        TRIAX_RETURN_IF_ERROR(CheckOwner(*seq, tenant_id));
+        const uint64_t written = seq->written[l];
+        if (written >= end) break;
+        const std::string what = absl::StrCat(
+            "export of sequence_id=", Quote(sequence_id), " waiting for layer ",
+            l, " to be written up to token ", end, " (", written, " written)");
+        if (options.cancelled && options.cancelled()) {
+          return absl::CancelledError(absl::StrCat(what, ": cancelled"));
+        }
+        const absl::Time now = absl::Now();
+        if (now >= options.deadline) {
+          return absl::DeadlineExceededError(
+              absl::StrCat(what, ": deadline passed"));
+        }
+        seq->written_cv.WaitWithDeadline(
+            &seq->mu,
+            std::min(options.deadline, now + absl::Milliseconds(100)));
+      }
+    }
+    absl::StatusOr<std::vector<TransferPage>> pages =
+        WithRoom<std::vector<TransferPage>>(
+            [&] { return ExportLayerOnce(seq, tenant_id, blocks, l, end); });
+    TRIAX_RETURN_IF_ERROR(pages.status());
+    Checksum(&*pages);
+    TRIAX_RETURN_IF_ERROR(sink(l, &*pages));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
+    const std::shared_ptr<Sequence>& seq_ptr, absl::string_view tenant_id,
+    absl::Span<const ExportBlock> blocks, uint32_t layer, uint64_t end) {
+  TRIAX_ASSIGN_OR_RETURN(LockedSequence locked, LockOwned(seq_ptr, tenant_id));
+  Sequence& seq = *locked;
+  TRIAX_RETURN_IF_ERROR(CheckExportBlocks(*device_, seq, blocks).status());
+  if (seq.written[layer] < end) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence_id=", Quote(seq.id), " layer ", layer, " has ",
+        seq.written[layer], " written tokens; the named blocks end at token ",
+        end, " (follow_writes waits for them)"));
+  }
+  const PageShape& shape = seq.shape;
+  Scratch scratch(allocator_);
+  std::vector<TransferPage> pages(blocks.size());
+  std::vector<DemoteJob> jobs;
+  std::vector<size_t> job_page;  // pages[] index of each job
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const ExportBlock& want = blocks[i];
+    const Block& b = seq.blocks[want.index];
+    TransferPage& p = pages[i];
+    p.layer = layer;
+    p.block_index = want.index;
+    p.lineage_id = want.lineage_id;
+    p.num_tokens = b.spec.num_tokens;
+    const bool sealed = want.index < seq.sealed[layer];
+    if (!sealed) {
+      // In the window (never spilled): the BF16 page holding its tokens.
+      const Page* src =
+          IsBf16(b.spec.encoding) ? b.target[layer] : b.window[layer];
+      if (src == nullptr) {
+        return absl::InternalError(
+            absl::StrCat("sequence_id=", Quote(seq.id), " ",
+                         store_internal::BlockName(b.spec), " layer ", layer,
+                         " is unsealed but has no BF16 page"));
+      }
+      p.encoding = Bf16();
+      p.sealed = false;
+      p.data.resize(kernels::PageBytes(Format::kBF16, shape));
+      TRIAX_RETURN_IF_ERROR(
+          device_->CopyToHost(p.data.data(), src->data, p.data.size()));
+      continue;
+    }
+    p.encoding = want.encoding;
+    p.sealed = true;
+    p.data.resize(kernels::PageBytes(want.encoding, shape));
+    const uint8_t* stored = nullptr;  // device bytes in b.spec.encoding
+    if (b.resident()) {
+      stored = b.target[layer]->data;
+      if (b.spec.encoding == want.encoding) {
+        TRIAX_RETURN_IF_ERROR(
+            device_->CopyToHost(p.data.data(), stored, p.data.size()));
+        continue;
+      }
+    } else {
+      std::vector<uint8_t> buf;
+      const BlockLabel label{seq.id, b.spec.lineage_id, b.spec.index};
+      TRIAX_RETURN_IF_ERROR(
+          options_.tiers->ReadPage(b.spilled, layer, label, &buf));
+      if (b.spec.encoding == want.encoding) {
+        p.data.assign(buf.begin(), buf.end());
+        continue;
+      }
+      TRIAX_ASSIGN_OR_RETURN(Page * staged,
+                             scratch.Take(b.spec.encoding, buf.size()));
+      TRIAX_RETURN_IF_ERROR(
+          device_->CopyFromHost(staged->data, buf.data(), buf.size()));
+      stored = staged->data;
+    }
+    TRIAX_ASSIGN_OR_RETURN(Page * dst,
+                           scratch.Take(want.encoding, p.data.size()));
+    DemoteJob job;
+    job.from = b.spec.encoding;
+    job.src = stored;
+    job.num_tokens = static_cast<int>(b.spec.num_tokens);
+    job.to = want.encoding;
+    job.dst = dst->data;
+    jobs.push_back(job);
+    job_page.push_back(i);
+  }
+  if (!jobs.empty()) {
+    if (absl::Status s = device_->DemotePages(shape, jobs); !s.ok()) {
+      return absl::Status(
+          s.code(), absl::StrCat("export of sequence_id=", Quote(seq.id),
+                                 " layer ", layer, " re-encoding ", jobs.size(),
+                                 " pages: ", s.message()));
+    }
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      TransferPage& p = pages[job_page[j]];
+      TRIAX_RETURN_IF_ERROR(
+          device_->CopyToHost(p.data.data(), jobs[j].dst, p.data.size()));
+    }
+  }
+  return pages;
+}
+
+// ---------------------------------------------------------------------------
+// Import
+
+struct ImportSession::State {
+  std::shared_ptr<Sequence> seq;
+  // [block][layer]: 0 not yet, 1 sealed page, 2 window page.
+  std::vector<std::vector<uint8_t>> have;
+  std::vector<uint32_t> layer_pages;  // installed per layer
+  uint32_t pages_per_layer = 0;       // non-evicted blocks
+  absl::Time start;
+  ImportResult result;
+  bool committed = false;
+};
+
+absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
+    const ImportPlan& plan) {
+  TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", plan.tenant_id));
+  TRIAX_RETURN_IF_ERROR(ValidateId("sequence_id", plan.sequence_id));
+  TRIAX_RETURN_IF_ERROR(CheckShape(plan.model, plan.block_tokens));
+  const PageShape shape = PageShapeOf(plan.model, plan.block_tokens);
+  TRIAX_RETURN_IF_ERROR(store_internal::ValidatePlan(*device_, plan.blocks,
+                                                     plan.block_tokens, shape));
+  {
+    absl::MutexLock lock(&mu_);
+    if (sequences_.contains(plan.sequence_id)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("sequence_id=", Quote(plan.sequence_id),
+                       " is already on this worker"));
+    }
+    if (!importing_.insert(plan.sequence_id).second) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("an import of sequence_id=", Quote(plan.sequence_id),
+                       " is already running on this worker"));
+    }
+  }
+  auto state = std::make_unique<ImportSession::State>();
+  state->start = absl::Now();
+  auto seq = std::make_shared<Sequence>();
+  seq->id = plan.sequence_id;
+  const uint32_t layers = plan.model.n_layers;
+  absl::StatusOr<bool> reserved = WithRoom<bool>([&]() -> absl::StatusOr<bool> {
+    absl::MutexLock lock(&seq->mu);
+    seq->tenant = plan.tenant_id;
+    seq->model = plan.model;
+    seq->block_tokens = plan.block_tokens;
+    seq->window_tokens = plan.window_tokens.value_or(options_.window_tokens);
+    seq->shape = shape;
+    seq->written.assign(layers, 0);
+    seq->sealed.assign(layers, 0);
+    seq->planned = 0;
+    ReleaseAll(*seq);  // a second run starts from nothing
+    for (const BlockSpec& spec : plan.blocks) {
+      Block b;
+      b.spec = spec;
+      b.target.assign(layers, nullptr);
+      b.window.assign(layers, nullptr);
+      b.spec.tier = spec.evicted ? Tier::kUnspecified : Tier::kDevice;
+      seq->planned += spec.num_tokens;
+      seq->blocks.push_back(std::move(b));
+      if (spec.evicted) continue;
+      Block& nb = seq->blocks.back();
+      const size_t bytes = kernels::PageBytes(spec.encoding, shape);
+      for (uint32_t l = 0; l < layers; ++l) {
+        absl::StatusOr<Page*> p =
+            allocator_->Allocate(spec.encoding, bytes, PageUse::kTarget);
+        if (!p.ok()) {
+          ReleaseAll(*seq);
+          return absl::Status(
+              p.status().code(),
+              absl::StrCat("import of sequence_id=", Quote(plan.sequence_id),
+                           " reserving ", store_internal::BlockName(spec),
+                           " layer ", l, ": ", p.status().message()));
+        }
+        nb.target[l] = *p;
+        state->result.page_bytes += bytes;
+      }
+    }
+    return true;
+  });
+  if (!reserved.ok()) {
+    absl::MutexLock lock(&mu_);
+    importing_.erase(plan.sequence_id);
+    return reserved.status();
+  }
+  state->seq = std::move(seq);
+  state->have.assign(plan.blocks.size(), std::vector<uint8_t>(layers, 0));
+  state->layer_pages.assign(layers, 0);
+  for (const BlockSpec& spec : plan.blocks) {
+    if (!spec.evicted) state->pages_per_layer += 1;
+  }
+  state->result.layer_done_seconds.assign(layers, 0.0);
+  return std::unique_ptr<ImportSession>(
+      new ImportSession(this, plan, std::move(state)));
+}
+
+ImportSession::ImportSession(SequenceStore* store, ImportPlan plan,
+                             std::unique_ptr<State> state)
+    : store_(store), plan_(std::move(plan)), state_(std::move(state)) {}
+
+ImportSession::~ImportSession() {
+  if (state_->committed) return;
+  {
+    absl::MutexLock lock(&store_->mu_);
+    store_->importing_.erase(plan_.sequence_id);
+  }
+  Sequence& seq = *state_->seq;
+  absl::MutexLock lock(&seq.mu);
+  seq.freed = true;
+  store_->ReleaseAll(seq);
+}
+
+std::string ImportSession::Where(const TransferPage& page) const {
+  std::string block =
+      page.block_index < plan_.blocks.size()
+          ? store_internal::BlockName(plan_.blocks[page.block_index])
+          : absl::StrCat("block ", page.block_index);
+  return absl::StrCat("import of sequence_id=", Quote(plan_.sequence_id), " ",
+                      block, " layer ", page.layer, " from ", plan_.source,
+                      ": ");
+}
+
+absl::Status ImportSession::Install(const TransferPage& page) {
+  if (state_->committed) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(Where(page), "the import is already committed"));
+  }
+  return store_
+      ->WithRoom<bool>([&]() -> absl::StatusOr<bool> {
+        TRIAX_RETURN_IF_ERROR(InstallOnce(page));
+        return true;
+      })
+      .status();
+}
+
+absl::Status ImportSession::InstallOnce(const TransferPage& page) {
+  State& st = *state_;
+  Sequence& seq = *st.seq;
+  absl::MutexLock lock(&seq.mu);
+  const std::string where = Where(page);
+  if (page.layer >= seq.model.n_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "layer=", page.layer,
+                     " is >= model.n_layers=", seq.model.n_layers));
+  }
+  if (page.block_index >= seq.blocks.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "block_index=", page.block_index,
+                     " is not in the plan of ", seq.blocks.size(), " blocks"));
+  }
+  Block& b = seq.blocks[page.block_index];
+  if (page.lineage_id != b.spec.lineage_id) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "lineage_id=", page.lineage_id,
+        " differs from the plan's lineage_id=", b.spec.lineage_id));
+  }
+  if (b.spec.evicted) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "the block is evicted in the plan; no page was expected"));
+  }
+  uint8_t& have = st.have[page.block_index][page.layer];
+  if (have != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "duplicate page (already installed)"));
+  }
+  const Encoding want = page.sealed ? b.spec.encoding : Bf16();
+  if (!(page.encoding == want)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "format (encoding ", EncName(page.encoding),
+                     ") of a ", page.sealed ? "sealed" : "window",
+                     " page differs from the expected ", EncName(want)));
+  }
+  const size_t bytes = kernels::PageBytes(want, seq.shape);
+  if (page.data.size() != bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "data has ", page.data.size(), " bytes; a ",
+                     EncName(want), " page has ", bytes));
+  }
+  if (page.num_tokens != b.spec.num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "num_tokens=", page.num_tokens,
+        " differs from the plan's num_tokens=", b.spec.num_tokens));
+  }
+  const uint32_t crc = Crc32c(page.data.data(), page.data.size());
+  if (crc != page.crc32c) {
+    return absl::DataLossError(absl::StrCat(
+        where,
+        absl::StrFormat("CRC32C of the received data is 0x%08x, the source "
+                        "sent 0x%08x; the page is not installed",
+                        crc, page.crc32c)));
+  }
+  Device* device = store_->device_;
+  Page* dst = b.target[page.layer];
+  if (!page.sealed && !IsBf16(b.spec.encoding)) {
+    absl::StatusOr<Page*> w =
+        store_->allocator_->Allocate(Format::kBF16, bytes, PageUse::kWindow);
+    if (!w.ok()) {
+      return absl::Status(
+          w.status().code(),
+          absl::StrCat(where, "window page: ", w.status().message()));
+    }
+    b.window[page.layer] = *w;
+    st.result.page_bytes += bytes;
+    dst = *w;
+  }
+  TRIAX_RETURN_IF_ERROR(
+      device->CopyFromHost(dst->data, page.data.data(), bytes));
+  if (page.sealed) {
+    Page* t = b.target[page.layer];
+    absl::MutexLock seal_lock(&t->seal_mu);
+    t->encoded = true;
+  }
+  have = page.sealed ? 1 : 2;
+  st.result.pages += 1;
+  st.result.wire_bytes += bytes;
+  st.result.bf16_bytes += kernels::PageBytes(Format::kBF16, seq.shape);
+  if (++st.layer_pages[page.layer] == st.pages_per_layer) {
+    st.result.layer_done_seconds[page.layer] =
+        absl::ToDoubleSeconds(absl::Now() - st.start);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ImportResult> ImportSession::Commit() {
+  State& st = *state_;
+  if (st.committed) return st.result;
+  Sequence& seq = *st.seq;
+  const std::string what =
+      absl::StrCat("import of sequence_id=", Quote(plan_.sequence_id), " from ",
+                   plan_.source, ": ");
+  {
+    absl::ReaderMutexLock data(&store_->data_mu_);
+    absl::MutexLock lock(&seq.mu);
+    for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
+      uint32_t sealed = 0;
+      bool window_seen = false;
+      for (size_t i = 0; i < seq.blocks.size(); ++i) {
+        const Block& b = seq.blocks[i];
+        const uint8_t have = st.have[i][l];
+        if (!b.spec.evicted && have == 0) {
+          return absl::DataLossError(
+              absl::StrCat(what, store_internal::BlockName(b.spec), " layer ",
+                           l, " never arrived (the stream ended without it)"));
+        }
+        const bool is_sealed = b.spec.evicted || have == 1;
+        if (is_sealed && window_seen) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              what, "layer ", l, ": ", store_internal::BlockName(b.spec),
+              " is sealed (or evicted) after a block still in the window; "
+              "sealed blocks must be a prefix"));
+        }
+        if (is_sealed) {
+          sealed += 1;
+        } else {
+          window_seen = true;
+        }
+      }
+      seq.sealed[l] = sealed;
+      seq.written[l] = seq.planned;
+    }
+    for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
+      if (absl::Status s = store_->SealReady(seq, l); !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat(what, s.message()));
+      }
+    }
+    absl::MutexLock store_lock(&store_->mu_);
+    if (store_->sequences_.contains(plan_.sequence_id)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat(what, "sequence_id=", Quote(plan_.sequence_id),
+                       " was created on this worker meanwhile"));
+    }
+    store_->sequences_.emplace(plan_.sequence_id, st.seq);
+    store_->importing_.erase(plan_.sequence_id);
+    st.committed = true;
+  }
+  return st.result;
+}
+
+}  // namespace triax::worker

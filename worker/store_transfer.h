@@ -1,0 +1,165 @@
+// Worker-to-worker transfer at the store level: the source's export of a
+// sequence's pages and the destination's import that installs them as a new
+// sequence. No gRPC: the service (worker_service.h) moves TransferPages over
+// the network; another data path (device to device) can drive the same
+// ImportSession with its own pages.
+//
+// Export (SequenceStore::Export). For a sequence and a list of blocks
+// (index, lineage id, wanted encoding), produces every layer's pages in
+// order: layer 0 of every named block, then layer 1, ... Per (block, layer):
+//   - a sealed page whose encoding is the wanted one: its stored bytes;
+//   - a sealed page of another encoding: re-encoded exactly as Demote does
+//     (Device::DemotePages from the stored page into a scratch page of the
+//     pool, so the bytes equal what a Demote would have stored);
+//   - a block still in the BF16 window on that layer: its BF16 window page
+//     (the target page of a BF16 block), sealed = false; the destination
+//     keeps it in its own window and seals it later;
+//   - a block spilled to the host or disk tier: read from the tier with its
+//     checksum verified (DATA_LOSS on a mismatch), re-encoded through
+//     scratch pages when the wanted encoding differs.
+// Every page carries the CRC32C of its bytes (worker/checksum.h). A layer's
+// pages are copied out under the sequence's mutex and handed to the sink
+// after it is released: the sink (the network) never runs under a store lock.
+// Without follow_writes every named block must be written on every layer
+// (FAILED_PRECONDITION naming the layer otherwise). With follow_writes the
+// export waits before each layer until it is written up to the end of the
+// last named block: a condition variable signalled by every write of the
+// sequence (and by Free), woken at least every 100 ms to look at the
+// cancellation callback, bounded by the deadline (DEADLINE_EXCEEDED) and
+// the callback (CANCELLED). Errors: INVALID_ARGUMENT (empty list, a block
+// named twice, an encoding invalid for the shape or the backend), NOT_FOUND
+// (sequence, block index), PERMISSION_DENIED, FAILED_PRECONDITION (lineage
+// mismatch, an evicted block, an unwritten layer), DATA_LOSS (a spilled
+// page failed its checksum), RESOURCE_EXHAUSTED (no room for a scratch page).
+//
+// Import (SequenceStore::BeginImport, then ImportSession). BeginImport checks
+// the plan as AllocatePages does (model shape, block_tokens, window pages fit
+// a frame, indices from 0, contiguous tokens, encodings valid and supported
+// here) and reserves every non-evicted block's target page on every layer,
+// all or nothing; the id must be free (ALREADY_EXISTS when a sequence or
+// another import holds it). Evicted blocks of the plan are created evicted
+// and move no bytes; the tier fields of the plan are otherwise ignored: an
+// imported block lands on the device. Install checks each page against the
+// plan before its CRC32C and the CRC32C before copying anything:
+//   INVALID_ARGUMENT  layer >= n_layers, a block index not in the plan, a
+//                     lineage id other than the plan's, a page for an
+//                     evicted block, a page installed twice, an encoding
+//                     other than the block's (sealed) or BF16 (window
+//                     page), data size other than PageBytes of that
+//                     encoding, num_tokens other than the block's;
+//   DATA_LOSS         a CRC32C mismatch (the message names the sequence,
+//                     block, lineage, layer and the source; nothing of that
+//                     page is installed and the import must be aborted).
+// Commit checks that every (block, layer) arrived (DATA_LOSS naming the
+// first missing one) and that each layer's sealed pages form a prefix,
+// sets every layer's written length to the plan's tokens, seals what the
+// window rule seals here, and only then makes the sequence visible (or
+// answers ALREADY_EXISTS when AllocatePages created the id meanwhile): until
+// Commit it is not listed, and Attend, Read, Write and AllocatePages do not
+// see it (its pages count as used in the inventory). A session destroyed
+// without a successful Commit frees every page it allocated.
+//
+// Thread contract: Export is thread-safe like every store operation. An
+// ImportSession is used by one thread at a time; sessions for different
+// sequences run in parallel with each other and with the store's other
+// operations. Both take the store's data lock (shared) only while they
+// touch page data, never while they wait.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/model.h"
+#include "kernels/layout.h"
+#include "worker/sequence_store.h"
+
+namespace triax::worker {
+
+// One block to export: which one, and the encoding its pages travel in.
+struct ExportBlock {
+  uint32_t index = 0;
+  uint64_t lineage_id = 0;
+  kernels::Encoding encoding;
+};
+
+// One page of a transfer (one layer of one block).
+struct TransferPage {
+  uint32_t layer = 0;
+  uint32_t block_index = 0;
+  uint64_t lineage_id = 0;
+  kernels::Encoding encoding;  // of `data`: BF16 for a window page
+  uint32_t num_tokens = 0;     // tokens the page holds
+  bool sealed = false;         // false: a BF16 window page
+  std::string data;            // PageBytes(encoding, shape) bytes
+  uint32_t crc32c = 0;         // CRC32C of data
+};
+
+struct ExportOptions {
+  bool follow_writes = false;
+  absl::Time deadline = absl::InfiniteFuture();
+  // Polled while waiting for writes; true stops the export (CANCELLED).
+  std::function<bool()> cancelled;
+};
+
+// Receives one layer's pages (in block order); an error stops the export.
+using ExportSink = absl::FunctionRef<absl::Status(
+    uint32_t layer, std::vector<TransferPage>* pages)>;
+
+struct ImportPlan {
+  std::string tenant_id;
+  std::string sequence_id;
+  ModelShape model;
+  uint32_t block_tokens = 0;
+  std::optional<uint32_t> window_tokens;  // nullopt: the store's default
+  std::vector<BlockSpec> blocks;
+  // Who sends the pages, for messages ("source worker-a at 10.0.0.1:7070").
+  std::string source;
+};
+
+struct ImportResult {
+  uint64_t pages = 0;       // pages installed
+  uint64_t wire_bytes = 0;  // page bytes received
+  uint64_t bf16_bytes = 0;  // the same tokens as BF16 pages
+  uint64_t page_bytes = 0;  // pool bytes allocated here (target + window)
+  // Per layer: seconds from BeginImport until the layer's last page was
+  // installed (0 for a layer without pages).
+  std::vector<double> layer_done_seconds;
+};
+
+class ImportSession {
+ public:
+  ~ImportSession();  // frees everything unless committed
+  ImportSession(const ImportSession&) = delete;
+  ImportSession& operator=(const ImportSession&) = delete;
+
+  // Checks `page` (see the header comment) and copies it into its page.
+  absl::Status Install(const TransferPage& page);
+  // Completes the import and makes the sequence visible; on an error the
+  // session still holds its pages until it is destroyed.
+  absl::StatusOr<ImportResult> Commit();
+
+  const ImportPlan& plan() const { return plan_; }
+
+ private:
+  friend class SequenceStore;
+  struct State;
+  ImportSession(SequenceStore* store, ImportPlan plan,
+                std::unique_ptr<State> state);
+  absl::Status InstallOnce(const TransferPage& page);
+  std::string Where(const TransferPage& page) const;
+
+  SequenceStore* const store_;
+  const ImportPlan plan_;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace triax::worker
