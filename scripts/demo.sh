@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Starts a kvmanager and a CPU kvworker as separate processes on loopback,
+# Starts a kvmanager and two CPU kvworkers as separate processes on loopback,
 # runs the reference frontend's demo (kvdemo) against them, and stops them.
 #   scripts/demo.sh BIN_DIR [extra kvdemo flags]
 set -euo pipefail
@@ -38,19 +38,22 @@ pids+=($!)
 wait_port "$run/manager.port" kvmanager "${pids[-1]}"
 manager="127.0.0.1:$(cat "$run/manager.port")"
 
-"$bin/kvworker" --listen 127.0.0.1:0 --port_file "$run/worker.port" \
-  --manager "$manager" --worker_id demo-cpu-0 --pool_mb 1024 \
-  >"$run/kvworker.log" 2>&1 &
-pids+=($!)
-wait_port "$run/worker.port" kvworker "${pids[-1]}"
+# Two workers: step (a) also prefills on one and decodes on the other.
+for i in 0 1; do
+  "$bin/kvworker" --listen 127.0.0.1:0 --port_file "$run/worker$i.port" \
+    --manager "$manager" --worker_id demo-cpu-$i --pool_mb 1024 \
+    >"$run/kvworker$i.log" 2>&1 &
+  pids+=($!)
+  wait_port "$run/worker$i.port" kvworker$i "${pids[-1]}"
+done
 
-echo "demo: kvmanager on $manager (pid ${pids[0]}), kvworker on 127.0.0.1:$(cat "$run/worker.port") (pid ${pids[1]})"
+echo "demo: kvmanager on $manager (pid ${pids[0]}), kvworkers on 127.0.0.1:$(cat "$run/worker0.port") and 127.0.0.1:$(cat "$run/worker1.port") (pids ${pids[1]} ${pids[2]})"
 echo "demo: data directory $data"
 status=0
 "$bin/kvdemo" --manager "$manager" --data_dir "$data" \
   --calibration "$root/bench/results/calibration_kvproxy-18m-output.txtpb" "$@" || status=$?
 if [ $status -ne 0 ]; then
   echo "demo: kvdemo failed with exit code $status; last lines of the service logs:" >&2
-  tail -n 20 "$run/kvmanager.log" "$run/kvworker.log" >&2
+  tail -n 20 "$run/kvmanager.log" "$run/kvworker0.log" "$run/kvworker1.log" >&2
 fi
 exit $status

@@ -48,6 +48,10 @@ ABSL_FLAG(std::string, data_dir, "",
 ABSL_FLAG(int, nll_chars, 20000,
           "characters of tinystories_val.txt for the NLL step (c)");
 ABSL_FLAG(int, greedy_steps, 200, "greedy decoding steps for step (a)");
+ABSL_FLAG(int, disaggregate_prefill, 100,
+          "step (a): also prefill this many tokens on one worker and decode "
+          "the rest on another (TransferSequence); runs when two workers "
+          "are up; 0: off");
 ABSL_FLAG(std::string, bfcl_id, "multi_turn_base_42",
           "held-out BFCL conversation for step (b) (kvproxy README list)");
 ABSL_FLAG(int, max_context, 2048,
@@ -202,6 +206,8 @@ struct GreedyResult {
   std::string text;
   int steps = 0;
   double seconds = 0;
+  std::vector<int> tokens;          // the input token of each step
+  std::vector<std::string> pieces;  // the text each step added
 };
 
 absl::StatusOr<GreedyResult> Greedy(Transformer* tf, const Tokenizer& tok,
@@ -222,8 +228,10 @@ absl::StatusOr<GreedyResult> Greedy(Transformer* tf, const Tokenizer& tok,
     TRIAX_RETURN_IF_ERROR(tf->Forward({&token, 1}, pos, kv, &logits));
     const int next = Argmax(logits.data(), vocab);
     ++r.steps;
+    r.tokens.push_back(token);
     if (next == tok.bos_id()) break;
     const std::string piece = tok.Printable(token, next);
+    r.pieces.push_back(piece);
     if (echo) {
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
@@ -234,6 +242,83 @@ absl::StatusOr<GreedyResult> Greedy(Transformer* tf, const Tokenizer& tok,
   if (echo) std::printf("\n");
   r.seconds = Seconds(t0);
   return r;
+}
+
+// Disaggregated prefill/decode: the first `prefill` input tokens of the
+// local run (BOS and what it generated) are prefilled in one forward pass
+// into a sequence on one worker, the sequence is moved to another worker
+// (TransferSequence; placement chooses), and greedy decoding goes on there
+// up to `steps` steps in all. The text equals the local run's when the
+// transfer moved every byte.
+struct DisaggregatedResult {
+  std::string text;
+  v1::TransferSequenceResponse transfer;
+  double prefill_seconds = 0, transfer_seconds = 0, decode_seconds = 0;
+  int decode_steps = 0;
+};
+
+absl::StatusOr<DisaggregatedResult> PrefillThenDecodeElsewhere(
+    Transformer* tf, const Tokenizer& tok, client::Client* c,
+    const Model& model, const GreedyResult& local, int prefill, int steps) {
+  prefill = std::min<int>(prefill, static_cast<int>(local.tokens.size()));
+  if (prefill < 1) return absl::InvalidArgumentError("nothing to prefill");
+  const int vocab = model.config.vocab_size;
+  const std::vector<int> prompt(local.tokens.begin(),
+                                local.tokens.begin() + prefill);
+  TRIAX_ASSIGN_OR_RETURN(
+      client::SequenceHandle seq,
+      c->Open(Shape(model), {MakeSpan(Role::kUser, prefill)}, "bf16"));
+  ServiceKvStore kv(c, &seq, model.config.n_kv_heads, model.config.head_dim());
+  DisaggregatedResult r;
+  auto run = [&]() -> absl::Status {
+    std::vector<float> logits;
+    auto t0 = Clock::now();
+    TRIAX_RETURN_IF_ERROR(tf->Forward(prompt, 0, &kv, &logits));
+    r.prefill_seconds = Seconds(t0);
+    t0 = Clock::now();
+    TRIAX_ASSIGN_OR_RETURN(r.transfer, c->TransferSequence(&seq, {}));
+    r.transfer_seconds = Seconds(t0);
+    for (int i = 0; i + 1 < prefill; ++i) r.text += local.pieces[i];
+    int token = prompt.back();
+    const float* last = logits.data() + size_t(prefill - 1) * vocab;
+    t0 = Clock::now();
+    for (int pos = prefill - 1; pos < steps; ++pos) {
+      if (pos >= prefill) {
+        TRIAX_RETURN_IF_ERROR(c->Extend(&seq, {MakeSpan(Role::kAssistant, 1)},
+                                        /*new_turn=*/false,
+                                        /*continue_last_span=*/true));
+        TRIAX_RETURN_IF_ERROR(tf->Forward({&token, 1}, pos, &kv, &logits));
+        last = logits.data();
+      }
+      const int next = Argmax(last, vocab);
+      ++r.decode_steps;
+      if (next == tok.bos_id()) break;
+      r.text += tok.Printable(token, next);
+      token = next;
+    }
+    r.decode_seconds = Seconds(t0);
+    return absl::OkStatus();
+  };
+  const absl::Status s = run();
+  const absl::Status close = c->Close(seq);
+  TRIAX_RETURN_IF_ERROR(s);
+  TRIAX_RETURN_IF_ERROR(close);
+  return r;
+}
+
+// Up workers, from the manager.
+absl::StatusOr<int> UpWorkers(client::Client* c) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::ListWorkersResponse resp;
+  const grpc::Status s =
+      c->manager()->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp);
+  if (!s.ok()) return FromGrpcStatus(s);
+  int up = 0;
+  for (const v1::WorkerInfo& w : resp.workers()) {
+    if (w.state() == v1::WORKER_STATE_UP) ++up;
+  }
+  return up;
 }
 
 std::string DiffPosition(const std::string& got, const std::string& want) {
@@ -293,6 +378,44 @@ absl::Status StepGreedy(const Model& model, const Tokenizer& tok,
       "(a) greedy %d steps: local fp32 %.1f tok/s, service bf16 %.1f tok/s "
       "(%d Attend RPCs)",
       steps, lr.steps / lr.seconds, sr->steps / sr->seconds, remote.rpcs()));
+
+  // Prefill on one worker, decode on another (needs two workers UP).
+  TRIAX_ASSIGN_OR_RETURN(const int up, UpWorkers(c));
+  const int prefill = absl::GetFlag(FLAGS_disaggregate_prefill);
+  if (prefill <= 0 || up < 2) {
+    report->push_back(
+        absl::StrFormat("(a) prefill/decode on two workers: not run (%s)",
+                        prefill <= 0 ? "--disaggregate_prefill=0"
+                                     : absl::StrCat(up, " worker(s) up")));
+    return absl::OkStatus();
+  }
+  std::printf("-- prefill %d tokens on one worker, decode on another:\n",
+              prefill);
+  TRIAX_ASSIGN_OR_RETURN(
+      DisaggregatedResult dr,
+      PrefillThenDecodeElsewhere(&tf, tok, c, model, lr, prefill, steps));
+  std::printf("%s\n", dr.text.c_str());
+  const std::string want = have_expected ? expected : lr.text;
+  const std::string dv = verdict(dr.text, want);
+  std::printf("prefill on %s, decode on %s vs %s: %s\n",
+              dr.transfer.source_worker_id().c_str(),
+              dr.transfer.destination_worker_id().c_str(),
+              have_expected ? "expected_greedy_200.txt" : "local fp32",
+              dv.c_str());
+  checks->push_back(
+      {have_expected
+           ? "greedy prefill on one worker, decode on another == "
+             "expected_greedy_200.txt"
+           : "greedy prefill on one worker, decode on another == local fp32",
+       dr.text == want, dv});
+  report->push_back(absl::StrFormat(
+      "(a) prefill %d tokens on %s (%.3f s), transfer to %s (%.3f s: %d "
+      "blocks, %d wire bytes, %d as BF16), decode %d steps there (%.1f "
+      "tok/s)",
+      prefill, dr.transfer.source_worker_id(), dr.prefill_seconds,
+      dr.transfer.destination_worker_id(), dr.transfer_seconds,
+      dr.transfer.blocks(), dr.transfer.wire_bytes(), dr.transfer.bf16_bytes(),
+      dr.decode_steps, dr.decode_steps / dr.decode_seconds));
   return absl::OkStatus();
 }
 
@@ -391,67 +514,87 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
   Transformer tf(model.get(), threads);
   const int vocab = model->config.vocab_size;
 
-  // Service run, turn by turn.
-  std::vector<float> service_logits, part;
-  client::SequenceHandle seq;
+  // Service run, turn by turn. transfer_after >= 0: after that turn's
+  // prefill the sequence moves to another worker (TransferSequence), which
+  // serves the later turns.
   int64_t pos = 0;
   int64_t rpcs = 0;
   double service_seconds = 0;
-  std::unique_ptr<ServiceKvStore> kv;
-  absl::Status run_status;
-  std::printf("%-5s %-7s %-8s %s\n", "turn", "tokens", "context",
-              "KV bytes per format (manager plan)");
-  for (size_t t = 0; t < conv.turns.size() && run_status.ok(); ++t) {
-    const RenderedTurn& turn = conv.turns[t];
-    std::vector<v1::Span> spans;
-    for (const RoleSpan& s : turn.spans) {
-      // BOS joins the first span (the system header delimiter).
-      const uint32_t n =
-          static_cast<uint32_t>(s.length + (s.begin == 0 ? 1 : 0));
-      spans.push_back(MakeSpan(s.role, n));
+  auto service_run = [&](int transfer_after, bool print,
+                         std::vector<float>* service_logits,
+                         v1::TransferSequenceResponse* moved) -> absl::Status {
+    std::vector<float> part;
+    client::SequenceHandle seq;
+    std::unique_ptr<ServiceKvStore> kv;
+    absl::Status run_status;
+    if (print) {
+      std::printf("%-5s %-7s %-8s %s\n", "turn", "tokens", "context",
+                  "KV bytes per format (manager plan)");
     }
-    const int64_t first = t == 0 ? 0 : static_cast<int64_t>(turn.begin) + 1;
-    const int64_t end = static_cast<int64_t>(turn.end) + 1;
-    if (t == 0) {
-      auto opened = c->Open(Shape(*model), spans, policy);
-      if (!opened.ok()) return opened.status();
-      seq = *opened;
-      kv = std::make_unique<ServiceKvStore>(c, &seq, model->config.n_kv_heads,
-                                            model->config.head_dim());
-    } else {
-      run_status = c->Extend(&seq, spans, /*new_turn=*/true,
-                             /*continue_last_span=*/false);
+    for (size_t t = 0; t < conv.turns.size() && run_status.ok(); ++t) {
+      const RenderedTurn& turn = conv.turns[t];
+      std::vector<v1::Span> spans;
+      for (const RoleSpan& s : turn.spans) {
+        // BOS joins the first span (the system header delimiter).
+        const uint32_t n =
+            static_cast<uint32_t>(s.length + (s.begin == 0 ? 1 : 0));
+        spans.push_back(MakeSpan(s.role, n));
+      }
+      const int64_t first = t == 0 ? 0 : static_cast<int64_t>(turn.begin) + 1;
+      const int64_t end = static_cast<int64_t>(turn.end) + 1;
+      if (t == 0) {
+        auto opened = c->Open(Shape(*model), spans, policy);
+        if (!opened.ok()) return opened.status();
+        seq = *opened;
+        kv = std::make_unique<ServiceKvStore>(c, &seq, model->config.n_kv_heads,
+                                              model->config.head_dim());
+      } else {
+        run_status = c->Extend(&seq, spans, /*new_turn=*/true,
+                               /*continue_last_span=*/false);
+        if (!run_status.ok()) break;
+      }
+      const auto t0 = Clock::now();
+      run_status =
+          tf.Prefill(absl::MakeConstSpan(tokens).subspan(first, end - first),
+                     first, chunk, kv.get(), &part);
+      if (print) service_seconds += Seconds(t0);
       if (!run_status.ok()) break;
+      service_logits->insert(service_logits->end(), part.begin(), part.end());
+      pos = end;
+      if (static_cast<int>(t) == transfer_after) {
+        auto r = c->TransferSequence(&seq, {});
+        if (!r.ok()) {
+          run_status = r.status();
+          break;
+        }
+        *moved = *r;
+      }
+      if (!print) continue;
+      auto info = GetSequence(c, tenant, seq.sequence_id);
+      if (!info.ok()) {
+        run_status = info.status();
+        break;
+      }
+      const KvBytes kb = CountKvBytes(*info, model->config);
+      std::printf("%-5zu %-7lld %-8lld %s\n", t,
+                  static_cast<long long>(end - first),
+                  static_cast<long long>(pos), FormatKvBytes(kb).c_str());
+      if (t + 1 == conv.turns.size()) {
+        report->push_back(
+            absl::StrFormat("(b) %s: %d turns, %d tokens; final KV %s", id,
+                            conv.turns.size(), pos, FormatKvBytes(kb)));
+      }
     }
-    const auto t0 = Clock::now();
-    run_status =
-        tf.Prefill(absl::MakeConstSpan(tokens).subspan(first, end - first),
-                   first, chunk, kv.get(), &part);
-    service_seconds += Seconds(t0);
-    if (!run_status.ok()) break;
-    service_logits.insert(service_logits.end(), part.begin(), part.end());
-    pos = end;
-    auto info = GetSequence(c, tenant, seq.sequence_id);
-    if (!info.ok()) {
-      run_status = info.status();
-      break;
+    if (kv && print) rpcs = kv->rpcs();
+    if (!seq.sequence_id.empty()) {
+      absl::Status close = c->Close(seq);
+      if (run_status.ok()) run_status = close;
     }
-    const KvBytes kb = CountKvBytes(*info, model->config);
-    std::printf("%-5zu %-7lld %-8lld %s\n", t,
-                static_cast<long long>(end - first),
-                static_cast<long long>(pos), FormatKvBytes(kb).c_str());
-    if (t + 1 == conv.turns.size()) {
-      report->push_back(
-          absl::StrFormat("(b) %s: %d turns, %d tokens; final KV %s", id,
-                          conv.turns.size(), pos, FormatKvBytes(kb)));
-    }
-  }
-  if (kv) rpcs = kv->rpcs();
-  if (!seq.sequence_id.empty()) {
-    absl::Status close = c->Close(seq);
-    if (run_status.ok()) run_status = close;
-  }
-  TRIAX_RETURN_IF_ERROR(run_status);
+    return run_status;
+  };
+  std::vector<float> service_logits;
+  v1::TransferSequenceResponse unused;
+  TRIAX_RETURN_IF_ERROR(service_run(-1, true, &service_logits, &unused));
 
   // Local fp32 reference over the same tokens and chunks.
   LocalKvStore local(model->config);
@@ -485,6 +628,41 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
       std::isfinite(ss.mean()) && std::isfinite(ls.mean()) && ls.count > 0;
   checks->push_back({"BFCL session NLL finite, tool-call tokens present",
                      finite, absl::StrCat(ls.count, " tool-call tokens")});
+
+  // The same session with its first turn prefilled on one worker and the
+  // later turns on another (needs two workers up and two turns).
+  TRIAX_ASSIGN_OR_RETURN(const int up, UpWorkers(c));
+  if (up < 2 || conv.turns.size() < 2 ||
+      absl::GetFlag(FLAGS_disaggregate_prefill) <= 0) {
+    report->push_back(absl::StrFormat(
+        "(b) later turns on a second worker: not run (%d worker(s) up, %d "
+        "turns)",
+        up, conv.turns.size()));
+    return absl::OkStatus();
+  }
+  std::vector<float> moved_logits;
+  v1::TransferSequenceResponse moved;
+  TRIAX_RETURN_IF_ERROR(service_run(0, false, &moved_logits, &moved));
+  const NllResult ms = NllAt(moved_logits, tokens, vocab, counted);
+  const NllResult ma = NllAt(moved_logits, tokens, vocab, all);
+  const bool same = moved_logits == service_logits;
+  std::printf(
+      "turn 0 on %s, turns 1-%zu on %s: tool-call dNLL %+.4f, all-token dNLL "
+      "%+.4f (one worker: %+.4f, %+.4f); logits %s\n",
+      moved.source_worker_id().c_str(), conv.turns.size() - 1,
+      moved.destination_worker_id().c_str(), ms.mean() - ls.mean(),
+      ma.mean() - la.mean(), ss.mean() - ls.mean(), sa.mean() - la.mean(),
+      same ? "bit-identical" : "DIFFER");
+  report->push_back(absl::StrFormat(
+      "(b) turn 0 on %s, later turns on %s (transfer: %d blocks, %d wire "
+      "bytes, %d as BF16): all-token dNLL %+.4f vs %+.4f on one worker",
+      moved.source_worker_id(), moved.destination_worker_id(), moved.blocks(),
+      moved.wire_bytes(), moved.bf16_bytes(), ma.mean() - la.mean(),
+      sa.mean() - la.mean()));
+  checks->push_back(
+      {"BFCL later turns on a second worker: logits equal one worker's", same,
+       absl::StrFormat("all-token dNLL %+.6f vs %+.6f", ma.mean() - la.mean(),
+                       sa.mean() - la.mean())});
   return absl::OkStatus();
 }
 
