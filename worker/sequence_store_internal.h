@@ -157,4 +157,35 @@ inline std::string BlockName(const BlockSpec& spec) {
                       ")");
 }
 
+// Entry `i` of a request naming blocks of `seq` by index and lineage id
+// (Demote, ExportPages): the block, after checking that the index exists
+// (NOT_FOUND), was not named before in this request (`named`, one flag per
+// block of seq; INVALID_ARGUMENT) and carries `lineage_id`
+// (FAILED_PRECONDITION). Messages name "blocks[i]" and the values.
+inline absl::StatusOr<const Block*> NamedBlock(const Sequence& seq, size_t i,
+                                               uint64_t index,
+                                               uint64_t lineage_id,
+                                               std::vector<bool>* named)
+    ABSL_SHARED_LOCKS_REQUIRED(seq.mu) {
+  if (index >= seq.blocks.size()) {
+    return absl::NotFoundError(absl::StrCat(
+        "blocks[", i, "].index=", index, " (lineage_id=", lineage_id,
+        ") is not a block of sequence_id=", Quote(seq.id), ", which has ",
+        seq.blocks.size(), " blocks"));
+  }
+  if ((*named)[index]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "blocks[", i, "].index=", index, " is named more than once"));
+  }
+  (*named)[index] = true;
+  const Block& b = seq.blocks[index];
+  if (lineage_id != b.spec.lineage_id) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "blocks[", i, "] (index=", index, ") lineage_id=", lineage_id,
+        " mismatches sequence_id=", Quote(seq.id),
+        "'s block lineage_id=", b.spec.lineage_id));
+  }
+  return &b;
+}
+
 }  // namespace triax::worker::store_internal

@@ -21,6 +21,7 @@ using store_internal::BlockEncoding;
 using store_internal::CheckOwner;
 using store_internal::EncName;
 using store_internal::IsBf16;
+using store_internal::NamedBlock;
 using store_internal::Sequence;
 
 namespace {
@@ -60,24 +61,10 @@ absl::StatusOr<uint64_t> CheckExportBlocks(const Device& device,
   uint64_t end = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const ExportBlock& want = blocks[i];
-    if (want.index >= seq.blocks.size()) {
-      return absl::NotFoundError(absl::StrCat(
-          "blocks[", i, "].index=", want.index, " (lineage_id=",
-          want.lineage_id, ") is not a block of sequence_id=", Quote(seq.id),
-          ", which has ", seq.blocks.size(), " blocks"));
-    }
-    if (named[want.index]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "blocks[", i, "].index=", want.index, " is named more than once"));
-    }
-    named[want.index] = true;
-    const Block& b = seq.blocks[want.index];
-    if (want.lineage_id != b.spec.lineage_id) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "blocks[", i, "] (index=", want.index, ") lineage_id=",
-          want.lineage_id, " mismatches sequence_id=", Quote(seq.id),
-          "'s block lineage_id=", b.spec.lineage_id));
-    }
+    TRIAX_ASSIGN_OR_RETURN(
+        const Block* named_block,
+        NamedBlock(seq, i, want.index, want.lineage_id, &named));
+    const Block& b = *named_block;
     BlockSpec spec = b.spec;
     spec.encoding = want.encoding;
     TRIAX_RETURN_IF_ERROR(
