@@ -567,6 +567,7 @@ TransferImportFigures FromProto(const v1::ImportSequenceResponse& p) {
   d.bf16_bytes = p.bf16_bytes();
   d.page_bytes = p.page_bytes();
   d.seconds = p.seconds();
+  d.data_path = p.data_path();
   return d;
 }
 
@@ -582,6 +583,7 @@ void ToProto(const TransferSequenceResult& d, v1::TransferSequenceResponse* p) {
   p->set_source_bytes(d.source_bytes);
   p->set_seconds(d.seconds);
   p->set_pull_seconds(d.pull_seconds);
+  p->set_data_path(d.data_path);
 }
 
 void ToProto(const TransferPrepared& d, v1::ImportSequenceRequest* p) {

@@ -353,6 +353,7 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
   r.source_bytes = p->source_bytes;
   r.seconds = static_cast<double>(clock_->NowMs() - p->started_ms) / 1000.0;
   r.pull_seconds = figures.seconds;
+  r.data_path = figures.data_path;
   Event e = TransferEvent(*clock_, EventKind::kSequenceTransferred, s, nullptr,
                           p->source_id, p->destination_id);
   e.detail = absl::StrCat("transfer=", p->transfer_id, " blocks=", r.blocks,

@@ -92,7 +92,8 @@ grpc::ServerUnaryReactor* ManagerService::TransferSequence(
                     Kv("pages", committed->result.pages), " ",
                     Kv("wire_bytes", committed->result.wire_bytes), " ",
                     Kv("bf16_bytes", committed->result.bf16_bytes), " ",
-                    Kv("pull_seconds", committed->result.pull_seconds)));
+                    Kv("pull_seconds", committed->result.pull_seconds), " ",
+                    Kv("data_path", committed->result.data_path)));
           } else {
             result = committed.status();
           }

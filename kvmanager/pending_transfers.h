@@ -65,6 +65,7 @@ struct TransferSequenceResult {
   uint64_t source_bytes = 0;  // the moved blocks' bytes on the source
   double seconds = 0;         // prepare to commit
   double pull_seconds = 0;    // the destination's ImportSequence
+  std::string data_path;      // the destination's: "stream" or "ipc"
 };
 
 // What PrepareTransfer hands the service: a remembered reply (`done`, an
@@ -99,6 +100,7 @@ struct TransferImportFigures {
   uint64_t bf16_bytes = 0;
   uint64_t page_bytes = 0;
   double seconds = 0;
+  std::string data_path;
 };
 
 // What CommitTransfer hands back: the reply, and where the source copy is

@@ -339,6 +339,9 @@ TransferPage FromProto(v1::PagePayload* p) {
   d.sealed = p->sealed();
   d.data = std::move(*p->mutable_data());
   d.crc32c = p->crc32c();
+  d.shared = p->shared();
+  d.arena_offset = p->arena_offset();
+  d.shared_bytes = p->shared_bytes();
   return d;
 }
 
@@ -351,6 +354,9 @@ void ToProto(TransferPage&& d, v1::PagePayload* p) {
   p->set_sealed(d.sealed);
   *p->mutable_data() = std::move(d.data);
   p->set_crc32c(d.crc32c);
+  p->set_shared(d.shared);
+  p->set_arena_offset(d.arena_offset);
+  p->set_shared_bytes(d.shared_bytes);
 }
 
 void ToProto(const ImportReply& d, v1::ImportSequenceResponse* p) {
@@ -360,6 +366,7 @@ void ToProto(const ImportReply& d, v1::ImportSequenceResponse* p) {
   p->set_page_bytes(d.result.page_bytes);
   p->set_seconds(d.seconds);
   for (double s : d.result.layer_done_seconds) p->add_layer_done_seconds(s);
+  p->set_data_path(d.data_path);
 }
 
 }  // namespace triax::worker

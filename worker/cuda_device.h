@@ -32,6 +32,11 @@
 //                       kMaxWorkspaceBytes runs as several launches)
 //   DemotePages      -> DemotePagesCuda over all jobs (src/dst tables up in
 //                       one copy; chunks bounded by kMaxDemoteScratchBytes)
+//   Checksum         -> Crc32cCuda over all ranges (table up, CRCs down)
+//   CopyPagesChecked -> CopyCrc32cCuda: copy and CRC in one pass, one launch
+//                       per kMaxRangesPerLaunch jobs
+//   ShareArena / OpenPeerArena -> cudaIpcGetMemHandle / cudaIpcOpenMemHandle
+//                       (lazy peer access); ShareDomain is cuda:<boot id>
 // Every call waits for its stream before returning, so host buffers are free
 // to reuse and errors surface in the call that caused them.
 //
@@ -126,8 +131,21 @@ class CudaDevice final : public Device {
                             size_t bytes) override;
   absl::StatusOr<uint8_t*> AllocateHostTier(size_t bytes) override;
   void FreeHostTier(uint8_t* base, size_t bytes) override;
+  // Transfers (worker/cuda_device_transfer.cc).
+  absl::Status Checksum(absl::Span<const DeviceBytes> ranges,
+                        absl::Span<uint32_t> crcs) override;
+  absl::Status CopyPagesChecked(absl::Span<const PageCopy> jobs,
+                                absl::Span<uint32_t> crcs) override;
+  std::string ShareDomain() const override;
+  absl::StatusOr<std::string> ShareArena(const uint8_t* base,
+                                         size_t bytes) override;
+  absl::StatusOr<const uint8_t*> OpenPeerArena(absl::string_view handle,
+                                               size_t bytes) override;
+  void ClosePeerArena(const uint8_t* base, size_t bytes) override;
 
  public:
+  // Ranges per Checksum / CopyPagesChecked launch.
+  static constexpr size_t kMaxRangesPerLaunch = 16384;
   static constexpr int kLanes = 4;
   // A batch group whose attention workspace would pass this runs as
   // several launches (still batch-invariant: shares depend on each

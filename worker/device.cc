@@ -1,13 +1,24 @@
 #include "worker/device.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <new>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/ids.h"
 #include "kernels/numeric.h"
+#include "worker/checksum.h"
 
 namespace triax::worker {
 
@@ -59,9 +70,94 @@ absl::Status Device::DemotePages(const kernels::PageShape& shape,
   return absl::OkStatus();
 }
 
+std::string HostBootId() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (!(in >> id) || id.empty()) return "unknown";
+  return id;
+}
+
+absl::Status Device::Checksum(absl::Span<const DeviceBytes> ranges,
+                              absl::Span<uint32_t> crcs) {
+  if (crcs.size() != ranges.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Checksum: ", crcs.size(), " outputs for ", ranges.size(), " ranges"));
+  }
+  std::vector<uint8_t> host;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    host.resize(ranges[i].bytes);
+    if (!host.empty()) {
+      if (absl::Status s =
+              CopyToHost(host.data(), ranges[i].data, ranges[i].bytes);
+          !s.ok()) {
+        return s;
+      }
+    }
+    crcs[i] = Crc32c(host.data(), host.size());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Device::CopyPagesChecked(absl::Span<const PageCopy> jobs,
+                                      absl::Span<uint32_t> crcs) {
+  if (crcs.size() != jobs.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CopyPagesChecked: ", crcs.size(), " outputs for ",
+                     jobs.size(), " jobs"));
+  }
+  std::vector<DeviceBytes> copied(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (absl::Status s = CopyPage(jobs[i].dst, jobs[i].src, jobs[i].bytes);
+        !s.ok()) {
+      return s;
+    }
+    copied[i] = DeviceBytes{jobs[i].dst, jobs[i].bytes};
+  }
+  return Checksum(copied, crcs);
+}
+
+absl::StatusOr<std::string> Device::ShareArena(const uint8_t*, size_t) {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", Name(), " backend does not share its arena"));
+}
+
+absl::StatusOr<const uint8_t*> Device::OpenPeerArena(absl::string_view,
+                                                     size_t) {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", Name(), " backend cannot map a peer's arena"));
+}
+
 absl::StatusOr<uint8_t*> CpuDevice::AllocateArena(size_t bytes) {
   if (bytes == 0) {
     return absl::InvalidArgumentError("arena bytes must be > 0");
+  }
+  if (share_arena_) {
+    // A memfd mapping: page aligned, zero filled, and openable by a peer
+    // process through /proc/<pid>/fd/<fd>.
+    const int fd = memfd_create("triax-arena", MFD_CLOEXEC);
+    if (fd < 0) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cpu backend: memfd_create for a shared arena of ",
+                       bytes, " bytes: ", std::strerror(errno)));
+    }
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      const int err = errno;
+      close(fd);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cpu backend: sizing a shared arena to ", bytes,
+                       " bytes: ", std::strerror(err)));
+    }
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      close(fd);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cpu backend: mapping a shared arena of ", bytes,
+                       " bytes: ", std::strerror(err)));
+    }
+    absl::MutexLock lock(&mu_);
+    shared_fds_[static_cast<const uint8_t*>(p)] = fd;
+    return static_cast<uint8_t*>(p);
   }
   const size_t rounded = (bytes + 255) & ~size_t{255};
   void* p = std::aligned_alloc(256, rounded);
@@ -73,7 +169,107 @@ absl::StatusOr<uint8_t*> CpuDevice::AllocateArena(size_t bytes) {
   return static_cast<uint8_t*>(p);
 }
 
-void CpuDevice::FreeArena(uint8_t* base, size_t /*bytes*/) { std::free(base); }
+void CpuDevice::FreeArena(uint8_t* base, size_t bytes) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = shared_fds_.find(base);
+    if (it != shared_fds_.end()) {
+      munmap(base, bytes);
+      close(it->second);
+      shared_fds_.erase(it);
+      return;
+    }
+  }
+  std::free(base);
+}
+
+absl::Status CpuDevice::Checksum(absl::Span<const DeviceBytes> ranges,
+                                 absl::Span<uint32_t> crcs) {
+  if (crcs.size() != ranges.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Checksum: ", crcs.size(), " outputs for ", ranges.size(), " ranges"));
+  }
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    crcs[i] = Crc32c(ranges[i].data, ranges[i].bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::CopyPagesChecked(absl::Span<const PageCopy> jobs,
+                                         absl::Span<uint32_t> crcs) {
+  if (crcs.size() != jobs.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CopyPagesChecked: ", crcs.size(), " outputs for ",
+                     jobs.size(), " jobs"));
+  }
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    std::memcpy(jobs[i].dst, jobs[i].src, jobs[i].bytes);
+    crcs[i] = Crc32c(jobs[i].dst, jobs[i].bytes);
+  }
+  return absl::OkStatus();
+}
+
+std::string CpuDevice::ShareDomain() const {
+  return share_arena_ ? absl::StrCat("cpu:", HostBootId()) : "";
+}
+
+absl::StatusOr<std::string> CpuDevice::ShareArena(const uint8_t* base,
+                                                  size_t /*bytes*/) {
+  if (!share_arena_) return Device::ShareArena(base, 0);
+  absl::MutexLock lock(&mu_);
+  auto it = shared_fds_.find(base);
+  if (it == shared_fds_.end()) {
+    return absl::InvalidArgumentError(
+        "cpu backend: ShareArena of a pointer that is not a shared arena's "
+        "base");
+  }
+  return absl::StrCat(getpid(), ":", it->second);
+}
+
+absl::StatusOr<const uint8_t*> CpuDevice::OpenPeerArena(
+    absl::string_view handle, size_t bytes) {
+  if (!share_arena_) return Device::OpenPeerArena(handle, bytes);
+  std::pair<absl::string_view, absl::string_view> parts =
+      absl::StrSplit(handle, absl::MaxSplits(':', 1));
+  int pid = 0, fd = 0;
+  if (!absl::SimpleAtoi(parts.first, &pid) ||
+      !absl::SimpleAtoi(parts.second, &fd) || pid <= 0 || fd < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu backend: shared arena handle ", Quote(handle),
+                     " is not \"<pid>:<fd>\""));
+  }
+  if (bytes == 0) {
+    return absl::InvalidArgumentError("cpu backend: peer arena bytes is 0");
+  }
+  const std::string path = absl::StrCat("/proc/", pid, "/fd/", fd);
+  const int peer = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (peer < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cpu backend: cannot open the peer arena ", path, ": ",
+                     std::strerror(errno)));
+  }
+  struct stat st;
+  if (fstat(peer, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+    close(peer);
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu backend: the peer arena ", path, " has ",
+                     static_cast<long long>(st.st_size), " bytes, not the ",
+                     bytes, " its handle says"));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, peer, 0);
+  const int err = errno;
+  close(peer);  // the mapping stays
+  if (p == MAP_FAILED) {
+    return absl::UnavailableError(
+        absl::StrCat("cpu backend: cannot map the peer arena ", path, ": ",
+                     std::strerror(err)));
+  }
+  return static_cast<const uint8_t*>(p);
+}
+
+void CpuDevice::ClosePeerArena(const uint8_t* base, size_t bytes) {
+  if (base != nullptr) munmap(const_cast<uint8_t*>(base), bytes);
+}
 
 absl::Status CpuDevice::EncodePage(const kernels::Encoding& e,
                                    const kernels::PageShape& shape,
@@ -147,7 +343,7 @@ void CpuDevice::FreeHostTier(uint8_t* base, size_t /*bytes*/) {
 absl::StatusOr<std::unique_ptr<Device>> CreateDevice(
     absl::string_view backend, const DeviceOptions& options) {
   if (backend == "cpu") {
-    return std::unique_ptr<Device>(new CpuDevice());
+    return std::unique_ptr<Device>(new CpuDevice(options.share_arena));
   }
   if (backend == "cuda") {
     if (absl::Status s = CudaAvailable(); !s.ok()) {
@@ -159,7 +355,7 @@ absl::StatusOr<std::unique_ptr<Device>> CreateDevice(
   }
   if (backend == "auto") {
     if (CudaAvailable().ok()) return CreateCudaDevice(options.cuda_device);
-    return std::unique_ptr<Device>(new CpuDevice());
+    return std::unique_ptr<Device>(new CpuDevice(options.share_arena));
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "backend=", Quote(backend), " is not one of auto, cpu, cuda"));

@@ -13,10 +13,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "kernels/layout.h"
 #include "kernels/ref/kv_ref.h"
@@ -33,6 +37,20 @@ struct DemoteJob {
   int num_tokens = 0;  // 1..shape.tokens
   kernels::Encoding to;
   uint8_t* dst = nullptr;
+};
+
+// One device-to-device copy for Device::CopyPagesChecked; `src` may lie in
+// a peer's arena mapped by OpenPeerArena.
+struct PageCopy {
+  uint8_t* dst = nullptr;
+  const uint8_t* src = nullptr;
+  size_t bytes = 0;
+};
+
+// A byte range in device memory (Device::Checksum).
+struct DeviceBytes {
+  const uint8_t* data = nullptr;
+  size_t bytes = 0;
 };
 
 class Device {
@@ -134,11 +152,53 @@ class Device {
   // bytes, RESOURCE_EXHAUSTED when it cannot be had.
   virtual absl::StatusOr<uint8_t*> AllocateHostTier(size_t bytes) = 0;
   virtual void FreeHostTier(uint8_t* base, size_t bytes) = 0;
+
+  // CRC32C (worker/checksum.h) of each range into crcs[i] (same size).
+  // The default copies each range to the host; the CUDA backend computes
+  // them on the device in one launch.
+  virtual absl::Status Checksum(absl::Span<const DeviceBytes> ranges,
+                                absl::Span<uint32_t> crcs);
+
+  // Copies every job (no two may overlap) and sets crcs[i] to the CRC32C
+  // of the bytes job i copied; all complete on return. The default runs
+  // CopyPage and Checksum on the copy; the CUDA backend copies and
+  // checksums in one pass over the bytes (one launch for all jobs).
+  virtual absl::Status CopyPagesChecked(absl::Span<const PageCopy> jobs,
+                                        absl::Span<uint32_t> crcs);
+
+  // Shared arenas: the "ipc" transfer path between two worker processes on
+  // one host, where the destination maps the source's arena and copies
+  // pages device to device (CUDA IPC on the CUDA backend; a memfd mapping
+  // on the CPU backend, when DeviceOptions::share_arena is set).
+  //
+  // Where this device's arenas can be mapped: "<backend>:<host boot id>";
+  // empty when this backend does not share (the default).
+  virtual std::string ShareDomain() const { return ""; }
+  // A handle by which another process of the same ShareDomain maps the
+  // arena that AllocateArena returned at `base` (`bytes` long).
+  // UNIMPLEMENTED when this backend does not share; INVALID_ARGUMENT for a
+  // pointer that is not an arena's base.
+  virtual absl::StatusOr<std::string> ShareArena(const uint8_t* base,
+                                                 size_t bytes);
+  // Maps a peer's arena from its handle (read-only use: a source of
+  // CopyPagesChecked and Checksum). INVALID_ARGUMENT for a malformed handle
+  // or a length other than the arena's; UNAVAILABLE when it cannot be
+  // mapped here (another host, a process gone, no peer access).
+  virtual absl::StatusOr<const uint8_t*> OpenPeerArena(absl::string_view handle,
+                                                       size_t bytes);
+  virtual void ClosePeerArena(const uint8_t* base, size_t bytes) {}
 };
 
 // The CPU backend: the arena is host memory and compute is kernels/ref.
+//
+// With `share_arena` its arenas are memfd mappings (MAP_SHARED) that a
+// process of the same host opens through /proc/<pid>/fd/<fd> (the handle
+// is "<pid>:<fd>"), so two CPU workers on one host can use the ipc
+// transfer path; without it they are ordinary aligned allocations and the
+// backend does not share.
 class CpuDevice final : public Device {
  public:
+  explicit CpuDevice(bool share_arena = false) : share_arena_(share_arena) {}
   const char* Name() const override { return "cpu"; }
   absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override;
   void FreeArena(uint8_t* base, size_t bytes) override;
@@ -162,11 +222,34 @@ class CpuDevice final : public Device {
                             size_t bytes) override;
   absl::StatusOr<uint8_t*> AllocateHostTier(size_t bytes) override;
   void FreeHostTier(uint8_t* base, size_t bytes) override;
+  absl::Status Checksum(absl::Span<const DeviceBytes> ranges,
+                        absl::Span<uint32_t> crcs) override;
+  absl::Status CopyPagesChecked(absl::Span<const PageCopy> jobs,
+                                absl::Span<uint32_t> crcs) override;
+  std::string ShareDomain() const override;
+  absl::StatusOr<std::string> ShareArena(const uint8_t* base,
+                                         size_t bytes) override;
+  absl::StatusOr<const uint8_t*> OpenPeerArena(absl::string_view handle,
+                                               size_t bytes) override;
+  void ClosePeerArena(const uint8_t* base, size_t bytes) override;
+
+ private:
+  const bool share_arena_;
+  absl::Mutex mu_;
+  // Shared arenas: base -> memfd.
+  absl::flat_hash_map<const uint8_t*, int> shared_fds_ ABSL_GUARDED_BY(mu_);
 };
 
 struct DeviceOptions {
   int cuda_device = 0;  // CUDA device ordinal for the "cuda" backend
+  // The CPU backend's arenas are shared memory (CpuDevice); the CUDA
+  // backend always shares (cudaMalloc memory is IPC-capable).
+  bool share_arena = false;
 };
+
+// The host's boot id (/proc/sys/kernel/random/boot_id): two processes with
+// the same one run on the same kernel; "unknown" when it cannot be read.
+std::string HostBootId();
 
 // Picks the backend named by the --backend flag:
 //   "cpu"  -> CpuDevice

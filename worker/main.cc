@@ -73,6 +73,13 @@ ABSL_FLAG(bool, restore_on_attend, true,
           "background");
 ABSL_FLAG(int32_t, retry_after_ms, 20,
           "retry delay suggested when restore_on_attend is false");
+ABSL_FLAG(std::string, transfer_path, "auto",
+          "how this worker pulls a sequence it imports: stream (pages over "
+          "the source's gRPC ExportPages stream), ipc (the source's arena "
+          "mapped here and pages copied device to device: CUDA IPC, or "
+          "shared memory between CPU workers, which then share their arena; "
+          "same host only, no fallback), auto (ipc where the source can "
+          "share with this worker, else stream; CPU workers stream)");
 ABSL_FLAG(int32_t, testing_corrupt_export_pages, 0,
           "TEST HOOK: flip one byte of every N-th page this worker exports "
           "(ExportPages), after its CRC32C was taken, so that the importing "
@@ -128,6 +135,12 @@ absl::Status CheckFlags() {
   const std::string advertise = absl::GetFlag(FLAGS_advertise);
   const std::string worker_id = absl::GetFlag(FLAGS_worker_id);
   const std::string disk_dir = absl::GetFlag(FLAGS_disk_tier_dir);
+  if (absl::Status s =
+          triax::worker::ParseTransferPath(absl::GetFlag(FLAGS_transfer_path))
+              .status();
+      !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
+  }
   const int64_t disk_mb = absl::GetFlag(FLAGS_disk_tier_mb);
 
   if (!worker_id.empty()) {
@@ -218,8 +231,11 @@ int main(int argc, char** argv) {
   const int64_t pool_mb = absl::GetFlag(FLAGS_pool_mb);
   const int32_t window = absl::GetFlag(FLAGS_window_tokens);
   const int64_t host_tier_mb = absl::GetFlag(FLAGS_host_tier_mb);
+  const TransferPath transfer_path =
+      *ParseTransferPath(absl::GetFlag(FLAGS_transfer_path));
   DeviceOptions device_options;
   device_options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  device_options.share_arena = transfer_path == TransferPath::kIpc;
   auto device = CreateDevice(absl::GetFlag(FLAGS_backend), device_options);
   if (!device.ok()) return Fail(1, device.status().message());
   const int64_t frame_kb = absl::GetFlag(FLAGS_frame_kb);
@@ -246,6 +262,12 @@ int main(int argc, char** argv) {
   WorkerServiceOptions service_options;
   service_options.testing_corrupt_export_pages =
       static_cast<uint32_t>(absl::GetFlag(FLAGS_testing_corrupt_export_pages));
+  service_options.transfer_path = transfer_path;
+  service_options.device = device->get();
+  if (transfer_path == TransferPath::kIpc && (*device)->ShareDomain().empty()) {
+    return Fail(1, absl::StrCat("--transfer_path=ipc: the ", (*device)->Name(),
+                                " backend cannot share its arena"));
+  }
   WorkerService service(&core, service_options);
 
   const std::string listen = absl::GetFlag(FLAGS_listen);

@@ -262,6 +262,25 @@ void PageAllocator::Ref(Page* page) {
   ++page->refs;
 }
 
+void PageAllocator::Pin(Page* page) {
+  absl::MutexLock lock(&mu_);
+  ++page->refs;
+  ++page->pins;
+}
+
+bool PageAllocator::Unpin(Page* page) {
+  {
+    absl::MutexLock lock(&mu_);
+    --page->pins;
+  }
+  return Unref(page);
+}
+
+int PageAllocator::PinCount(Page* page) const {
+  absl::MutexLock lock(&mu_);
+  return page->pins;
+}
+
 int PageAllocator::RefCount(Page* page) const {
   absl::MutexLock lock(&mu_);
   return page->refs;
@@ -332,10 +351,18 @@ absl::StatusOr<CompactionResult> PageAllocator::Compact() {
         --j;
         continue;
       }
-      // The highest used slot of src moves into the lowest free slot of dst.
+      // The highest used unpinned slot of src moves into the lowest free
+      // slot of dst; a frame left with pinned pages only is done.
       uint32_t from = static_cast<uint32_t>(src.slots.size());
-      while (src.slots[--from] == nullptr) {
+      while (from > 0 && (src.slots[from - 1] == nullptr ||
+                          src.slots[from - 1]->pins > 0)) {
+        --from;
       }
+      if (from == 0) {
+        --j;
+        continue;
+      }
+      --from;
       Page* page = src.slots[from];
       const uint32_t to = dst.free.back();
       uint8_t* target = SlotData(order[i], to, key.page_bytes);

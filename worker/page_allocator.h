@@ -31,9 +31,10 @@
 // Compaction. Compact() moves, per pool, the pages of its least-used frames
 // into free slots of its most-used frames (Device::CopyPage, then Page::data
 // is updated) until at most one of its frames has free slots; emptied frames
-// go back to the free list. A shared page is one Page object and moves once.
-// The caller guarantees that nobody reads or writes page data, nor holds a
-// page's data pointer, while Compact runs (SequenceStore holds its data lock
+// go back to the free list. Pinned pages (Pin) stay where they are, so a
+// frame holding one is not emptied. A shared page is one Page object and moves
+// once. The caller guarantees that nobody reads or writes page data, nor holds
+// a page's data pointer, while Compact runs (SequenceStore holds its data lock
 // exclusively).
 //
 // Fragmentation (AllocatorStats::fragmentation) is the share of free bytes
@@ -98,6 +99,7 @@ struct Page {
   friend class PageAllocator;
   // Guarded by the allocator's mutex.
   int refs = 0;
+  int pins = 0;      // <= refs; a pinned page does not move
   size_t frame = 0;  // index of the frame holding it
   uint32_t slot = 0;
 };
@@ -255,6 +257,17 @@ class PageAllocator {
   // Drops one reference; returns true when it was the last (page freed).
   bool Unref(Page* page);
   int RefCount(Page* page) const;
+
+  // Pinning (transfers on the ipc path, where a peer process copies a page
+  // by its offset in the arena): Pin takes a reference and keeps the page's
+  // bytes where they are — Compact moves no pinned page — until the
+  // matching Unpin, which drops that reference (true when it was the last).
+  void Pin(Page* page);
+  bool Unpin(Page* page);
+  int PinCount(Page* page) const;
+  // The arena's base and length (the ipc path shares them).
+  uint8_t* arena_base() const { return base_; }
+  size_t arena_bytes() const { return capacity_; }
 
   // See "Compaction" above. A failed copy stops it (the page being moved
   // stays where it was) and returns the device's error.

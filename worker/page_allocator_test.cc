@@ -464,6 +464,52 @@ TEST_F(PageAllocatorTest, CompactionFreesFramesForAnotherEncoding) {
   EXPECT_EQ(alloc_->Stats().free_frames, 8u);
 }
 
+// Compaction leaves pinned pages where they are (a peer process may be
+// copying them by their arena offset); unpinned ones still move, and an
+// Unpin of a page the store has freed meanwhile frees it.
+TEST_F(PageAllocatorTest, CompactionDoesNotMovePinnedPages) {
+  Make(size_t{4} * 4096, 4096);  // 4 frames of 4 KiB, 4 pages a frame
+  const kernels::Encoding a = Format::kINT4;
+  std::vector<Page*> pages;
+  for (int i = 0; i < 16; ++i) {
+    auto p = alloc_->Allocate(a, 1024, PageUse::kTarget);
+    ASSERT_THAT(p.status(), IsOk());
+    Fill(*p, static_cast<uint32_t>(i));
+    pages.push_back(*p);
+  }
+  // Keep slot 0 of every frame; pin the kept pages of frames 2 and 3.
+  for (int i = 0; i < 16; ++i) {
+    if (i % 4 != 0) EXPECT_TRUE(alloc_->Unref(pages[i]));
+  }
+  alloc_->Pin(pages[8]);
+  alloc_->Pin(pages[12]);
+  EXPECT_EQ(alloc_->PinCount(pages[8]), 1);
+  EXPECT_EQ(alloc_->RefCount(pages[8]), 2);
+  uint8_t* const pinned8 = pages[8]->data;
+  uint8_t* const pinned12 = pages[12]->data;
+  auto r = alloc_->Compact();
+  ASSERT_THAT(r.status(), IsOk());
+  // Frame 1's page moves into frame 0; frames 2 and 3 keep their pinned
+  // pages, so only frame 1 is freed.
+  EXPECT_EQ(r->pages_moved, 1u);
+  EXPECT_EQ(r->frames_freed, 1u);
+  EXPECT_EQ(pages[8]->data, pinned8);
+  EXPECT_EQ(pages[12]->data, pinned12);
+  for (int i : {0, 4, 8, 12}) EXPECT_TRUE(Holds(pages[i], i)) << i;
+  // The store lets go of page 8 while it is pinned: it stays until Unpin.
+  EXPECT_FALSE(alloc_->Unref(pages[8]));
+  EXPECT_TRUE(Holds(pages[8], 8));
+  EXPECT_TRUE(alloc_->Unpin(pages[8]));
+  // Unpinned, page 12 moves at the next compaction.
+  EXPECT_FALSE(alloc_->Unpin(pages[12]));
+  r = alloc_->Compact();
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->pages_moved, 1u);
+  EXPECT_TRUE(Holds(pages[12], 12));
+  for (int i : {0, 4, 12}) EXPECT_TRUE(alloc_->Unref(pages[i]));
+  EXPECT_EQ(alloc_->Stats().free_frames, 4u);
+}
+
 // A page shared three ways is one Page object: it moves once and every
 // holder sees the new address.
 TEST_F(PageAllocatorTest, SharedPageMovesOnce) {

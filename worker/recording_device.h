@@ -17,7 +17,15 @@ namespace triax::worker {
 
 class RecordingDevice final : public Device {
  public:
+  // `share_arena`: CpuDevice's shared-memory arenas (the ipc path).
+  explicit RecordingDevice(bool share_arena = false) : cpu_(share_arena) {}
   const char* Name() const override { return "cpu"; }
+
+  // Sizes of the CopyPagesChecked calls so far (the ipc path's copies).
+  std::vector<size_t> checked_copies() const {
+    absl::MutexLock lock(&mu_);
+    return checked_copies_;
+  }
 
   // Sizes of the DecodeAttentionBatch / DemotePages calls so far.
   std::vector<size_t> attention_batches() const {
@@ -111,12 +119,39 @@ class RecordingDevice final : public Device {
   void FreeHostTier(uint8_t* base, size_t bytes) override {
     cpu_.FreeHostTier(base, bytes);
   }
+  absl::Status Checksum(absl::Span<const DeviceBytes> ranges,
+                        absl::Span<uint32_t> crcs) override {
+    if (absl::Status s = Health(); !s.ok()) return s;
+    return cpu_.Checksum(ranges, crcs);
+  }
+  absl::Status CopyPagesChecked(absl::Span<const PageCopy> jobs,
+                                absl::Span<uint32_t> crcs) override {
+    if (absl::Status s = Health(); !s.ok()) return s;
+    {
+      absl::MutexLock lock(&mu_);
+      checked_copies_.push_back(jobs.size());
+    }
+    return cpu_.CopyPagesChecked(jobs, crcs);
+  }
+  std::string ShareDomain() const override { return cpu_.ShareDomain(); }
+  absl::StatusOr<std::string> ShareArena(const uint8_t* base,
+                                         size_t bytes) override {
+    return cpu_.ShareArena(base, bytes);
+  }
+  absl::StatusOr<const uint8_t*> OpenPeerArena(absl::string_view handle,
+                                               size_t bytes) override {
+    return cpu_.OpenPeerArena(handle, bytes);
+  }
+  void ClosePeerArena(const uint8_t* base, size_t bytes) override {
+    cpu_.ClosePeerArena(base, bytes);
+  }
 
  private:
   CpuDevice cpu_;
   mutable absl::Mutex mu_;
   std::vector<size_t> attention_batches_ ABSL_GUARDED_BY(mu_);
   std::vector<size_t> demote_batches_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> checked_copies_ ABSL_GUARDED_BY(mu_);
   std::string unhealthy_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -191,6 +191,8 @@ struct ImportPlan;
 struct ExportBlock;
 struct ExportOptions;
 struct TransferPage;
+class PagePins;
+struct SharedArenaInfo;
 
 namespace store_internal {
 struct Sequence;
@@ -432,6 +434,13 @@ class SequenceStore {
           sink);
   absl::StatusOr<std::unique_ptr<ImportSession>> BeginImport(
       const ImportPlan& plan);
+  // This worker's arena as a peer maps it for a shared export
+  // (Device::ShareArena; UNIMPLEMENTED when the backend does not share).
+  absl::StatusOr<SharedArenaInfo> SharedArena() const;
+  // Device::ShareDomain() of this worker's backend.
+  std::string ShareDomain() const { return device_->ShareDomain(); }
+  // An empty pin set over this store's pages (ExportOptions::pins).
+  std::unique_ptr<PagePins> NewPagePins() const;
 
   // Target page of (block, layer), for tests that build PageRefs directly.
   absl::StatusOr<Page*> TargetPage(absl::string_view sequence_id,
@@ -506,7 +515,8 @@ class SequenceStore {
   // the last named block ends.
   absl::StatusOr<std::vector<TransferPage>> ExportLayerOnce(
       const std::shared_ptr<Sequence>& seq, absl::string_view tenant_id,
-      absl::Span<const ExportBlock> blocks, uint32_t layer, uint64_t end);
+      absl::Span<const ExportBlock> blocks, uint32_t layer, uint64_t end,
+      PagePins* pins);
 
   // Runs `op` with data_mu_ held shared; when it fails RESOURCE_EXHAUSTED
   // after an allocator shortfall (PageAllocator::Shortfalls grew), releases

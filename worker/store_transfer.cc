@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/ids.h"
@@ -90,6 +91,51 @@ void Checksum(std::vector<TransferPage>* pages) {
 }  // namespace
 
 // ---------------------------------------------------------------------------
+// PagePins
+
+PagePins::~PagePins() { ReleaseFirst(size()); }
+
+void PagePins::Adopt(std::vector<Page*>* pinned) {
+  absl::MutexLock lock(&mu_);
+  pages_.insert(pages_.end(), pinned->begin(), pinned->end());
+  pinned->clear();
+}
+
+size_t PagePins::size() const {
+  absl::MutexLock lock(&mu_);
+  return pages_.size();
+}
+
+size_t PagePins::held() const {
+  absl::MutexLock lock(&mu_);
+  return pages_.size() - released_;
+}
+
+void PagePins::ReleaseFirst(size_t n) {
+  std::vector<Page*> release;
+  {
+    absl::MutexLock lock(&mu_);
+    n = std::min(n, pages_.size());
+    for (; released_ < n; ++released_) release.push_back(pages_[released_]);
+  }
+  for (Page* p : release) allocator_->Unpin(p);
+}
+
+std::unique_ptr<PagePins> SequenceStore::NewPagePins() const {
+  return std::make_unique<PagePins>(allocator_);
+}
+
+absl::StatusOr<SharedArenaInfo> SequenceStore::SharedArena() const {
+  SharedArenaInfo info;
+  info.backend = device_->Name();
+  info.bytes = allocator_->arena_bytes();
+  TRIAX_ASSIGN_OR_RETURN(
+      info.handle,
+      device_->ShareArena(allocator_->arena_base(), allocator_->arena_bytes()));
+  return info;
+}
+
+// ---------------------------------------------------------------------------
 // Export
 
 absl::Status SequenceStore::Export(
@@ -133,10 +179,11 @@ absl::Status SequenceStore::Export(
       }
     }
     absl::StatusOr<std::vector<TransferPage>> pages =
-        WithRoom<std::vector<TransferPage>>(
-            [&] { return ExportLayerOnce(seq, tenant_id, blocks, l, end); });
+        WithRoom<std::vector<TransferPage>>([&] {
+          return ExportLayerOnce(seq, tenant_id, blocks, l, end, options.pins);
+        });
     TRIAX_RETURN_IF_ERROR(pages.status());
-    Checksum(&*pages);
+    if (options.pins == nullptr) Checksum(&*pages);
     TRIAX_RETURN_IF_ERROR(sink(l, &*pages));
   }
   return absl::OkStatus();
@@ -144,7 +191,8 @@ absl::Status SequenceStore::Export(
 
 absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
     const std::shared_ptr<Sequence>& seq_ptr, absl::string_view tenant_id,
-    absl::Span<const ExportBlock> blocks, uint32_t layer, uint64_t end) {
+    absl::Span<const ExportBlock> blocks, uint32_t layer, uint64_t end,
+    PagePins* pins) {
   TRIAX_ASSIGN_OR_RETURN(LockedSequence locked, LockOwned(seq_ptr, tenant_id));
   Sequence& seq = *locked;
   TRIAX_RETURN_IF_ERROR(CheckExportBlocks(*device_, seq, blocks).status());
@@ -159,6 +207,22 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
   std::vector<TransferPage> pages(blocks.size());
   std::vector<DemoteJob> jobs;
   std::vector<size_t> job_page;  // pages[] index of each job
+  // Shared export: the page whose bytes pages[i] names, pinned here and
+  // handed to `pins` only when the whole layer succeeded.
+  const bool shared = pins != nullptr;
+  std::vector<Page*> shared_src(shared ? blocks.size() : 0, nullptr);
+  struct LocalPins {
+    PageAllocator* allocator;
+    std::vector<Page*> pages;
+    ~LocalPins() {
+      for (Page* p : pages) allocator->Unpin(p);
+    }
+  } local{allocator_, {}};
+  auto share = [&](size_t i, Page* page) {
+    allocator_->Pin(page);
+    local.pages.push_back(page);
+    shared_src[i] = page;
+  };
   for (size_t i = 0; i < blocks.size(); ++i) {
     const ExportBlock& want = blocks[i];
     const Block& b = seq.blocks[want.index];
@@ -180,18 +244,28 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
       }
       p.encoding = Bf16();
       p.sealed = false;
-      p.data.resize(kernels::PageBytes(Format::kBF16, shape));
+      const size_t bytes = kernels::PageBytes(Format::kBF16, shape);
+      if (shared) {
+        share(i, const_cast<Page*>(src));
+        continue;
+      }
+      p.data.resize(bytes);
       TRIAX_RETURN_IF_ERROR(
           device_->CopyToHost(p.data.data(), src->data, p.data.size()));
       continue;
     }
     p.encoding = want.encoding;
     p.sealed = true;
-    p.data.resize(kernels::PageBytes(want.encoding, shape));
+    const size_t bytes = kernels::PageBytes(want.encoding, shape);
+    if (!shared) p.data.resize(bytes);
     const uint8_t* stored = nullptr;  // device bytes in b.spec.encoding
     if (b.resident()) {
       stored = b.target[layer]->data;
       if (b.spec.encoding == want.encoding) {
+        if (shared) {
+          share(i, b.target[layer]);
+          continue;
+        }
         TRIAX_RETURN_IF_ERROR(
             device_->CopyToHost(p.data.data(), stored, p.data.size()));
         continue;
@@ -201,7 +275,7 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
       const BlockLabel label{seq.id, b.spec.lineage_id, b.spec.index};
       TRIAX_RETURN_IF_ERROR(
           options_.tiers->ReadPage(b.spilled, layer, label, &buf));
-      if (b.spec.encoding == want.encoding) {
+      if (b.spec.encoding == want.encoding && !shared) {
         p.data.assign(buf.begin(), buf.end());
         continue;
       }
@@ -209,10 +283,14 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
                              scratch.Take(b.spec.encoding, buf.size()));
       TRIAX_RETURN_IF_ERROR(
           device_->CopyFromHost(staged->data, buf.data(), buf.size()));
+      if (b.spec.encoding == want.encoding) {  // shared
+        share(i, staged);
+        continue;
+      }
       stored = staged->data;
     }
-    TRIAX_ASSIGN_OR_RETURN(Page * dst,
-                           scratch.Take(want.encoding, p.data.size()));
+    TRIAX_ASSIGN_OR_RETURN(Page * dst, scratch.Take(want.encoding, bytes));
+    if (shared) share(i, dst);
     DemoteJob job;
     job.from = b.spec.encoding;
     job.src = stored;
@@ -229,11 +307,35 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
                                  " layer ", layer, " re-encoding ", jobs.size(),
                                  " pages: ", s.message()));
     }
-    for (size_t j = 0; j < jobs.size(); ++j) {
+    for (size_t j = 0; j < jobs.size() && !shared; ++j) {
       TransferPage& p = pages[job_page[j]];
       TRIAX_RETURN_IF_ERROR(
           device_->CopyToHost(p.data.data(), jobs[j].dst, p.data.size()));
     }
+  }
+  if (shared) {
+    // Offsets in the arena and CRC32Cs taken on the device, then the pins
+    // go to the caller.
+    const uint8_t* base = allocator_->arena_base();
+    std::vector<DeviceBytes> ranges(pages.size());
+    for (size_t i = 0; i < pages.size(); ++i) {
+      const Page* src = shared_src[i];
+      const size_t bytes = kernels::PageBytes(pages[i].encoding, shape);
+      pages[i].shared = true;
+      pages[i].arena_offset = static_cast<uint64_t>(src->data - base);
+      pages[i].shared_bytes = bytes;
+      ranges[i] = DeviceBytes{src->data, bytes};
+    }
+    std::vector<uint32_t> crcs(pages.size());
+    if (absl::Status s = device_->Checksum(ranges, absl::MakeSpan(crcs));
+        !s.ok()) {
+      return absl::Status(
+          s.code(),
+          absl::StrCat("export of sequence_id=", Quote(seq.id), " layer ",
+                       layer, " checksums: ", s.message()));
+    }
+    for (size_t i = 0; i < pages.size(); ++i) pages[i].crc32c = crcs[i];
+    pins->Adopt(&local.pages);
   }
   return pages;
 }
@@ -372,11 +474,11 @@ absl::Status ImportSession::Install(const TransferPage& page) {
       .status();
 }
 
-absl::Status ImportSession::InstallOnce(const TransferPage& page) {
+absl::StatusOr<Page*> ImportSession::Destination(const TransferPage& page,
+                                                 size_t bytes,
+                                                 const std::string& where) {
   State& st = *state_;
   Sequence& seq = *st.seq;
-  absl::MutexLock lock(&seq.mu);
-  const std::string where = Where(page);
   if (page.layer >= seq.model.n_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "layer=", page.layer,
@@ -397,8 +499,7 @@ absl::Status ImportSession::InstallOnce(const TransferPage& page) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, "the block is evicted in the plan; no page was expected"));
   }
-  uint8_t& have = st.have[page.block_index][page.layer];
-  if (have != 0) {
+  if (st.have[page.block_index][page.layer] != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "duplicate page (already installed)"));
   }
@@ -409,18 +510,63 @@ absl::Status ImportSession::InstallOnce(const TransferPage& page) {
                      ") of a ", page.sealed ? "sealed" : "window",
                      " page differs from the expected ", EncName(want)));
   }
-  const size_t bytes = kernels::PageBytes(want, seq.shape);
-  if (page.data.size() != bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, "data has ", page.data.size(), " bytes; a ",
-                     EncName(want), " page has ", bytes));
+  const size_t want_bytes = kernels::PageBytes(want, seq.shape);
+  if (bytes != want_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "data has ", bytes,
+                                                   " bytes; a ", EncName(want),
+                                                   " page has ", want_bytes));
   }
   if (page.num_tokens != b.spec.num_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, "num_tokens=", page.num_tokens,
         " differs from the plan's num_tokens=", b.spec.num_tokens));
   }
+  if (page.sealed || IsBf16(b.spec.encoding)) return b.target[page.layer];
+  if (b.window[page.layer] == nullptr) {
+    absl::StatusOr<Page*> w = store_->allocator_->Allocate(
+        Format::kBF16, want_bytes, PageUse::kWindow);
+    if (!w.ok()) {
+      return absl::Status(
+          w.status().code(),
+          absl::StrCat(where, "window page: ", w.status().message()));
+    }
+    b.window[page.layer] = *w;
+    st.result.page_bytes += want_bytes;
+  }
+  return b.window[page.layer];
+}
+
+void ImportSession::Installed(const TransferPage& page) {
+  State& st = *state_;
+  Sequence& seq = *st.seq;
+  Block& b = seq.blocks[page.block_index];
+  if (page.sealed) {
+    Page* t = b.target[page.layer];
+    absl::MutexLock seal_lock(&t->seal_mu);
+    t->encoded = true;
+  }
+  st.have[page.block_index][page.layer] = page.sealed ? 1 : 2;
+  st.result.pages += 1;
+  st.result.wire_bytes += kernels::PageBytes(page.encoding, seq.shape);
+  st.result.bf16_bytes += kernels::PageBytes(Format::kBF16, seq.shape);
+  if (++st.layer_pages[page.layer] == st.pages_per_layer) {
+    st.result.layer_done_seconds[page.layer] =
+        absl::ToDoubleSeconds(absl::Now() - st.start);
+  }
+}
+
+absl::Status ImportSession::InstallOnce(const TransferPage& page) {
+  Sequence& seq = *state_->seq;
+  absl::MutexLock lock(&seq.mu);
+  const std::string where = Where(page);
+  if (page.shared) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "a shared page (arena_offset) on the stream path"));
+  }
+  // Plan checks, then the CRC32C before anything is copied.
   const uint32_t crc = Crc32c(page.data.data(), page.data.size());
+  TRIAX_ASSIGN_OR_RETURN(Page * dst,
+                         Destination(page, page.data.size(), where));
   if (crc != page.crc32c) {
     return absl::DataLossError(absl::StrCat(
         where,
@@ -428,35 +574,71 @@ absl::Status ImportSession::InstallOnce(const TransferPage& page) {
                         "sent 0x%08x; the page is not installed",
                         crc, page.crc32c)));
   }
-  Device* device = store_->device_;
-  Page* dst = b.target[page.layer];
-  if (!page.sealed && !IsBf16(b.spec.encoding)) {
-    absl::StatusOr<Page*> w =
-        store_->allocator_->Allocate(Format::kBF16, bytes, PageUse::kWindow);
-    if (!w.ok()) {
-      return absl::Status(
-          w.status().code(),
-          absl::StrCat(where, "window page: ", w.status().message()));
+  TRIAX_RETURN_IF_ERROR(store_->device_->CopyFromHost(
+      dst->data, page.data.data(), page.data.size()));
+  Installed(page);
+  return absl::OkStatus();
+}
+
+absl::Status ImportSession::InstallShared(absl::Span<const TransferPage> pages,
+                                          const uint8_t* peer_base,
+                                          uint64_t peer_bytes) {
+  if (state_->committed) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("import of sequence_id=", Quote(plan_.sequence_id),
+                     " from ", plan_.source, ": already committed"));
+  }
+  return store_
+      ->WithRoom<bool>([&]() -> absl::StatusOr<bool> {
+        TRIAX_RETURN_IF_ERROR(InstallSharedOnce(pages, peer_base, peer_bytes));
+        return true;
+      })
+      .status();
+}
+
+absl::Status ImportSession::InstallSharedOnce(
+    absl::Span<const TransferPage> pages, const uint8_t* peer_base,
+    uint64_t peer_bytes) {
+  Sequence& seq = *state_->seq;
+  absl::MutexLock lock(&seq.mu);
+  std::vector<PageCopy> jobs(pages.size());
+  absl::flat_hash_set<std::pair<uint32_t, uint32_t>> in_batch;
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const TransferPage& page = pages[i];
+    const std::string where = Where(page);
+    if (!page.shared) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "a page with bytes on the ipc path"));
     }
-    b.window[page.layer] = *w;
-    st.result.page_bytes += bytes;
-    dst = *w;
+    if (page.shared_bytes > peer_bytes ||
+        page.arena_offset > peer_bytes - page.shared_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "arena_offset=", page.arena_offset,
+          " shared_bytes=", page.shared_bytes,
+          " lie outside the source's arena of ", peer_bytes, " bytes"));
+    }
+    if (!in_batch.insert({page.block_index, page.layer}).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "duplicate page (twice in one batch)"));
+    }
+    TRIAX_ASSIGN_OR_RETURN(Page * dst,
+                           Destination(page, page.shared_bytes, where));
+    jobs[i] = PageCopy{dst->data, peer_base + page.arena_offset,
+                       static_cast<size_t>(page.shared_bytes)};
   }
+  std::vector<uint32_t> crcs(pages.size());
   TRIAX_RETURN_IF_ERROR(
-      device->CopyFromHost(dst->data, page.data.data(), bytes));
-  if (page.sealed) {
-    Page* t = b.target[page.layer];
-    absl::MutexLock seal_lock(&t->seal_mu);
-    t->encoded = true;
+      store_->device_->CopyPagesChecked(jobs, absl::MakeSpan(crcs)));
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (crcs[i] != pages[i].crc32c) {
+      return absl::DataLossError(absl::StrCat(
+          Where(pages[i]),
+          absl::StrFormat("CRC32C of the copied page is 0x%08x, the source "
+                          "sent 0x%08x; the page is not installed",
+                          crcs[i], pages[i].crc32c)));
+    }
   }
-  have = page.sealed ? 1 : 2;
-  st.result.pages += 1;
-  st.result.wire_bytes += bytes;
-  st.result.bf16_bytes += kernels::PageBytes(Format::kBF16, seq.shape);
-  if (++st.layer_pages[page.layer] == st.pages_per_layer) {
-    st.result.layer_done_seconds[page.layer] =
-        absl::ToDoubleSeconds(absl::Now() - st.start);
-  }
+  for (const TransferPage& page : pages) Installed(page);
   return absl::OkStatus();
 }
 

@@ -73,13 +73,16 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/model.h"
 #include "kernels/layout.h"
+#include "worker/page_allocator.h"
 #include "worker/sequence_store.h"
 
 namespace triax::worker {
@@ -96,11 +99,42 @@ struct TransferPage {
   uint32_t layer = 0;
   uint32_t block_index = 0;
   uint64_t lineage_id = 0;
-  kernels::Encoding encoding;  // of `data`: BF16 for a window page
+  kernels::Encoding encoding;  // of the bytes: BF16 for a window page
   uint32_t num_tokens = 0;     // tokens the page holds
   bool sealed = false;         // false: a BF16 window page
   std::string data;            // PageBytes(encoding, shape) bytes
-  uint32_t crc32c = 0;         // CRC32C of data
+  uint32_t crc32c = 0;         // CRC32C of the page's bytes
+  // The ipc path: no `data`; the bytes lie at `arena_offset` of the
+  // source's shared arena, `shared_bytes` long.
+  bool shared = false;
+  uint64_t arena_offset = 0;
+  uint64_t shared_bytes = 0;
+};
+
+// Pages a shared export pinned (PageAllocator::Pin) for a peer that copies
+// them by arena offset; each is unpinned by ReleaseFirst or when the set is
+// destroyed. Thread-safe: an exporter adds while the peer's acknowledgements
+// release.
+class PagePins {
+ public:
+  explicit PagePins(PageAllocator* allocator) : allocator_(allocator) {}
+  ~PagePins();
+  PagePins(const PagePins&) = delete;
+  PagePins& operator=(const PagePins&) = delete;
+
+  // Takes over one pin of each page (the caller pinned them).
+  void Adopt(std::vector<Page*>* pinned);
+  // Pins added so far.
+  size_t size() const;
+  // Unpins pins [released so far, n) (n is clamped to size()).
+  void ReleaseFirst(size_t n);
+  size_t held() const;  // pinned and not yet released
+
+ private:
+  PageAllocator* const allocator_;
+  mutable absl::Mutex mu_;
+  std::vector<Page*> pages_ ABSL_GUARDED_BY(mu_);
+  size_t released_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 struct ExportOptions {
@@ -108,6 +142,21 @@ struct ExportOptions {
   absl::Time deadline = absl::InfiniteFuture();
   // Polled while waiting for writes; true stops the export (CANCELLED).
   std::function<bool()> cancelled;
+  // Set: a shared export (the ipc path). No bytes are copied out: each page
+  // is shared = true with its offset and length in this worker's arena
+  // (SequenceStore::SharedArena), its CRC32C computed on the device, and
+  // stays pinned in *pins — so compaction, frees and demotions leave its
+  // bytes in place — until the caller releases it. Stored pages are pinned
+  // where they are; re-encoded and spilled ones in scratch pages of the
+  // pool, which the pins keep.
+  PagePins* pins = nullptr;
+};
+
+// This worker's arena as a peer maps it (Device::ShareArena).
+struct SharedArenaInfo {
+  std::string backend;  // Device::Name()
+  std::string handle;
+  uint64_t bytes = 0;
 };
 
 // Receives one layer's pages (in block order); an error stops the export.
@@ -143,6 +192,14 @@ class ImportSession {
 
   // Checks `page` (see the header comment) and copies it into its page.
   absl::Status Install(const TransferPage& page);
+  // The ipc path: checks each page as Install does (with shared_bytes for
+  // the data size, and the range inside the peer's arena of `peer_bytes`
+  // mapped at `peer_base`), copies them all device to device with their
+  // CRC32C taken on the way (Device::CopyPagesChecked) and compares each
+  // with the page's crc32c (DATA_LOSS naming the first mismatch; nothing
+  // of this batch counts as installed then).
+  absl::Status InstallShared(absl::Span<const TransferPage> pages,
+                             const uint8_t* peer_base, uint64_t peer_bytes);
   // Completes the import and makes the sequence visible; on an error the
   // session still holds its pages until it is destroyed.
   absl::StatusOr<ImportResult> Commit();
@@ -155,6 +212,17 @@ class ImportSession {
   ImportSession(SequenceStore* store, ImportPlan plan,
                 std::unique_ptr<State> state);
   absl::Status InstallOnce(const TransferPage& page);
+  absl::Status InstallSharedOnce(absl::Span<const TransferPage> pages,
+                                 const uint8_t* peer_base, uint64_t peer_bytes);
+  // With the imported sequence's mutex held: checks `page` against the
+  // plan (its bytes `bytes` long; CRC32C not yet) and returns the page its
+  // bytes go to, allocating the block's window page for a window page of a
+  // non-BF16 block (kept on the block, so a retry reuses it).
+  absl::StatusOr<Page*> Destination(const TransferPage& page, size_t bytes,
+                                    const std::string& where);
+  // With the mutex held: records an installed page (figures, per-layer
+  // completion).
+  void Installed(const TransferPage& page);
   std::string Where(const TransferPage& page) const;
 
   SequenceStore* const store_;

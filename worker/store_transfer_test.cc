@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -673,6 +674,177 @@ TEST_F(TransferTest, ImportIsInvisibleUntilCommitAndIdsAreExclusive) {
   EXPECT_THAT(tiny.BeginImport(big).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, ::testing::_));
   EXPECT_EQ((*small)->Stats().used_bytes, 0u);
+}
+
+// ---------------------------------------------------------------------------
+// The ipc path: a shared export (pages pinned, named by arena offset) and
+// ImportSession::InstallShared, with the source's arena as the peer's.
+
+class SharedTransferTest : public TransferTest {
+ protected:
+  // A shared export of `blocks` of `seq` into `pins`.
+  absl::StatusOr<std::vector<TransferPage>> ExportShared(
+      const std::string& seq, const std::vector<ExportBlock>& blocks,
+      PagePins* pins) {
+    ExportOptions options;
+    options.pins = pins;
+    return Export(seq, blocks, options);
+  }
+  absl::StatusOr<ImportResult> ImportShared(
+      const ImportPlan& plan, const std::vector<TransferPage>& pages) {
+    auto session = dst_->BeginImport(plan);
+    if (!session.ok()) return session.status();
+    if (absl::Status s = (*session)->InstallShared(
+            pages, src_alloc_->arena_base(), src_alloc_->arena_bytes());
+        !s.ok()) {
+      return s;
+    }
+    return (*session)->Commit();
+  }
+};
+
+// Every page is pinned and named by its offset with the CRC32C of its
+// bytes; the destination ends with the bytes a stream import gives, stored,
+// re-encoded on the way or read from a tier.
+TEST_F(SharedTransferTest, InstallsTheBytesTheStreamInstalls) {
+  struct Case {
+    Encoding from, to;
+    bool spill;
+  };
+  const Case cases[] = {
+      {Encoding(Format::kBF16), Encoding(Format::kBF16), false},
+      {Encoding(Format::kINT4), Encoding(Format::kINT4), false},
+      {Encoding(Format::kTQ3), Encoding(Format::kTQ3), false},
+      {Encoding(Format::kINT8, Format::kINT4),
+       Encoding(Format::kINT8, Format::kINT4), false},
+      {Encoding(Format::kBF16), Encoding(Format::kINT4), false},
+      {Encoding(Format::kINT8), Encoding(Format::kINT8), true},
+      {Encoding(Format::kINT8), Encoding(Format::kINT2), true},
+  };
+  int n = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(Name(c.from) + " -> " + Name(c.to) +
+                 (c.spill ? " spilled" : ""));
+    const std::string s = "s" + std::to_string(n);
+    const std::string viastream = "t" + std::to_string(n);
+    const std::string viaipc = "i" + std::to_string(n);
+    ++n;
+    Install(src_.get(), s, Plan(kTokens, c.from), kTokens, n);
+    if (c.spill) {
+      const uint64_t host[] = {100}, disk[] = {101};
+      ASSERT_THAT(src_->Spill(kTenant, s, host, Tier::kHost).status(), IsOk());
+      ASSERT_THAT(src_->Spill(kTenant, s, disk, Tier::kDisk).status(), IsOk());
+    }
+    const std::vector<BlockSpec> to = Plan(kTokens, c.to);
+    auto streamed = Export(s, ExportList(to));
+    ASSERT_THAT(streamed.status(), IsOk());
+    ASSERT_THAT(Import(DstPlan(viastream, to), *streamed).status(), IsOk());
+    const uint64_t used_before = src_alloc_->Stats().used_bytes;
+    {
+      PagePins pins(src_alloc_.get());
+      auto shared = ExportShared(s, ExportList(to), &pins);
+      ASSERT_THAT(shared.status(), IsOk());
+      ASSERT_EQ(shared->size(), streamed->size());
+      EXPECT_EQ(pins.size(), shared->size());
+      EXPECT_EQ(pins.held(), shared->size());
+      for (size_t i = 0; i < shared->size(); ++i) {
+        const TransferPage& p = (*shared)[i];
+        EXPECT_TRUE(p.shared);
+        EXPECT_TRUE(p.data.empty());
+        ASSERT_EQ(p.shared_bytes, (*streamed)[i].data.size());
+        ASSERT_LE(p.arena_offset + p.shared_bytes, src_alloc_->arena_bytes());
+        const uint8_t* bytes = src_alloc_->arena_base() + p.arena_offset;
+        EXPECT_EQ(
+            0, std::memcmp(bytes, (*streamed)[i].data.data(), p.shared_bytes))
+            << "page " << i;
+        EXPECT_EQ(p.crc32c, (*streamed)[i].crc32c);
+      }
+      auto r = ImportShared(DstPlan(viaipc, to), *shared);
+      ASSERT_THAT(r.status(), IsOk());
+      EXPECT_EQ(r->pages, shared->size());
+      ExpectSameTargetBytes(dst_.get(), viastream, dst_.get(), viaipc, 5);
+      ExpectSameReads(dst_.get(), viastream, dst_.get(), viaipc);
+    }
+    // The pins are gone with their set: scratch pages are back in the pool.
+    EXPECT_EQ(src_alloc_->Stats().used_bytes, used_before);
+  }
+}
+
+// A pinned page keeps its bytes where the peer reads them while the source
+// frees the sequence and compacts its arena.
+TEST_F(SharedTransferTest, PinnedPagesOutliveAFreeAndACompaction) {
+  const std::vector<BlockSpec> plan = Plan(kTokens, Encoding(Format::kINT4));
+  Install(src_.get(), "s", plan, kTokens, 3);
+  Install(src_.get(), "ref", plan, kTokens, 3);
+  PagePins pins(src_alloc_.get());
+  auto shared = ExportShared("s", ExportList(plan), &pins);
+  ASSERT_THAT(shared.status(), IsOk());
+  ASSERT_THAT(src_->Free(kTenant, "s").status(), IsOk());
+  ASSERT_THAT(src_->Compact().status(), IsOk());
+  // The pages still hold what was exported (their CRC32Cs match).
+  for (const TransferPage& p : *shared) {
+    EXPECT_EQ(p.crc32c, Crc32c(src_alloc_->arena_base() + p.arena_offset,
+                               p.shared_bytes));
+  }
+  ASSERT_THAT(ImportShared(DstPlan("d", plan), *shared).status(), IsOk());
+  ExpectSameReads(src_.get(), "ref", dst_.get(), "d");
+  ExpectSameAttention(src_.get(), "ref", dst_.get(), "d");
+  // Released halfway, then all: the freed sequence's pages go back.
+  const uint64_t ref_only = src_alloc_->Stats().used_bytes;
+  pins.ReleaseFirst(pins.size() / 2);
+  EXPECT_EQ(pins.held(), pins.size() - pins.size() / 2);
+  EXPECT_LT(src_alloc_->Stats().used_bytes, ref_only);
+  pins.ReleaseFirst(pins.size());
+  EXPECT_EQ(pins.held(), 0u);
+  ASSERT_THAT(src_->Free(kTenant, "ref").status(), IsOk());
+  EXPECT_EQ(src_alloc_->Stats().used_bytes, 0u);
+}
+
+// A hostile or broken source: offsets outside its arena, a page with bytes,
+// a page twice in one batch, a CRC32C that does not match the bytes. Each
+// is refused, nothing of the batch counts, and an aborted session leaves
+// the destination empty.
+TEST_F(SharedTransferTest, InstallSharedRefusesBadPages) {
+  const std::vector<BlockSpec> plan = Plan(kTokens, Encoding(Format::kINT4));
+  Install(src_.get(), "s", plan, kTokens);
+  PagePins pins(src_alloc_.get());
+  auto shared = ExportShared("s", ExportList(plan), &pins);
+  ASSERT_THAT(shared.status(), IsOk());
+  struct Case {
+    std::function<void(std::vector<TransferPage>*)> mutate;
+    absl::StatusCode code;
+    std::string message;
+  };
+  const uint64_t arena = src_alloc_->arena_bytes();
+  const std::vector<Case> cases = {
+      {[&](auto* p) { (*p)[1].arena_offset = arena - 8; },
+       absl::StatusCode::kInvalidArgument, "outside the source's arena"},
+      {[&](auto* p) { (*p)[0].shared_bytes = ~uint64_t{0}; },
+       absl::StatusCode::kInvalidArgument, "outside the source's arena"},
+      {[](auto* p) { (*p)[2].shared = false; },
+       absl::StatusCode::kInvalidArgument, "a page with bytes"},
+      {[](auto* p) { (*p)[3] = (*p)[2]; }, absl::StatusCode::kInvalidArgument,
+       "twice in one batch"},
+      {[](auto* p) { (*p)[4].shared_bytes -= 16; },
+       absl::StatusCode::kInvalidArgument, "data has"},
+      {[](auto* p) { (*p)[5].crc32c ^= 1; }, absl::StatusCode::kDataLoss,
+       "CRC32C of the copied page"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.message);
+    std::vector<TransferPage> bad = *shared;
+    c.mutate(&bad);
+    EXPECT_THAT(ImportShared(DstPlan("d", plan), bad).status(),
+                StatusIs(c.code, HasSubstr(c.message)));
+    EXPECT_EQ(dst_alloc_->Stats().used_bytes, 0u);
+    EXPECT_THAT(dst_->Inventory().sequence_ids, ::testing::IsEmpty());
+  }
+  // Stream pages are refused by the stream's Install the other way round.
+  auto session = dst_->BeginImport(DstPlan("d", plan));
+  ASSERT_THAT(session.status(), IsOk());
+  EXPECT_THAT(
+      (*session)->Install((*shared)[0]),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shared page")));
 }
 
 }  // namespace

@@ -1,6 +1,26 @@
-// The destination's side of a worker-to-worker transfer over gRPC: opens
-// the source worker's ExportPages stream for an ImportRequest and hands
-// every page to the import as it arrives (WorkerCore's PageFetcher).
+// The destination's side of a worker-to-worker transfer over gRPC: pulls the
+// pages of an ImportRequest from the source worker and installs them into
+// the import session as they arrive (WorkerCore's PageFetcher).
+//
+// Data paths (TransferPath, the kvworker flag --transfer_path):
+//   stream  the source's ExportPages stream: every page's bytes travel in
+//           PageBatch messages and are copied host to device here;
+//   ipc     the source's SharePages stream, for two workers on one host:
+//           the source sends its arena's handle once (Device::ShareArena:
+//           CUDA IPC, or a memfd on CPU workers) and then each page's
+//           offset and CRC32C; this worker maps the arena (cached per
+//           source address; a new handle from a restarted source replaces
+//           the mapping) and installs each batch device to device with the
+//           CRC32C taken during the copy (ImportSession::InstallShared),
+//           then tells the source which batches it holds, so the source
+//           unpins them;
+//   auto    ipc when this worker's device shares (Device::ShareDomain is
+//           not empty), falling back to stream when the source cannot
+//           share with it (SharePages answers UNIMPLEMENTED: another host
+//           or backend, a worker without shared arenas) or its arena cannot
+//           be mapped here — both before any page is installed.
+// With --transfer_path=ipc there is no fallback: those cases fail the
+// import with FAILED_PRECONDITION naming the reason.
 //
 // Channels are cached by address (one per source worker, reused by later
 // transfers); their maximum receive message size is raised above the
@@ -9,7 +29,7 @@
 // dead or unreachable one UNAVAILABLE (no wait-for-ready: a source that is
 // not there fails the call at once). The source's error keeps its
 // canonical code; its message names the source ("source worker-a at
-// 127.0.0.1:1234: ..."). An error of `install` cancels the stream and is
+// 127.0.0.1:1234: ..."). An error of the session cancels the stream and is
 // returned unchanged.
 //
 // Thread contract: thread-safe; fetches run concurrently.
@@ -18,35 +38,75 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "worker/device.h"
 #include "worker/worker_core.h"
 
 namespace triax::worker {
+
+enum class TransferPath { kAuto, kStream, kIpc };
+
+// "auto", "stream" or "ipc"; INVALID_ARGUMENT naming the value otherwise.
+absl::StatusOr<TransferPath> ParseTransferPath(absl::string_view name);
+const char* TransferPathName(TransferPath path);
 
 class TransferClient {
  public:
   static constexpr int kMaxReceiveBytes = 64 << 20;
 
-  absl::Status Fetch(
-      const ImportRequest& req, absl::Time deadline,
-      absl::FunctionRef<absl::Status(const TransferPage&)> install);
+  // `device` (the store's; may be null for the stream path only) must
+  // outlive the client; it maps peers' arenas on the ipc path.
+  explicit TransferClient(Device* device = nullptr,
+                          TransferPath path = TransferPath::kStream);
+  ~TransferClient();
+
+  // Pulls `req`'s pages into `session` (see the header comment); returns
+  // the data path used.
+  absl::StatusOr<std::string> Fetch(const ImportRequest& req,
+                                    absl::Time deadline,
+                                    ImportSession* session);
 
   // A PageFetcher bound to this client (which must outlive it).
   PageFetcher AsFetcher();
 
  private:
+  // A peer's arena mapped here; unmapped when the last user lets go.
+  struct PeerArena;
+
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
+  absl::Status FetchStream(const ImportRequest& req, absl::Time deadline,
+                           ImportSession* session);
+  // OK(true): every page came over the ipc path. OK(false): the source
+  // cannot share with this worker, or its arena cannot be mapped here;
+  // nothing was installed and `*why` says why. An error otherwise.
+  absl::StatusOr<bool> FetchShared(const ImportRequest& req,
+                                   absl::Time deadline, ImportSession* session,
+                                   std::string* why);
+  absl::StatusOr<std::shared_ptr<PeerArena>> MapPeer(const std::string& address,
+                                                     const std::string& handle,
+                                                     uint64_t bytes);
+  absl::Status SourceError(const ImportRequest& req, const grpc::Status& s);
+
+  Device* const device_;
+  const TransferPath path_;
+  const std::string share_domain_;  // device_->ShareDomain(), or empty
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_
+      ABSL_GUARDED_BY(mu_);
+  // Source address -> its mapped arena.
+  absl::flat_hash_map<std::string, std::shared_ptr<PeerArena>> peers_
       ABSL_GUARDED_BY(mu_);
 };
 

@@ -263,10 +263,10 @@ absl::StatusOr<ImportReply> WorkerCore::Import(const ImportRequest& req,
         plan.source = SourceLabel(req);
         TRIAX_ASSIGN_OR_RETURN(std::unique_ptr<ImportSession> session,
                                store_->BeginImport(plan));
-        TRIAX_RETURN_IF_ERROR(fetch(
-            req, start + absl::Milliseconds(timeout_ms),
-            [&](const TransferPage& page) { return session->Install(page); }));
         ImportReply reply;
+        TRIAX_ASSIGN_OR_RETURN(
+            reply.data_path,
+            fetch(req, start + absl::Milliseconds(timeout_ms), session.get()));
         TRIAX_ASSIGN_OR_RETURN(reply.result, session->Commit());
         reply.seconds = absl::ToDoubleSeconds(absl::Now() - start);
         return reply;

@@ -201,7 +201,8 @@ struct ImportRequest {
 
 struct ImportReply {
   ImportResult result;
-  double seconds = 0;  // the whole import
+  double seconds = 0;     // the whole import
+  std::string data_path;  // the PageFetcher's: "stream" or "ipc"
 };
 
 // The source side: the blocks of `blocks` (index, lineage_id and the wanted
@@ -214,13 +215,14 @@ struct ExportRequest {
   bool follow_writes = false;
 };
 
-// Pulls the pages of `req` from its source until `deadline`, handing each
-// to `install` in arrival order; returns install's first error unchanged
-// (and stops the stream), or the source's error with the canonical code and
-// the source named ("source worker-a at 127.0.0.1:1234: ...").
-using PageFetcher = std::function<absl::Status(
-    const ImportRequest& req, absl::Time deadline,
-    absl::FunctionRef<absl::Status(const TransferPage&)> install)>;
+// Pulls the pages of `req` from its source until `deadline` and installs
+// them into `session` in arrival order (ImportSession::Install, or
+// InstallShared on the ipc path); returns the data path it used ("stream"
+// or "ipc"), the session's first error unchanged (and stops the stream),
+// or the source's error with the canonical code and the source named
+// ("source worker-a at 127.0.0.1:1234: ...").
+using PageFetcher = std::function<absl::StatusOr<std::string>(
+    const ImportRequest& req, absl::Time deadline, ImportSession* session)>;
 
 // "source worker-a at 127.0.0.1:1234" (the id left out when empty).
 std::string SourceLabel(const ImportRequest& req);
@@ -260,9 +262,20 @@ class WorkerCore {
                                      const PageFetcher& fetch);
 
   // --- Read-only calls ---------------------------------------------------
-  // The source side of a transfer (SequenceStore::Export).
+  // The source side of a transfer (SequenceStore::Export; a shared export
+  // when options.pins is set).
   absl::Status Export(const ExportRequest& req, const ExportOptions& options,
                       ExportSink sink);
+  // The ipc path's source side: where this worker's arena can be mapped
+  // (empty: nowhere), the arena as a peer maps it, and a pin set for a
+  // shared export.
+  std::string ShareDomain() const { return store_->ShareDomain(); }
+  absl::StatusOr<SharedArenaInfo> SharedArena() const {
+    return store_->SharedArena();
+  }
+  std::unique_ptr<PagePins> NewPagePins() const {
+    return store_->NewPagePins();
+  }
 
   // INVALID_ARGUMENT for a malformed tenant_id; otherwise one result per
   // item (SequenceStore::AttendBatch: one device batch where appends allow).

@@ -4,8 +4,11 @@
 #include <chrono>
 #include <functional>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/ids.h"
 #include "worker/convert.h"
 
 namespace triax::worker {
@@ -46,7 +49,9 @@ absl::Status Answer(const ReadResult& result, ReadStream* out) {
 }  // namespace
 
 WorkerService::WorkerService(WorkerCore* core, WorkerServiceOptions options)
-    : core_(core), options_(options) {}
+    : core_(core),
+      options_(options),
+      transfers_(options.device, options.transfer_path) {}
 
 template <typename Call, typename Request, typename Reply>
 grpc::Status WorkerService::Serve(Call call, const Request& request,
@@ -187,6 +192,115 @@ grpc::Status WorkerService::ExportPages(
     return flush();
   };
   return ToGrpcStatus(core_->Export(FromProto(*req), options, sink));
+}
+
+grpc::Status WorkerService::SharePages(
+    grpc::ServerContext* ctx,
+    grpc::ServerReaderWriter<v1::PageBatch, v1::SharePagesRequest>* stream) {
+  v1::SharePagesRequest first;
+  if (!stream->Read(&first)) {
+    return grpc::Status(grpc::StatusCode::CANCELLED,
+                        "SharePages: the stream ended before its request");
+  }
+  if (!first.has_request()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "SharePages: the first message has no request");
+  }
+  const std::string domain = core_->ShareDomain();
+  if (domain.empty()) {
+    return grpc::Status(
+        grpc::StatusCode::UNIMPLEMENTED,
+        "this worker's backend does not share its arena (a CPU worker "
+        "shares with --transfer_path=ipc)");
+  }
+  if (first.share_domain() != domain) {
+    return grpc::Status(
+        grpc::StatusCode::UNIMPLEMENTED,
+        absl::StrCat("share_domain=", Quote(first.share_domain()),
+                     " of the destination differs from this worker's ",
+                     Quote(domain), " (another host or backend)"));
+  }
+  absl::StatusOr<SharedArenaInfo> arena = core_->SharedArena();
+  if (!arena.ok()) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        std::string(arena.status().message()));
+  }
+  const v1::ExportPagesRequest& req = first.request();
+  const uint64_t max_batch = req.max_batch_bytes() == 0
+                                 ? kDefaultMaxSharedBatchBytes
+                                 : req.max_batch_bytes();
+  std::unique_ptr<PagePins> pins = core_->NewPagePins();
+  ExportOptions options;
+  options.follow_writes = req.follow_writes();
+  const auto deadline = ctx->deadline();
+  if (deadline - std::chrono::system_clock::now() < std::chrono::hours(24)) {
+    options.deadline = absl::FromChrono(deadline);
+  }
+  options.cancelled = [ctx] { return ctx->IsCancelled(); };
+  options.pins = pins.get();
+  // ends[k]: pins held by batches [0, k] (pins are in page order).
+  std::vector<size_t> ends;
+  uint64_t acked = 0;
+  auto read_ack = [&]() -> absl::Status {
+    v1::SharePagesRequest m;
+    if (!stream->Read(&m)) {
+      return absl::CancelledError(
+          absl::StrCat("SharePages: the destination went away with ", acked,
+                       " of ", ends.size(), " batches acknowledged"));
+    }
+    const uint64_t n = m.installed_batches();
+    if (n < acked || n > ends.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("installed_batches=", n, " is outside [", acked, ", ",
+                       ends.size(), "] (acknowledged so far, sent)"));
+    }
+    acked = n;
+    if (acked > 0) pins->ReleaseFirst(ends[acked - 1]);
+    return absl::OkStatus();
+  };
+  const uint32_t corrupt_every = options_.testing_corrupt_export_pages;
+  auto sink = [&](uint32_t, std::vector<TransferPage>* pages) -> absl::Status {
+    // This layer's pins are the last pages->size() ones.
+    const size_t first_pin = pins->size() - pages->size();
+    v1::PageBatch batch;
+    uint64_t bytes = 0;
+    size_t next = 0;  // pages of this layer in earlier batches
+    auto flush = [&]() -> absl::Status {
+      if (batch.pages_size() == 0) return absl::OkStatus();
+      if (ends.empty()) {
+        v1::SharedArena* a = batch.mutable_arena();
+        a->set_backend(arena->backend);
+        a->set_handle(arena->handle);
+        a->set_bytes(arena->bytes);
+      }
+      next += batch.pages_size();
+      ends.push_back(first_pin + next);
+      if (ctx->IsCancelled() || !stream->Write(batch)) {
+        return absl::CancelledError("SharePages: the destination went away");
+      }
+      batch.Clear();
+      bytes = 0;
+      while (ends.size() - acked > kMaxUnackedBatches) {
+        if (absl::Status s = read_ack(); !s.ok()) return s;
+      }
+      return absl::OkStatus();
+    };
+    for (TransferPage& page : *pages) {
+      if (bytes > 0 && bytes + page.shared_bytes > max_batch) {
+        if (absl::Status s = flush(); !s.ok()) return s;
+      }
+      if (corrupt_every > 0 &&
+          (exported_pages_.fetch_add(1) + 1) % corrupt_every == 0) {
+        page.crc32c ^= 0x40;  // the page's bytes are the stored ones
+      }
+      bytes += page.shared_bytes;
+      ToProto(std::move(page), batch.add_pages());
+    }
+    return flush();
+  };
+  absl::Status s = core_->Export(FromProto(req), options, sink);
+  while (s.ok() && acked < ends.size()) s = read_ack();
+  return ToGrpcStatus(s);
 }
 
 }  // namespace triax::worker

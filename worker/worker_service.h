@@ -37,6 +37,18 @@
 // every N-th exported page after its CRC32C was taken (kvworker
 // --testing_corrupt_export_pages), so a destination must answer DATA_LOSS.
 //
+// SharePages (the ipc path, worker/transfer_client.h): UNIMPLEMENTED unless
+// the destination's share_domain equals this worker's (same host, same
+// backend) and the arena can be shared; then the same export as
+// ExportPages with pages pinned instead of copied out, sent in batches of
+// at most kDefaultMaxSharedBatchBytes of page bytes (the first batch
+// carries the arena's handle). At most kMaxUnackedBatches batches are
+// ahead of the destination's installed_batches; each acknowledgement
+// unpins its batches, and the call ends once every batch is acknowledged
+// (whatever is still pinned when the call ends — a destination gone, a
+// deadline — is unpinned then). An acknowledgement of a batch not sent,
+// or going backwards, is INVALID_ARGUMENT.
+//
 // Thread contract: thread-safe; handlers run concurrently.
 #pragma once
 
@@ -52,14 +64,23 @@ namespace triax::worker {
 
 struct WorkerServiceOptions {
   // Test hook: 0 off; N flips one byte of every N-th exported page after
-  // its checksum was taken.
+  // its checksum was taken (on the ipc path, whose bytes are the stored
+  // page, one bit of the CRC32C sent instead).
   uint32_t testing_corrupt_export_pages = 0;
+  // The destination's data path (TransferClient) and the device that maps
+  // peers' arenas on the ipc path (the store's; null: stream only).
+  TransferPath transfer_path = TransferPath::kStream;
+  Device* device = nullptr;
 };
 
 class WorkerService final : public v1::Worker::Service {
  public:
   static constexpr uint32_t kMaxReadChunkTokens = 256;
   static constexpr uint32_t kDefaultMaxBatchBytes = 4 << 20;
+  // SharePages: page bytes named per batch (0 max_batch_bytes), and batches
+  // sent ahead of the destination's acknowledgement.
+  static constexpr uint32_t kDefaultMaxSharedBatchBytes = 64 << 20;
+  static constexpr uint64_t kMaxUnackedBatches = 4;
 
   // `core` must outlive the service.
   explicit WorkerService(WorkerCore* core, WorkerServiceOptions options = {});
@@ -97,6 +118,10 @@ class WorkerService final : public v1::Worker::Service {
   grpc::Status ExportPages(grpc::ServerContext* ctx,
                            const v1::ExportPagesRequest* req,
                            grpc::ServerWriter<v1::PageBatch>* writer) override;
+  grpc::Status SharePages(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::PageBatch, v1::SharePagesRequest>* stream)
+      override;
 
  private:
   // The one path of every RPC: `call` (a WorkerCore member) on the domain

@@ -7,58 +7,13 @@
 
 #include "absl/synchronization/notification.h"
 #include "worker/checksum.h"
+#include "worker/transfer_test_node.h"
 #include "worker/worker_service_test_util.h"
 
 namespace triax::worker {
 namespace {
 
 using kernels::Format;
-
-// One worker served on 127.0.0.1.
-struct Node {
-  explicit Node(WorkerServiceOptions options = {}) {
-    auto a = PageAllocator::Create(&device, 4 << 20);
-    EXPECT_TRUE(a.ok());
-    alloc = *std::move(a);
-    store =
-        std::make_unique<SequenceStore>(&device, alloc.get(), StoreOptions{4});
-    core = std::make_unique<WorkerCore>(store.get(), &device);
-    service = std::make_unique<WorkerService>(core.get(), options);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                             &port);
-    builder.RegisterService(service.get());
-    server = builder.BuildAndStart();
-    EXPECT_NE(server, nullptr);
-    address = "127.0.0.1:" + std::to_string(port);
-    stub = v1::Worker::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  }
-  ~Node() { server->Shutdown(); }
-
-  grpc::Status Write(const std::string& seq, const v1::KvChunk& chunk) {
-    grpc::ClientContext ctx;
-    v1::WriteKVResponse resp;
-    auto writer = stub->WriteKV(&ctx, &resp);
-    v1::WriteKVRequest m;
-    m.set_tenant_id(kTenant);
-    m.set_sequence_id(seq);
-    *m.mutable_chunk() = chunk;
-    writer->Write(m);
-    writer->WritesDone();
-    return writer->Finish();
-  }
-
-  RecordingDevice device;
-  std::unique_ptr<PageAllocator> alloc;
-  std::unique_ptr<SequenceStore> store;
-  std::unique_ptr<WorkerCore> core;
-  std::unique_ptr<WorkerService> service;
-  std::unique_ptr<grpc::Server> server;
-  std::string address;
-  std::unique_ptr<v1::Worker::Stub> stub;
-};
 
 constexpr uint32_t kTokens = 40;
 

@@ -38,7 +38,11 @@ __device__ uint32_t Update(const uint32_t* table, uint32_t c, uint32_t byte) {
   return table[(c ^ byte) & 0xFFu] ^ (c >> 8);
 }
 
-__global__ void Crc32cKernel(const ByteRange* ranges, uint32_t* out) {
+// One range: its CRC32C into *out; with kCopy the bytes are also stored at
+// dst (same offsets) as they are read.
+template <bool kCopy>
+__device__ void RangeCrc(const uint8_t* data, uint8_t* dst, uint64_t bytes,
+                         uint32_t* out) {
   __shared__ uint32_t table[256];
   __shared__ uint32_t slice_crc[kThreads];
   const int t = threadIdx.x;
@@ -48,18 +52,24 @@ __global__ void Crc32cKernel(const ByteRange* ranges, uint32_t* out) {
     table[i] = c;
   }
   __syncthreads();
-  const ByteRange r = ranges[blockIdx.x];
   // Slices of `len` bytes, a multiple of 16 so that aligned ranges load
   // 16 bytes at a time; the last slices may be shorter or empty.
-  const uint64_t len = ((r.bytes + kThreads - 1) / kThreads + 15) / 16 * 16;
-  const uint64_t begin = min(r.bytes, len * t);
-  const uint64_t end = min(r.bytes, begin + len);
+  const uint64_t len = ((bytes + kThreads - 1) / kThreads + 15) / 16 * 16;
+  const uint64_t begin = min(bytes, len * t);
+  const uint64_t end = min(bytes, begin + len);
   uint32_t c = 0xFFFFFFFFu;
-  const uint8_t* p = r.data + begin;
+  const uint8_t* p = data + begin;
+  uint8_t* q = kCopy ? dst + begin : nullptr;
   uint64_t i = begin;
-  if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+  const uintptr_t misaligned =
+      (reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(q)) & 15u;
+  if (misaligned == 0) {
     for (; i + 16 <= end; i += 16, p += 16) {
       const uint4 w = *reinterpret_cast<const uint4*>(p);
+      if (kCopy) {
+        *reinterpret_cast<uint4*>(q) = w;
+        q += 16;
+      }
       const uint32_t words[4] = {w.x, w.y, w.z, w.w};
       for (int k = 0; k < 4; ++k) {
         c = Update(table, c, words[k] & 0xFFu);  // little-endian bytes
@@ -69,21 +79,34 @@ __global__ void Crc32cKernel(const ByteRange* ranges, uint32_t* out) {
       }
     }
   }
-  for (; i < end; ++i, ++p) c = Update(table, c, *p);
+  for (; i < end; ++i, ++p) {
+    if (kCopy) *q++ = *p;
+    c = Update(table, c, *p);
+  }
   slice_crc[t] = begin < end ? ~c : 0u;  // CRC of an empty slice: 0
   __syncthreads();
   if (t == 0) {
     const uint32_t full = X8nModP(len);
     uint32_t acc = 0;
     for (int s = 0; s < kThreads; ++s) {
-      const uint64_t b = min(r.bytes, len * s);
-      const uint64_t e = min(r.bytes, b + len);
+      const uint64_t b = min(bytes, len * s);
+      const uint64_t e = min(bytes, b + len);
       if (b == e) break;  // the rest are empty
       const uint32_t op = (e - b == len) ? full : X8nModP(e - b);
       acc = MultModP(op, acc) ^ slice_crc[s];
     }
-    out[blockIdx.x] = acc;
+    *out = acc;
   }
+}
+
+__global__ void Crc32cKernel(const ByteRange* ranges, uint32_t* out) {
+  const ByteRange r = ranges[blockIdx.x];
+  RangeCrc<false>(r.data, nullptr, r.bytes, out + blockIdx.x);
+}
+
+__global__ void CopyCrc32cKernel(const CopyRange* ranges, uint32_t* out) {
+  const CopyRange r = ranges[blockIdx.x];
+  RangeCrc<true>(r.src, r.dst, r.bytes, out + blockIdx.x);
 }
 
 }  // namespace
@@ -93,6 +116,13 @@ LaunchResult LaunchCrc32c(const ByteRange* ranges, int num_ranges,
   if (num_ranges <= 0) return LaunchResult{};
   Crc32cKernel<<<num_ranges, kThreads, 0, stream>>>(ranges, out);
   return LastLaunch("Crc32cKernel");
+}
+
+LaunchResult LaunchCopyCrc32c(const CopyRange* ranges, int num_ranges,
+                              uint32_t* out, cudaStream_t stream) {
+  if (num_ranges <= 0) return LaunchResult{};
+  CopyCrc32cKernel<<<num_ranges, kThreads, 0, stream>>>(ranges, out);
+  return LastLaunch("CopyCrc32cKernel");
 }
 
 }  // namespace triax::kernels::cuda

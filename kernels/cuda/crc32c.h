@@ -27,4 +27,22 @@ static_assert(sizeof(ByteRange) == 16, "ByteRange is copied as raw bytes");
 LaunchResult LaunchCrc32c(const ByteRange* ranges, int num_ranges,
                           uint32_t* out, cudaStream_t stream);
 
+// One device-to-device copy whose CRC32C is taken on the way (transfers:
+// the destination copies a page out of the source's mapped arena and
+// verifies it in the same pass over the bytes). src and dst must not
+// overlap; 32 bytes so an array of them is one copy.
+struct CopyRange {
+  const uint8_t* src = nullptr;
+  uint8_t* dst = nullptr;
+  uint64_t bytes = 0;
+  uint64_t reserved = 0;
+};
+static_assert(sizeof(CopyRange) == 32, "CopyRange is copied as raw bytes");
+
+// The same kernel copying as it reads: dst[i] = src[i] for every range,
+// out[i] = CRC32C of the bytes copied. 16-byte loads and stores where both
+// ends of a slice are aligned.
+LaunchResult LaunchCopyCrc32c(const CopyRange* ranges, int num_ranges,
+                              uint32_t* out, cudaStream_t stream);
+
 }  // namespace triax::kernels::cuda

@@ -3,6 +3,7 @@
 // launch, and bad arguments. Skips without a CUDA device.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -108,6 +109,61 @@ TEST_F(Crc32cCudaTest, OneFlippedBitChangesTheChecksum) {
   EXPECT_NE(Run(host, {{0, host.size()}})[0], before);
 }
 
+// CopyCrc32cCuda copies every byte (aligned and unaligned ends, dst offset
+// differing from src's) and returns the same CRCs as Crc32cCuda; the bytes
+// around each destination stay untouched.
+TEST_F(Crc32cCudaTest, CopyCopiesExactlyAndChecksumsTheCopy) {
+  std::mt19937 rng(11);
+  std::vector<uint8_t> host(600000);
+  for (uint8_t& b : host) b = static_cast<uint8_t>(rng());
+  const uint8_t* src = Upload(host);
+  uint8_t* dst = Upload(std::vector<uint8_t>(host.size(), 0xEE));
+  struct Job {
+    size_t src_off, dst_off, len;
+  };
+  std::vector<Job> jobs;
+  size_t at = 0;
+  for (size_t len : {0, 1, 15, 16, 17, 4096, 4111, 65536, 65537, 131072}) {
+    for (auto [so, dof] :
+         std::vector<std::pair<size_t, size_t>>{{0, 0}, {3, 3}, {1, 8}}) {
+      jobs.push_back({so, at + dof, len});
+      at += len + 64;  // gaps between destinations
+    }
+  }
+  ASSERT_LE(at, host.size());
+  std::vector<CopyRange> ranges;
+  for (const Job& j : jobs) {
+    CopyRange r;
+    r.src = src + j.src_off;
+    r.dst = dst + j.dst_off;
+    r.bytes = j.len;
+    ranges.push_back(r);
+  }
+  CopyCrc32cParams p;
+  p.ranges = Upload(ranges);
+  p.num_ranges = static_cast<int>(ranges.size());
+  p.out = Upload(std::vector<uint32_t>(ranges.size(), 0xDEADBEEFu));
+  ASSERT_TRUE(CopyCrc32cCuda(p).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint32_t> out(ranges.size());
+  ASSERT_EQ(
+      cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost),
+      cudaSuccess);
+  std::vector<uint8_t> copied(host.size());
+  ASSERT_EQ(
+      cudaMemcpy(copied.data(), dst, copied.size(), cudaMemcpyDeviceToHost),
+      cudaSuccess);
+  std::vector<uint8_t> want(host.size(), 0xEE);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const Job& j = jobs[i];
+    std::copy(host.begin() + j.src_off, host.begin() + j.src_off + j.len,
+              want.begin() + j.dst_off);
+    EXPECT_EQ(out[i], HostCrc32c(host.data() + j.src_off, j.len))
+        << "job " << i << " length " << j.len;
+  }
+  EXPECT_TRUE(copied == want);
+}
+
 TEST_F(Crc32cCudaTest, BadArguments) {
   Crc32cParams p;
   p.num_ranges = -1;
@@ -117,6 +173,10 @@ TEST_F(Crc32cCudaTest, BadArguments) {
               ::testing::HasSubstr("ranges is null with num_ranges 2"));
   p.num_ranges = 0;
   EXPECT_TRUE(Crc32cCuda(p).ok());
+  CopyCrc32cParams c;
+  c.num_ranges = 1;
+  EXPECT_THAT(CopyCrc32cCuda(c).message(),
+              ::testing::HasSubstr("ranges is null with num_ranges 1"));
 }
 
 }  // namespace

@@ -123,6 +123,16 @@ struct Crc32cParams {
 };
 absl::Status Crc32cCuda(const Crc32cParams& p);
 
+// Copies each range (src -> dst, no overlap) and sets out[i] to the CRC32C
+// of the bytes copied, in one pass over them. Errors as Crc32cCuda.
+struct CopyCrc32cParams {
+  const CopyRange* ranges = nullptr;  // [num_ranges], device
+  int num_ranges = 0;
+  uint32_t* out = nullptr;  // [num_ranges], device
+  cudaStream_t stream = nullptr;
+};
+absl::Status CopyCrc32cCuda(const CopyCrc32cParams& p);
+
 // Decode attention for a batch of sequences, one query token each.
 //   q:   float32 [batch][n_q_heads][D]; query head h reads KV head
 //        h / (n_q_heads / H). out: float32 [batch][n_q_heads][D].

@@ -1,7 +1,8 @@
 // Worker-to-worker transfer between two real kvworker processes on
-// loopback (standalone, no manager): a sequence written on worker A is
-// imported by worker B (ImportSequence pulling A's ExportPages), and B's
-// ReadKV equals A's; A killed (SIGKILL) or stopped (SIGSTOP) mid-import ->
+// loopback (standalone, no manager), on each data path: a sequence written
+// on worker A is imported by worker B (ImportSequence pulling A's
+// ExportPages stream, or mapping A's arena over SharePages), and B's ReadKV
+// equals A's; A killed (SIGKILL) or stopped (SIGSTOP) mid-import ->
 // B answers a definite error within the import's timeout and holds no page;
 // A's --testing_corrupt_export_pages hook -> DATA_LOSS with nothing
 // installed, and a retry from a worker without the hook succeeds. Waits on
@@ -197,20 +198,29 @@ void ExpectHoldsNothing(Worker& b) {
   EXPECT_EQ(inv.used_bytes(), 0u);
 }
 
-class TransferTest : public ::testing::Test {
+// Every case runs on both data paths (--transfer_path): "stream" (the
+// source's ExportPages) and "ipc" (the source's arena mapped by the
+// destination: shared memory between CPU workers, CUDA IPC between CUDA
+// workers when the backend is cuda).
+class TransferTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
     auto d = TempDir::Create("transfer_test");
     ASSERT_THAT(d.status(), IsOk());
     dir_ = *std::move(d);
   }
+  absl::StatusOr<Worker> Start(const std::string& id,
+                               std::vector<std::string> extra = {}) {
+    extra.push_back(absl::StrCat("--transfer_path=", GetParam()));
+    return StartWorker(id, dir_->path(), extra);
+  }
   std::unique_ptr<TempDir> dir_;
 };
 
-TEST_F(TransferTest, ImportedSequenceReadsAsOnTheSource) {
-  auto a = StartWorker("worker-a", dir_->path());
+TEST_P(TransferTest, ImportedSequenceReadsAsOnTheSource) {
+  auto a = Start("worker-a");
   ASSERT_THAT(a.status(), IsOk());
-  auto b = StartWorker("worker-b", dir_->path());
+  auto b = Start("worker-b");
   ASSERT_THAT(b.status(), IsOk());
   constexpr uint32_t kTokens = 300;
   for (v1::Format f : {v1::FORMAT_BF16, v1::FORMAT_INT4}) {
@@ -220,14 +230,15 @@ TEST_F(TransferTest, ImportedSequenceReadsAsOnTheSource) {
     v1::ImportSequenceResponse resp;
     const grpc::Status s = Import(*b, ImportFrom(*a, seq, kTokens, f), &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.data_path(), GetParam());
     EXPECT_EQ(resp.pages(), 19u * kLayers);
     auto ra = ReadAll(*a, seq);
     auto rb = ReadAll(*b, seq);
     ASSERT_THAT(ra.status(), IsOk());
     ASSERT_THAT(rb.status(), IsOk());
     EXPECT_EQ(*ra, *rb) << "format " << f;
-    std::cout << "figure: transfer " << kTokens << " tokens x " << kLayers
-              << " layers, " << v1::Format_Name(f)
+    std::cout << "figure: " << resp.data_path() << " transfer " << kTokens
+              << " tokens x " << kLayers << " layers, " << v1::Format_Name(f)
               << " -> same: wire_bytes=" << resp.wire_bytes()
               << " bf16_bytes=" << resp.bf16_bytes()
               << " ratio=" << double(resp.bf16_bytes()) / resp.wire_bytes()
@@ -261,10 +272,10 @@ TEST_F(TransferTest, ImportedSequenceReadsAsOnTheSource) {
   }
 }
 
-TEST_F(TransferTest, KilledSourceFailsTheImportAndBHoldsNothing) {
-  auto a = StartWorker("worker-a", dir_->path());
+TEST_P(TransferTest, KilledSourceFailsTheImportAndBHoldsNothing) {
+  auto a = Start("worker-a");
   ASSERT_THAT(a.status(), IsOk());
-  auto b = StartWorker("worker-b", dir_->path());
+  auto b = Start("worker-b");
   ASSERT_THAT(b.status(), IsOk());
   ASSERT_TRUE(Allocate(*a, "s", 64, v1::FORMAT_INT4).ok());
   v1::ImportSequenceRequest r = ImportFrom(*a, "s", 64, v1::FORMAT_INT4);
@@ -287,10 +298,10 @@ TEST_F(TransferTest, KilledSourceFailsTheImportAndBHoldsNothing) {
   ExpectHoldsNothing(*b);
 }
 
-TEST_F(TransferTest, StoppedSourceIsDeadlineExceededAtTheTimeout) {
-  auto a = StartWorker("worker-a", dir_->path());
+TEST_P(TransferTest, StoppedSourceIsDeadlineExceededAtTheTimeout) {
+  auto a = Start("worker-a");
   ASSERT_THAT(a.status(), IsOk());
-  auto b = StartWorker("worker-b", dir_->path());
+  auto b = Start("worker-b");
   ASSERT_THAT(b.status(), IsOk());
   ASSERT_TRUE(Allocate(*a, "s", 64, v1::FORMAT_INT4).ok());
   v1::ImportSequenceRequest r = ImportFrom(*a, "s", 64, v1::FORMAT_INT4);
@@ -327,11 +338,10 @@ TEST_F(TransferTest, StoppedSourceIsDeadlineExceededAtTheTimeout) {
   EXPECT_EQ(*ra, *rb);
 }
 
-TEST_F(TransferTest, CorruptedPagesAreDataLossAndARetrySucceeds) {
-  auto bad = StartWorker("worker-a", dir_->path(),
-                         {"--testing_corrupt_export_pages=5"});
+TEST_P(TransferTest, CorruptedPagesAreDataLossAndARetrySucceeds) {
+  auto bad = Start("worker-a", {"--testing_corrupt_export_pages=5"});
   ASSERT_THAT(bad.status(), IsOk());
-  auto b = StartWorker("worker-b", dir_->path());
+  auto b = Start("worker-b");
   ASSERT_THAT(b.status(), IsOk());
   ASSERT_TRUE(Allocate(*bad, "s", 100, v1::FORMAT_INT4).ok());
   ASSERT_TRUE(WriteAll(*bad, "s", 100).ok());
@@ -345,7 +355,7 @@ TEST_F(TransferTest, CorruptedPagesAreDataLossAndARetrySucceeds) {
   ExpectHoldsNothing(*b);
   // The same sequence on a worker without the hook; the same request id
   // runs again (a failed import is not remembered).
-  auto good = StartWorker("worker-a2", dir_->path());
+  auto good = Start("worker-a2");
   ASSERT_THAT(good.status(), IsOk());
   ASSERT_TRUE(Allocate(*good, "s", 100, v1::FORMAT_INT4).ok());
   ASSERT_TRUE(WriteAll(*good, "s", 100).ok());
@@ -357,6 +367,9 @@ TEST_F(TransferTest, CorruptedPagesAreDataLossAndARetrySucceeds) {
   ASSERT_THAT(rb.status(), IsOk());
   EXPECT_EQ(*ra, *rb);
 }
+
+INSTANTIATE_TEST_SUITE_P(DataPaths, TransferTest,
+                         ::testing::Values("stream", "ipc"));
 
 }  // namespace
 }  // namespace triax::testing

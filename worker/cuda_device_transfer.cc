@@ -1,0 +1,160 @@
+// CudaDevice's transfer operations: checksums and checked copies on the
+// device, and CUDA IPC for the ipc data path (worker/cuda_device.h).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/cuda/kv_cuda.cuh"
+#include "worker/cuda_device.h"
+
+namespace triax::worker {
+namespace {
+
+namespace kc = ::triax::kernels::cuda;
+
+constexpr size_t kAlign = 256;
+size_t AlignUp(size_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
+
+std::string CudaError(cudaError_t e) {
+  return absl::StrCat(cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+}
+
+}  // namespace
+
+absl::Status CudaDevice::Checksum(absl::Span<const DeviceBytes> ranges,
+                                  absl::Span<uint32_t> crcs) {
+  if (crcs.size() != ranges.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Checksum: ", crcs.size(), " outputs for ", ranges.size(), " ranges"));
+  }
+  if (ranges.empty()) return absl::OkStatus();
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  for (size_t at = 0; at < ranges.size(); at += kMaxRangesPerLaunch) {
+    const size_t n = std::min(kMaxRangesPerLaunch, ranges.size() - at);
+    const size_t table = AlignUp(n * sizeof(kc::ByteRange));
+    const size_t out = AlignUp(n * sizeof(uint32_t));
+    TRIAX_RETURN_IF_ERROR(Reserve(*lane, table + out, table + out));
+    auto* host = reinterpret_cast<kc::ByteRange*>(lane->host);
+    for (size_t i = 0; i < n; ++i) {
+      host[i].data = ranges[at + i].data;
+      host[i].bytes = ranges[at + i].bytes;
+    }
+    TRIAX_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(lane->scratch, lane->host, table,
+                              cudaMemcpyHostToDevice, lane->stream),
+              "Checksum upload"));
+    kc::Crc32cParams p;
+    p.ranges = reinterpret_cast<const kc::ByteRange*>(lane->scratch);
+    p.num_ranges = static_cast<int>(n);
+    p.out = reinterpret_cast<uint32_t*>(lane->scratch + table);
+    p.stream = lane->stream;
+    TRIAX_RETURN_IF_ERROR(Launched(kc::Crc32cCuda(p)));
+    TRIAX_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(lane->host + table, p.out, n * sizeof(uint32_t),
+                              cudaMemcpyDeviceToHost, lane->stream),
+              "Checksum download"));
+    TRIAX_RETURN_IF_ERROR(Sync(*lane, "Checksum"));
+    std::memcpy(crcs.data() + at, lane->host + table, n * sizeof(uint32_t));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::CopyPagesChecked(absl::Span<const PageCopy> jobs,
+                                          absl::Span<uint32_t> crcs) {
+  if (crcs.size() != jobs.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CopyPagesChecked: ", crcs.size(), " outputs for ",
+                     jobs.size(), " jobs"));
+  }
+  if (jobs.empty()) return absl::OkStatus();
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  for (size_t at = 0; at < jobs.size(); at += kMaxRangesPerLaunch) {
+    const size_t n = std::min(kMaxRangesPerLaunch, jobs.size() - at);
+    const size_t table = AlignUp(n * sizeof(kc::CopyRange));
+    const size_t out = AlignUp(n * sizeof(uint32_t));
+    TRIAX_RETURN_IF_ERROR(Reserve(*lane, table + out, table + out));
+    auto* host = reinterpret_cast<kc::CopyRange*>(lane->host);
+    for (size_t i = 0; i < n; ++i) {
+      host[i] = kc::CopyRange{};
+      host[i].src = jobs[at + i].src;
+      host[i].dst = jobs[at + i].dst;
+      host[i].bytes = jobs[at + i].bytes;
+    }
+    TRIAX_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(lane->scratch, lane->host, table,
+                              cudaMemcpyHostToDevice, lane->stream),
+              "CopyPagesChecked upload"));
+    kc::CopyCrc32cParams p;
+    p.ranges = reinterpret_cast<const kc::CopyRange*>(lane->scratch);
+    p.num_ranges = static_cast<int>(n);
+    p.out = reinterpret_cast<uint32_t*>(lane->scratch + table);
+    p.stream = lane->stream;
+    TRIAX_RETURN_IF_ERROR(Launched(kc::CopyCrc32cCuda(p)));
+    TRIAX_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(lane->host + table, p.out, n * sizeof(uint32_t),
+                              cudaMemcpyDeviceToHost, lane->stream),
+              "CopyPagesChecked download"));
+    TRIAX_RETURN_IF_ERROR(Sync(*lane, "CopyPagesChecked"));
+    std::memcpy(crcs.data() + at, lane->host + table, n * sizeof(uint32_t));
+  }
+  return absl::OkStatus();
+}
+
+std::string CudaDevice::ShareDomain() const {
+  return absl::StrCat("cuda:", HostBootId());
+}
+
+absl::StatusOr<std::string> CudaDevice::ShareArena(const uint8_t* base,
+                                                   size_t /*bytes*/) {
+  TRIAX_RETURN_IF_ERROR(BeginNoLane());
+  cudaIpcMemHandle_t handle;
+  const cudaError_t e =
+      cudaIpcGetMemHandle(&handle, const_cast<uint8_t*>(base));
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: a pointer that is not an allocation
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda device ", ordinal_,
+                     ": cudaIpcGetMemHandle of the arena: ", CudaError(e)));
+  }
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+absl::StatusOr<const uint8_t*> CudaDevice::OpenPeerArena(
+    absl::string_view handle, size_t bytes) {
+  if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda device ", ordinal_, ": a CUDA IPC handle has ",
+        sizeof(cudaIpcMemHandle_t), " bytes, not ", handle.size()));
+  }
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda device ", ordinal_, ": peer arena bytes is 0"));
+  }
+  TRIAX_RETURN_IF_ERROR(BeginNoLane());
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* p = nullptr;
+  const cudaError_t e =
+      cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // a handle that cannot be opened here is not sticky
+    return absl::UnavailableError(
+        absl::StrCat("cuda device ", ordinal_,
+                     ": cannot map the peer's arena (cudaIpcOpenMemHandle): ",
+                     CudaError(e)));
+  }
+  return static_cast<const uint8_t*>(p);
+}
+
+void CudaDevice::ClosePeerArena(const uint8_t* base, size_t /*bytes*/) {
+  if (base == nullptr) return;
+  cudaSetDevice(ordinal_);
+  cudaIpcCloseMemHandle(const_cast<uint8_t*>(base));
+}
+
+}  // namespace triax::worker

@@ -1,0 +1,279 @@
+// The ipc data path between two in-process workers over loopback gRPC
+// (CPU devices with shared-memory arenas, mapped through /proc/<pid>/fd
+// like two processes would): ImportSequence over SharePages with the pages
+// copied arena to arena, the fallback to the stream, refusals of a source
+// that cannot share, the corruption hook, hostile acknowledgements, and a
+// destination that goes away mid-stream (the source unpins everything).
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "worker/transfer_test_node.h"
+#include "worker/worker_service_test_util.h"
+
+namespace triax::worker {
+namespace {
+
+using kernels::Format;
+
+constexpr uint32_t kTokens = 40;
+
+WorkerServiceOptions Path(TransferPath path, uint32_t corrupt = 0) {
+  WorkerServiceOptions o;
+  o.transfer_path = path;
+  o.testing_corrupt_export_pages = corrupt;
+  return o;
+}
+
+class IpcTransferTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    k_ = Random(size_t{kTokens} * 64, 1);
+    v_ = Random(size_t{kTokens} * 64, 2);
+  }
+  void Start(WorkerServiceOptions a, bool a_shares, WorkerServiceOptions b,
+             bool b_shares) {
+    a_ = std::make_unique<Node>(a, a_shares);
+    b_ = std::make_unique<Node>(b, b_shares);
+  }
+  void WriteSource(const std::string& seq = "s") {
+    grpc::ClientContext ctx;
+    v1::AllocatePagesResponse resp;
+    ASSERT_TRUE(
+        a_->stub->AllocatePages(&ctx, AllocRequest(seq, kTokens), &resp).ok());
+    for (uint32_t l = 0; l < 2; ++l) {
+      ASSERT_TRUE(a_->Write(seq, F32Chunk(l, 0, kTokens, k_, v_)).ok());
+    }
+  }
+  v1::ImportSequenceRequest ImportRequestFor(
+      v1::Format format = v1::FORMAT_INT4) {
+    const v1::AllocatePagesRequest plan = AllocRequest("s", kTokens, format);
+    v1::ImportSequenceRequest r;
+    r.set_request_id("imp-1");
+    r.set_transfer_id("t-1");
+    r.set_tenant_id(kTenant);
+    r.set_sequence_id("s");
+    *r.mutable_model() = plan.model();
+    r.set_block_tokens(plan.block_tokens());
+    r.set_window_tokens(4);
+    *r.mutable_blocks() = plan.blocks();
+    r.set_source_address(a_->address);
+    r.set_source_worker_id("worker-a");
+    r.set_timeout_ms(5000);
+    return r;
+  }
+  grpc::Status Import(const v1::ImportSequenceRequest& r,
+                      v1::ImportSequenceResponse* resp = nullptr) {
+    grpc::ClientContext ctx;
+    v1::ImportSequenceResponse local;
+    return b_->stub->ImportSequence(&ctx, r, resp ? resp : &local);
+  }
+  void ExpectSameReads() {
+    for (uint32_t l = 0; l < 2; ++l) {
+      auto ra = a_->store->Read(kTenant, "s", l, 0, 0);
+      auto rb = b_->store->Read(kTenant, "s", l, 0, 0);
+      ASSERT_TRUE(ra.ok()) << ra.status();
+      ASSERT_TRUE(rb.ok()) << rb.status();
+      EXPECT_EQ(ra->num_tokens, rb->num_tokens);
+      EXPECT_EQ(ra->k, rb->k);
+      EXPECT_EQ(ra->v, rb->v);
+    }
+  }
+  // Waits (up to 5 s) until A's pool is back to `bytes` used.
+  void ExpectSourceUsedBytes(uint64_t bytes) {
+    const absl::Time until = absl::Now() + absl::Seconds(5);
+    while (a_->store->Inventory().used_bytes != bytes && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_EQ(a_->store->Inventory().used_bytes, bytes);
+  }
+  // A SharePages export request for "s" wanting `format`.
+  v1::SharePagesRequest ShareRequest(v1::Format format,
+                                     uint32_t max_batch_bytes = 0) {
+    v1::SharePagesRequest m;
+    v1::ExportPagesRequest* r = m.mutable_request();
+    r->set_tenant_id(kTenant);
+    r->set_sequence_id("s");
+    *r->mutable_blocks() = AllocRequest("s", kTokens, format).blocks();
+    r->set_max_batch_bytes(max_batch_bytes);
+    m.set_share_domain(a_->device.ShareDomain());
+    return m;
+  }
+
+  std::unique_ptr<Node> a_, b_;
+  std::vector<float> k_, v_;
+};
+
+TEST_F(IpcTransferTest, ImportsThroughTheSourcesArena) {
+  Start(Path(TransferPath::kIpc), true, Path(TransferPath::kIpc), true);
+  WriteSource();
+  const uint64_t source_used = a_->store->Inventory().used_bytes;
+  // INT2 on the way: the source re-encodes into pinned scratch pages.
+  v1::ImportSequenceResponse resp;
+  grpc::Status s = Import(ImportRequestFor(v1::FORMAT_INT2), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.data_path(), "ipc");
+  const kernels::PageShape shape = PageShapeOf(FromProto(Model()), 16);
+  const size_t int2 = kernels::PageBytes(Format::kINT2, shape);
+  const size_t bf16 = kernels::PageBytes(Format::kBF16, shape);
+  EXPECT_EQ(resp.pages(), 6u);
+  EXPECT_EQ(resp.wire_bytes(), 2 * (2 * int2 + bf16));
+  // The pages came arena to arena, none over the stream.
+  size_t copied = 0;
+  for (size_t n : b_->device.checked_copies()) copied += n;
+  EXPECT_EQ(copied, 6u);
+  // What a Demote to INT2 on the source gives.
+  v1::DemoteRequest demote;
+  demote.set_tenant_id(kTenant);
+  demote.set_sequence_id("s");
+  *demote.mutable_blocks() = ImportRequestFor(v1::FORMAT_INT2).blocks();
+  {
+    grpc::ClientContext ctx;
+    v1::DemoteResponse dr;
+    ExpectSourceUsedBytes(source_used);  // scratch pages unpinned
+    ASSERT_TRUE(a_->stub->Demote(&ctx, demote, &dr).ok());
+  }
+  ExpectSameReads();
+}
+
+TEST_F(IpcTransferTest, AutoStreamsFromASourceThatCannotShare) {
+  Start(Path(TransferPath::kStream), false, Path(TransferPath::kAuto), true);
+  WriteSource();
+  v1::ImportSequenceResponse resp;
+  grpc::Status s = Import(ImportRequestFor(), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.data_path(), "stream");
+  EXPECT_TRUE(b_->device.checked_copies().empty());
+  ExpectSameReads();
+}
+
+TEST_F(IpcTransferTest, IpcRefusesASourceThatCannotShare) {
+  Start(Path(TransferPath::kStream), false, Path(TransferPath::kIpc), true);
+  WriteSource();
+  EXPECT_CODE(Import(ImportRequestFor()), grpc::StatusCode::FAILED_PRECONDITION,
+              "transfer_path=ipc: source worker-a at " + a_->address +
+                  " cannot share its pages with this worker: this worker's "
+                  "backend does not share its arena");
+  EXPECT_EQ(b_->store->Inventory().used_bytes, 0u);
+}
+
+TEST_F(IpcTransferTest, SharePagesRefusesAnotherDomainAndBadFirstMessages) {
+  Start(Path(TransferPath::kIpc), true, Path(TransferPath::kIpc), true);
+  WriteSource();
+  {
+    grpc::ClientContext ctx;
+    auto stream = a_->stub->SharePages(&ctx);
+    v1::SharePagesRequest m = ShareRequest(v1::FORMAT_INT4);
+    m.set_share_domain("cpu:another-host");
+    stream->Write(m);
+    stream->WritesDone();
+    v1::PageBatch batch;
+    EXPECT_FALSE(stream->Read(&batch));
+    EXPECT_CODE(stream->Finish(), grpc::StatusCode::UNIMPLEMENTED,
+                "share_domain=\"cpu:another-host\"");
+  }
+  {
+    grpc::ClientContext ctx;
+    auto stream = a_->stub->SharePages(&ctx);
+    v1::SharePagesRequest m;
+    m.set_installed_batches(1);
+    stream->Write(m);
+    stream->WritesDone();
+    v1::PageBatch batch;
+    EXPECT_FALSE(stream->Read(&batch));
+    EXPECT_CODE(stream->Finish(), grpc::StatusCode::INVALID_ARGUMENT,
+                "first message has no request");
+  }
+}
+
+TEST_F(IpcTransferTest, ACorruptedChecksumIsDataLossAndNothingStays) {
+  Start(Path(TransferPath::kIpc, /*corrupt=*/4), true, Path(TransferPath::kIpc),
+        true);
+  WriteSource();
+  const uint64_t source_used = a_->store->Inventory().used_bytes;
+  EXPECT_CODE(Import(ImportRequestFor(v1::FORMAT_INT2)),
+              grpc::StatusCode::DATA_LOSS, "CRC32C of the copied page");
+  EXPECT_EQ(b_->store->Inventory().used_bytes, 0u);
+  EXPECT_THAT(b_->store->Inventory().sequence_ids, ::testing::IsEmpty());
+  ExpectSourceUsedBytes(source_used);
+}
+
+// Acknowledgements of batches never sent, or going backwards, end the call
+// INVALID_ARGUMENT; the pins go with it.
+TEST_F(IpcTransferTest, HostileAcknowledgementsAreRefused) {
+  Start(Path(TransferPath::kIpc), true, Path(TransferPath::kIpc), true);
+  WriteSource();
+  const uint64_t source_used = a_->store->Inventory().used_bytes;
+  for (uint64_t bad : {uint64_t{7}, uint64_t{0}}) {
+    SCOPED_TRACE(bad);
+    grpc::ClientContext ctx;
+    auto stream = a_->stub->SharePages(&ctx);
+    // One page a batch, INT2 (scratch pages): six batches, four ahead.
+    stream->Write(ShareRequest(v1::FORMAT_INT2, 1));
+    v1::PageBatch batch;
+    ASSERT_TRUE(stream->Read(&batch));
+    EXPECT_TRUE(batch.has_arena());
+    ASSERT_EQ(batch.pages_size(), 1);
+    EXPECT_TRUE(batch.pages(0).shared());
+    EXPECT_TRUE(batch.pages(0).data().empty());
+    v1::SharePagesRequest ack;
+    if (bad == 0) {  // forward to 2, then back to 0
+      ASSERT_TRUE(stream->Read(&batch));
+      ack.set_installed_batches(2);
+      stream->Write(ack);
+    }
+    ack.set_installed_batches(bad);
+    stream->Write(ack);
+    while (stream->Read(&batch)) {
+    }
+    EXPECT_CODE(stream->Finish(), grpc::StatusCode::INVALID_ARGUMENT,
+                "installed_batches=" + std::to_string(bad));
+    ExpectSourceUsedBytes(source_used);
+  }
+}
+
+// A destination that reads one batch and goes away: the export stops and
+// every pinned scratch page goes back to the source's pool.
+TEST_F(IpcTransferTest, ADestinationThatGoesAwayReleasesThePins) {
+  Start(Path(TransferPath::kIpc), true, Path(TransferPath::kIpc), true);
+  WriteSource();
+  const uint64_t source_used = a_->store->Inventory().used_bytes;
+  grpc::ClientContext ctx;
+  auto stream = a_->stub->SharePages(&ctx);
+  stream->Write(ShareRequest(v1::FORMAT_INT2, 1));
+  v1::PageBatch batch;
+  ASSERT_TRUE(stream->Read(&batch));
+  // Unacknowledged batches hold their scratch pages.
+  EXPECT_GT(a_->store->Inventory().used_bytes, source_used);
+  ctx.TryCancel();
+  stream->Finish();
+  ExpectSourceUsedBytes(source_used);
+}
+
+// follow_writes over the ipc path: each layer lands as it is written.
+TEST_F(IpcTransferTest, FollowWritesOverIpc) {
+  Start(Path(TransferPath::kIpc), true, Path(TransferPath::kIpc), true);
+  grpc::ClientContext actx;
+  v1::AllocatePagesResponse aresp;
+  ASSERT_TRUE(
+      a_->stub->AllocatePages(&actx, AllocRequest("s", kTokens), &aresp).ok());
+  v1::ImportSequenceRequest r = ImportRequestFor();
+  r.set_follow_writes(true);
+  grpc::Status status;
+  v1::ImportSequenceResponse resp;
+  absl::Notification done;
+  std::thread importer([&] {
+    status = Import(r, &resp);
+    done.Notify();
+  });
+  ASSERT_TRUE(a_->Write("s", F32Chunk(0, 0, kTokens, k_, v_)).ok());
+  EXPECT_FALSE(done.HasBeenNotified());
+  ASSERT_TRUE(a_->Write("s", F32Chunk(1, 0, kTokens, k_, v_)).ok());
+  done.WaitForNotification();
+  importer.join();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(resp.data_path(), "ipc");
+  ExpectSameReads();
+}
+
+}  // namespace
+}  // namespace triax::worker
