@@ -11,8 +11,10 @@
 //             KV and of wire bytes, and two baselines measured on the same
 //             bytes (the case's wire bytes) in the same run: a bare gRPC
 //             server stream between two processes (a child transfer_bench
-//             --probe_server pinned like the source, probe.proto) and a
-//             single-threaded host memcpy in this process.
+//             --probe_server pinned like the source, probe.proto), a
+//             single-threaded host memcpy in this process and, in a CUDA
+//             build on a GPU machine, the device's own device-to-device
+//             copy (device_copy_probe, a child process per case).
 //   overlap   per --overlap_sizes x --overlap_encodings, "serial" (every
 //             layer written, then ImportSequence) and "overlap"
 //             (ImportSequence with follow_writes started first, then the
@@ -45,6 +47,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -86,6 +90,10 @@ ABSL_FLAG(int, import_timeout_ms, 600000, "ImportSequence timeout_ms");
 ABSL_FLAG(int, probe_message_bytes, 4 << 20,
           "probe message size (ExportPages batches up to 4 MiB)");
 ABSL_FLAG(int, write_chunk_tokens, 256, "tokens per WriteKV message");
+ABSL_FLAG(std::string, device_copy, "auto",
+          "auto: also time device_copy_probe (a CUDA build's device-to-device "
+          "copy of the same bytes) when it is in --bin_dir and runs; off");
+ABSL_FLAG(int, cuda_device, 0, "device of device_copy_probe");
 ABSL_FLAG(std::string, tsv, "", "also write every value to this TSV file");
 ABSL_FLAG(bool, probe_server, false,
           "internal: serve the streaming probe (with --listen, --port_file)");
@@ -135,6 +143,7 @@ struct TransferRow {
   std::string encoding;
   double seconds = 0, worker_seconds = 0, probe_seconds = 0,
          memcpy_seconds = 0;
+  double device_copy_seconds = 0;  // 0: not measured
   uint64_t wire = 0, bf16 = 0, page_bytes = 0;
 };
 
@@ -152,14 +161,34 @@ struct OverlapRow {
 class Bench {
  public:
   Bench(BenchShape shape, std::unique_ptr<BenchWorker> src,
-        std::unique_ptr<BenchWorker> dst, const std::string& probe_address)
+        std::unique_ptr<BenchWorker> dst, const std::string& probe_address,
+        std::string dir)
       : shape_(shape),
         pattern_(KvPattern::Make(shape, absl::GetFlag(FLAGS_write_chunk_tokens),
                                  7)),
         src_(std::move(src)),
         dst_(std::move(dst)),
         probe_(probe_address),
-        repeats_(absl::GetFlag(FLAGS_repeats)) {}
+        repeats_(absl::GetFlag(FLAGS_repeats)),
+        dir_(std::move(dir)) {}
+
+  // Whether device_copy_probe is used: --device_copy=auto, the binary is in
+  // the bin directory and a 1 MiB copy runs (it does not without a GPU).
+  // The reason otherwise, for the header.
+  std::string SetUpDeviceCopy() {
+    if (absl::GetFlag(FLAGS_device_copy) == "off") return "off";
+    auto bin = testing::BinDir();
+    if (!bin.ok() || access((*bin + "/device_copy_probe").c_str(), X_OK) != 0) {
+      return "none (no device_copy_probe: not a CUDA build)";
+    }
+    auto s = DeviceCopySeconds(1 << 20);
+    device_copy_ = s.ok();
+    return s.ok() ? "device_copy_probe"
+                  : absl::StrCat("none (",
+                                 absl::StripTrailingAsciiWhitespace(
+                                     s.status().message()),
+                                 ")");
+  }
 
   BenchWorker& src() { return *src_; }
 
@@ -221,6 +250,11 @@ class Bench {
     }
     row.probe_seconds = Median(probe);
     row.memcpy_seconds = Median(copy);
+    if (device_copy_) {
+      auto d = DeviceCopySeconds(row.wire);
+      if (!d.ok()) return d.status();
+      row.device_copy_seconds = *d;
+    }
     return row;
   }
 
@@ -326,6 +360,27 @@ class Bench {
     return run;
   }
 
+  // device_copy_probe's median seconds for `bytes` (its own repeats).
+  absl::StatusOr<double> DeviceCopySeconds(uint64_t bytes) {
+    std::string out, err;
+    auto rc = testing::RunToCompletion(
+        "device_copy_probe",
+        {std::to_string(bytes), std::to_string(repeats_),
+         std::to_string(absl::GetFlag(FLAGS_cuda_device))},
+        dir_, &out, &err, absl::Minutes(10));
+    if (!rc.ok()) return rc.status();
+    const size_t at = out.find("seconds=");
+    double seconds = 0;
+    if (*rc != 0 || at == std::string::npos ||
+        !absl::SimpleAtod(
+            absl::string_view(out).substr(at + 8, out.find(' ', at) - at - 8),
+            &seconds)) {
+      return absl::InternalError(absl::StrCat(
+          "device_copy_probe exited ", *rc, ": ", out, err));
+    }
+    return seconds;
+  }
+
   // Single-threaded memcpy of `bytes` through buffers of at most 1 GiB
   // (touched before timing), copied over until `bytes` have moved.
   double MemcpySeconds(uint64_t bytes) {
@@ -354,6 +409,8 @@ class Bench {
   std::unique_ptr<BenchWorker> src_, dst_;
   ProbeClient probe_;
   int repeats_;
+  const std::string dir_;
+  bool device_copy_ = false;
   uint64_t next_id_ = 0;
   std::unique_ptr<char[]> from_, to_;
   size_t buffer_bytes_ = 0;
@@ -366,20 +423,23 @@ void PrintTransfer(const std::vector<TransferRow>& rows,
   std::cout << "\n## transfer: ImportSequence on dst pulling src's pages "
                "(median of runs); baselines on the same wire bytes\n";
   std::cout << absl::StrFormat(
-      "%-6s %7s %-15s %9s %9s %9s %9s %6s %8s %8s %8s %6s %8s\n", "size",
-      "tokens", "encoding", "s/seq", "worker_s", "wire_MiB", "bf16_MiB",
-      "wire/bf16", "bf16eqGB/s", "wireGB/s", "probeGB/s", "w/probe",
-      "memcpyGB/s");
+      "%-6s %7s %-15s %9s %9s %9s %9s %6s %8s %8s %8s %6s %8s %11s %8s\n",
+      "size", "tokens", "encoding", "s/seq", "worker_s", "wire_MiB",
+      "bf16_MiB", "wire/bf16", "bf16eqGB/s", "wireGB/s", "probeGB/s",
+      "w/probe", "memcpyGB/s", "devcopyGB/s", "w/devcopy");
   for (const TransferRow& r : rows) {
     const double wire_gbps = GBps(r.wire, r.seconds);
     const double probe_gbps = GBps(r.wire, r.probe_seconds);
+    const double dev_gbps = GBps(r.wire, r.device_copy_seconds);
     std::cout << absl::StrFormat(
         "%-6s %7u %-15s %9.4f %9.4f %9.1f %9.1f %9.3f %10.3f %8.3f %9.3f "
-        "%7.3f %10.3f\n",
+        "%7.3f %10.3f %11s %9s\n",
         r.size.label, r.size.tokens, r.encoding, r.seconds, r.worker_seconds,
         r.wire / kMiB, r.bf16 / kMiB, double(r.wire) / r.bf16,
         GBps(r.bf16, r.seconds), wire_gbps, probe_gbps,
-        wire_gbps / probe_gbps, GBps(r.wire, r.memcpy_seconds));
+        wire_gbps / probe_gbps, GBps(r.wire, r.memcpy_seconds),
+        dev_gbps > 0 ? absl::StrFormat("%.2f", dev_gbps) : "-",
+        dev_gbps > 0 ? absl::StrFormat("%.3f", wire_gbps / dev_gbps) : "-");
     auto add = [&](const std::string& metric, double v, const char* unit) {
       values->push_back({"transfer", r.size.label, r.encoding, "", r.size.tokens,
                          -1, metric, v, unit});
@@ -397,6 +457,11 @@ void PrintTransfer(const std::vector<TransferRow>& rows,
     add("wire_over_probe_throughput", wire_gbps / probe_gbps, "ratio");
     add("memcpy_seconds", r.memcpy_seconds, "s");
     add("memcpy_throughput", GBps(r.wire, r.memcpy_seconds), "GB/s");
+    if (dev_gbps > 0) {
+      add("device_copy_seconds", r.device_copy_seconds, "s");
+      add("device_copy_throughput", dev_gbps, "GB/s");
+      add("wire_over_device_copy_throughput", wire_gbps / dev_gbps, "ratio");
+    }
   }
 }
 
@@ -608,7 +673,9 @@ int Run() {
             << " KiB BF16 per token); repeats " << absl::GetFlag(FLAGS_repeats)
             << "; GB = 1e9 bytes\n";
 
-  Bench bench(shape, *std::move(src), *std::move(dst), (*probe)->address());
+  Bench bench(shape, *std::move(src), *std::move(dst), (*probe)->address(),
+              (*dir)->path());
+  std::cout << "# device copy baseline: " << bench.SetUpDeviceCopy() << "\n";
   std::vector<Value> values;
   auto fail = [&](const absl::Status& s) {
     std::cerr << "transfer_bench: " << s << "\n--- src log:\n"
