@@ -28,9 +28,9 @@ namespace v1 = triax::v1;
 absl::StatusOr<cpu_set_t> ParseCpuList(absl::string_view cpus,
                                        absl::string_view flag) {
   auto bad = [&] {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, ": \"", cpus,
-        "\" is not a CPU list (e.g. \"1\", \"0-3\", \"0,2-3\")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": \"", cpus,
+                     "\" is not a CPU list (e.g. \"1\", \"0-3\", \"0,2-3\")"));
   };
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -78,9 +78,9 @@ absl::Status PinProcess(pid_t pid, absl::string_view cpus,
         continue;
       }
       if (sched_setaffinity(tid, sizeof(*set), &*set) != 0 && errno != ESRCH) {
-        return absl::InternalError(absl::StrCat(
-            flag, "=", cpus, ": sched_setaffinity(", tid,
-            "): ", std::strerror(errno)));
+        return absl::InternalError(absl::StrCat(flag, "=", cpus,
+                                                ": sched_setaffinity(", tid,
+                                                "): ", std::strerror(errno)));
       }
       pinned.insert(tid);
       fresh = true;
@@ -98,7 +98,8 @@ KvPattern KvPattern::Make(const BenchShape& shape, uint32_t chunk_tokens,
                           uint32_t seed) {
   KvPattern p;
   p.chunk_tokens = chunk_tokens;
-  const size_t values = size_t{chunk_tokens} * shape.n_kv_heads * shape.head_dim;
+  const size_t values =
+      size_t{chunk_tokens} * shape.n_kv_heads * shape.head_dim;
   std::mt19937 rng(seed);
   std::normal_distribution<float> dist(0.f, 1.f);
   for (std::string* out : {&p.k, &p.v}) {
@@ -143,23 +144,22 @@ google::protobuf::RepeatedPtrField<v1::BlockPlan> MakePlan(
 }
 
 absl::StatusOr<std::unique_ptr<BenchWorker>> BenchWorker::Start(
-    const std::string& id, const WorkerLaunch& launch,
-    const std::string& dir) {
+    const std::string& id, const WorkerLaunch& launch, const std::string& dir) {
   std::vector<std::string> args = {
       "--listen=127.0.0.1:0", absl::StrCat("--worker_id=", id),
       absl::StrCat("--backend=", launch.backend),
       absl::StrCat("--pool_mb=", launch.pool_mb), "--host_tier_mb=0"};
   args.insert(args.end(), launch.extra_flags.begin(), launch.extra_flags.end());
-  auto process = testing::Process::Start(id, "kvworker", args, dir,
-                                         /*with_port_file=*/true,
-                                         absl::Seconds(60));
+  auto process =
+      testing::Process::Start(id, "kvworker", args, dir,
+                              /*with_port_file=*/true, absl::Seconds(60));
   if (!process.ok()) return process.status();
   std::unique_ptr<BenchWorker> w(new BenchWorker());
   w->id_ = id;
   w->process_ = *std::move(process);
   if (!launch.cpus.empty()) {
-    absl::Status s = PinProcess(w->process_->pid(), launch.cpus,
-                                launch.cpus_flag);
+    absl::Status s =
+        PinProcess(w->process_->pid(), launch.cpus, launch.cpus_flag);
     if (!s.ok()) return s;
   }
   grpc::ChannelArguments ch;
@@ -225,9 +225,8 @@ absl::StatusOr<v1::ImportSequenceResponse> BenchWorker::Import(
   v1::ImportSequenceResponse resp;
   absl::Status s = FromGrpcStatus(stub_->ImportSequence(&ctx, request, &resp));
   if (!s.ok()) {
-    return absl::Status(s.code(),
-                        absl::StrCat("ImportSequence on ", id_, ": ",
-                                     s.message()));
+    return absl::Status(
+        s.code(), absl::StrCat("ImportSequence on ", id_, ": ", s.message()));
   }
   return resp;
 }

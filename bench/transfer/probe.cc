@@ -22,10 +22,9 @@ class ProbeService final : public pv1::StreamProbe::Service {
   grpc::Status Stream(grpc::ServerContext* ctx, const pv1::StreamRequest* req,
                       grpc::ServerWriter<pv1::StreamChunk>* writer) override {
     if (req->message_bytes() == 0 || req->message_bytes() > kMaxMessageBytes) {
-      return grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          absl::StrCat("message_bytes=", req->message_bytes(),
-                       " must be in 1..", kMaxMessageBytes));
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("message_bytes=", req->message_bytes(),
+                                       " must be in 1..", kMaxMessageBytes));
     }
     pv1::StreamChunk chunk;
     std::string* data = chunk.mutable_data();
@@ -34,8 +33,8 @@ class ProbeService final : public pv1::StreamProbe::Service {
       (*data)[i] = static_cast<char>(i * 131 + 7);
     }
     for (uint64_t sent = 0; sent < req->bytes();) {
-      const uint64_t n = std::min<uint64_t>(req->message_bytes(),
-                                            req->bytes() - sent);
+      const uint64_t n =
+          std::min<uint64_t>(req->message_bytes(), req->bytes() - sent);
       if (n < data->size()) data->resize(n);
       if (ctx->IsCancelled() || !writer->Write(chunk)) {
         return grpc::Status(grpc::StatusCode::CANCELLED,
@@ -91,9 +90,9 @@ absl::StatusOr<double> ProbeClient::Stream(uint64_t bytes,
   uint64_t got = 0;
   while (reader->Read(&chunk)) got += chunk.data().size();
   absl::Status s = FromGrpcStatus(reader->Finish());
-  const double seconds = std::chrono::duration<double>(
-                             std::chrono::steady_clock::now() - start)
-                             .count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   if (!s.ok()) return s;
   if (got != bytes) {
     return absl::InternalError(

@@ -47,8 +47,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -141,8 +141,7 @@ struct Value {
 struct TransferRow {
   SizeCase size;
   std::string encoding;
-  double seconds = 0, worker_seconds = 0, probe_seconds = 0,
-         memcpy_seconds = 0;
+  double seconds = 0, worker_seconds = 0, probe_seconds = 0, memcpy_seconds = 0;
   double device_copy_seconds = 0;  // 0: not measured
   uint64_t wire = 0, bf16 = 0, page_bytes = 0;
 };
@@ -164,8 +163,8 @@ class Bench {
         std::unique_ptr<BenchWorker> dst, const std::string& probe_address,
         std::string dir)
       : shape_(shape),
-        pattern_(KvPattern::Make(shape, absl::GetFlag(FLAGS_write_chunk_tokens),
-                                 7)),
+        pattern_(
+            KvPattern::Make(shape, absl::GetFlag(FLAGS_write_chunk_tokens), 7)),
         src_(std::move(src)),
         dst_(std::move(dst)),
         probe_(probe_address),
@@ -183,14 +182,16 @@ class Bench {
     }
     auto s = DeviceCopySeconds(1 << 20);
     device_copy_ = s.ok();
-    return s.ok() ? "device_copy_probe"
-                  : absl::StrCat("none (",
-                                 absl::StripTrailingAsciiWhitespace(
-                                     s.status().message()),
-                                 ")");
+    return s.ok()
+               ? "device_copy_probe"
+               : absl::StrCat(
+                     "none (",
+                     absl::StripTrailingAsciiWhitespace(s.status().message()),
+                     ")");
   }
 
   BenchWorker& src() { return *src_; }
+  BenchWorker& dst() { return *dst_; }
 
   // One small transfer and one probe stream, untimed: the channels between
   // the processes are connected before anything is measured.
@@ -204,7 +205,6 @@ class Bench {
     repeats_ = repeats;
     return row.status();
   }
-  BenchWorker& dst() { return *dst_; }
 
   absl::StatusOr<TransferRow> Transfer(const SizeCase& size,
                                        const EncodingCase& enc) {
@@ -243,7 +243,8 @@ class Bench {
     row.worker_seconds = Median(worker_seconds);
     std::vector<double> probe, copy;
     for (int r = 0; r < repeats_; ++r) {
-      auto p = probe_.Stream(row.wire, absl::GetFlag(FLAGS_probe_message_bytes));
+      auto p =
+          probe_.Stream(row.wire, absl::GetFlag(FLAGS_probe_message_bytes));
       if (!p.ok()) return p.status();
       probe.push_back(*p);
       copy.push_back(MemcpySeconds(row.wire));
@@ -375,8 +376,8 @@ class Bench {
         !absl::SimpleAtod(
             absl::string_view(out).substr(at + 8, out.find(' ', at) - at - 8),
             &seconds)) {
-      return absl::InternalError(absl::StrCat(
-          "device_copy_probe exited ", *rc, ": ", out, err));
+      return absl::InternalError(
+          absl::StrCat("device_copy_probe exited ", *rc, ": ", out, err));
     }
     return seconds;
   }
@@ -424,9 +425,9 @@ void PrintTransfer(const std::vector<TransferRow>& rows,
                "(median of runs); baselines on the same wire bytes\n";
   std::cout << absl::StrFormat(
       "%-6s %7s %-15s %9s %9s %9s %9s %6s %8s %8s %8s %6s %8s %11s %8s\n",
-      "size", "tokens", "encoding", "s/seq", "worker_s", "wire_MiB",
-      "bf16_MiB", "wire/bf16", "bf16eqGB/s", "wireGB/s", "probeGB/s",
-      "w/probe", "memcpyGB/s", "devcopyGB/s", "w/devcopy");
+      "size", "tokens", "encoding", "s/seq", "worker_s", "wire_MiB", "bf16_MiB",
+      "wire/bf16", "bf16eqGB/s", "wireGB/s", "probeGB/s", "w/probe",
+      "memcpyGB/s", "devcopyGB/s", "w/devcopy");
   for (const TransferRow& r : rows) {
     const double wire_gbps = GBps(r.wire, r.seconds);
     const double probe_gbps = GBps(r.wire, r.probe_seconds);
@@ -436,13 +437,13 @@ void PrintTransfer(const std::vector<TransferRow>& rows,
         "%7.3f %10.3f %11s %9s\n",
         r.size.label, r.size.tokens, r.encoding, r.seconds, r.worker_seconds,
         r.wire / kMiB, r.bf16 / kMiB, double(r.wire) / r.bf16,
-        GBps(r.bf16, r.seconds), wire_gbps, probe_gbps,
-        wire_gbps / probe_gbps, GBps(r.wire, r.memcpy_seconds),
+        GBps(r.bf16, r.seconds), wire_gbps, probe_gbps, wire_gbps / probe_gbps,
+        GBps(r.wire, r.memcpy_seconds),
         dev_gbps > 0 ? absl::StrFormat("%.2f", dev_gbps) : "-",
         dev_gbps > 0 ? absl::StrFormat("%.3f", wire_gbps / dev_gbps) : "-");
     auto add = [&](const std::string& metric, double v, const char* unit) {
-      values->push_back({"transfer", r.size.label, r.encoding, "", r.size.tokens,
-                         -1, metric, v, unit});
+      values->push_back({"transfer", r.size.label, r.encoding, "",
+                         r.size.tokens, -1, metric, v, unit});
     };
     add("seconds_per_sequence", r.seconds, "s");
     add("worker_seconds", r.worker_seconds, "s");
@@ -503,8 +504,8 @@ void PrintOverlap(const std::vector<OverlapRow>& rows, double compute_ms,
               << " overlap: ms from the prefill's start\n";
     std::cout << absl::StrFormat("%5s %10s %10s %8s\n", "layer", "written",
                                  "landed", "lag");
-    for (size_t l = 0; l < r.run.written_ms.size() && l < r.run.landed_ms.size();
-         ++l) {
+    for (size_t l = 0;
+         l < r.run.written_ms.size() && l < r.run.landed_ms.size(); ++l) {
       std::cout << absl::StrFormat("%5u %10.2f %10.2f %8.2f\n", l,
                                    r.run.written_ms[l], r.run.landed_ms[l],
                                    r.run.landed_ms[l] - r.run.written_ms[l]);
@@ -512,7 +513,8 @@ void PrintOverlap(const std::vector<OverlapRow>& rows, double compute_ms,
   }
 }
 
-absl::Status WriteTsv(const std::string& path, const std::vector<Value>& values) {
+absl::Status WriteTsv(const std::string& path,
+                      const std::vector<Value>& values) {
   std::ofstream out(path);
   out << "table\tsize\ttokens\tencoding\tmode\tlayer\tmetric\tvalue\tunit\n";
   for (const Value& v : values) {
@@ -539,11 +541,10 @@ absl::Status Fail(const std::string& flag, const std::string& value,
 int Run() {
   const BenchShape shape;
   auto sizes = ParseSizes(absl::GetFlag(FLAGS_sizes), shape, "--sizes");
-  auto encodings = ParseEncodingCases(absl::GetFlag(FLAGS_encodings), shape,
-                                      "--encodings");
+  auto encodings =
+      ParseEncodingCases(absl::GetFlag(FLAGS_encodings), shape, "--encodings");
   const std::string overlap_list = absl::GetFlag(FLAGS_overlap_sizes);
-  absl::StatusOr<std::vector<SizeCase>> overlap_sizes =
-      std::vector<SizeCase>{};
+  absl::StatusOr<std::vector<SizeCase>> overlap_sizes = std::vector<SizeCase>{};
   if (!overlap_list.empty()) {
     overlap_sizes = ParseSizes(overlap_list, shape, "--overlap_sizes");
   }
@@ -579,6 +580,10 @@ int Run() {
     bad = Fail("--write_chunk_tokens", std::to_string(chunk),
                "must be in 1..8192");
   }
+  if (const std::string d = absl::GetFlag(FLAGS_device_copy);
+      bad.ok() && d != "auto" && d != "off") {
+    bad = Fail("--device_copy", d, "must be auto or off");
+  }
   if (bad.ok() && absl::GetFlag(FLAGS_pool_mb) < 0) {
     bad = Fail("--pool_mb", std::to_string(absl::GetFlag(FLAGS_pool_mb)),
                "must be >= 0");
@@ -603,7 +608,8 @@ int Run() {
   uint64_t largest = 0;
   for (const auto* list : {&*sizes, &*overlap_sizes}) {
     for (const SizeCase& c : *list) {
-      largest = std::max<uint64_t>(largest, c.tokens * shape.Bf16BytesPerToken());
+      largest =
+          std::max<uint64_t>(largest, c.tokens * shape.Bf16BytesPerToken());
     }
   }
   WorkerLaunch launch;
@@ -612,8 +618,8 @@ int Run() {
   if (launch.pool_mb == 0) {
     launch.pool_mb = static_cast<int64_t>(largest * 1.15 / kMiB) + 256;
   }
-  for (absl::string_view f :
-       absl::StrSplit(absl::GetFlag(FLAGS_worker_flags), ' ', absl::SkipEmpty())) {
+  for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_worker_flags),
+                                            ' ', absl::SkipEmpty())) {
     launch.extra_flags.emplace_back(f);
   }
 
@@ -650,9 +656,9 @@ int Run() {
   auto src = BenchWorker::Start("src", launch, (*dir)->path());
   launch.cpus = absl::GetFlag(FLAGS_cpus_dst);
   launch.cpus_flag = "--cpus_dst";
-  auto dst = src.ok() ? BenchWorker::Start("dst", launch, (*dir)->path())
-                      : absl::StatusOr<std::unique_ptr<BenchWorker>>(
-                            src.status());
+  auto dst = src.ok()
+                 ? BenchWorker::Start("dst", launch, (*dir)->path())
+                 : absl::StatusOr<std::unique_ptr<BenchWorker>>(src.status());
   if (!dst.ok()) {
     std::cerr << "transfer_bench: starting the workers: " << dst.status()
               << "\n";
@@ -660,11 +666,12 @@ int Run() {
   }
 
   std::cout << "# transfer_bench: kvworker from " << bin_dir
-            << ", --backend=" << launch.backend << " --pool_mb="
-            << launch.pool_mb << " " << absl::GetFlag(FLAGS_worker_flags)
-            << "\n# src " << (*src)->address() << " (cpus "
-            << absl::GetFlag(FLAGS_cpus_src) << "), dst " << (*dst)->address()
-            << " (cpus " << absl::GetFlag(FLAGS_cpus_dst) << "), bench cpus "
+            << ", --backend=" << launch.backend
+            << " --pool_mb=" << launch.pool_mb << " "
+            << absl::GetFlag(FLAGS_worker_flags) << "\n# src "
+            << (*src)->address() << " (cpus " << absl::GetFlag(FLAGS_cpus_src)
+            << "), dst " << (*dst)->address() << " (cpus "
+            << absl::GetFlag(FLAGS_cpus_dst) << "), bench cpus "
             << absl::GetFlag(FLAGS_cpus_bench) << ", online CPUs "
             << sysconf(_SC_NPROCESSORS_ONLN) << "\n# model " << shape.n_layers
             << " layers x " << shape.n_kv_heads << " KV heads x head_dim "

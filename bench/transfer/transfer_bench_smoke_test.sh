@@ -16,6 +16,7 @@ fail() {
 }
 
 "$BIN" --backend=cpu --sizes=1M --repeats=1 --overlap_sizes=1M \
+  --cpus_src=0 --cpus_dst=0 --cpus_bench=0 \
   '--overlap_encodings=bf16->int4' --layer_compute_ms=0.5 \
   --tsv="$TMP/out.tsv" >"$TMP/out" 2>"$TMP/err"
 rc=$?
@@ -63,6 +64,8 @@ expect '--overlap_encodings: "x->y->z"' '--overlap_encodings=x->y->z'
 expect '--repeats: "0"' --repeats=0
 expect '--layer_compute_ms: "-1"' --layer_compute_ms=-1
 expect '--cpus_src: "a-b"' --cpus_src=a-b
+expect '--cpus_dst: "3-1"' --cpus_dst=3-1
+expect '--device_copy: "on"' --device_copy=on
 
 if [[ $failures -ne 0 ]]; then
   echo "$failures failure(s)"

@@ -47,10 +47,17 @@ absl::StatusOr<std::vector<SizeCase>> ParseSizes(absl::string_view list,
     uint64_t unit = 1;
     if (!e.empty()) {
       switch (absl::ascii_toupper(e.back())) {
-        case 'K': unit = uint64_t{1} << 10; break;
-        case 'M': unit = uint64_t{1} << 20; break;
-        case 'G': unit = uint64_t{1} << 30; break;
-        default: break;
+        case 'K':
+          unit = uint64_t{1} << 10;
+          break;
+        case 'M':
+          unit = uint64_t{1} << 20;
+          break;
+        case 'G':
+          unit = uint64_t{1} << 30;
+          break;
+        default:
+          break;
       }
       if (unit != 1) digits.remove_suffix(1);
     }
@@ -135,11 +142,19 @@ std::vector<kernels::Encoding> Mix::Assign(uint32_t blocks) const {
 Mix Tri35Mix() {
   // bench/results/policy.md, row tri-3.5, "final plan mix (tokens)".
   static const std::pair<const char*, int> kEntries[] = {
-      {"bf16", 1},          {"int4", 6},          {"k=int4,v=int2", 5},
-      {"k=int4,v=int4,g=128", 2},                 {"k=int8,v=int4", 9},
-      {"k=tq2,v=tq3", 2},   {"k=tq2,v=tq4", 1},   {"k=tq3,v=tq4", 2},
-      {"k=tq4,v=tq2", 3},   {"k=tq4,v=tq3", 4},   {"tq2", 53},
-      {"tq3", 7},           {"tq4", 6}};
+      {"bf16", 1},
+      {"int4", 6},
+      {"k=int4,v=int2", 5},
+      {"k=int4,v=int4,g=128", 2},
+      {"k=int8,v=int4", 9},
+      {"k=tq2,v=tq3", 2},
+      {"k=tq2,v=tq4", 1},
+      {"k=tq3,v=tq4", 2},
+      {"k=tq4,v=tq2", 3},
+      {"k=tq4,v=tq3", 4},
+      {"tq2", 53},
+      {"tq3", 7},
+      {"tq4", 6}};
   Mix mix;
   mix.name = "tri-3.5";
   for (const auto& [label, weight] : kEntries) {

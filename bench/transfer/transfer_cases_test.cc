@@ -38,9 +38,9 @@ TEST(ParseSizes, BytesBecomeWholeBlocksOfTokens) {
 TEST(ParseSizes, BadEntriesNameTheFlagAndValue) {
   const BenchShape shape;
   for (const char* bad : {"0", "1X", "", "M", "-1M", "2000T", "1M,,2M"}) {
-    EXPECT_THAT(ParseSizes(bad, shape, "--sizes").status(),
-                StatusIs(absl::StatusCode::kInvalidArgument,
-                         HasSubstr("--sizes: \"")))
+    EXPECT_THAT(
+        ParseSizes(bad, shape, "--sizes").status(),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--sizes: \"")))
         << bad;
   }
   EXPECT_THAT(ParseSizes("1M,7Q", shape, "--overlap_sizes").status(),
