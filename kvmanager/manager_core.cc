@@ -265,6 +265,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   s->tenant = tenant;
   s->model = req.model;
   s->block_tokens = T;
+  s->window_tokens = req.window_tokens;
   s->policy = policy;
   if (policy->IsAllocation()) {
     TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const CalibrationTable> table,
@@ -509,6 +510,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   s->worker = parent->worker;
   s->model = parent->model;
   s->block_tokens = parent->block_tokens;
+  s->window_tokens = parent->window_tokens;
   s->current_turn = parent->current_turn;
   s->policy = parent->policy;
   s->calibration = parent->calibration;
@@ -863,9 +865,10 @@ uint64_t ManagerCore::ShortBytes(const AdmissionShortfall& s) const {
 
 absl::Status ManagerCore::CheckResumeReserveLocked(
     const TenantRecord& tenant, const WorkerRecord& worker, uint64_t bytes,
-    AdmissionShortfall* shortfall) const {
+    AdmissionShortfall* shortfall, uint64_t returning) const {
   const int dev = static_cast<int>(Tier::kDevice);
-  const uint64_t tenant_held = PressureCoordinator::HeldForResume(tenant);
+  const uint64_t all_held = PressureCoordinator::HeldForResume(tenant);
+  const uint64_t tenant_held = all_held - std::min(all_held, returning);
   const uint64_t worker_held = PressureCoordinator::HeldForResume(worker);
   std::string refused;
   if (tenant.budgets[dev]) {

@@ -358,6 +358,9 @@ struct OpenSequenceRequest {
   std::string policy;         // empty: the tenant's default
   // Exactly one of spans and rendered (the core tags rendered text).
   std::optional<RenderedText> rendered;
+  // The worker-side BF16 window the frontend gives AllocatePages; nullopt:
+  // the worker's --window_tokens (SequenceRecord::window_tokens).
+  std::optional<uint32_t> window_tokens;
 };
 
 struct ExtendSequenceRequest {

@@ -52,6 +52,15 @@ ABSL_FLAG(int, disaggregate_prefill, 100,
           "step (a): also prefill this many tokens on one worker and decode "
           "the rest on another (TransferSequence); runs when two workers "
           "are up; 0: off");
+ABSL_FLAG(std::string, transfer_failure_policy, "recompute",
+          "what step (a)'s prefill-on-one-worker, decode-on-another does "
+          "when TransferSequence fails (as vLLM's kv_load_failure_policy, "
+          "whose default is also recompute): \"recompute\" closes the "
+          "sequence on the prefill worker (it kept serving: nothing was "
+          "lost) and prefills again into a new sequence, which placement "
+          "puts on the worker without the partial copy, then decodes there; "
+          "\"fail\" stops the step with the transfer's status (exit code "
+          "1)");
 ABSL_FLAG(std::string, bfcl_id, "multi_turn_base_42",
           "held-out BFCL conversation for step (b) (kvproxy README list)");
 ABSL_FLAG(int, max_context, 2048,
@@ -250,12 +259,29 @@ absl::StatusOr<GreedyResult> Greedy(Transformer* tf, const Tokenizer& tok,
 // (TransferSequence; placement chooses), and greedy decoding goes on there
 // up to `steps` steps in all. The text equals the local run's when the
 // transfer moved every byte.
+// A failed transfer is handled by --transfer_failure_policy: `fail` returns
+// its status; `recompute` closes the sequence on the prefill worker and
+// prefills again into a new sequence (placement puts it on the worker with
+// the most room: the one without the partial copy when both are alike),
+// which decodes.
 struct DisaggregatedResult {
   std::string text;
-  v1::TransferSequenceResponse transfer;
+  v1::TransferSequenceResponse transfer;  // empty when the transfer failed
+  std::string prefill_worker, decode_worker;
+  absl::Status transfer_error;  // OK when the transfer succeeded
+  bool recomputed = false;
   double prefill_seconds = 0, transfer_seconds = 0, decode_seconds = 0;
+  double recompute_seconds = 0;
   int decode_steps = 0;
 };
+
+// The manager's worker id of an open sequence.
+absl::StatusOr<std::string> WorkerOf(client::Client* c,
+                                     const client::SequenceHandle& seq) {
+  TRIAX_ASSIGN_OR_RETURN(v1::SequenceInfo info,
+                         c->GetSequence(seq.sequence_id));
+  return info.worker_id();
+}
 
 absl::StatusOr<DisaggregatedResult> PrefillThenDecodeElsewhere(
     Transformer* tf, const Tokenizer& tok, client::Client* c,
@@ -265,19 +291,56 @@ absl::StatusOr<DisaggregatedResult> PrefillThenDecodeElsewhere(
   const int vocab = model.config.vocab_size;
   const std::vector<int> prompt(local.tokens.begin(),
                                 local.tokens.begin() + prefill);
-  TRIAX_ASSIGN_OR_RETURN(
-      client::SequenceHandle seq,
-      c->Open(Shape(model), {MakeSpan(Role::kUser, prefill)}, "bf16"));
-  ServiceKvStore kv(c, &seq, model.config.n_kv_heads, model.config.head_dim());
+  const std::vector<v1::Span> spans = {MakeSpan(Role::kUser, prefill)};
+  TRIAX_ASSIGN_OR_RETURN(client::SequenceHandle seq,
+                         c->Open(Shape(model), spans, "bf16"));
+  auto kv = std::make_unique<ServiceKvStore>(c, &seq, model.config.n_kv_heads,
+                                             model.config.head_dim());
   DisaggregatedResult r;
   auto run = [&]() -> absl::Status {
     std::vector<float> logits;
     auto t0 = Clock::now();
-    TRIAX_RETURN_IF_ERROR(tf->Forward(prompt, 0, &kv, &logits));
+    TRIAX_RETURN_IF_ERROR(tf->Forward(prompt, 0, kv.get(), &logits));
     r.prefill_seconds = Seconds(t0);
+    TRIAX_ASSIGN_OR_RETURN(r.prefill_worker, WorkerOf(c, seq));
     t0 = Clock::now();
-    TRIAX_ASSIGN_OR_RETURN(r.transfer, c->TransferSequence(&seq, {}));
+    absl::StatusOr<v1::TransferSequenceResponse> moved =
+        c->TransferSequence(&seq, {});
     r.transfer_seconds = Seconds(t0);
+    if (moved.ok()) {
+      r.transfer = *std::move(moved);
+      r.decode_worker = r.transfer.destination_worker_id();
+    } else {
+      r.transfer_error = moved.status();
+      const bool recompute =
+          absl::GetFlag(FLAGS_transfer_failure_policy) == "recompute";
+      std::printf(
+          "transfer failed: %s; the sequence stays on %s "
+          "(--transfer_failure_policy=%s)\n",
+          r.transfer_error.ToString().c_str(), r.prefill_worker.c_str(),
+          recompute ? "recompute" : "fail");
+      std::fflush(stdout);
+      if (!recompute) return r.transfer_error;
+      // The new sequence is placed while the partial one still holds its
+      // pages, so that placement prefers the other worker.
+      TRIAX_ASSIGN_OR_RETURN(client::SequenceHandle again,
+                             c->Open(Shape(model), spans, "bf16"));
+      const absl::Status closed = c->Close(seq);
+      if (!closed.ok()) {
+        c->Close(again).IgnoreError();  // the original error is the answer
+        return closed;
+      }
+      seq = std::move(again);
+      kv = std::make_unique<ServiceKvStore>(
+          c, &seq, model.config.n_kv_heads, model.config.head_dim());
+      t0 = Clock::now();
+      TRIAX_RETURN_IF_ERROR(tf->Forward(prompt, 0, kv.get(), &logits));
+      r.recompute_seconds = Seconds(t0);
+      TRIAX_ASSIGN_OR_RETURN(r.decode_worker, WorkerOf(c, seq));
+      r.recomputed = true;
+      std::printf("recomputed the prefill of %d tokens on %s (%.3f s)\n",
+                  prefill, r.decode_worker.c_str(), r.recompute_seconds);
+    }
     for (int i = 0; i + 1 < prefill; ++i) r.text += local.pieces[i];
     int token = prompt.back();
     const float* last = logits.data() + size_t(prefill - 1) * vocab;
@@ -287,7 +350,8 @@ absl::StatusOr<DisaggregatedResult> PrefillThenDecodeElsewhere(
         TRIAX_RETURN_IF_ERROR(c->Extend(&seq, {MakeSpan(Role::kAssistant, 1)},
                                         /*new_turn=*/false,
                                         /*continue_last_span=*/true));
-        TRIAX_RETURN_IF_ERROR(tf->Forward({&token, 1}, pos, &kv, &logits));
+        TRIAX_RETURN_IF_ERROR(
+            tf->Forward({&token, 1}, pos, kv.get(), &logits));
         last = logits.data();
       }
       const int next = Argmax(last, vocab);
@@ -397,9 +461,9 @@ absl::Status StepGreedy(const Model& model, const Tokenizer& tok,
   std::printf("%s\n", dr.text.c_str());
   const std::string want = have_expected ? expected : lr.text;
   const std::string dv = verdict(dr.text, want);
-  std::printf("prefill on %s, decode on %s vs %s: %s\n",
-              dr.transfer.source_worker_id().c_str(),
-              dr.transfer.destination_worker_id().c_str(),
+  std::printf("prefill on %s, decode on %s%s vs %s: %s\n",
+              dr.prefill_worker.c_str(), dr.decode_worker.c_str(),
+              dr.recomputed ? " (prefill recomputed there)" : "",
               have_expected ? "expected_greedy_200.txt" : "local fp32",
               dv.c_str());
   checks->push_back(
@@ -408,6 +472,16 @@ absl::Status StepGreedy(const Model& model, const Tokenizer& tok,
              "expected_greedy_200.txt"
            : "greedy prefill on one worker, decode on another == local fp32",
        dr.text == want, dv});
+  if (dr.recomputed) {
+    report->push_back(absl::StrFormat(
+        "(a) prefill %d tokens on %s (%.3f s); transfer failed after %.3f s "
+        "(%s); recomputed the prefill on %s (%.3f s), decode %d steps there "
+        "(%.1f tok/s)",
+        prefill, dr.prefill_worker, dr.prefill_seconds, dr.transfer_seconds,
+        dr.transfer_error.ToString(), dr.decode_worker, dr.recompute_seconds,
+        dr.decode_steps, dr.decode_steps / dr.decode_seconds));
+    return absl::OkStatus();
+  }
   report->push_back(absl::StrFormat(
       "(a) prefill %d tokens on %s (%.3f s), transfer to %s (%.3f s: %d "
       "blocks, %d wire bytes, %d as BF16), decode %d steps there (%.1f "
@@ -765,6 +839,13 @@ int Main() {
   const bool run_c = steps_flag.find('c') != std::string::npos;
   // Step (b) is the only one that needs kvproxy-18m and BFCL.
   const bool real = DataDirComplete(data_dir, /*need_kvproxy=*/run_b);
+  const std::string failure_policy =
+      absl::GetFlag(FLAGS_transfer_failure_policy);
+  if (failure_policy != "recompute" && failure_policy != "fail") {
+    return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
+                             "--transfer_failure_policy = \"", failure_policy,
+                             "\"; must be \"recompute\" or \"fail\"")));
+  }
   const int threads = absl::GetFlag(FLAGS_threads);
   const int chunk = absl::GetFlag(FLAGS_chunk);
   if (chunk < 1 || chunk > 256) {
