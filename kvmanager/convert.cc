@@ -154,6 +154,7 @@ OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p) {
   d.policy = p.policy();
   if (p.has_rendered()) d.rendered = FromProto(p.rendered());
   if (p.has_window_tokens()) d.window_tokens = p.window_tokens();
+  d.worker_id = p.worker_id();
   return d;
 }
 

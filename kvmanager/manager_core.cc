@@ -236,6 +236,9 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", req.tenant_id));
   TRIAX_RETURN_IF_ERROR(ValidateModelShape(req.model));
+  if (!req.worker_id.empty()) {
+    TRIAX_RETURN_IF_ERROR(ValidateId("worker_id", req.worker_id));
+  }
   std::vector<Span> tagged;
   TRIAX_ASSIGN_OR_RETURN(
       const std::vector<Span>* spans,
@@ -284,19 +287,26 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
     bytes += BlockBytes(req.model, T, e);
     WorkerRegistry::AddBlocks(req.model, T, e, 1, &demand);
   }
+  // The named worker, or placement's choice (bytes 0: no room check, the
+  // worker a reclaim would make room on).
+  auto place = [&](uint64_t b, const Demand& d) {
+    return req.worker_id.empty() ? workers_.Place(b, d)
+                                 : workers_.PlaceOn("worker_id", req.worker_id,
+                                                    b, d);
+  };
   if (absl::Status st = TenantLedger::Admit(*tenant, bytes); !st.ok()) {
     if (shortfall != nullptr) {
-      absl::StatusOr<WorkerRecord*> w = workers_.Place(0);
+      absl::StatusOr<WorkerRecord*> w = place(0, Demand{});
       *shortfall = AdmissionShortfall{
           tenant->id, w.ok() ? (*w)->info.worker_id : "", bytes};
       if (w.ok()) HoldForResumeLocked(*tenant, **w, shortfall);
     }
     return st;
   }
-  absl::StatusOr<WorkerRecord*> placed = workers_.Place(bytes, demand);
+  absl::StatusOr<WorkerRecord*> placed = place(bytes, demand);
   if (!placed.ok()) {
     if (shortfall != nullptr && absl::IsResourceExhausted(placed.status())) {
-      absl::StatusOr<WorkerRecord*> w = workers_.Place(0);
+      absl::StatusOr<WorkerRecord*> w = place(0, Demand{});
       if (w.ok()) {
         *shortfall =
             AdmissionShortfall{tenant->id, (*w)->info.worker_id, bytes};

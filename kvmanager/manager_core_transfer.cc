@@ -120,8 +120,8 @@ absl::Status ManagerCore::TransferAdmitsLocked(const SequenceRecord& s,
   for (const BlockRecord* b : s.blocks) {
     if (!b->evicted && b->tier != Tier::kDevice) returning += b->bytes;
   }
-  absl::Status reserve = CheckResumeReserveLocked(*s.tenant, w, bytes,
-                                                  nullptr, returning);
+  absl::Status reserve =
+      CheckResumeReserveLocked(*s.tenant, w, bytes, nullptr, returning);
   if (!reserve.ok()) {
     return absl::Status(
         reserve.code(),

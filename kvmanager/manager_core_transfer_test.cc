@@ -587,11 +587,10 @@ class TransferAdmissionTest : public TransferTest {
     core_->RefreshRanking();
     TierPlan plan = core_->PlanPressure();
     ASSERT_NE(plan.token, 0u);
-    ASSERT_THAT(
-        core_->FinishTierPlan(plan.token, std::vector<absl::Status>(
-                                              plan.commands.size(),
-                                              absl::OkStatus())),
-        IsOk());
+    ASSERT_THAT(core_->FinishTierPlan(
+                    plan.token, std::vector<absl::Status>(plan.commands.size(),
+                                                          absl::OkStatus())),
+                IsOk());
     auto s = core_->GetSequence("t", spilled_);
     ASSERT_THAT(s, IsOk());
     ASSERT_EQ(s->worker_id, "w3");
@@ -616,17 +615,17 @@ TEST_F(TransferAdmissionTest, DestinationKeepsTheResumeReserveLikeAnOpen) {
   const std::string before = Snapshot();
   EXPECT_THAT(
       core_->PrepareTransfer(Req("w3")),
-      StatusIs(C::kResourceExhausted,
-               ::testing::AllOf(
-                   HasSubstr("destination worker \"w3\": transfer of sequence"),
-                   HasSubstr("refused by the resume reserve"),
-                   HasSubstr(absl::StrCat("request needs ", 3 * kBf16,
-                                          " bytes")),
-                   HasSubstr(absl::StrCat(on_host_ * kBf16,
-                                          " held for spilled open sequences")),
-                   HasSubstr(absl::StrCat(
-                       "over by ",
-                       (on_device_ + on_host_ + 3 - 12) * kBf16, " bytes")))));
+      StatusIs(
+          C::kResourceExhausted,
+          ::testing::AllOf(
+              HasSubstr("destination worker \"w3\": transfer of sequence"),
+              HasSubstr("refused by the resume reserve"),
+              HasSubstr(absl::StrCat("request needs ", 3 * kBf16, " bytes")),
+              HasSubstr(absl::StrCat(on_host_ * kBf16,
+                                     " held for spilled open sequences")),
+              HasSubstr(absl::StrCat("over by ",
+                                     (on_device_ + on_host_ + 3 - 12) * kBf16,
+                                     " bytes")))));
   EXPECT_EQ(Snapshot(), before);
   EXPECT_EQ(Reserved("w3"), on_device_ * kBf16);
   EXPECT_EQ(Kind(EventKind::kTransferStarted).size(), 1u);  // SetUp's only
@@ -664,8 +663,8 @@ TEST_F(TransferAdmissionTest, MovingSpilledBlocksAreNotHeldTwice) {
   EXPECT_THAT(core_->PrepareTransfer(req),
               StatusIs(C::kResourceExhausted,
                        ::testing::AllOf(HasSubstr("from worker \"w3\""),
-                                      HasSubstr("the tenant's ceiling"),
-                                      HasSubstr("over by 1 bytes"))));
+                                        HasSubstr("the tenant's ceiling"),
+                                        HasSubstr("over by 1 bytes"))));
 }
 
 }  // namespace

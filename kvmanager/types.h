@@ -361,6 +361,8 @@ struct OpenSequenceRequest {
   // The worker-side BF16 window the frontend gives AllocatePages; nullopt:
   // the worker's --window_tokens (SequenceRecord::window_tokens).
   std::optional<uint32_t> window_tokens;
+  // The worker to open on (WorkerRegistry::PlaceOn); empty: placement.
+  std::string worker_id;
 };
 
 struct ExtendSequenceRequest {

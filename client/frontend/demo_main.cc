@@ -31,9 +31,11 @@
 #include "absl/strings/str_join.h"
 #include "client/frontend/bfcl.h"
 #include "client/frontend/data_dir.h"
+#include "client/frontend/demo_disaggregate.h"
 #include "client/frontend/forward.h"
 #include "client/frontend/llama2c.h"
 #include "client/frontend/service_kv_store.h"
+#include "client/frontend/service_types.h"
 #include "client/kv_client.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -101,24 +103,6 @@ struct Check {
   bool passed;
   std::string detail;
 };
-
-v1::ModelShape Shape(const Model& m) {
-  v1::ModelShape s;
-  s.set_name(m.name);
-  s.set_n_layers(m.config.n_layers);
-  s.set_n_kv_heads(m.config.n_kv_heads);
-  s.set_n_q_heads(m.config.n_heads);
-  s.set_head_dim(m.config.head_dim());
-  return s;
-}
-
-v1::Span MakeSpan(Role role, uint32_t n) {
-  v1::Span s;
-  s.set_role(static_cast<v1::Role>(role));
-  s.set_modality(v1::MODALITY_TEXT);
-  s.set_num_tokens(n);
-  return s;
-}
 
 void SetDeadline(grpc::ClientContext* ctx) {
   ctx->set_deadline(std::chrono::system_clock::now() +
@@ -230,7 +214,7 @@ absl::StatusOr<GreedyResult> Greedy(Transformer* tf, const Tokenizer& tok,
   const auto t0 = Clock::now();
   for (int pos = 0; pos < steps; ++pos) {
     if (seq != nullptr && pos > 0) {
-      TRIAX_RETURN_IF_ERROR(c->Extend(seq, {MakeSpan(Role::kAssistant, 1)},
+      TRIAX_RETURN_IF_ERROR(c->Extend(seq, {ServiceSpan(Role::kAssistant, 1)},
                                       /*new_turn=*/false,
                                       /*continue_last_span=*/true));
     }
@@ -253,136 +237,9 @@ absl::StatusOr<GreedyResult> Greedy(Transformer* tf, const Tokenizer& tok,
   return r;
 }
 
-// Disaggregated prefill/decode: the first `prefill` input tokens of the
-// local run (BOS and what it generated) are prefilled in one forward pass
-// into a sequence on one worker, the sequence is moved to another worker
-// (TransferSequence; placement chooses), and greedy decoding goes on there
-// up to `steps` steps in all. The text equals the local run's when the
-// transfer moved every byte.
-// A failed transfer is handled by --transfer_failure_policy: `fail` returns
-// its status; `recompute` closes the sequence on the prefill worker and
-// prefills again into a new sequence (placement puts it on the worker with
-// the most room: the one without the partial copy when both are alike),
-// which decodes.
-struct DisaggregatedResult {
-  std::string text;
-  v1::TransferSequenceResponse transfer;  // empty when the transfer failed
-  std::string prefill_worker, decode_worker;
-  absl::Status transfer_error;  // OK when the transfer succeeded
-  bool recomputed = false;
-  double prefill_seconds = 0, transfer_seconds = 0, decode_seconds = 0;
-  double recompute_seconds = 0;
-  int decode_steps = 0;
-};
-
-// The manager's worker id of an open sequence.
-absl::StatusOr<std::string> WorkerOf(client::Client* c,
-                                     const client::SequenceHandle& seq) {
-  TRIAX_ASSIGN_OR_RETURN(v1::SequenceInfo info,
-                         c->GetSequence(seq.sequence_id));
-  return info.worker_id();
-}
-
-absl::StatusOr<DisaggregatedResult> PrefillThenDecodeElsewhere(
-    Transformer* tf, const Tokenizer& tok, client::Client* c,
-    const Model& model, const GreedyResult& local, int prefill, int steps) {
-  prefill = std::min<int>(prefill, static_cast<int>(local.tokens.size()));
-  if (prefill < 1) return absl::InvalidArgumentError("nothing to prefill");
-  const int vocab = model.config.vocab_size;
-  const std::vector<int> prompt(local.tokens.begin(),
-                                local.tokens.begin() + prefill);
-  const std::vector<v1::Span> spans = {MakeSpan(Role::kUser, prefill)};
-  TRIAX_ASSIGN_OR_RETURN(client::SequenceHandle seq,
-                         c->Open(Shape(model), spans, "bf16"));
-  auto kv = std::make_unique<ServiceKvStore>(c, &seq, model.config.n_kv_heads,
-                                             model.config.head_dim());
-  DisaggregatedResult r;
-  auto run = [&]() -> absl::Status {
-    std::vector<float> logits;
-    auto t0 = Clock::now();
-    TRIAX_RETURN_IF_ERROR(tf->Forward(prompt, 0, kv.get(), &logits));
-    r.prefill_seconds = Seconds(t0);
-    TRIAX_ASSIGN_OR_RETURN(r.prefill_worker, WorkerOf(c, seq));
-    t0 = Clock::now();
-    absl::StatusOr<v1::TransferSequenceResponse> moved =
-        c->TransferSequence(&seq, {});
-    r.transfer_seconds = Seconds(t0);
-    if (moved.ok()) {
-      r.transfer = *std::move(moved);
-      r.decode_worker = r.transfer.destination_worker_id();
-    } else {
-      r.transfer_error = moved.status();
-      const bool recompute =
-          absl::GetFlag(FLAGS_transfer_failure_policy) == "recompute";
-      std::printf(
-          "transfer failed: %s; the sequence stays on %s "
-          "(--transfer_failure_policy=%s)\n",
-          r.transfer_error.ToString().c_str(), r.prefill_worker.c_str(),
-          recompute ? "recompute" : "fail");
-      std::fflush(stdout);
-      if (!recompute) return r.transfer_error;
-      // The new sequence is placed while the partial one still holds its
-      // pages, so that placement prefers the other worker.
-      TRIAX_ASSIGN_OR_RETURN(client::SequenceHandle again,
-                             c->Open(Shape(model), spans, "bf16"));
-      const absl::Status closed = c->Close(seq);
-      if (!closed.ok()) {
-        c->Close(again).IgnoreError();  // the original error is the answer
-        return closed;
-      }
-      seq = std::move(again);
-      kv = std::make_unique<ServiceKvStore>(
-          c, &seq, model.config.n_kv_heads, model.config.head_dim());
-      t0 = Clock::now();
-      TRIAX_RETURN_IF_ERROR(tf->Forward(prompt, 0, kv.get(), &logits));
-      r.recompute_seconds = Seconds(t0);
-      TRIAX_ASSIGN_OR_RETURN(r.decode_worker, WorkerOf(c, seq));
-      r.recomputed = true;
-      std::printf("recomputed the prefill of %d tokens on %s (%.3f s)\n",
-                  prefill, r.decode_worker.c_str(), r.recompute_seconds);
-    }
-    for (int i = 0; i + 1 < prefill; ++i) r.text += local.pieces[i];
-    int token = prompt.back();
-    const float* last = logits.data() + size_t(prefill - 1) * vocab;
-    t0 = Clock::now();
-    for (int pos = prefill - 1; pos < steps; ++pos) {
-      if (pos >= prefill) {
-        TRIAX_RETURN_IF_ERROR(c->Extend(&seq, {MakeSpan(Role::kAssistant, 1)},
-                                        /*new_turn=*/false,
-                                        /*continue_last_span=*/true));
-        TRIAX_RETURN_IF_ERROR(
-            tf->Forward({&token, 1}, pos, kv.get(), &logits));
-        last = logits.data();
-      }
-      const int next = Argmax(last, vocab);
-      ++r.decode_steps;
-      if (next == tok.bos_id()) break;
-      r.text += tok.Printable(token, next);
-      token = next;
-    }
-    r.decode_seconds = Seconds(t0);
-    return absl::OkStatus();
-  };
-  const absl::Status s = run();
-  const absl::Status close = c->Close(seq);
-  TRIAX_RETURN_IF_ERROR(s);
-  TRIAX_RETURN_IF_ERROR(close);
-  return r;
-}
-
-// Up workers, from the manager.
-absl::StatusOr<int> UpWorkers(client::Client* c) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx);
-  v1::ListWorkersResponse resp;
-  const grpc::Status s =
-      c->manager()->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp);
-  if (!s.ok()) return FromGrpcStatus(s);
-  int up = 0;
-  for (const v1::WorkerInfo& w : resp.workers()) {
-    if (w.state() == v1::WORKER_STATE_UP) ++up;
-  }
-  return up;
+// --transfer_failure_policy (validated by Main).
+bool RecomputeOnFailure() {
+  return absl::GetFlag(FLAGS_transfer_failure_policy) == "recompute";
 }
 
 std::string DiffPosition(const std::string& got, const std::string& want) {
@@ -411,7 +268,7 @@ absl::Status StepGreedy(const Model& model, const Tokenizer& tok,
   std::printf("-- service KV, policy bf16:\n");
   TRIAX_ASSIGN_OR_RETURN(
       client::SequenceHandle seq,
-      c->Open(Shape(model), {MakeSpan(Role::kUser, 1)}, "bf16"));
+      c->Open(ServiceShape(model), {ServiceSpan(Role::kUser, 1)}, "bf16"));
   ServiceKvStore remote(c, &seq, model.config.n_kv_heads,
                         model.config.head_dim());
   auto sr = Greedy(&tf, tok, &remote, c, &seq, steps, true);
@@ -457,7 +314,8 @@ absl::Status StepGreedy(const Model& model, const Tokenizer& tok,
               prefill);
   TRIAX_ASSIGN_OR_RETURN(
       DisaggregatedResult dr,
-      PrefillThenDecodeElsewhere(&tf, tok, c, model, lr, prefill, steps));
+      PrefillThenDecodeElsewhere(&tf, tok, c, model, lr.tokens, lr.pieces,
+                                 prefill, steps, RecomputeOnFailure()));
   std::printf("%s\n", dr.text.c_str());
   const std::string want = have_expected ? expected : lr.text;
   const std::string dv = verdict(dr.text, want);
@@ -588,15 +446,28 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
   Transformer tf(model.get(), threads);
   const int vocab = model->config.vocab_size;
 
+  // The spans of turn t (BOS joins the first span: the system header
+  // delimiter).
+  auto spans_of = [&](size_t t) {
+    std::vector<v1::Span> spans;
+    for (const RoleSpan& s : conv.turns[t].spans) {
+      const uint32_t n =
+          static_cast<uint32_t>(s.length + (s.begin == 0 ? 1 : 0));
+      spans.push_back(ServiceSpan(s.role, n));
+    }
+    return spans;
+  };
   // Service run, turn by turn. transfer_after >= 0: after that turn's
   // prefill the sequence moves to another worker (TransferSequence), which
-  // serves the later turns.
+  // serves the later turns; when the transfer fails, --transfer_failure_policy
+  // says whether to stop or to prefill turns 0..transfer_after again on
+  // that worker (in a new sequence; the first one is closed).
   int64_t pos = 0;
   int64_t rpcs = 0;
   double service_seconds = 0;
   auto service_run = [&](int transfer_after, bool print,
                          std::vector<float>* service_logits,
-                         v1::TransferSequenceResponse* moved) -> absl::Status {
+                         DisaggregatedResult* moved) -> absl::Status {
     std::vector<float> part;
     client::SequenceHandle seq;
     std::unique_ptr<ServiceKvStore> kv;
@@ -605,19 +476,59 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
       std::printf("%-5s %-7s %-8s %s\n", "turn", "tokens", "context",
                   "KV bytes per format (manager plan)");
     }
+    // The move after turn t (prefilled up to token `end`).
+    auto move = [&](size_t t, int64_t end) -> absl::Status {
+      TRIAX_ASSIGN_OR_RETURN(moved->prefill_worker, WorkerOf(c, seq));
+      TRIAX_ASSIGN_OR_RETURN(moved->decode_worker,
+                             OtherUpWorker(c, moved->prefill_worker));
+      client::Client::TransferOptions to;
+      to.destination_worker_id = moved->decode_worker;
+      absl::StatusOr<v1::TransferSequenceResponse> r =
+          c->TransferSequence(&seq, to);
+      if (r.ok()) {
+        moved->transfer = *std::move(r);
+        return absl::OkStatus();
+      }
+      moved->transfer_error = r.status();
+      if (!RecomputeAfterFailedTransfer(RecomputeOnFailure(), r.status(),
+                                        moved->prefill_worker)) {
+        return r.status();
+      }
+      client::OpenOptions on_decode;
+      on_decode.policy = policy;
+      on_decode.worker_id = moved->decode_worker;
+      TRIAX_ASSIGN_OR_RETURN(
+          client::SequenceHandle again,
+          c->Open(ServiceShape(*model), spans_of(0), on_decode));
+      absl::Status st;
+      for (size_t u = 1; u <= t && st.ok(); ++u) {
+        st = c->Extend(&again, spans_of(u), /*new_turn=*/true,
+                       /*continue_last_span=*/false);
+      }
+      const absl::Status closed = c->Close(seq);
+      seq = std::move(again);  // closed by the caller whatever happens next
+      TRIAX_RETURN_IF_ERROR(st);
+      TRIAX_RETURN_IF_ERROR(closed);
+      kv = std::make_unique<ServiceKvStore>(c, &seq, model->config.n_kv_heads,
+                                            model->config.head_dim());
+      std::vector<float> again_logits;  // equal to the first run's
+      const auto t0 = Clock::now();
+      TRIAX_RETURN_IF_ERROR(
+          tf.Prefill(absl::MakeConstSpan(tokens).subspan(0, end), 0, chunk,
+                     kv.get(), &again_logits));
+      moved->recompute_seconds = Seconds(t0);
+      moved->recomputed = true;
+      std::printf("recomputed the prefill of turns 0-%zu (%lld tokens) on %s\n",
+                  t, static_cast<long long>(end), moved->decode_worker.c_str());
+      return absl::OkStatus();
+    };
     for (size_t t = 0; t < conv.turns.size() && run_status.ok(); ++t) {
       const RenderedTurn& turn = conv.turns[t];
-      std::vector<v1::Span> spans;
-      for (const RoleSpan& s : turn.spans) {
-        // BOS joins the first span (the system header delimiter).
-        const uint32_t n =
-            static_cast<uint32_t>(s.length + (s.begin == 0 ? 1 : 0));
-        spans.push_back(MakeSpan(s.role, n));
-      }
+      const std::vector<v1::Span> spans = spans_of(t);
       const int64_t first = t == 0 ? 0 : static_cast<int64_t>(turn.begin) + 1;
       const int64_t end = static_cast<int64_t>(turn.end) + 1;
       if (t == 0) {
-        auto opened = c->Open(Shape(*model), spans, policy);
+        auto opened = c->Open(ServiceShape(*model), spans, policy);
         if (!opened.ok()) return opened.status();
         seq = *opened;
         kv = std::make_unique<ServiceKvStore>(c, &seq, model->config.n_kv_heads,
@@ -636,12 +547,8 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
       service_logits->insert(service_logits->end(), part.begin(), part.end());
       pos = end;
       if (static_cast<int>(t) == transfer_after) {
-        auto r = c->TransferSequence(&seq, {});
-        if (!r.ok()) {
-          run_status = r.status();
-          break;
-        }
-        *moved = *r;
+        run_status = move(t, end);
+        if (!run_status.ok()) break;
       }
       if (!print) continue;
       auto info = GetSequence(c, tenant, seq.sequence_id);
@@ -667,7 +574,7 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
     return run_status;
   };
   std::vector<float> service_logits;
-  v1::TransferSequenceResponse unused;
+  DisaggregatedResult unused;
   TRIAX_RETURN_IF_ERROR(service_run(-1, true, &service_logits, &unused));
 
   // Local fp32 reference over the same tokens and chunks.
@@ -715,7 +622,7 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
     return absl::OkStatus();
   }
   std::vector<float> moved_logits;
-  v1::TransferSequenceResponse moved;
+  DisaggregatedResult moved;
   TRIAX_RETURN_IF_ERROR(service_run(0, false, &moved_logits, &moved));
   const NllResult ms = NllAt(moved_logits, tokens, vocab, counted);
   const NllResult ma = NllAt(moved_logits, tokens, vocab, all);
@@ -723,15 +630,22 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
   std::printf(
       "turn 0 on %s, turns 1-%zu on %s: tool-call dNLL %+.4f, all-token dNLL "
       "%+.4f (one worker: %+.4f, %+.4f); logits %s\n",
-      moved.source_worker_id().c_str(), conv.turns.size() - 1,
-      moved.destination_worker_id().c_str(), ms.mean() - ls.mean(),
-      ma.mean() - la.mean(), ss.mean() - ls.mean(), sa.mean() - la.mean(),
+      moved.prefill_worker.c_str(), conv.turns.size() - 1,
+      moved.decode_worker.c_str(), ms.mean() - ls.mean(), ma.mean() - la.mean(),
+      ss.mean() - ls.mean(), sa.mean() - la.mean(),
       same ? "bit-identical" : "DIFFER");
+  const std::string how =
+      moved.recomputed
+          ? absl::StrFormat("transfer failed (%s); turn 0 recomputed there",
+                            moved.transfer_error.ToString())
+          : absl::StrFormat("transfer: %d blocks, %d wire bytes, %d as BF16",
+                            moved.transfer.blocks(),
+                            moved.transfer.wire_bytes(),
+                            moved.transfer.bf16_bytes());
   report->push_back(absl::StrFormat(
-      "(b) turn 0 on %s, later turns on %s (transfer: %d blocks, %d wire "
-      "bytes, %d as BF16): all-token dNLL %+.4f vs %+.4f on one worker",
-      moved.source_worker_id(), moved.destination_worker_id(), moved.blocks(),
-      moved.wire_bytes(), moved.bf16_bytes(), ma.mean() - la.mean(),
+      "(b) turn 0 on %s, later turns on %s (%s): all-token dNLL %+.4f vs "
+      "%+.4f on one worker",
+      moved.prefill_worker, moved.decode_worker, how, ma.mean() - la.mean(),
       sa.mean() - la.mean()));
   checks->push_back(
       {"BFCL later turns on a second worker: logits equal one worker's", same,
@@ -777,8 +691,8 @@ absl::Status StepNll(const Model& model, const Tokenizer& tok,
       } else {
         TRIAX_ASSIGN_OR_RETURN(
             client::SequenceHandle seq,
-            c->Open(Shape(model),
-                    {MakeSpan(Role::kUser, static_cast<uint32_t>(w.size()))},
+            c->Open(ServiceShape(model),
+                    {ServiceSpan(Role::kUser, static_cast<uint32_t>(w.size()))},
                     policy));
         ServiceKvStore kv(c, &seq, model.config.n_kv_heads,
                           model.config.head_dim());
@@ -803,7 +717,7 @@ absl::Status StepNll(const Model& model, const Tokenizer& tok,
     } else {
       TRIAX_ASSIGN_OR_RETURN(
           client::SequenceHandle seq,
-          c->Open(Shape(model), {MakeSpan(Role::kUser, 1)}, policy));
+          c->Open(ServiceShape(model), {ServiceSpan(Role::kUser, 1)}, policy));
       ServiceKvStore kv(c, &seq, model.config.n_kv_heads,
                         model.config.head_dim());
       auto gr = Greedy(&tf, tok, &kv, c, &seq, decode_steps, false);
