@@ -290,9 +290,9 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   // The named worker, or placement's choice (bytes 0: no room check, the
   // worker a reclaim would make room on).
   auto place = [&](uint64_t b, const Demand& d) {
-    return req.worker_id.empty() ? workers_.Place(b, d)
-                                 : workers_.PlaceOn("worker_id", req.worker_id,
-                                                    b, d);
+    return req.worker_id.empty()
+               ? workers_.Place(b, d)
+               : workers_.PlaceOn("worker_id", req.worker_id, b, d);
   };
   if (absl::Status st = TenantLedger::Admit(*tenant, bytes); !st.ok()) {
     if (shortfall != nullptr) {

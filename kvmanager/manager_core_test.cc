@@ -513,9 +513,9 @@ TEST_F(CoreTest, OpenOnANamedWorker) {
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstr("worker_id \"w9\" is not a known worker")));
   req.worker_id = "bad id";
-  EXPECT_THAT(core_->OpenSequence(req),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("worker_id")));
+  EXPECT_THAT(
+      core_->OpenSequence(req),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("worker_id")));
   EXPECT_EQ(DeviceUsage(), used);
   // A SUSPECT worker takes nothing new.
   clock_.AdvanceMs(3001);

@@ -558,8 +558,7 @@ TEST_F(TransferClusterTest, WindowNamedAtOpenTravelsWithTheSequence) {
     for (uint32_t l = 0; l < model_.n_layers(); ++l) {
       auto k = RandomVector(n * elems, &rng_);
       auto v = RandomVector(n * elems, &rng_);
-      ASSERT_THAT(client_->WriteKV(h, l, first, n, k.data(), v.data()),
-                  IsOk());
+      ASSERT_THAT(client_->WriteKV(h, l, first, n, k.data(), v.data()), IsOk());
       k_all[l].insert(k_all[l].end(), k.begin(), k.end());
     }
   };
