@@ -335,6 +335,9 @@ absl::StatusOr<SequenceHandle> Client::Open(
   for (const auto& s : spans) *req.add_spans() = s;
   req.set_block_tokens(block_tokens);
   req.set_policy(policy);
+  // The manager keeps the window for the sequence's transfers.
+  if (options.window_tokens) req.set_window_tokens(*options.window_tokens);
+  req.set_worker_id(options.worker_id);
   triax::v1::OpenSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "OpenSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {

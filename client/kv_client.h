@@ -100,8 +100,11 @@ struct OpenOptions {
   std::string policy;         // empty: the tenant's default policy
   uint32_t block_tokens = 0;  // 0: the manager's default
   // BF16 recent window of the sequence on the worker, in tokens (0: none);
-  // empty: the worker's --window_tokens.
+  // empty: the worker's --window_tokens. The manager keeps it for the
+  // sequence's transfers.
   std::optional<uint32_t> window_tokens;
+  // The worker to open on; empty: the manager's placement.
+  std::string worker_id;
 };
 
 // kernels::EncodingName as a string ("int4", "k=int4,v=int2,g=64", ...).

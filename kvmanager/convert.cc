@@ -153,6 +153,8 @@ OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p) {
   d.block_tokens = p.block_tokens();
   d.policy = p.policy();
   if (p.has_rendered()) d.rendered = FromProto(p.rendered());
+  if (p.has_window_tokens()) d.window_tokens = p.window_tokens();
+  d.worker_id = p.worker_id();
   return d;
 }
 
@@ -593,6 +595,7 @@ void ToProto(const TransferPrepared& d, v1::ImportSequenceRequest* p) {
   p->set_sequence_id(d.sequence_id);
   ToProto(d.model, p->mutable_model());
   p->set_block_tokens(d.block_tokens);
+  if (d.window_tokens) p->set_window_tokens(*d.window_tokens);
   p->mutable_blocks()->Reserve(static_cast<int>(d.blocks.size()));
   for (const BlockPlan& b : d.blocks) ToProto(b, p->add_blocks());
   p->set_source_address(d.source_address);

@@ -236,6 +236,9 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", req.tenant_id));
   TRIAX_RETURN_IF_ERROR(ValidateModelShape(req.model));
+  if (!req.worker_id.empty()) {
+    TRIAX_RETURN_IF_ERROR(ValidateId("worker_id", req.worker_id));
+  }
   std::vector<Span> tagged;
   TRIAX_ASSIGN_OR_RETURN(
       const std::vector<Span>* spans,
@@ -265,6 +268,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   s->tenant = tenant;
   s->model = req.model;
   s->block_tokens = T;
+  s->window_tokens = req.window_tokens;
   s->policy = policy;
   if (policy->IsAllocation()) {
     TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const CalibrationTable> table,
@@ -283,19 +287,26 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
     bytes += BlockBytes(req.model, T, e);
     WorkerRegistry::AddBlocks(req.model, T, e, 1, &demand);
   }
+  // The named worker, or placement's choice (bytes 0: no room check, the
+  // worker a reclaim would make room on).
+  auto place = [&](uint64_t b, const Demand& d) {
+    return req.worker_id.empty()
+               ? workers_.Place(b, d)
+               : workers_.PlaceOn("worker_id", req.worker_id, b, d);
+  };
   if (absl::Status st = TenantLedger::Admit(*tenant, bytes); !st.ok()) {
     if (shortfall != nullptr) {
-      absl::StatusOr<WorkerRecord*> w = workers_.Place(0);
+      absl::StatusOr<WorkerRecord*> w = place(0, Demand{});
       *shortfall = AdmissionShortfall{
           tenant->id, w.ok() ? (*w)->info.worker_id : "", bytes};
       if (w.ok()) HoldForResumeLocked(*tenant, **w, shortfall);
     }
     return st;
   }
-  absl::StatusOr<WorkerRecord*> placed = workers_.Place(bytes, demand);
+  absl::StatusOr<WorkerRecord*> placed = place(bytes, demand);
   if (!placed.ok()) {
     if (shortfall != nullptr && absl::IsResourceExhausted(placed.status())) {
-      absl::StatusOr<WorkerRecord*> w = workers_.Place(0);
+      absl::StatusOr<WorkerRecord*> w = place(0, Demand{});
       if (w.ok()) {
         *shortfall =
             AdmissionShortfall{tenant->id, (*w)->info.worker_id, bytes};
@@ -509,6 +520,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   s->worker = parent->worker;
   s->model = parent->model;
   s->block_tokens = parent->block_tokens;
+  s->window_tokens = parent->window_tokens;
   s->current_turn = parent->current_turn;
   s->policy = parent->policy;
   s->calibration = parent->calibration;
@@ -863,9 +875,10 @@ uint64_t ManagerCore::ShortBytes(const AdmissionShortfall& s) const {
 
 absl::Status ManagerCore::CheckResumeReserveLocked(
     const TenantRecord& tenant, const WorkerRecord& worker, uint64_t bytes,
-    AdmissionShortfall* shortfall) const {
+    AdmissionShortfall* shortfall, uint64_t returning) const {
   const int dev = static_cast<int>(Tier::kDevice);
-  const uint64_t tenant_held = PressureCoordinator::HeldForResume(tenant);
+  const uint64_t all_held = PressureCoordinator::HeldForResume(tenant);
+  const uint64_t tenant_held = all_held - std::min(all_held, returning);
   const uint64_t worker_held = PressureCoordinator::HeldForResume(worker);
   std::string refused;
   if (tenant.budgets[dev]) {

@@ -485,10 +485,13 @@ class ManagerCore {
   // options_.resume_reserve: an Open of `bytes` on `worker` must fit beside
   // the bytes held for spilled open sequences (worker's and tenant's);
   // RESOURCE_EXHAUSTED naming both, with *shortfall filled, when not.
+  // `returning` of the tenant's held bytes come back with the request itself
+  // (a transfer's spilled blocks) and are not counted as held.
   absl::Status CheckResumeReserveLocked(const TenantRecord& tenant,
                                         const WorkerRecord& worker,
                                         uint64_t bytes,
-                                        AdmissionShortfall* shortfall) const
+                                        AdmissionShortfall* shortfall,
+                                        uint64_t returning = 0) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks an Open's shortfall with the bytes held for resumption (when
   // options_.resume_reserve), so that its reclaim takes no spills.
@@ -508,10 +511,21 @@ class ManagerCore {
   // --- Transfers (manager_core_transfer.cc) ---
   // The destination of a transfer of `s`: the named worker (checked) or the
   // UP worker other than the source with a healthy device and the most room
-  // that fits `bytes` / `demand`.
+  // that admits `bytes` / `demand` as an Open there would be admitted
+  // (TransferAdmitsLocked).
   absl::StatusOr<WorkerRecord*> TransferDestinationLocked(
       const SequenceRecord& s, const std::string& named, uint64_t bytes,
       const Demand& demand) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The admission rules of an Open of `bytes` on `w`, for a transfer of `s`
+  // there: the device pool's room (WorkerRegistry::Fits) and, with
+  // options_.resume_reserve, the bytes held for spilled open sequences to
+  // resume (CheckResumeReserveLocked; s's own spilled blocks move with it
+  // and are not held). RESOURCE_EXHAUSTED naming the worker, the bytes and
+  // the rule.
+  absl::Status TransferAdmitsLocked(const SequenceRecord& s,
+                                    const WorkerRecord& w, uint64_t bytes,
+                                    const Demand& demand) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases a pending transfer, clears its sequence's mark and appends
   // TRANSFER_FAILED with `error`.
   void AbortTransferLocked(uint64_t token, const absl::Status& error)

@@ -485,6 +485,48 @@ TEST_F(CoreTest, SequenceAccessChecks) {
   EXPECT_EQ(core_->ListSequences("acme", true)->size(), 1u);
 }
 
+TEST_F(CoreTest, OpenOnANamedWorker) {
+  // w2 has less room than w1: placement would take w1.
+  ASSERT_THAT(core_->RegisterWorker(
+                  {"", "w2", "127.0.0.1:9002", "cpu", 4 * kBf16, 0, 0, "i2"}),
+              IsOk());
+  OpenSequenceRequest req;
+  req.tenant_id = "acme";
+  req.model = Model();
+  req.spans = {S(Role::kUser, 16)};
+  auto placed = core_->OpenSequence(req);
+  ASSERT_THAT(placed, IsOk());
+  EXPECT_EQ(placed->worker_id, "w1");
+  req.worker_id = "w2";
+  auto named = core_->OpenSequence(req);
+  ASSERT_THAT(named, IsOk());
+  EXPECT_EQ(named->worker_id, "w2");
+  // Refusals name the field and the worker; nothing is charged.
+  const uint64_t used = DeviceUsage();
+  req.spans = {S(Role::kUser, 16 * 4)};  // 4 blocks, 3 free on w2
+  EXPECT_THAT(core_->OpenSequence(req),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("worker \"w2\"")));
+  req.spans = {S(Role::kUser, 16)};
+  req.worker_id = "w9";
+  EXPECT_THAT(core_->OpenSequence(req),
+              StatusIs(absl::StatusCode::kNotFound,
+                       HasSubstr("worker_id \"w9\" is not a known worker")));
+  req.worker_id = "bad id";
+  EXPECT_THAT(
+      core_->OpenSequence(req),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("worker_id")));
+  EXPECT_EQ(DeviceUsage(), used);
+  // A SUSPECT worker takes nothing new.
+  clock_.AdvanceMs(3001);
+  ASSERT_THAT(core_->Heartbeat("w1", Inventory{}), IsOk());
+  core_->CheckWorkers();
+  req.worker_id = "w2";
+  EXPECT_THAT(core_->OpenSequence(req),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       HasSubstr("worker_id \"w2\" is suspect")));
+}
+
 TEST_F(CoreTest, OpenValidatesEveryField) {
   auto open = [&](auto mutate) {
     OpenSequenceRequest req;

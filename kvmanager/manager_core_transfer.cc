@@ -63,12 +63,7 @@ absl::StatusOr<WorkerRecord*> ManagerCore::TransferDestinationLocked(
           "destination worker ", Quote(named),
           " reports a device error: ", w->info.inventory.device_error));
     }
-    absl::Status fits = WorkerRegistry::Fits(*w, bytes, demand);
-    if (!fits.ok()) {
-      return absl::Status(
-          fits.code(), absl::StrCat("destination worker ", Quote(named), ": ",
-                                    fits.message()));
-    }
+    TRIAX_RETURN_IF_ERROR(TransferAdmitsLocked(s, *w, bytes, demand));
     return w;
   }
   // Placement among the others, as WorkerRegistry::Place: most room, ties
@@ -84,7 +79,7 @@ absl::StatusOr<WorkerRecord*> ManagerCore::TransferDestinationLocked(
       continue;
     }
     ++candidates;
-    absl::Status fits = WorkerRegistry::Fits(*w, bytes, demand);
+    absl::Status fits = TransferAdmitsLocked(s, *w, bytes, demand);
     if (!fits.ok()) {
       if (refused.empty()) refused = std::string(fits.message());
       continue;
@@ -106,6 +101,35 @@ absl::StatusOr<WorkerRecord*> ManagerCore::TransferDestinationLocked(
       absl::StrCat("no worker besides the source ", Quote(source),
                    " has room for the ", bytes, " bytes of sequence ",
                    Quote(s.id), " (", candidates, " UP; e.g. ", refused, ")"));
+}
+
+absl::Status ManagerCore::TransferAdmitsLocked(const SequenceRecord& s,
+                                               const WorkerRecord& w,
+                                               uint64_t bytes,
+                                               const Demand& demand) const {
+  const std::string prefix =
+      absl::StrCat("destination worker ", Quote(w.info.worker_id), ": ");
+  absl::Status fits = WorkerRegistry::Fits(w, bytes, demand);
+  if (!fits.ok()) {
+    return absl::Status(fits.code(), absl::StrCat(prefix, fits.message()));
+  }
+  if (!options_.resume_reserve) return absl::OkStatus();
+  // The sequence's own spilled blocks are restored onto the destination by
+  // the transfer (their bytes are in `bytes`): not held a second time.
+  uint64_t returning = 0;
+  for (const BlockRecord* b : s.blocks) {
+    if (!b->evicted && b->tier != Tier::kDevice) returning += b->bytes;
+  }
+  absl::Status reserve =
+      CheckResumeReserveLocked(*s.tenant, w, bytes, nullptr, returning);
+  if (!reserve.ok()) {
+    return absl::Status(
+        reserve.code(),
+        absl::StrCat(prefix, "transfer of sequence ", Quote(s.id),
+                     " refused by the resume reserve (as an Open there): ",
+                     reserve.message()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
@@ -201,7 +225,16 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
   }
   // The tenant's ceiling first (both copies are charged until the commit),
   // then the destination's room.
-  TRIAX_RETURN_IF_ERROR(TenantLedger::Admit(*s->tenant, p->reserved));
+  if (absl::Status admit = TenantLedger::Admit(*s->tenant, p->reserved);
+      !admit.ok()) {
+    return absl::Status(
+        admit.code(),
+        absl::StrCat("transfer of sequence ", Quote(s->id), " from worker ",
+                     Quote(s->worker->info.worker_id),
+                     " refused by the tenant's ceiling (both copies are "
+                     "charged until the commit): ",
+                     admit.message()));
+  }
   TRIAX_ASSIGN_OR_RETURN(WorkerRecord * dest, TransferDestinationLocked(
                                                   *s, req.destination_worker_id,
                                                   p->reserved, demand));
@@ -243,6 +276,7 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
   prepared.sequence_id = s->id;
   prepared.model = s->model;
   prepared.block_tokens = s->block_tokens;
+  prepared.window_tokens = s->window_tokens;
   prepared.timeout_ms =
       req.timeout_ms != 0 ? req.timeout_ms : options_.transfer_timeout_ms;
   prepared.follow_writes = req.follow_writes;

@@ -3,7 +3,9 @@
 // their fields), re-encoding under a destination policy, refusals of every
 // kind, idempotency, a worker going DOWN mid-transfer, and a transferring
 // sequence refusing Extend / Fork / Truncate / Demote / Close and being
-// skipped by pressure plans. Deterministic: FakeClock, exact byte numbers
+// skipped by pressure plans, the window named at Open travelling with the
+// sequence, and the destination's admission under an Open's rules (room,
+// tenant ceiling, resume reserve). Deterministic: FakeClock, exact byte numbers
 // (manager_core_test_fixture.h).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -506,6 +508,163 @@ TEST_F(TransferTest, SourceDownMidTransferAborts) {
   EXPECT_EQ(Reserved("w2"), 0u);
   EXPECT_EQ(DeviceUsage("t"), 0u);
   EXPECT_EQ(Kind(EventKind::kTransferFailed).size(), 1u);
+}
+
+TEST_F(TransferTest, WindowNamedAtOpenTravelsWithTheSequence) {
+  // seq_ was opened without a window: the destination keeps its own.
+  auto plain = core_->PrepareTransfer(Req("w2"));
+  ASSERT_THAT(plain, IsOk());
+  EXPECT_FALSE(plain->window_tokens.has_value());
+  core_->AbortTransfer(plain->token, absl::CancelledError("test"));
+
+  OpenSequenceRequest open;
+  open.tenant_id = "t";
+  open.model = Model();
+  open.spans = {S(Role::kUser, 40)};
+  open.window_tokens = 8;
+  auto windowed = core_->OpenSequence(open);
+  ASSERT_THAT(windowed, IsOk());
+  TransferSequenceRequest req = Req("w2");
+  req.sequence_id = windowed->sequence_id;
+  auto p = core_->PrepareTransfer(req);
+  ASSERT_THAT(p, IsOk());
+  ASSERT_TRUE(p->window_tokens.has_value());
+  EXPECT_EQ(*p->window_tokens, 8u);
+  ASSERT_THAT(core_->CommitTransfer(p->token, {}), IsOk());
+
+  // A fork inherits it (the worker's fork does too), and so does its
+  // transfer back, after the parent is gone.
+  auto fork = core_->ForkSequence({"", "t", windowed->sequence_id, 0});
+  ASSERT_THAT(fork, IsOk());
+  ASSERT_THAT(core_->CloseSequence({"", "t", windowed->sequence_id}), IsOk());
+  TransferSequenceRequest back = Req("w1");
+  back.sequence_id = fork->sequence_id;
+  auto q = core_->PrepareTransfer(back);
+  ASSERT_THAT(q, IsOk());
+  ASSERT_TRUE(q->window_tokens.has_value());
+  EXPECT_EQ(*q->window_tokens, 8u);
+  core_->AbortTransfer(q->token, absl::CancelledError("test"));
+
+  // Window 0 (seal as soon as a block is full) is a window too.
+  open.request_id = "";
+  open.window_tokens = 0;
+  auto zero = core_->OpenSequence(open);
+  ASSERT_THAT(zero, IsOk());
+  req.sequence_id = zero->sequence_id;
+  auto z = core_->PrepareTransfer(req);
+  ASSERT_THAT(z, IsOk());
+  ASSERT_TRUE(z->window_tokens.has_value());
+  EXPECT_EQ(*z->window_tokens, 0u);
+  core_->AbortTransfer(z->token, absl::CancelledError("test"));
+}
+
+// w3: room for 12 BF16 blocks and a host tier, holding sequence `spilled`
+// (11 blocks) of which the pressure manager spilled some blocks to host.
+class TransferAdmissionTest : public TransferTest {
+ protected:
+  void SetUp() override {
+    TransferTest::SetUp();
+    RegisterWorkerRequest reg;
+    reg.worker_id = "w3";
+    reg.address = "127.0.0.1:9003";
+    reg.backend = "cpu";
+    reg.capacity_bytes = 12 * kBf16;
+    reg.host_capacity_bytes = 64 * kBf16;
+    reg.incarnation = "i3";
+    ASSERT_THAT(core_->RegisterWorker(reg), IsOk());
+    auto big = Open({S(Role::kSystem, 16), S(Role::kUser, 160)}, "t");
+    ASSERT_THAT(big, IsOk());
+    ASSERT_EQ(big->blocks.size(), 11u);
+    spilled_ = big->sequence_id;
+    TransferSequenceRequest req = Req("w3");
+    req.sequence_id = spilled_;
+    auto p = core_->PrepareTransfer(req);
+    ASSERT_THAT(p, IsOk());
+    ASSERT_THAT(core_->CommitTransfer(p->token, {}), IsOk());
+    // 11 of 12 blocks: above the high watermark (0.9); `spilled_` idles
+    // (no CheckWorkers: the workers stay UP).
+    clock_.AdvanceMs(int64_t{10} * 60 * 1000);
+    core_->RefreshRanking();
+    TierPlan plan = core_->PlanPressure();
+    ASSERT_NE(plan.token, 0u);
+    ASSERT_THAT(core_->FinishTierPlan(
+                    plan.token, std::vector<absl::Status>(plan.commands.size(),
+                                                          absl::OkStatus())),
+                IsOk());
+    auto s = core_->GetSequence("t", spilled_);
+    ASSERT_THAT(s, IsOk());
+    ASSERT_EQ(s->worker_id, "w3");
+    for (const BlockPlan& b : s->blocks) {
+      if (b.tier == Tier::kHost) on_host_ += 1;
+      if (b.tier == Tier::kDevice) on_device_ += 1;
+    }
+    ASSERT_GT(on_host_, 0u);
+    ASSERT_EQ(on_host_ + on_device_, 11u);
+  }
+
+  std::string spilled_;
+  uint64_t on_host_ = 0, on_device_ = 0;
+};
+
+TEST_F(TransferAdmissionTest, DestinationKeepsTheResumeReserveLikeAnOpen) {
+  // seq_'s 3 blocks fit w3's pool beside what it holds on the device, but
+  // not beside the host bytes held for `spilled_` to come back.
+  ASSERT_LE(on_device_ + 3, 12u);
+  ASSERT_GT(on_device_ + on_host_ + 3, 12u);
+  EXPECT_EQ(Reserved("w3"), on_device_ * kBf16);
+  const std::string before = Snapshot();
+  EXPECT_THAT(
+      core_->PrepareTransfer(Req("w3")),
+      StatusIs(
+          C::kResourceExhausted,
+          ::testing::AllOf(
+              HasSubstr("destination worker \"w3\": transfer of sequence"),
+              HasSubstr("refused by the resume reserve"),
+              HasSubstr(absl::StrCat("request needs ", 3 * kBf16, " bytes")),
+              HasSubstr(absl::StrCat(on_host_ * kBf16,
+                                     " held for spilled open sequences")),
+              HasSubstr(absl::StrCat("over by ",
+                                     (on_device_ + on_host_ + 3 - 12) * kBf16,
+                                     " bytes")))));
+  EXPECT_EQ(Snapshot(), before);
+  EXPECT_EQ(Reserved("w3"), on_device_ * kBf16);
+  EXPECT_EQ(Kind(EventKind::kTransferStarted).size(), 1u);  // SetUp's only
+  // Placement passes over w3 for the same reason and takes w2.
+  auto placed = core_->PrepareTransfer(Req());
+  ASSERT_THAT(placed, IsOk());
+  EXPECT_EQ(placed->destination_worker_id, "w2");
+  core_->AbortTransfer(placed->token, absl::CancelledError("test"));
+  // Once the spilled sequence is gone, the same transfer is admitted.
+  ASSERT_THAT(core_->CloseSequence({"", "t", spilled_}), IsOk());
+  auto p = core_->PrepareTransfer(Req("w3"));
+  ASSERT_THAT(p, IsOk());
+  EXPECT_EQ(Reserved("w3"), 3 * kBf16);
+}
+
+TEST_F(TransferAdmissionTest, MovingSpilledBlocksAreNotHeldTwice) {
+  // `spilled_` moves to w2 whole: its host blocks come back onto w2's
+  // device with the transfer, so under the tenant's ceiling they count
+  // once (in the reservation), not also as held for resumption.
+  const uint64_t need = 11 * kBf16;
+  const uint64_t ceiling = DeviceUsage("t") + need;
+  ASSERT_THAT(core_->SetBudget({"", "t", Budget{Tier::kDevice, 0, ceiling}}),
+              IsOk());
+  TransferSequenceRequest req = Req("w2");
+  req.sequence_id = spilled_;
+  auto p = core_->PrepareTransfer(req);
+  ASSERT_THAT(p, IsOk());
+  EXPECT_EQ(p->reserved_bytes, need);
+  EXPECT_EQ(DeviceUsage("t"), ceiling);
+  core_->AbortTransfer(p->token, absl::CancelledError("test"));
+  // One byte less and the tenant's ceiling refuses, naming the rule.
+  ASSERT_THAT(
+      core_->SetBudget({"", "t", Budget{Tier::kDevice, 0, ceiling - 1}}),
+      IsOk());
+  EXPECT_THAT(core_->PrepareTransfer(req),
+              StatusIs(C::kResourceExhausted,
+                       ::testing::AllOf(HasSubstr("from worker \"w3\""),
+                                        HasSubstr("the tenant's ceiling"),
+                                        HasSubstr("over by 1 bytes"))));
 }
 
 }  // namespace

@@ -123,6 +123,10 @@ struct SequenceRecord {
   ModelShape model;
   SequenceState state = SequenceState::kOpen;
   uint32_t block_tokens = 0;
+  // The worker-side BF16 window named at Open (forks inherit it); nullopt:
+  // the worker's --window_tokens, which the manager does not know. A
+  // transfer hands it to the destination.
+  std::optional<uint32_t> window_tokens;
   uint64_t num_tokens = 0;
   uint32_t current_turn = 0;
   std::shared_ptr<const Policy> policy;

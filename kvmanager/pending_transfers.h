@@ -85,6 +85,9 @@ struct TransferPrepared {
   std::string sequence_id;
   ModelShape model;
   uint32_t block_tokens = 0;
+  // The sequence's window (SequenceRecord::window_tokens); nullopt: the
+  // destination's --window_tokens.
+  std::optional<uint32_t> window_tokens;
   // Every block of the sequence with the encoding it takes on the
   // destination and tier TIER_DEVICE; evicted blocks keep evicted = true.
   std::vector<BlockPlan> blocks;

@@ -358,6 +358,11 @@ struct OpenSequenceRequest {
   std::string policy;         // empty: the tenant's default
   // Exactly one of spans and rendered (the core tags rendered text).
   std::optional<RenderedText> rendered;
+  // The worker-side BF16 window the frontend gives AllocatePages; nullopt:
+  // the worker's --window_tokens (SequenceRecord::window_tokens).
+  std::optional<uint32_t> window_tokens;
+  // The worker to open on (WorkerRegistry::PlaceOn); empty: placement.
+  std::string worker_id;
 };
 
 struct ExtendSequenceRequest {

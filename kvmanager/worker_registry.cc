@@ -255,6 +255,30 @@ uint64_t WorkerRegistry::AdmissionBytes(const WorkerRecord& w, uint64_t bytes,
   return std::max(bytes, FreeBytes(w) + (need - static_cast<uint64_t>(room)));
 }
 
+absl::StatusOr<WorkerRecord*> WorkerRegistry::PlaceOn(
+    const std::string& field, const std::string& worker_id, uint64_t bytes,
+    const Demand& demand) const {
+  WorkerRecord* w = Find(worker_id);
+  if (w == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat(field, " ", Quote(worker_id), " is not a known worker"));
+  }
+  if (w->info.state != WorkerState::kUp) {
+    return absl::UnavailableError(absl::StrCat(
+        field, " ", Quote(worker_id), " is ",
+        w->info.state == WorkerState::kSuspect ? "suspect" : "down",
+        "; only UP workers take new sequences"));
+  }
+  if (!w->info.inventory.device_error.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        field, " ", Quote(worker_id),
+        " reports a device error: ", w->info.inventory.device_error));
+  }
+  if (bytes == 0) return w;
+  TRIAX_RETURN_IF_ERROR(Fits(*w, bytes, demand));
+  return w;
+}
+
 absl::StatusOr<WorkerRecord*> WorkerRegistry::Place(
     uint64_t bytes, const Demand& demand) const {
   WorkerRecord* best = nullptr;  // the fitting worker with the most room

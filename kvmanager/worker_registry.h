@@ -109,6 +109,14 @@ class WorkerRegistry {
   std::vector<WorkerRecord*> Silent(int64_t now_ms, int64_t timeout_ms,
                                     WorkerState state = WorkerState::kUp) const;
 
+  // The named worker instead of placement: NOT_FOUND when unknown,
+  // UNAVAILABLE when not UP or its device failed, RESOURCE_EXHAUSTED when
+  // `bytes` / `demand` do not fit (Fits; without a check when bytes is 0).
+  // `field` names the request field in the messages.
+  absl::StatusOr<WorkerRecord*> PlaceOn(const std::string& field,
+                                        const std::string& worker_id,
+                                        uint64_t bytes,
+                                        const Demand& demand = {}) const;
   // See "Placement" above. `bytes` 0 (and no demand) finds the candidate
   // without a room check.
   absl::StatusOr<WorkerRecord*> Place(uint64_t bytes,

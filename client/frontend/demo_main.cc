@@ -31,9 +31,11 @@
 #include "absl/strings/str_join.h"
 #include "client/frontend/bfcl.h"
 #include "client/frontend/data_dir.h"
+#include "client/frontend/demo_disaggregate.h"
 #include "client/frontend/forward.h"
 #include "client/frontend/llama2c.h"
 #include "client/frontend/service_kv_store.h"
+#include "client/frontend/service_types.h"
 #include "client/kv_client.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -52,6 +54,15 @@ ABSL_FLAG(int, disaggregate_prefill, 100,
           "step (a): also prefill this many tokens on one worker and decode "
           "the rest on another (TransferSequence); runs when two workers "
           "are up; 0: off");
+ABSL_FLAG(std::string, transfer_failure_policy, "recompute",
+          "what step (a)'s prefill-on-one-worker, decode-on-another does "
+          "when TransferSequence fails (as vLLM's kv_load_failure_policy, "
+          "whose default is also recompute): \"recompute\" closes the "
+          "sequence on the prefill worker (it kept serving: nothing was "
+          "lost) and prefills again into a new sequence, which placement "
+          "puts on the worker without the partial copy, then decodes there; "
+          "\"fail\" stops the step with the transfer's status (exit code "
+          "1)");
 ABSL_FLAG(std::string, bfcl_id, "multi_turn_base_42",
           "held-out BFCL conversation for step (b) (kvproxy README list)");
 ABSL_FLAG(int, max_context, 2048,
@@ -92,24 +103,6 @@ struct Check {
   bool passed;
   std::string detail;
 };
-
-v1::ModelShape Shape(const Model& m) {
-  v1::ModelShape s;
-  s.set_name(m.name);
-  s.set_n_layers(m.config.n_layers);
-  s.set_n_kv_heads(m.config.n_kv_heads);
-  s.set_n_q_heads(m.config.n_heads);
-  s.set_head_dim(m.config.head_dim());
-  return s;
-}
-
-v1::Span MakeSpan(Role role, uint32_t n) {
-  v1::Span s;
-  s.set_role(static_cast<v1::Role>(role));
-  s.set_modality(v1::MODALITY_TEXT);
-  s.set_num_tokens(n);
-  return s;
-}
 
 void SetDeadline(grpc::ClientContext* ctx) {
   ctx->set_deadline(std::chrono::system_clock::now() +
@@ -221,7 +214,7 @@ absl::StatusOr<GreedyResult> Greedy(Transformer* tf, const Tokenizer& tok,
   const auto t0 = Clock::now();
   for (int pos = 0; pos < steps; ++pos) {
     if (seq != nullptr && pos > 0) {
-      TRIAX_RETURN_IF_ERROR(c->Extend(seq, {MakeSpan(Role::kAssistant, 1)},
+      TRIAX_RETURN_IF_ERROR(c->Extend(seq, {ServiceSpan(Role::kAssistant, 1)},
                                       /*new_turn=*/false,
                                       /*continue_last_span=*/true));
     }
@@ -244,81 +237,9 @@ absl::StatusOr<GreedyResult> Greedy(Transformer* tf, const Tokenizer& tok,
   return r;
 }
 
-// Disaggregated prefill/decode: the first `prefill` input tokens of the
-// local run (BOS and what it generated) are prefilled in one forward pass
-// into a sequence on one worker, the sequence is moved to another worker
-// (TransferSequence; placement chooses), and greedy decoding goes on there
-// up to `steps` steps in all. The text equals the local run's when the
-// transfer moved every byte.
-struct DisaggregatedResult {
-  std::string text;
-  v1::TransferSequenceResponse transfer;
-  double prefill_seconds = 0, transfer_seconds = 0, decode_seconds = 0;
-  int decode_steps = 0;
-};
-
-absl::StatusOr<DisaggregatedResult> PrefillThenDecodeElsewhere(
-    Transformer* tf, const Tokenizer& tok, client::Client* c,
-    const Model& model, const GreedyResult& local, int prefill, int steps) {
-  prefill = std::min<int>(prefill, static_cast<int>(local.tokens.size()));
-  if (prefill < 1) return absl::InvalidArgumentError("nothing to prefill");
-  const int vocab = model.config.vocab_size;
-  const std::vector<int> prompt(local.tokens.begin(),
-                                local.tokens.begin() + prefill);
-  TRIAX_ASSIGN_OR_RETURN(
-      client::SequenceHandle seq,
-      c->Open(Shape(model), {MakeSpan(Role::kUser, prefill)}, "bf16"));
-  ServiceKvStore kv(c, &seq, model.config.n_kv_heads, model.config.head_dim());
-  DisaggregatedResult r;
-  auto run = [&]() -> absl::Status {
-    std::vector<float> logits;
-    auto t0 = Clock::now();
-    TRIAX_RETURN_IF_ERROR(tf->Forward(prompt, 0, &kv, &logits));
-    r.prefill_seconds = Seconds(t0);
-    t0 = Clock::now();
-    TRIAX_ASSIGN_OR_RETURN(r.transfer, c->TransferSequence(&seq, {}));
-    r.transfer_seconds = Seconds(t0);
-    for (int i = 0; i + 1 < prefill; ++i) r.text += local.pieces[i];
-    int token = prompt.back();
-    const float* last = logits.data() + size_t(prefill - 1) * vocab;
-    t0 = Clock::now();
-    for (int pos = prefill - 1; pos < steps; ++pos) {
-      if (pos >= prefill) {
-        TRIAX_RETURN_IF_ERROR(c->Extend(&seq, {MakeSpan(Role::kAssistant, 1)},
-                                        /*new_turn=*/false,
-                                        /*continue_last_span=*/true));
-        TRIAX_RETURN_IF_ERROR(tf->Forward({&token, 1}, pos, &kv, &logits));
-        last = logits.data();
-      }
-      const int next = Argmax(last, vocab);
-      ++r.decode_steps;
-      if (next == tok.bos_id()) break;
-      r.text += tok.Printable(token, next);
-      token = next;
-    }
-    r.decode_seconds = Seconds(t0);
-    return absl::OkStatus();
-  };
-  const absl::Status s = run();
-  const absl::Status close = c->Close(seq);
-  TRIAX_RETURN_IF_ERROR(s);
-  TRIAX_RETURN_IF_ERROR(close);
-  return r;
-}
-
-// Up workers, from the manager.
-absl::StatusOr<int> UpWorkers(client::Client* c) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx);
-  v1::ListWorkersResponse resp;
-  const grpc::Status s =
-      c->manager()->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp);
-  if (!s.ok()) return FromGrpcStatus(s);
-  int up = 0;
-  for (const v1::WorkerInfo& w : resp.workers()) {
-    if (w.state() == v1::WORKER_STATE_UP) ++up;
-  }
-  return up;
+// --transfer_failure_policy (validated by Main).
+bool RecomputeOnFailure() {
+  return absl::GetFlag(FLAGS_transfer_failure_policy) == "recompute";
 }
 
 std::string DiffPosition(const std::string& got, const std::string& want) {
@@ -347,7 +268,7 @@ absl::Status StepGreedy(const Model& model, const Tokenizer& tok,
   std::printf("-- service KV, policy bf16:\n");
   TRIAX_ASSIGN_OR_RETURN(
       client::SequenceHandle seq,
-      c->Open(Shape(model), {MakeSpan(Role::kUser, 1)}, "bf16"));
+      c->Open(ServiceShape(model), {ServiceSpan(Role::kUser, 1)}, "bf16"));
   ServiceKvStore remote(c, &seq, model.config.n_kv_heads,
                         model.config.head_dim());
   auto sr = Greedy(&tf, tok, &remote, c, &seq, steps, true);
@@ -393,13 +314,14 @@ absl::Status StepGreedy(const Model& model, const Tokenizer& tok,
               prefill);
   TRIAX_ASSIGN_OR_RETURN(
       DisaggregatedResult dr,
-      PrefillThenDecodeElsewhere(&tf, tok, c, model, lr, prefill, steps));
+      PrefillThenDecodeElsewhere(&tf, tok, c, model, lr.tokens, lr.pieces,
+                                 prefill, steps, RecomputeOnFailure()));
   std::printf("%s\n", dr.text.c_str());
   const std::string want = have_expected ? expected : lr.text;
   const std::string dv = verdict(dr.text, want);
-  std::printf("prefill on %s, decode on %s vs %s: %s\n",
-              dr.transfer.source_worker_id().c_str(),
-              dr.transfer.destination_worker_id().c_str(),
+  std::printf("prefill on %s, decode on %s%s vs %s: %s\n",
+              dr.prefill_worker.c_str(), dr.decode_worker.c_str(),
+              dr.recomputed ? " (prefill recomputed there)" : "",
               have_expected ? "expected_greedy_200.txt" : "local fp32",
               dv.c_str());
   checks->push_back(
@@ -408,6 +330,16 @@ absl::Status StepGreedy(const Model& model, const Tokenizer& tok,
              "expected_greedy_200.txt"
            : "greedy prefill on one worker, decode on another == local fp32",
        dr.text == want, dv});
+  if (dr.recomputed) {
+    report->push_back(absl::StrFormat(
+        "(a) prefill %d tokens on %s (%.3f s); transfer failed after %.3f s "
+        "(%s); recomputed the prefill on %s (%.3f s), decode %d steps there "
+        "(%.1f tok/s)",
+        prefill, dr.prefill_worker, dr.prefill_seconds, dr.transfer_seconds,
+        dr.transfer_error.ToString(), dr.decode_worker, dr.recompute_seconds,
+        dr.decode_steps, dr.decode_steps / dr.decode_seconds));
+    return absl::OkStatus();
+  }
   report->push_back(absl::StrFormat(
       "(a) prefill %d tokens on %s (%.3f s), transfer to %s (%.3f s: %d "
       "blocks, %d wire bytes, %d as BF16), decode %d steps there (%.1f "
@@ -514,15 +446,28 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
   Transformer tf(model.get(), threads);
   const int vocab = model->config.vocab_size;
 
+  // The spans of turn t (BOS joins the first span: the system header
+  // delimiter).
+  auto spans_of = [&](size_t t) {
+    std::vector<v1::Span> spans;
+    for (const RoleSpan& s : conv.turns[t].spans) {
+      const uint32_t n =
+          static_cast<uint32_t>(s.length + (s.begin == 0 ? 1 : 0));
+      spans.push_back(ServiceSpan(s.role, n));
+    }
+    return spans;
+  };
   // Service run, turn by turn. transfer_after >= 0: after that turn's
   // prefill the sequence moves to another worker (TransferSequence), which
-  // serves the later turns.
+  // serves the later turns; when the transfer fails, --transfer_failure_policy
+  // says whether to stop or to prefill turns 0..transfer_after again on
+  // that worker (in a new sequence; the first one is closed).
   int64_t pos = 0;
   int64_t rpcs = 0;
   double service_seconds = 0;
   auto service_run = [&](int transfer_after, bool print,
                          std::vector<float>* service_logits,
-                         v1::TransferSequenceResponse* moved) -> absl::Status {
+                         DisaggregatedResult* moved) -> absl::Status {
     std::vector<float> part;
     client::SequenceHandle seq;
     std::unique_ptr<ServiceKvStore> kv;
@@ -531,19 +476,59 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
       std::printf("%-5s %-7s %-8s %s\n", "turn", "tokens", "context",
                   "KV bytes per format (manager plan)");
     }
+    // The move after turn t (prefilled up to token `end`).
+    auto move = [&](size_t t, int64_t end) -> absl::Status {
+      TRIAX_ASSIGN_OR_RETURN(moved->prefill_worker, WorkerOf(c, seq));
+      TRIAX_ASSIGN_OR_RETURN(moved->decode_worker,
+                             OtherUpWorker(c, moved->prefill_worker));
+      client::Client::TransferOptions to;
+      to.destination_worker_id = moved->decode_worker;
+      absl::StatusOr<v1::TransferSequenceResponse> r =
+          c->TransferSequence(&seq, to);
+      if (r.ok()) {
+        moved->transfer = *std::move(r);
+        return absl::OkStatus();
+      }
+      moved->transfer_error = r.status();
+      if (!RecomputeAfterFailedTransfer(RecomputeOnFailure(), r.status(),
+                                        moved->prefill_worker)) {
+        return r.status();
+      }
+      client::OpenOptions on_decode;
+      on_decode.policy = policy;
+      on_decode.worker_id = moved->decode_worker;
+      TRIAX_ASSIGN_OR_RETURN(
+          client::SequenceHandle again,
+          c->Open(ServiceShape(*model), spans_of(0), on_decode));
+      absl::Status st;
+      for (size_t u = 1; u <= t && st.ok(); ++u) {
+        st = c->Extend(&again, spans_of(u), /*new_turn=*/true,
+                       /*continue_last_span=*/false);
+      }
+      const absl::Status closed = c->Close(seq);
+      seq = std::move(again);  // closed by the caller whatever happens next
+      TRIAX_RETURN_IF_ERROR(st);
+      TRIAX_RETURN_IF_ERROR(closed);
+      kv = std::make_unique<ServiceKvStore>(c, &seq, model->config.n_kv_heads,
+                                            model->config.head_dim());
+      std::vector<float> again_logits;  // equal to the first run's
+      const auto t0 = Clock::now();
+      TRIAX_RETURN_IF_ERROR(
+          tf.Prefill(absl::MakeConstSpan(tokens).subspan(0, end), 0, chunk,
+                     kv.get(), &again_logits));
+      moved->recompute_seconds = Seconds(t0);
+      moved->recomputed = true;
+      std::printf("recomputed the prefill of turns 0-%zu (%lld tokens) on %s\n",
+                  t, static_cast<long long>(end), moved->decode_worker.c_str());
+      return absl::OkStatus();
+    };
     for (size_t t = 0; t < conv.turns.size() && run_status.ok(); ++t) {
       const RenderedTurn& turn = conv.turns[t];
-      std::vector<v1::Span> spans;
-      for (const RoleSpan& s : turn.spans) {
-        // BOS joins the first span (the system header delimiter).
-        const uint32_t n =
-            static_cast<uint32_t>(s.length + (s.begin == 0 ? 1 : 0));
-        spans.push_back(MakeSpan(s.role, n));
-      }
+      const std::vector<v1::Span> spans = spans_of(t);
       const int64_t first = t == 0 ? 0 : static_cast<int64_t>(turn.begin) + 1;
       const int64_t end = static_cast<int64_t>(turn.end) + 1;
       if (t == 0) {
-        auto opened = c->Open(Shape(*model), spans, policy);
+        auto opened = c->Open(ServiceShape(*model), spans, policy);
         if (!opened.ok()) return opened.status();
         seq = *opened;
         kv = std::make_unique<ServiceKvStore>(c, &seq, model->config.n_kv_heads,
@@ -562,12 +547,8 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
       service_logits->insert(service_logits->end(), part.begin(), part.end());
       pos = end;
       if (static_cast<int>(t) == transfer_after) {
-        auto r = c->TransferSequence(&seq, {});
-        if (!r.ok()) {
-          run_status = r.status();
-          break;
-        }
-        *moved = *r;
+        run_status = move(t, end);
+        if (!run_status.ok()) break;
       }
       if (!print) continue;
       auto info = GetSequence(c, tenant, seq.sequence_id);
@@ -593,7 +574,7 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
     return run_status;
   };
   std::vector<float> service_logits;
-  v1::TransferSequenceResponse unused;
+  DisaggregatedResult unused;
   TRIAX_RETURN_IF_ERROR(service_run(-1, true, &service_logits, &unused));
 
   // Local fp32 reference over the same tokens and chunks.
@@ -641,7 +622,7 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
     return absl::OkStatus();
   }
   std::vector<float> moved_logits;
-  v1::TransferSequenceResponse moved;
+  DisaggregatedResult moved;
   TRIAX_RETURN_IF_ERROR(service_run(0, false, &moved_logits, &moved));
   const NllResult ms = NllAt(moved_logits, tokens, vocab, counted);
   const NllResult ma = NllAt(moved_logits, tokens, vocab, all);
@@ -649,15 +630,22 @@ absl::Status StepBfcl(const std::string& data_dir, client::Client* c,
   std::printf(
       "turn 0 on %s, turns 1-%zu on %s: tool-call dNLL %+.4f, all-token dNLL "
       "%+.4f (one worker: %+.4f, %+.4f); logits %s\n",
-      moved.source_worker_id().c_str(), conv.turns.size() - 1,
-      moved.destination_worker_id().c_str(), ms.mean() - ls.mean(),
-      ma.mean() - la.mean(), ss.mean() - ls.mean(), sa.mean() - la.mean(),
+      moved.prefill_worker.c_str(), conv.turns.size() - 1,
+      moved.decode_worker.c_str(), ms.mean() - ls.mean(), ma.mean() - la.mean(),
+      ss.mean() - ls.mean(), sa.mean() - la.mean(),
       same ? "bit-identical" : "DIFFER");
+  const std::string how =
+      moved.recomputed
+          ? absl::StrFormat("transfer failed (%s); turn 0 recomputed there",
+                            moved.transfer_error.ToString())
+          : absl::StrFormat("transfer: %d blocks, %d wire bytes, %d as BF16",
+                            moved.transfer.blocks(),
+                            moved.transfer.wire_bytes(),
+                            moved.transfer.bf16_bytes());
   report->push_back(absl::StrFormat(
-      "(b) turn 0 on %s, later turns on %s (transfer: %d blocks, %d wire "
-      "bytes, %d as BF16): all-token dNLL %+.4f vs %+.4f on one worker",
-      moved.source_worker_id(), moved.destination_worker_id(), moved.blocks(),
-      moved.wire_bytes(), moved.bf16_bytes(), ma.mean() - la.mean(),
+      "(b) turn 0 on %s, later turns on %s (%s): all-token dNLL %+.4f vs "
+      "%+.4f on one worker",
+      moved.prefill_worker, moved.decode_worker, how, ma.mean() - la.mean(),
       sa.mean() - la.mean()));
   checks->push_back(
       {"BFCL later turns on a second worker: logits equal one worker's", same,
@@ -703,8 +691,8 @@ absl::Status StepNll(const Model& model, const Tokenizer& tok,
       } else {
         TRIAX_ASSIGN_OR_RETURN(
             client::SequenceHandle seq,
-            c->Open(Shape(model),
-                    {MakeSpan(Role::kUser, static_cast<uint32_t>(w.size()))},
+            c->Open(ServiceShape(model),
+                    {ServiceSpan(Role::kUser, static_cast<uint32_t>(w.size()))},
                     policy));
         ServiceKvStore kv(c, &seq, model.config.n_kv_heads,
                           model.config.head_dim());
@@ -729,7 +717,7 @@ absl::Status StepNll(const Model& model, const Tokenizer& tok,
     } else {
       TRIAX_ASSIGN_OR_RETURN(
           client::SequenceHandle seq,
-          c->Open(Shape(model), {MakeSpan(Role::kUser, 1)}, policy));
+          c->Open(ServiceShape(model), {ServiceSpan(Role::kUser, 1)}, policy));
       ServiceKvStore kv(c, &seq, model.config.n_kv_heads,
                         model.config.head_dim());
       auto gr = Greedy(&tf, tok, &kv, c, &seq, decode_steps, false);
@@ -765,6 +753,13 @@ int Main() {
   const bool run_c = steps_flag.find('c') != std::string::npos;
   // Step (b) is the only one that needs kvproxy-18m and BFCL.
   const bool real = DataDirComplete(data_dir, /*need_kvproxy=*/run_b);
+  const std::string failure_policy =
+      absl::GetFlag(FLAGS_transfer_failure_policy);
+  if (failure_policy != "recompute" && failure_policy != "fail") {
+    return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
+                             "--transfer_failure_policy = \"", failure_policy,
+                             "\"; must be \"recompute\" or \"fail\"")));
+  }
   const int threads = absl::GetFlag(FLAGS_threads);
   const int chunk = absl::GetFlag(FLAGS_chunk);
   if (chunk < 1 || chunk > 256) {

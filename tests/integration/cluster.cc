@@ -48,6 +48,10 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
         absl::StrCat("--window_tokens=", options.window_tokens)};
     worker_args.insert(worker_args.end(), options.worker_flags.begin(),
                        options.worker_flags.end());
+    if (static_cast<size_t>(i) < options.per_worker_flags.size()) {
+      const std::vector<std::string>& own = options.per_worker_flags[i];
+      worker_args.insert(worker_args.end(), own.begin(), own.end());
+    }
     auto w = Process::Start(WorkerId(i), "kvworker", worker_args, c->dir());
     if (!w.ok()) return w.status();
     c->workers_.push_back(std::move(*w));

@@ -28,6 +28,8 @@ struct ClusterOptions {
   // Extra command-line flags, appended after the defaults (so they win).
   std::vector<std::string> manager_flags;
   std::vector<std::string> worker_flags;
+  // Flags of worker i only (when given), after worker_flags.
+  std::vector<std::vector<std::string>> per_worker_flags;
 };
 
 class Cluster {

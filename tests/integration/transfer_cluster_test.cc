@@ -8,7 +8,8 @@
 // reservation comes back, the source keeps serving and a retry succeeds;
 // a corrupted page (the source's --testing_corrupt_export_pages) is
 // DATA_LOSS and nothing moves; transfers run while Attend runs on the same
-// worker; bad requests name the field.
+// worker; bad requests name the field; the window named at Open moves
+// with the sequence between workers of different --window_tokens.
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -43,6 +44,9 @@ class TransferClusterTest : public ::testing::Test {
     ClusterOptions o;
     o.num_workers = workers;
     o.worker_flags = std::move(worker_flags);
+    Start(o);
+  }
+  void Start(const ClusterOptions& o) {
     auto c = Cluster::Start(o);
     ASSERT_THAT(c, IsOk());
     cluster_ = std::move(*c);
@@ -507,6 +511,96 @@ TEST_F(TransferClusterTest, KvctlTransferMovesASequence) {
   ASSERT_THAT(rc, IsOk());
   EXPECT_EQ(*rc, 0) << err;
   EXPECT_THAT(out, HasSubstr(dst));
+}
+
+// Tokens of `layer` that read back exactly as written (BF16: still in the
+// window), counted from the end; the others were sealed into INT4. Sealing
+// goes block by block from the front, so written - this is the seal point.
+uint64_t SealedTokens(client::Client* c, const client::SequenceHandle& h,
+                      uint32_t layer, const std::vector<float>& k_written,
+                      size_t elems) {
+  std::vector<float> k, v;
+  EXPECT_THAT(
+      c->ReadKV(h, layer, 0, static_cast<uint32_t>(h.num_tokens), &k, &v),
+      IsOk());
+  const std::vector<float> want = RoundToBf16(k_written);
+  EXPECT_EQ(k.size(), want.size());
+  uint64_t exact_tail = 0;
+  for (uint64_t t = h.num_tokens; t > 0 && k.size() == want.size(); --t) {
+    bool exact = true;
+    for (size_t i = (t - 1) * elems; i < t * elems; ++i) {
+      exact = exact && k[i] == want[i];
+    }
+    if (!exact) break;
+    ++exact_tail;
+  }
+  return h.num_tokens - exact_tail;
+}
+
+TEST_F(TransferClusterTest, WindowNamedAtOpenTravelsWithTheSequence) {
+  // The workers' own windows (8 and 48 tokens) differ from the sequence's
+  // (16): blocks of 16 tokens seal once 16 tokens follow them.
+  ClusterOptions o;
+  o.num_workers = 2;
+  o.per_worker_flags = {{"--window_tokens=8"}, {"--window_tokens=48"}};
+  Start(o);
+  client::OpenOptions open;
+  open.policy = "int4";
+  open.window_tokens = 16;
+  auto opened = client_->Open(
+      model_, {MakeSpan(v1::ROLE_SYSTEM, 32), MakeSpan(v1::ROLE_USER, 32)},
+      open);
+  ASSERT_THAT(opened, IsOk());
+  client::SequenceHandle h = *opened;
+  const size_t elems = Elems();
+  std::vector<std::vector<float>> k_all(model_.n_layers());
+  auto write = [&](uint64_t first, uint32_t n) {
+    for (uint32_t l = 0; l < model_.n_layers(); ++l) {
+      auto k = RandomVector(n * elems, &rng_);
+      auto v = RandomVector(n * elems, &rng_);
+      ASSERT_THAT(client_->WriteKV(h, l, first, n, k.data(), v.data()), IsOk());
+      k_all[l].insert(k_all[l].end(), k.begin(), k.end());
+    }
+  };
+  write(0, 64);
+  // 64 written, window 16: blocks ending at or before 48 are sealed (with
+  // the source's own 8 they would be the same; 48 would seal only 16).
+  for (uint32_t l = 0; l < model_.n_layers(); ++l) {
+    ASSERT_EQ(SealedTokens(client_.get(), h, l, k_all[l], elems), 48u);
+  }
+  const std::vector<std::string> bytes_before = ReadAll(h);
+  const std::vector<float> q = Query();
+  const std::vector<float> attend_before = Attend(h, 1, q);
+
+  auto moved = client_->TransferSequence(&h, {});
+  ASSERT_THAT(moved, IsOk());
+  ASSERT_NE(moved->destination_worker_id(), moved->source_worker_id());
+  EXPECT_EQ(ReadAll(h), bytes_before);
+  EXPECT_EQ(Attend(h, 1, q), attend_before);
+
+  // 8 more tokens (72): window 16 seals nothing new (the next block ends
+  // at 64 > 56); the destination's own window would seal 64 (w0's 8) or
+  // unseal nothing but have sealed only 16 (w1's 48). The client sends the
+  // sequence's window with the Extend's AllocatePages: the destination
+  // must hold the same one or it refuses the plan.
+  ASSERT_THAT(client_->Extend(&h, {MakeSpan(v1::ROLE_USER, 8)},
+                              /*new_turn=*/false, /*continue_last_span=*/true),
+              IsOk());
+  write(64, 8);
+  for (uint32_t l = 0; l < model_.n_layers(); ++l) {
+    EXPECT_EQ(SealedTokens(client_.get(), h, l, k_all[l], elems), 48u)
+        << "layer " << l << " on " << moved->destination_worker_id();
+  }
+  // 8 more (80): block 3 (ending at 64) seals, as window 16 says.
+  ASSERT_THAT(client_->Extend(&h, {MakeSpan(v1::ROLE_USER, 8)},
+                              /*new_turn=*/false, /*continue_last_span=*/true),
+              IsOk());
+  write(72, 8);
+  for (uint32_t l = 0; l < model_.n_layers(); ++l) {
+    EXPECT_EQ(SealedTokens(client_.get(), h, l, k_all[l], elems), 64u)
+        << "layer " << l << " on " << moved->destination_worker_id();
+  }
+  ASSERT_THAT(client_->Close(h), IsOk());
 }
 
 }  // namespace
