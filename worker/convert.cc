@@ -367,6 +367,7 @@ void ToProto(const ImportReply& d, v1::ImportSequenceResponse* p) {
   p->set_seconds(d.seconds);
   for (double s : d.result.layer_done_seconds) p->add_layer_done_seconds(s);
   p->set_data_path(d.data_path);
+  p->set_copy_seconds(d.result.copy_seconds);
 }
 
 }  // namespace triax::worker

@@ -162,7 +162,7 @@ class Device {
   // Copies every job (no two may overlap) and sets crcs[i] to the CRC32C
   // of the bytes job i copied; all complete on return. The default runs
   // CopyPage and Checksum on the copy; the CUDA backend copies and
-  // checksums in one pass over the bytes (one launch for all jobs).
+  // checksums what landed in one launch for all jobs.
   virtual absl::Status CopyPagesChecked(absl::Span<const PageCopy> jobs,
                                         absl::Span<uint32_t> crcs);
 

@@ -269,11 +269,9 @@ void PageAllocator::Pin(Page* page) {
 }
 
 bool PageAllocator::Unpin(Page* page) {
-  {
-    absl::MutexLock lock(&mu_);
-    --page->pins;
-  }
-  return Unref(page);
+  absl::MutexLock lock(&mu_);
+  --page->pins;
+  return UnrefLocked(page);
 }
 
 int PageAllocator::PinCount(Page* page) const {
@@ -299,8 +297,28 @@ void PageAllocator::ReleaseFrame(size_t index) {
   if (pool->frames == 0) pools_.erase(pool->key);
 }
 
+void PageAllocator::PinAll(absl::Span<Page* const> pages) {
+  absl::MutexLock lock(&mu_);
+  for (Page* p : pages) {
+    ++p->refs;
+    ++p->pins;
+  }
+}
+
+void PageAllocator::UnpinAll(absl::Span<Page* const> pages) {
+  absl::MutexLock lock(&mu_);
+  for (Page* p : pages) {
+    --p->pins;
+    UnrefLocked(p);
+  }
+}
+
 bool PageAllocator::Unref(Page* page) {
   absl::MutexLock lock(&mu_);
+  return UnrefLocked(page);
+}
+
+bool PageAllocator::UnrefLocked(Page* page) {
   if (--page->refs > 0) return false;
   used_bytes_ -= page->bytes;
   if (page->use == PageUse::kWindow) {

@@ -72,6 +72,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "kernels/layout.h"
 #include "worker/device.h"
 
@@ -265,6 +266,9 @@ class PageAllocator {
   void Pin(Page* page);
   bool Unpin(Page* page);
   int PinCount(Page* page) const;
+  // Pin / Unpin of every page, under one lock (a page may appear twice).
+  void PinAll(absl::Span<Page* const> pages);
+  void UnpinAll(absl::Span<Page* const> pages);
   // The arena's base and length (the ipc path shares them).
   uint8_t* arena_base() const { return base_; }
   size_t arena_bytes() const { return capacity_; }
@@ -308,6 +312,7 @@ class PageAllocator {
   }
   // Gives a frame whose slots are all free back to the free list.
   void ReleaseFrame(size_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool UnrefLocked(Page* page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Device* const device_;
   uint8_t* const base_;

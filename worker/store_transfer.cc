@@ -59,6 +59,9 @@ absl::StatusOr<uint64_t> CheckExportBlocks(const Device& device,
                                            absl::Span<const ExportBlock> blocks)
     ABSL_SHARED_LOCKS_REQUIRED(seq.mu) {
   std::vector<bool> named(seq.blocks.size(), false);
+  // Each distinct wanted encoding is checked once (named by its first
+  // block): a sequence of thousands of blocks holds a few encodings.
+  std::vector<Encoding> checked;
   uint64_t end = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const ExportBlock& want = blocks[i];
@@ -66,11 +69,16 @@ absl::StatusOr<uint64_t> CheckExportBlocks(const Device& device,
         const Block* named_block,
         NamedBlock(seq, i, want.index, want.lineage_id, &named));
     const Block& b = *named_block;
-    BlockSpec spec = b.spec;
-    spec.encoding = want.encoding;
-    TRIAX_RETURN_IF_ERROR(
-        BlockEncoding(device, spec, absl::StrCat("blocks[", i, "]"), seq.shape)
-            .status());
+    if (std::find(checked.begin(), checked.end(), want.encoding) ==
+        checked.end()) {
+      BlockSpec spec = b.spec;
+      spec.encoding = want.encoding;
+      TRIAX_RETURN_IF_ERROR(BlockEncoding(device, spec,
+                                          absl::StrCat("blocks[", i, "]"),
+                                          seq.shape)
+                                .status());
+      checked.push_back(want.encoding);
+    }
     if (b.spec.evicted) {
       return absl::FailedPreconditionError(absl::StrCat(
           "blocks[", i, "] (index=", want.index,
@@ -116,9 +124,11 @@ void PagePins::ReleaseFirst(size_t n) {
   {
     absl::MutexLock lock(&mu_);
     n = std::min(n, pages_.size());
-    for (; released_ < n; ++released_) release.push_back(pages_[released_]);
+    if (n <= released_) return;
+    release.assign(pages_.begin() + released_, pages_.begin() + n);
+    released_ = n;
   }
-  for (Page* p : release) allocator_->Unpin(p);
+  allocator_->UnpinAll(release);
 }
 
 std::unique_ptr<PagePins> SequenceStore::NewPagePins() const {
@@ -207,22 +217,12 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
   std::vector<TransferPage> pages(blocks.size());
   std::vector<DemoteJob> jobs;
   std::vector<size_t> job_page;  // pages[] index of each job
-  // Shared export: the page whose bytes pages[i] names, pinned here and
-  // handed to `pins` only when the whole layer succeeded.
+  // Shared export: the page whose bytes pages[i] names, all pinned at the
+  // end (under the sequence's mutex, before the scratch pages are let go)
+  // when the whole layer succeeded.
   const bool shared = pins != nullptr;
   std::vector<Page*> shared_src(shared ? blocks.size() : 0, nullptr);
-  struct LocalPins {
-    PageAllocator* allocator;
-    std::vector<Page*> pages;
-    ~LocalPins() {
-      for (Page* p : pages) allocator->Unpin(p);
-    }
-  } local{allocator_, {}};
-  auto share = [&](size_t i, Page* page) {
-    allocator_->Pin(page);
-    local.pages.push_back(page);
-    shared_src[i] = page;
-  };
+  auto share = [&](size_t i, Page* page) { shared_src[i] = page; };
   for (size_t i = 0; i < blocks.size(); ++i) {
     const ExportBlock& want = blocks[i];
     const Block& b = seq.blocks[want.index];
@@ -335,7 +335,8 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
                        layer, " checksums: ", s.message()));
     }
     for (size_t i = 0; i < pages.size(); ++i) pages[i].crc32c = crcs[i];
-    pins->Adopt(&local.pages);
+    allocator_->PinAll(shared_src);
+    pins->Adopt(&shared_src);
   }
   return pages;
 }
@@ -474,51 +475,52 @@ absl::Status ImportSession::Install(const TransferPage& page) {
       .status();
 }
 
-absl::StatusOr<Page*> ImportSession::Destination(const TransferPage& page,
-                                                 size_t bytes,
-                                                 const std::string& where) {
+absl::StatusOr<Page*> ImportSession::Destination(
+    const TransferPage& page, size_t bytes,
+    absl::FunctionRef<std::string()> where) {
+  // `where` (the message prefix) is built only for an error.
   State& st = *state_;
   Sequence& seq = *st.seq;
   if (page.layer >= seq.model.n_layers) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, "layer=", page.layer,
+        absl::StrCat(where(), "layer=", page.layer,
                      " is >= model.n_layers=", seq.model.n_layers));
   }
   if (page.block_index >= seq.blocks.size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, "block_index=", page.block_index,
+        absl::StrCat(where(), "block_index=", page.block_index,
                      " is not in the plan of ", seq.blocks.size(), " blocks"));
   }
   Block& b = seq.blocks[page.block_index];
   if (page.lineage_id != b.spec.lineage_id) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, "lineage_id=", page.lineage_id,
+        where(), "lineage_id=", page.lineage_id,
         " differs from the plan's lineage_id=", b.spec.lineage_id));
   }
   if (b.spec.evicted) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, "the block is evicted in the plan; no page was expected"));
+        where(), "the block is evicted in the plan; no page was expected"));
   }
   if (st.have[page.block_index][page.layer] != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, "duplicate page (already installed)"));
+        absl::StrCat(where(), "duplicate page (already installed)"));
   }
   const Encoding want = page.sealed ? b.spec.encoding : Bf16();
   if (!(page.encoding == want)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, "format (encoding ", EncName(page.encoding),
+        absl::StrCat(where(), "format (encoding ", EncName(page.encoding),
                      ") of a ", page.sealed ? "sealed" : "window",
                      " page differs from the expected ", EncName(want)));
   }
   const size_t want_bytes = kernels::PageBytes(want, seq.shape);
   if (bytes != want_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(where, "data has ", bytes,
+    return absl::InvalidArgumentError(absl::StrCat(where(), "data has ", bytes,
                                                    " bytes; a ", EncName(want),
                                                    " page has ", want_bytes));
   }
   if (page.num_tokens != b.spec.num_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, "num_tokens=", page.num_tokens,
+        where(), "num_tokens=", page.num_tokens,
         " differs from the plan's num_tokens=", b.spec.num_tokens));
   }
   if (page.sealed || IsBf16(b.spec.encoding)) return b.target[page.layer];
@@ -528,7 +530,7 @@ absl::StatusOr<Page*> ImportSession::Destination(const TransferPage& page,
     if (!w.ok()) {
       return absl::Status(
           w.status().code(),
-          absl::StrCat(where, "window page: ", w.status().message()));
+          absl::StrCat(where(), "window page: ", w.status().message()));
     }
     b.window[page.layer] = *w;
     st.result.page_bytes += want_bytes;
@@ -558,10 +560,10 @@ void ImportSession::Installed(const TransferPage& page) {
 absl::Status ImportSession::InstallOnce(const TransferPage& page) {
   Sequence& seq = *state_->seq;
   absl::MutexLock lock(&seq.mu);
-  const std::string where = Where(page);
+  auto where = [&] { return Where(page); };
   if (page.shared) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, "a shared page (arena_offset) on the stream path"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where(), "a shared page (arena_offset) on the stream path"));
   }
   // Plan checks, then the CRC32C before anything is copied.
   const uint32_t crc = Crc32c(page.data.data(), page.data.size());
@@ -569,7 +571,7 @@ absl::Status ImportSession::InstallOnce(const TransferPage& page) {
                          Destination(page, page.data.size(), where));
   if (crc != page.crc32c) {
     return absl::DataLossError(absl::StrCat(
-        where,
+        where(),
         absl::StrFormat("CRC32C of the received data is 0x%08x, the source "
                         "sent 0x%08x; the page is not installed",
                         crc, page.crc32c)));
@@ -605,21 +607,21 @@ absl::Status ImportSession::InstallSharedOnce(
   absl::flat_hash_set<std::pair<uint32_t, uint32_t>> in_batch;
   for (size_t i = 0; i < pages.size(); ++i) {
     const TransferPage& page = pages[i];
-    const std::string where = Where(page);
+    auto where = [&] { return Where(page); };
     if (!page.shared) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, "a page with bytes on the ipc path"));
+          absl::StrCat(where(), "a page with bytes on the ipc path"));
     }
     if (page.shared_bytes > peer_bytes ||
         page.arena_offset > peer_bytes - page.shared_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, "arena_offset=", page.arena_offset,
+          where(), "arena_offset=", page.arena_offset,
           " shared_bytes=", page.shared_bytes,
           " lie outside the source's arena of ", peer_bytes, " bytes"));
     }
     if (!in_batch.insert({page.block_index, page.layer}).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, "duplicate page (twice in one batch)"));
+          absl::StrCat(where(), "duplicate page (twice in one batch)"));
     }
     TRIAX_ASSIGN_OR_RETURN(Page * dst,
                            Destination(page, page.shared_bytes, where));
@@ -627,8 +629,11 @@ absl::Status ImportSession::InstallSharedOnce(
                        static_cast<size_t>(page.shared_bytes)};
   }
   std::vector<uint32_t> crcs(pages.size());
+  const absl::Time copy_start = absl::Now();
   TRIAX_RETURN_IF_ERROR(
       store_->device_->CopyPagesChecked(jobs, absl::MakeSpan(crcs)));
+  state_->result.copy_seconds +=
+      absl::ToDoubleSeconds(absl::Now() - copy_start);
   for (size_t i = 0; i < pages.size(); ++i) {
     if (crcs[i] != pages[i].crc32c) {
       return absl::DataLossError(absl::StrCat(

@@ -182,6 +182,9 @@ struct ImportResult {
   // Per layer: seconds from BeginImport until the layer's last page was
   // installed (0 for a layer without pages).
   std::vector<double> layer_done_seconds;
+  // The ipc path: seconds spent in Device::CopyPagesChecked (the device
+  // copies and their CRC32Cs, host synchronization included).
+  double copy_seconds = 0;
 };
 
 class ImportSession {
@@ -219,7 +222,7 @@ class ImportSession {
   // bytes go to, allocating the block's window page for a window page of a
   // non-BF16 block (kept on the block, so a retry reuses it).
   absl::StatusOr<Page*> Destination(const TransferPage& page, size_t bytes,
-                                    const std::string& where);
+                                    absl::FunctionRef<std::string()> where);
   // With the mutex held: records an installed page (figures, per-layer
   // completion).
   void Installed(const TransferPage& page);

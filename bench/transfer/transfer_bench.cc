@@ -141,8 +141,10 @@ struct Value {
 struct TransferRow {
   SizeCase size;
   std::string encoding;
+  std::string path;  // ImportSequenceResponse.data_path: stream or ipc
   double seconds = 0, worker_seconds = 0, probe_seconds = 0, memcpy_seconds = 0;
   double device_copy_seconds = 0;  // 0: not measured
+  double copy_seconds = 0;         // dst's device copies (ipc path), median
   uint64_t wire = 0, bf16 = 0, page_bytes = 0;
 };
 
@@ -222,7 +224,7 @@ class Bench {
     for (uint32_t l = 0; s.ok() && l < shape_.n_layers; ++l) {
       s = src_->WriteLayer(seq, l, size.tokens, pattern_);
     }
-    std::vector<double> seconds, worker_seconds;
+    std::vector<double> seconds, worker_seconds, copy_seconds;
     for (int r = 0; s.ok() && r < repeats_; ++r) {
       const auto start = Clock::now();
       auto resp = dst_->Import(ImportRequest(seq, dst_plan, false));
@@ -232,7 +234,9 @@ class Bench {
       }
       seconds.push_back(Since(start));
       worker_seconds.push_back(resp->seconds());
+      copy_seconds.push_back(resp->copy_seconds());
       row.wire = resp->wire_bytes();
+      row.path = resp->data_path();
       row.bf16 = resp->bf16_bytes();
       row.page_bytes = resp->page_bytes();
       s = dst_->Free(seq);
@@ -241,6 +245,7 @@ class Bench {
     if (!s.ok()) return s;
     row.seconds = Median(seconds);
     row.worker_seconds = Median(worker_seconds);
+    row.copy_seconds = Median(copy_seconds);
     std::vector<double> probe, copy;
     for (int r = 0; r < repeats_; ++r) {
       auto p =
@@ -424,23 +429,29 @@ void PrintTransfer(const std::vector<TransferRow>& rows,
   std::cout << "\n## transfer: ImportSequence on dst pulling src's pages "
                "(median of runs); baselines on the same wire bytes\n";
   std::cout << absl::StrFormat(
-      "%-6s %7s %-15s %9s %9s %9s %9s %6s %8s %8s %8s %6s %8s %11s %8s\n",
-      "size", "tokens", "encoding", "s/seq", "worker_s", "wire_MiB", "bf16_MiB",
-      "wire/bf16", "bf16eqGB/s", "wireGB/s", "probeGB/s", "w/probe",
-      "memcpyGB/s", "devcopyGB/s", "w/devcopy");
+      "%-6s %7s %-15s %-6s %9s %9s %9s %9s %6s %8s %8s %8s %6s %8s %11s "
+      "%8s %9s %8s\n",
+      "size", "tokens", "encoding", "path", "s/seq", "worker_s", "wire_MiB",
+      "bf16_MiB", "wire/bf16", "bf16eqGB/s", "wireGB/s", "probeGB/s", "w/probe",
+      "memcpyGB/s", "devcopyGB/s", "w/devcopy", "ipccpGB/s", "cp/devcp");
   for (const TransferRow& r : rows) {
     const double wire_gbps = GBps(r.wire, r.seconds);
     const double probe_gbps = GBps(r.wire, r.probe_seconds);
     const double dev_gbps = GBps(r.wire, r.device_copy_seconds);
+    const double copy_gbps = GBps(r.wire, r.copy_seconds);
     std::cout << absl::StrFormat(
-        "%-6s %7u %-15s %9.4f %9.4f %9.1f %9.1f %9.3f %10.3f %8.3f %9.3f "
-        "%7.3f %10.3f %11s %9s\n",
-        r.size.label, r.size.tokens, r.encoding, r.seconds, r.worker_seconds,
-        r.wire / kMiB, r.bf16 / kMiB, double(r.wire) / r.bf16,
+        "%-6s %7u %-15s %-6s %9.4f %9.4f %9.1f %9.1f %9.3f %10.3f %8.3f "
+        "%9.3f %7.3f %10.3f %11s %9s %9s %8s\n",
+        r.size.label, r.size.tokens, r.encoding, r.path, r.seconds,
+        r.worker_seconds, r.wire / kMiB, r.bf16 / kMiB, double(r.wire) / r.bf16,
         GBps(r.bf16, r.seconds), wire_gbps, probe_gbps, wire_gbps / probe_gbps,
         GBps(r.wire, r.memcpy_seconds),
         dev_gbps > 0 ? absl::StrFormat("%.2f", dev_gbps) : "-",
-        dev_gbps > 0 ? absl::StrFormat("%.3f", wire_gbps / dev_gbps) : "-");
+        dev_gbps > 0 ? absl::StrFormat("%.3f", wire_gbps / dev_gbps) : "-",
+        copy_gbps > 0 ? absl::StrFormat("%.2f", copy_gbps) : "-",
+        copy_gbps > 0 && dev_gbps > 0
+            ? absl::StrFormat("%.3f", copy_gbps / dev_gbps)
+            : "-");
     auto add = [&](const std::string& metric, double v, const char* unit) {
       values->push_back({"transfer", r.size.label, r.encoding, "",
                          r.size.tokens, -1, metric, v, unit});
@@ -462,6 +473,14 @@ void PrintTransfer(const std::vector<TransferRow>& rows,
       add("device_copy_seconds", r.device_copy_seconds, "s");
       add("device_copy_throughput", dev_gbps, "GB/s");
       add("wire_over_device_copy_throughput", wire_gbps / dev_gbps, "ratio");
+    }
+    if (copy_gbps > 0) {
+      add("ipc_copy_seconds", r.copy_seconds, "s");
+      add("ipc_copy_throughput", copy_gbps, "GB/s");
+      if (dev_gbps > 0) {
+        add("ipc_copy_over_device_copy_throughput", copy_gbps / dev_gbps,
+            "ratio");
+      }
     }
   }
 }

@@ -27,9 +27,9 @@ static_assert(sizeof(ByteRange) == 16, "ByteRange is copied as raw bytes");
 LaunchResult LaunchCrc32c(const ByteRange* ranges, int num_ranges,
                           uint32_t* out, cudaStream_t stream);
 
-// One device-to-device copy whose CRC32C is taken on the way (transfers:
+// One device-to-device copy whose CRC32C is taken right after (transfers:
 // the destination copies a page out of the source's mapped arena and
-// verifies it in the same pass over the bytes). src and dst must not
+// verifies what it installed in the same launch). src and dst must not
 // overlap; 32 bytes so an array of them is one copy.
 struct CopyRange {
   const uint8_t* src = nullptr;
@@ -39,9 +39,10 @@ struct CopyRange {
 };
 static_assert(sizeof(CopyRange) == 32, "CopyRange is copied as raw bytes");
 
-// The same kernel copying as it reads: dst[i] = src[i] for every range,
-// out[i] = CRC32C of the bytes copied. 16-byte loads and stores where both
-// ends of a slice are aligned.
+// CopyCrc32cKernel: one CTA per range copies it (coalesced 16-byte words
+// where both ends are 16-byte aligned, bytes otherwise), then computes the
+// CRC32C of dst as Crc32cKernel does: out[i] = CRC32C of the bytes that
+// landed in dst.
 LaunchResult LaunchCopyCrc32c(const CopyRange* ranges, int num_ranges,
                               uint32_t* out, cudaStream_t stream);
 

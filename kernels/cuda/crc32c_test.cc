@@ -114,7 +114,7 @@ TEST_F(Crc32cCudaTest, OneFlippedBitChangesTheChecksum) {
 // around each destination stay untouched.
 TEST_F(Crc32cCudaTest, CopyCopiesExactlyAndChecksumsTheCopy) {
   std::mt19937 rng(11);
-  std::vector<uint8_t> host(600000);
+  std::vector<uint8_t> host(1 << 20);
   for (uint8_t& b : host) b = static_cast<uint8_t>(rng());
   const uint8_t* src = Upload(host);
   uint8_t* dst = Upload(std::vector<uint8_t>(host.size(), 0xEE));

@@ -124,7 +124,7 @@ struct Crc32cParams {
 absl::Status Crc32cCuda(const Crc32cParams& p);
 
 // Copies each range (src -> dst, no overlap) and sets out[i] to the CRC32C
-// of the bytes copied, in one pass over them. Errors as Crc32cCuda.
+// of the bytes that landed in dst, in one launch. Errors as Crc32cCuda.
 struct CopyCrc32cParams {
   const CopyRange* ranges = nullptr;  // [num_ranges], device
   int num_ranges = 0;

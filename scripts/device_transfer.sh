@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The transfer path on the GPU machine, with CUDA workers (--backend=auto
+# picks cuda there): the GPU tests, the two-process transfer tests on both
+# data paths (ipc = CUDA IPC between two workers on one GPU), the cluster
+# tests, the prefill-on-one / decode-on-the-other demo, and transfer_bench
+# over the ipc and stream paths against the device's own copy bandwidth.
+#
+#   scripts/device_transfer.sh BUNDLE DATA_DIR OUT [tests|bench|all]
+#
+# BUNDLE: a ../shared/device/bundle.sh directory holding kvmanager,
+# kvworker, kvdemo, transfer_bench, device_copy_probe and the test
+# binaries named below. Each step's output goes to OUT/<step>.log and its
+# exit status to OUT/summary.txt. BENCH_SIZES / BENCH_STREAM_SIZES /
+# BENCH_REPEATS override the bench's sizes (ipc path / stream path) and
+# repeats.
+set -uo pipefail
+b=${1:?usage: BUNDLE DATA_DIR OUT [tests|bench|all]}
+data=${2:?DATA_DIR}
+out=${3:?OUT}
+what=${4:-all}
+root=$(cd "$(dirname "$0")/.." && pwd)
+export TRIAX_BIN_DIR=$b/bin TRIAX_DATA_DIR=$data
+mkdir -p "$out"
+
+step() {  # name, command...
+  local name=$1
+  shift
+  local start=$SECONDS
+  "$b/run" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$out/summary.txt"
+}
+
+nvidia-smi -L | tee "$out/gpu.txt"
+if [[ $what == tests || $what == all ]]; then
+  step crc32c_cuda_test "$b/bin/crc32c_cuda_test"
+  step cuda_device_test "$b/bin/cuda_device_test"
+  step worker_ipc_test "$b/bin/worker_ipc_test"
+  step transfer_test "$b/bin/transfer_test"
+  step transfer_cluster_test "$b/bin/transfer_cluster_test"
+  step kvdemo_transfer_test "$b/bin/kvdemo_transfer_test"
+  step demo bash "$root/scripts/demo.sh" "$b/bin" --steps=ab
+fi
+if [[ $what == bench || $what == all ]]; then
+  sizes=${BENCH_SIZES:-1M,16M,256M,1G,4G}
+  stream_sizes=${BENCH_STREAM_SIZES:-1M,16M,256M,1G}
+  repeats=${BENCH_REPEATS:-3}
+  step bench_ipc "$b/bin/transfer_bench" --backend=cuda \
+    --worker_flags=--transfer_path=ipc --sizes="$sizes" \
+    --overlap_sizes=16M,256M,1G --repeats="$repeats" \
+    --cpus_src=0-3 --cpus_dst=4-7 --cpus_bench=8-15 \
+    --tsv="$out/bench_ipc.tsv"
+  step bench_stream "$b/bin/transfer_bench" --backend=cuda \
+    --worker_flags=--transfer_path=stream --sizes="$stream_sizes" \
+    --overlap_sizes=256M --repeats="$repeats" \
+    --cpus_src=0-3 --cpus_dst=4-7 --cpus_bench=8-15 \
+    --tsv="$out/bench_stream.tsv"
+fi
