@@ -82,6 +82,27 @@ v1::AllocatePagesRequest AllocRequest(const std::string& seq, uint32_t tokens,
   return r;
 }
 
+// ImportSequence of sequence "s" (`tokens` tokens, blocks in `format`,
+// window 4, timeout 5 s) from the worker at `source_address`.
+v1::ImportSequenceRequest ImportRequestFrom(
+    const std::string& source_address, uint32_t tokens,
+    v1::Format format = v1::FORMAT_INT4) {
+  const v1::AllocatePagesRequest plan = AllocRequest("s", tokens, format);
+  v1::ImportSequenceRequest r;
+  r.set_request_id("imp-1");
+  r.set_transfer_id("t-1");
+  r.set_tenant_id(kTenant);
+  r.set_sequence_id("s");
+  *r.mutable_model() = plan.model();
+  r.set_block_tokens(plan.block_tokens());
+  r.set_window_tokens(4);
+  *r.mutable_blocks() = plan.blocks();
+  r.set_source_address(source_address);
+  r.set_source_worker_id("worker-a");
+  r.set_timeout_ms(5000);
+  return r;
+}
+
 std::vector<float> Random(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> dist(0.f, 1.f);

@@ -38,20 +38,7 @@ class TransferServiceTest : public ::testing::Test {
   }
   v1::ImportSequenceRequest ImportRequestFor(
       const Node& source, v1::Format format = v1::FORMAT_INT4) {
-    const v1::AllocatePagesRequest plan = AllocRequest("s", kTokens, format);
-    v1::ImportSequenceRequest r;
-    r.set_request_id("imp-1");
-    r.set_transfer_id("t-1");
-    r.set_tenant_id(kTenant);
-    r.set_sequence_id("s");
-    *r.mutable_model() = plan.model();
-    r.set_block_tokens(plan.block_tokens());
-    r.set_window_tokens(4);
-    *r.mutable_blocks() = plan.blocks();
-    r.set_source_address(source.address);
-    r.set_source_worker_id("worker-a");
-    r.set_timeout_ms(5000);
-    return r;
+    return ImportRequestFrom(source.address, kTokens, format);
   }
   grpc::Status Import(const v1::ImportSequenceRequest& r,
                       v1::ImportSequenceResponse* resp = nullptr) {

@@ -6,31 +6,43 @@
 #include "kernels/cuda/kv_cuda.cuh"
 
 namespace triax::kernels::cuda {
+namespace {
+
+// INVALID_ARGUMENT for a negative count or a null array with ranges; OK
+// with *launch = false for no ranges (nothing to do).
+absl::Status CheckArgs(int num_ranges, const void* ranges, const void* out,
+                       bool* launch) {
+  *launch = false;
+  if (num_ranges < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_ranges ", num_ranges, " is negative"));
+  }
+  if (num_ranges == 0) return absl::OkStatus();
+  if (ranges == nullptr || out == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ranges == nullptr ? "ranges" : "out",
+                     " is null with num_ranges ", num_ranges));
+  }
+  *launch = true;
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status Crc32cCuda(const Crc32cParams& p) {
-  if (p.num_ranges < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_ranges ", p.num_ranges, " is negative"));
-  }
-  if (p.num_ranges == 0) return absl::OkStatus();
-  if (p.ranges == nullptr || p.out == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(p.ranges == nullptr ? "ranges" : "out",
-                     " is null with num_ranges ", p.num_ranges));
+  bool launch = false;
+  if (absl::Status s = CheckArgs(p.num_ranges, p.ranges, p.out, &launch);
+      !s.ok() || !launch) {
+    return s;
   }
   return ToStatus(LaunchCrc32c(p.ranges, p.num_ranges, p.out, p.stream));
 }
 
 absl::Status CopyCrc32cCuda(const CopyCrc32cParams& p) {
-  if (p.num_ranges < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_ranges ", p.num_ranges, " is negative"));
-  }
-  if (p.num_ranges == 0) return absl::OkStatus();
-  if (p.ranges == nullptr || p.out == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(p.ranges == nullptr ? "ranges" : "out",
-                     " is null with num_ranges ", p.num_ranges));
+  bool launch = false;
+  if (absl::Status s = CheckArgs(p.num_ranges, p.ranges, p.out, &launch);
+      !s.ok() || !launch) {
+    return s;
   }
   return ToStatus(LaunchCopyCrc32c(p.ranges, p.num_ranges, p.out, p.stream));
 }
