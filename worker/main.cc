@@ -79,7 +79,8 @@ ABSL_FLAG(std::string, transfer_path, "auto",
           "mapped here and pages copied device to device: CUDA IPC, or "
           "shared memory between CPU workers, which then share their arena; "
           "same host only, no fallback), auto (ipc where the source can "
-          "share with this worker, else stream; CPU workers stream)");
+          "share with this worker, else stream; CPU workers stream); a "
+          "worker on stream also shares nothing with importers");
 ABSL_FLAG(int32_t, testing_corrupt_export_pages, 0,
           "TEST HOOK: flip one byte of every N-th page this worker exports "
           "(ExportPages), after its CRC32C was taken, so that the importing "

@@ -122,8 +122,9 @@ TEST_F(IpcTransferTest, ImportsThroughTheSourcesArena) {
   ExpectSameReads();
 }
 
+// The source's device could share, but it runs with transfer_path=stream.
 TEST_F(IpcTransferTest, AutoStreamsFromASourceThatCannotShare) {
-  Start(Path(TransferPath::kStream), false, Path(TransferPath::kAuto), true);
+  Start(Path(TransferPath::kStream), true, Path(TransferPath::kAuto), true);
   WriteSource();
   v1::ImportSequenceResponse resp;
   grpc::Status s = Import(ImportRequestFor(), &resp);
@@ -133,14 +134,30 @@ TEST_F(IpcTransferTest, AutoStreamsFromASourceThatCannotShare) {
   ExpectSameReads();
 }
 
+// A source whose backend does not share, and one that runs with
+// transfer_path=stream: the strict ipc destination fails naming why.
 TEST_F(IpcTransferTest, IpcRefusesASourceThatCannotShare) {
-  Start(Path(TransferPath::kStream), false, Path(TransferPath::kIpc), true);
-  WriteSource();
-  EXPECT_CODE(Import(ImportRequestFor()), grpc::StatusCode::FAILED_PRECONDITION,
-              "transfer_path=ipc: source worker-a at " + a_->address +
-                  " cannot share its pages with this worker: this worker's "
-                  "backend does not share its arena");
-  EXPECT_EQ(b_->store->Inventory().used_bytes, 0u);
+  struct Case {
+    WorkerServiceOptions source;
+    bool shares;
+    std::string why;
+  };
+  const Case cases[] = {
+      {Path(TransferPath::kAuto), false,
+       "this worker's backend does not share its arena"},
+      {Path(TransferPath::kStream), true,
+       "this worker runs with --transfer_path=stream and does not share"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.why);
+    Start(c.source, c.shares, Path(TransferPath::kIpc), true);
+    WriteSource();
+    EXPECT_CODE(Import(ImportRequestFor()),
+                grpc::StatusCode::FAILED_PRECONDITION,
+                "transfer_path=ipc: source worker-a at " + a_->address +
+                    " cannot share its pages with this worker: " + c.why);
+    EXPECT_EQ(b_->store->Inventory().used_bytes, 0u);
+  }
 }
 
 TEST_F(IpcTransferTest, SharePagesRefusesAnotherDomainAndBadFirstMessages) {

@@ -206,6 +206,11 @@ grpc::Status WorkerService::SharePages(
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "SharePages: the first message has no request");
   }
+  if (options_.transfer_path == TransferPath::kStream) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        "this worker runs with --transfer_path=stream and "
+                        "does not share its arena");
+  }
   const std::string domain = core_->ShareDomain();
   if (domain.empty()) {
     return grpc::Status(

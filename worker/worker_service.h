@@ -37,7 +37,8 @@
 // every N-th exported page after its CRC32C was taken (kvworker
 // --testing_corrupt_export_pages), so a destination must answer DATA_LOSS.
 //
-// SharePages (the ipc path, worker/transfer_client.h): UNIMPLEMENTED unless
+// SharePages (the ipc path, worker/transfer_client.h): UNIMPLEMENTED when
+// this worker's own transfer_path is stream (it shares nothing), and unless
 // the destination's share_domain equals this worker's (same host, same
 // backend) and the arena can be shared; then the same export as
 // ExportPages with pages pinned instead of copied out, sent in batches of
