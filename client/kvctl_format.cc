@@ -743,8 +743,8 @@ std::string TransferReport(const triax::v1::TransferSequenceResponse& r) {
                                              r.source_bytes(), ")")});
   head.AddRow({"seconds:", absl::StrFormat("%.3f (pull %.3f)", r.seconds(),
                                            r.pull_seconds())});
-  head.AddRow({"data path:",
-               r.data_path().empty() ? std::string("-") : r.data_path()});
+  head.AddRow(
+      {"data path:", r.data_path().empty() ? std::string("-") : r.data_path()});
   return absl::StrCat(head.Render(), "\n", SequenceDetail(r.sequence()));
 }
 

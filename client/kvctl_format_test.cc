@@ -284,11 +284,13 @@ TEST(TransferReport, WireAgainstBf16) {
   r.set_source_bytes(3500);
   r.set_seconds(0.25);
   r.set_pull_seconds(0.2);
+  r.set_data_path("ipc");
   const std::string out = TransferReport(r);
   EXPECT_THAT(out, HasSubstr("prefill-0 -> decode-1"));
   EXPECT_THAT(out, HasSubstr("4 (128 pages"));
   EXPECT_THAT(out, HasSubstr("0.286 (3.50x fewer bytes than BF16)"));
   EXPECT_THAT(out, HasSubstr("0.250 (pull 0.200)"));
+  EXPECT_THAT(out, HasSubstr("data path:     ipc"));
   EXPECT_THAT(out, HasSubstr("decode-1 ("));  // the sequence's worker
   r.set_wire_bytes(0);
   EXPECT_THAT(TransferReport(r), HasSubstr("wire / bf16:   -"));

@@ -131,7 +131,7 @@ TEST_F(TransferTest, PrepareReservesAndCommitMovesTheSequence) {
   EXPECT_THAT(started[0].detail, HasSubstr("placed=true"));
 
   clock_.AdvanceMs(250);
-  TransferImportFigures f{6, 6 * 8192, 6 * 8192, 6 * 8192, 0.125};
+  TransferImportFigures f{6, 6 * 8192, 6 * 8192, 6 * 8192, 0.125, "ipc"};
   auto c = core_->CommitTransfer(p->token, f);
   ASSERT_THAT(c, IsOk());
   EXPECT_EQ(c->source_address, "127.0.0.1:9001");
@@ -148,6 +148,7 @@ TEST_F(TransferTest, PrepareReservesAndCommitMovesTheSequence) {
   EXPECT_EQ(r.source_bytes, bytes);
   EXPECT_DOUBLE_EQ(r.seconds, 0.25);
   EXPECT_DOUBLE_EQ(r.pull_seconds, 0.125);
+  EXPECT_EQ(r.data_path, "ipc");
   EXPECT_EQ(r.sequence.worker_id, "w2");
   EXPECT_EQ(r.sequence.worker_address, "127.0.0.1:9002");
   EXPECT_TRUE(r.sequence.transfer_id.empty());

@@ -46,6 +46,7 @@ class FakeWorker final : public v1::Worker::Service {
     resp->set_bf16_bytes(pages * 4000);
     resp->set_page_bytes(pages * 1024);
     resp->set_seconds(0.5);
+    resp->set_data_path("ipc");
     return grpc::Status::OK;
   }
   grpc::Status FreePages(grpc::ServerContext*, const v1::FreePagesRequest* req,
@@ -186,6 +187,7 @@ TEST_F(TransferServiceTest, TransferGoesThroughTheDestination) {
   EXPECT_EQ(r.bf16_bytes(), 24000u);
   EXPECT_EQ(r.source_bytes(), bytes_);
   EXPECT_DOUBLE_EQ(r.pull_seconds(), 0.5);
+  EXPECT_EQ(r.data_path(), "ipc");  // the destination's, passed through
   {
     absl::MutexLock lock(&dst_.mu);
     ASSERT_EQ(dst_.imports.size(), 1u);

@@ -99,6 +99,7 @@ TEST_F(IpcTransferTest, ImportsThroughTheSourcesArena) {
   grpc::Status s = Import(ImportRequestFor(v1::FORMAT_INT2), &resp);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(resp.data_path(), "ipc");
+  EXPECT_GT(resp.copy_seconds(), 0.0);  // the device copies, timed
   const kernels::PageShape shape = PageShapeOf(FromProto(Model()), 16);
   const size_t int2 = kernels::PageBytes(Format::kINT2, shape);
   const size_t bf16 = kernels::PageBytes(Format::kBF16, shape);
@@ -130,6 +131,7 @@ TEST_F(IpcTransferTest, AutoStreamsFromASourceThatCannotShare) {
   grpc::Status s = Import(ImportRequestFor(), &resp);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(resp.data_path(), "stream");
+  EXPECT_EQ(resp.copy_seconds(), 0.0);
   EXPECT_TRUE(b_->device.checked_copies().empty());
   ExpectSameReads();
 }

@@ -6,10 +6,10 @@
 // combination zlib's crc32_combine uses), which holds for the conditioned
 // CRC (initial and final xor 0xFFFFFFFF). The shift operators x^(8|B|) are
 // computed once per CTA, in parallel, before the tree.
-#include "kernels/cuda/crc32c.h"
-
 #include <mutex>
 #include <set>
+
+#include "kernels/cuda/crc32c.h"
 
 namespace triax::kernels::cuda {
 namespace {
