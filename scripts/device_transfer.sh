@@ -3,9 +3,11 @@
 # picks cuda there): the GPU tests, the two-process transfer tests on both
 # data paths (ipc = CUDA IPC between two workers on one GPU), the cluster
 # tests, the prefill-on-one / decode-on-the-other demo, and transfer_bench
-# over the ipc and stream paths against the device's own copy bandwidth.
+# over the ipc and stream paths against the device's own copy bandwidth;
+# "link": the transfer tests and a bench over NCCL links between the two
+# workers (each its own NCCL_HOSTID: on one GPU, NCCL's socket transport).
 #
-#   scripts/device_transfer.sh BUNDLE DATA_DIR OUT [tests|bench|all]
+#   scripts/device_transfer.sh BUNDLE DATA_DIR OUT [tests|link|bench|all]
 #
 # BUNDLE: a ../shared/device/bundle.sh directory holding kvmanager,
 # kvworker, kvdemo, transfer_bench, device_copy_probe and the test
@@ -36,10 +38,31 @@ if [[ $what == tests || $what == all ]]; then
   step crc32c_cuda_test "$b/bin/crc32c_cuda_test"
   step cuda_device_test "$b/bin/cuda_device_test"
   step worker_ipc_test "$b/bin/worker_ipc_test"
-  step transfer_test "$b/bin/transfer_test"
+  # The link path runs in the "link" step (it needs NCCL_HOSTID per worker).
+  step transfer_test "$b/bin/transfer_test" --gtest_filter=-*/2
   step transfer_cluster_test "$b/bin/transfer_cluster_test"
   step kvdemo_transfer_test "$b/bin/kvdemo_transfer_test"
   step demo bash "$root/scripts/demo.sh" "$b/bin" --steps=ab
+fi
+if [[ $what == link || $what == all ]]; then
+  # The link path between two CUDA workers on one GPU: NCCL refuses two
+  # ranks on one GPU of one host, so each worker process runs as its own
+  # NCCL "host" (NCCL_HOSTID) and NCCL uses its socket transport on
+  # loopback. Correctness and the watchdog, not NVLink speed.
+  wrap=$(mktemp -d)
+  for f in "$b"/bin/*; do ln -s "$f" "$wrap/"; done
+  rm "$wrap/kvworker"
+  printf '#!/bin/sh\nexport NCCL_HOSTID=triax-$$ NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}\nexec "%s" "$@"\n' \
+    "$b/bin/kvworker" >"$wrap/kvworker"
+  chmod +x "$wrap/kvworker"
+  TRIAX_BIN_DIR=$wrap step link_transfer_test "$b/bin/transfer_test" \
+    --gtest_filter='*/2'
+  TRIAX_BIN_DIR=$wrap step bench_link "$b/bin/transfer_bench" --backend=cuda \
+    --worker_flags=--transfer_path=link \
+    --sizes="${BENCH_LINK_SIZES:-1M,16M,256M}" --overlap_sizes=16M \
+    --repeats="${BENCH_REPEATS:-3}" \
+    --cpus_src=0-3 --cpus_dst=4-7 --cpus_bench=8-15 \
+    --tsv="$out/bench_link.tsv"
 fi
 if [[ $what == bench || $what == all ]]; then
   sizes=${BENCH_SIZES:-1M,16M,256M,1G,4G}

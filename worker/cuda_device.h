@@ -84,6 +84,7 @@
 #include "absl/types/span.h"
 #include "kernels/cuda/kv_cuda.cuh"
 #include "worker/device.h"
+#include "worker/link_nccl.h"
 
 namespace triax::worker {
 
@@ -143,6 +144,14 @@ class CudaDevice final : public Device {
   absl::StatusOr<const uint8_t*> OpenPeerArena(absl::string_view handle,
                                                size_t bytes) override;
   void ClosePeerArena(const uint8_t* base, size_t bytes) override;
+  // NCCL links (worker/link_nccl.h); EnableLinks runs before the device
+  // serves.
+  absl::Status EnableLinks(const LinkOptions& options) override;
+  std::string LinkBackend() const override;
+  absl::StatusOr<std::string> NewLinkId() override;
+  absl::StatusOr<std::unique_ptr<DeviceLink>> ConnectLink(
+      absl::string_view id, int rank, absl::Time deadline,
+      const std::function<bool()>& cancelled) override;
 
  public:
   // Ranges per Checksum / CopyPagesChecked launch.
@@ -225,6 +234,8 @@ class CudaDevice final : public Device {
 
   mutable absl::Mutex health_mu_;
   std::string poisoned_ ABSL_GUARDED_BY(health_mu_);  // empty while healthy
+
+  std::unique_ptr<NcclLinks> links_;  // set by EnableLinks
 };
 
 }  // namespace triax::worker

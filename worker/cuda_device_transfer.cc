@@ -151,6 +151,32 @@ absl::StatusOr<const uint8_t*> CudaDevice::OpenPeerArena(
   return static_cast<const uint8_t*>(p);
 }
 
+absl::Status CudaDevice::EnableLinks(const LinkOptions& options) {
+  TRIAX_ASSIGN_OR_RETURN(links_,
+                         NcclLinks::Load(options.nccl_library, ordinal_));
+  return absl::OkStatus();
+}
+
+std::string CudaDevice::LinkBackend() const {
+  return links_ == nullptr ? "" : "nccl";
+}
+
+absl::StatusOr<std::string> CudaDevice::NewLinkId() {
+  if (links_ == nullptr) return Device::NewLinkId();
+  TRIAX_RETURN_IF_ERROR(BeginNoLane());
+  return links_->NewLinkId();
+}
+
+absl::StatusOr<std::unique_ptr<DeviceLink>> CudaDevice::ConnectLink(
+    absl::string_view id, int rank, absl::Time deadline,
+    const std::function<bool()>& cancelled) {
+  if (links_ == nullptr) {
+    return Device::ConnectLink(id, rank, deadline, cancelled);
+  }
+  TRIAX_RETURN_IF_ERROR(BeginNoLane());
+  return links_->Connect(id, rank, deadline, cancelled);
+}
+
 void CudaDevice::ClosePeerArena(const uint8_t* base, size_t /*bytes*/) {
   if (base == nullptr) return;
   cudaSetDevice(ordinal_);

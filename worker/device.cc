@@ -19,6 +19,7 @@
 #include "common/ids.h"
 #include "kernels/numeric.h"
 #include "worker/checksum.h"
+#include "worker/link_tcp.h"
 
 namespace triax::worker {
 
@@ -125,6 +126,51 @@ absl::StatusOr<const uint8_t*> Device::OpenPeerArena(absl::string_view,
                                                      size_t) {
   return absl::UnimplementedError(
       absl::StrCat("the ", Name(), " backend cannot map a peer's arena"));
+}
+
+absl::Status Device::EnableLinks(const LinkOptions&) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("the ", Name(), " backend has no links"));
+}
+
+absl::StatusOr<std::string> Device::NewLinkId() {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", Name(), " backend has no links enabled"));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceLink>> Device::ConnectLink(
+    absl::string_view, int, absl::Time, const std::function<bool()>&) {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", Name(), " backend has no links enabled"));
+}
+
+CpuDevice::CpuDevice(bool share_arena) : share_arena_(share_arena) {}
+CpuDevice::~CpuDevice() = default;
+
+absl::Status CpuDevice::EnableLinks(const LinkOptions& options) {
+  if (absl::Status s = TcpLinkFactory::CheckHost(options.tcp_host); !s.ok()) {
+    return s;
+  }
+  links_ = std::make_unique<TcpLinkFactory>(options.tcp_host);
+  return absl::OkStatus();
+}
+
+std::string CpuDevice::LinkBackend() const {
+  return links_ == nullptr ? "" : "tcp";
+}
+
+absl::StatusOr<std::string> CpuDevice::NewLinkId() {
+  if (links_ == nullptr) return Device::NewLinkId();
+  return links_->NewLinkId();
+}
+
+absl::StatusOr<std::unique_ptr<DeviceLink>> CpuDevice::ConnectLink(
+    absl::string_view id, int rank, absl::Time deadline,
+    const std::function<bool()>& cancelled) {
+  if (links_ == nullptr) {
+    return Device::ConnectLink(id, rank, deadline, cancelled);
+  }
+  return links_->Connect(id, rank, deadline, cancelled);
 }
 
 absl::StatusOr<uint8_t*> CpuDevice::AllocateArena(size_t bytes) {

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -21,9 +22,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/layout.h"
 #include "kernels/ref/kv_ref.h"
+#include "worker/link.h"
 
 namespace triax::worker {
 
@@ -52,6 +55,18 @@ struct DeviceBytes {
   const uint8_t* data = nullptr;
   size_t bytes = 0;
 };
+
+// Device::EnableLinks.
+struct LinkOptions {
+  // CPU backend: the host (IP address or name) at which peers reach this
+  // worker's TCP link listeners: the host of its advertised gRPC address.
+  std::string tcp_host = "127.0.0.1";
+  // CUDA backend: the NCCL library to load (dlopen: a file name searched
+  // on the library path, or a path).
+  std::string nccl_library = "libnccl.so.2";
+};
+
+class TcpLinkFactory;
 
 class Device {
  public:
@@ -187,6 +202,28 @@ class Device {
   virtual absl::StatusOr<const uint8_t*> OpenPeerArena(absl::string_view handle,
                                                        size_t bytes);
   virtual void ClosePeerArena(const uint8_t* base, size_t bytes) {}
+
+  // Links (worker/link.h): the "link" transfer path between two workers
+  // on different devices or hosts. EnableLinks turns them on: TCP
+  // listeners on options.tcp_host for the CPU backend, NCCL loaded from
+  // options.nccl_library for the CUDA backend; FAILED_PRECONDITION saying
+  // why when it cannot (the library is not found or lacks a symbol).
+  virtual absl::Status EnableLinks(const LinkOptions& options);
+  // "nccl" or "tcp" once EnableLinks succeeded; empty before (the
+  // default: no links).
+  virtual std::string LinkBackend() const { return ""; }
+  // Rank 0 of a new link: an id (opaque bytes) to hand to rank 1.
+  // UNIMPLEMENTED without a link backend.
+  virtual absl::StatusOr<std::string> NewLinkId();
+  // Joins the link of `id` as `rank` (0 or 1) and waits until the peer
+  // joined too. DEADLINE_EXCEEDED at `deadline` and CANCELLED when
+  // `cancelled` (may be empty) turns true, the half-made link torn down
+  // either way; INVALID_ARGUMENT for a malformed id or a rank other than
+  // 0 and 1; UNAVAILABLE when the peer cannot be reached or the backend
+  // fails (NCCL's message); UNIMPLEMENTED without a link backend.
+  virtual absl::StatusOr<std::unique_ptr<DeviceLink>> ConnectLink(
+      absl::string_view id, int rank, absl::Time deadline,
+      const std::function<bool()>& cancelled);
 };
 
 // The CPU backend: the arena is host memory and compute is kernels/ref.
@@ -198,7 +235,7 @@ class Device {
 // backend does not share.
 class CpuDevice final : public Device {
  public:
-  explicit CpuDevice(bool share_arena = false) : share_arena_(share_arena) {}
+  explicit CpuDevice(bool share_arena = false);
   const char* Name() const override { return "cpu"; }
   absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override;
   void FreeArena(uint8_t* base, size_t bytes) override;
@@ -232,9 +269,18 @@ class CpuDevice final : public Device {
   absl::StatusOr<const uint8_t*> OpenPeerArena(absl::string_view handle,
                                                size_t bytes) override;
   void ClosePeerArena(const uint8_t* base, size_t bytes) override;
+  // TCP links (worker/link_tcp.h).
+  absl::Status EnableLinks(const LinkOptions& options) override;
+  std::string LinkBackend() const override;
+  absl::StatusOr<std::string> NewLinkId() override;
+  absl::StatusOr<std::unique_ptr<DeviceLink>> ConnectLink(
+      absl::string_view id, int rank, absl::Time deadline,
+      const std::function<bool()>& cancelled) override;
+  ~CpuDevice() override;
 
  private:
   const bool share_arena_;
+  std::unique_ptr<TcpLinkFactory> links_;
   absl::Mutex mu_;
   // Shared arenas: base -> memfd.
   absl::flat_hash_map<const uint8_t*, int> shared_fds_ ABSL_GUARDED_BY(mu_);

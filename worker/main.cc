@@ -78,9 +78,19 @@ ABSL_FLAG(std::string, transfer_path, "auto",
           "the source's gRPC ExportPages stream), ipc (the source's arena "
           "mapped here and pages copied device to device: CUDA IPC, or "
           "shared memory between CPU workers, which then share their arena; "
-          "same host only, no fallback), auto (ipc where the source can "
-          "share with this worker, else stream; CPU workers stream); a "
-          "worker on stream also shares nothing with importers");
+          "same host only, no fallback), link (a point-to-point link between "
+          "the two devices: NCCL between CUDA workers, TCP between CPU "
+          "workers; no fallback), auto (ipc where the source can share with "
+          "this worker, else an NCCL link between CUDA workers when NCCL "
+          "loads, else stream; CPU workers stream); a worker on stream also "
+          "shares nothing with importers and makes no links");
+ABSL_FLAG(std::string, link_host, "",
+          "link transfer path, CPU workers: the IP address at which peers "
+          "reach this worker's TCP link listeners; empty: the host of "
+          "--advertise, else of --listen");
+ABSL_FLAG(std::string, nccl_library, "libnccl.so.2",
+          "link transfer path, CUDA workers: the NCCL library to load "
+          "(a file name searched on the library path, or a path)");
 ABSL_FLAG(int32_t, testing_corrupt_export_pages, 0,
           "TEST HOOK: flip one byte of every N-th page this worker exports "
           "(ExportPages), after its CRC32C was taken, so that the importing "
@@ -268,6 +278,28 @@ int main(int argc, char** argv) {
   if (transfer_path == TransferPath::kIpc && (*device)->ShareDomain().empty()) {
     return Fail(1, absl::StrCat("--transfer_path=ipc: the ", (*device)->Name(),
                                 " backend cannot share its arena"));
+  }
+  const bool cuda = std::string((*device)->Name()) == "cuda";
+  if (transfer_path == TransferPath::kLink ||
+      (transfer_path == TransferPath::kAuto && cuda)) {
+    LinkOptions link_options;
+    link_options.tcp_host = absl::GetFlag(FLAGS_link_host);
+    if (link_options.tcp_host.empty()) {
+      link_options.tcp_host = HostOf(absl::GetFlag(FLAGS_advertise).empty()
+                                         ? absl::GetFlag(FLAGS_listen)
+                                         : absl::GetFlag(FLAGS_advertise));
+    }
+    link_options.nccl_library = absl::GetFlag(FLAGS_nccl_library);
+    if (absl::Status s = (*device)->EnableLinks(link_options); !s.ok()) {
+      if (transfer_path == TransferPath::kLink) {
+        return Fail(
+            1, absl::StrCat("--transfer_path=link: ", s.message(),
+                            cuda ? " (--nccl_library)" : " (--link_host)"));
+      }
+      triax::Log(triax::LogLevel::kInfo, "worker",
+                 "no NCCL links; transfers use ipc or stream",
+                 triax::Kv("why", s.message()));
+    }
   }
   WorkerService service(&core, service_options);
 

@@ -145,6 +145,16 @@ class RecordingDevice final : public Device {
   void ClosePeerArena(const uint8_t* base, size_t bytes) override {
     cpu_.ClosePeerArena(base, bytes);
   }
+  absl::Status EnableLinks(const LinkOptions& options) override {
+    return cpu_.EnableLinks(options);
+  }
+  std::string LinkBackend() const override { return cpu_.LinkBackend(); }
+  absl::StatusOr<std::string> NewLinkId() override { return cpu_.NewLinkId(); }
+  absl::StatusOr<std::unique_ptr<DeviceLink>> ConnectLink(
+      absl::string_view id, int rank, absl::Time deadline,
+      const std::function<bool()>& cancelled) override {
+    return cpu_.ConnectLink(id, rank, deadline, cancelled);
+  }
 
  private:
   CpuDevice cpu_;

@@ -441,6 +441,8 @@ class SequenceStore {
   std::string ShareDomain() const { return device_->ShareDomain(); }
   // An empty pin set over this store's pages (ExportOptions::pins).
   std::unique_ptr<PagePins> NewPagePins() const;
+  // Where a shared export's arena offsets count from.
+  const uint8_t* ArenaBase() const;
 
   // Target page of (block, layer), for tests that build PageRefs directly.
   absl::StatusOr<Page*> TargetPage(absl::string_view sequence_id,
@@ -516,7 +518,7 @@ class SequenceStore {
   absl::StatusOr<std::vector<TransferPage>> ExportLayerOnce(
       const std::shared_ptr<Sequence>& seq, absl::string_view tenant_id,
       absl::Span<const ExportBlock> blocks, uint32_t layer, uint64_t end,
-      PagePins* pins);
+      PagePins* pins, bool shared_checksums);
 
   // Runs `op` with data_mu_ held shared; when it fails RESOURCE_EXHAUSTED
   // after an allocator shortfall (PageAllocator::Shortfalls grew), releases

@@ -135,6 +135,10 @@ std::unique_ptr<PagePins> SequenceStore::NewPagePins() const {
   return std::make_unique<PagePins>(allocator_);
 }
 
+const uint8_t* SequenceStore::ArenaBase() const {
+  return allocator_->arena_base();
+}
+
 absl::StatusOr<SharedArenaInfo> SequenceStore::SharedArena() const {
   SharedArenaInfo info;
   info.backend = device_->Name();
@@ -190,7 +194,8 @@ absl::Status SequenceStore::Export(
     }
     absl::StatusOr<std::vector<TransferPage>> pages =
         WithRoom<std::vector<TransferPage>>([&] {
-          return ExportLayerOnce(seq, tenant_id, blocks, l, end, options.pins);
+          return ExportLayerOnce(seq, tenant_id, blocks, l, end, options.pins,
+                                 options.shared_checksums);
         });
     TRIAX_RETURN_IF_ERROR(pages.status());
     if (options.pins == nullptr) Checksum(&*pages);
@@ -202,7 +207,7 @@ absl::Status SequenceStore::Export(
 absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
     const std::shared_ptr<Sequence>& seq_ptr, absl::string_view tenant_id,
     absl::Span<const ExportBlock> blocks, uint32_t layer, uint64_t end,
-    PagePins* pins) {
+    PagePins* pins, bool shared_checksums) {
   TRIAX_ASSIGN_OR_RETURN(LockedSequence locked, LockOwned(seq_ptr, tenant_id));
   Sequence& seq = *locked;
   TRIAX_RETURN_IF_ERROR(CheckExportBlocks(*device_, seq, blocks).status());
@@ -327,7 +332,9 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
       ranges[i] = DeviceBytes{src->data, bytes};
     }
     std::vector<uint32_t> crcs(pages.size());
-    if (absl::Status s = device_->Checksum(ranges, absl::MakeSpan(crcs));
+    if (absl::Status s = shared_checksums
+                             ? device_->Checksum(ranges, absl::MakeSpan(crcs))
+                             : absl::OkStatus();
         !s.ok()) {
       return absl::Status(
           s.code(),

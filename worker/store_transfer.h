@@ -150,6 +150,9 @@ struct ExportOptions {
   // where they are; re-encoded and spilled ones in scratch pages of the
   // pool, which the pins keep.
   PagePins* pins = nullptr;
+  // A shared export without checksums: crc32c is left 0 (the link path
+  // takes each page's CRC32C as it gathers the page to send it).
+  bool shared_checksums = true;
 };
 
 // This worker's arena as a peer maps it (Device::ShareArena).

@@ -1,5 +1,11 @@
 #include "worker/transfer_client.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <random>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -17,8 +23,9 @@ absl::StatusOr<TransferPath> ParseTransferPath(absl::string_view name) {
   if (name == "auto") return TransferPath::kAuto;
   if (name == "stream") return TransferPath::kStream;
   if (name == "ipc") return TransferPath::kIpc;
+  if (name == "link") return TransferPath::kLink;
   return absl::InvalidArgumentError(absl::StrCat(
-      "transfer_path=", Quote(name), " is not one of auto, stream, ipc"));
+      "transfer_path=", Quote(name), " is not one of auto, stream, ipc, link"));
 }
 
 const char* TransferPathName(TransferPath path) {
@@ -29,6 +36,8 @@ const char* TransferPathName(TransferPath path) {
       return "stream";
     case TransferPath::kIpc:
       return "ipc";
+    case TransferPath::kLink:
+      return "link";
   }
   return "?";
 }
@@ -45,10 +54,29 @@ struct TransferClient::PeerArena {
   }
 };
 
+struct TransferClient::PeerLink {
+  absl::Mutex mu;
+  bool busy ABSL_GUARDED_BY(mu) = false;
+  // Touched only by the transfer that set busy.
+  std::unique_ptr<LinkEnd> end;
+  std::string key;
+};
+
+namespace {
+
+std::string ProcessOwner() {
+  std::random_device rd;
+  return absl::StrCat(HostBootId(), "/", getpid(), "/", rd());
+}
+
+}  // namespace
+
 TransferClient::TransferClient(Device* device, TransferPath path)
     : device_(device),
       path_(device == nullptr ? TransferPath::kStream : path),
-      share_domain_(device == nullptr ? "" : device->ShareDomain()) {}
+      share_domain_(device == nullptr ? "" : device->ShareDomain()),
+      link_backend_(device == nullptr ? "" : device->LinkBackend()),
+      owner_(ProcessOwner()) {}
 
 TransferClient::~TransferClient() = default;
 
@@ -80,7 +108,11 @@ absl::Status TransferClient::SourceError(const ImportRequest& req,
 absl::StatusOr<std::string> TransferClient::Fetch(const ImportRequest& req,
                                                   absl::Time deadline,
                                                   ImportSession* session) {
-  if (path_ != TransferPath::kStream && !share_domain_.empty()) {
+  const bool try_ipc =
+      path_ == TransferPath::kAuto || path_ == TransferPath::kIpc;
+  const bool try_link =
+      path_ == TransferPath::kAuto || path_ == TransferPath::kLink;
+  if (try_ipc && !share_domain_.empty()) {
     std::string why;
     TRIAX_ASSIGN_OR_RETURN(const bool shared,
                            FetchShared(req, deadline, session, &why));
@@ -90,7 +122,25 @@ absl::StatusOr<std::string> TransferClient::Fetch(const ImportRequest& req,
           absl::StrCat("transfer_path=ipc: ", SourceLabel(req),
                        " cannot share its pages with this worker: ", why));
     }
-    Log(LogLevel::kInfo, "worker", "ipc transfer path unavailable; streaming",
+    Log(LogLevel::kInfo, "worker", "ipc transfer path unavailable",
+        absl::StrCat(Kv("sequence_id", req.sequence_id), " ",
+                     Kv("source", req.source_address), " ", Kv("why", why)));
+  }
+  if (path_ == TransferPath::kLink && link_backend_.empty()) {
+    return absl::FailedPreconditionError(
+        "transfer_path=link: this worker's device has no links enabled");
+  }
+  if (try_link && !link_backend_.empty()) {
+    std::string why;
+    TRIAX_ASSIGN_OR_RETURN(const bool linked,
+                           FetchLink(req, deadline, session, &why));
+    if (linked) return link_backend_;
+    if (path_ == TransferPath::kLink) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("transfer_path=link: no ", link_backend_, " link to ",
+                       SourceLabel(req), ": ", why));
+    }
+    Log(LogLevel::kInfo, "worker", "link transfer path unavailable; streaming",
         absl::StrCat(Kv("sequence_id", req.sequence_id), " ",
                      Kv("source", req.source_address), " ", Kv("why", why)));
   }
@@ -225,6 +275,172 @@ absl::StatusOr<bool> TransferClient::FetchShared(const ImportRequest& req,
     return false;
   }
   return SourceError(req, s);
+}
+
+absl::StatusOr<std::unique_ptr<LinkEnd>> TransferClient::OpenLinkTo(
+    const ImportRequest& req, absl::Time deadline, std::string* key,
+    std::string* why) {
+  absl::StatusOr<std::string> id = device_->NewLinkId();
+  if (!id.ok()) {
+    *why = std::string(id.status().message());
+    return nullptr;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    *key = absl::StrCat(owner_, "#", ++next_link_);
+  }
+  // Both ranks join at once: ours on a thread, the source's in OpenLink.
+  std::atomic<bool> stop{false};
+  absl::StatusOr<std::unique_ptr<DeviceLink>> mine;
+  std::thread joiner([&] {
+    mine = device_->ConnectLink(*id, 0, deadline, [&] { return stop.load(); });
+  });
+  auto stub = v1::Worker::NewStub(ChannelFor(req.source_address));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(deadline));
+  v1::OpenLinkRequest open;
+  open.set_backend(link_backend_);
+  open.set_link_id(*id);
+  open.set_link_key(*key);
+  open.set_owner(owner_);
+  open.set_timeout_ms(static_cast<uint32_t>(
+      std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now()))));
+  v1::OpenLinkResponse opened;
+  const grpc::Status s = stub->OpenLink(&ctx, open, &opened);
+  if (!s.ok()) stop = true;
+  joiner.join();
+  if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED ||
+      s.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
+    *why = absl::StrCat("OpenLink: ", s.error_message());
+    return nullptr;  // the source has no such link, or could not join it
+  }
+  if (!s.ok()) return SourceError(req, s);  // gone, stalled past the deadline
+  if (!mine.ok()) {
+    *why = std::string(mine.status().message());
+    return nullptr;
+  }
+  return std::make_unique<LinkEnd>(device_, *std::move(mine));
+}
+
+absl::StatusOr<bool> TransferClient::FetchLink(const ImportRequest& req,
+                                               absl::Time deadline,
+                                               ImportSession* session,
+                                               std::string* why) {
+  std::shared_ptr<PeerLink> peer;
+  {
+    absl::MutexLock lock(&mu_);
+    std::shared_ptr<PeerLink>& slot = links_[req.source_address];
+    if (slot == nullptr) slot = std::make_shared<PeerLink>();
+    peer = slot;
+  }
+  // One transfer at a time per link: both ends post in the same order.
+  {
+    absl::MutexLock lock(&peer->mu);
+    if (!peer->mu.AwaitWithDeadline(
+            absl::Condition(
+                +[](PeerLink* p)
+                     ABSL_NO_THREAD_SAFETY_ANALYSIS { return !p->busy; },
+                peer.get()),
+            deadline)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(SourceLabel(req),
+                       ": the link was held by another transfer from "
+                       "this source until the import's deadline"));
+    }
+    peer->busy = true;
+  }
+  struct Unclaim {
+    PeerLink* p;
+    ~Unclaim() {
+      absl::MutexLock lock(&p->mu);
+      p->busy = false;
+    }
+  } unclaim{peer.get()};
+
+  // A source that lost its end (restarted, dropped it after an error)
+  // answers NOT_FOUND before sending anything: one new link, once.
+  for (int attempt = 0;; ++attempt) {
+    if (peer->end == nullptr) {
+      TRIAX_ASSIGN_OR_RETURN(peer->end,
+                             OpenLinkTo(req, deadline, &peer->key, why));
+      if (peer->end == nullptr) return false;
+    }
+    LinkEnd* const end = peer->end.get();
+    uint8_t* slots[2];
+    for (int i = 0; i < 2; ++i) {
+      TRIAX_ASSIGN_OR_RETURN(slots[i], end->Slot(i, kLinkBatchBytes));
+    }
+    auto stub = v1::Worker::NewStub(ChannelFor(req.source_address));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    std::unique_ptr<
+        grpc::ClientReaderWriter<v1::LinkPagesRequest, v1::PageBatch>>
+        stream = stub->LinkPages(&ctx);
+    v1::LinkPagesRequest first;
+    *first.mutable_request() = ExportRequestFor(req);
+    first.mutable_request()->set_max_batch_bytes(kLinkBatchBytes);
+    first.set_link_key(peer->key);
+    stream->Write(first);  // a failure shows in Finish
+    uint64_t batches = 0;
+    bool ended = false;  // the source's end marker came
+    absl::Status local;
+    v1::PageBatch batch;
+    std::vector<TransferPage> pages;
+    while (local.ok() && stream->Read(&batch)) {
+      const uint64_t bytes = batch.link_bytes();
+      if (bytes == 0 && batch.pages_size() == 0) {
+        ended = true;  // every batch sent; confirmed by half-closing
+        break;
+      }
+      if (bytes == 0 || bytes > kLinkBatchBytes) {
+        local = absl::InvalidArgumentError(
+            absl::StrCat(SourceLabel(req), ": link_bytes=", bytes, " of batch ",
+                         batches, " is outside (0, ", kLinkBatchBytes, "]"));
+        break;
+      }
+      uint8_t* slot = slots[batches % 2];
+      absl::StatusOr<uint64_t> ticket =
+          end->link()->PostRecv(slot, bytes, deadline);
+      local = ticket.status();
+      if (local.ok()) local = end->link()->Wait(*ticket, deadline, nullptr);
+      if (!local.ok()) {
+        local = absl::Status(local.code(),
+                             absl::StrCat(SourceLabel(req), ": batch ", batches,
+                                          ": ", local.message()));
+        break;
+      }
+      pages.clear();
+      for (v1::PagePayload& payload : *batch.mutable_pages()) {
+        pages.push_back(FromProto(&payload));
+      }
+      local = session->InstallShared(pages, slot, bytes);
+      ++batches;
+    }
+    if (!local.ok()) {
+      peer->end.reset();  // aborts our end; the source's drops with it
+      ctx.TryCancel();
+      stream->Finish();  // drains the cancelled call
+      return local;
+    }
+    if (ended) stream->WritesDone();
+    const grpc::Status s = stream->Finish();
+    if (s.ok() && ended) return true;
+    if (s.ok()) {
+      peer->end.reset();
+      return absl::InternalError(absl::StrCat(
+          SourceLabel(req), ": LinkPages ended without its end marker"));
+    }
+    peer->end.reset();
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND && batches == 0 &&
+        attempt == 0) {
+      continue;
+    }
+    if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED && batches == 0) {
+      *why = s.error_message();
+      return false;
+    }
+    return SourceError(req, s);
+  }
 }
 
 PageFetcher TransferClient::AsFetcher() {

@@ -14,13 +14,24 @@
 //           CRC32C taken during the copy (ImportSession::InstallShared),
 //           then tells the source which batches it holds, so the source
 //           unpins them;
+//   link    a point-to-point link between the two devices (NCCL between
+//           CUDA workers, TCP between CPU workers; worker/link_transfer.h):
+//           made once per source (OpenLink) and kept while transfers over
+//           it succeed; each transfer's page descriptors come on the
+//           source's LinkPages stream and its bytes on the link, received
+//           into a staging slot and installed with their CRC32Cs checked
+//           (ImportSession::InstallShared);
 //   auto    ipc when this worker's device shares (Device::ShareDomain is
-//           not empty), falling back to stream when the source cannot
-//           share with it (SharePages answers UNIMPLEMENTED: another host
-//           or backend, a worker without shared arenas) or its arena cannot
-//           be mapped here — both before any page is installed.
-// With --transfer_path=ipc there is no fallback: those cases fail the
-// import with FAILED_PRECONDITION naming the reason.
+//           not empty), else link when it has a link backend
+//           (Device::LinkBackend), falling back — before any page is
+//           installed — when the source cannot share with it (SharePages
+//           answers UNIMPLEMENTED: another host or backend, a worker
+//           without shared arenas) or its arena cannot be mapped here, or
+//           when no link can be made (OpenLink UNIMPLEMENTED: another
+//           backend or a worker on another path; NCCL failing to make the
+//           communicator), to the next path and finally to stream.
+// With --transfer_path=ipc or link there is no fallback: those cases fail
+// the import with FAILED_PRECONDITION naming the reason.
 //
 // Channels are cached by address (one per source worker, reused by later
 // transfers); their maximum receive message size is raised above the
@@ -51,13 +62,15 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "worker/device.h"
+#include "worker/link_transfer.h"
 #include "worker/worker_core.h"
 
 namespace triax::worker {
 
-enum class TransferPath { kAuto, kStream, kIpc };
+enum class TransferPath { kAuto, kStream, kIpc, kLink };
 
-// "auto", "stream" or "ipc"; INVALID_ARGUMENT naming the value otherwise.
+// "auto", "stream", "ipc" or "link"; INVALID_ARGUMENT naming the value
+// otherwise.
 absl::StatusOr<TransferPath> ParseTransferPath(absl::string_view name);
 const char* TransferPathName(TransferPath path);
 
@@ -83,6 +96,8 @@ class TransferClient {
  private:
   // A peer's arena mapped here; unmapped when the last user lets go.
   struct PeerArena;
+  // The link to one source, held by one transfer at a time.
+  struct PeerLink;
 
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
   absl::Status FetchStream(const ImportRequest& req, absl::Time deadline,
@@ -97,10 +112,24 @@ class TransferClient {
                                                      const std::string& handle,
                                                      uint64_t bytes);
   absl::Status SourceError(const ImportRequest& req, const grpc::Status& s);
+  // As FetchShared, over a link (made first when there is none).
+  absl::StatusOr<bool> FetchLink(const ImportRequest& req, absl::Time deadline,
+                                 ImportSession* session, std::string* why);
+  // Makes a link to the source: OK(nullptr) with `*why` when the source has
+  // no link for this worker or the link cannot be made (OpenLink answers
+  // UNIMPLEMENTED or FAILED_PRECONDITION); the source's error when it is
+  // gone or misses the deadline.
+  absl::StatusOr<std::unique_ptr<LinkEnd>> OpenLinkTo(const ImportRequest& req,
+                                                      absl::Time deadline,
+                                                      std::string* key,
+                                                      std::string* why);
 
   Device* const device_;
   const TransferPath path_;
   const std::string share_domain_;  // device_->ShareDomain(), or empty
+  const std::string link_backend_;  // device_->LinkBackend(), or empty
+  // Names this process to sources (OpenLinkRequest.owner).
+  const std::string owner_;
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_
@@ -108,6 +137,10 @@ class TransferClient {
   // Source address -> its mapped arena.
   absl::flat_hash_map<std::string, std::shared_ptr<PeerArena>> peers_
       ABSL_GUARDED_BY(mu_);
+  // Source address -> the link to it.
+  absl::flat_hash_map<std::string, std::shared_ptr<PeerLink>> links_
+      ABSL_GUARDED_BY(mu_);
+  uint64_t next_link_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace triax::worker

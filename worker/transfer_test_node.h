@@ -23,9 +23,16 @@ namespace triax::worker {
 struct Node {
   // `share_arena`: the device's arena is shared memory, and the service
   // pulls imports over the ipc path when `options.transfer_path` says so.
-  explicit Node(WorkerServiceOptions options = {}, bool share_arena = false)
+  // `links`: the device's TCP links are on (the link path).
+  explicit Node(WorkerServiceOptions options = {}, bool share_arena = false,
+                bool links = false)
       : device(share_arena) {
     options.device = &device;
+    if (links) {
+      LinkOptions link_options;
+      link_options.tcp_host = "127.0.0.1";
+      EXPECT_TRUE(device.EnableLinks(link_options).ok());
+    }
     auto a = PageAllocator::Create(&device, 4 << 20);
     EXPECT_TRUE(a.ok());
     alloc = *std::move(a);

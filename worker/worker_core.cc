@@ -49,7 +49,7 @@ class WorkerCore::InFlight {
   const std::string key_;
 };
 
-WorkerCore::WorkerCore(SequenceStore* store, const Device* device,
+WorkerCore::WorkerCore(SequenceStore* store, Device* device,
                        WorkerCoreOptions options)
     : store_(store),
       device_(device),

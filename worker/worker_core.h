@@ -237,7 +237,7 @@ struct WorkerCoreOptions {
 class WorkerCore {
  public:
   // `store` and `device` (the store's) must outlive the core.
-  WorkerCore(SequenceStore* store, const Device* device,
+  WorkerCore(SequenceStore* store, Device* device,
              WorkerCoreOptions options = {});
 
   WorkerCore(const WorkerCore&) = delete;
@@ -276,6 +276,10 @@ class WorkerCore {
   std::unique_ptr<PagePins> NewPagePins() const {
     return store_->NewPagePins();
   }
+  // The link path's source side: the device that sends, and where a
+  // shared export's arena offsets count from.
+  Device* device() const { return device_; }
+  const uint8_t* ArenaBase() const { return store_->ArenaBase(); }
 
   // INVALID_ARGUMENT for a malformed tenant_id; otherwise one result per
   // item (SequenceStore::AttendBatch: one device batch where appends allow).
@@ -314,7 +318,7 @@ class WorkerCore {
                                             const WriteMessage& first);
 
   SequenceStore* const store_;
-  const Device* const device_;
+  Device* const device_;
 
   absl::Mutex in_flight_mu_;
   absl::flat_hash_set<std::string> in_flight_ ABSL_GUARDED_BY(in_flight_mu_);

@@ -308,4 +308,126 @@ grpc::Status WorkerService::SharePages(
   return ToGrpcStatus(s);
 }
 
+grpc::Status WorkerService::OpenLink(grpc::ServerContext* ctx,
+                                     const v1::OpenLinkRequest* req,
+                                     v1::OpenLinkResponse* resp) {
+  if (options_.transfer_path == TransferPath::kStream ||
+      options_.transfer_path == TransferPath::kIpc) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        absl::StrCat("this worker runs with --transfer_path=",
+                                     TransferPathName(options_.transfer_path),
+                                     " and makes no links"));
+  }
+  Device* const device = core_->device();
+  const std::string backend = device->LinkBackend();
+  if (backend.empty()) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        absl::StrCat("this worker's ", device->Name(),
+                                     " device has no links enabled"));
+  }
+  if (req->backend() != backend) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        absl::StrCat("backend=", Quote(req->backend()),
+                                     " differs from this worker's link "
+                                     "backend ",
+                                     Quote(backend)));
+  }
+  if (req->link_id().empty() || req->link_key().empty() ||
+      req->owner().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat(req->link_id().empty()    ? "link_id"
+                                     : req->link_key().empty() ? "link_key"
+                                                               : "owner",
+                                     " must not be empty"));
+  }
+  absl::Time deadline =
+      absl::Now() + absl::Milliseconds(req->timeout_ms() == 0
+                                           ? kDefaultImportTimeoutMs
+                                           : req->timeout_ms());
+  const auto call_deadline = ctx->deadline();
+  if (call_deadline - std::chrono::system_clock::now() <
+      std::chrono::hours(24)) {
+    deadline = std::min(deadline, absl::FromChrono(call_deadline));
+  }
+  absl::StatusOr<std::unique_ptr<DeviceLink>> link = device->ConnectLink(
+      req->link_id(), 1, deadline, [ctx] { return ctx->IsCancelled(); });
+  if (!link.ok()) {
+    // The caller falls back to another path on FAILED_PRECONDITION.
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("cannot join the ", backend,
+                                     " link: ", link.status().message()));
+  }
+  links_.Add(req->link_key(), req->owner(),
+             std::make_shared<LinkEnd>(device, *std::move(link)));
+  resp->set_backend(backend);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::LinkPages(
+    grpc::ServerContext* ctx,
+    grpc::ServerReaderWriter<v1::PageBatch, v1::LinkPagesRequest>* stream) {
+  v1::LinkPagesRequest first;
+  if (!stream->Read(&first)) {
+    return grpc::Status(grpc::StatusCode::CANCELLED,
+                        "LinkPages: the stream ended before its request");
+  }
+  if (!first.has_request() || first.link_key().empty()) {
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("LinkPages: the first message has no ",
+                     first.has_request() ? "link_key" : "request"));
+  }
+  const v1::ExportPagesRequest& req = first.request();
+  if (req.max_batch_bytes() > kLinkBatchBytes) {
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("max_batch_bytes=", req.max_batch_bytes(),
+                     " is over the link's staging slot of ", kLinkBatchBytes));
+  }
+  absl::StatusOr<std::shared_ptr<LinkEnd>> end = links_.Claim(first.link_key());
+  if (!end.ok()) return ToGrpcStatus(end.status());
+  LinkSendOptions options;
+  const auto deadline = ctx->deadline();
+  if (deadline - std::chrono::system_clock::now() < std::chrono::hours(24)) {
+    options.deadline = absl::FromChrono(deadline);
+  }
+  options.cancelled = [ctx] { return ctx->IsCancelled(); };
+  options.max_batch_bytes = req.max_batch_bytes();
+  if (const uint32_t every = options_.testing_corrupt_export_pages; every > 0) {
+    options.corrupt_next = [this, every] {
+      return (exported_pages_.fetch_add(1) + 1) % every == 0;
+    };
+  }
+  auto sink = [&](std::vector<TransferPage>* pages,
+                  uint64_t link_bytes) -> absl::Status {
+    v1::PageBatch batch;
+    batch.set_link_bytes(link_bytes);
+    for (TransferPage& page : *pages)
+      ToProto(std::move(page), batch.add_pages());
+    if (ctx->IsCancelled() || !stream->Write(batch)) {
+      return absl::CancelledError("LinkPages: the destination went away");
+    }
+    return absl::OkStatus();
+  };
+  absl::Status s =
+      SendOverLink(core_, FromProto(req), options, end->get(), sink);
+  if (s.ok()) {
+    // The end marker; both ends keep the link only when the destination
+    // then confirms by half-closing (it cancels when it failed).
+    if (!stream->Write(v1::PageBatch())) {
+      s = absl::CancelledError("LinkPages: the destination went away");
+    } else {
+      v1::LinkPagesRequest extra;
+      while (stream->Read(&extra)) {
+      }
+      if (ctx->IsCancelled()) {
+        s = absl::CancelledError(
+            "LinkPages: the destination did not confirm the transfer");
+      }
+    }
+  }
+  links_.Release(first.link_key(), s.ok());
+  return ToGrpcStatus(s);
+}
+
 }  // namespace triax::worker

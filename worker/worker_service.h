@@ -50,6 +50,17 @@
 // deadline — is unpinned then). An acknowledgement of a batch not sent,
 // or going backwards, is INVALID_ARGUMENT.
 //
+// OpenLink / LinkPages (the link path, worker/link_transfer.h): OpenLink
+// is UNIMPLEMENTED unless this worker runs with transfer_path auto or link
+// and its device's link backend (Device::LinkBackend) is the caller's; it
+// joins the caller's link as rank 1 within timeout_ms (and the call's
+// deadline) and keeps it in the link registry under link_key, replacing
+// the owner's older links. LinkPages claims the link named by link_key
+// (NOT_FOUND when there is none, ABORTED when another transfer holds it),
+// exports as SharePages does and sends each batch over the link
+// (SendOverLink); a failed transfer drops the link. The corruption hook
+// flips one bit of every N-th page's CRC32C, as on the ipc path.
+//
 // Thread contract: thread-safe; handlers run concurrently.
 #pragma once
 
@@ -123,6 +134,16 @@ class WorkerService final : public v1::Worker::Service {
       grpc::ServerContext* ctx,
       grpc::ServerReaderWriter<v1::PageBatch, v1::SharePagesRequest>* stream)
       override;
+  grpc::Status OpenLink(grpc::ServerContext* ctx,
+                        const v1::OpenLinkRequest* req,
+                        v1::OpenLinkResponse* resp) override;
+  grpc::Status LinkPages(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::PageBatch, v1::LinkPagesRequest>* stream)
+      override;
+
+  // Links this worker joined as a source (tests look at it).
+  const LinkRegistry& links() const { return links_; }
 
  private:
   // The one path of every RPC: `call` (a WorkerCore member) on the domain
@@ -134,6 +155,7 @@ class WorkerService final : public v1::Worker::Service {
   WorkerCore* const core_;
   const WorkerServiceOptions options_;
   TransferClient transfers_;
+  LinkRegistry links_;
   std::atomic<uint64_t> exported_pages_{0};  // for the corruption hook
 };
 

@@ -198,10 +198,12 @@ void ExpectHoldsNothing(Worker& b) {
   EXPECT_EQ(inv.used_bytes(), 0u);
 }
 
-// Every case runs on both data paths (--transfer_path): "stream" (the
-// source's ExportPages) and "ipc" (the source's arena mapped by the
+// Every case runs on each data path (--transfer_path): "stream" (the
+// source's ExportPages), "ipc" (the source's arena mapped by the
 // destination: shared memory between CPU workers, CUDA IPC between CUDA
-// workers when the backend is cuda).
+// workers when the backend is cuda) and "link" (a TCP link between CPU
+// workers; NCCL between CUDA workers, which on one GPU needs each worker
+// to run with its own NCCL_HOSTID).
 class TransferTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
@@ -230,7 +232,12 @@ TEST_P(TransferTest, ImportedSequenceReadsAsOnTheSource) {
     v1::ImportSequenceResponse resp;
     const grpc::Status s = Import(*b, ImportFrom(*a, seq, kTokens, f), &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
-    EXPECT_EQ(resp.data_path(), GetParam());
+    if (std::string(GetParam()) == "link") {
+      // TCP between CPU workers, NCCL between CUDA workers.
+      EXPECT_THAT(resp.data_path(), ::testing::AnyOf("tcp", "nccl"));
+    } else {
+      EXPECT_EQ(resp.data_path(), GetParam());
+    }
     EXPECT_EQ(resp.pages(), 19u * kLayers);
     auto ra = ReadAll(*a, seq);
     auto rb = ReadAll(*b, seq);
@@ -369,7 +376,7 @@ TEST_P(TransferTest, CorruptedPagesAreDataLossAndARetrySucceeds) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DataPaths, TransferTest,
-                         ::testing::Values("stream", "ipc"));
+                         ::testing::Values("stream", "ipc", "link"));
 
 }  // namespace
 }  // namespace triax::testing
