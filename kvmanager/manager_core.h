@@ -513,6 +513,12 @@ class ManagerCore {
   // UP worker other than the source with a healthy device and the most room
   // that admits `bytes` / `demand` as an Open there would be admitted
   // (TransferAdmitsLocked).
+  // A prefix hit's checks (req.first_block > 0; docs/manager.md
+  // "Transfers"): returns the destination's prefix sequence, or nullptr for
+  // first_block 0.
+  absl::StatusOr<const SequenceRecord*> TransferPrefixLocked(
+      const TransferSequenceRequest& req, const SequenceRecord& s) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<WorkerRecord*> TransferDestinationLocked(
       const SequenceRecord& s, const std::string& named, uint64_t bytes,
       const Demand& demand) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
