@@ -297,7 +297,7 @@ TEST(TransferReport, WireAgainstBf16) {
   EXPECT_THAT(TransferReport(r), HasSubstr("wire / bf16:   -"));
   r.set_shared_blocks(2);
   EXPECT_THAT(TransferReport(r),
-              HasSubstr("shared blocks: 2 (blocks [0, 2) shared with the "
+              HasSubstr("shared blocks:  2 (blocks [0, 2) shared with the "
                         "destination's prefix sequence; not moved)"));
 }
 

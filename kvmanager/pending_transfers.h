@@ -3,7 +3,8 @@
 // AbortTransfer, manager_core_transfer.cc), so that the core does no I/O.
 //
 // A pending transfer holds the destination's reservation: the bytes of every
-// block that moves (not evicted) in its destination encoding, charged to the
+// block that moves (not evicted, not a prefix hit's shared block: those are
+// on the destination already) in its destination encoding, charged to the
 // tenant's TIER_DEVICE usage and reserved on the destination worker (the
 // source's charges stay until the commit: both copies exist meanwhile). The
 // sequence carries the transfer's id and destination
