@@ -183,6 +183,36 @@ TEST_F(PrefixTransferTest, APrefixHitReservesAndMovesOnlyTheOtherBlocks) {
   EXPECT_EQ(DeviceUsage("t"), 0u);
 }
 
+// S2 forks all of S0: with first_block = its 2 blocks nothing is reserved
+// or moved; w1 keeps its copies while S1 holds them there.
+TEST_F(PrefixTransferTest, EveryBlockSharedMovesNothing) {
+  auto s2 = core_->ForkSequence({"", "t", s0_, 0});
+  ASSERT_THAT(s2, IsOk());
+  MoveS0();
+  EXPECT_EQ(Reserved("w1"), 3 * kBf16);
+  EXPECT_EQ(Reserved("w2"), 2 * kBf16);
+  auto p = core_->PrepareTransfer(Req(s2->sequence_id, 2, s0_));
+  ASSERT_THAT(p, IsOk());
+  EXPECT_EQ(p->reserved_bytes, 0u);
+  auto c = core_->CommitTransfer(p->token, TransferImportFigures{});
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->result.blocks, 0u);
+  EXPECT_EQ(c->result.shared_blocks, 2u);
+  EXPECT_EQ(c->result.sequence.bytes, 2 * kBf16);
+  EXPECT_EQ(Reserved("w1"), 3 * kBf16);  // S1 still holds blocks 0, 1 there
+  EXPECT_EQ(Reserved("w2"), 2 * kBf16);
+  EXPECT_EQ(DeviceUsage("t"), 5 * kBf16);
+  // S1 closes: w1's copies go; S0 closes: S2 keeps w2's.
+  ASSERT_THAT(core_->CloseSequence({"", "t", s1_}), IsOk());
+  EXPECT_EQ(Reserved("w1"), 0u);
+  ASSERT_THAT(core_->CloseSequence({"", "t", s0_}), IsOk());
+  EXPECT_EQ(Reserved("w2"), 2 * kBf16);
+  EXPECT_EQ(DeviceUsage("t"), 2 * kBf16);
+  ASSERT_THAT(core_->CloseSequence({"", "t", s2->sequence_id}), IsOk());
+  EXPECT_EQ(Reserved("w2"), 0u);
+  EXPECT_EQ(DeviceUsage("t"), 0u);
+}
+
 TEST_F(PrefixTransferTest, AnAbortReturnsEveryReservation) {
   MoveS0();
   const uint64_t w1 = Reserved("w1"), w2 = Reserved("w2");
