@@ -492,6 +492,9 @@ absl::StatusOr<triax::v1::TransferSequenceResponse> Client::TransferSequence(
   req.set_destination_policy(options.destination_policy);
   req.set_timeout_ms(options.timeout_ms);
   req.set_follow_writes(options.follow_writes);
+  req.set_first_block(options.first_block);
+  req.set_destination_prefix_sequence_id(
+      options.destination_prefix_sequence_id);
   // The manager answers within the transfer's bound; the margin covers the
   // prepare, the commit and the network.
   const int64_t bound =

@@ -166,6 +166,11 @@ class Client {
     std::string destination_policy;     // empty: encodings unchanged
     uint32_t timeout_ms = 0;            // 0: the manager's default
     bool follow_writes = false;         // layer by layer behind the writes
+    // A prefix hit: blocks [0, first_block) are on the destination already,
+    // held by its sequence destination_prefix_sequence_id; only the others
+    // move (reply: shared_blocks). 0: every block moves.
+    uint32_t first_block = 0;
+    std::string destination_prefix_sequence_id;
   };
   absl::StatusOr<triax::v1::TransferSequenceResponse> TransferSequence(
       const std::string& sequence_id, const TransferOptions& options);

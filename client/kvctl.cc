@@ -43,6 +43,12 @@ ABSL_FLAG(std::string, to, "",
           "transfer: destination worker (empty: placement chooses)");
 ABSL_FLAG(bool, follow_writes, false,
           "transfer: take each layer as the source writes it");
+ABSL_FLAG(uint32_t, first_block, 0,
+          "transfer: a prefix hit: blocks [0, N) are on the destination "
+          "already, held by --prefix_sequence; only the others move");
+ABSL_FLAG(std::string, prefix_sequence, "",
+          "transfer: the destination's sequence holding blocks [0, "
+          "--first_block)");
 ABSL_FLAG(std::string, tier, "", "budget-set: device|host|disk");
 ABSL_FLAG(uint64_t, floor_bytes, 0, "budget-set: guaranteed bytes");
 ABSL_FLAG(uint64_t, ceiling_bytes, 0, "budget-set: admission limit in bytes");
@@ -92,9 +98,13 @@ commands:
                                 snapshot size, applied-action counters and
                                 the N cheapest ranked actions (default 20)
   transfer SEQ [--to W] [--policy P] [--timeout_ms N] [--follow_writes]
-              [--tenant T]      move a sequence to worker W (placement when
-                                not given), re-encoded to policy P; prints
-                                blocks, pages, wire vs BF16 bytes, seconds
+              [--first_block K --prefix_sequence P] [--tenant T]
+                                move a sequence to worker W (placement when
+                                not given), re-encoded to policy P; with K,
+                                blocks [0, K) are shared with P's on P's
+                                worker and only the others move; prints
+                                blocks moved and shared, pages, wire vs
+                                BF16 bytes, seconds
   trace LINEAGE_ID              a block, its worker path (created on A,
                                 transferred A -> B, ...) and its events
   events [--from N] [--max N] [--tenant T] [--sequence S] [--lineage L]
@@ -288,6 +298,9 @@ class Kvctl {
     req.set_destination_worker_id(absl::GetFlag(FLAGS_to));
     req.set_destination_policy(absl::GetFlag(FLAGS_policy));
     req.set_follow_writes(absl::GetFlag(FLAGS_follow_writes));
+    req.set_first_block(absl::GetFlag(FLAGS_first_block));
+    req.set_destination_prefix_sequence_id(
+        absl::GetFlag(FLAGS_prefix_sequence));
     // --timeout_ms bounds the transfer only when given; the call's deadline
     // leaves the manager 5 s beyond it to answer.
     int64_t bound_ms = 10000;

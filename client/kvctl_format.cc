@@ -727,6 +727,13 @@ std::string TransferReport(const triax::v1::TransferSequenceResponse& r) {
                                            r.destination_worker_id())});
   head.AddRow({"blocks:", absl::StrCat(r.blocks(), " (", r.pages(),
                                        " pages; evicted blocks do not move)")});
+  if (r.shared_blocks() > 0) {
+    head.AddRow(
+        {"shared blocks:",
+         absl::StrCat(r.shared_blocks(), " (blocks [0, ", r.shared_blocks(),
+                      ") shared with the destination's prefix "
+                      "sequence; not moved)")});
+  }
   head.AddRow({"wire bytes:", absl::StrCat(HumanBytes(r.wire_bytes()), " (",
                                            r.wire_bytes(), ")")});
   head.AddRow({"bf16 bytes:", absl::StrCat(HumanBytes(r.bf16_bytes()), " (",
@@ -759,10 +766,20 @@ std::string WorkerPath(const triax::v1::QueryTraceResponse& resp) {
         steps.push_back(absl::StrCat("on ", OrDash(e.source_worker_id())));
       }
       const std::string id = DetailValue(e.detail(), "transfer");
-      steps.push_back(
-          absl::StrCat("transferred ", OrDash(e.source_worker_id()), " -> ",
-                       OrDash(e.worker_id()),
-                       id.empty() ? "" : absl::StrCat(" (", id, ")")));
+      const std::string of = id.empty() ? "" : absl::StrCat(" (", id, ")");
+      if (DetailValue(e.detail(), "shared") == "true") {
+        // A prefix hit: the destination's copy now serves this sequence too.
+        steps.push_back(absl::StrCat("shared on ", OrDash(e.worker_id()),
+                                     " by ", OrDash(e.sequence_id()), of));
+      } else if (DetailValue(e.detail(), "copy") == "true") {
+        // A shared block: the source keeps its copy for the others.
+        steps.push_back(absl::StrCat("copied ", OrDash(e.source_worker_id()),
+                                     " -> ", OrDash(e.worker_id()), of));
+      } else {
+        steps.push_back(absl::StrCat("transferred ",
+                                     OrDash(e.source_worker_id()), " -> ",
+                                     OrDash(e.worker_id()), of));
+      }
     }
   }
   if (steps.empty()) return "-";

@@ -292,8 +292,13 @@ TEST(TransferReport, WireAgainstBf16) {
   EXPECT_THAT(out, HasSubstr("0.250 (pull 0.200)"));
   EXPECT_THAT(out, HasSubstr("data path:     ipc"));
   EXPECT_THAT(out, HasSubstr("decode-1 ("));  // the sequence's worker
+  EXPECT_THAT(out, Not(HasSubstr("shared blocks:")));
   r.set_wire_bytes(0);
   EXPECT_THAT(TransferReport(r), HasSubstr("wire / bf16:   -"));
+  r.set_shared_blocks(2);
+  EXPECT_THAT(TransferReport(r),
+              HasSubstr("shared blocks:  2 (blocks [0, 2) shared with the "
+                        "destination's prefix sequence; not moved)"));
 }
 
 TEST(WorkerPath, NodeByNode) {
@@ -318,6 +323,20 @@ TEST(WorkerPath, NodeByNode) {
   EXPECT_EQ(WorkerPath(t),
             "on wa, transferred wa -> wb (xfer-1), transferred wb -> wa "
             "(xfer-4)");
+  // A shared block copied to wb, then a prefix hit there.
+  triax::v1::QueryTraceResponse u;
+  *u.add_events() = created;
+  *u.add_events() =
+      TransferEvent(3, triax::v1::EVENT_BLOCK_TRANSFERRED, "wa", "wb",
+                    "transfer=xfer-1 index=0 from=bf16 copy=true", 5);
+  triax::v1::Event hit =
+      TransferEvent(7, triax::v1::EVENT_BLOCK_TRANSFERRED, "wa", "wb",
+                    "transfer=xfer-2 index=0 shared=true prefix=seq-1", 5);
+  hit.set_sequence_id("seq-2");
+  *u.add_events() = hit;
+  EXPECT_EQ(WorkerPath(u),
+            "created on wa, copied wa -> wb (xfer-1), shared on wb by seq-2 "
+            "(xfer-2)");
 }
 
 TEST(SequenceDetail, ShowsATransferInFlight) {

@@ -559,6 +559,8 @@ TransferSequenceRequest FromProto(const v1::TransferSequenceRequest& p) {
   d.destination_policy = p.destination_policy();
   d.timeout_ms = p.timeout_ms();
   d.follow_writes = p.follow_writes();
+  d.first_block = p.first_block();
+  d.destination_prefix_sequence_id = p.destination_prefix_sequence_id();
   return d;
 }
 
@@ -579,6 +581,7 @@ void ToProto(const TransferSequenceResult& d, v1::TransferSequenceResponse* p) {
   p->set_destination_worker_id(d.destination_worker_id);
   ToProto(d.sequence, p->mutable_sequence());
   p->set_blocks(d.blocks);
+  p->set_shared_blocks(d.shared_blocks);
   p->set_pages(d.pages);
   p->set_wire_bytes(d.wire_bytes);
   p->set_bf16_bytes(d.bf16_bytes);
@@ -602,6 +605,8 @@ void ToProto(const TransferPrepared& d, v1::ImportSequenceRequest* p) {
   p->set_source_worker_id(d.source_worker_id);
   p->set_timeout_ms(d.timeout_ms);
   p->set_follow_writes(d.follow_writes);
+  p->set_prefix_sequence_id(d.prefix_sequence_id);
+  p->set_prefix_blocks(d.prefix_blocks);
 }
 
 }  // namespace triax::manager

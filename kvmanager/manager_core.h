@@ -55,7 +55,8 @@
 // head_dim}) (kernels/layout.h), whatever its num_tokens. The tenant's
 // TIER_DEVICE usage and the worker's reservation count each block once, when
 // it is created; both are released when its last reference goes (Close or
-// LOST). Forks share the parent's whole blocks (refcount) on the same worker;
+// LOST). Forks share the parent's whole blocks (refcount) on the same worker
+// (a transfer may leave a shared block on several: BlockRecord::holders);
 // a block cut in the middle is copied into a new lineage; only new blocks are
 // charged. A shared block has one tag: the last sequence that re-tagged it
 // decides its temporal class.
@@ -387,16 +388,22 @@ class ManagerCore {
   // reserves the moving blocks' bytes in those encodings on the tenant
   // (TIER_DEVICE, against its ceiling: both copies exist until the commit)
   // and the destination worker, marks the sequence transferring and emits
-  // TRANSFER_STARTED. While it is marked, Extend, Fork, Truncate,
+  // TRANSFER_STARTED. Blocks shared with other sequences move as copies in
+  // their encodings (the source keeps its copy for the others). A prefix
+  // hit (first_block K > 0) goes to the worker of
+  // destination_prefix_sequence_id, whose blocks [0, K) must be the
+  // sequence's (same blocks, full, on the device): only blocks [K, n) are
+  // reserved and pulled. While it is marked, Extend, Fork, Truncate,
   // DemoteBlocks and Close fail FAILED_PRECONDITION ("sequence S is being
   // transferred (transfer T ...)") and pressure plans skip its blocks.
   // Errors: INVALID_ARGUMENT (a bad field; destination = the source),
   // NOT_FOUND (tenant, sequence, destination worker, destination_policy),
   // PERMISSION_DENIED (another tenant's sequence), FAILED_PRECONDITION (not
-  // open; already transferring; a block shared with a fork; a calibration
-  // table the policy needs missing), UNAVAILABLE (the source SUSPECT; the
-  // destination not UP or its device failed; no UP worker besides the
-  // source), RESOURCE_EXHAUSTED (the tenant's ceiling or the destination's
+  // open; already transferring; a shared block not on the device; a moving
+  // block the destination holds already; a prefix hit's rules; a
+  // calibration table the policy needs missing), UNAVAILABLE (the source
+  // SUSPECT; the destination not UP or its device failed; no UP worker besides
+  // the source), RESOURCE_EXHAUSTED (the tenant's ceiling or the destination's
   // room, nothing reserved), ABORTED (a block busy with a tier plan; the
   // same request id in flight). A repeat of the request id of a transfer
   // that ended returns its final reply: the committed reply in `done`, or
@@ -405,8 +412,11 @@ class ManagerCore {
   absl::StatusOr<TransferPrepared> PrepareTransfer(
       const TransferSequenceRequest& req);
   // Commits: the sequence is on the destination (placement, encodings,
-  // TIER_DEVICE for every moved block), the source's charges are released,
-  // the reservation becomes the charge; BLOCK_TRANSFERRED per moved block and
+  // TIER_DEVICE for every moved block), the source's charges are released
+  // (of a shared block: the source's copy, when the sequence was its last
+  // holder there), the reservation becomes the charge; a prefix hit's
+  // blocks join the destination's copies (charged now if the prefix let go
+  // of them meanwhile); BLOCK_TRANSFERRED per moved or shared block and
   // SEQUENCE_TRANSFERRED. NOT_FOUND for an unknown token. When the sequence
   // is no longer open or a worker of the transfer went DOWN or restarted
   // meanwhile, aborts instead (as AbortTransfer) and returns ABORTED naming
@@ -513,6 +523,12 @@ class ManagerCore {
   // UP worker other than the source with a healthy device and the most room
   // that admits `bytes` / `demand` as an Open there would be admitted
   // (TransferAdmitsLocked).
+  // A prefix hit's checks (req.first_block > 0; docs/manager.md
+  // "Transfers"): returns the destination's prefix sequence, or nullptr for
+  // first_block 0.
+  absl::StatusOr<const SequenceRecord*> TransferPrefixLocked(
+      const TransferSequenceRequest& req, const SequenceRecord& s) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<WorkerRecord*> TransferDestinationLocked(
       const SequenceRecord& s, const std::string& named, uint64_t bytes,
       const Demand& demand) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -132,6 +132,64 @@ absl::Status ManagerCore::TransferAdmitsLocked(const SequenceRecord& s,
   return absl::OkStatus();
 }
 
+absl::StatusOr<const SequenceRecord*> ManagerCore::TransferPrefixLocked(
+    const TransferSequenceRequest& req, const SequenceRecord& s) const {
+  const uint32_t k = req.first_block;
+  if (k > s.blocks.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_block ", k, " is past the ", s.blocks.size(),
+                     " blocks of sequence ", Quote(s.id)));
+  }
+  if (k == 0) return nullptr;
+  // Open, the tenant's, not being transferred itself.
+  TRIAX_ASSIGN_OR_RETURN(
+      const SequenceRecord* prefix,
+      FindOpenSequenceLocked(req.tenant_id, "destination_prefix_sequence_id",
+                             req.destination_prefix_sequence_id));
+  const std::string& there = prefix->worker->info.worker_id;
+  if (prefix->worker == s.worker) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "destination_prefix_sequence_id ", Quote(prefix->id), " is on worker ",
+        Quote(there), ", the source of sequence ", Quote(s.id),
+        "; a prefix hit shares blocks on the destination"));
+  }
+  if (!req.destination_worker_id.empty() &&
+      req.destination_worker_id != there) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "destination_worker_id ", Quote(req.destination_worker_id),
+        " is not worker ", Quote(there), " of destination_prefix_sequence_id ",
+        Quote(prefix->id), "; a prefix hit goes to the prefix's worker"));
+  }
+  if (prefix->blocks.size() < k) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "destination_prefix_sequence_id ", Quote(prefix->id), " has ",
+        prefix->blocks.size(), " blocks, fewer than first_block ", k));
+  }
+  for (uint32_t i = 0; i < k; ++i) {
+    const BlockRecord* b = s.blocks[i];
+    const BlockRecord* pb = prefix->blocks[i];
+    if (b != pb) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block ", i, ": lineage ", b->lineage_id, " of sequence ",
+          Quote(s.id), " differs from lineage ", pb->lineage_id,
+          " of destination_prefix_sequence_id ", Quote(prefix->id),
+          "; blocks [0, first_block ", k, ") must be the same blocks"));
+    }
+    if (b->num_tokens != s.block_tokens) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block ", i, " (lineage ", b->lineage_id, ") holds ", b->num_tokens,
+          " of ", s.block_tokens, " tokens; only full blocks are shared"));
+    }
+    if (b->evicted || b->tier != Tier::kDevice) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("block ", i, " (lineage ", b->lineage_id, ") is ",
+                       b->evicted ? "evicted" : "spilled",
+                       "; only blocks on the device are shared"));
+    }
+  }
+  return prefix;
+}
+
 absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
     const TransferSequenceRequest& req) {
   TRIAX_RETURN_IF_ERROR(PendingTransfers::ValidateRequest(req));
@@ -151,19 +209,16 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
       SequenceRecord * s,
       FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id));
   for (const BlockRecord* b : s->blocks) {
-    if (b->refcount > 1) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "lineage ", b->lineage_id, " (block ", b->index, ") of sequence ",
-          Quote(s->id), " is shared with a fork (", b->refcount,
-          " sequences); a shared block stays on its worker ",
-          Quote(s->worker->info.worker_id), ": close the forks first"));
-    }
     if (b->busy != 0) {
       return absl::AbortedError(absl::StrCat(
           "lineage ", b->lineage_id, " (block ", b->index, ") of sequence ",
           Quote(s->id), " is being moved by the pressure manager; retry"));
     }
   }
+
+  TRIAX_ASSIGN_OR_RETURN(const SequenceRecord* prefix,
+                         TransferPrefixLocked(req, *s));
+  const uint32_t first_block = req.first_block;
 
   auto p = std::make_unique<PendingTransfers::Pending>();
   if (!req.destination_policy.empty()) {
@@ -199,12 +254,22 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
   for (const BlockRecord* b : s->blocks) {
     BlockPlan plan = PlanOf(*b);
     plan.tier = Tier::kDevice;
-    if (b->evicted) {
+    if (b->evicted || b->index < first_block) {
+      // Evicted: nothing moves. A prefix hit's block: shared there as is.
       prepared.blocks.push_back(plan);
       continue;
     }
+    // A block shared with other sequences moves as a copy in its encoding
+    // (the others keep it as it is).
+    const bool shared = b->refcount > 1;
+    if (shared && b->tier != Tier::kDevice) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "lineage ", b->lineage_id, " (block ", b->index, ") of sequence ",
+          Quote(s->id), " is shared (", b->refcount,
+          " sequences) and not on the device; restore it first"));
+    }
     const Encoding e =
-        p->policy != nullptr
+        p->policy != nullptr && !shared
             ? DestinationEncoding(*p->policy, p->allocation, b->tag)
             : b->encoding;
     if (const char* why = kernels::ValidateEncoding(e, shape)) {
@@ -235,9 +300,28 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
                      "charged until the commit): ",
                      admit.message()));
   }
-  TRIAX_ASSIGN_OR_RETURN(WorkerRecord * dest, TransferDestinationLocked(
-                                                  *s, req.destination_worker_id,
-                                                  p->reserved, demand));
+  // A prefix hit goes to the prefix's worker (TransferPrefixLocked refused
+  // another named destination).
+  TRIAX_ASSIGN_OR_RETURN(WorkerRecord * dest,
+                         TransferDestinationLocked(
+                             *s,
+                             prefix != nullptr ? prefix->worker->info.worker_id
+                                               : req.destination_worker_id,
+                             p->reserved, demand));
+  // A moving block the destination holds already (for another of its
+  // sequences) would be there twice: it is a prefix hit's block.
+  for (const BlockRecord* b : s->blocks) {
+    if (b->index < first_block || b->evicted) continue;
+    if (SequenceTable::HoldersOn(*b, dest) > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "lineage ", b->lineage_id, " (block ", b->index, ") of sequence ",
+          Quote(s->id), " is on destination worker ",
+          Quote(dest->info.worker_id),
+          " already (another sequence there holds it); transfer with "
+          "first_block > ",
+          b->index, " and that sequence as destination_prefix_sequence_id"));
+    }
+  }
 
   // Reserve and mark.
   s->tenant->used[static_cast<int>(Tier::kDevice)] += p->reserved;
@@ -247,6 +331,8 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
   p->sequence_id = s->id;
   p->source_id = s->worker->info.worker_id;
   p->destination_id = dest->info.worker_id;
+  p->shared_blocks = first_block;
+  if (prefix != nullptr) p->prefix_sequence_id = prefix->id;
   p->started_ms = clock_->NowMs();
   PendingTransfers::Pending* pending = transfers_.Add(std::move(p));
   s->transfer_id = pending->transfer_id;
@@ -262,7 +348,9 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
       " reserved_bytes=", pending->reserved,
       " source_bytes=", pending->source_bytes,
       " policy=", pending->policy != nullptr ? pending->policy->name : "-",
-      " placed=", req.destination_worker_id.empty() ? "true" : "false");
+      " placed=", req.destination_worker_id.empty() ? "true" : "false",
+      " first_block=", first_block,
+      " prefix=", prefix != nullptr ? prefix->id : "-");
   events_.Append(&ev);
 
   prepared.token = pending->token;
@@ -281,6 +369,8 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
       req.timeout_ms != 0 ? req.timeout_ms : options_.transfer_timeout_ms;
   prepared.follow_writes = req.follow_writes;
   prepared.reserved_bytes = pending->reserved;
+  prepared.prefix_sequence_id = pending->prefix_sequence_id;
+  prepared.prefix_blocks = first_block;
   return prepared;
 }
 
@@ -325,8 +415,32 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
   uint64_t device_bytes = 0;
   for (BlockRecord* b : s->blocks) {
     b->busy = 0;
-    b->worker = dest;
-    if (b->evicted) continue;
+    if (b->index < p->shared_blocks) {
+      // A prefix hit's block: s now holds the destination's copy (charged
+      // there now if the prefix sequence let go of it meanwhile; the
+      // destination's import holds its pages) and lets go of the source's.
+      if (SequenceTable::MoveHolder(b, source, dest)) {
+        SequenceTable::ChargeCopy(*b, dest);
+      }
+      device_bytes += b->bytes;
+      Event e = TransferEvent(*clock_, EventKind::kBlockTransferred, s, b,
+                              p->source_id, p->destination_id);
+      e.detail = absl::StrCat("transfer=", p->transfer_id, " index=", b->index,
+                              " shared=true prefix=", p->prefix_sequence_id,
+                              " encoding=", EncodingString(b->encoding),
+                              " bytes=", b->bytes);
+      ev.push_back(std::move(e));
+      continue;
+    }
+    if (b->evicted) {
+      if (b->refcount == 1) {
+        b->worker = dest;
+        b->holders = {{dest, 1}};
+      } else {
+        SequenceTable::MoveHolder(b, source, dest);
+      }
+      continue;
+    }
     if (next >= p->encodings.size() ||
         p->encodings[next].first != b->lineage_id) {
       // Blocks busy with the transfer cannot be evicted or added; a
@@ -336,6 +450,28 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
                        Kv("lineage_id", b->lineage_id)));
       continue;
     }
+    if (b->refcount > 1) {
+      // Shared with other sequences: s takes a copy to the destination (in
+      // its encoding; the reservation is that copy's charge) and the source
+      // keeps its copy while others hold it there.
+      if (!SequenceTable::MoveHolder(b, source, dest)) {
+        tenant->used[static_cast<int>(Tier::kDevice)] -= p->new_bytes[next];
+        dest->reserved -= p->new_bytes[next];
+      }
+      ++next;
+      device_bytes += b->bytes;
+      Event e = TransferEvent(*clock_, EventKind::kBlockTransferred, s, b,
+                              p->source_id, p->destination_id);
+      e.detail = absl::StrCat("transfer=", p->transfer_id, " index=", b->index,
+                              " from=", EncodingString(b->encoding),
+                              " to=", EncodingString(b->encoding),
+                              " bytes_from=", b->bytes, " bytes_to=", b->bytes,
+                              " copy=true refcount=", b->refcount);
+      ev.push_back(std::move(e));
+      continue;
+    }
+    b->worker = dest;
+    b->holders = {{dest, 1}};
     // The source's charge of this block, in the tier it is in now (the
     // worker may have restored it on its own meanwhile).
     const int tier = static_cast<int>(b->tier);
@@ -381,6 +517,7 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
   r.destination_worker_id = p->destination_id;
   r.sequence = SequenceTable::Info(*s, /*with_blocks=*/true);
   r.blocks = p->encodings.size();
+  r.shared_blocks = p->shared_blocks;
   r.pages = figures.pages;
   r.wire_bytes = figures.wire_bytes;
   r.bf16_bytes = figures.bf16_bytes;
@@ -390,11 +527,12 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
   r.data_path = figures.data_path;
   Event e = TransferEvent(*clock_, EventKind::kSequenceTransferred, s, nullptr,
                           p->source_id, p->destination_id);
-  e.detail = absl::StrCat("transfer=", p->transfer_id, " blocks=", r.blocks,
-                          " pages=", r.pages, " wire_bytes=", r.wire_bytes,
-                          " bf16_bytes=", r.bf16_bytes,
-                          " source_bytes=", r.source_bytes, " bytes=", s->bytes,
-                          " policy=", s->policy->name);
+  e.detail = absl::StrCat(
+      "transfer=", p->transfer_id, " blocks=", r.blocks, " pages=", r.pages,
+      " wire_bytes=", r.wire_bytes, " bf16_bytes=", r.bf16_bytes,
+      " source_bytes=", r.source_bytes, " bytes=", s->bytes,
+      " policy=", s->policy->name, " shared_blocks=", r.shared_blocks,
+      " prefix=", p->prefix_sequence_id.empty() ? "-" : p->prefix_sequence_id);
   ev.push_back(std::move(e));
   events_.Append(&ev);
   out.source_address = source->info.address;

@@ -414,17 +414,6 @@ TEST_F(TransferTest, RefusalsReserveNothing) {
       core_->PrepareTransfer(Req("w3")),
       StatusIs(C::kResourceExhausted, HasSubstr("destination worker \"w3\"")));
   EXPECT_EQ(Snapshot(), before);
-  // A fork shares the blocks: they stay with the source.
-  auto fork = core_->ForkSequence({"", "t", seq_, 0});
-  ASSERT_THAT(fork, IsOk());
-  auto shared = core_->GetSequence("t", seq_);
-  EXPECT_THAT(
-      core_->PrepareTransfer(Req("w2")),
-      StatusIs(C::kFailedPrecondition,
-               HasSubstr(absl::StrCat("lineage ", shared->blocks[0].lineage_id,
-                                      " (block 0) of sequence \"", seq_,
-                                      "\" is shared with a fork"))));
-  ASSERT_THAT(core_->CloseSequence({"", "t", fork->sequence_id}), IsOk());
   // Closed: refused.
   ASSERT_THAT(core_->CloseSequence({"", "t", seq_}), IsOk());
   EXPECT_THAT(core_->PrepareTransfer(Req("w2")),

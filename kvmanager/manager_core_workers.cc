@@ -259,11 +259,11 @@ std::vector<std::string> ManagerCore::RecoverParkedLocked(
     s->last_tool_call = 0;
     for (const BlockRecord& pb : s->parked_blocks) {
       // A block shared with a fork that came back first is live again:
-      // share it (charged once); otherwise restore it under its lineage id.
+      // share it (charged once per worker); otherwise restore it under its
+      // lineage id.
       BlockRecord* b = sequences_.FindBlock(pb.lineage_id);
       if (b != nullptr) {
-        ++b->refcount;
-        s->blocks.push_back(b);
+        SequenceTable::Share(s, b);
       } else {
         b = sequences_.RestoreBlock(s, pb);
         pressure_.BlockCreated(s, *b);

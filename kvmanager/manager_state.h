@@ -114,6 +114,13 @@ struct BlockRecord {
   // The sequence holding it while refcount == 1 (the creator, or the fork
   // that kept it after the others released it).
   SequenceRecord* owner = nullptr;
+  // The workers whose sequences hold it, with how many each (the counts sum
+  // to refcount; the first is `worker`). Forks share a block on one worker;
+  // a transfer of a shared block, or one that finds it on the destination
+  // already (a prefix hit), leaves it on several: each worker's copy is
+  // charged (its device bytes to `charged` and to that worker) until its
+  // last holder there lets go. Only device-resident blocks have copies.
+  std::vector<std::pair<WorkerRecord*, uint32_t>> holders;
 };
 
 struct SequenceRecord {

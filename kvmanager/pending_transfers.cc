@@ -28,6 +28,29 @@ absl::Status PendingTransfers::ValidateRequest(
     TRIAX_RETURN_IF_ERROR(
         ValidateId("destination_policy", req.destination_policy));
   }
+  if (req.first_block > 0 || !req.destination_prefix_sequence_id.empty()) {
+    if (req.first_block == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "destination_prefix_sequence_id ",
+          Quote(req.destination_prefix_sequence_id),
+          " is named with first_block 0; a prefix hit names first_block > 0"));
+    }
+    if (req.destination_prefix_sequence_id.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "first_block ", req.first_block,
+          " needs destination_prefix_sequence_id: the sequence on the "
+          "destination that holds blocks [0, ",
+          req.first_block, ")"));
+    }
+    TRIAX_RETURN_IF_ERROR(ValidateId("destination_prefix_sequence_id",
+                                     req.destination_prefix_sequence_id));
+    if (req.destination_prefix_sequence_id == req.sequence_id) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "destination_prefix_sequence_id ",
+          Quote(req.destination_prefix_sequence_id),
+          " is the sequence being transferred; name another sequence"));
+    }
+  }
   if (req.timeout_ms > kMaxTransferTimeoutMs) {
     return absl::InvalidArgumentError(
         absl::StrCat("timeout_ms ", req.timeout_ms, " is above the limit of ",

@@ -3,7 +3,8 @@
 // AbortTransfer, manager_core_transfer.cc), so that the core does no I/O.
 //
 // A pending transfer holds the destination's reservation: the bytes of every
-// block that moves (not evicted) in its destination encoding, charged to the
+// block that moves (not evicted, not a prefix hit's shared block: those are
+// on the destination already) in its destination encoding, charged to the
 // tenant's TIER_DEVICE usage and reserved on the destination worker (the
 // source's charges stay until the commit: both copies exist meanwhile). The
 // sequence carries the transfer's id and destination
@@ -50,6 +51,11 @@ struct TransferSequenceRequest {
   std::string destination_policy;     // empty: every block keeps its encoding
   uint32_t timeout_ms = 0;            // 0: ManagerOptions::transfer_timeout_ms
   bool follow_writes = false;
+  // A prefix hit: blocks [0, first_block) are already on the destination,
+  // held by destination_prefix_sequence_id there; only the others move.
+  // 0: every block moves (the prefix must then be empty).
+  uint32_t first_block = 0;
+  std::string destination_prefix_sequence_id;
 };
 
 // triax.v1.TransferSequenceResponse.
@@ -57,8 +63,9 @@ struct TransferSequenceResult {
   std::string transfer_id;
   std::string source_worker_id;
   std::string destination_worker_id;
-  SequenceInfo sequence;  // after the commit
-  uint64_t blocks = 0;    // blocks moved (evicted ones do not move)
+  SequenceInfo sequence;       // after the commit
+  uint64_t blocks = 0;         // blocks moved (evicted ones do not move)
+  uint64_t shared_blocks = 0;  // blocks [0, first_block): shared there
   uint64_t pages = 0;
   uint64_t wire_bytes = 0;
   uint64_t bf16_bytes = 0;
@@ -94,6 +101,10 @@ struct TransferPrepared {
   uint32_t timeout_ms = 0;  // the effective bound (never 0)
   bool follow_writes = false;
   uint64_t reserved_bytes = 0;  // the destination's reservation
+  // A prefix hit: the destination shares blocks [0, prefix_blocks) with
+  // this sequence of its own and pulls only the others.
+  std::string prefix_sequence_id;
+  uint32_t prefix_blocks = 0;
 };
 
 // The destination's ImportSequence answer, as the commit records it.
@@ -125,6 +136,9 @@ class PendingTransfers {
     std::string sequence_id;
     std::string source_id;
     std::string destination_id;
+    // A prefix hit: the first_block and the destination's prefix sequence.
+    uint32_t shared_blocks = 0;
+    std::string prefix_sequence_id;
     // Destination encoding and bytes of every block that moves, by lineage.
     std::vector<std::pair<uint64_t, Encoding>> encodings;
     std::vector<uint64_t> new_bytes;
@@ -147,9 +161,10 @@ class PendingTransfers {
   ~PendingTransfers();
 
   // Request checks that need no state: request_id, tenant_id, sequence_id
-  // (ids), destination_worker_id and destination_policy (empty or ids),
-  // timeout_ms (<= kMaxTransferTimeoutMs). INVALID_ARGUMENT naming the
-  // field and value.
+  // (ids), destination_worker_id, destination_policy and
+  // destination_prefix_sequence_id (empty or ids; the prefix named iff
+  // first_block > 0, and not the sequence itself), timeout_ms (<=
+  // kMaxTransferTimeoutMs). INVALID_ARGUMENT naming the field and value.
   static absl::Status ValidateRequest(const TransferSequenceRequest& req);
   // ABORTED when a transfer of the tenant with this request id is in flight
   // (request id empty: OK).

@@ -151,6 +151,7 @@ BlockRecord* SequenceTable::NewBlock(SequenceRecord* s, uint64_t first_token,
   b->worker = s->worker;
   b->creator = s->id;
   b->owner = s;
+  b->holders = {{s->worker, 1}};
   s->blocks.push_back(b);
   s->bytes += bytes;
   s->tenant->used[static_cast<int>(Tier::kDevice)] += bytes;
@@ -168,6 +169,7 @@ BlockRecord* SequenceTable::RestoreBlock(SequenceRecord* s,
   b->charged = s->tenant;
   b->worker = s->worker;
   b->owner = s;
+  b->holders = {{s->worker, 1}};
   s->blocks.push_back(b);
   if (!b->evicted) {
     const int tier = static_cast<int>(b->tier);
@@ -182,27 +184,92 @@ BlockRecord* SequenceTable::RestoreBlock(SequenceRecord* s,
   return b;
 }
 
+namespace {
+
+// Returns the device bytes of the copy of `b` on `w` to b's tenant and `w`.
+void ReleaseCopy(const BlockRecord& b, WorkerRecord* w) {
+  b.charged->used[static_cast<int>(Tier::kDevice)] -= b.bytes;
+  w->reserved -= b.bytes;
+}
+
+// One holder fewer on `w`; true when `w` has none left (its entry erased,
+// `worker` the first remaining one).
+bool DropHolder(BlockRecord* b, WorkerRecord* w) {
+  for (auto it = b->holders.begin(); it != b->holders.end(); ++it) {
+    if (it->first != w) continue;
+    if (--it->second > 0) return false;
+    b->holders.erase(it);
+    if (!b->holders.empty()) b->worker = b->holders.front().first;
+    return true;
+  }
+  return false;
+}
+
+// One holder more on `w`; true when `w` had none.
+bool AddHolder(BlockRecord* b, WorkerRecord* w) {
+  for (auto& [worker, n] : b->holders) {
+    if (worker == w) {
+      ++n;
+      return false;
+    }
+  }
+  b->holders.emplace_back(w, 1);
+  if (b->holders.size() == 1) b->worker = w;
+  return true;
+}
+
+}  // namespace
+
+void SequenceTable::ChargeCopy(const BlockRecord& b, WorkerRecord* w) {
+  b.charged->used[static_cast<int>(Tier::kDevice)] += b.bytes;
+  w->Reserve(b.bytes);
+}
+
+uint32_t SequenceTable::HoldersOn(const BlockRecord& b, const WorkerRecord* w) {
+  for (const auto& [worker, n] : b.holders) {
+    if (worker == w) return n;
+  }
+  return 0;
+}
+
+bool SequenceTable::MoveHolder(BlockRecord* b, WorkerRecord* from,
+                               WorkerRecord* to) {
+  const bool added = AddHolder(b, to);
+  if (DropHolder(b, from) && !b->evicted) ReleaseCopy(*b, from);
+  return added;
+}
+
 void SequenceTable::Share(SequenceRecord* s, BlockRecord* b) {
   ++b->refcount;
   s->blocks.push_back(b);
   s->bytes += b->bytes;
+  if (AddHolder(b, s->worker) && b->refcount > 1 && !b->evicted) {
+    ChargeCopy(*b, s->worker);
+  }
 }
 
 bool SequenceTable::Unref(SequenceRecord* s, BlockRecord* b) {
   --b->refcount;
   if (b->refcount > 0) {
+    if (DropHolder(b, s->worker) && !b->evicted) ReleaseCopy(*b, s->worker);
     if (b->owner == s) {
-      // Another holder keeps it: a fork on the same worker.
+      // Another holder keeps it: a fork on its worker, or a sequence on
+      // another worker holding a copy.
       b->owner = nullptr;
-      for (SequenceRecord* o : s->worker->open) {
-        if (o != s && b->index < o->blocks.size() && o->blocks[b->index] == b) {
-          b->owner = o;
-          break;
+      for (const auto& [w, n] : b->holders) {
+        for (SequenceRecord* o : w->open) {
+          if (o != s && b->index < o->blocks.size() &&
+              o->blocks[b->index] == b) {
+            b->owner = o;
+            break;
+          }
         }
+        if (b->owner != nullptr) break;
       }
     }
     return false;
   }
+  b->holders.clear();
   // Bytes are charged to the block's tier; an evicted block holds none.
   if (!b->evicted) {
     const int tier = static_cast<int>(b->tier);

@@ -81,12 +81,23 @@ class SequenceTable {
   // charges its bytes to its tier of s's tenant and worker (nothing when
   // evicted). The lineage id must not be live.
   BlockRecord* RestoreBlock(SequenceRecord* s, const BlockRecord& parked);
-  // Appends parent's block `b` to fork `s` (refcount + 1; not charged again).
+  // Appends `b` (a parent's block, or a block live elsewhere) to `s`
+  // (refcount + 1); charged again only when s's worker held no copy of it.
   static void Share(SequenceRecord* s, BlockRecord* b);
   // Drops the reference of `s` to `b`. Returns true when it was the last:
   // the block's bytes are then returned to its tenant and worker (the
-  // caller erases it). Otherwise ownership passes to another holder.
+  // caller erases it). Otherwise ownership passes to another holder, and
+  // the copy on s's worker is returned when s was its last holder there.
   static bool Unref(SequenceRecord* s, BlockRecord* b);
+  // How many sequences on `w` hold `b` (BlockRecord::holders).
+  static uint32_t HoldersOn(const BlockRecord& b, const WorkerRecord* w);
+  // One holder of `b` moves from worker `from` to worker `to` (refcount
+  // unchanged): the copy on `from` is returned when it was its last holder
+  // there. Returns true when `to` had no copy (the caller charges it: a
+  // transfer's reservation, or ChargeCopy).
+  static bool MoveHolder(BlockRecord* b, WorkerRecord* from, WorkerRecord* to);
+  // Charges a new copy of device block `b` on `w` to b's tenant and `w`.
+  static void ChargeCopy(const BlockRecord& b, WorkerRecord* w);
   void EraseBlock(uint64_t lineage_id) { blocks_.erase(lineage_id); }
   // nullptr when not live.
   BlockRecord* FindBlock(uint64_t lineage_id) const {

@@ -300,6 +300,8 @@ ImportRequest FromProto(const v1::ImportSequenceRequest& p) {
   d.source_worker_id = p.source_worker_id();
   d.timeout_ms = p.timeout_ms();
   d.follow_writes = p.follow_writes();
+  d.prefix_sequence_id = p.prefix_sequence_id();
+  d.prefix_blocks = p.prefix_blocks();
   return d;
 }
 
@@ -320,7 +322,8 @@ v1::ExportPagesRequest ExportRequestFor(const ImportRequest& req) {
   r.set_sequence_id(req.sequence_id);
   r.set_follow_writes(req.follow_writes);
   for (const BlockSpec& b : req.blocks) {
-    if (b.evicted) continue;
+    // Evicted blocks have no pages; a prefix hit's blocks are shared here.
+    if (b.evicted || b.index < req.prefix_blocks) continue;
     v1::BlockPlan* out = r.add_blocks();
     out->set_index(b.index);
     out->set_lineage_id(b.lineage_id);

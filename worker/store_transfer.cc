@@ -90,6 +90,65 @@ absl::StatusOr<uint64_t> CheckExportBlocks(const Device& device,
   return end;
 }
 
+// Checks blocks [0, plan.prefix_blocks) of the plan against the prefix
+// sequence (see "A prefix hit" in store_transfer.h).
+absl::Status CheckPrefix(const Sequence& prefix, const ImportPlan& plan)
+    ABSL_SHARED_LOCKS_REQUIRED(prefix.mu) {
+  const std::string what =
+      absl::StrCat("import of sequence_id=", Quote(plan.sequence_id),
+                   " with prefix_sequence_id=", Quote(prefix.id), ": ");
+  const ModelShape& m = prefix.model;
+  if (m.n_layers != plan.model.n_layers ||
+      m.n_kv_heads != plan.model.n_kv_heads ||
+      m.n_q_heads != plan.model.n_q_heads ||
+      m.head_dim != plan.model.head_dim ||
+      prefix.block_tokens != plan.block_tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, "the prefix sequence has another model shape or block_tokens (",
+        prefix.block_tokens, " vs ", plan.block_tokens, ")"));
+  }
+  if (prefix.blocks.size() < plan.prefix_blocks) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, "prefix_blocks=", plan.prefix_blocks,
+        " but the prefix sequence has ", prefix.blocks.size(), " blocks"));
+  }
+  for (uint32_t i = 0; i < plan.prefix_blocks; ++i) {
+    const BlockSpec& have = prefix.blocks[i].spec;
+    const BlockSpec& want = plan.blocks[i];
+    if (have.lineage_id != want.lineage_id ||
+        have.first_token != want.first_token ||
+        have.num_tokens != want.num_tokens) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, "block ", i,
+          " mismatches: the plan's lineage_id=", want.lineage_id,
+          " (first_token=", want.first_token, " num_tokens=", want.num_tokens,
+          "), the prefix's lineage_id=", have.lineage_id, " (first_token=",
+          have.first_token, " num_tokens=", have.num_tokens, ")"));
+    }
+    if (have.num_tokens != prefix.block_tokens) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, "block ", i, " (lineage_id=", have.lineage_id,
+                       ") holds ", have.num_tokens, " of ", prefix.block_tokens,
+                       " tokens; only full blocks are shared"));
+    }
+    if (have.evicted || !prefix.blocks[i].resident()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, "block ", i, " (lineage_id=", have.lineage_id, ") is ",
+          have.evicted ? "evicted" : "spilled",
+          " in the prefix sequence; only resident blocks are shared"));
+    }
+    for (uint32_t l = 0; l < prefix.model.n_layers; ++l) {
+      if (i >= prefix.sealed[l]) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            what, "block ", i, " (lineage_id=", have.lineage_id,
+            ") is not sealed on layer ", l,
+            " in the prefix sequence; only sealed blocks are shared"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 void Checksum(std::vector<TransferPage>* pages) {
   for (TransferPage& p : *pages) {
     p.crc32c = Crc32c(p.data.data(), p.data.size());
@@ -356,6 +415,7 @@ struct ImportSession::State {
   // [block][layer]: 0 not yet, 1 sealed page, 2 window page.
   std::vector<std::vector<uint8_t>> have;
   std::vector<uint32_t> layer_pages;  // installed per layer
+  uint32_t prefix_blocks = 0;         // blocks shared with the prefix
   uint32_t pages_per_layer = 0;       // non-evicted blocks
   absl::Time start;
   ImportResult result;
@@ -370,6 +430,53 @@ absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
   const PageShape shape = PageShapeOf(plan.model, plan.block_tokens);
   TRIAX_RETURN_IF_ERROR(store_internal::ValidatePlan(*device_, plan.blocks,
                                                      plan.block_tokens, shape));
+  // A prefix hit: its blocks' specs and pages, each page referenced here
+  // until the new sequence holds its own reference (or the import fails).
+  std::vector<BlockSpec> prefix_specs;
+  std::vector<Page*> prefix_pages;  // [block * n_layers + layer]
+  struct Unref {
+    PageAllocator* allocator;
+    std::vector<Page*>* pages;
+    ~Unref() {
+      for (Page* p : *pages) allocator->Unref(p);
+    }
+  } unref{allocator_, &prefix_pages};
+  if (plan.prefix_blocks > 0) {
+    TRIAX_RETURN_IF_ERROR(
+        ValidateId("prefix_sequence_id", plan.prefix_sequence_id));
+    if (plan.prefix_sequence_id == plan.sequence_id) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefix_sequence_id=", Quote(plan.prefix_sequence_id),
+                       " equals sequence_id; name another sequence"));
+    }
+    if (plan.prefix_blocks > plan.blocks.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefix_blocks=", plan.prefix_blocks, " is more than the plan's ",
+          plan.blocks.size(), " blocks"));
+    }
+    absl::StatusOr<std::shared_ptr<Sequence>> found =
+        Lookup(plan.prefix_sequence_id);
+    if (!found.ok()) {
+      return absl::NotFoundError(
+          absl::StrCat("prefix_sequence_id=", Quote(plan.prefix_sequence_id),
+                       " is not on this worker"));
+    }
+    TRIAX_ASSIGN_OR_RETURN(LockedSequence locked,
+                           LockOwned(*std::move(found), plan.tenant_id));
+    const Sequence& prefix = *locked;
+    TRIAX_RETURN_IF_ERROR(CheckPrefix(prefix, plan));
+    for (uint32_t i = 0; i < plan.prefix_blocks; ++i) {
+      prefix_specs.push_back(prefix.blocks[i].spec);
+      for (Page* page : prefix.blocks[i].target) {
+        allocator_->Ref(page);
+        prefix_pages.push_back(page);
+      }
+    }
+  } else if (!plan.prefix_sequence_id.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix_sequence_id=", Quote(plan.prefix_sequence_id),
+                     " is named with prefix_blocks=0; name both or neither"));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (sequences_.contains(plan.sequence_id)) {
@@ -399,6 +506,8 @@ absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
     seq->sealed.assign(layers, 0);
     seq->planned = 0;
     ReleaseAll(*seq);  // a second run starts from nothing
+    state->result.page_bytes = 0;
+    state->result.pages_shared = 0;
     for (const BlockSpec& spec : plan.blocks) {
       Block b;
       b.spec = spec;
@@ -406,6 +515,18 @@ absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
       b.window.assign(layers, nullptr);
       b.spec.tier = spec.evicted ? Tier::kUnspecified : Tier::kDevice;
       seq->planned += spec.num_tokens;
+      const size_t i = seq->blocks.size();
+      if (i < prefix_specs.size()) {
+        // Shared with the prefix: its spec (encoding) and its pages.
+        b.spec = prefix_specs[i];
+        for (uint32_t l = 0; l < layers; ++l) {
+          b.target[l] = prefix_pages[i * layers + l];
+          allocator_->Ref(b.target[l]);
+          state->result.pages_shared += 1;
+        }
+        seq->blocks.push_back(std::move(b));
+        continue;
+      }
       seq->blocks.push_back(std::move(b));
       if (spec.evicted) continue;
       Block& nb = seq->blocks.back();
@@ -435,8 +556,13 @@ absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
   state->seq = std::move(seq);
   state->have.assign(plan.blocks.size(), std::vector<uint8_t>(layers, 0));
   state->layer_pages.assign(layers, 0);
-  for (const BlockSpec& spec : plan.blocks) {
-    if (!spec.evicted) state->pages_per_layer += 1;
+  state->prefix_blocks = plan.prefix_blocks;
+  for (size_t i = 0; i < plan.blocks.size(); ++i) {
+    if (i < plan.prefix_blocks) {
+      state->have[i].assign(layers, 1);  // shared, sealed
+    } else if (!plan.blocks[i].evicted) {
+      state->pages_per_layer += 1;
+    }
   }
   state->result.layer_done_seconds.assign(layers, 0.0);
   return std::unique_ptr<ImportSession>(
@@ -507,6 +633,11 @@ absl::StatusOr<Page*> ImportSession::Destination(
   if (b.spec.evicted) {
     return absl::InvalidArgumentError(absl::StrCat(
         where(), "the block is evicted in the plan; no page was expected"));
+  }
+  if (page.block_index < st.prefix_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where(), "the block shares the prefix sequence's pages (prefix_blocks=",
+        st.prefix_blocks, "); no page was expected"));
   }
   if (st.have[page.block_index][page.layer] != 0) {
     return absl::InvalidArgumentError(

@@ -59,6 +59,27 @@
 // see it (its pages count as used in the inventory). A session destroyed
 // without a successful Commit frees every page it allocated.
 //
+// A prefix hit (ImportPlan::prefix_blocks = K > 0). Blocks [0, K) of the
+// plan are not sent: BeginImport takes a reference on every layer's page of
+// blocks [0, K) of prefix_sequence_id (a sequence of the same tenant here,
+// not the imported one), as ForkSequence shares a parent's blocks, so the
+// prefix sequence may be freed while the import runs; a session destroyed
+// without a Commit drops those references. The shared blocks keep the
+// prefix's encodings (the plan's encodings of blocks [0, K) are ignored)
+// and, being full and sealed, take no writes (a Write below the written
+// length is refused, as for a fork). BeginImport refuses, before reserving
+// anything:
+//   INVALID_ARGUMENT    prefix_sequence_id empty or not an id, or equal to
+//                       sequence_id; K > the plan's blocks;
+//   NOT_FOUND           the prefix sequence is not here;
+//   PERMISSION_DENIED   it is another tenant's;
+//   FAILED_PRECONDITION another model shape or block_tokens; fewer than K
+//                       blocks; a block i < K whose lineage id, first_token
+//                       or num_tokens differ from the plan's (the message
+//                       names i and both lineage ids), that is not full, is
+//                       evicted or spilled, or is not sealed on every layer.
+// Install refuses a page of a shared block (INVALID_ARGUMENT).
+//
 // Thread contract: Export is thread-safe like every store operation. An
 // ImportSession is used by one thread at a time; sessions for different
 // sequences run in parallel with each other and with the store's other
@@ -175,13 +196,19 @@ struct ImportPlan {
   std::vector<BlockSpec> blocks;
   // Who sends the pages, for messages ("source worker-a at 10.0.0.1:7070").
   std::string source;
+  // A prefix hit: blocks [0, prefix_blocks) are not sent; they share the
+  // pages of the same blocks of `prefix_sequence_id` (a sequence of the
+  // tenant here), as a fork's shared blocks do. 0: every block is sent.
+  std::string prefix_sequence_id;
+  uint32_t prefix_blocks = 0;
 };
 
 struct ImportResult {
-  uint64_t pages = 0;       // pages installed
-  uint64_t wire_bytes = 0;  // page bytes received
-  uint64_t bf16_bytes = 0;  // the same tokens as BF16 pages
-  uint64_t page_bytes = 0;  // pool bytes allocated here (target + window)
+  uint64_t pages = 0;         // pages installed
+  uint64_t wire_bytes = 0;    // page bytes received
+  uint64_t bf16_bytes = 0;    // the same tokens as BF16 pages
+  uint64_t page_bytes = 0;    // pool bytes allocated here (target + window)
+  uint64_t pages_shared = 0;  // pages shared with the prefix sequence
   // Per layer: seconds from BeginImport until the layer's last page was
   // installed (0 for a layer without pages).
   std::vector<double> layer_done_seconds;

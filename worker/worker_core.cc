@@ -261,12 +261,23 @@ absl::StatusOr<ImportReply> WorkerCore::Import(const ImportRequest& req,
         plan.window_tokens = req.window_tokens;
         plan.blocks = req.blocks;
         plan.source = SourceLabel(req);
+        plan.prefix_sequence_id = req.prefix_sequence_id;
+        plan.prefix_blocks = req.prefix_blocks;
         TRIAX_ASSIGN_OR_RETURN(std::unique_ptr<ImportSession> session,
                                store_->BeginImport(plan));
         ImportReply reply;
-        TRIAX_ASSIGN_OR_RETURN(
-            reply.data_path,
-            fetch(req, start + absl::Milliseconds(timeout_ms), session.get()));
+        bool pull = false;  // a block neither shared nor evicted
+        for (const BlockSpec& b : req.blocks) {
+          pull = pull || (!b.evicted && b.index >= req.prefix_blocks);
+        }
+        if (pull) {
+          TRIAX_ASSIGN_OR_RETURN(
+              reply.data_path,
+              fetch(req, start + absl::Milliseconds(timeout_ms),
+                    session.get()));
+        } else {
+          reply.data_path = "none";
+        }
         TRIAX_ASSIGN_OR_RETURN(reply.result, session->Commit());
         reply.seconds = absl::ToDoubleSeconds(absl::Now() - start);
         return reply;

@@ -197,12 +197,18 @@ struct ImportRequest {
   std::string source_worker_id;           // for messages; may be empty
   uint32_t timeout_ms = 0;                // 0: kDefaultImportTimeoutMs
   bool follow_writes = false;
+  // A prefix hit (ImportPlan::prefix_blocks): blocks [0, prefix_blocks)
+  // share prefix_sequence_id's pages here and are not pulled.
+  std::string prefix_sequence_id;
+  uint32_t prefix_blocks = 0;
 };
 
 struct ImportReply {
   ImportResult result;
-  double seconds = 0;     // the whole import
-  std::string data_path;  // the PageFetcher's: "stream" or "ipc"
+  double seconds = 0;  // the whole import
+  // The PageFetcher's: "stream" or "ipc"; "none" when every block was
+  // shared with the prefix or evicted (nothing to pull).
+  std::string data_path;
 };
 
 // The source side: the blocks of `blocks` (index, lineage_id and the wanted

@@ -68,6 +68,59 @@ class TransferServiceTest : public ::testing::Test {
   std::vector<float> k_, v_;
 };
 
+// A prefix hit: B holds "p" with the same first two blocks (lineage ids
+// and values); the import shares them and pulls only block 2 from A.
+TEST_F(TransferServiceTest, APrefixHitPullsOnlyTheOtherBlocks) {
+  WriteSource(a_.get());
+  {
+    grpc::ClientContext ctx;
+    v1::AllocatePagesResponse resp;
+    ASSERT_TRUE(
+        b_->stub->AllocatePages(&ctx, AllocRequest("p", kTokens), &resp).ok());
+    for (uint32_t l = 0; l < 2; ++l) {
+      ASSERT_TRUE(b_->Write("p", F32Chunk(l, 0, kTokens, k_, v_)).ok());
+    }
+  }
+  const uint64_t used_before = b_->store->Inventory().used_bytes;
+  v1::ImportSequenceRequest r = ImportRequestFor(*a_);
+  r.set_prefix_sequence_id("p");
+  r.set_prefix_blocks(3);  // block 2 of "p" is partial
+  grpc::Status bad = Import(r);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(bad.error_message(),
+              ::testing::HasSubstr("block 2 (lineage_id=1002) holds 8 of 16"));
+  r.set_prefix_blocks(2);
+  r.mutable_blocks(1)->set_lineage_id(77);
+  bad = Import(r);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(bad.error_message(),
+              ::testing::HasSubstr("block 1 mismatches: the plan's "
+                                   "lineage_id=77"));
+  EXPECT_EQ(b_->store->Inventory().used_bytes, used_before);
+  r.mutable_blocks(1)->set_lineage_id(1001);
+  v1::ImportSequenceResponse resp;
+  const grpc::Status ok = Import(r, &resp);
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  const kernels::PageShape shape = PageShapeOf(FromProto(Model()), 16);
+  // Only block 2 (in the window: BF16 pages) travelled, on both layers.
+  EXPECT_EQ(resp.pages(), 2u);
+  EXPECT_EQ(resp.wire_bytes(), 2 * kernels::PageBytes(Format::kBF16, shape));
+  EXPECT_EQ(resp.data_path(), "stream");
+  ExpectSameReads("s", "s");
+  // Every block shared and none pulled: no call to the source at all.
+  v1::ImportSequenceRequest all = ImportRequestFrom("127.0.0.1:1", 32);
+  all.set_request_id("imp-2");
+  all.set_sequence_id("s2");
+  all.set_prefix_sequence_id("p");
+  all.set_prefix_blocks(2);
+  ASSERT_TRUE(Import(all, &resp).ok());
+  EXPECT_EQ(resp.pages(), 0u);
+  EXPECT_EQ(resp.data_path(), "none");
+  auto r2 = b_->store->Read(kTenant, "s2", 0, 0, 0);
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  EXPECT_EQ(r2->num_tokens, 32u);
+}
+
 TEST_F(TransferServiceTest, ImportsASequenceFromTheSource) {
   WriteSource(a_.get());
   v1::ImportSequenceResponse resp;

@@ -9,7 +9,8 @@
 // a corrupted page (the source's --testing_corrupt_export_pages) is
 // DATA_LOSS and nothing moves; transfers run while Attend runs on the same
 // worker; bad requests name the field; the window named at Open moves
-// with the sequence between workers of different --window_tokens.
+// with the sequence between workers of different --window_tokens; a
+// prefix hit moves only the blocks the destination lacks.
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/kv_client.h"
@@ -247,6 +249,104 @@ TEST_F(TransferClusterTest, MovesTheSequenceWithItsBytesAndTheSourceFrees) {
   // The moved sequence keeps working: extend on the destination, close.
   ASSERT_THAT(client_->Close(h), IsOk());
   EXPECT_FALSE(Holds(Inventory(WorkerIndex(dst)), h.sequence_id));
+}
+
+// A prefix hit (disaggregated prefill/decode): S0 (a system prompt) and S1,
+// a fork of its first 64 tokens extended by a user turn, live on A. S0
+// moves to B (its blocks shared with S1 move as copies); then S1 moves to B
+// with first_block 4 and S0 as the prefix: only S1's own blocks travel,
+// and S1 on B reads and attends as on A, also after S0 is closed.
+TEST_F(TransferClusterTest, APrefixHitMovesOnlyTheBlocksTheDestinationLacks) {
+  Start(2);
+  // 96 tokens of bf16: 6 blocks of 16; a worker window of 32 leaves blocks
+  // 0..3 sealed.
+  auto s0 = client_->Open(model_, {MakeSpan(v1::ROLE_SYSTEM, 96)}, "bf16");
+  ASSERT_THAT(s0, IsOk());
+  for (uint32_t l = 0; l < model_.n_layers(); ++l) WriteLayer(*s0, l);
+  auto s1 = client_->Fork(*s0, 64);
+  ASSERT_THAT(s1, IsOk());
+  ASSERT_THAT(client_->Extend(&*s1, {MakeSpan(v1::ROLE_USER, 40)},
+                              /*new_turn=*/true, /*continue_last_span=*/false),
+              IsOk());
+  ASSERT_EQ(s1->num_tokens, 104u);
+  ASSERT_EQ(s1->blocks.size(), 7u);
+  for (uint32_t l = 0; l < model_.n_layers(); ++l) {
+    auto k = RandomVector(40 * Elems(), &rng_);
+    auto v = RandomVector(40 * Elems(), &rng_);
+    ASSERT_THAT(client_->WriteKV(*s1, l, 64, 40, k.data(), v.data()), IsOk());
+  }
+  for (uint32_t i = 0; i < 4; ++i) {
+    ASSERT_EQ(s1->blocks[i].lineage_id(), s0->blocks[i].lineage_id());
+  }
+  auto info = client_->GetSequence(s0->sequence_id);
+  ASSERT_THAT(info, IsOk());
+  const std::string src = info->worker_id();
+  const std::string dst = src == "w0" ? "w1" : "w0";
+  const std::vector<std::string> before = ReadAll(*s1);
+  const std::vector<float> q = Query();
+  const std::vector<float> attend_before = Attend(*s1, 1, q);
+
+  client::Client::TransferOptions o;
+  o.destination_worker_id = dst;
+  auto r0 = client_->TransferSequence(&*s0, o);
+  ASSERT_THAT(r0, IsOk());
+  EXPECT_EQ(r0->blocks(), 6u);
+  EXPECT_EQ(r0->shared_blocks(), 0u);
+
+  // Through the real service: block 4 of S1 is its own, not S0's.
+  client::Client::TransferOptions bad;
+  bad.first_block = 5;
+  bad.destination_prefix_sequence_id = s0->sequence_id;
+  auto refused = client_->TransferSequence(s1->sequence_id, bad);
+  EXPECT_THAT(
+      refused.status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               HasSubstr(absl::StrCat(
+                   "block 4: lineage ", s1->blocks[4].lineage_id(),
+                   " of sequence \"", s1->sequence_id,
+                   "\" differs from lineage ", s0->blocks[4].lineage_id()))));
+
+  client::Client::TransferOptions hit;
+  hit.first_block = 4;
+  hit.destination_prefix_sequence_id = s0->sequence_id;
+  auto r1 = client_->TransferSequence(&*s1, hit);
+  ASSERT_THAT(r1, IsOk());
+  EXPECT_EQ(r1->destination_worker_id(), dst);  // the prefix's worker
+  EXPECT_EQ(r1->shared_blocks(), 4u);
+  EXPECT_EQ(r1->blocks(), 3u);
+  EXPECT_EQ(r1->pages(), 3u * model_.n_layers());
+  // Only blocks 4..6 travelled, each page a BF16 page.
+  const uint64_t page = 2ull * 16 * Elems() * 2;
+  EXPECT_EQ(r1->wire_bytes(), 3u * model_.n_layers() * page);
+  EXPECT_EQ(r1->bf16_bytes(), r1->wire_bytes());
+  EXPECT_EQ(r1->sequence().worker_id(), dst);
+
+  EXPECT_EQ(ReadAll(*s1), before);
+  EXPECT_EQ(Attend(*s1, 1, q), attend_before);
+  ASSERT_THAT(Cluster::WaitFor(
+                  "source frees", absl::Seconds(10),
+                  [&]() -> absl::StatusOr<bool> {
+                    return Inventory(WorkerIndex(src)).sequence_ids_size() == 0;
+                  }),
+              IsOk());
+  // The events say which blocks were shared there.
+  int shared = 0;
+  for (const v1::Event& e : Events(s1->sequence_id)) {
+    if (e.kind() == v1::EVENT_BLOCK_TRANSFERRED &&
+        absl::StrContains(e.detail(), "shared=true")) {
+      ++shared;
+      EXPECT_EQ(e.worker_id(), dst);
+    }
+  }
+  EXPECT_EQ(shared, 4);
+
+  // Closing the prefix leaves S1 whole on B.
+  ASSERT_THAT(client_->Close(*s0), IsOk());
+  EXPECT_EQ(ReadAll(*s1), before);
+  EXPECT_EQ(Attend(*s1, 1, q), attend_before);
+  ASSERT_THAT(client_->Close(*s1), IsOk());
+  EXPECT_EQ(Inventory(WorkerIndex(dst)).sequence_ids_size(), 0);
+  EXPECT_EQ(TenantBytes(), 0u);
 }
 
 TEST_F(TransferClusterTest, ReencodesOnTheWayIntoTheDestinationPolicy) {
