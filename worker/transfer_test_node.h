@@ -19,6 +19,15 @@
 
 namespace triax::worker {
 
+// Service options of a worker on `path`, with the corruption hook set to
+// every `corrupt`-th exported page (0: off).
+inline WorkerServiceOptions Path(TransferPath path, uint32_t corrupt = 0) {
+  WorkerServiceOptions o;
+  o.transfer_path = path;
+  o.testing_corrupt_export_pages = corrupt;
+  return o;
+}
+
 // One worker served on 127.0.0.1.
 struct Node {
   // `share_arena`: the device's arena is shared memory, and the service

@@ -17,13 +17,6 @@ using kernels::Format;
 
 constexpr uint32_t kTokens = 40;
 
-WorkerServiceOptions Path(TransferPath path, uint32_t corrupt = 0) {
-  WorkerServiceOptions o;
-  o.transfer_path = path;
-  o.testing_corrupt_export_pages = corrupt;
-  return o;
-}
-
 class IpcTransferTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -16,13 +16,6 @@ using ::testing::HasSubstr;
 
 constexpr uint32_t kTokens = 40;
 
-WorkerServiceOptions Path(TransferPath path, uint32_t corrupt = 0) {
-  WorkerServiceOptions o;
-  o.transfer_path = path;
-  o.testing_corrupt_export_pages = corrupt;
-  return o;
-}
-
 class LinkTransferTest : public ::testing::Test {
  protected:
   void SetUp() override {
