@@ -16,7 +16,8 @@
 //      service stream and then the batch's bytes over the link, and reuses
 //      a slot once its send completed — so gathering batch k+1 overlaps the
 //      send of batch k. The destination receives each batch into its own
-//      staging slot and installs it with ImportSession::InstallShared
+//      staging slot — posting batch k's receive before it installs batch
+//      k-1 — and installs it with ImportSession::InstallShared
 //      (scattered into its pages, every CRC32C checked on the way). When
 //      every send completed the source writes an end marker (a batch with
 //      no pages and no link bytes); the destination confirms by

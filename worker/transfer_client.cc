@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <random>
 #include <thread>
 #include <utility>
@@ -71,8 +72,12 @@ std::string ProcessOwner() {
 
 }  // namespace
 
-TransferClient::TransferClient(Device* device, TransferPath path)
+TransferClient::TransferClient(Device* device, TransferPath path,
+                               uint64_t link_batch_bytes)
     : device_(device),
+      link_batch_bytes_(link_batch_bytes == 0
+                            ? kLinkBatchBytes
+                            : std::min(link_batch_bytes, kLinkBatchBytes)),
       path_(device == nullptr ? TransferPath::kStream : path),
       share_domain_(device == nullptr ? "" : device->ShareDomain()),
       link_backend_(device == nullptr ? "" : device->LinkBackend()),
@@ -368,7 +373,7 @@ absl::StatusOr<bool> TransferClient::FetchLink(const ImportRequest& req,
     LinkEnd* const end = peer->end.get();
     uint8_t* slots[2];
     for (int i = 0; i < 2; ++i) {
-      TRIAX_ASSIGN_OR_RETURN(slots[i], end->Slot(i, kLinkBatchBytes));
+      TRIAX_ASSIGN_OR_RETURN(slots[i], end->Slot(i, link_batch_bytes_));
     }
     auto stub = v1::Worker::NewStub(ChannelFor(req.source_address));
     grpc::ClientContext ctx;
@@ -378,44 +383,64 @@ absl::StatusOr<bool> TransferClient::FetchLink(const ImportRequest& req,
         stream = stub->LinkPages(&ctx);
     v1::LinkPagesRequest first;
     *first.mutable_request() = ExportRequestFor(req);
-    first.mutable_request()->set_max_batch_bytes(kLinkBatchBytes);
+    first.mutable_request()->set_max_batch_bytes(
+        static_cast<uint32_t>(link_batch_bytes_));
     first.set_link_key(peer->key);
     stream->Write(first);  // a failure shows in Finish
     uint64_t batches = 0;
     bool ended = false;  // the source's end marker came
     absl::Status local;
+    // Receives run one batch ahead of installs: batch k's bytes arrive on
+    // the link while batch k-1 is scattered into its pages (its slot is
+    // the other one).
+    struct Pending {
+      std::vector<TransferPage> pages;
+      uint8_t* slot = nullptr;
+      uint64_t bytes = 0;
+      uint64_t ticket = 0;
+      uint64_t index = 0;
+    };
+    std::optional<Pending> pending;
+    auto install = [&](Pending& p) -> absl::Status {
+      absl::Status st = end->link()->Wait(p.ticket, deadline, nullptr);
+      if (!st.ok()) {
+        return absl::Status(
+            st.code(), absl::StrCat(SourceLabel(req), ": batch ", p.index, ": ",
+                                    st.message()));
+      }
+      return session->InstallShared(p.pages, p.slot, p.bytes);
+    };
     v1::PageBatch batch;
-    std::vector<TransferPage> pages;
     while (local.ok() && stream->Read(&batch)) {
       const uint64_t bytes = batch.link_bytes();
       if (bytes == 0 && batch.pages_size() == 0) {
         ended = true;  // every batch sent; confirmed by half-closing
         break;
       }
-      if (bytes == 0 || bytes > kLinkBatchBytes) {
+      if (bytes == 0 || bytes > link_batch_bytes_) {
         local = absl::InvalidArgumentError(
             absl::StrCat(SourceLabel(req), ": link_bytes=", bytes, " of batch ",
-                         batches, " is outside (0, ", kLinkBatchBytes, "]"));
+                         batches, " is outside (0, ", link_batch_bytes_, "]"));
         break;
       }
-      uint8_t* slot = slots[batches % 2];
+      Pending next;
+      next.slot = slots[batches % 2];
+      next.bytes = bytes;
+      next.index = batches++;
       absl::StatusOr<uint64_t> ticket =
-          end->link()->PostRecv(slot, bytes, deadline);
-      local = ticket.status();
-      if (local.ok()) local = end->link()->Wait(*ticket, deadline, nullptr);
-      if (!local.ok()) {
-        local = absl::Status(local.code(),
-                             absl::StrCat(SourceLabel(req), ": batch ", batches,
-                                          ": ", local.message()));
+          end->link()->PostRecv(next.slot, bytes, deadline);
+      if (!ticket.ok()) {
+        local = ticket.status();
         break;
       }
-      pages.clear();
+      next.ticket = *ticket;
       for (v1::PagePayload& payload : *batch.mutable_pages()) {
-        pages.push_back(FromProto(&payload));
+        next.pages.push_back(FromProto(&payload));
       }
-      local = session->InstallShared(pages, slot, bytes);
-      ++batches;
+      if (pending.has_value()) local = install(*pending);
+      pending = std::move(next);
     }
+    if (local.ok() && ended && pending.has_value()) local = install(*pending);
     if (!local.ok()) {
       peer->end.reset();  // aborts our end; the source's drops with it
       ctx.TryCancel();

@@ -80,8 +80,11 @@ class TransferClient {
 
   // `device` (the store's; may be null for the stream path only) must
   // outlive the client; it maps peers' arenas on the ipc path.
+  // `link_batch_bytes`: the link path's batch (and staging slot) size,
+  // clamped to kLinkBatchBytes (0: kLinkBatchBytes).
   explicit TransferClient(Device* device = nullptr,
-                          TransferPath path = TransferPath::kStream);
+                          TransferPath path = TransferPath::kStream,
+                          uint64_t link_batch_bytes = kLinkBatchBytes);
   ~TransferClient();
 
   // Pulls `req`'s pages into `session` (see the header comment); returns
@@ -125,6 +128,7 @@ class TransferClient {
                                                       std::string* why);
 
   Device* const device_;
+  const uint64_t link_batch_bytes_;
   const TransferPath path_;
   const std::string share_domain_;  // device_->ShareDomain(), or empty
   const std::string link_backend_;  // device_->LinkBackend(), or empty

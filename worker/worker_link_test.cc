@@ -104,6 +104,28 @@ TEST_F(LinkTransferTest, ImportsOverATcpLinkAndReusesIt) {
   EXPECT_EQ(a_->store->Inventory().used_bytes, source_used);
 }
 
+// Batches of one BF16 page's bytes: the sequence moves in four batches,
+// each received while the one before is installed, through both slots in
+// turn.
+TEST_F(LinkTransferTest, ManyBatchesArriveWholeAndInOrder) {
+  WorkerServiceOptions b = Path(TransferPath::kLink);
+  const kernels::PageShape shape = PageShapeOf(FromProto(Model()), 16);
+  const size_t bf16 = kernels::PageBytes(kernels::Format::kBF16, shape);
+  b.link_batch_bytes = bf16;
+  Start(Path(TransferPath::kLink), true, b, true);
+  WriteSource();
+  v1::ImportSequenceResponse resp;
+  const grpc::Status s = Import(ImportOf("s"), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.data_path(), "tcp");
+  EXPECT_EQ(resp.pages(), 6u);
+  // Per layer: the two INT4 pages fit one batch, the BF16 window page
+  // takes the next.
+  const std::vector<size_t> copies = b_->device.checked_copies();
+  EXPECT_EQ(copies, (std::vector<size_t>{2, 1, 2, 1}));
+  ExpectSameReads("s");
+}
+
 TEST_F(LinkTransferTest, AutoStreamsWhenTheSourceMakesNoLinks) {
   Start(Path(TransferPath::kStream), false, Path(TransferPath::kAuto), true);
   WriteSource();

@@ -51,7 +51,8 @@ absl::Status Answer(const ReadResult& result, ReadStream* out) {
 WorkerService::WorkerService(WorkerCore* core, WorkerServiceOptions options)
     : core_(core),
       options_(options),
-      transfers_(options.device, options.transfer_path) {}
+      transfers_(options.device, options.transfer_path,
+                 options.link_batch_bytes) {}
 
 template <typename Call, typename Request, typename Reply>
 grpc::Status WorkerService::Serve(Call call, const Request& request,

@@ -83,6 +83,9 @@ struct WorkerServiceOptions {
   // peers' arenas on the ipc path (the store's; null: stream only).
   TransferPath transfer_path = TransferPath::kStream;
   Device* device = nullptr;
+  // The link path's batch size when this worker imports (tests make it
+  // small to move a sequence in many batches); at most kLinkBatchBytes.
+  uint64_t link_batch_bytes = kLinkBatchBytes;
 };
 
 class WorkerService final : public v1::Worker::Service {
