@@ -148,5 +148,39 @@ TEST(DaemonTest, KvworkerRefusesContradictingFlagsNamingThem) {
   }
 }
 
+// --transfer_path=link needs links it can make: a CPU worker's TCP
+// listeners on an IP address peers can reach (exit 1 naming the flag);
+// an unknown path is a flag error (exit 2) listing the four.
+TEST(DaemonTest, KvworkerRefusesLinksItCannotMake) {
+  auto dir = TempDir::Create("daemon");
+  ASSERT_THAT(dir, IsOk());
+  struct Case {
+    std::vector<std::string> args;
+    int rc;
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {{"--backend=cpu", "--transfer_path=link", "--link_host=0.0.0.0"},
+       1,
+       {"--transfer_path=link", "\"0.0.0.0\"", "wildcard", "--link_host"}},
+      {{"--backend=cpu", "--transfer_path=link", "--listen=localhost:0"},
+       1,
+       {"--transfer_path=link", "\"localhost\"", "not an IP address"}},
+      {{"--transfer_path=nccl"},
+       2,
+       {"transfer_path=\"nccl\"", "auto, stream, ipc, link"}},
+  };
+  for (const Case& c : cases) {
+    std::string out, err;
+    auto rc = RunToCompletion("kvworker", c.args, (*dir)->path(), &out, &err);
+    ASSERT_THAT(rc, IsOk());
+    EXPECT_EQ(*rc, c.rc) << c.args.back() << ": " << err;
+    for (const std::string& word : c.words) {
+      EXPECT_THAT(err, HasSubstr(word)) << c.args.back();
+    }
+    EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
+  }
+}
+
 }  // namespace
 }  // namespace triax::testing
