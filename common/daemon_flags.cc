@@ -6,6 +6,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 
 namespace triax {
 
@@ -26,6 +27,12 @@ void InitDaemonFlags(absl::string_view main_file, const char* usage) {
   };
   absl::SetFlagsUsageConfig(config);
   absl::SetProgramUsageMessage(usage);
+}
+
+void DisableMutexDeadlockDetectionInRelease() {
+#ifdef NDEBUG
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
 }
 
 }  // namespace triax

@@ -154,6 +154,7 @@ constexpr char kServiceName[] = "triax.v1.Manager";
 
 int main(int argc, char** argv) {
   triax::InitDaemonFlags("kvmanager/main.cc", kUsage);
+  triax::DisableMutexDeadlockDetectionInRelease();
   absl::ParseCommandLine(argc, argv);
   using triax::Kv;
   using triax::Log;

@@ -1,5 +1,6 @@
 #include "worker/convert.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -362,6 +363,95 @@ void ToProto(TransferPage&& d, v1::PagePayload* p) {
   p->set_shared_bytes(d.shared_bytes);
 }
 
+void AppendRefs(absl::Span<const TransferPage> pages, v1::PageBatch* batch) {
+  v1::PageRefs* r = batch->mutable_refs();
+  // The batch's encodings so far, to find each page's index (a handful).
+  std::vector<Encoding> known;
+  known.reserve(batch->encodings_size() + 4);
+  for (const v1::PageEncoding& e : batch->encodings()) {
+    known.push_back(EncodingFromProto(e));
+  }
+  const int n = r->layer_size() + static_cast<int>(pages.size());
+  r->mutable_layer()->Reserve(n);
+  r->mutable_block_index()->Reserve(n);
+  r->mutable_lineage_id()->Reserve(n);
+  r->mutable_encoding()->Reserve(n);
+  r->mutable_num_tokens()->Reserve(n);
+  r->mutable_sealed()->Reserve(n);
+  r->mutable_offset()->Reserve(n);
+  r->mutable_bytes()->Reserve(n);
+  r->mutable_crc32c()->Reserve(n);
+  size_t last = 0;  // consecutive pages mostly share an encoding
+  for (const TransferPage& d : pages) {
+    if (last >= known.size() || !(known[last] == d.encoding)) {
+      last = std::find(known.begin(), known.end(), d.encoding) - known.begin();
+      if (last == known.size()) {
+        known.push_back(d.encoding);
+        EncodingToProto(d.encoding, batch->add_encodings());
+      }
+    }
+    r->add_layer(d.layer);
+    r->add_block_index(d.block_index);
+    r->add_lineage_id(d.lineage_id);
+    r->add_encoding(static_cast<uint32_t>(last));
+    r->add_num_tokens(d.num_tokens);
+    r->add_sealed(d.sealed);
+    r->add_offset(d.arena_offset);
+    r->add_bytes(d.shared_bytes);
+    r->add_crc32c(d.crc32c);
+  }
+}
+
+absl::Status PagesWithoutBytes(v1::PageBatch* batch,
+                               std::vector<TransferPage>* out) {
+  const v1::PageRefs& r = batch->refs();
+  const int n = r.layer_size();
+  const std::pair<const char*, int> sizes[] = {
+      {"block_index", r.block_index_size()},
+      {"lineage_id", r.lineage_id_size()},
+      {"encoding", r.encoding_size()},
+      {"num_tokens", r.num_tokens_size()},
+      {"sealed", r.sealed_size()},
+      {"offset", r.offset_size()},
+      {"bytes", r.bytes_size()},
+      {"crc32c", r.crc32c_size()}};
+  for (const auto& [field, size] : sizes) {
+    if (size != n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "refs.", field, " has ", size, " entries; refs.layer has ", n));
+    }
+  }
+  std::vector<Encoding> encodings;
+  encodings.reserve(batch->encodings_size());
+  for (const v1::PageEncoding& e : batch->encodings()) {
+    encodings.push_back(EncodingFromProto(e));
+  }
+  out->reserve(out->size() + batch->pages_size() + n);
+  for (v1::PagePayload& payload : *batch->mutable_pages()) {
+    out->push_back(FromProto(&payload));
+  }
+  for (int i = 0; i < n; ++i) {
+    const uint32_t e = r.encoding(i);
+    if (e >= encodings.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("refs.encoding[", i, "]=", e, " is not an index into ",
+                       encodings.size(), " encodings"));
+    }
+    TransferPage& d = out->emplace_back();
+    d.layer = r.layer(i);
+    d.block_index = r.block_index(i);
+    d.lineage_id = r.lineage_id(i);
+    d.encoding = encodings[e];
+    d.num_tokens = r.num_tokens(i);
+    d.sealed = r.sealed(i);
+    d.crc32c = r.crc32c(i);
+    d.shared = true;
+    d.arena_offset = r.offset(i);
+    d.shared_bytes = r.bytes(i);
+  }
+  return absl::OkStatus();
+}
+
 void ToProto(const ImportReply& d, v1::ImportSequenceResponse* p) {
   p->set_pages(d.result.pages);
   p->set_wire_bytes(d.result.wire_bytes);
@@ -371,6 +461,9 @@ void ToProto(const ImportReply& d, v1::ImportSequenceResponse* p) {
   for (double s : d.result.layer_done_seconds) p->add_layer_done_seconds(s);
   p->set_data_path(d.data_path);
   p->set_copy_seconds(d.result.copy_seconds);
+  p->set_reserve_seconds(d.result.reserve_seconds);
+  p->set_wait_seconds(d.result.wait_seconds);
+  p->set_commit_seconds(d.result.commit_seconds);
 }
 
 }  // namespace triax::worker

@@ -9,7 +9,10 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
+#include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "common/model_proto.h"
 #include "triax/v1/types.pb.h"
 #include "triax/v1/worker.pb.h"
@@ -44,6 +47,14 @@ v1::ExportPagesRequest ExportRequestFor(const ImportRequest& req);
 TransferPage FromProto(v1::PagePayload* p);
 void ToProto(TransferPage&& d, v1::PagePayload* p);
 void ToProto(const ImportReply& d, v1::ImportSequenceResponse* p);
+// Appends pages without bytes (shared or link pages: arena_offset and
+// shared_bytes) to batch->refs, their encodings to batch->encodings.
+void AppendRefs(absl::Span<const TransferPage> pages, v1::PageBatch* batch);
+// The batch's pages without bytes, in order (`pages` of shared pages, then
+// `refs`), appended to *out. INVALID_ARGUMENT naming the field when refs'
+// fields differ in length or an encoding index is outside encodings.
+absl::Status PagesWithoutBytes(v1::PageBatch* batch,
+                               std::vector<TransferPage>* out);
 
 // Replies.
 void ToProto(const AllocateResult& d, v1::AllocatePagesResponse* p);

@@ -157,11 +157,12 @@ absl::Status SendOverLink(WorkerCore* core, const ExportRequest& req,
     return absl::OkStatus();
   };
 
+  // Batches span layers; with follow_writes each layer's last batch goes
+  // before the next layer is waited for.
   std::vector<TransferPage> batch;
+  uint64_t bytes = 0;
   auto layer_sink = [&](uint32_t layer,
                         std::vector<TransferPage>* pages) -> absl::Status {
-    batch.clear();
-    uint64_t bytes = 0;
     for (TransferPage& page : *pages) {
       if (page.shared_bytes > slot_bytes) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -176,10 +177,15 @@ absl::Status SendOverLink(WorkerCore* core, const ExportRequest& req,
       bytes = AlignUp(bytes) + page.shared_bytes;
       batch.push_back(std::move(page));
     }
-    if (!batch.empty()) TRIAX_RETURN_IF_ERROR(send(&batch));
+    if (req.follow_writes && !batch.empty()) {
+      TRIAX_RETURN_IF_ERROR(send(&batch));
+      batch.clear();
+      bytes = 0;
+    }
     return absl::OkStatus();
   };
   TRIAX_RETURN_IF_ERROR(core->Export(req, export_options, layer_sink));
+  if (!batch.empty()) TRIAX_RETURN_IF_ERROR(send(&batch));
   for (const int s : {next_slot, next_slot ^ 1}) {
     if (tickets[s] != 0) {
       TRIAX_RETURN_IF_ERROR(

@@ -227,6 +227,7 @@ absl::Status CheckFlags() {
 
 int main(int argc, char** argv) {
   triax::InitDaemonFlags("worker/main.cc", kUsage);
+  triax::DisableMutexDeadlockDetectionInRelease();
   absl::ParseCommandLine(argc, argv);
   if (absl::Status s = CheckFlags(); !s.ok()) return Fail(2, s.message());
   using namespace triax::worker;  // NOLINT

@@ -436,6 +436,8 @@ class SequenceStore {
       const ImportPlan& plan);
   // This worker's arena as a peer maps it for a shared export
   // (Device::ShareArena; UNIMPLEMENTED when the backend does not share).
+  // The arena never moves, so the first success is kept and every later
+  // call answers the same handle (a peer keeps its mapping).
   absl::StatusOr<SharedArenaInfo> SharedArena() const;
   // Device::ShareDomain() of this worker's backend.
   std::string ShareDomain() const { return device_->ShareDomain(); }
@@ -630,6 +632,11 @@ class SequenceStore {
       ABSL_GUARDED_BY(mu_);
   // Ids of sequences being imported (not yet in sequences_).
   absl::flat_hash_set<std::string> importing_ ABSL_GUARDED_BY(mu_);
+
+  mutable absl::Mutex shared_arena_mu_;
+  // Device::ShareArena's handle of the arena, once made.
+  mutable std::optional<std::string> shared_arena_handle_
+      ABSL_GUARDED_BY(shared_arena_mu_);
 
   absl::Mutex self_restored_mu_;
   std::vector<uint64_t> self_restored_ ABSL_GUARDED_BY(self_restored_mu_);

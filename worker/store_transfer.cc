@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/ids.h"
@@ -202,9 +202,13 @@ absl::StatusOr<SharedArenaInfo> SequenceStore::SharedArena() const {
   SharedArenaInfo info;
   info.backend = device_->Name();
   info.bytes = allocator_->arena_bytes();
-  TRIAX_ASSIGN_OR_RETURN(
-      info.handle,
-      device_->ShareArena(allocator_->arena_base(), allocator_->arena_bytes()));
+  absl::MutexLock lock(&shared_arena_mu_);
+  if (!shared_arena_handle_.has_value()) {
+    TRIAX_ASSIGN_OR_RETURN(shared_arena_handle_,
+                           device_->ShareArena(allocator_->arena_base(),
+                                               allocator_->arena_bytes()));
+  }
+  info.handle = *shared_arena_handle_;
   return info;
 }
 
@@ -412,7 +416,9 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
 
 struct ImportSession::State {
   std::shared_ptr<Sequence> seq;
-  // [block][layer]: 0 not yet, 1 sealed page, 2 window page.
+  // [block][layer]: 0 not yet, 1 sealed page, 2 window page, kPending in
+  // the batch being installed.
+  static constexpr uint8_t kPending = 3;
   std::vector<std::vector<uint8_t>> have;
   std::vector<uint32_t> layer_pages;  // installed per layer
   uint32_t prefix_blocks = 0;         // blocks shared with the prefix
@@ -565,6 +571,8 @@ absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
     }
   }
   state->result.layer_done_seconds.assign(layers, 0.0);
+  state->result.reserve_seconds =
+      absl::ToDoubleSeconds(absl::Now() - state->start);
   return std::unique_ptr<ImportSession>(
       new ImportSession(this, plan, std::move(state)));
 }
@@ -583,6 +591,10 @@ ImportSession::~ImportSession() {
   absl::MutexLock lock(&seq.mu);
   seq.freed = true;
   store_->ReleaseAll(seq);
+}
+
+void ImportSession::CountWait(absl::Duration waited) {
+  state_->result.wait_seconds += absl::ToDoubleSeconds(waited);
 }
 
 std::string ImportSession::Where(const TransferPage& page) const {
@@ -639,9 +651,11 @@ absl::StatusOr<Page*> ImportSession::Destination(
         where(), "the block shares the prefix sequence's pages (prefix_blocks=",
         st.prefix_blocks, "); no page was expected"));
   }
-  if (st.have[page.block_index][page.layer] != 0) {
+  if (const uint8_t have = st.have[page.block_index][page.layer]; have != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where(), "duplicate page (already installed)"));
+        absl::StrCat(where(), have == State::kPending
+                                  ? "duplicate page (twice in one batch)"
+                                  : "duplicate page (already installed)"));
   }
   const Encoding want = page.sealed ? b.spec.encoding : Bf16();
   if (!(page.encoding == want)) {
@@ -741,8 +755,17 @@ absl::Status ImportSession::InstallSharedOnce(
     uint64_t peer_bytes) {
   Sequence& seq = *state_->seq;
   absl::MutexLock lock(&seq.mu);
+  State& st = *state_;
   std::vector<PageCopy> jobs(pages.size());
-  absl::flat_hash_set<std::pair<uint32_t, uint32_t>> in_batch;
+  // Pages of this batch checked so far are marked kPending in `have`, so a
+  // page twice in one batch is a duplicate; the marks are undone unless
+  // the whole batch installs.
+  size_t marked = 0;
+  auto unmark = absl::MakeCleanup([&] {
+    for (size_t i = 0; i < marked; ++i) {
+      st.have[pages[i].block_index][pages[i].layer] = 0;
+    }
+  });
   for (size_t i = 0; i < pages.size(); ++i) {
     const TransferPage& page = pages[i];
     auto where = [&] { return Where(page); };
@@ -757,12 +780,10 @@ absl::Status ImportSession::InstallSharedOnce(
           " shared_bytes=", page.shared_bytes,
           " lie outside the source's arena of ", peer_bytes, " bytes"));
     }
-    if (!in_batch.insert({page.block_index, page.layer}).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where(), "duplicate page (twice in one batch)"));
-    }
     TRIAX_ASSIGN_OR_RETURN(Page * dst,
                            Destination(page, page.shared_bytes, where));
+    st.have[page.block_index][page.layer] = State::kPending;
+    marked = i + 1;
     jobs[i] = PageCopy{dst->data, peer_base + page.arena_offset,
                        static_cast<size_t>(page.shared_bytes)};
   }
@@ -770,8 +791,7 @@ absl::Status ImportSession::InstallSharedOnce(
   const absl::Time copy_start = absl::Now();
   TRIAX_RETURN_IF_ERROR(
       store_->device_->CopyPagesChecked(jobs, absl::MakeSpan(crcs)));
-  state_->result.copy_seconds +=
-      absl::ToDoubleSeconds(absl::Now() - copy_start);
+  st.result.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
   for (size_t i = 0; i < pages.size(); ++i) {
     if (crcs[i] != pages[i].crc32c) {
       return absl::DataLossError(absl::StrCat(
@@ -781,6 +801,7 @@ absl::Status ImportSession::InstallSharedOnce(
                           crcs[i], pages[i].crc32c)));
     }
   }
+  std::move(unmark).Cancel();
   for (const TransferPage& page : pages) Installed(page);
   return absl::OkStatus();
 }
@@ -788,6 +809,7 @@ absl::Status ImportSession::InstallSharedOnce(
 absl::StatusOr<ImportResult> ImportSession::Commit() {
   State& st = *state_;
   if (st.committed) return st.result;
+  const absl::Time commit_start = absl::Now();
   Sequence& seq = *st.seq;
   const std::string what =
       absl::StrCat("import of sequence_id=", Quote(plan_.sequence_id), " from ",
@@ -837,6 +859,7 @@ absl::StatusOr<ImportResult> ImportSession::Commit() {
     store_->importing_.erase(plan_.sequence_id);
     st.committed = true;
   }
+  st.result.commit_seconds = absl::ToDoubleSeconds(absl::Now() - commit_start);
   return st.result;
 }
 

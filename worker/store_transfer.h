@@ -212,9 +212,14 @@ struct ImportResult {
   // Per layer: seconds from BeginImport until the layer's last page was
   // installed (0 for a layer without pages).
   std::vector<double> layer_done_seconds;
-  // The ipc path: seconds spent in Device::CopyPagesChecked (the device
-  // copies and their CRC32Cs, host synchronization included).
+  // The ipc and link paths: seconds spent in Device::CopyPagesChecked (the
+  // device copies and their CRC32Cs, host synchronization included).
   double copy_seconds = 0;
+  // Seconds in BeginImport (reserving the plan's pages), waiting for the
+  // source (ImportSession::CountWait, by the data path), and in Commit.
+  double reserve_seconds = 0;
+  double wait_seconds = 0;
+  double commit_seconds = 0;
 };
 
 class ImportSession {
@@ -233,6 +238,9 @@ class ImportSession {
   // of this batch counts as installed then).
   absl::Status InstallShared(absl::Span<const TransferPage> pages,
                              const uint8_t* peer_base, uint64_t peer_bytes);
+  // The data path's time blocked on the source (the next batch, a link's
+  // receive), added to ImportResult::wait_seconds.
+  void CountWait(absl::Duration waited);
   // Completes the import and makes the sequence visible; on an error the
   // session still holds its pages until it is destroyed.
   absl::StatusOr<ImportResult> Commit();

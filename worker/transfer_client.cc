@@ -70,6 +70,64 @@ std::string ProcessOwner() {
   return absl::StrCat(HostBootId(), "/", getpid(), "/", rd());
 }
 
+// A SharePages stream's acknowledgements, written from their own thread so
+// that an install never waits for one: a synchronous Write blocks until the
+// transport takes the message, which on a busy host took milliseconds per
+// batch. Each write carries the latest count (later ones supersede earlier
+// ones not yet written). A failed write ends the thread; Read and Finish
+// report why.
+class AckSender {
+ public:
+  using Stream = grpc::ClientReaderWriter<v1::SharePagesRequest, v1::PageBatch>;
+  explicit AckSender(Stream* stream)
+      : stream_(stream), thread_([this] { Run(); }) {}
+  ~AckSender() { Stop(); }
+  AckSender(const AckSender&) = delete;
+  AckSender& operator=(const AckSender&) = delete;
+
+  void Installed(uint64_t batches) {
+    absl::MutexLock lock(&mu_);
+    want_ = batches;
+  }
+  // Writes what is still due (unless the call was cancelled) and joins;
+  // afterwards the caller may half-close or finish the stream.
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  bool Due() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return want_ > sent_ || stop_;
+  }
+  void Run() {
+    for (;;) {
+      uint64_t n = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &AckSender::Due));
+        if (want_ == sent_) return;  // stopped with nothing due
+        n = want_;
+      }
+      v1::SharePagesRequest ack;
+      ack.set_installed_batches(n);
+      if (!stream_->Write(ack)) return;
+      absl::MutexLock lock(&mu_);
+      sent_ = n;
+    }
+  }
+
+  Stream* const stream_;
+  absl::Mutex mu_;
+  uint64_t want_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: starts once the fields above exist
+};
+
 }  // namespace
 
 TransferClient::TransferClient(Device* device, TransferPath path,
@@ -164,11 +222,16 @@ absl::Status TransferClient::FetchStream(const ImportRequest& req,
       stub->ExportPages(&ctx, request);
   v1::PageBatch batch;
   absl::Status local;
-  while (local.ok() && reader->Read(&batch)) {
+  for (;;) {
+    const absl::Time wait_start = absl::Now();
+    const bool more = reader->Read(&batch);
+    session->CountWait(absl::Now() - wait_start);
+    if (!more) break;
     for (v1::PagePayload& payload : *batch.mutable_pages()) {
       local = session->Install(FromProto(&payload));
       if (!local.ok()) break;
     }
+    if (!local.ok()) break;
   }
   if (!local.ok()) {
     ctx.TryCancel();
@@ -224,13 +287,18 @@ absl::StatusOr<bool> TransferClient::FetchShared(const ImportRequest& req,
   *first.mutable_request() = ExportRequestFor(req);
   first.set_share_domain(share_domain_);
   stream->Write(first);  // a failure shows in Finish
+  AckSender acks(stream.get());
   std::shared_ptr<PeerArena> arena;
   uint64_t installed = 0;
   absl::Status local;
   bool unmappable = false;
   v1::PageBatch batch;
   std::vector<TransferPage> pages;
-  while (stream->Read(&batch)) {
+  for (;;) {
+    const absl::Time wait_start = absl::Now();
+    const bool more = stream->Read(&batch);
+    session->CountWait(absl::Now() - wait_start);
+    if (!more) break;
     if (arena == nullptr) {
       if (!batch.has_arena()) {
         local = absl::InvalidArgumentError(absl::StrCat(
@@ -250,21 +318,25 @@ absl::StatusOr<bool> TransferClient::FetchShared(const ImportRequest& req,
       arena = *std::move(mapped);
     }
     pages.clear();
-    for (v1::PagePayload& payload : *batch.mutable_pages()) {
-      pages.push_back(FromProto(&payload));
+    local = PagesWithoutBytes(&batch, &pages);
+    if (!local.ok()) {
+      local = absl::Status(local.code(),
+                           absl::StrCat(SourceLabel(req), ": SharePages batch ",
+                                        installed, ": ", local.message()));
+      break;
     }
     local = session->InstallShared(pages, arena->base, arena->bytes);
     if (!local.ok()) break;
-    v1::SharePagesRequest ack;
-    ack.set_installed_batches(++installed);
-    stream->Write(ack);  // a source gone shows in Read / Finish
+    acks.Installed(++installed);  // a source gone shows in Read / Finish
   }
   if (!local.ok() || unmappable) {
     ctx.TryCancel();
+    acks.Stop();
     stream->Finish();  // drains the cancelled call
     if (!local.ok()) return local;
     return false;
   }
+  acks.Stop();
   stream->WritesDone();
   const grpc::Status s = stream->Finish();
   if (s.ok()) return true;
@@ -402,7 +474,9 @@ absl::StatusOr<bool> TransferClient::FetchLink(const ImportRequest& req,
     };
     std::optional<Pending> pending;
     auto install = [&](Pending& p) -> absl::Status {
+      const absl::Time wait_start = absl::Now();
       absl::Status st = end->link()->Wait(p.ticket, deadline, nullptr);
+      session->CountWait(absl::Now() - wait_start);
       if (!st.ok()) {
         return absl::Status(
             st.code(), absl::StrCat(SourceLabel(req), ": batch ", p.index, ": ",
@@ -411,7 +485,11 @@ absl::StatusOr<bool> TransferClient::FetchLink(const ImportRequest& req,
       return session->InstallShared(p.pages, p.slot, p.bytes);
     };
     v1::PageBatch batch;
-    while (local.ok() && stream->Read(&batch)) {
+    for (;;) {
+      const absl::Time wait_start = absl::Now();
+      const bool more = local.ok() && stream->Read(&batch);
+      session->CountWait(absl::Now() - wait_start);
+      if (!more) break;
       const uint64_t bytes = batch.link_bytes();
       if (bytes == 0 && batch.pages_size() == 0) {
         ended = true;  // every batch sent; confirmed by half-closing
@@ -434,8 +512,12 @@ absl::StatusOr<bool> TransferClient::FetchLink(const ImportRequest& req,
         break;
       }
       next.ticket = *ticket;
-      for (v1::PagePayload& payload : *batch.mutable_pages()) {
-        next.pages.push_back(FromProto(&payload));
+      local = PagesWithoutBytes(&batch, &next.pages);
+      if (!local.ok()) {
+        local = absl::Status(
+            local.code(), absl::StrCat(SourceLabel(req), ": LinkPages batch ",
+                                       next.index, ": ", local.message()));
+        break;
       }
       if (pending.has_value()) local = install(*pending);
       pending = std::move(next);

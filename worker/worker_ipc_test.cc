@@ -7,6 +7,8 @@
 #include <thread>
 
 #include "absl/synchronization/notification.h"
+#include "gmock/gmock.h"
+#include "worker/convert.h"
 #include "worker/transfer_test_node.h"
 #include "worker/worker_service_test_util.h"
 
@@ -211,9 +213,12 @@ TEST_F(IpcTransferTest, HostileAcknowledgementsAreRefused) {
     v1::PageBatch batch;
     ASSERT_TRUE(stream->Read(&batch));
     EXPECT_TRUE(batch.has_arena());
-    ASSERT_EQ(batch.pages_size(), 1);
-    EXPECT_TRUE(batch.pages(0).shared());
-    EXPECT_TRUE(batch.pages(0).data().empty());
+    // The page travels packed, as a reference into the source's arena.
+    EXPECT_EQ(batch.pages_size(), 0);
+    ASSERT_EQ(batch.refs().layer_size(), 1);
+    EXPECT_GT(batch.refs().bytes(0), 0u);
+    ASSERT_EQ(batch.encodings_size(), 1);
+    EXPECT_EQ(batch.encodings(0).format(), v1::FORMAT_INT2);
     v1::SharePagesRequest ack;
     if (bad == 0) {  // forward to 2, then back to 0
       ASSERT_TRUE(stream->Read(&batch));
@@ -275,4 +280,72 @@ TEST_F(IpcTransferTest, FollowWritesOverIpc) {
 }
 
 }  // namespace
+// Packed page references: what AppendRefs writes PagesWithoutBytes reads
+// back (encodings shared by index, pages of `pages` first), and malformed
+// batches are refused naming the field.
+TEST(PageRefsTest, RoundTripAndMalformedBatches) {
+  std::vector<TransferPage> sent(3);
+  const kernels::Encoding bf16{Format::kBF16, Format::kBF16};
+  const kernels::Encoding int4{Format::kINT4, Format::kINT4};
+  for (size_t i = 0; i < sent.size(); ++i) {
+    sent[i].layer = static_cast<uint32_t>(i);
+    sent[i].block_index = static_cast<uint32_t>(10 + i);
+    sent[i].lineage_id = 100 + i;
+    sent[i].encoding = i == 1 ? int4 : bf16;
+    sent[i].num_tokens = 16;
+    sent[i].sealed = i != 2;
+    sent[i].crc32c = 0xabcd0000u + static_cast<uint32_t>(i);
+    sent[i].shared = true;
+    sent[i].arena_offset = 4096 * (i + 1);
+    sent[i].shared_bytes = 1024 * (i + 1);
+  }
+  v1::PageBatch batch;
+  AppendRefs(absl::MakeConstSpan(sent).subspan(0, 2), &batch);
+  AppendRefs(absl::MakeConstSpan(sent).subspan(2), &batch);
+  EXPECT_EQ(batch.encodings_size(), 2);  // bf16 once, int4 once
+  v1::PagePayload* legacy = batch.add_pages();
+  legacy->set_layer(7);
+  legacy->set_shared(true);
+  legacy->set_shared_bytes(64);
+  std::vector<TransferPage> got;
+  ASSERT_TRUE(PagesWithoutBytes(&batch, &got).ok());
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_EQ(got[0].layer, 7u);  // `pages` first
+  EXPECT_EQ(got[0].shared_bytes, 64u);
+  for (size_t i = 0; i < sent.size(); ++i) {
+    const TransferPage& g = got[i + 1];
+    SCOPED_TRACE(i);
+    EXPECT_EQ(g.layer, sent[i].layer);
+    EXPECT_EQ(g.block_index, sent[i].block_index);
+    EXPECT_EQ(g.lineage_id, sent[i].lineage_id);
+    EXPECT_TRUE(g.encoding == sent[i].encoding);
+    EXPECT_EQ(g.num_tokens, sent[i].num_tokens);
+    EXPECT_EQ(g.sealed, sent[i].sealed);
+    EXPECT_EQ(g.crc32c, sent[i].crc32c);
+    EXPECT_TRUE(g.shared);
+    EXPECT_EQ(g.arena_offset, sent[i].arena_offset);
+    EXPECT_EQ(g.shared_bytes, sent[i].shared_bytes);
+  }
+
+  v1::PageBatch short_crcs;
+  AppendRefs(sent, &short_crcs);
+  short_crcs.mutable_refs()->mutable_crc32c()->RemoveLast();
+  got.clear();
+  absl::Status s = PagesWithoutBytes(&short_crcs, &got);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(
+      std::string(s.message()),
+      ::testing::HasSubstr("refs.crc32c has 2 entries; refs.layer has 3"));
+
+  v1::PageBatch bad_index;
+  AppendRefs(sent, &bad_index);
+  bad_index.mutable_refs()->set_encoding(1, 5);
+  got.clear();
+  s = PagesWithoutBytes(&bad_index, &got);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(
+      std::string(s.message()),
+      ::testing::HasSubstr("refs.encoding[1]=5 is not an index into 2"));
+}
+
 }  // namespace triax::worker

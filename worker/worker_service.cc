@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/ids.h"
+#include "common/status_macros.h"
 #include "worker/convert.h"
 
 namespace triax::worker {
@@ -265,46 +266,50 @@ grpc::Status WorkerService::SharePages(
     return absl::OkStatus();
   };
   const uint32_t corrupt_every = options_.testing_corrupt_export_pages;
-  auto sink = [&](uint32_t, std::vector<TransferPage>* pages) -> absl::Status {
-    // This layer's pins are the last pages->size() ones.
-    const size_t first_pin = pins->size() - pages->size();
+  // Pages exported and not yet sent; their pins are the last ones.
+  std::vector<TransferPage> pending;
+  uint64_t pending_bytes = 0;
+  size_t sent_pins = 0;
+  auto flush = [&]() -> absl::Status {
+    if (pending.empty()) return absl::OkStatus();
     v1::PageBatch batch;
-    uint64_t bytes = 0;
-    size_t next = 0;  // pages of this layer in earlier batches
-    auto flush = [&]() -> absl::Status {
-      if (batch.pages_size() == 0) return absl::OkStatus();
-      if (ends.empty()) {
-        v1::SharedArena* a = batch.mutable_arena();
-        a->set_backend(arena->backend);
-        a->set_handle(arena->handle);
-        a->set_bytes(arena->bytes);
-      }
-      next += batch.pages_size();
-      ends.push_back(first_pin + next);
-      if (ctx->IsCancelled() || !stream->Write(batch)) {
-        return absl::CancelledError("SharePages: the destination went away");
-      }
-      batch.Clear();
-      bytes = 0;
-      while (ends.size() - acked > kMaxUnackedBatches) {
-        if (absl::Status s = read_ack(); !s.ok()) return s;
-      }
-      return absl::OkStatus();
-    };
+    if (ends.empty()) {
+      v1::SharedArena* a = batch.mutable_arena();
+      a->set_backend(arena->backend);
+      a->set_handle(arena->handle);
+      a->set_bytes(arena->bytes);
+    }
+    AppendRefs(pending, &batch);
+    sent_pins += pending.size();
+    ends.push_back(sent_pins);
+    pending.clear();
+    pending_bytes = 0;
+    if (ctx->IsCancelled() || !stream->Write(batch)) {
+      return absl::CancelledError("SharePages: the destination went away");
+    }
+    while (ends.size() - acked > kMaxUnackedBatches) {
+      TRIAX_RETURN_IF_ERROR(read_ack());
+    }
+    return absl::OkStatus();
+  };
+  // Batches span layers; with follow_writes each layer's last batch goes
+  // before the next layer is waited for.
+  auto sink = [&](uint32_t, std::vector<TransferPage>* pages) -> absl::Status {
     for (TransferPage& page : *pages) {
-      if (bytes > 0 && bytes + page.shared_bytes > max_batch) {
-        if (absl::Status s = flush(); !s.ok()) return s;
+      if (pending_bytes > 0 && pending_bytes + page.shared_bytes > max_batch) {
+        TRIAX_RETURN_IF_ERROR(flush());
       }
       if (corrupt_every > 0 &&
           (exported_pages_.fetch_add(1) + 1) % corrupt_every == 0) {
         page.crc32c ^= 0x40;  // the page's bytes are the stored ones
       }
-      bytes += page.shared_bytes;
-      ToProto(std::move(page), batch.add_pages());
+      pending_bytes += page.shared_bytes;
+      pending.push_back(std::move(page));
     }
-    return flush();
+    return req.follow_writes() ? flush() : absl::OkStatus();
   };
   absl::Status s = core_->Export(FromProto(req), options, sink);
+  if (s.ok()) s = flush();
   while (s.ok() && acked < ends.size()) s = read_ack();
   return ToGrpcStatus(s);
 }
@@ -403,8 +408,7 @@ grpc::Status WorkerService::LinkPages(
                   uint64_t link_bytes) -> absl::Status {
     v1::PageBatch batch;
     batch.set_link_bytes(link_bytes);
-    for (TransferPage& page : *pages)
-      ToProto(std::move(page), batch.add_pages());
+    AppendRefs(*pages, &batch);
     if (ctx->IsCancelled() || !stream->Write(batch)) {
       return absl::CancelledError("LinkPages: the destination went away");
     }

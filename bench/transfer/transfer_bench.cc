@@ -145,6 +145,9 @@ struct TransferRow {
   double seconds = 0, worker_seconds = 0, probe_seconds = 0, memcpy_seconds = 0;
   double device_copy_seconds = 0;  // 0: not measured
   double copy_seconds = 0;         // dst's device copies (ipc path), median
+  // dst's split of worker_seconds (medians): reserving, waiting for src,
+  // committing.
+  double reserve_seconds = 0, wait_seconds = 0, commit_seconds = 0;
   uint64_t wire = 0, bf16 = 0, page_bytes = 0;
 };
 
@@ -224,7 +227,8 @@ class Bench {
     for (uint32_t l = 0; s.ok() && l < shape_.n_layers; ++l) {
       s = src_->WriteLayer(seq, l, size.tokens, pattern_);
     }
-    std::vector<double> seconds, worker_seconds, copy_seconds;
+    std::vector<double> seconds, worker_seconds, copy_seconds, reserve, wait,
+        commit;
     for (int r = 0; s.ok() && r < repeats_; ++r) {
       const auto start = Clock::now();
       auto resp = dst_->Import(ImportRequest(seq, dst_plan, false));
@@ -235,6 +239,9 @@ class Bench {
       seconds.push_back(Since(start));
       worker_seconds.push_back(resp->seconds());
       copy_seconds.push_back(resp->copy_seconds());
+      reserve.push_back(resp->reserve_seconds());
+      wait.push_back(resp->wait_seconds());
+      commit.push_back(resp->commit_seconds());
       row.wire = resp->wire_bytes();
       row.path = resp->data_path();
       row.bf16 = resp->bf16_bytes();
@@ -246,6 +253,9 @@ class Bench {
     row.seconds = Median(seconds);
     row.worker_seconds = Median(worker_seconds);
     row.copy_seconds = Median(copy_seconds);
+    row.reserve_seconds = Median(reserve);
+    row.wait_seconds = Median(wait);
+    row.commit_seconds = Median(commit);
     std::vector<double> probe, copy;
     for (int r = 0; r < repeats_; ++r) {
       auto p =
@@ -474,6 +484,9 @@ void PrintTransfer(const std::vector<TransferRow>& rows,
       add("device_copy_throughput", dev_gbps, "GB/s");
       add("wire_over_device_copy_throughput", wire_gbps / dev_gbps, "ratio");
     }
+    add("dst_reserve_seconds", r.reserve_seconds, "s");
+    add("dst_wait_seconds", r.wait_seconds, "s");
+    add("dst_commit_seconds", r.commit_seconds, "s");
     if (copy_gbps > 0) {
       add("ipc_copy_seconds", r.copy_seconds, "s");
       add("ipc_copy_throughput", copy_gbps, "GB/s");
@@ -482,6 +495,26 @@ void PrintTransfer(const std::vector<TransferRow>& rows,
             "ratio");
       }
     }
+  }
+}
+
+// Where the destination's time went (ImportSequenceResponse's split).
+void PrintSplit(const std::vector<TransferRow>& rows) {
+  std::cout << "\n## dst's time (ms, medians): reserve pages, wait for src "
+               "(its export and checksums, the network), copy + CRC32C "
+               "(ipc, link), commit; other = worker - the four (per-page "
+               "checks and installs, set-up)\n";
+  std::cout << absl::StrFormat("%-6s %-15s %-6s %9s %9s %9s %9s %9s %9s\n",
+                               "size", "encoding", "path", "worker", "reserve",
+                               "wait", "copy", "commit", "other");
+  for (const TransferRow& r : rows) {
+    const double other = r.worker_seconds - r.reserve_seconds - r.wait_seconds -
+                         r.copy_seconds - r.commit_seconds;
+    std::cout << absl::StrFormat(
+        "%-6s %-15s %-6s %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", r.size.label,
+        r.encoding, r.path, 1e3 * r.worker_seconds, 1e3 * r.reserve_seconds,
+        1e3 * r.wait_seconds, 1e3 * r.copy_seconds, 1e3 * r.commit_seconds,
+        1e3 * other);
   }
 }
 
@@ -719,6 +752,7 @@ int Run() {
     }
   }
   PrintTransfer(transfers, &values);
+  PrintSplit(transfers);
   std::vector<OverlapRow> overlaps;
   for (const SizeCase& size : *overlap_sizes) {
     for (const EncodingCase& enc : *overlap_encodings) {
