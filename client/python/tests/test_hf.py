@@ -37,7 +37,7 @@ def _rms(x, g):
 def hf_forward(sd, cfg, tokens):
     """Logits [n, vocab] of LlamaForCausalLM's computation (rotate-half
     RoPE, GQA, SwiGLU) from a state dict of numpy arrays, float64."""
-    d, hq, hkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg["head_dim"]
     n = len(tokens)
     pos = np.arange(n)
