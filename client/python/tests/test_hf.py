@@ -289,16 +289,21 @@ def test_transformers_backend_matches_sdpa(client):
     mine = transformers.LlamaForCausalLM(cfg2).eval()
     mine.load_state_dict(ref.state_dict())
     ids = torch.tensor([[1, 5, 9, 33, 2, 7, 61]] * 2)
+    ref.config._attn_implementation = "sdpa"
     with torch.no_grad():
         want = ref(ids).logits
         with hf.TriaxKVCache(client, cfg2, policy="bf16") as cache:
             a = mine(ids[:, :5], past_key_values=cache, use_cache=True).logits
             b = mine(ids[:, 5:], past_key_values=cache, use_cache=True).logits
             assert cache.get_seq_length() == 7 and len(cache.seqs) == 2
-            assert cache.rpcs == 4  # one Attend per layer and step, both rows in it
+            # One Attend per layer, step and worker the rows were placed on.
+            workers = len({s.worker_address for s in cache.seqs})
+            assert cache.rpcs == 4 * workers
     got = torch.cat([a, b], 1)
     # BF16 K/V on the worker against transformers' float32 cache.
     assert (got - want).abs().max() < 2e-2 * want.abs().max()
+    with pytest.raises(ValueError, match="attn_implementation is 'sdpa'"):
+        hf.TriaxKVCache(client, ref.config)
     with pytest.raises(ValueError, match="do not come from a TriaxKVCache"):
         with torch.no_grad():
             mine(ids, use_cache=False)

@@ -108,8 +108,11 @@ class TriaxKVCache(_Cache):
     decode_role="assistant", reserve=64).
 
     client: a triaxkv.Client (its tenant must exist); model: a
-    triaxkv.ModelShape, or a transformers config (a ModelShape named
-    `model_name` is made from it). policy: the manager policy of every row's
+    triaxkv.ModelShape, or the model's transformers config (a ModelShape
+    named `model_name` is made from it; ValueError unless its
+    attn_implementation is "triaxkv"). Rows are placed by the manager; the
+    rows on one worker share one Attend RPC per layer and step (`rpcs`
+    counts the RPCs). policy: the manager policy of every row's
     sequence ("bf16", "triaxial-3.5b", ...; "" the tenant's default).
     key_layout: see triaxkv.hf.step ("interleaved" for models converted from
     llama2.c, so quantized formats see kvdemo's key channels). Use as a
@@ -122,6 +125,13 @@ class TriaxKVCache(_Cache):
 
         if not isinstance(model, triaxkv.ModelShape):
             cfg = model
+            impl = getattr(cfg, "_attn_implementation", None)
+            if impl != "triaxkv":
+                # Another attention function would attend over the step's
+                # own K/V only (update() keeps nothing locally).
+                raise ValueError(f"model: attn_implementation is {impl!r}; TriaxKVCache "
+                                 "needs a model built with attn_implementation="
+                                 "\"triaxkv\" (triaxkv.hf.register() first)")
             head_dim = getattr(cfg, "head_dim", None) or (
                 cfg.hidden_size // cfg.num_attention_heads)
             model = triaxkv.ModelShape(
@@ -212,7 +222,7 @@ class TriaxKVCache(_Cache):
         vv = _kv_numpy(v)
         out = step_mod.attend_step(self.client, self.seqs, layer, q, kk, vv, first,
                                    key_layout=self.key_layout, scale=scale)
-        self.rpcs += 1
+        self.rpcs += len({s.worker_address for s in self.seqs})
         return torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
 
     # -- lifetime ------------------------------------------------------------
