@@ -607,65 +607,128 @@ class Client:
         1/sqrt(head_dim). Returns out [num_queries, n_q_heads, head_dim]
         float32 (a torch tensor when q is one). Spilled blocks: waits
         retry_after_ms and resends (see Client)."""
+        return self.attend_batch([dict(
+            seq=seq, layer=layer, q=q, positions=positions, append_k=append_k,
+            append_v=append_v, append_first=append_first, scale=scale)])[0]
+
+    @staticmethod
+    def _attend_item(i, seq, layer, q, positions=None, append_k=None, append_v=None,
+                     append_first=None, scale=0.0):
+        """(AttendItem, num_queries, appends, torch_out) of attend_batch's
+        item i; argument errors name the item when there are several."""
+        if getattr(seq, "model", None) is None:
+            raise TypeError(f"{i}seq: {type(seq).__name__}; want a triaxkv.Sequence")
         m = seq.model
         torch_out = arrays.is_torch(q)
-        qb, nq = arrays.queries_to_bytes(q, "q", m.n_q_heads, m.head_dim)
+        qb, nq = arrays.queries_to_bytes(q, f"{i}q", m.n_q_heads, m.head_dim)
         item = worker_pb2.AttendItem(sequence_id=seq.sequence_id, layer=layer,
                                      num_queries=nq, queries=qb, scale=scale)
         if positions is not None:
-            item.positions.extend(arrays.positions_list(positions, "positions", nq))
+            item.positions.extend(arrays.positions_list(positions, f"{i}positions", nq))
         append = append_k is not None or append_v is not None
         if append:
             if append_k is None or append_v is None:
-                raise ValueError("append_k / append_v: give both or neither")
+                raise ValueError(f"{i}append_k / append_v: give both or neither")
             if not (isinstance(append_first, int) and append_first >= 0):
-                raise ValueError(f"append_first: {append_first!r}; want the first "
+                raise ValueError(f"{i}append_first: {append_first!r}; want the first "
                                  "appended token's position (int >= 0)")
-            kb, n = arrays.kv_to_bf16_bytes(append_k, "append_k", m.n_kv_heads, m.head_dim)
-            vb, nv = arrays.kv_to_bf16_bytes(append_v, "append_v", m.n_kv_heads, m.head_dim)
+            kb, n = arrays.kv_to_bf16_bytes(append_k, f"{i}append_k", m.n_kv_heads,
+                                            m.head_dim)
+            vb, nv = arrays.kv_to_bf16_bytes(append_v, f"{i}append_v", m.n_kv_heads,
+                                             m.head_dim)
             if nv != n:
-                raise ValueError(f"append_v: {nv} tokens; append_k has {n}")
+                raise ValueError(f"{i}append_v: {nv} tokens; append_k has {n}")
             item.append.CopyFrom(worker_pb2.KvChunk(
                 layer=layer, first_token=append_first, num_tokens=n,
                 dtype=worker_pb2.KV_DTYPE_BF16, k=kb, v=vb))
         elif append_first is not None:
-            raise ValueError("append_first: given without append_k / append_v")
-        req = worker_pb2.AttendRequest(tenant_id=self.tenant_id, items=[item])
-        w = self.worker(seq.worker_address)
+            raise ValueError(f"{i}append_first: given without append_k / append_v")
+        return item, nq, append, torch_out
+
+    def attend_batch(self, items):
+        """Attention for several items in one Attend RPC, which the worker
+        runs as one batch (docs/worker.md "Attend"). items: dicts with the
+        keys of attend()'s arguments (seq, layer, q, positions, append_k,
+        append_v, append_first, scale); every item's sequence must live on
+        the same worker. Returns the outputs in item order. Items answered
+        UNAVAILABLE with retry_after_ms (spilled blocks) are resent alone
+        after that delay, as attend() does; the first failing item raises
+        its Error, whose message starts with "item <i>: " when there are
+        several."""
+        items = list(items)
+        if not items:
+            raise ValueError("items: empty; want at least one attend item")
+        built = []
+        for i, it in enumerate(items):
+            if not isinstance(it, dict):
+                raise TypeError(f"items[{i}]: {type(it).__name__}; want a dict of "
+                                "attend() arguments")
+            unknown = set(it) - {"seq", "layer", "q", "positions", "append_k",
+                                 "append_v", "append_first", "scale"}
+            if unknown or "seq" not in it or "layer" not in it or "q" not in it:
+                raise ValueError(f"items[{i}]: keys {sorted(it)}; want seq, layer, q "
+                                 "and optionally positions, append_k, append_v, "
+                                 "append_first, scale")
+            built.append(self._attend_item("" if len(items) == 1 else f"items[{i}].",
+                                           **it))
+        address = items[0]["seq"].worker_address
+        for i, it in enumerate(items):
+            if it["seq"].worker_address != address:
+                raise ValueError(f"items[{i}].seq: on worker {it['seq'].worker_address!r}; "
+                                 f"items[0] is on {address!r} (one Attend RPC per worker)")
+        w = self.worker(address)
+        prefix = (lambda i: f"item {i}: ") if len(items) > 1 else (lambda i: "")
+        results = [None] * len(items)
+        pending = list(range(len(items)))
         start = time.monotonic()
         give_up = start + self.timeout
         retries = 0
-        while True:
+        while pending:
+            req = worker_pb2.AttendRequest(tenant_id=self.tenant_id,
+                                           items=[built[i][0] for i in pending])
             # A transport-level retry of an appending Attend could land after
             # the first attempt's write, so only read-only ones are retried.
-            resp = self._call("Attend", w.Attend, req, not append)
-            if len(resp.results) != 1:
+            appends = any(built[i][2] for i in pending)
+            resp = self._call("Attend", w.Attend, req, not appends)
+            if len(resp.results) != len(pending):
                 raise from_status(grpc.StatusCode.INTERNAL,
-                                  f"worker returned {len(resp.results)} results for 1 item",
-                                  "Attend")
-            r = resp.results[0]
-            code = status_code(r.status.code)
-            if code != grpc.StatusCode.UNAVAILABLE or r.retry_after_ms == 0:
-                break
-            # Spilled blocks are being restored (nothing was written): wait, ask again.
-            wait = r.retry_after_ms / 1000.0
-            if retries >= self.attend_retries or time.monotonic() + wait > give_up:
+                                  f"worker returned {len(resp.results)} results for "
+                                  f"{len(pending)} items", "Attend")
+            again, wait, why = [], 0.0, ""
+            for i, r in zip(pending, resp.results):
+                code = status_code(r.status.code)
+                if code == grpc.StatusCode.UNAVAILABLE and r.retry_after_ms:
+                    # Spilled blocks are being restored (nothing was written).
+                    again.append(i)
+                    wait = max(wait, r.retry_after_ms / 1000.0)
+                    why = f"{prefix(i)}{r.status.message} (retry after {r.retry_after_ms} ms"
+                elif code != grpc.StatusCode.OK:
+                    raise from_status(code, prefix(i) + r.status.message, "Attend")
+                else:
+                    results[i] = r
+            if again and (retries >= self.attend_retries
+                          or time.monotonic() + wait > give_up):
                 raise Unavailable(
-                    f"{r.status.message} (retry after {r.retry_after_ms} ms; gave up "
-                    f"after {retries} retries in "
+                    f"{why}; gave up after {retries} retries in "
                     f"{int((time.monotonic() - start) * 1000)} ms)", "Attend")
-            time.sleep(wait)
-            retries += 1
-        if code != grpc.StatusCode.OK:
-            raise from_status(code, r.status.message, "Attend")
+            if again:
+                time.sleep(wait)
+                retries += 1
+            pending = again
         import numpy as np
 
-        want = nq * m.n_q_heads * m.head_dim * 4
-        if len(r.output) != want:
-            raise from_status(grpc.StatusCode.INTERNAL,
-                              f"output has {len(r.output)} bytes; want {want}", "Attend")
-        out = np.frombuffer(r.output, dtype="<f4").reshape(nq, m.n_q_heads, m.head_dim)
-        return arrays.to_output(out.astype(np.float32), torch_out)
+        outs = []
+        for i, r in enumerate(results):
+            m = items[i]["seq"].model
+            nq, torch_out = built[i][1], built[i][3]
+            want = nq * m.n_q_heads * m.head_dim * 4
+            if len(r.output) != want:
+                raise from_status(grpc.StatusCode.INTERNAL,
+                                  f"{prefix(i)}output has {len(r.output)} bytes; want "
+                                  f"{want}", "Attend")
+            out = np.frombuffer(r.output, dtype="<f4").reshape(nq, m.n_q_heads, m.head_dim)
+            outs.append(arrays.to_output(out.astype(np.float32), torch_out))
+        return outs
 
     # -- events and pressure -------------------------------------------------
 
