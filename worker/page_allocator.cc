@@ -8,6 +8,7 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace triax::worker {
 
@@ -177,8 +178,8 @@ std::string PageAllocator::PoolName(const kernels::Encoding& encoding,
                       page_bytes, "B");
 }
 
-absl::StatusOr<Page*> PageAllocator::Allocate(const kernels::Encoding& encoding,
-                                              size_t page_bytes, PageUse use) {
+absl::Status PageAllocator::CheckPageBytes(const kernels::Encoding& encoding,
+                                           size_t page_bytes) const {
   if (page_bytes == 0 || page_bytes % 16 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "page_bytes ", page_bytes, " must be a positive multiple of 16"));
@@ -189,10 +190,47 @@ absl::StatusOr<Page*> PageAllocator::Allocate(const kernels::Encoding& encoding,
                      PoolName(encoding, page_bytes), " exceed frame_bytes ",
                      frame_bytes_, " (--frame_kb): pages never span frames"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Page*> PageAllocator::Allocate(const kernels::Encoding& encoding,
+                                              size_t page_bytes, PageUse use) {
+  TRIAX_RETURN_IF_ERROR(CheckPageBytes(encoding, page_bytes));
   absl::MutexLock lock(&mu_);
+  Pool* pool = nullptr;
+  return AllocateLocked(encoding, page_bytes, use, &pool);
+}
+
+absl::Status PageAllocator::AllocateMany(const kernels::Encoding& encoding,
+                                         size_t page_bytes, PageUse use,
+                                         size_t n, std::vector<Page*>* out) {
+  TRIAX_RETURN_IF_ERROR(CheckPageBytes(encoding, page_bytes));
+  const size_t before = out->size();
+  out->reserve(before + n);
+  absl::MutexLock lock(&mu_);
+  Pool* pool = nullptr;
+  for (size_t i = 0; i < n; ++i) {
+    absl::StatusOr<Page*> page =
+        AllocateLocked(encoding, page_bytes, use, &pool);
+    if (!page.ok()) {
+      for (size_t j = before; j < out->size(); ++j) UnrefLocked((*out)[j]);
+      out->resize(before);
+      return page.status();
+    }
+    out->push_back(*page);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Page*> PageAllocator::AllocateLocked(
+    const kernels::Encoding& encoding, size_t page_bytes, PageUse use,
+    Pool** pool_cache) {
   const PoolKey key{encoding, page_bytes};
-  auto pool_it = pools_.find(key);
-  Pool* pool = pool_it == pools_.end() ? nullptr : pool_it->second.get();
+  Pool* pool = *pool_cache;
+  if (pool == nullptr) {
+    auto pool_it = pools_.find(key);
+    if (pool_it != pools_.end()) pool = pool_it->second.get();
+  }
 
   size_t frame_index = 0;
   if (pool != nullptr && !pool->with_free.empty()) {
@@ -233,6 +271,7 @@ absl::StatusOr<Page*> PageAllocator::Allocate(const kernels::Encoding& encoding,
     pool->with_free.insert(frame_index);
   }
 
+  *pool_cache = pool;
   Frame& f = frames_[frame_index];
   const uint32_t slot = f.free.back();
   f.free.pop_back();

@@ -254,6 +254,11 @@ class PageAllocator {
   // shape; the allocator only uses the pair as a pool key.
   absl::StatusOr<Page*> Allocate(const kernels::Encoding& encoding,
                                  size_t page_bytes, PageUse use);
+  // `n` such pages under one lock, appended to *out: all or nothing (on an
+  // error the ones taken are freed and *out is as it was).
+  absl::Status AllocateMany(const kernels::Encoding& encoding,
+                            size_t page_bytes, PageUse use, size_t n,
+                            std::vector<Page*>* out);
   void Ref(Page* page);
   // Drops one reference; returns true when it was the last (page freed).
   bool Unref(Page* page);
@@ -313,6 +318,15 @@ class PageAllocator {
   // Gives a frame whose slots are all free back to the free list.
   void ReleaseFrame(size_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool UnrefLocked(Page* page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Allocate's checks of page_bytes (no lock needed).
+  absl::Status CheckPageBytes(const kernels::Encoding& encoding,
+                              size_t page_bytes) const;
+  // One page from `*pool` (looked up or made on first use, then reused by
+  // the caller's next call).
+  absl::StatusOr<Page*> AllocateLocked(const kernels::Encoding& encoding,
+                                       size_t page_bytes, PageUse use,
+                                       Pool** pool)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Device* const device_;
   uint8_t* const base_;

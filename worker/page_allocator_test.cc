@@ -342,6 +342,42 @@ TEST_F(PageAllocatorTest, ExhaustionNamesPoolBytesAndFrames) {
   EXPECT_EQ(alloc_->Stats().held_bytes, 0u);
 }
 
+// AllocateMany: n pages under one lock, across frames; all or nothing.
+TEST_F(PageAllocatorTest, AllocateManyIsAllOrNothing) {
+  Make(size_t{4} * (16 << 10));  // 4 frames of 16 KiB: 16 pages of 4 KiB
+  std::vector<Page*> pages{nullptr};  // appended after what is there
+  ASSERT_THAT(
+      alloc_->AllocateMany(Format::kINT4, 4096, PageUse::kTarget, 6, &pages),
+      IsOk());
+  ASSERT_EQ(pages.size(), 7u);
+  EXPECT_EQ(pages[0], nullptr);
+  std::set<uint8_t*> seen;
+  for (size_t i = 1; i < pages.size(); ++i) {
+    EXPECT_TRUE(seen.insert(pages[i]->data).second);
+    EXPECT_EQ(alloc_->RefCount(pages[i]), 1);
+  }
+  EXPECT_EQ(alloc_->Stats().used_bytes, 6u * 4096);
+  // 11 more do not fit (10 slots left): nothing is taken, *out unchanged.
+  std::vector<Page*> more;
+  EXPECT_THAT(
+      alloc_->AllocateMany(Format::kINT4, 4096, PageUse::kTarget, 11, &more),
+      StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("int4/4096B")));
+  EXPECT_TRUE(more.empty());
+  EXPECT_EQ(alloc_->Stats().used_bytes, 6u * 4096);
+  EXPECT_THAT(
+      alloc_->AllocateMany(Format::kINT4, 4096, PageUse::kTarget, 10, &more),
+      IsOk());
+  EXPECT_EQ(more.size(), 10u);
+  EXPECT_THAT(
+      alloc_->AllocateMany(Format::kINT4, 100, PageUse::kTarget, 1, &more),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("page_bytes 100")));
+  EXPECT_EQ(more.size(), 10u);
+  for (size_t i = 1; i < pages.size(); ++i) alloc_->Unref(pages[i]);
+  for (Page* p : more) alloc_->Unref(p);
+  EXPECT_EQ(alloc_->Stats().held_bytes, 0u);
+}
+
 TEST_F(PageAllocatorTest, RejectsBadPageAndFrameSizes) {
   Make(1 << 16);
   EXPECT_THAT(

@@ -372,23 +372,19 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
     const Encoding e = blocks[i].encoding;
     const size_t bytes = kernels::PageBytes(e, seq.shape);
     std::vector<Page*> pages;
-    for (uint32_t l = 0; l < seq.model.n_layers; ++l) {
-      absl::StatusOr<Page*> p =
-          allocator_->Allocate(e, bytes, PageUse::kTarget);
-      if (!p.ok()) {
-        undo();
-        return absl::Status(
-            p.status().code(),
-            absl::StrCat("AllocatePages sequence_id=", Quote(seq.id), " needs ",
-                         needed_pages, " new pages (", needed_bytes,
-                         " bytes) for blocks ", old, "..", blocks.size() - 1,
-                         " x ", seq.model.n_layers, " layers; ",
-                         p.status().message()));
-      }
-      reserved.push_back(*p);
-      pages.push_back(*p);
-      new_bytes += bytes;
+    if (absl::Status s = allocator_->AllocateMany(
+            e, bytes, PageUse::kTarget, seq.model.n_layers, &pages);
+        !s.ok()) {
+      undo();
+      return absl::Status(
+          s.code(),
+          absl::StrCat("AllocatePages sequence_id=", Quote(seq.id), " needs ",
+                       needed_pages, " new pages (", needed_bytes,
+                       " bytes) for blocks ", old, "..", blocks.size() - 1,
+                       " x ", seq.model.n_layers, " layers; ", s.message()));
     }
+    reserved.insert(reserved.end(), pages.begin(), pages.end());
+    new_bytes += bytes * pages.size();
     new_targets.push_back(std::move(pages));
   }
   // A sealed last block that grows goes back to the window (non-BF16 blocks

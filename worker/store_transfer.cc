@@ -426,6 +426,18 @@ struct ImportSession::State {
   absl::Time start;
   ImportResult result;
   bool committed = false;
+  // PageBytes of the last encoding asked for (pages come in runs of one
+  // encoding) and of BF16, for the per-page checks and figures.
+  Encoding last_encoding;
+  size_t last_bytes = 0;
+  size_t bf16_bytes = 0;
+  size_t BytesOf(const Encoding& e, const PageShape& shape) {
+    if (last_bytes == 0 || !(e == last_encoding)) {
+      last_encoding = e;
+      last_bytes = kernels::PageBytes(e, shape);
+    }
+    return last_bytes;
+  }
 };
 
 absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
@@ -537,20 +549,19 @@ absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
       if (spec.evicted) continue;
       Block& nb = seq->blocks.back();
       const size_t bytes = kernels::PageBytes(spec.encoding, shape);
-      for (uint32_t l = 0; l < layers; ++l) {
-        absl::StatusOr<Page*> p =
-            allocator_->Allocate(spec.encoding, bytes, PageUse::kTarget);
-        if (!p.ok()) {
-          ReleaseAll(*seq);
-          return absl::Status(
-              p.status().code(),
-              absl::StrCat("import of sequence_id=", Quote(plan.sequence_id),
-                           " reserving ", store_internal::BlockName(spec),
-                           " layer ", l, ": ", p.status().message()));
-        }
-        nb.target[l] = *p;
-        state->result.page_bytes += bytes;
+      nb.target.clear();
+      if (absl::Status s = allocator_->AllocateMany(
+              spec.encoding, bytes, PageUse::kTarget, layers, &nb.target);
+          !s.ok()) {
+        nb.target.assign(layers, nullptr);
+        ReleaseAll(*seq);
+        return absl::Status(
+            s.code(),
+            absl::StrCat("import of sequence_id=", Quote(plan.sequence_id),
+                         " reserving ", store_internal::BlockName(spec), " (",
+                         layers, " layers): ", s.message()));
       }
+      state->result.page_bytes += bytes * layers;
     }
     return true;
   });
@@ -571,6 +582,7 @@ absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
     }
   }
   state->result.layer_done_seconds.assign(layers, 0.0);
+  state->bf16_bytes = kernels::PageBytes(Format::kBF16, shape);
   state->result.reserve_seconds =
       absl::ToDoubleSeconds(absl::Now() - state->start);
   return std::unique_ptr<ImportSession>(
@@ -664,7 +676,7 @@ absl::StatusOr<Page*> ImportSession::Destination(
                      ") of a ", page.sealed ? "sealed" : "window",
                      " page differs from the expected ", EncName(want)));
   }
-  const size_t want_bytes = kernels::PageBytes(want, seq.shape);
+  const size_t want_bytes = st.BytesOf(want, seq.shape);
   if (bytes != want_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(where(), "data has ", bytes,
                                                    " bytes; a ", EncName(want),
@@ -701,8 +713,8 @@ void ImportSession::Installed(const TransferPage& page) {
   }
   st.have[page.block_index][page.layer] = page.sealed ? 1 : 2;
   st.result.pages += 1;
-  st.result.wire_bytes += kernels::PageBytes(page.encoding, seq.shape);
-  st.result.bf16_bytes += kernels::PageBytes(Format::kBF16, seq.shape);
+  st.result.wire_bytes += st.BytesOf(page.encoding, seq.shape);
+  st.result.bf16_bytes += st.bf16_bytes;
   if (++st.layer_pages[page.layer] == st.pages_per_layer) {
     st.result.layer_done_seconds[page.layer] =
         absl::ToDoubleSeconds(absl::Now() - st.start);
