@@ -258,22 +258,21 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   // place, then commit.
   TRIAX_ASSIGN_OR_RETURN(const OpenPlan plan,
                          planner_.PlanOpen(*spans, total, T));
-  // Prefix reuse: the plan's leading full blocks can carry hashes.
-  size_t full = 0;
-  while (full < plan.blocks.size() && plan.blocks[full].num_tokens == T) {
-    ++full;
-  }
+  // Prefix reuse: every block of the plan but a partial last one is sealed
+  // and can carry a hash.
+  const size_t sealed =
+      plan.blocks.size() - (plan.blocks.back().num_tokens == T ? 0 : 1);
   if (!req.token_ids.empty() && req.token_ids.size() != total) {
     return absl::InvalidArgumentError(absl::StrCat(
         "token_ids has ", req.token_ids.size(), " ids; the ",
         req.rendered.has_value() ? "rendered text has " : "spans have ", total,
         " tokens (send one id per token, or none)"));
   }
-  if (req.block_hashes.size() > full) {
+  if (req.block_hashes.size() > sealed) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "block_hashes has ", req.block_hashes.size(),
-        " hashes; the prompt has ", full, " leading full blocks of ", T,
-        " tokens (only those have hashes)"));
+        "block_hashes has ", req.block_hashes.size(), " hashes; the prompt's ",
+        plan.blocks.size(), " blocks of up to ", T, " tokens have ", sealed,
+        " sealed ones (a partial last block has no hash)"));
   }
   for (size_t i = 0; i < req.block_hashes.size(); ++i) {
     if (req.block_hashes[i].size() != kPrefixHashBytes) {
@@ -292,12 +291,18 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const Policy> policy,
                          policies_.Find("policy", policy_name));
   TRIAX_RETURN_IF_ERROR(CheckPolicyForShape(*policy, req.model, T));
-  TRIAX_ASSIGN_OR_RETURN(const std::vector<std::string> hashes,
-                         OpenPrefixHashesLocked(req, *tenant, T, full));
+  TRIAX_ASSIGN_OR_RETURN(
+      const std::vector<std::string> hashes,
+      OpenPrefixHashesLocked(req, *tenant, plan.blocks, sealed));
   // A reused prefix ends before the prompt's last token, which the client
   // runs to get the first output token's logits.
   PrefixMatch prefix;
-  const size_t reusable = std::min<size_t>(hashes.size(), (total - 1) / T);
+  size_t reusable = 0;
+  while (reusable < hashes.size() &&
+         plan.blocks[reusable].first_token + plan.blocks[reusable].num_tokens <
+             total) {
+    ++reusable;
+  }
   if (!req.no_reuse && reusable > 0) {
     prefix = FindPrefixLocked(
         *tenant, req.model, T, req.window_tokens, req.worker_id,
@@ -414,6 +419,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
     s->prefix_sequence_id = prefix.donor->id;
     s->prefix_tenant_id = prefix.donor->tenant->id;
     s->prefix_blocks = prefix.blocks;
+    s->prefix_tokens = plan.blocks[prefix.blocks].first_token;
     ++prefix_hits_;
     prefix_reused_blocks_ += prefix.blocks;
   }
@@ -422,8 +428,8 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   s->chain_blocks = prefix.blocks;
   if (!req.token_ids.empty()) {
     s->chain_open = true;
-    AdvanceChainLocked(s, absl::MakeConstSpan(req.token_ids)
-                              .subspan(static_cast<size_t>(prefix.blocks) * T));
+    AdvanceChainLocked(
+        s, absl::MakeConstSpan(req.token_ids).subspan(s->prefix_tokens));
   } else {
     for (size_t i = prefix.blocks; i < hashes.size(); ++i) {
       s->blocks[i]->prefix_hash = hashes[i];
@@ -528,6 +534,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   // Commit.
   ++s->version;
   const size_t old_blocks = s->blocks.size();
+  if (plan.fill > 0) UnsealLastLocked(s);
   if (allocating) s->allocation = std::move(allocation);
   ExtendSequenceResult result;
   std::vector<Event> ev;

@@ -15,13 +15,18 @@ namespace triax::manager {
 
 absl::StatusOr<std::vector<std::string>> ManagerCore::OpenPrefixHashesLocked(
     const OpenSequenceRequest& req, const TenantRecord& tenant,
-    uint32_t block_tokens, size_t full) const {
+    const std::vector<PlannedBlock>& blocks, size_t sealed) const {
   std::vector<std::string> hashes;
   if (!req.token_ids.empty()) {
-    hashes = ChainHashes(
-        "", ModelIdentity(req.model), PrefixSalt(tenant.id, tenant.prefix_salt),
-        block_tokens,
-        absl::MakeConstSpan(req.token_ids).subspan(0, full * block_tokens));
+    const std::string model = ModelIdentity(req.model);
+    const std::string salt = PrefixSalt(tenant.id, tenant.prefix_salt);
+    const auto ids = absl::MakeConstSpan(req.token_ids);
+    hashes.reserve(sealed);
+    for (size_t i = 0; i < sealed; ++i) {
+      hashes.push_back(
+          BlockHash(i == 0 ? "" : hashes.back(), model, salt,
+                    ids.subspan(blocks[i].first_token, blocks[i].num_tokens)));
+    }
     for (size_t i = 0; i < req.block_hashes.size(); ++i) {
       if (req.block_hashes[i] != hashes[i]) {
         return absl::InvalidArgumentError(
@@ -64,8 +69,7 @@ ManagerCore::PrefixMatch ManagerCore::FindPrefixLocked(
     for (size_t j = 0; j < k; ++j) {
       const BlockRecord& b = *d.blocks[j];
       if (!b.prefix_indexed || b.prefix_hash != hashes[j] ||
-          b.num_tokens != block_tokens || b.tier != Tier::kDevice ||
-          b.evicted || b.busy != 0) {
+          b.tier != Tier::kDevice || b.evicted || b.busy != 0) {
         return false;
       }
     }
@@ -85,6 +89,17 @@ ManagerCore::PrefixMatch ManagerCore::FindPrefixLocked(
   return PrefixMatch{};
 }
 
+namespace {
+
+// The token that follows block c-1 of s (0 for c = 0).
+uint64_t ChainEnd(const SequenceRecord& s, uint32_t c) {
+  if (c == 0) return 0;
+  const BlockRecord& b = *s.blocks[c - 1];
+  return b.first_token + b.num_tokens;
+}
+
+}  // namespace
+
 void ManagerCore::AdvanceChainLocked(SequenceRecord* s,
                                      absl::Span<const uint32_t> ids) {
   if (!s->chain_open) return;
@@ -97,7 +112,7 @@ void ManagerCore::AdvanceChainLocked(SequenceRecord* s,
   std::vector<uint32_t> buf = std::move(s->chain_tail);
   s->chain_tail.clear();
   buf.insert(buf.end(), ids.begin(), ids.end());
-  const uint64_t base = static_cast<uint64_t>(s->chain_blocks) * T;
+  const uint64_t base = ChainEnd(*s, s->chain_blocks);
   const std::string salt = PrefixSalt(s->tenant->id, s->tenant->prefix_salt);
   const std::string model_id = ModelIdentity(s->model);
   std::string prev =
@@ -105,34 +120,28 @@ void ManagerCore::AdvanceChainLocked(SequenceRecord* s,
   for (size_t i = s->chain_blocks; i < s->blocks.size(); ++i) {
     BlockRecord* b = s->blocks[i];
     const uint64_t at = b->first_token - base;
-    if (b->num_tokens == T) {
-      if (b->prefix_hash.empty()) {
-        b->prefix_hash = BlockHash(prev, model_id, salt, T,
-                                   absl::MakeConstSpan(buf).subspan(at, T));
-        if (b->tier == Tier::kDevice && !b->evicted) prefix_.Add(b);
-      }
-      prev = b->prefix_hash;
-      ++s->chain_blocks;
-      continue;
-    }
-    // A partial block: the chain waits for it to fill while it is the last
-    // block; a partial block with blocks after it ends the chain.
-    if (i + 1 == s->blocks.size()) {
+    // A partial last block may still grow: it waits.
+    if (b->num_tokens != T && i + 1 == s->blocks.size()) {
       s->chain_tail.assign(buf.begin() + static_cast<ptrdiff_t>(at), buf.end());
-    } else {
-      s->chain_open = false;
+      return;
     }
-    return;
+    if (b->prefix_hash.empty()) {
+      b->prefix_hash =
+          BlockHash(prev, model_id, salt,
+                    absl::MakeConstSpan(buf).subspan(at, b->num_tokens));
+      if (b->tier == Tier::kDevice && !b->evicted) prefix_.Add(b);
+    }
+    prev = b->prefix_hash;
+    ++s->chain_blocks;
   }
 }
 
 void ManagerCore::ForkChainLocked(const SequenceRecord& parent,
                                   const ForkPlan& plan, SequenceRecord* child) {
-  const uint32_t T = child->block_tokens;
   const uint32_t c =
       static_cast<uint32_t>(std::min<size_t>(parent.chain_blocks, plan.shared));
   child->chain_blocks = c;
-  const uint64_t base = static_cast<uint64_t>(c) * T;
+  const uint64_t base = ChainEnd(parent, c);
   if (c == parent.chain_blocks && parent.chain_open && plan.cut == nullptr &&
       plan.num_tokens >= base) {
     // Keeps the parent's whole chain (and its partial last block, if kept).
@@ -147,21 +156,34 @@ void ManagerCore::ForkChainLocked(const SequenceRecord& parent,
   child->chain_open = plan.num_tokens == base;
 }
 
+void ManagerCore::UnsealLastLocked(SequenceRecord* s) {
+  BlockRecord* last = s->blocks.back();
+  if (last->prefix_hash.empty()) return;
+  prefix_.Remove(last);
+  last->prefix_hash.clear();
+  const uint32_t index = static_cast<uint32_t>(s->blocks.size() - 1);
+  if (s->chain_blocks > index) {
+    // Its token ids are not kept: the chain cannot continue past it.
+    s->chain_blocks = index;
+    s->chain_open = false;
+    s->chain_tail.clear();
+  }
+}
+
 void ManagerCore::TruncateChainLocked(SequenceRecord* s) {
   const uint32_t T = s->block_tokens;
-  // A cut block lost tokens: its hash no longer names its content.
-  BlockRecord* last = s->blocks.back();
-  if (!last->prefix_hash.empty() && last->num_tokens != T) {
-    prefix_.Remove(last);
-    last->prefix_hash.clear();
-  }
+  const bool was_open = s->chain_open;
+  const uint32_t was_blocks = s->chain_blocks;
+  // A last block that is not full (cut, or partial and now last) may grow:
+  // its hash no longer holds.
+  if (s->blocks.back()->num_tokens != T) UnsealLastLocked(s);
   uint32_t c = 0;
   while (c < s->chain_blocks && c < s->blocks.size() &&
          !s->blocks[c]->prefix_hash.empty()) {
     ++c;
   }
-  const uint64_t base = static_cast<uint64_t>(c) * T;
-  if (c == s->chain_blocks && s->chain_open) {
+  const uint64_t base = ChainEnd(*s, c);
+  if (was_open && s->chain_open && c == was_blocks) {
     s->chain_tail.resize(s->num_tokens - base);
   } else {
     s->chain_open = s->num_tokens == base;

@@ -64,8 +64,11 @@ TEST(PrefixHashTest, LayoutIsSha256OfTheDocumentedBytes) {
             "d0ba25eeae45dc15326ef39db0d3aeca82797b768dc3a638ac71ffe8f6e0f3a4");
   EXPECT_EQ(HashHex(chain[1]),
             "a357c0a64fca8dc9f47b9e876e175df0ddf3164f9cce88998aed165ecebae0c2");
-  EXPECT_EQ(chain[1], BlockHash(chain[0], model, salt, 4,
+  EXPECT_EQ(chain[1], BlockHash(chain[0], model, salt,
                                 std::vector<uint32_t>{5, 6, 7, 8}));
+  // A partial block's hash covers its own token count.
+  EXPECT_EQ(HashHex(BlockHash(chain[1], model, salt, std::vector<uint32_t>{9})),
+            "c29d9ea5d9df08006243e8b57078777786e9ad8e80f5f8a6878829b36b23e65a");
   // Another salt or model gives another chain.
   EXPECT_NE(ChainHashes("", model, "tenant/other", 4, {1, 2, 3, 4})[0],
             chain[0]);
@@ -216,7 +219,7 @@ TEST_F(PrefixTest, ExtendGrowsTheChain) {
   EXPECT_EQ(y->sequence.hashed_blocks, 4u);
 }
 
-TEST_F(PrefixTest, APartialBlockBeforeOthersEndsTheChain) {
+TEST_F(PrefixTest, APartialBlockIsSealedOnceAnotherFollowsIt) {
   OpenSequenceRequest req;
   req.tenant_id = "acme";
   req.model = Model();
@@ -224,8 +227,35 @@ TEST_F(PrefixTest, APartialBlockBeforeOthersEndsTheChain) {
   req.token_ids = Ids(1, 52);
   auto a = core_->OpenSequence(req);
   ASSERT_THAT(a, IsOk());
-  EXPECT_EQ(a->hashed_blocks, 1u);
-  EXPECT_EQ(Indexed(), 1u);
+  EXPECT_EQ(a->hashed_blocks, 4u);
+  EXPECT_EQ(Indexed(), 4u);
+  // The same system turn and the first 16 user tokens, then others: blocks
+  // 16, 4 and 16 are reused (36 tokens).
+  req.token_ids = Ids(1, 36);
+  for (uint32_t t : Ids(800, 16)) req.token_ids.push_back(t);
+  auto b = core_->OpenSequence(req);
+  ASSERT_THAT(b, IsOk());
+  EXPECT_EQ(b->prefix_blocks, 3u);
+  EXPECT_EQ(b->prefix_tokens, 36u);
+  // Another span layout over the same tokens is another chain: the
+  // system turn of 16 tokens then 36 user tokens shares only block 0.
+  req.spans = {S(Role::kSystem, 16), S(Role::kUser, 36)};  // 16, 16, 16, 4
+  req.token_ids = Ids(1, 52);
+  auto c = core_->OpenSequence(req);
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(c->prefix_blocks, 1u);
+  EXPECT_EQ(c->prefix_tokens, 16u);
+  // A partial last block waits for an Extend; a new block seals it.
+  EXPECT_EQ(c->hashed_blocks, 3u);
+  ExtendSequenceRequest ext;
+  ext.tenant_id = "acme";
+  ext.sequence_id = c->sequence_id;
+  ext.spans = {S(Role::kAssistant, 5)};
+  ext.new_turn = true;
+  ext.token_ids = Ids(900, 5);
+  auto x = core_->ExtendSequence(ext);
+  ASSERT_THAT(x, IsOk());
+  EXPECT_EQ(x->sequence.hashed_blocks, 4u);
 }
 
 TEST_F(PrefixTest, IndexIsCleanedWhenBlocksGo) {

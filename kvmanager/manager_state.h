@@ -159,14 +159,16 @@ struct SequenceRecord {
   int64_t last_access_ms = 0;
   uint32_t spilled = 0;
   uint64_t last_tool_call = 0;
-  // Prefix reuse (prefix_index.h). Open took blocks [0, prefix_blocks) from
-  // prefix_sequence_id. The hash chain: blocks [0, chain_blocks) are full and
-  // carry hashes; while chain_open the token ids of every later token are
-  // known: the last block (when partial, the only block past chain_blocks)
-  // holds chain_tail's ids, and the chain grows as blocks fill.
+  // Prefix reuse (prefix_index.h). Open took blocks [0, prefix_blocks)
+  // (prefix_tokens tokens) from prefix_sequence_id. The hash chain: blocks
+  // [0, chain_blocks) are sealed and carry hashes; while chain_open the
+  // token ids of every later token are known: the last block (when partial,
+  // the only block past chain_blocks) holds chain_tail's ids, and the chain
+  // grows as blocks seal.
   std::string prefix_sequence_id;
   std::string prefix_tenant_id;
   uint32_t prefix_blocks = 0;
+  uint64_t prefix_tokens = 0;
   uint32_t chain_blocks = 0;
   bool chain_open = false;
   std::vector<uint32_t> chain_tail;

@@ -29,7 +29,7 @@ std::string PrefixSalt(const std::string& tenant_id,
 }
 
 std::string BlockHash(const std::string& parent, const std::string& model,
-                      const std::string& salt, uint32_t block_tokens,
+                      const std::string& salt,
                       absl::Span<const uint32_t> tokens) {
   std::string in;
   in.reserve(kPrefixHashBytes + 12 + model.size() + salt.size() +
@@ -43,7 +43,7 @@ std::string BlockHash(const std::string& parent, const std::string& model,
   in.append(model);
   PutU32(static_cast<uint32_t>(salt.size()), &in);
   in.append(salt);
-  PutU32(block_tokens, &in);
+  PutU32(static_cast<uint32_t>(tokens.size()), &in);
   for (uint32_t t : tokens) PutU32(t, &in);
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
@@ -61,8 +61,7 @@ std::vector<std::string> ChainHashes(const std::string& parent,
   out.reserve(tokens.size() / block_tokens);
   std::string prev = parent;
   for (size_t at = 0; at + block_tokens <= tokens.size(); at += block_tokens) {
-    prev = BlockHash(prev, model, salt, block_tokens,
-                     tokens.subspan(at, block_tokens));
+    prev = BlockHash(prev, model, salt, tokens.subspan(at, block_tokens));
     out.push_back(prev);
   }
   return out;

@@ -1,20 +1,24 @@
 // Prefix reuse by content hash (docs/manager.md "Prefix reuse").
 //
-// Every full block at the head of a sequence whose token ids are known gets
-// a content hash chained over its parent's hash, so that equal hashes mean
-// equal token prefixes (same model, same salt, same block size). The hash
-// of block i (tokens [i*T, (i+1)*T), T = block_tokens) is SHA-256 over
+// The blocks at the head of a sequence whose token ids are known get content
+// hashes chained over their parents' hashes, so that equal hashes mean equal
+// token prefixes cut into equal blocks (same model, same salt). The hash of
+// block i (its n tokens; n = block_tokens for a full block) is SHA-256 over
 //
-//   parent        32 bytes: the hash of block i-1; 32 zero bytes for i = 0
-//   model_len     u32 little-endian, then model: ModelIdentity(shape)
-//   salt_len      u32 little-endian, then salt: PrefixSalt(tenant)
-//   block_tokens  u32 little-endian (T)
-//   tokens        T x u32 little-endian token ids
+//   parent      32 bytes: the hash of block i-1; 32 zero bytes for i = 0
+//   model_len   u32 little-endian, then model: ModelIdentity(shape)
+//   salt_len    u32 little-endian, then salt: PrefixSalt(tenant)
+//   n           u32 little-endian: the block's tokens
+//   tokens      n x u32 little-endian token ids
 //
-// and all 32 bytes are kept. A chain stops at the first block that is not
-// full (blocks are span-aligned, so a partial block ends the run of blocks
-// that line up with the token stream's T-token chunks) and at the first
-// token id the manager was not given.
+// and all 32 bytes are kept. A block is hashed once it is sealed: full, or
+// followed by another block (blocks are span-aligned, so a span's last
+// block may be partial; once a block follows it, it never grows). A
+// partial last block waits. For a prompt whose blocks are all full (one
+// span, or spans of multiples of block_tokens) the chain is the usual one
+// over fixed chunks of block_tokens tokens (ChainHashes); otherwise a
+// router needs the block boundaries (the plan's first_token / num_tokens).
+// A chain stops at the first token id the manager was not given.
 //
 // Salts: a tenant's salt is "tenant/<tenant_id>" (private: no other tenant
 // computes it) unless it opted into a shared salt at CreateTenant
@@ -22,9 +26,10 @@
 // S. Ids never contain '/', so the two kinds cannot collide.
 //
 // PrefixIndex maps a hash to the live blocks that carry it and are usable
-// as a prefix (full, on the device, not evicted). A block leaves the index
-// when it is freed, spilled, evicted or cut by a truncation; it never comes
-// back (a restored block is not re-indexed).
+// as a prefix (sealed, on the device, not evicted). A block leaves the
+// index when it is freed, spilled, evicted, cut by a truncation, or grown
+// again (a truncation made it the last block); it never comes back (a
+// restored block is not re-indexed).
 //
 // Thread contract: not thread-safe; ManagerCore calls it with mu_ held.
 #pragma once
@@ -43,21 +48,20 @@
 namespace triax::manager {
 
 inline constexpr size_t kPrefixHashBytes = 32;
-// Hashes a client may send with one OpenSequence.
-inline constexpr size_t kMaxPrefixHashes = 1 << 16;
 
 // "<name>/<n_layers>/<n_kv_heads>/<n_q_heads>/<head_dim>".
 std::string ModelIdentity(const ModelShape& model);
 // The salt bytes of a tenant (see above); prefix_salt empty: private.
 std::string PrefixSalt(const std::string& tenant_id,
                        const std::string& prefix_salt);
-// The hash of one block: parent is empty (block 0) or 32 bytes; tokens has
-// block_tokens ids.
+// The hash of one block holding `tokens`: parent is empty (block 0) or 32
+// bytes.
 std::string BlockHash(const std::string& parent, const std::string& model,
-                      const std::string& salt, uint32_t block_tokens,
+                      const std::string& salt,
                       absl::Span<const uint32_t> tokens);
-// Hashes of the leading floor(tokens.size() / block_tokens) chunks, chained
-// from `parent` (empty for a chain from token 0).
+// Hashes of the leading floor(tokens.size() / block_tokens) full blocks of
+// block_tokens tokens, chained from `parent` (empty for a chain from token
+// 0).
 std::vector<std::string> ChainHashes(const std::string& parent,
                                      const std::string& model,
                                      const std::string& salt,

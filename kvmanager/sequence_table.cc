@@ -125,7 +125,7 @@ SequenceInfo SequenceTable::Info(const SequenceRecord& s, bool with_blocks) {
   info.prefix_sequence_id = s.prefix_sequence_id;
   info.prefix_tenant_id = s.prefix_tenant_id;
   info.prefix_blocks = s.prefix_blocks;
-  info.prefix_tokens = static_cast<uint64_t>(s.prefix_blocks) * s.block_tokens;
+  info.prefix_tokens = s.prefix_tokens;
   info.hashed_blocks = s.chain_blocks;
   if (with_blocks) {
     info.blocks.reserve(s.blocks.size());

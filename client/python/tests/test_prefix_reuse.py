@@ -50,6 +50,19 @@ def test_second_open_reuses_the_prefix_and_reads_it_back(client, cluster):
     # (all but the block holding the prompt's last token)
     assert c.prefix_sequence_id == a.sequence_id and c.prefix_tokens == 48
 
+    # Span-aligned blocks (16, 4, 16, 16): the client's hashes with the
+    # blocks' sizes match the manager's, partial block included.
+    spans2 = [("system", 20), ("user", 32)]
+    ids2 = list(range(500, 552))
+    e = client.open_sequence(MODEL, spans2, policy="bf16", block_tokens=16, token_ids=ids2)
+    assert [x.num_tokens for x in e.blocks] == [16, 4, 16, 16]
+    write_all(client, e, 0, 52, 9)
+    hashes2 = triaxkv.prefix_block_hashes(client.tenant_id, MODEL, 16, ids2,
+                                          block_sizes=[16, 4, 16, 16])
+    f = client.open_sequence(MODEL, spans2, policy="bf16", block_tokens=16,
+                             block_hashes=hashes2)
+    assert f.prefix_sequence_id == e.sequence_id and f.prefix_tokens == 36
+
     # Another tenant with the same tokens: nothing shared.
     other = triaxkv.Client(cluster.address, tenant_id=client.tenant_id + "-other", timeout=10)
     other.create_tenant()
@@ -57,7 +70,7 @@ def test_second_open_reuses_the_prefix_and_reads_it_back(client, cluster):
     assert d.prefix_tokens == 0 and d.prefix_sequence_id == ""
     other.close_sequence(d)
     other.close()
-    for s in (a, b, c):
+    for s in (a, b, c, e, f):
         client.close_sequence(s)
 
 
@@ -77,3 +90,6 @@ def test_shared_salt_hashes_differ_from_private_ones():
     shared2 = triaxkv.prefix_block_hashes("t2", MODEL, 16, ids, prefix_salt="team")
     assert shared1 == shared2 and private != shared1
     assert len(triaxkv.prefix_block_hashes("t1", MODEL, 16, ids[:31])) == 1
+    # Span-aligned blocks: 16, 4 (sealed by the next), 12 (partial, last).
+    sized = triaxkv.prefix_block_hashes("t1", MODEL, 16, ids, block_sizes=[16, 4, 12])
+    assert len(sized) == 2 and sized[0] == private[0] and sized[1] != private[1]

@@ -130,13 +130,16 @@ def budget(tier, floor_bytes, ceiling_bytes):
 
 
 def prefix_block_hashes(tenant_id, model, block_tokens, token_ids,
-                        prefix_salt=""):
-    """The manager's prefix hash chain (docs/manager.md "Prefix reuse") of
-    the leading full blocks of token_ids: SHA-256 over the parent hash (32
-    zero bytes for the first block), the model identity
-    "<name>/<n_layers>/<n_kv_heads>/<n_q_heads>/<head_dim>" and the salt
-    ("tenant/<id>", or "shared/<prefix_salt>"), each u32-LE length
-    prefixed, block_tokens and the ids as u32-LE. model: ModelShape or dict."""
+                        prefix_salt="", block_sizes=None):
+    """The manager's prefix hash chain (docs/manager.md "Prefix reuse"):
+    per block, SHA-256 over the parent hash (32 zero bytes for the first
+    block), the model identity "<name>/<n_layers>/<n_kv_heads>/<n_q_heads>/
+    <head_dim>" and the salt ("tenant/<id>", or "shared/<prefix_salt>"),
+    each u32-LE length prefixed, the block's token count and its ids as
+    u32-LE. block_sizes: the blocks' token counts as the manager plans them
+    (span-aligned: a span's last block may be partial); None: full blocks
+    of block_tokens. Only whole blocks of token_ids are hashed, and a
+    partial block only when another follows it. model: ModelShape or dict."""
     if isinstance(model, dict):
         m = model
     else:
@@ -145,16 +148,22 @@ def prefix_block_hashes(tenant_id, model, block_tokens, token_ids,
     ident = (f"{m['name']}/{m['n_layers']}/{m['n_kv_heads']}/"
              f"{m['n_q_heads']}/{m['head_dim']}").encode()
     salt = (f"shared/{prefix_salt}" if prefix_salt else f"tenant/{tenant_id}").encode()
-    out, prev = [], bytes(32)
-    for at in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+    if block_sizes is None:
+        block_sizes = [block_tokens] * (len(token_ids) // block_tokens)
+    out, prev, at = [], bytes(32), 0
+    for i, n in enumerate(block_sizes):
+        last = i + 1 == len(block_sizes)
+        if at + n > len(token_ids) or (n != block_tokens and last):
+            break
         h = hashlib.sha256()
         h.update(prev)
         h.update(struct.pack("<I", len(ident)) + ident)
         h.update(struct.pack("<I", len(salt)) + salt)
-        h.update(struct.pack("<I", block_tokens))
-        h.update(struct.pack(f"<{block_tokens}I", *token_ids[at:at + block_tokens]))
+        h.update(struct.pack("<I", n))
+        h.update(struct.pack(f"<{n}I", *token_ids[at:at + n]))
         prev = h.digest()
         out.append(prev)
+        at += n
     return out
 
 
