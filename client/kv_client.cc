@@ -338,12 +338,31 @@ absl::StatusOr<SequenceHandle> Client::Open(
   // The manager keeps the window for the sequence's transfers.
   if (options.window_tokens) req.set_window_tokens(*options.window_tokens);
   req.set_worker_id(options.worker_id);
+  for (uint32_t t : options.token_ids) req.add_token_ids(t);
+  req.set_no_reuse(options.no_reuse);
   triax::v1::OpenSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "OpenSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
         return manager_->OpenSequence(ctx, req, &resp);
       }));
   const SequenceInfo& info = resp.sequence();
+  if (info.prefix_blocks() > 0) {
+    absl::Status fork = ForkPrefixOnWorker(info);
+    if (!fork.ok()) {
+      // The manager's view of the prefix can be ahead of the worker's (not
+      // written yet, freed meanwhile): open again without reuse.
+      CloseOnManagerQuietly(info.sequence_id());
+      OpenOptions again = options;
+      again.no_reuse = true;
+      return Open(model, spans, again);
+    }
+    SequenceHandle h;
+    FillHandle(info, &h);
+    h.window_tokens = options.window_tokens;
+    h.prefix_sequence_id = info.prefix_sequence_id();
+    h.prefix_tokens = info.prefix_tokens();
+    return h;
+  }
   absl::Status alloc = AllocateOnWorker(info, options.window_tokens);
   if (!alloc.ok()) {
     // Undo the plan so the tenant is not charged for pages that do not exist.
@@ -356,9 +375,30 @@ absl::StatusOr<SequenceHandle> Client::Open(
   return h;
 }
 
+absl::Status Client::ForkPrefixOnWorker(const SequenceInfo& info) {
+  TRIAX_ASSIGN_OR_RETURN(triax::v1::Worker::Stub * w,
+                         worker(info.worker_address()));
+  triax::v1::WorkerForkRequest wreq;
+  wreq.set_request_id(NewRequestId());
+  wreq.set_tenant_id(options_.tenant_id);
+  wreq.set_parent_sequence_id(info.prefix_sequence_id());
+  if (info.prefix_tenant_id() != options_.tenant_id) {
+    wreq.set_parent_tenant_id(info.prefix_tenant_id());
+  }
+  wreq.set_child_sequence_id(info.sequence_id());
+  wreq.set_num_tokens(info.prefix_tokens());
+  *wreq.mutable_blocks() = info.blocks();
+  triax::v1::WorkerForkResponse wresp;
+  return CallWithRetry("Worker.ForkSequence", /*retry=*/true,
+                       [&](grpc::ClientContext* ctx) {
+                         return w->ForkSequence(ctx, wreq, &wresp);
+                       });
+}
+
 absl::Status Client::Extend(SequenceHandle* seq,
                             const std::vector<triax::v1::Span>& spans,
-                            bool new_turn, bool continue_last_span) {
+                            bool new_turn, bool continue_last_span,
+                            const std::vector<uint32_t>& token_ids) {
   if (seq == nullptr) {
     return absl::InvalidArgumentError("ExtendSequence: seq is null");
   }
@@ -369,6 +409,7 @@ absl::Status Client::Extend(SequenceHandle* seq,
   for (const auto& s : spans) *req.add_spans() = s;
   req.set_new_turn(new_turn);
   req.set_continue_last_span(continue_last_span);
+  for (uint32_t t : token_ids) req.add_token_ids(t);
   triax::v1::ExtendSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "ExtendSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {

@@ -30,6 +30,11 @@
 // Compound calls and their partial failures:
 //   Open   = manager OpenSequence + worker AllocatePages; when the worker
 //            fails, the manager sequence is closed again (best effort).
+//            When the manager reused a cached prefix, worker ForkSequence
+//            of the prefix's sequence (the prefix's pages shared, the rest
+//            allocated) instead of AllocatePages; when the worker refuses
+//            the fork (e.g. the prefix is not written yet), the sequence is
+//            closed and opened again with no_reuse.
 //   Extend = manager ExtendSequence + worker AllocatePages of the full plan;
 //            the handle is updated only when both succeed. When the worker
 //            refuses, the manager's plan is truncated back to the tokens it
@@ -93,6 +98,11 @@ struct SequenceHandle {
   // BF16 recent window asked for at Open (sent with every AllocatePages);
   // empty: the worker's --window_tokens.
   std::optional<uint32_t> window_tokens;
+  // Prefix reuse: Open shared tokens [0, prefix_tokens) with
+  // prefix_sequence_id (their KV is there already: prefill from
+  // prefix_tokens on); 0 when nothing was reused.
+  std::string prefix_sequence_id;
+  uint64_t prefix_tokens = 0;
 };
 
 // Options of Open beyond the model and spans.
@@ -105,6 +115,14 @@ struct OpenOptions {
   std::optional<uint32_t> window_tokens;
   // The worker to open on; empty: the manager's placement.
   std::string worker_id;
+  // Prefix reuse (docs/client.md "Prefix reuse"): the prompt's token ids,
+  // one per token of the spans (or none). The manager shares the longest
+  // cached prefix of the tenant's open sequences; Open then forks the
+  // worker's pages of that prefix instead of allocating them, and the
+  // handle's prefix_tokens says where the prefill starts. no_reuse
+  // registers the hashes but shares nothing.
+  std::vector<uint32_t> token_ids;
+  bool no_reuse = false;
 };
 
 // kernels::EncodingName as a string ("int4", "k=int4,v=int2,g=64", ...).
@@ -135,9 +153,12 @@ class Client {
                                       const std::vector<triax::v1::Span>& spans,
                                       const OpenOptions& options);
   // Plans more tokens (a new turn, or decoded tokens) and allocates them.
+  // token_ids (one per new token, or none) grow the sequence's prefix hash
+  // chain (ExtendSequenceRequest.token_ids).
   absl::Status Extend(SequenceHandle* seq,
                       const std::vector<triax::v1::Span>& spans, bool new_turn,
-                      bool continue_last_span);
+                      bool continue_last_span,
+                      const std::vector<uint32_t>& token_ids = {});
   absl::StatusOr<SequenceHandle> Fork(const SequenceHandle& parent,
                                       uint64_t num_tokens);
   absl::Status Close(const SequenceHandle& seq);
@@ -257,6 +278,9 @@ class Client {
                                 std::optional<uint32_t> window_tokens);
   // Undoes a manager-side open/fork after a worker failure; errors dropped.
   void CloseOnManagerQuietly(const std::string& sequence_id);
+  // Worker ForkSequence of info's reused prefix (prefix_sequence_id's first
+  // prefix_tokens tokens) into info's sequence, with info's whole plan.
+  absl::Status ForkPrefixOnWorker(const triax::v1::SequenceInfo& info);
   // Undoes a manager-side extend after a worker failure: the plan back to
   // `num_tokens` tokens.
   absl::Status TruncateOnManager(const std::string& sequence_id,

@@ -49,6 +49,8 @@ ABSL_FLAG(uint32_t, first_block, 0,
 ABSL_FLAG(std::string, prefix_sequence, "",
           "transfer: the destination's sequence holding blocks [0, "
           "--first_block)");
+ABSL_FLAG(std::string, prefix_salt, "",
+          "tenant-create: shared prefix salt (empty: private prefixes)");
 ABSL_FLAG(std::string, tier, "", "budget-set: device|host|disk");
 ABSL_FLAG(uint64_t, floor_bytes, 0, "budget-set: guaranteed bytes");
 ABSL_FLAG(uint64_t, ceiling_bytes, 0, "budget-set: admission limit in bytes");
@@ -76,7 +78,9 @@ commands:
                                 used, free slots, allocatable pages
   tenants                       tenants, usage and budgets
   tenant-create ID [--device_floor_bytes N --device_ceiling_bytes N]
-                   [--policy P]
+                   [--policy P] [--prefix_salt S]
+                                S: a shared prefix salt (tenants with the
+                                same one reuse each other's prefixes)
   budget-set ID --tier device|host|disk --floor_bytes N --ceiling_bytes N
   sequences [--tenant T] [--all]
   sequence ID                   plan (K/V formats, group, scale, tier,
@@ -191,6 +195,7 @@ class Kvctl {
     req.set_request_id(client_->NewRequestId());
     req.set_tenant_id(id);
     req.set_default_policy(absl::GetFlag(FLAGS_policy));
+    req.set_prefix_salt(absl::GetFlag(FLAGS_prefix_salt));
     const uint64_t floor = absl::GetFlag(FLAGS_device_floor_bytes);
     const uint64_t ceiling = absl::GetFlag(FLAGS_device_ceiling_bytes);
     if (floor != 0 || ceiling != 0) {

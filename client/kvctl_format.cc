@@ -440,6 +440,14 @@ std::string SequenceDetail(const triax::v1::SequenceInfo& s) {
   if (!s.parent_sequence_id().empty()) {
     head.AddRow({"parent:", s.parent_sequence_id()});
   }
+  if (s.prefix_blocks() > 0) {
+    head.AddRow({"prefix:",
+                 absl::StrCat(s.prefix_blocks(), " blocks (", s.prefix_tokens(),
+                              " tokens) of ", s.prefix_sequence_id())});
+  }
+  if (s.hashed_blocks() > 0) {
+    head.AddRow({"hashed:", absl::StrCat(s.hashed_blocks(), " blocks")});
+  }
   if (!s.transfer_id().empty()) {
     head.AddRow(
         {"transfer:", absl::StrCat(s.transfer_id(), " to ",
@@ -511,6 +519,10 @@ std::string PressureReport(const triax::v1::GetPressureResponse& r) {
   head.AddRow({"applied:", absl::StrCat("demotions=", r.demotions(), " spills=",
                                         r.spills(), " restores=", r.restores(),
                                         " evictions=", r.evictions())});
+  head.AddRow(
+      {"prefix:", absl::StrCat("indexed_blocks=", r.prefix_index_blocks(),
+                               " hits=", r.prefix_hits(),
+                               " reused_blocks=", r.prefix_reused_blocks())});
 
   Table pools({"WORKER", "TIER", "USED", "CAPACITY", "USE", "LOW_WM", "HIGH_WM",
                "STATE"});

@@ -135,6 +135,28 @@ TEST(SequenceDetail, NoLostLineagesWhenOpen) {
   EXPECT_THAT(SequenceDetail(s), Not(HasSubstr("lost")));
 }
 
+TEST(SequenceDetail, ShowsAReusedPrefix) {
+  triax::v1::SequenceInfo s;
+  s.set_state(triax::v1::SEQUENCE_STATE_OPEN);
+  EXPECT_THAT(SequenceDetail(s), Not(HasSubstr("prefix:")));
+  s.set_prefix_sequence_id("seq-3");
+  s.set_prefix_blocks(2);
+  s.set_prefix_tokens(32);
+  s.set_hashed_blocks(3);
+  const std::string out = SequenceDetail(s);
+  EXPECT_THAT(out, HasSubstr("2 blocks (32 tokens) of seq-3"));
+  EXPECT_THAT(out, HasSubstr("3 blocks"));
+}
+
+TEST(PressureReport, ShowsThePrefixIndex) {
+  triax::v1::GetPressureResponse r;
+  r.set_prefix_index_blocks(7);
+  r.set_prefix_hits(2);
+  r.set_prefix_reused_blocks(5);
+  EXPECT_THAT(PressureReport(r),
+              HasSubstr("indexed_blocks=7 hits=2 reused_blocks=5"));
+}
+
 TEST(Encoding, ParsesShortAndKeyedForms) {
   triax::v1::BlockEncoding e;
   ASSERT_TRUE(ParseEncoding("tq3", &e).ok());

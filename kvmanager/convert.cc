@@ -117,6 +117,7 @@ CreateTenantRequest FromProto(const v1::CreateTenantRequest& p) {
   d.tenant_id = p.tenant_id();
   for (const auto& b : p.budgets()) d.budgets.push_back(FromProto(b));
   d.default_policy = p.default_policy();
+  d.prefix_salt = p.prefix_salt();
   return d;
 }
 
@@ -155,6 +156,9 @@ OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p) {
   if (p.has_rendered()) d.rendered = FromProto(p.rendered());
   if (p.has_window_tokens()) d.window_tokens = p.window_tokens();
   d.worker_id = p.worker_id();
+  d.token_ids.assign(p.token_ids().begin(), p.token_ids().end());
+  d.block_hashes.assign(p.block_hashes().begin(), p.block_hashes().end());
+  d.no_reuse = p.no_reuse();
   return d;
 }
 
@@ -168,6 +172,7 @@ ExtendSequenceRequest FromProto(const v1::ExtendSequenceRequest& p) {
   d.new_turn = p.new_turn();
   d.continue_last_span = p.continue_last_span();
   if (p.has_rendered()) d.rendered = FromProto(p.rendered());
+  d.token_ids.assign(p.token_ids().begin(), p.token_ids().end());
   return d;
 }
 
@@ -369,6 +374,7 @@ void ToProto(const TenantInfo& d, v1::TenantInfo* p) {
     pu->set_used_bytes(u.used_bytes);
   }
   p->set_open_sequences(d.open_sequences);
+  p->set_prefix_salt(d.prefix_salt);
 }
 
 void ToProto(const Inventory& d, v1::Inventory* p) {
@@ -454,6 +460,11 @@ void ToProto(const SequenceInfo& d, v1::SequenceInfo* p) {
   for (uint64_t id : d.lost_lineage_ids) p->add_lost_lineage_ids(id);
   p->set_transfer_id(d.transfer_id);
   p->set_transfer_destination_worker_id(d.transfer_destination_worker_id);
+  p->set_prefix_sequence_id(d.prefix_sequence_id);
+  p->set_prefix_tenant_id(d.prefix_tenant_id);
+  p->set_prefix_blocks(d.prefix_blocks);
+  p->set_prefix_tokens(d.prefix_tokens);
+  p->set_hashed_blocks(d.hashed_blocks);
 }
 
 void ToProto(const Event& d, v1::Event* p) {
@@ -544,6 +555,9 @@ void ToProto(const PressureState& d, v1::GetPressureResponse* p) {
   p->set_ranking_ms(d.ranking_ms);
   p->set_snapshot_ms(d.snapshot_ms);
   p->set_snapshot_lock_ms(d.snapshot_lock_ms);
+  p->set_prefix_index_blocks(d.prefix_index_blocks);
+  p->set_prefix_hits(d.prefix_hits);
+  p->set_prefix_reused_blocks(d.prefix_reused_blocks);
   p->set_demotions(d.demotions);
   p->set_spills(d.spills);
   p->set_restores(d.restores);

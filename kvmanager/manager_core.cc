@@ -9,6 +9,7 @@
 #include "common/ids.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "kvmanager/prefix_index.h"
 #include "kvmanager/tagger.h"
 
 namespace triax::manager {
@@ -139,6 +140,7 @@ void ManagerCore::ReleaseBlockLocked(
       *clock_, lost ? EventKind::kBlockLost : EventKind::kBlockReleased, s, b));
   if (!SequenceTable::Unref(s, b)) return;
   pressure_.BlockFreed(b->lineage_id);
+  prefix_.Remove(b);
   if (!lost) {
     Event e = MakeEvent(*clock_, EventKind::kBlockFreed, s, b);
     e.detail = absl::StrCat("bytes=", b->bytes);
@@ -173,6 +175,9 @@ absl::StatusOr<TenantInfo> ManagerCore::CreateTenant(
     const CreateTenantRequest& req) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", req.tenant_id));
+  if (!req.prefix_salt.empty()) {
+    TRIAX_RETURN_IF_ERROR(ValidateId("prefix_salt", req.prefix_salt));
+  }
   TRIAX_ASSIGN_OR_RETURN(const TenantLedger::Budgets budgets,
                          TenantLedger::ValidateBudgets(req.budgets));
   const std::string policy =
@@ -184,6 +189,7 @@ absl::StatusOr<TenantInfo> ManagerCore::CreateTenant(
   TRIAX_RETURN_IF_ERROR(policies_.Find("default_policy", policy).status());
   TRIAX_ASSIGN_OR_RETURN(TenantRecord * t,
                          tenants_.Create(req.tenant_id, budgets, policy));
+  t->prefix_salt = req.prefix_salt;
   TenantInfo info = TenantLedger::Info(*t);
   std::vector<Event> ev(1);
   ev[0].unix_ms = clock_->NowMs();
@@ -252,6 +258,29 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   // place, then commit.
   TRIAX_ASSIGN_OR_RETURN(const OpenPlan plan,
                          planner_.PlanOpen(*spans, total, T));
+  // Prefix reuse: every block of the plan but a partial last one is sealed
+  // and can carry a hash.
+  const size_t sealed =
+      plan.blocks.size() - (plan.blocks.back().num_tokens == T ? 0 : 1);
+  if (!req.token_ids.empty() && req.token_ids.size() != total) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "token_ids has ", req.token_ids.size(), " ids; the ",
+        req.rendered.has_value() ? "rendered text has " : "spans have ", total,
+        " tokens (send one id per token, or none)"));
+  }
+  if (req.block_hashes.size() > sealed) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block_hashes has ", req.block_hashes.size(), " hashes; the prompt's ",
+        plan.blocks.size(), " blocks of up to ", T, " tokens have ", sealed,
+        " sealed ones (a partial last block has no hash)"));
+  }
+  for (size_t i = 0; i < req.block_hashes.size(); ++i) {
+    if (req.block_hashes[i].size() != kPrefixHashBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "block_hashes[", i, "] has ", req.block_hashes[i].size(),
+          " bytes; a block hash has ", kPrefixHashBytes, " (SHA-256)"));
+    }
+  }
 
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("OpenSequence/", req.tenant_id);
@@ -262,6 +291,23 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const Policy> policy,
                          policies_.Find("policy", policy_name));
   TRIAX_RETURN_IF_ERROR(CheckPolicyForShape(*policy, req.model, T));
+  TRIAX_ASSIGN_OR_RETURN(
+      const std::vector<std::string> hashes,
+      OpenPrefixHashesLocked(req, *tenant, plan.blocks, sealed));
+  // A reused prefix ends before the prompt's last token, which the client
+  // runs to get the first output token's logits.
+  PrefixMatch prefix;
+  size_t reusable = 0;
+  while (reusable < hashes.size() &&
+         plan.blocks[reusable].first_token + plan.blocks[reusable].num_tokens <
+             total) {
+    ++reusable;
+  }
+  if (!req.no_reuse && reusable > 0) {
+    prefix = FindPrefixLocked(
+        *tenant, req.model, T, req.window_tokens, req.worker_id,
+        std::vector<std::string>(hashes.begin(), hashes.begin() + reusable));
+  }
 
   auto seq = std::make_unique<SequenceRecord>();
   SequenceRecord* s = seq.get();
@@ -280,16 +326,36 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
                                   /*allow_infeasible=*/false, nullptr));
     s->calibration = std::move(table);
   }
+  // Only the blocks past a reused prefix are new.
   uint64_t bytes = 0;
   Demand demand;
-  for (const auto& [tag, n] : plan.tags) {
-    const Encoding e = SequencePlanner::EncodingOf(*s, tag);
-    bytes += BlockBytes(req.model, T, e);
-    WorkerRegistry::AddBlocks(req.model, T, e, 1, &demand);
+  auto count_new = [&](size_t from) {
+    bytes = 0;
+    demand = Demand{};
+    for (size_t i = from; i < plan.tags.size(); ++i) {
+      const Encoding e = SequencePlanner::EncodingOf(*s, plan.tags[i].first);
+      bytes += BlockBytes(req.model, T, e);
+      WorkerRegistry::AddBlocks(req.model, T, e, 1, &demand);
+    }
+  };
+  count_new(prefix.blocks);
+  // The prefix's worker takes a reusing sequence when it has room for the
+  // rest; otherwise the Open goes on without reuse.
+  if (prefix.donor != nullptr) {
+    const std::string& donor_worker = prefix.donor->worker->info.worker_id;
+    if (!TenantLedger::Admit(*tenant, bytes).ok() ||
+        !workers_.PlaceOn("worker_id", donor_worker, bytes, demand).ok()) {
+      prefix = PrefixMatch{};
+      count_new(0);
+    }
   }
-  // The named worker, or placement's choice (bytes 0: no room check, the
-  // worker a reclaim would make room on).
+  // The named worker (the prefix's), or placement's choice (bytes 0: no
+  // room check, the worker a reclaim would make room on).
   auto place = [&](uint64_t b, const Demand& d) {
+    if (prefix.donor != nullptr) {
+      return workers_.PlaceOn("worker_id", prefix.donor->worker->info.worker_id,
+                              b, d);
+    }
     return req.worker_id.empty()
                ? workers_.Place(b, d)
                : workers_.PlaceOn("worker_id", req.worker_id, b, d);
@@ -335,15 +401,52 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
     while (s->turn_start.size() <= pb.turn) {
       s->turn_start.push_back(static_cast<uint32_t>(s->blocks.size()));
     }
+    if (s->blocks.size() < prefix.blocks) {
+      // A reused block keeps its tag and format, like a fork's.
+      BlockRecord* b = prefix.donor->blocks[s->blocks.size()];
+      SequenceTable::Share(s, b);
+      Event e = MakeEvent(*clock_, EventKind::kBlockShared, s, b);
+      e.detail = absl::StrCat("prefix_of=", prefix.donor->id,
+                              " refcount=", b->refcount);
+      ev.push_back(std::move(e));
+      continue;
+    }
     NewBlockLocked(s, pb, pb.turn, &ev);
   }
   s->num_tokens = total;
+  if (prefix.donor != nullptr) {
+    ++prefix.donor->version;  // its blocks' refcounts change
+    s->prefix_sequence_id = prefix.donor->id;
+    s->prefix_tenant_id = prefix.donor->tenant->id;
+    s->prefix_blocks = prefix.blocks;
+    s->prefix_tokens = plan.blocks[prefix.blocks].first_token;
+    ++prefix_hits_;
+    prefix_reused_blocks_ += prefix.blocks;
+  }
+  // The hash chain: from the token ids, or the client's hashes alone (the
+  // chain then ends with them).
+  s->chain_blocks = prefix.blocks;
+  if (!req.token_ids.empty()) {
+    s->chain_open = true;
+    AdvanceChainLocked(
+        s, absl::MakeConstSpan(req.token_ids).subspan(s->prefix_tokens));
+  } else {
+    for (size_t i = prefix.blocks; i < hashes.size(); ++i) {
+      s->blocks[i]->prefix_hash = hashes[i];
+      prefix_.Add(s->blocks[i]);
+    }
+    s->chain_blocks = static_cast<uint32_t>(hashes.size());
+  }
   tenant->open_sequences++;
   worker->open.insert(s);
   Event e = MakeEvent(*clock_, EventKind::kSequenceOpened, s, nullptr);
   e.detail = absl::StrCat("blocks=", s->blocks.size(), " tokens=", total,
                           " bytes=", s->bytes, " policy=", policy->name,
                           " block_tokens=", T);
+  if (prefix.donor != nullptr) {
+    absl::StrAppend(&e.detail, " prefix_of=", prefix.donor->id,
+                    " prefix_blocks=", prefix.blocks);
+  }
   ev.push_back(std::move(e));
   SequenceInfo info = SequenceTable::Info(*s, /*with_blocks=*/true);
   sequences_.Insert(std::move(seq));
@@ -367,6 +470,12 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
                                     TurnNumbering::kContinue, &tagged));
   TRIAX_ASSIGN_OR_RETURN(const uint64_t total,
                          SequencePlanner::ValidateSpans(*spans));
+  if (!req.token_ids.empty() && req.token_ids.size() != total) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "token_ids has ", req.token_ids.size(), " ids; the ",
+        req.rendered.has_value() ? "rendered text has " : "spans have ", total,
+        " tokens (send one id per token, or none)"));
+  }
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("ExtendSequence/", req.tenant_id);
   if (auto hit = extend_cache_.Find(cache_key, req.request_id))
@@ -425,6 +534,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   // Commit.
   ++s->version;
   const size_t old_blocks = s->blocks.size();
+  if (plan.fill > 0) UnsealLastLocked(s);
   if (allocating) s->allocation = std::move(allocation);
   ExtendSequenceResult result;
   std::vector<Event> ev;
@@ -461,6 +571,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
     result.new_blocks.push_back(PlanOf(*NewBlockLocked(s, pb, pb.turn, &ev)));
   }
   s->num_tokens += total;
+  AdvanceChainLocked(s, req.token_ids);
   Event e = MakeEvent(*clock_, EventKind::kSequenceExtended, s, nullptr);
   e.detail =
       absl::StrCat("new_blocks=", plan.blocks.size(),
@@ -551,6 +662,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
     ev.back().detail += absl::StrCat(" copied_from=", cut->lineage_id);
   }
   s->num_tokens = plan.num_tokens;
+  ForkChainLocked(*parent, plan, s);
   s->tenant->open_sequences++;
   s->worker->open.insert(s);
   Event e = MakeEvent(*clock_, EventKind::kSequenceForked, s, nullptr);
@@ -647,141 +759,6 @@ absl::StatusOr<TraceResult> ManagerCore::QueryTrace(uint64_t lineage_id) const {
   return result;
 }
 
-// --- Policies ----------------------------------------------------------------
-
-absl::StatusOr<PolicyInfo> ManagerCore::PutPolicy(const PutPolicyRequest& req) {
-  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
-  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const Policy> policy,
-                         BuildPolicy(req.policy));
-  absl::MutexLock lock(&mu_);
-  if (auto hit = policy_cache_.Find("PutPolicy", req.request_id)) {
-    return hit->reply;
-  }
-  PolicyInfo info = policy->Info();
-  TRIAX_RETURN_IF_ERROR(policies_.Put(std::move(policy)));
-  policy_cache_.Put("PutPolicy", req.request_id, absl::OkStatus(), info);
-  return info;
-}
-
-std::vector<PolicyInfo> ManagerCore::ListPolicies() const {
-  std::vector<PolicyInfo> out;
-  for (const auto& p : BuiltinPolicies()) out.push_back(p->Info());
-  absl::MutexLock lock(&mu_);
-  std::vector<PolicyInfo> ops = policies_.ListOperator();
-  out.insert(out.end(), ops.begin(), ops.end());
-  return out;
-}
-
-// --- DemoteBlocks ------------------------------------------------------------
-
-absl::StatusOr<DemotePrepared> ManagerCore::PrepareDemote(
-    const DemoteBlocksRequest& req) {
-  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
-  TRIAX_ASSIGN_OR_RETURN(const std::vector<Encoding> encodings,
-                         PendingDemotes::ValidateRequest(req));
-  absl::MutexLock lock(&mu_);
-  const std::string cache_key = absl::StrCat("DemoteBlocks/", req.tenant_id);
-  if (auto hit = demote_cache_.Find(cache_key, req.request_id)) {
-    DemotePrepared done;
-    done.done = hit->reply;
-    return done;
-  }
-  TRIAX_RETURN_IF_ERROR(
-      demotes_.CheckDemoteNotInProgress(req.tenant_id, req.request_id));
-  TRIAX_ASSIGN_OR_RETURN(
-      SequenceRecord * s,
-      FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id));
-  return demotes_.Prepare(req, encodings, s);
-}
-
-absl::StatusOr<DemoteBlocksResult> ManagerCore::CommitDemoteLocked(
-    uint64_t token) {
-  std::vector<Event> ev;
-  TRIAX_ASSIGN_OR_RETURN(PendingDemotes::Committed c,
-                         demotes_.Commit(token, &ev));
-  events_.Append(&ev);
-  demote_cache_.Put(absl::StrCat("DemoteBlocks/", c.tenant_id), c.request_id,
-                    absl::OkStatus(), c.result);
-  return std::move(c.result);
-}
-
-void ManagerCore::AbortDemote(uint64_t token) {
-  absl::MutexLock lock(&mu_);
-  demotes_.Release(token);
-}
-
-absl::StatusOr<DemoteBlocksResult> ManagerCore::CommitDemote(uint64_t token) {
-  absl::MutexLock lock(&mu_);
-  return CommitDemoteLocked(token);
-}
-
-absl::StatusOr<ExtendSequenceResult> ManagerCore::FinishExtendDemotion(
-    uint64_t token, const absl::Status& worker_status) {
-  absl::MutexLock lock(&mu_);
-  TRIAX_ASSIGN_OR_RETURN(PendingDemotes::ExtendDemotion d,
-                         demotes_.TakeExtend(token));
-  ExtendSequenceResult result = std::move(d.result);
-  absl::Status outcome = worker_status;
-  if (outcome.ok()) {
-    auto committed = CommitDemoteLocked(token);
-    if (committed.ok()) {
-      result.sequence = std::move(committed->sequence);
-      for (uint64_t lineage : d.lineages) {
-        result.demoted_blocks.push_back(PlanOf(*sequences_.FindBlock(lineage)));
-      }
-      Log(LogLevel::kInfo, "manager", "blocks demoted by the allocation",
-          absl::StrCat(Kv("sequence_id", d.sequence_id), " ",
-                       Kv("blocks", d.lineages.size()), " ",
-                       Kv("bytes_delta", committed->bytes_delta)));
-    } else {
-      outcome = committed.status();
-    }
-  } else {
-    demotes_.Release(token);
-  }
-  if (!outcome.ok()) {
-    // The extension stands; the blocks keep their encoding (the next Extend
-    // tries again).
-    Log(LogLevel::kWarn, "manager",
-        "allocation demotion not applied; blocks keep their encoding",
-        absl::StrCat(Kv("sequence_id", d.sequence_id), " ",
-                     Kv("blocks", d.lineages.size()), " ",
-                     Kv("error", outcome.ToString())));
-    const SequenceRecord* s = sequences_.Find(d.sequence_id);
-    if (s != nullptr && s->state == SequenceState::kOpen) {
-      result.sequence = SequenceTable::Info(*s, /*with_blocks=*/true);
-    }
-  }
-  extend_cache_.Put(absl::StrCat("ExtendSequence/", d.tenant_id), d.request_id,
-                    absl::OkStatus(), result);
-  return result;
-}
-
-// --- Calibration -------------------------------------------------------------
-
-absl::StatusOr<uint32_t> ManagerCore::PutCalibration(
-    const PutCalibrationRequest& req) {
-  TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
-  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const CalibrationTable> table,
-                         CalibrationStore::Build(req.table));
-  absl::MutexLock lock(&mu_);
-  if (auto hit = calibration_cache_.Find("PutCalibration", req.request_id)) {
-    return hit->reply;
-  }
-  TRIAX_ASSIGN_OR_RETURN(const uint32_t n, calibrations_.Put(std::move(table)));
-  calibration_cache_.Put("PutCalibration", req.request_id, absl::OkStatus(), n);
-  return n;
-}
-
-absl::StatusOr<CalibrationTableInfo> ManagerCore::GetCalibration(
-    const std::string& model) const {
-  TRIAX_RETURN_IF_ERROR(ValidateId("model", model));
-  absl::MutexLock lock(&mu_);
-  TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const CalibrationTable> table,
-                         calibrations_.Get(model));
-  return table->info;
-}
-
 // --- Memory pressure ---------------------------------------------------------
 
 double ManagerCore::RefreshRanking(bool spill_tiers) {
@@ -859,6 +836,7 @@ absl::Status ManagerCore::FinishTierPlan(
   absl::MutexLock lock(&mu_);
   std::vector<Event> ev;
   TRIAX_RETURN_IF_ERROR(pressure_.FinishTierPlan(token, results, &ev, outcome));
+  DropUnusablePrefixesLocked(ev);
   events_.Append(&ev);
   return absl::OkStatus();
 }
@@ -921,7 +899,11 @@ void ManagerCore::HoldForResumeLocked(const TenantRecord& tenant,
 
 PressureState ManagerCore::GetPressure(uint32_t top) const {
   absl::MutexLock lock(&mu_);
-  return pressure_.GetPressure(top);
+  PressureState state = pressure_.GetPressure(top);
+  state.prefix_index_blocks = prefix_.size();
+  state.prefix_hits = prefix_hits_;
+  state.prefix_reused_blocks = prefix_reused_blocks_;
+  return state;
 }
 
 }  // namespace triax::manager

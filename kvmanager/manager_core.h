@@ -28,6 +28,21 @@
 //                        manager_core_transfer.cc)
 //   PressureCoordinator  block graph, ranking snapshot (pressure_snapshot.h,
 //                        block_ranker.h), tier plans (pressure_coordinator.h)
+//   PrefixIndex          content hashes of the sequences' leading sealed
+//                        blocks, for prefix reuse (prefix_index.h; the
+//                        facade's calls in manager_core_prefix.cc)
+// PutPolicy, DemoteBlocks and the calibration calls are in
+// manager_core_policies.cc.
+//
+// Prefix reuse (docs/manager.md "Prefix reuse"). An Open with token ids (or
+// block hashes) shares the longest chain of hashed blocks that one open
+// sequence of the same salt, model, block_tokens and window holds on the
+// device, up to the block before the prompt's last token, as a fork shares
+// them (on that sequence's worker; refcounts; tags and formats kept); only
+// the rest is admitted and charged. Open and Extend with token ids hash the
+// blocks that become sealed (full, or followed by another block) while
+// every earlier block has a hash. A block leaves the index when freed,
+// spilled, evicted, or cut or left partial at the end by a truncation.
 //
 // Planning. A sequence of block_tokens = T splits each span into ceil(n/T)
 // blocks; a span's last block may be partial and a block never mixes spans
@@ -194,6 +209,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -211,6 +227,7 @@
 #include "kvmanager/pending_transfers.h"
 #include "kvmanager/policy.h"
 #include "kvmanager/policy_store.h"
+#include "kvmanager/prefix_index.h"
 #include "kvmanager/pressure_coordinator.h"
 #include "kvmanager/sequence_planner.h"
 #include "kvmanager/sequence_table.h"
@@ -579,6 +596,50 @@ class ManagerCore {
                       std::vector<Event>* ev,
                       std::vector<EventLog::LastPlan>* forgotten)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // --- Prefix reuse (manager_core_prefix.cc; prefix_index.h) ---
+  // The request's prefix hashes: from token_ids (the plan's leading
+  // `sealed` blocks: all but a partial last one) and/or block_hashes
+  // (checked against each other). INVALID_ARGUMENT naming block_hashes when
+  // they disagree.
+  absl::StatusOr<std::vector<std::string>> OpenPrefixHashesLocked(
+      const OpenSequenceRequest& req, const TenantRecord& tenant,
+      const std::vector<PlannedBlock>& blocks, size_t sealed) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct PrefixMatch {
+    SequenceRecord* donor = nullptr;
+    uint32_t blocks = 0;
+  };
+  // The longest prefix of `hashes` an open sequence holds (same salt, model,
+  // block_tokens and window_tokens, since the worker's fork gives the new
+  // sequence its holder's window; not being transferred; its worker UP and,
+  // when named, `worker_id`; every block of the prefix indexed, on the
+  // device, not busy). blocks 0: none.
+  PrefixMatch FindPrefixLocked(const TenantRecord& tenant,
+                               const ModelShape& model, uint32_t block_tokens,
+                               const std::optional<uint32_t>& window_tokens,
+                               const std::string& worker_id,
+                               const std::vector<std::string>& hashes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Extends s's hash chain over `ids`, the ids of the tokens s just got
+  // (s->blocks already hold them); newly sealed blocks (full, or followed
+  // by another) get hashes and are indexed. Empty `ids` ends the chain.
+  void AdvanceChainLocked(SequenceRecord* s, absl::Span<const uint32_t> ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A fork's chain from its parent's (plan: the fork's).
+  void ForkChainLocked(const SequenceRecord& parent, const ForkPlan& plan,
+                       SequenceRecord* child)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // s's last block is about to grow (or may): its hash goes (index
+  // included) and the chain ends before it.
+  void UnsealLastLocked(SequenceRecord* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After s was truncated to its current tokens (the last block possibly
+  // cut): the chain shrinks; a last block that is not full is unsealed.
+  void TruncateChainLocked(SequenceRecord* s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Spilled and evicted blocks of a finished tier plan leave the index.
+  void DropUnusablePrefixesLocked(const std::vector<Event>& ev)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Commits a pending demote, appends its events and remembers its reply.
   absl::StatusOr<DemoteBlocksResult> CommitDemoteLocked(uint64_t token)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -611,6 +672,9 @@ class ManagerCore {
   PendingDemotes demotes_ ABSL_GUARDED_BY(mu_);
   PendingTransfers transfers_ ABSL_GUARDED_BY(mu_);
   PressureCoordinator pressure_ ABSL_GUARDED_BY(mu_);
+  PrefixIndex prefix_ ABSL_GUARDED_BY(mu_);
+  uint64_t prefix_hits_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t prefix_reused_blocks_ ABSL_GUARDED_BY(mu_) = 0;
   // Serializes RefreshRanking's Rank (its scratch buffers); never taken
   // with mu_ held.
   absl::Mutex rank_mu_ ABSL_ACQUIRED_BEFORE(mu_);

@@ -95,6 +95,7 @@ absl::StatusOr<TruncateSequenceResult> ManagerCore::TruncateSequence(
     last->num_tokens =
         static_cast<uint32_t>(req.num_tokens - last->first_token);
   s->num_tokens = req.num_tokens;
+  TruncateChainLocked(s);
 
   // Turns: those starting at a kept block stay; a turn that only grew the
   // last block stays when that block keeps all its tokens. A cut block takes

@@ -48,6 +48,9 @@ struct TenantRecord {
   std::array<uint64_t, kNumTiers> used{};                // bytes, by Tier
   uint32_t open_sequences = 0;
   std::string default_policy;
+  // Prefix reuse: the shared salt the tenant opted into (empty: private);
+  // salt = PrefixSalt(id, prefix_salt) (prefix_index.h).
+  std::string prefix_salt;
 };
 
 struct WorkerRecord {
@@ -121,6 +124,10 @@ struct BlockRecord {
   // charged (its device bytes to `charged` and to that worker) until its
   // last holder there lets go. Only device-resident blocks have copies.
   std::vector<std::pair<WorkerRecord*, uint32_t>> holders;
+  // Prefix reuse (prefix_index.h): the block's chained content hash (empty:
+  // none) and whether PrefixIndex lists it.
+  std::string prefix_hash;
+  bool prefix_indexed = false;
 };
 
 struct SequenceRecord {
@@ -152,6 +159,19 @@ struct SequenceRecord {
   int64_t last_access_ms = 0;
   uint32_t spilled = 0;
   uint64_t last_tool_call = 0;
+  // Prefix reuse (prefix_index.h). Open took blocks [0, prefix_blocks)
+  // (prefix_tokens tokens) from prefix_sequence_id. The hash chain: blocks
+  // [0, chain_blocks) are sealed and carry hashes; while chain_open the
+  // token ids of every later token are known: the last block (when partial,
+  // the only block past chain_blocks) holds chain_tail's ids, and the chain
+  // grows as blocks seal.
+  std::string prefix_sequence_id;
+  std::string prefix_tenant_id;
+  uint32_t prefix_blocks = 0;
+  uint64_t prefix_tokens = 0;
+  uint32_t chain_blocks = 0;
+  bool chain_open = false;
+  std::vector<uint32_t> chain_tail;
   // Lost because its worker went DOWN: copies of its blocks and turn starts
   // as they were, to take back if the worker returns with the same
   // incarnation still holding it (ManagerCore::RegisterWorker).

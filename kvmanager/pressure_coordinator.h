@@ -169,6 +169,11 @@ struct PressureState {
   uint64_t spills = 0;
   uint64_t restores = 0;
   uint64_t evictions = 0;
+  // Prefix reuse (filled by ManagerCore): indexed blocks, Opens that reused
+  // a prefix and the blocks they shared.
+  uint64_t prefix_index_blocks = 0;
+  uint64_t prefix_hits = 0;
+  uint64_t prefix_reused_blocks = 0;
 };
 
 struct PressureOptions {

@@ -122,6 +122,11 @@ SequenceInfo SequenceTable::Info(const SequenceRecord& s, bool with_blocks) {
     info.transfer_destination_worker_id =
         s.transfer_destination->info.worker_id;
   }
+  info.prefix_sequence_id = s.prefix_sequence_id;
+  info.prefix_tenant_id = s.prefix_tenant_id;
+  info.prefix_blocks = s.prefix_blocks;
+  info.prefix_tokens = s.prefix_tokens;
+  info.hashed_blocks = s.chain_blocks;
   if (with_blocks) {
     info.blocks.reserve(s.blocks.size());
     for (const BlockRecord* b : s.blocks) info.blocks.push_back(PlanOf(*b));
@@ -152,6 +157,7 @@ BlockRecord* SequenceTable::NewBlock(SequenceRecord* s, uint64_t first_token,
   b->creator = s->id;
   b->owner = s;
   b->holders = {{s->worker, 1}};
+  b->prefix_indexed = false;  // a recovered block is not re-indexed
   s->blocks.push_back(b);
   s->bytes += bytes;
   s->tenant->used[static_cast<int>(Tier::kDevice)] += bytes;

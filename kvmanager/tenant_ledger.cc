@@ -108,6 +108,7 @@ TenantInfo TenantLedger::Info(const TenantRecord& t) {
   }
   info.open_sequences = t.open_sequences;
   info.default_policy = t.default_policy;
+  info.prefix_salt = t.prefix_salt;
   return info;
 }
 

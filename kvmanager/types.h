@@ -196,6 +196,7 @@ struct TenantInfo {
   std::vector<TierUsage> usage;  // every tier, ordered by tier
   uint32_t open_sequences = 0;
   std::string default_policy;
+  std::string prefix_salt;  // shared prefix salt; empty: private
 };
 
 struct FormatInventory {
@@ -290,6 +291,13 @@ struct SequenceInfo {
   // Set while a transfer of the sequence is in flight.
   std::string transfer_id;
   std::string transfer_destination_worker_id;
+  // Prefix reuse: Open shared blocks [0, prefix_blocks) (prefix_tokens
+  // tokens) of prefix_sequence_id; hashed_blocks leading blocks carry hashes.
+  std::string prefix_sequence_id;
+  std::string prefix_tenant_id;  // the tenant of prefix_sequence_id
+  uint32_t prefix_blocks = 0;
+  uint64_t prefix_tokens = 0;
+  uint32_t hashed_blocks = 0;
 };
 
 struct Event {
@@ -341,6 +349,8 @@ struct CreateTenantRequest {
   std::string tenant_id;
   std::vector<Budget> budgets;  // at most one per tier; others unlimited
   std::string default_policy;   // empty: the manager's default
+  // Prefix reuse: a shared salt (an id); empty: the tenant's private salt.
+  std::string prefix_salt;
 };
 
 struct SetBudgetRequest {
@@ -363,6 +373,12 @@ struct OpenSequenceRequest {
   std::optional<uint32_t> window_tokens;
   // The worker to open on (WorkerRegistry::PlaceOn); empty: placement.
   std::string worker_id;
+  // Prefix reuse (prefix_index.h): the prompt's token ids (one per token of
+  // the spans, or none) and/or the client's hashes of its leading full
+  // blocks (32 bytes each); no_reuse registers hashes but shares nothing.
+  std::vector<uint32_t> token_ids;
+  std::vector<std::string> block_hashes;
+  bool no_reuse = false;
 };
 
 struct ExtendSequenceRequest {
@@ -375,6 +391,9 @@ struct ExtendSequenceRequest {
   // Exactly one of spans and rendered; with rendered, new_turn is false and
   // each user message in the text starts a turn.
   std::optional<RenderedText> rendered;
+  // The new tokens' ids (one per token, or none): newly full blocks of the
+  // sequence's hash chain get hashes (prefix_index.h).
+  std::vector<uint32_t> token_ids;
 };
 
 struct ForkSequenceRequest {

@@ -46,6 +46,7 @@ ForkRequest FromProto(const v1::WorkerForkRequest& p) {
   d.child_sequence_id = p.child_sequence_id();
   d.num_tokens = p.num_tokens();
   d.blocks = PlanFromProto(p.blocks());
+  d.parent_tenant_id = p.parent_tenant_id();
   return d;
 }
 

@@ -350,11 +350,14 @@ class SequenceStore {
                                       absl::string_view sequence_id,
                                       absl::Span<const BlockSpec> blocks);
 
+  // parent_tenant_id (empty: tenant_id) owns the parent; the child is
+  // tenant_id's (prefix reuse across tenants that share a prefix salt).
   absl::StatusOr<ForkResult> Fork(absl::string_view tenant_id,
                                   absl::string_view parent_id,
                                   absl::string_view child_id,
                                   uint64_t num_tokens,
-                                  absl::Span<const BlockSpec> blocks);
+                                  absl::Span<const BlockSpec> blocks,
+                                  absl::string_view parent_tenant_id = {});
 
   // Writes one chunk atomically (all its tokens or none); returns the
   // number of tokens written.
@@ -496,7 +499,8 @@ class SequenceStore {
                                       absl::string_view parent_id,
                                       absl::string_view child_id,
                                       uint64_t num_tokens,
-                                      absl::Span<const BlockSpec> blocks);
+                                      absl::Span<const BlockSpec> blocks,
+                                      absl::string_view parent_tenant_id);
   absl::StatusOr<uint64_t> WriteOnce(absl::string_view tenant_id,
                                      absl::string_view sequence_id,
                                      const KvWrite& chunk);

@@ -65,9 +65,10 @@ absl::StatusOr<DemoteResult> SequenceStore::Demote(
 absl::StatusOr<ForkResult> SequenceStore::Fork(
     absl::string_view tenant_id, absl::string_view parent_id,
     absl::string_view child_id, uint64_t num_tokens,
-    absl::Span<const BlockSpec> blocks) {
+    absl::Span<const BlockSpec> blocks, absl::string_view parent_tenant_id) {
   return WithRoom<ForkResult>([&] {
-    return ForkOnce(tenant_id, parent_id, child_id, num_tokens, blocks);
+    return ForkOnce(tenant_id, parent_id, child_id, num_tokens, blocks,
+                    parent_tenant_id);
   });
 }
 

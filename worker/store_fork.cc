@@ -242,8 +242,10 @@ absl::Status SequenceStore::FillForkLayer(
 absl::StatusOr<ForkResult> SequenceStore::ForkOnce(
     absl::string_view tenant_id, absl::string_view parent_id,
     absl::string_view child_id, uint64_t num_tokens,
-    absl::Span<const BlockSpec> blocks) {
+    absl::Span<const BlockSpec> blocks, absl::string_view parent_tenant_id) {
   TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", tenant_id));
+  if (parent_tenant_id.empty()) parent_tenant_id = tenant_id;
+  TRIAX_RETURN_IF_ERROR(ValidateId("parent_tenant_id", parent_tenant_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("parent_sequence_id", parent_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("child_sequence_id", child_id));
   if (parent_id == child_id) {
@@ -263,7 +265,7 @@ absl::StatusOr<ForkResult> SequenceStore::ForkOnce(
         absl::StrCat("child_sequence_id=", Quote(child_id), " already exists"));
   }
   TRIAX_ASSIGN_OR_RETURN(LockedSequence locked_parent,
-                         LockOwned(*std::move(found), tenant_id));
+                         LockOwned(*std::move(found), parent_tenant_id));
   const Sequence& parent = *locked_parent;
   TRIAX_ASSIGN_OR_RETURN(std::vector<bool> shared,
                          PlanFork(*device_, parent, num_tokens, blocks));
@@ -275,7 +277,7 @@ absl::StatusOr<ForkResult> SequenceStore::ForkOnce(
     absl::MutexLock child_lock(&child->mu);
     Sequence& c = *child;
     const uint32_t layers = parent.model.n_layers;
-    c.tenant = parent.tenant;
+    c.tenant = std::string(tenant_id);
     c.model = parent.model;
     c.block_tokens = parent.block_tokens;
     c.window_tokens = parent.window_tokens;

@@ -221,5 +221,40 @@ TEST_F(StoreTest, ForkIgnoresThePlansTierFields) {
   ExpectFiniteNonZero(*out);
 }
 
+TEST_F(StoreTest, ForkOfAnotherTenantsParentNamesItsTenant) {
+  Make(0);
+  const ModelShape m = Shape(1, 1, 1, 16);
+  ASSERT_THAT(
+      store_->AllocatePages("owner", "p", m, 8, Plan({{8, kInt4}, {8, kInt4}}))
+          .status(),
+      IsOk());
+  auto kv = RandomLayers(m, 16, 5);
+  std::string kb, vb;
+  ASSERT_THAT(store_
+                  ->Write("owner", "p",
+                          store_testing::Chunk(0, 0, 16, kv[0], 16, &kb, &vb))
+                  .status(),
+              IsOk());
+  // Block 0 shared, block 1 the child's own (allocated, nothing copied).
+  auto child = Plan({{8, kInt4}, {8, kInt4}});
+  child[1].lineage_id = 900;
+  // Without parent_tenant_id the parent is not the caller's.
+  EXPECT_THAT(store_->Fork(kTenant, "p", "c", 8, child),
+              StatusIs(absl::StatusCode::kPermissionDenied, ::testing::_));
+  EXPECT_THAT(store_->Fork(kTenant, "p", "c", 8, child, "bad tenant"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("parent_tenant_id")));
+  auto r = store_->Fork(kTenant, "p", "c", 8, child, "owner");
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->pages_shared, 1u);
+  // The child is the caller's, not the parent tenant's.
+  EXPECT_THAT(store_->Read("owner", "c", 0, 0, 8).status(),
+              StatusIs(absl::StatusCode::kPermissionDenied, ::testing::_));
+  auto pr = store_->Read("owner", "p", 0, 0, 8);
+  auto cr = store_->Read(kTenant, "c", 0, 0, 8);
+  ASSERT_TRUE(pr.ok() && cr.ok());
+  EXPECT_EQ(pr->k, cr->k);
+}
+
 }  // namespace
 }  // namespace triax::worker

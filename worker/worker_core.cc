@@ -96,7 +96,8 @@ absl::StatusOr<AllocateResult> WorkerCore::AllocatePages(
 absl::StatusOr<ForkResult> WorkerCore::Fork(const ForkRequest& req) {
   return Once(fork_cache_, "ForkSequence", req.tenant_id, req.request_id, [&] {
     return store_->Fork(req.tenant_id, req.parent_sequence_id,
-                        req.child_sequence_id, req.num_tokens, req.blocks);
+                        req.child_sequence_id, req.num_tokens, req.blocks,
+                        req.parent_tenant_id);
   });
 }
 

@@ -93,6 +93,7 @@ struct ForkRequest {
   std::string child_sequence_id;
   uint64_t num_tokens = 0;
   std::vector<BlockSpec> blocks;  // the child's plan
+  std::string parent_tenant_id;   // empty: tenant_id
 };
 
 // Each block names index and lineage_id, and the new encoding.

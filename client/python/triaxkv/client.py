@@ -20,7 +20,9 @@ it had; close_sequence tells the manager even when the worker is gone
 (UNAVAILABLE) or forgot the sequence (NOT_FOUND).
 """
 
+import hashlib
 import os
+import struct
 import threading
 import time
 
@@ -127,6 +129,44 @@ def budget(tier, floor_bytes, ceiling_bytes):
                             floor_bytes=floor_bytes, ceiling_bytes=ceiling_bytes)
 
 
+def prefix_block_hashes(tenant_id, model, block_tokens, token_ids,
+                        prefix_salt="", block_sizes=None):
+    """The manager's prefix hash chain (docs/manager.md "Prefix reuse"):
+    per block, SHA-256 over the parent hash (32 zero bytes for the first
+    block), the model identity "<name>/<n_layers>/<n_kv_heads>/<n_q_heads>/
+    <head_dim>" and the salt ("tenant/<id>", or "shared/<prefix_salt>"),
+    each u32-LE length prefixed, the block's token count and its ids as
+    u32-LE. block_sizes: the blocks' token counts as the manager plans them
+    (span-aligned: a span's last block may be partial); None: full blocks
+    of block_tokens. Only whole blocks of token_ids are hashed, and a
+    partial block only when another follows it. model: ModelShape or dict."""
+    if isinstance(model, dict):
+        m = model
+    else:
+        m = {f: getattr(model, f) for f in
+             ("name", "n_layers", "n_kv_heads", "n_q_heads", "head_dim")}
+    ident = (f"{m['name']}/{m['n_layers']}/{m['n_kv_heads']}/"
+             f"{m['n_q_heads']}/{m['head_dim']}").encode()
+    salt = (f"shared/{prefix_salt}" if prefix_salt else f"tenant/{tenant_id}").encode()
+    if block_sizes is None:
+        block_sizes = [block_tokens] * (len(token_ids) // block_tokens)
+    out, prev, at = [], bytes(32), 0
+    for i, n in enumerate(block_sizes):
+        last = i + 1 == len(block_sizes)
+        if at + n > len(token_ids) or (n != block_tokens and last):
+            break
+        h = hashlib.sha256()
+        h.update(prev)
+        h.update(struct.pack("<I", len(ident)) + ident)
+        h.update(struct.pack("<I", len(salt)) + salt)
+        h.update(struct.pack("<I", n))
+        h.update(struct.pack(f"<{n}I", *token_ids[at:at + n]))
+        prev = h.digest()
+        out.append(prev)
+        at += n
+    return out
+
+
 class Sequence:
     """A sequence opened through the client: its plan and where it lives
     (the C++ SequenceHandle). `blocks` are BlockPlan messages; `info` is the
@@ -146,6 +186,10 @@ class Sequence:
         self.blocks = list(info.blocks)
         self.num_tokens = info.num_tokens
         self.policy = info.policy
+        # Prefix reuse: tokens [0, prefix_tokens) were shared at open with
+        # prefix_sequence_id (their KV is there: prefill from prefix_tokens).
+        self.prefix_sequence_id = info.prefix_sequence_id
+        self.prefix_tokens = info.prefix_tokens
 
     def __repr__(self):
         return (f"Sequence({self.sequence_id!r}, worker={self.worker_id!r}, "
@@ -277,14 +321,18 @@ class Client:
 
     # -- tenants and workers -------------------------------------------------
 
-    def create_tenant(self, tenant_id=None, budgets=(), default_policy=""):
+    def create_tenant(self, tenant_id=None, budgets=(), default_policy="",
+                      prefix_salt=""):
         """Creates a tenant (this client's when tenant_id is None) with
         `budgets` (see budget(); tiers without one are unlimited). Returns
         TenantInfo. Idempotent for the same settings; AlreadyExists for a
-        tenant with other ones."""
+        tenant with other ones. prefix_salt: a shared salt for prefix reuse
+        (tenants with the same one reuse each other's prefixes); "" keeps
+        the tenant's prefixes private."""
         req = manager_pb2.CreateTenantRequest(
             request_id=self.new_request_id(), tenant_id=self._tenant(tenant_id),
-            budgets=list(budgets), default_policy=default_policy)
+            budgets=list(budgets), default_policy=default_policy,
+            prefix_salt=prefix_salt)
         return self._call("CreateTenant", self.manager.CreateTenant, req, True).tenant
 
     def set_budget(self, tier, floor_bytes, ceiling_bytes, tenant_id=None):
@@ -357,7 +405,8 @@ class Client:
             pass
 
     def open_sequence(self, model, spans=None, *, rendered=None, policy="",
-                      block_tokens=0, window_tokens=None, worker_id=""):
+                      block_tokens=0, window_tokens=None, worker_id="",
+                      token_ids=None, block_hashes=None, no_reuse=False):
         """Manager OpenSequence, then AllocatePages on the placed worker.
 
         model: ModelShape (or a dict of its fields). Exactly one of spans (a
@@ -366,7 +415,15 @@ class Client:
         name ("" the tenant's default); block_tokens 0: the manager's
         default; window_tokens: the BF16 recent window on the worker (None:
         the worker's --window_tokens); worker_id: open there instead of the
-        placement's choice. Returns a Sequence."""
+        placement's choice. Returns a Sequence.
+
+        Prefix reuse (docs/python.md): token_ids (one per prompt token)
+        and/or block_hashes (32-byte hashes of the leading full blocks, see
+        prefix_block_hashes) let the manager share the longest cached prefix
+        of the tenant's open sequences; the worker's pages of it are then
+        forked instead of allocated and seq.prefix_tokens says where the
+        prefill starts. When the worker refuses the fork (the prefix not
+        written yet), the sequence is opened again with no_reuse."""
         if window_tokens is not None and not (
                 isinstance(window_tokens, int) and 0 <= window_tokens <= _UINT32_MAX):
             raise ValueError(f"window_tokens: {window_tokens!r}; want None or 0..2^32-1")
@@ -377,7 +434,33 @@ class Client:
         self._prompt(req, spans, rendered)
         if window_tokens is not None:
             req.window_tokens = window_tokens
+        if token_ids:
+            req.token_ids.extend(token_ids)
+        if block_hashes:
+            req.block_hashes.extend(block_hashes)
+        req.no_reuse = no_reuse
         info = self._call("OpenSequence", self.manager.OpenSequence, req, True).sequence
+        if info.prefix_blocks > 0:
+            wreq = worker_pb2.WorkerForkRequest(
+                request_id=self.new_request_id(), tenant_id=self.tenant_id,
+                parent_sequence_id=info.prefix_sequence_id,
+                parent_tenant_id=(info.prefix_tenant_id
+                                  if info.prefix_tenant_id != self.tenant_id else ""),
+                child_sequence_id=info.sequence_id,
+                num_tokens=info.prefix_tokens, blocks=list(info.blocks))
+            try:
+                w = self.worker(info.worker_address)
+                self._call("Worker.ForkSequence", w.ForkSequence, wreq, True)
+            except Exception:
+                # The manager's view of the prefix can be ahead of the
+                # worker's: open again without reuse.
+                self._close_on_manager_quietly(info.sequence_id)
+                return self.open_sequence(
+                    model, spans, rendered=rendered, policy=policy,
+                    block_tokens=block_tokens, window_tokens=window_tokens,
+                    worker_id=worker_id, token_ids=token_ids,
+                    block_hashes=block_hashes, no_reuse=True)
+            return Sequence(info, window_tokens)
         try:
             self._allocate_on_worker(info, window_tokens)
         except Exception:
@@ -387,7 +470,7 @@ class Client:
         return Sequence(info, window_tokens)
 
     def extend(self, seq, spans=None, *, rendered=None, new_turn=False,
-               continue_last_span=False):
+               continue_last_span=False, token_ids=None):
         """Plans more tokens (a new turn, or decoded tokens) and allocates
         them on the worker; seq is updated only when both succeed. When the
         worker refuses, the manager's plan is truncated back to seq's tokens
@@ -396,6 +479,8 @@ class Client:
             request_id=self.new_request_id(), tenant_id=self.tenant_id,
             sequence_id=seq.sequence_id, new_turn=new_turn,
             continue_last_span=continue_last_span)
+        if token_ids:  # grow the sequence's prefix hash chain
+            req.token_ids.extend(token_ids)
         self._prompt(req, spans, rendered)
         info = self._call("ExtendSequence", self.manager.ExtendSequence, req, True).sequence
         try:
