@@ -139,6 +139,7 @@ class CudaDevice final : public Device {
   absl::Status CopyPagesChecked(absl::Span<const PageCopy> jobs,
                                 absl::Span<uint32_t> crcs) override;
   std::string ShareDomain() const override;
+  bool TimeSlicesProcesses() const override { return true; }
   absl::StatusOr<std::string> ShareArena(const uint8_t* base,
                                          size_t bytes) override;
   absl::StatusOr<const uint8_t*> OpenPeerArena(absl::string_view handle,

@@ -189,6 +189,14 @@ class Device {
   // Where this device's arenas can be mapped: "<backend>:<host boot id>";
   // empty when this backend does not share (the default).
   virtual std::string ShareDomain() const { return ""; }
+  // True when work that two processes submit to this device does not
+  // overlap (a GPU without MPS time-slices its processes' contexts). A
+  // shared export of stored pages then takes all its checksums before the
+  // peer starts copying, instead of one checksum launch per layer between
+  // the peer's copies. False (the default) where the two processes run on
+  // their own cores, which overlap the source's checksums with the peer's
+  // copies.
+  virtual bool TimeSlicesProcesses() const { return false; }
   // A handle by which another process of the same ShareDomain maps the
   // arena that AllocateArena returned at `base` (`bytes` long).
   // UNIMPLEMENTED when this backend does not share; INVALID_ARGUMENT for a

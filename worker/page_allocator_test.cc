@@ -344,7 +344,7 @@ TEST_F(PageAllocatorTest, ExhaustionNamesPoolBytesAndFrames) {
 
 // AllocateMany: n pages under one lock, across frames; all or nothing.
 TEST_F(PageAllocatorTest, AllocateManyIsAllOrNothing) {
-  Make(size_t{4} * (16 << 10));  // 4 frames of 16 KiB: 16 pages of 4 KiB
+  Make(size_t{4} * (16 << 10));       // 4 frames of 16 KiB: 16 pages of 4 KiB
   std::vector<Page*> pages{nullptr};  // appended after what is there
   ASSERT_THAT(
       alloc_->AllocateMany(Format::kINT4, 4096, PageUse::kTarget, 6, &pages),

@@ -6,6 +6,7 @@
 // Thread contract: thread-safe (the record and health have their own mutex).
 #pragma once
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -122,8 +123,24 @@ class RecordingDevice final : public Device {
   absl::Status Checksum(absl::Span<const DeviceBytes> ranges,
                         absl::Span<uint32_t> crcs) override {
     if (absl::Status s = Health(); !s.ok()) return s;
+    {
+      absl::MutexLock lock(&mu_);
+      checksums_.push_back(ranges.size());
+    }
     return cpu_.Checksum(ranges, crcs);
   }
+  void ClearChecksums() {
+    absl::MutexLock lock(&mu_);
+    checksums_.clear();
+  }
+  // Sizes of the Checksum calls so far.
+  std::vector<size_t> checksums() const {
+    absl::MutexLock lock(&mu_);
+    return checksums_;
+  }
+  // Pretends to be a device whose processes time-slice (as a GPU).
+  void set_time_slices_processes(bool on) { time_slices_ = on; }
+  bool TimeSlicesProcesses() const override { return time_slices_; }
   absl::Status CopyPagesChecked(absl::Span<const PageCopy> jobs,
                                 absl::Span<uint32_t> crcs) override {
     if (absl::Status s = Health(); !s.ok()) return s;
@@ -162,6 +179,8 @@ class RecordingDevice final : public Device {
   std::vector<size_t> attention_batches_ ABSL_GUARDED_BY(mu_);
   std::vector<size_t> demote_batches_ ABSL_GUARDED_BY(mu_);
   std::vector<size_t> checked_copies_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> checksums_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> time_slices_{false};
   std::string unhealthy_ ABSL_GUARDED_BY(mu_);
 };
 

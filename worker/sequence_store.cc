@@ -372,8 +372,8 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
     const Encoding e = blocks[i].encoding;
     const size_t bytes = kernels::PageBytes(e, seq.shape);
     std::vector<Page*> pages;
-    if (absl::Status s = allocator_->AllocateMany(
-            e, bytes, PageUse::kTarget, seq.model.n_layers, &pages);
+    if (absl::Status s = allocator_->AllocateMany(e, bytes, PageUse::kTarget,
+                                                  seq.model.n_layers, &pages);
         !s.ok()) {
       undo();
       return absl::Status(

@@ -518,6 +518,15 @@ class SequenceStore {
       absl::string_view tenant_id, absl::string_view sequence_id,
       absl::Span<const uint64_t> lineage_ids, bool background);
 
+  // A shared export without follow_writes (store_transfer.cc): every
+  // layer's pages pinned, then all their CRC32Cs in one Device::Checksum,
+  // then the sink per layer.
+  absl::Status ExportSharedAtOnce(
+      const std::shared_ptr<Sequence>& seq, absl::string_view tenant_id,
+      absl::Span<const ExportBlock> blocks, uint32_t layers, uint64_t end,
+      PagePins* pins,
+      absl::FunctionRef<absl::Status(uint32_t, std::vector<TransferPage>*)>
+          sink);
   // One layer of an Export (store_transfer.cc): the pages of `blocks` copied
   // out under the sequence's mutex, re-encoded where asked; `end` is where
   // the last named block ends.

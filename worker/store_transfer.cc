@@ -227,10 +227,26 @@ absl::Status SequenceStore::Export(
   }
   uint32_t layers = 0;
   uint64_t end = 0;
+  bool as_stored = true;  // every page goes as it lies: no scratch pages
   {
     TRIAX_ASSIGN_OR_RETURN(LockedSequence locked, LockOwned(seq, tenant_id));
     TRIAX_ASSIGN_OR_RETURN(end, CheckExportBlocks(*device_, *locked, blocks));
     layers = locked->model.n_layers;
+    for (const ExportBlock& want : blocks) {
+      const Block& b = locked->blocks[want.index];
+      as_stored = as_stored && b.resident() && b.spec.encoding == want.encoding;
+    }
+  }
+  // On a device that time-slices processes, a shared export of written
+  // layers whose pages all go as stored takes every page's CRC32C in one
+  // pass before the first layer goes to the sink, rather than one launch
+  // per layer between the peer's copies. Re-encoded or spilled pages would
+  // all sit in scratch pages at once that way; those exports go layer by
+  // layer.
+  if (options.pins != nullptr && options.shared_checksums &&
+      !options.follow_writes && as_stored && device_->TimeSlicesProcesses()) {
+    return ExportSharedAtOnce(seq, tenant_id, blocks, layers, end, options.pins,
+                              sink);
   }
   for (uint32_t l = 0; l < layers; ++l) {
     if (options.follow_writes) {
@@ -263,6 +279,50 @@ absl::Status SequenceStore::Export(
     TRIAX_RETURN_IF_ERROR(pages.status());
     if (options.pins == nullptr) Checksum(&*pages);
     TRIAX_RETURN_IF_ERROR(sink(l, &*pages));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequenceStore::ExportSharedAtOnce(
+    const std::shared_ptr<Sequence>& seq, absl::string_view tenant_id,
+    absl::Span<const ExportBlock> blocks, uint32_t layers, uint64_t end,
+    PagePins* pins,
+    absl::FunctionRef<absl::Status(uint32_t, std::vector<TransferPage>*)>
+        sink) {
+  std::vector<std::vector<TransferPage>> all(layers);
+  size_t count = 0;
+  for (uint32_t l = 0; l < layers; ++l) {
+    absl::StatusOr<std::vector<TransferPage>> pages =
+        WithRoom<std::vector<TransferPage>>([&] {
+          return ExportLayerOnce(seq, tenant_id, blocks, l, end, pins,
+                                 /*shared_checksums=*/false);
+        });
+    TRIAX_RETURN_IF_ERROR(pages.status());
+    all[l] = *std::move(pages);
+    count += all[l].size();
+  }
+  // The pages are pinned: their bytes stay where they are without the data
+  // lock.
+  const uint8_t* base = allocator_->arena_base();
+  std::vector<DeviceBytes> ranges;
+  ranges.reserve(count);
+  for (const std::vector<TransferPage>& layer : all) {
+    for (const TransferPage& p : layer) {
+      ranges.push_back(DeviceBytes{base + p.arena_offset,
+                                   static_cast<size_t>(p.shared_bytes)});
+    }
+  }
+  std::vector<uint32_t> crcs(count);
+  if (absl::Status s = device_->Checksum(ranges, absl::MakeSpan(crcs));
+      !s.ok()) {
+    return absl::Status(s.code(),
+                        absl::StrCat("export of sequence_id=", Quote(seq->id),
+                                     " checksums: ", s.message()));
+  }
+  size_t at = 0;
+  for (uint32_t l = 0; l < layers; ++l) {
+    for (TransferPage& p : all[l]) p.crc32c = crcs[at++];
+    TRIAX_RETURN_IF_ERROR(sink(l, &all[l]));
   }
   return absl::OkStatus();
 }

@@ -770,6 +770,55 @@ TEST_F(SharedTransferTest, InstallsTheBytesTheStreamInstalls) {
   }
 }
 
+// On a device whose processes time-slice, a shared export of stored pages
+// takes every checksum in one pass before the first layer goes out; one
+// that re-encodes (scratch pages) or follows writes goes layer by layer.
+// Both name the same pages with the same CRC32Cs.
+TEST_F(SharedTransferTest, TimeSlicedDeviceChecksumsStoredPagesInOnePass) {
+  const std::vector<BlockSpec> plan = Plan(kTokens, Encoding(Format::kINT4));
+  Install(src_.get(), "s", plan, kTokens, 5);
+  PagePins layered_pins(src_alloc_.get());
+  device_.ClearChecksums();
+  auto layered = ExportShared("s", ExportList(plan), &layered_pins);
+  ASSERT_THAT(layered.status(), IsOk());
+  EXPECT_EQ(device_.checksums().size(), kLayers);
+
+  device_.set_time_slices_processes(true);
+  device_.ClearChecksums();
+  PagePins pins(src_alloc_.get());
+  std::vector<uint32_t> layers_seen;
+  ExportOptions options;
+  options.pins = &pins;
+  std::vector<TransferPage> at_once;
+  ASSERT_THAT(src_->Export(kTenant, "s", ExportList(plan), options,
+                           [&](uint32_t layer, std::vector<TransferPage>* p) {
+                             layers_seen.push_back(layer);
+                             // Every page is pinned before the first layer.
+                             EXPECT_EQ(pins.size(), plan.size() * kLayers);
+                             at_once.insert(at_once.end(), p->begin(),
+                                            p->end());
+                             return absl::OkStatus();
+                           }),
+              IsOk());
+  EXPECT_EQ(device_.checksums(), std::vector<size_t>{plan.size() * kLayers});
+  EXPECT_EQ(layers_seen, (std::vector<uint32_t>{0, 1}));
+  ASSERT_EQ(at_once.size(), layered->size());
+  for (size_t i = 0; i < at_once.size(); ++i) {
+    EXPECT_EQ(at_once[i].arena_offset, (*layered)[i].arena_offset);
+    EXPECT_EQ(at_once[i].crc32c, (*layered)[i].crc32c) << i;
+  }
+  ASSERT_THAT(ImportShared(DstPlan("d", plan), at_once).status(), IsOk());
+  ExpectSameReads(src_.get(), "s", dst_.get(), "d");
+
+  // Re-encoded on the way: layer by layer even here.
+  device_.ClearChecksums();
+  PagePins int2_pins(src_alloc_.get());
+  const std::vector<BlockSpec> int2 = Plan(kTokens, Encoding(Format::kINT2));
+  ASSERT_THAT(ExportShared("s", ExportList(int2), &int2_pins).status(), IsOk());
+  EXPECT_EQ(device_.checksums().size(), kLayers);
+  device_.set_time_slices_processes(false);
+}
+
 // A pinned page keeps its bytes where the peer reads them while the source
 // frees the sequence and compacts its arena.
 TEST_F(SharedTransferTest, PinnedPagesOutliveAFreeAndACompaction) {
