@@ -178,7 +178,10 @@ absl::StatusOr<TenantInfo> ManagerCore::CreateTenant(
   const std::string policy =
       req.default_policy.empty() ? options_.default_policy : req.default_policy;
   absl::MutexLock lock(&mu_);
-  if (auto hit = tenant_cache_.Find("CreateTenant", req.request_id)) {
+  TRIAX_ASSIGN_OR_RETURN(auto hit,
+                         tenant_cache_.Lookup("CreateTenant", req.request_id,
+                                              req.fingerprint, "CreateTenant"));
+  if (hit) {
     return hit->reply;
   }
   TRIAX_RETURN_IF_ERROR(policies_.Find("default_policy", policy).status());
@@ -191,7 +194,8 @@ absl::StatusOr<TenantInfo> ManagerCore::CreateTenant(
   ev[0].tenant_id = req.tenant_id;
   ev[0].detail = absl::StrCat("created=true default_policy=", policy);
   events_.Append(&ev);
-  tenant_cache_.Put("CreateTenant", req.request_id, absl::OkStatus(), info);
+  tenant_cache_.Put("CreateTenant", req.request_id, req.fingerprint,
+                    absl::OkStatus(), info);
   return info;
 }
 
@@ -201,7 +205,10 @@ absl::StatusOr<TenantInfo> ManagerCore::SetBudget(const SetBudgetRequest& req) {
   TRIAX_RETURN_IF_ERROR(TenantLedger::ValidateBudget("budget", req.budget));
   absl::MutexLock lock(&mu_);
   const std::string key = absl::StrCat("SetBudget/", req.tenant_id);
-  if (auto hit = tenant_cache_.Find(key, req.request_id)) return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit,
+      tenant_cache_.Lookup(key, req.request_id, req.fingerprint, "SetBudget"));
+  if (hit) return hit->reply;
   TRIAX_ASSIGN_OR_RETURN(TenantRecord * t, tenants_.Find(req.tenant_id));
   TenantLedger::SetBudget(t, req.budget);
   TenantInfo info = TenantLedger::Info(*t);
@@ -213,7 +220,8 @@ absl::StatusOr<TenantInfo> ManagerCore::SetBudget(const SetBudgetRequest& req) {
                               " floor_bytes=", req.budget.floor_bytes,
                               " ceiling_bytes=", req.budget.ceiling_bytes);
   events_.Append(&ev);
-  tenant_cache_.Put(key, req.request_id, absl::OkStatus(), info);
+  tenant_cache_.Put(key, req.request_id, req.fingerprint, absl::OkStatus(),
+                    info);
   return info;
 }
 
@@ -255,7 +263,10 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
 
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("OpenSequence/", req.tenant_id);
-  if (auto hit = open_cache_.Find(cache_key, req.request_id)) return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, open_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
+                                   "OpenSequence"));
+  if (hit) return hit->reply;
   TRIAX_ASSIGN_OR_RETURN(TenantRecord * tenant, tenants_.Find(req.tenant_id));
   const std::string& policy_name =
       req.policy.empty() ? tenant->default_policy : req.policy;
@@ -348,7 +359,8 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   SequenceInfo info = SequenceTable::Info(*s, /*with_blocks=*/true);
   sequences_.Insert(std::move(seq));
   events_.Append(&ev);
-  open_cache_.Put(cache_key, req.request_id, absl::OkStatus(), info);
+  open_cache_.Put(cache_key, req.request_id, req.fingerprint, absl::OkStatus(),
+                  info);
   return info;
 }
 
@@ -369,8 +381,10 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
                          SequencePlanner::ValidateSpans(*spans));
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("ExtendSequence/", req.tenant_id);
-  if (auto hit = extend_cache_.Find(cache_key, req.request_id))
-    return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, extend_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
+                                     "ExtendSequence"));
+  if (hit) return hit->reply;
   TRIAX_RETURN_IF_ERROR(
       demotes_.CheckExtendNotInProgress(req.tenant_id, req.request_id));
   TRIAX_ASSIGN_OR_RETURN(
@@ -480,13 +494,15 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   // Existing blocks whose tag's choice is now smaller are demoted (never
   // promoted); the Extend's reply is remembered by FinishExtendDemotion.
   if (allocating) {
-    if (std::optional<DemotePrepared> d = demotes_.PrepareAging(
-            s, old_blocks, req.tenant_id, req.request_id, result)) {
+    if (std::optional<DemotePrepared> d =
+            demotes_.PrepareAging(s, old_blocks, req.tenant_id, req.request_id,
+                                  req.fingerprint, result)) {
       result.demotion = std::move(*d);
       return result;
     }
   }
-  extend_cache_.Put(cache_key, req.request_id, absl::OkStatus(), result);
+  extend_cache_.Put(cache_key, req.request_id, req.fingerprint,
+                    absl::OkStatus(), result);
   return result;
 }
 
@@ -495,7 +511,10 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("ForkSequence/", req.tenant_id);
-  if (auto hit = open_cache_.Find(cache_key, req.request_id)) return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, open_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
+                                   "ForkSequence"));
+  if (hit) return hit->reply;
   TRIAX_ASSIGN_OR_RETURN(
       SequenceRecord * parent,
       FindOpenSequenceLocked(req.tenant_id, "parent_sequence_id",
@@ -561,7 +580,8 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   SequenceInfo info = SequenceTable::Info(*s, /*with_blocks=*/true);
   sequences_.Insert(std::move(seq));
   events_.Append(&ev);
-  open_cache_.Put(cache_key, req.request_id, absl::OkStatus(), info);
+  open_cache_.Put(cache_key, req.request_id, req.fingerprint, absl::OkStatus(),
+                  info);
   return info;
 }
 
@@ -570,8 +590,10 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("CloseSequence/", req.tenant_id);
-  if (auto hit = close_cache_.Find(cache_key, req.request_id))
-    return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, close_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
+                                    "CloseSequence"));
+  if (hit) return hit->reply;
   // A SUSPECT worker frees the pages when it returns (release_sequence_ids).
   TRIAX_ASSIGN_OR_RETURN(
       SequenceRecord * s,
@@ -594,7 +616,8 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
   ev.push_back(std::move(e));
   sequences_.Retire(s);
   events_.Append(&ev, &forgotten);
-  close_cache_.Put(cache_key, req.request_id, absl::OkStatus(), result);
+  close_cache_.Put(cache_key, req.request_id, req.fingerprint, absl::OkStatus(),
+                   result);
   return result;
 }
 
@@ -654,12 +677,16 @@ absl::StatusOr<PolicyInfo> ManagerCore::PutPolicy(const PutPolicyRequest& req) {
   TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const Policy> policy,
                          BuildPolicy(req.policy));
   absl::MutexLock lock(&mu_);
-  if (auto hit = policy_cache_.Find("PutPolicy", req.request_id)) {
+  TRIAX_ASSIGN_OR_RETURN(auto hit,
+                         policy_cache_.Lookup("PutPolicy", req.request_id,
+                                              req.fingerprint, "PutPolicy"));
+  if (hit) {
     return hit->reply;
   }
   PolicyInfo info = policy->Info();
   TRIAX_RETURN_IF_ERROR(policies_.Put(std::move(policy)));
-  policy_cache_.Put("PutPolicy", req.request_id, absl::OkStatus(), info);
+  policy_cache_.Put("PutPolicy", req.request_id, req.fingerprint,
+                    absl::OkStatus(), info);
   return info;
 }
 
@@ -681,7 +708,10 @@ absl::StatusOr<DemotePrepared> ManagerCore::PrepareDemote(
                          PendingDemotes::ValidateRequest(req));
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("DemoteBlocks/", req.tenant_id);
-  if (auto hit = demote_cache_.Find(cache_key, req.request_id)) {
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, demote_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
+                                     "DemoteBlocks"));
+  if (hit) {
     DemotePrepared done;
     done.done = hit->reply;
     return done;
@@ -701,7 +731,7 @@ absl::StatusOr<DemoteBlocksResult> ManagerCore::CommitDemoteLocked(
                          demotes_.Commit(token, &ev));
   events_.Append(&ev);
   demote_cache_.Put(absl::StrCat("DemoteBlocks/", c.tenant_id), c.request_id,
-                    absl::OkStatus(), c.result);
+                    c.fingerprint, absl::OkStatus(), c.result);
   return std::move(c.result);
 }
 
@@ -753,7 +783,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::FinishExtendDemotion(
     }
   }
   extend_cache_.Put(absl::StrCat("ExtendSequence/", d.tenant_id), d.request_id,
-                    absl::OkStatus(), result);
+                    d.fingerprint, absl::OkStatus(), result);
   return result;
 }
 
@@ -765,11 +795,15 @@ absl::StatusOr<uint32_t> ManagerCore::PutCalibration(
   TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const CalibrationTable> table,
                          CalibrationStore::Build(req.table));
   absl::MutexLock lock(&mu_);
-  if (auto hit = calibration_cache_.Find("PutCalibration", req.request_id)) {
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, calibration_cache_.Lookup("PutCalibration", req.request_id,
+                                          req.fingerprint, "PutCalibration"));
+  if (hit) {
     return hit->reply;
   }
   TRIAX_ASSIGN_OR_RETURN(const uint32_t n, calibrations_.Put(std::move(table)));
-  calibration_cache_.Put("PutCalibration", req.request_id, absl::OkStatus(), n);
+  calibration_cache_.Put("PutCalibration", req.request_id, req.fingerprint,
+                         absl::OkStatus(), n);
   return n;
 }
 

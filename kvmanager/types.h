@@ -177,6 +177,7 @@ struct CalibrationTableInfo {
 struct PutCalibrationRequest {
   std::string request_id;
   CalibrationTableInfo table;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct Budget {
@@ -320,7 +321,8 @@ struct RegisterWorkerRequest {
   // The worker process's identity ([A-Za-z0-9._:-]{1,128}); empty: every
   // re-registration is a restart. See ManagerCore::RegisterWorker.
   std::string incarnation;
-  Inventory inventory;  // what the worker holds now
+  Inventory inventory;       // what the worker holds now
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 struct RegisterWorkerResult {
   uint32_t heartbeat_interval_ms = 0;
@@ -341,12 +343,14 @@ struct CreateTenantRequest {
   std::string tenant_id;
   std::vector<Budget> budgets;  // at most one per tier; others unlimited
   std::string default_policy;   // empty: the manager's default
+  uint64_t fingerprint = 0;     // of the payload: IdempotencyCache::Lookup
 };
 
 struct SetBudgetRequest {
   std::string request_id;
   std::string tenant_id;
   Budget budget;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct OpenSequenceRequest {
@@ -363,6 +367,7 @@ struct OpenSequenceRequest {
   std::optional<uint32_t> window_tokens;
   // The worker to open on (WorkerRegistry::PlaceOn); empty: placement.
   std::string worker_id;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct ExtendSequenceRequest {
@@ -375,19 +380,22 @@ struct ExtendSequenceRequest {
   // Exactly one of spans and rendered; with rendered, new_turn is false and
   // each user message in the text starts a turn.
   std::optional<RenderedText> rendered;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct ForkSequenceRequest {
   std::string request_id;
   std::string tenant_id;
   std::string parent_sequence_id;
-  uint64_t num_tokens = 0;  // 0: all
+  uint64_t num_tokens = 0;   // 0: all
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct CloseSequenceRequest {
   std::string request_id;
   std::string tenant_id;
   std::string sequence_id;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 struct CloseSequenceResult {
   std::vector<uint64_t> freed_lineage_ids;
@@ -398,6 +406,7 @@ struct TruncateSequenceRequest {
   std::string tenant_id;
   std::string sequence_id;
   uint64_t num_tokens = 0;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 struct TruncateSequenceResult {
   SequenceInfo sequence;
@@ -408,6 +417,7 @@ struct TruncateSequenceResult {
 struct PutPolicyRequest {
   std::string request_id;
   PolicyInfo policy;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 // The new encoding of one block of a DemoteBlocks request.
@@ -421,6 +431,7 @@ struct DemoteBlocksRequest {
   std::string tenant_id;
   std::string sequence_id;
   std::vector<BlockEncoding> blocks;  // 1..kMaxSequenceBlocks, distinct
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 struct DemoteBlocksResult {
   SequenceInfo sequence;
