@@ -245,7 +245,8 @@ TEST_F(WorkersTest, ANewIncarnationIsARestart) {
   EXPECT_EQ(CountKind(EventKind::kWorkerRecovered), 0u);
   EXPECT_EQ(DeviceUsage(), 0u);
   // Its parked sequences are gone for good: the old incarnation coming back
-  // later is a restart too.
+  // later (boot-2 silent for two heartbeat intervals) is a restart too.
+  clock_.AdvanceMs(2000);
   auto old = core_->RegisterWorker(Registration(kBoot, {seq->sequence_id}));
   ASSERT_THAT(old, IsOk());
   EXPECT_THAT(old->recovered_sequence_ids, IsEmpty());
