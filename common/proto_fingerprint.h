@@ -2,7 +2,8 @@
 // a hash of its deterministic serialization, so that a retried request (the
 // same message) has the same fingerprint and a request id reused for other
 // fields another one. The request id itself is part of the hash; requests
-// are only compared under the same id.
+// are only compared under the same id. The converters compute it only for
+// requests with a request id (one serialization of the request).
 #pragma once
 
 #include <google/protobuf/io/coded_stream.h>

@@ -30,7 +30,7 @@ void SetEncoding(const EncodingSpec& s, P* p) {
 RegisterWorkerRequest FromProto(const v1::RegisterWorkerRequest& p) {
   RegisterWorkerRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.worker_id = p.worker_id();
   d.address = p.address();
   d.backend = p.backend();
@@ -116,7 +116,7 @@ Budget FromProto(const v1::Budget& p) {
 CreateTenantRequest FromProto(const v1::CreateTenantRequest& p) {
   CreateTenantRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   for (const auto& b : p.budgets()) d.budgets.push_back(FromProto(b));
   d.default_policy = p.default_policy();
@@ -126,7 +126,7 @@ CreateTenantRequest FromProto(const v1::CreateTenantRequest& p) {
 SetBudgetRequest FromProto(const v1::SetBudgetRequest& p) {
   SetBudgetRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.budget = FromProto(p.budget());
   return d;
@@ -150,7 +150,7 @@ RenderedText FromProto(const v1::RenderedText& p) {
 OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p) {
   OpenSequenceRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.model = FromProto(p.model());
   d.spans.reserve(p.spans_size());
@@ -166,7 +166,7 @@ OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p) {
 ExtendSequenceRequest FromProto(const v1::ExtendSequenceRequest& p) {
   ExtendSequenceRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.spans.reserve(p.spans_size());
@@ -180,7 +180,7 @@ ExtendSequenceRequest FromProto(const v1::ExtendSequenceRequest& p) {
 ForkSequenceRequest FromProto(const v1::ForkSequenceRequest& p) {
   ForkSequenceRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.parent_sequence_id = p.parent_sequence_id();
   d.num_tokens = p.num_tokens();
@@ -190,7 +190,7 @@ ForkSequenceRequest FromProto(const v1::ForkSequenceRequest& p) {
 CloseSequenceRequest FromProto(const v1::CloseSequenceRequest& p) {
   CloseSequenceRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   return d;
@@ -199,7 +199,7 @@ CloseSequenceRequest FromProto(const v1::CloseSequenceRequest& p) {
 TruncateSequenceRequest FromProto(const v1::TruncateSequenceRequest& p) {
   TruncateSequenceRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.num_tokens = p.num_tokens();
@@ -283,7 +283,7 @@ CalibrationTableInfo FromProto(const v1::CalibrationTable& p) {
 PutCalibrationRequest FromProto(const v1::PutCalibrationRequest& p) {
   PutCalibrationRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.table = FromProto(p.table());
   return d;
 }
@@ -316,7 +316,7 @@ void ToProto(const CalibrationTableInfo& d, v1::CalibrationTable* p) {
 PutPolicyRequest FromProto(const v1::PutPolicyRequest& p) {
   PutPolicyRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.policy = FromProto(p.policy());
   return d;
 }
@@ -324,7 +324,7 @@ PutPolicyRequest FromProto(const v1::PutPolicyRequest& p) {
 DemoteBlocksRequest FromProto(const v1::DemoteBlocksRequest& p) {
   DemoteBlocksRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.blocks.reserve(p.blocks_size());
@@ -565,7 +565,7 @@ void ToProto(const PressureState& d, v1::GetPressureResponse* p) {
 TransferSequenceRequest FromProto(const v1::TransferSequenceRequest& p) {
   TransferSequenceRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.destination_worker_id = p.destination_worker_id();

@@ -30,7 +30,7 @@ std::vector<uint64_t> IdsFromProto(
 AllocatePagesRequest FromProto(const v1::AllocatePagesRequest& p) {
   AllocatePagesRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.model = FromProto(p.model());
@@ -43,7 +43,7 @@ AllocatePagesRequest FromProto(const v1::AllocatePagesRequest& p) {
 ForkRequest FromProto(const v1::WorkerForkRequest& p) {
   ForkRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.parent_sequence_id = p.parent_sequence_id();
   d.child_sequence_id = p.child_sequence_id();
@@ -55,7 +55,7 @@ ForkRequest FromProto(const v1::WorkerForkRequest& p) {
 DemoteRequest FromProto(const v1::DemoteRequest& p) {
   DemoteRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.blocks = PlanFromProto(p.blocks());
@@ -65,7 +65,7 @@ DemoteRequest FromProto(const v1::DemoteRequest& p) {
 FreeRequest FromProto(const v1::FreePagesRequest& p) {
   FreeRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   return d;
@@ -74,7 +74,7 @@ FreeRequest FromProto(const v1::FreePagesRequest& p) {
 SpillRequest FromProto(const v1::SpillRequest& p) {
   SpillRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.lineage_ids = IdsFromProto(p.lineage_ids());
@@ -85,7 +85,7 @@ SpillRequest FromProto(const v1::SpillRequest& p) {
 RestoreRequest FromProto(const v1::RestoreRequest& p) {
   RestoreRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.lineage_ids = IdsFromProto(p.lineage_ids());
@@ -96,7 +96,7 @@ RestoreRequest FromProto(const v1::RestoreRequest& p) {
 EvictRequest FromProto(const v1::EvictRequest& p) {
   EvictRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.lineage_ids = IdsFromProto(p.lineage_ids());
@@ -298,7 +298,7 @@ void ToProto(const InventorySnapshot& d, v1::Inventory* p) {
 ImportRequest FromProto(const v1::ImportSequenceRequest& p) {
   ImportRequest d;
   d.request_id = p.request_id();
-  d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.transfer_id = p.transfer_id();
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();

@@ -124,10 +124,8 @@ absl::StatusOr<WriteResult> WorkerCore::WriteKV(const WriteStream& stream) {
   TRIAX_ASSIGN_OR_RETURN(const bool any, stream.next(&first));
   if (!any) return WriteResult{};
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(first.request_id));
+  if (first.request_id.empty()) return WriteMessages(stream, first, nullptr);
   uint64_t fingerprint = 0;
-  if (first.request_id.empty()) {
-    return WriteMessages(stream, first, &fingerprint);
-  }
   const std::string scope = absl::StrCat("WriteKV/", first.tenant_id);
   InFlight hold(
       this, absl::StrCat(scope, absl::string_view("\0", 1), first.request_id));
@@ -166,7 +164,9 @@ absl::StatusOr<WriteResult> WorkerCore::WriteMessages(const WriteStream& stream,
       return absl::InvalidArgumentError(
           absl::StrCat("message ", index, ": chunk is missing"));
     }
-    *fingerprint = AddWriteMessage(*fingerprint, *msg);
+    if (fingerprint != nullptr) {
+      *fingerprint = AddWriteMessage(*fingerprint, *msg);
+    }
     absl::StatusOr<uint64_t> n =
         store_->Write(msg->tenant_id, msg->sequence_id, *msg->chunk);
     if (!n.ok()) {

@@ -329,8 +329,8 @@ class WorkerCore {
                              const std::string& request_id,
                              uint64_t fingerprint, Apply apply);
 
-  // Writes `first` and every later message of `stream`; *fingerprint gets
-  // the fingerprint of the messages taken.
+  // Writes `first` and every later message of `stream`; *fingerprint (when
+  // given) gets the fingerprint of the messages taken.
   absl::StatusOr<WriteResult> WriteMessages(const WriteStream& stream,
                                             const WriteMessage& first,
                                             uint64_t* fingerprint);
