@@ -18,6 +18,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -25,6 +26,7 @@
 #include "client/kv_client.h"
 #include "client/kvctl_format.h"
 #include "common/grpc_status.h"
+#include "common/version.h"
 
 ABSL_FLAG(std::string, manager, "127.0.0.1:7070", "manager address host:port");
 ABSL_FLAG(int64_t, timeout_ms, 10000,
@@ -113,6 +115,8 @@ commands:
                                 transferred A -> B, ...) and its events
   events [--from N] [--max N] [--tenant T] [--sequence S] [--lineage L]
          [--wait_ms N] [--json]  one event per line (key=value or JSON)
+  --version                     print the version and the git commit of the
+                                build and exit 0
 )";
 
 int Usage(const std::string& why) {
@@ -456,6 +460,9 @@ bool FlagGiven(int argc, char** argv, absl::string_view name) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  absl::FlagsUsageConfig config;
+  config.version_string = [] { return triax::VersionLine(); };
+  absl::SetFlagsUsageConfig(config);
   std::string bad;
   if (!CheckFlagNames(argc, argv, &bad)) {
     return Usage(absl::StrCat("unknown flag ", bad));

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "common/version.h"
 
 namespace triax {
 
@@ -25,6 +26,7 @@ void InitDaemonFlags(absl::string_view main_file, const char* usage) {
     }
     return std::string(f);
   };
+  config.version_string = [] { return VersionLine(); };
   absl::SetFlagsUsageConfig(config);
   absl::SetProgramUsageMessage(usage);
 }

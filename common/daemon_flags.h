@@ -1,6 +1,7 @@
 // Start-up of the daemons' flags (kvmanager, kvworker): --help lists the
 // flags defined in the daemon's main.cc under a usage message that says what
-// the program is, how it is run and what its exit statuses mean.
+// the program is, how it is run and what its exit statuses mean; --version
+// prints VersionLine() (common/version.h) and exits 0.
 #pragma once
 
 #include "absl/strings/string_view.h"

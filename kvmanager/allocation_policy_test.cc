@@ -210,10 +210,20 @@ TEST_F(AllocationTest, CalibrationStoreKeepsTheTableAndSource) {
   EXPECT_THAT(got->source.held_out_ids, ::testing::ElementsAre("c"));
   EXPECT_EQ(got->source.created_unix_ms, 1234);
 
-  // Same request id: the first reply, nothing replaced.
+  // Same request id and table: the first reply. The id with another table
+  // (another fingerprint; the service sets it from the wire request):
+  // refused, nothing replaced.
+  auto repeat = core_->PutCalibration({"r1", t});
+  ASSERT_THAT(repeat, IsOk());
+  EXPECT_EQ(*repeat, 18u);
   CalibrationTableInfo small = Table();
   small.entries.resize(3);
-  EXPECT_THAT(core_->PutCalibration({"r1", small}), IsOk());
+  PutCalibrationRequest other{"r1", small};
+  other.fingerprint = 2;
+  EXPECT_THAT(core_->PutCalibration(other),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("request_id=\"r1\" was used for a "
+                                 "different PutCalibration request")));
   EXPECT_EQ(core_->GetCalibration("tiny-cal")->entries.size(), 18u);
   // A new request id replaces the table.
   auto n2 = core_->PutCalibration({"r2", small});
@@ -363,6 +373,15 @@ TEST_F(AllocationTest, PutPolicyValidatesAllocationFields) {
   ASSERT_EQ(stored->candidates.size(), 2u);
   EXPECT_EQ(stored->candidates[1].format_v, Format::kINT2);
   EXPECT_EQ(stored->candidates[1].group_size, 32u);
+  EXPECT_EQ(core_->ListPolicies().back().budget_bits, 4.5);
+  // A request id reused for another policy (another fingerprint): refused.
+  ASSERT_THAT(core_->PutPolicy({"p-1", ok, 1}), IsOk());
+  PolicyInfo other = ok;
+  other.budget_bits = 3.0;
+  EXPECT_THAT(core_->PutPolicy({"p-1", other, 2}),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("request_id=\"p-1\" was used for a "
+                                 "different PutPolicy request")));
   EXPECT_EQ(core_->ListPolicies().back().budget_bits, 4.5);
 }
 

@@ -1,5 +1,6 @@
 #include "kvmanager/convert.h"
 
+#include "common/proto_fingerprint.h"
 #include "kvmanager/policy.h"
 
 namespace triax::manager {
@@ -29,6 +30,7 @@ void SetEncoding(const EncodingSpec& s, P* p) {
 RegisterWorkerRequest FromProto(const v1::RegisterWorkerRequest& p) {
   RegisterWorkerRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.worker_id = p.worker_id();
   d.address = p.address();
   d.backend = p.backend();
@@ -114,6 +116,7 @@ Budget FromProto(const v1::Budget& p) {
 CreateTenantRequest FromProto(const v1::CreateTenantRequest& p) {
   CreateTenantRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   for (const auto& b : p.budgets()) d.budgets.push_back(FromProto(b));
   d.default_policy = p.default_policy();
@@ -124,6 +127,7 @@ CreateTenantRequest FromProto(const v1::CreateTenantRequest& p) {
 SetBudgetRequest FromProto(const v1::SetBudgetRequest& p) {
   SetBudgetRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.budget = FromProto(p.budget());
   return d;
@@ -147,6 +151,7 @@ RenderedText FromProto(const v1::RenderedText& p) {
 OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p) {
   OpenSequenceRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.model = FromProto(p.model());
   d.spans.reserve(p.spans_size());
@@ -165,6 +170,7 @@ OpenSequenceRequest FromProto(const v1::OpenSequenceRequest& p) {
 ExtendSequenceRequest FromProto(const v1::ExtendSequenceRequest& p) {
   ExtendSequenceRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.spans.reserve(p.spans_size());
@@ -179,6 +185,7 @@ ExtendSequenceRequest FromProto(const v1::ExtendSequenceRequest& p) {
 ForkSequenceRequest FromProto(const v1::ForkSequenceRequest& p) {
   ForkSequenceRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.parent_sequence_id = p.parent_sequence_id();
   d.num_tokens = p.num_tokens();
@@ -188,6 +195,7 @@ ForkSequenceRequest FromProto(const v1::ForkSequenceRequest& p) {
 CloseSequenceRequest FromProto(const v1::CloseSequenceRequest& p) {
   CloseSequenceRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   return d;
@@ -196,6 +204,7 @@ CloseSequenceRequest FromProto(const v1::CloseSequenceRequest& p) {
 TruncateSequenceRequest FromProto(const v1::TruncateSequenceRequest& p) {
   TruncateSequenceRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.num_tokens = p.num_tokens();
@@ -279,6 +288,7 @@ CalibrationTableInfo FromProto(const v1::CalibrationTable& p) {
 PutCalibrationRequest FromProto(const v1::PutCalibrationRequest& p) {
   PutCalibrationRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.table = FromProto(p.table());
   return d;
 }
@@ -311,6 +321,7 @@ void ToProto(const CalibrationTableInfo& d, v1::CalibrationTable* p) {
 PutPolicyRequest FromProto(const v1::PutPolicyRequest& p) {
   PutPolicyRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.policy = FromProto(p.policy());
   return d;
 }
@@ -318,6 +329,7 @@ PutPolicyRequest FromProto(const v1::PutPolicyRequest& p) {
 DemoteBlocksRequest FromProto(const v1::DemoteBlocksRequest& p) {
   DemoteBlocksRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.blocks.reserve(p.blocks_size());
@@ -567,6 +579,7 @@ void ToProto(const PressureState& d, v1::GetPressureResponse* p) {
 TransferSequenceRequest FromProto(const v1::TransferSequenceRequest& p) {
   TransferSequenceRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.destination_worker_id = p.destination_worker_id();

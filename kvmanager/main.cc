@@ -228,10 +228,18 @@ int main(int argc, char** argv) {
   int port = 0;
   const std::string listen = absl::GetFlag(FLAGS_listen);
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  // gRPC would otherwise bind with SO_REUSEPORT, and a second kvmanager on
+  // this port would start and split the connections with this one.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(triax::manager::kMaxRequestBytes);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    Log(LogLevel::kError, "manager", "cannot listen", Kv("listen", listen));
+    Log(LogLevel::kError, "manager",
+        absl::StrCat("cannot listen on --listen=", listen,
+                     ": the port is in use or the host is not an address of "
+                     "this machine"),
+        Kv("listen", listen));
     return 1;
   }
   const std::string host = listen.substr(0, listen.rfind(':'));

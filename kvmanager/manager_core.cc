@@ -183,7 +183,10 @@ absl::StatusOr<TenantInfo> ManagerCore::CreateTenant(
   const std::string policy =
       req.default_policy.empty() ? options_.default_policy : req.default_policy;
   absl::MutexLock lock(&mu_);
-  if (auto hit = tenant_cache_.Find("CreateTenant", req.request_id)) {
+  TRIAX_ASSIGN_OR_RETURN(auto hit,
+                         tenant_cache_.Lookup("CreateTenant", req.request_id,
+                                              req.fingerprint, "CreateTenant"));
+  if (hit) {
     return hit->reply;
   }
   TRIAX_RETURN_IF_ERROR(policies_.Find("default_policy", policy).status());
@@ -197,7 +200,8 @@ absl::StatusOr<TenantInfo> ManagerCore::CreateTenant(
   ev[0].tenant_id = req.tenant_id;
   ev[0].detail = absl::StrCat("created=true default_policy=", policy);
   events_.Append(&ev);
-  tenant_cache_.Put("CreateTenant", req.request_id, absl::OkStatus(), info);
+  tenant_cache_.Put("CreateTenant", req.request_id, req.fingerprint,
+                    absl::OkStatus(), info);
   return info;
 }
 
@@ -207,7 +211,10 @@ absl::StatusOr<TenantInfo> ManagerCore::SetBudget(const SetBudgetRequest& req) {
   TRIAX_RETURN_IF_ERROR(TenantLedger::ValidateBudget("budget", req.budget));
   absl::MutexLock lock(&mu_);
   const std::string key = absl::StrCat("SetBudget/", req.tenant_id);
-  if (auto hit = tenant_cache_.Find(key, req.request_id)) return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit,
+      tenant_cache_.Lookup(key, req.request_id, req.fingerprint, "SetBudget"));
+  if (hit) return hit->reply;
   TRIAX_ASSIGN_OR_RETURN(TenantRecord * t, tenants_.Find(req.tenant_id));
   TenantLedger::SetBudget(t, req.budget);
   TenantInfo info = TenantLedger::Info(*t);
@@ -219,7 +226,8 @@ absl::StatusOr<TenantInfo> ManagerCore::SetBudget(const SetBudgetRequest& req) {
                               " floor_bytes=", req.budget.floor_bytes,
                               " ceiling_bytes=", req.budget.ceiling_bytes);
   events_.Append(&ev);
-  tenant_cache_.Put(key, req.request_id, absl::OkStatus(), info);
+  tenant_cache_.Put(key, req.request_id, req.fingerprint, absl::OkStatus(),
+                    info);
   return info;
 }
 
@@ -284,7 +292,10 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
 
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("OpenSequence/", req.tenant_id);
-  if (auto hit = open_cache_.Find(cache_key, req.request_id)) return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, open_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
+                                   "OpenSequence"));
+  if (hit) return hit->reply;
   TRIAX_ASSIGN_OR_RETURN(TenantRecord * tenant, tenants_.Find(req.tenant_id));
   const std::string& policy_name =
       req.policy.empty() ? tenant->default_policy : req.policy;
@@ -451,7 +462,8 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   SequenceInfo info = SequenceTable::Info(*s, /*with_blocks=*/true);
   sequences_.Insert(std::move(seq));
   events_.Append(&ev);
-  open_cache_.Put(cache_key, req.request_id, absl::OkStatus(), info);
+  open_cache_.Put(cache_key, req.request_id, req.fingerprint, absl::OkStatus(),
+                  info);
   return info;
 }
 
@@ -478,8 +490,10 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   }
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("ExtendSequence/", req.tenant_id);
-  if (auto hit = extend_cache_.Find(cache_key, req.request_id))
-    return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, extend_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
+                                     "ExtendSequence"));
+  if (hit) return hit->reply;
   TRIAX_RETURN_IF_ERROR(
       demotes_.CheckExtendNotInProgress(req.tenant_id, req.request_id));
   TRIAX_ASSIGN_OR_RETURN(
@@ -591,13 +605,15 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   // Existing blocks whose tag's choice is now smaller are demoted (never
   // promoted); the Extend's reply is remembered by FinishExtendDemotion.
   if (allocating) {
-    if (std::optional<DemotePrepared> d = demotes_.PrepareAging(
-            s, old_blocks, req.tenant_id, req.request_id, result)) {
+    if (std::optional<DemotePrepared> d =
+            demotes_.PrepareAging(s, old_blocks, req.tenant_id, req.request_id,
+                                  req.fingerprint, result)) {
       result.demotion = std::move(*d);
       return result;
     }
   }
-  extend_cache_.Put(cache_key, req.request_id, absl::OkStatus(), result);
+  extend_cache_.Put(cache_key, req.request_id, req.fingerprint,
+                    absl::OkStatus(), result);
   return result;
 }
 
@@ -606,7 +622,10 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("ForkSequence/", req.tenant_id);
-  if (auto hit = open_cache_.Find(cache_key, req.request_id)) return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, open_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
+                                   "ForkSequence"));
+  if (hit) return hit->reply;
   TRIAX_ASSIGN_OR_RETURN(
       SequenceRecord * parent,
       FindOpenSequenceLocked(req.tenant_id, "parent_sequence_id",
@@ -673,7 +692,8 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   SequenceInfo info = SequenceTable::Info(*s, /*with_blocks=*/true);
   sequences_.Insert(std::move(seq));
   events_.Append(&ev);
-  open_cache_.Put(cache_key, req.request_id, absl::OkStatus(), info);
+  open_cache_.Put(cache_key, req.request_id, req.fingerprint, absl::OkStatus(),
+                  info);
   return info;
 }
 
@@ -682,8 +702,10 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("CloseSequence/", req.tenant_id);
-  if (auto hit = close_cache_.Find(cache_key, req.request_id))
-    return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, close_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
+                                    "CloseSequence"));
+  if (hit) return hit->reply;
   // A SUSPECT worker frees the pages when it returns (release_sequence_ids).
   TRIAX_ASSIGN_OR_RETURN(
       SequenceRecord * s,
@@ -706,7 +728,8 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
   ev.push_back(std::move(e));
   sequences_.Retire(s);
   events_.Append(&ev, &forgotten);
-  close_cache_.Put(cache_key, req.request_id, absl::OkStatus(), result);
+  close_cache_.Put(cache_key, req.request_id, req.fingerprint, absl::OkStatus(),
+                   result);
   return result;
 }
 

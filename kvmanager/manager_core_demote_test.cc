@@ -242,6 +242,15 @@ TEST_F(CoreTest, DemoteShrinksBytesAndEmitsEvents) {
   ASSERT_THAT(repeat, IsOk());
   ASSERT_TRUE(repeat->done);
   EXPECT_EQ(repeat->done->bytes_delta, delta);
+  // The id naming other blocks (another fingerprint; the service sets it
+  // from the wire request): refused, nothing prepared.
+  DemoteBlocksRequest other =
+      Demote(seq->sequence_id, {To(l1, Format::kINT4)}, "acme", "d1");
+  other.fingerprint = 2;
+  EXPECT_THAT(core_->PrepareDemote(other),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("request_id=\"d1\" was used for a "
+                                 "different DemoteBlocks request")));
   // A demote to the current encoding has nothing for the worker.
   auto noop =
       core_->PrepareDemote(Demote(seq->sequence_id, {To(l1, Format::kINT2)}));

@@ -18,12 +18,16 @@ absl::StatusOr<PolicyInfo> ManagerCore::PutPolicy(const PutPolicyRequest& req) {
   TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const Policy> policy,
                          BuildPolicy(req.policy));
   absl::MutexLock lock(&mu_);
-  if (auto hit = policy_cache_.Find("PutPolicy", req.request_id)) {
+  TRIAX_ASSIGN_OR_RETURN(auto hit,
+                         policy_cache_.Lookup("PutPolicy", req.request_id,
+                                              req.fingerprint, "PutPolicy"));
+  if (hit) {
     return hit->reply;
   }
   PolicyInfo info = policy->Info();
   TRIAX_RETURN_IF_ERROR(policies_.Put(std::move(policy)));
-  policy_cache_.Put("PutPolicy", req.request_id, absl::OkStatus(), info);
+  policy_cache_.Put("PutPolicy", req.request_id, req.fingerprint,
+                    absl::OkStatus(), info);
   return info;
 }
 
@@ -45,7 +49,10 @@ absl::StatusOr<DemotePrepared> ManagerCore::PrepareDemote(
                          PendingDemotes::ValidateRequest(req));
   absl::MutexLock lock(&mu_);
   const std::string cache_key = absl::StrCat("DemoteBlocks/", req.tenant_id);
-  if (auto hit = demote_cache_.Find(cache_key, req.request_id)) {
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, demote_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
+                                     "DemoteBlocks"));
+  if (hit) {
     DemotePrepared done;
     done.done = hit->reply;
     return done;
@@ -65,7 +72,7 @@ absl::StatusOr<DemoteBlocksResult> ManagerCore::CommitDemoteLocked(
                          demotes_.Commit(token, &ev));
   events_.Append(&ev);
   demote_cache_.Put(absl::StrCat("DemoteBlocks/", c.tenant_id), c.request_id,
-                    absl::OkStatus(), c.result);
+                    c.fingerprint, absl::OkStatus(), c.result);
   return std::move(c.result);
 }
 
@@ -117,7 +124,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::FinishExtendDemotion(
     }
   }
   extend_cache_.Put(absl::StrCat("ExtendSequence/", d.tenant_id), d.request_id,
-                    absl::OkStatus(), result);
+                    d.fingerprint, absl::OkStatus(), result);
   return result;
 }
 
@@ -129,11 +136,15 @@ absl::StatusOr<uint32_t> ManagerCore::PutCalibration(
   TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const CalibrationTable> table,
                          CalibrationStore::Build(req.table));
   absl::MutexLock lock(&mu_);
-  if (auto hit = calibration_cache_.Find("PutCalibration", req.request_id)) {
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, calibration_cache_.Lookup("PutCalibration", req.request_id,
+                                          req.fingerprint, "PutCalibration"));
+  if (hit) {
     return hit->reply;
   }
   TRIAX_ASSIGN_OR_RETURN(const uint32_t n, calibrations_.Put(std::move(table)));
-  calibration_cache_.Put("PutCalibration", req.request_id, absl::OkStatus(), n);
+  calibration_cache_.Put("PutCalibration", req.request_id, req.fingerprint,
+                         absl::OkStatus(), n);
   return n;
 }
 

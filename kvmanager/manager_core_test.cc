@@ -609,6 +609,87 @@ TEST_F(CoreTest, RequestIdMakesMutationsIdempotent) {
   EXPECT_NE(d->sequence_id, a->sequence_id);
 }
 
+// The service sets each request's fingerprint from its wire form; here the
+// core is given them directly.
+TEST_F(CoreTest, ARequestIdReusedForAnotherPayloadIsRefused) {
+  const auto reused = [](const std::string& id, const std::string& method) {
+    return StatusIs(absl::StatusCode::kFailedPrecondition,
+                    HasSubstr(absl::StrCat("request_id=\"", id,
+                                           "\" was used for a different ",
+                                           method, " request")));
+  };
+  OpenSequenceRequest open{"o-1", "acme", Model(), {S(Role::kUser, 40)}, 0, ""};
+  open.fingerprint = 11;
+  auto a = core_->OpenSequence(open);
+  ASSERT_THAT(a, IsOk());
+  open.spans = {S(Role::kUser, 80)};
+  open.fingerprint = 12;
+  EXPECT_THAT(core_->OpenSequence(open), reused("o-1", "OpenSequence"));
+  EXPECT_EQ(core_->ListSequences("", false)->size(), 1u);
+  open.spans = {S(Role::kUser, 40)};
+  open.fingerprint = 11;
+  auto again = core_->OpenSequence(open);
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(again->sequence_id, a->sequence_id);
+
+  ExtendSequenceRequest extend;
+  extend.request_id = "e-1";
+  extend.tenant_id = "acme";
+  extend.sequence_id = a->sequence_id;
+  extend.spans = {S(Role::kAssistant, 8)};
+  extend.fingerprint = 21;
+  ASSERT_THAT(core_->ExtendSequence(extend), IsOk());
+  extend.spans = {S(Role::kAssistant, 30)};
+  extend.fingerprint = 22;
+  EXPECT_THAT(core_->ExtendSequence(extend), reused("e-1", "ExtendSequence"));
+  EXPECT_EQ(core_->GetSequence("acme", a->sequence_id)->num_tokens, 48u);
+
+  ForkSequenceRequest fork{"f-1", "acme", a->sequence_id, 16, 31};
+  auto child = core_->ForkSequence(fork);
+  ASSERT_THAT(child, IsOk());
+  fork.num_tokens = 32;
+  fork.fingerprint = 32;
+  EXPECT_THAT(core_->ForkSequence(fork), reused("f-1", "ForkSequence"));
+
+  TruncateSequenceRequest truncate{"t-1", "acme", a->sequence_id, 40, 41};
+  ASSERT_THAT(core_->TruncateSequence(truncate), IsOk());
+  truncate.num_tokens = 20;
+  truncate.fingerprint = 42;
+  EXPECT_THAT(core_->TruncateSequence(truncate),
+              reused("t-1", "TruncateSequence"));
+  EXPECT_EQ(core_->GetSequence("acme", a->sequence_id)->num_tokens, 40u);
+
+  // Close: the id reused for another sequence leaves that one open.
+  CloseSequenceRequest close{"c-1", "acme", a->sequence_id, 51};
+  ASSERT_THAT(core_->CloseSequence(close), IsOk());
+  close.sequence_id = child->sequence_id;
+  close.fingerprint = 52;
+  EXPECT_THAT(core_->CloseSequence(close), reused("c-1", "CloseSequence"));
+  EXPECT_EQ(core_->GetSequence("acme", child->sequence_id)->state,
+            SequenceState::kOpen);
+
+  CreateTenantRequest tenant{"ct-1", "other", {}, "", 61};
+  ASSERT_THAT(core_->CreateTenant(tenant), IsOk());
+  tenant.tenant_id = "third";
+  tenant.fingerprint = 62;
+  EXPECT_THAT(core_->CreateTenant(tenant), reused("ct-1", "CreateTenant"));
+  EXPECT_EQ(core_->ListTenants().size(), 2u);
+
+  SetBudgetRequest budget{"sb-1", "other", Budget{Tier::kDevice, 0, 1 << 20},
+                          71};
+  ASSERT_THAT(core_->SetBudget(budget), IsOk());
+  budget.budget.ceiling_bytes = 2 << 20;
+  budget.fingerprint = 72;
+  EXPECT_THAT(core_->SetBudget(budget), reused("sb-1", "SetBudget"));
+
+  RegisterWorkerRequest worker{"rw-1", "w9", "127.0.0.1:9009", "cpu", 1 << 20};
+  worker.fingerprint = 81;
+  ASSERT_THAT(core_->RegisterWorker(worker), IsOk());
+  worker.capacity_bytes = 2 << 20;
+  worker.fingerprint = 82;
+  EXPECT_THAT(core_->RegisterWorker(worker), reused("rw-1", "RegisterWorker"));
+}
+
 TEST_F(CoreTest, QueryTraceFollowsALineageThroughItsLife) {
   auto seq = Open({S(Role::kUser, 20)});
   ASSERT_THAT(seq, IsOk());

@@ -196,7 +196,10 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
   absl::MutexLock lock(&mu_);
   const std::string cache_key =
       absl::StrCat("TransferSequence/", req.tenant_id);
-  if (auto hit = transfer_cache_.Find(cache_key, req.request_id)) {
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, transfer_cache_.Lookup(cache_key, req.request_id,
+                                       req.fingerprint, "TransferSequence"));
+  if (hit) {
     if (!hit->status.ok()) return hit->status;  // it aborted
     TransferPrepared done;
     done.done = hit->reply;
@@ -328,6 +331,7 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
   dest->Reserve(p->reserved);
   p->tenant_id = req.tenant_id;
   p->request_id = req.request_id;
+  p->fingerprint = req.fingerprint;
   p->sequence_id = s->id;
   p->source_id = s->worker->info.worker_id;
   p->destination_id = dest->info.worker_id;
@@ -539,7 +543,7 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
   out.tenant_id = p->tenant_id;
   out.sequence_id = s->id;
   transfer_cache_.Put(absl::StrCat("TransferSequence/", p->tenant_id),
-                      p->request_id, absl::OkStatus(), r);
+                      p->request_id, p->fingerprint, absl::OkStatus(), r);
   transfers_.Take(token);
   return out;
 }
@@ -555,7 +559,8 @@ void ManagerCore::AbortTransferLocked(uint64_t token,
   if (!p) return;
   // The final reply of its request id (a transfer that started and failed).
   transfer_cache_.Put(absl::StrCat("TransferSequence/", p->tenant_id),
-                      p->request_id, error, TransferSequenceResult{});
+                      p->request_id, p->fingerprint, error,
+                      TransferSequenceResult{});
   SequenceRecord* s = sequences_.Find(p->sequence_id);
   if (s == nullptr) return;  // left closed retention meanwhile
   if (s->transfer_id == p->transfer_id) {

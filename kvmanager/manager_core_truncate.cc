@@ -26,8 +26,10 @@ absl::StatusOr<TruncateSequenceResult> ManagerCore::TruncateSequence(
   absl::MutexLock lock(&mu_);
   const std::string cache_key =
       absl::StrCat("TruncateSequence/", req.tenant_id);
-  if (auto hit = truncate_cache_.Find(cache_key, req.request_id))
-    return hit->reply;
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, truncate_cache_.Lookup(cache_key, req.request_id,
+                                       req.fingerprint, "TruncateSequence"));
+  if (hit) return hit->reply;
   // A plan change only: allowed while the worker is SUSPECT, like Close.
   TRIAX_ASSIGN_OR_RETURN(
       SequenceRecord * s,
@@ -41,7 +43,8 @@ absl::StatusOr<TruncateSequenceResult> ManagerCore::TruncateSequence(
   TruncateSequenceResult result;
   if (req.num_tokens == s->num_tokens) {
     result.sequence = SequenceTable::Info(*s, /*with_blocks=*/true);
-    truncate_cache_.Put(cache_key, req.request_id, absl::OkStatus(), result);
+    truncate_cache_.Put(cache_key, req.request_id, req.fingerprint,
+                        absl::OkStatus(), result);
     return result;
   }
   // Blocks [0, kept) stay; the last of them may be cut.
@@ -129,7 +132,8 @@ absl::StatusOr<TruncateSequenceResult> ManagerCore::TruncateSequence(
   ev.push_back(std::move(e));
   result.sequence = SequenceTable::Info(*s, /*with_blocks=*/true);
   events_.Append(&ev, &forgotten);
-  truncate_cache_.Put(cache_key, req.request_id, absl::OkStatus(), result);
+  truncate_cache_.Put(cache_key, req.request_id, req.fingerprint,
+                      absl::OkStatus(), result);
   return result;
 }
 

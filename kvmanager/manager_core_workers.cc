@@ -39,15 +39,22 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_RETURN_IF_ERROR(WorkerRegistry::ValidateRegistration(req));
   absl::MutexLock lock(&mu_);
-  if (auto hit = register_cache_.Find(req.worker_id, req.request_id)) {
+  TRIAX_ASSIGN_OR_RETURN(
+      auto hit, register_cache_.Lookup(req.worker_id, req.request_id,
+                                       req.fingerprint, "RegisterWorker"));
+  if (hit) {
     return hit->reply;
   }
   std::vector<Event> ev;
   std::vector<EventLog::LastPlan> forgotten;
   RegisterWorkerResult result;
   result.heartbeat_interval_ms = options_.heartbeat_interval_ms;
-  TRIAX_ASSIGN_OR_RETURN(WorkerRecord * known,
-                         workers_.FindForRegistration(req));
+  // Two missed heartbeats tell a restart from a second live process.
+  const int64_t live_ms = std::min<int64_t>(
+      2 * int64_t{options_.heartbeat_interval_ms}, options_.worker_timeout_ms);
+  TRIAX_ASSIGN_OR_RETURN(
+      WorkerRecord * known,
+      workers_.FindForRegistration(req, clock_->NowMs(), live_ms));
   const bool same =
       known != nullptr && WorkerRegistry::SameIncarnation(*known, req);
   const WorkerState before =
@@ -96,7 +103,8 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
     ev.push_back(std::move(r));
   }
   events_.Append(&ev, &forgotten);
-  register_cache_.Put(req.worker_id, req.request_id, absl::OkStatus(), result);
+  register_cache_.Put(req.worker_id, req.request_id, req.fingerprint,
+                      absl::OkStatus(), result);
   return result;
 }
 

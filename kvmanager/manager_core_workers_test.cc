@@ -245,7 +245,8 @@ TEST_F(WorkersTest, ANewIncarnationIsARestart) {
   EXPECT_EQ(CountKind(EventKind::kWorkerRecovered), 0u);
   EXPECT_EQ(DeviceUsage(), 0u);
   // Its parked sequences are gone for good: the old incarnation coming back
-  // later is a restart too.
+  // later (boot-2 silent for two heartbeat intervals) is a restart too.
+  clock_.AdvanceMs(2000);
   auto old = core_->RegisterWorker(Registration(kBoot, {seq->sequence_id}));
   ASSERT_THAT(old, IsOk());
   EXPECT_THAT(old->recovered_sequence_ids, IsEmpty());
@@ -260,10 +261,57 @@ TEST_F(WorkersTest, ANewIncarnationIsARestart) {
   EXPECT_THAT(same->lost_sequence_ids, IsEmpty());
   EXPECT_THAT(same->release_sequence_ids, IsEmpty());
   EXPECT_EQ(SeqState(open->sequence_id), SequenceState::kOpen);
+  clock_.AdvanceMs(2000);  // the old incarnation missed two heartbeats
   auto other = core_->RegisterWorker(Registration("boot-3", {}));
   ASSERT_THAT(other, IsOk());
   EXPECT_THAT(other->lost_sequence_ids, ElementsAre(open->sequence_id));
   EXPECT_EQ(SeqState(open->sequence_id), SequenceState::kLost);
+}
+
+TEST_F(WorkersTest, SecondProcessUnderALiveIdIsRefused) {
+  auto open = Open({S(Role::kUser, 16)});
+  ASSERT_THAT(open, IsOk());
+  // Given w1 heartbeating under kBoot, when another incarnation registers at
+  // the same address, it is refused and w1 keeps its sequence.
+  clock_.AdvanceMs(900);
+  ASSERT_THAT(core_->Heartbeat("w1", Holding({open->sequence_id}), kBoot),
+              IsOk());
+  clock_.AdvanceMs(1999);
+  EXPECT_THAT(core_->RegisterWorker(Registration("boot-2", {})),
+              StatusIs(C::kAlreadyExists,
+                       HasSubstr("worker_id \"w1\" is up at address "
+                                 "\"127.0.0.1:9001\" with incarnation "
+                                 "\"boot-1\" (last heartbeat 1999 ms ago); "
+                                 "incarnation \"boot-2\" cannot take it")));
+  EXPECT_EQ(SeqState(open->sequence_id), SequenceState::kOpen);
+  EXPECT_THAT(core_->Heartbeat("w1", Holding({open->sequence_id}), kBoot),
+              IsOk());
+  // The same incarnation (a retried registration) is still let in.
+  EXPECT_THAT(core_->RegisterWorker(Registration(kBoot, {open->sequence_id})),
+              IsOk());
+  EXPECT_EQ(SeqState(open->sequence_id), SequenceState::kOpen);
+  // When w1 has been silent for two heartbeat intervals, the new incarnation
+  // is a restart: w1's sequence is LOST.
+  clock_.AdvanceMs(2000);
+  auto restarted = core_->RegisterWorker(Registration("boot-2", {}));
+  ASSERT_THAT(restarted, IsOk());
+  EXPECT_THAT(restarted->lost_sequence_ids, ElementsAre(open->sequence_id));
+  EXPECT_EQ(SeqState(open->sequence_id), SequenceState::kLost);
+  EXPECT_EQ(core_->ListWorkers()[0].incarnation, "boot-2");
+  // The old process's heartbeat is now stale.
+  EXPECT_THAT(core_->Heartbeat("w1", Inventory{}, kBoot),
+              StatusIs(C::kFailedPrecondition, HasSubstr("stale")));
+}
+
+TEST_F(WorkersTest, RestartOfASuspectWorkerIsTakenAtOnce) {
+  auto open = Open({S(Role::kUser, 16)});
+  ASSERT_THAT(open, IsOk());
+  Silence(/*down=*/false);
+  ASSERT_EQ(StateOf("w1"), WorkerState::kSuspect);
+  auto restarted = core_->RegisterWorker(Registration("boot-2", {}));
+  ASSERT_THAT(restarted, IsOk());
+  EXPECT_THAT(restarted->lost_sequence_ids, ElementsAre(open->sequence_id));
+  EXPECT_EQ(StateOf("w1"), WorkerState::kUp);
 }
 
 TEST_F(WorkersTest, RecoveryChargesEvenAboveALoweredCeiling) {

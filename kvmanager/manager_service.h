@@ -83,6 +83,14 @@
 
 namespace triax::manager {
 
+// The largest request the manager's server receives (gRPC's default is
+// 4 MiB). It fits an OpenSequence / ExtendSequence whose rendered text has
+// the tagger's largest size (kMaxRenderedBytes, 16 MiB) together with token
+// offsets for tokens of 1.4 bytes and more on average (an offset takes at
+// most 4 bytes on the wire); a larger request is refused RESOURCE_EXHAUSTED
+// by gRPC before it reaches the service.
+inline constexpr int kMaxRequestBytes = 64 << 20;
+
 class ManagerService final : public v1::Manager::CallbackService {
  public:
   // `core` must outlive the service. check_interval_ms <= 0 disables the

@@ -3,6 +3,7 @@
 // request-id idempotency.
 #include "kvmanager/manager_service.h"
 
+#include "absl/strings/str_cat.h"
 #include "kvmanager/manager_service_test_util.h"
 
 namespace triax::manager {
@@ -486,6 +487,101 @@ TEST_F(ServiceTest, RepeatedRequestIdReturnsTheFirstReplyAndAppliesOnce) {
   ASSERT_TRUE(Call(&v1::Manager::Stub::OpenSequence, OpenReq(), &next).ok());
   EXPECT_EQ(next.sequence().blocks(0).lineage_id(),
             f1.sequence().blocks().rbegin()->lineage_id() + 1);
+}
+
+// A request id reused with other fields: FAILED_PRECONDITION naming the id
+// and the RPC, nothing applied; the identical request still gets the first
+// reply.
+TEST_F(ServiceTest, RequestIdReusedForAnotherPayloadIsRefused) {
+  const auto refused = [](const grpc::Status& s, const std::string& id,
+                          const std::string& method) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+        << s.error_message();
+    EXPECT_EQ(s.error_message(),
+              absl::StrCat("request_id=\"", id, "\" was used for a different ",
+                           method, " request"));
+  };
+  v1::OpenSequenceRequest req = OpenReq();
+  req.set_request_id("open-1");
+  v1::OpenSequenceResponse a, b;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::OpenSequence, req, &a).ok());
+  req.mutable_spans(1)->set_num_tokens(13);
+  refused(Call(&v1::Manager::Stub::OpenSequence, req, &b), "open-1",
+          "OpenSequence");
+  req.mutable_spans(1)->set_num_tokens(12);
+  ASSERT_TRUE(Call(&v1::Manager::Stub::OpenSequence, req, &b).ok());
+  EXPECT_EQ(a.SerializeAsString(), b.SerializeAsString());
+  const std::string seq = a.sequence().sequence_id();
+
+  v1::ExtendSequenceRequest ext;
+  ext.set_request_id("ext-1");
+  ext.set_tenant_id("acme");
+  ext.set_sequence_id(seq);
+  auto* sp = ext.add_spans();
+  sp->set_role(v1::ROLE_ASSISTANT);
+  sp->set_num_tokens(16);
+  v1::ExtendSequenceResponse e;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::ExtendSequence, ext, &e).ok());
+  sp->set_num_tokens(17);
+  refused(Call(&v1::Manager::Stub::ExtendSequence, ext, &e), "ext-1",
+          "ExtendSequence");
+
+  v1::TruncateSequenceRequest tr;
+  tr.set_request_id("tr-1");
+  tr.set_tenant_id("acme");
+  tr.set_sequence_id(seq);
+  tr.set_num_tokens(40);
+  v1::TruncateSequenceResponse t;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::TruncateSequence, tr, &t).ok());
+  tr.set_num_tokens(30);
+  refused(Call(&v1::Manager::Stub::TruncateSequence, tr, &t), "tr-1",
+          "TruncateSequence");
+
+  v1::SetBudgetRequest sb;
+  sb.set_request_id("budget-1");
+  sb.set_tenant_id("acme");
+  sb.mutable_budget()->set_tier(v1::TIER_DEVICE);
+  sb.mutable_budget()->set_ceiling_bytes(1 << 22);
+  v1::SetBudgetResponse sr;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::SetBudget, sb, &sr).ok());
+  sb.mutable_budget()->set_ceiling_bytes(1 << 23);
+  refused(Call(&v1::Manager::Stub::SetBudget, sb, &sr), "budget-1",
+          "SetBudget");
+
+  v1::CloseSequenceRequest close;
+  close.set_request_id("close-1");
+  close.set_tenant_id("acme");
+  close.set_sequence_id(seq);
+  v1::CloseSequenceResponse c;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::CloseSequence, close, &c).ok());
+  const std::string other = Open();
+  close.set_sequence_id(other);
+  refused(Call(&v1::Manager::Stub::CloseSequence, close, &c), "close-1",
+          "CloseSequence");
+
+  // Nothing of the refused requests applied: `other` is open, the budget
+  // is the first one, the first sequence closed at 40 tokens.
+  v1::GetSequenceRequest gs;
+  gs.set_tenant_id("acme");
+  gs.set_sequence_id(other);
+  v1::GetSequenceResponse g;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::GetSequence, gs, &g).ok());
+  EXPECT_EQ(g.sequence().state(), v1::SEQUENCE_STATE_OPEN);
+  gs.set_sequence_id(seq);
+  ASSERT_TRUE(Call(&v1::Manager::Stub::GetSequence, gs, &g).ok());
+  EXPECT_EQ(g.sequence().num_tokens(), 40u);
+  v1::ListTenantsResponse lt;
+  ASSERT_TRUE(
+      Call(&v1::Manager::Stub::ListTenants, v1::ListTenantsRequest(), &lt)
+          .ok());
+  for (const auto& tenant : lt.tenants()) {
+    if (tenant.tenant_id() != "acme") continue;
+    for (const auto& budget : tenant.budgets()) {
+      if (budget.tier() == v1::TIER_DEVICE) {
+        EXPECT_EQ(budget.ceiling_bytes(), uint64_t{1} << 22);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -14,6 +14,7 @@ namespace triax::manager {
 struct PendingDemotes::Pending {
   std::string tenant_id;
   std::string request_id;
+  uint64_t fingerprint = 0;  // of the request (DemoteBlocks or Extend)
   std::string sequence_id;
   uint64_t version = 0;  // the sequence's version at prepare
   std::string worker_id;
@@ -158,6 +159,7 @@ absl::StatusOr<DemotePrepared> PendingDemotes::Prepare(
   const uint64_t token = (*next_token_)++;
   pending->tenant_id = req.tenant_id;
   pending->request_id = req.request_id;
+  pending->fingerprint = req.fingerprint;
   pending->sequence_id = s->id;
   pending->version = s->version;
   pending->worker_id = s->worker->info.worker_id;
@@ -177,7 +179,8 @@ absl::StatusOr<DemotePrepared> PendingDemotes::Prepare(
 
 std::optional<DemotePrepared> PendingDemotes::PrepareAging(
     SequenceRecord* s, size_t old_blocks, const std::string& tenant_id,
-    const std::string& extend_request_id, const ExtendSequenceResult& result) {
+    const std::string& extend_request_id, uint64_t extend_fingerprint,
+    const ExtendSequenceResult& result) {
   auto pending = std::make_unique<Pending>();
   DemotePrepared prepared;
   for (size_t i = 0; i < old_blocks; ++i) {
@@ -208,6 +211,7 @@ std::optional<DemotePrepared> PendingDemotes::PrepareAging(
   pending->worker_id = s->worker->info.worker_id;
   pending->from_extend = true;
   pending->extend_request_id = extend_request_id;
+  pending->fingerprint = extend_fingerprint;
   pending->extend_result = result;
   prepared.token = token;
   prepared.worker_id = s->worker->info.worker_id;
@@ -266,6 +270,7 @@ absl::StatusOr<PendingDemotes::Committed> PendingDemotes::Commit(
   out.result.bytes_delta = p.bytes_delta;
   out.tenant_id = p.tenant_id;
   out.request_id = p.request_id;
+  out.fingerprint = p.fingerprint;
   pending_.erase(it);
   return out;
 }
@@ -297,6 +302,7 @@ absl::StatusOr<PendingDemotes::ExtendDemotion> PendingDemotes::TakeExtend(
   d.result = std::move(p.extend_result);
   d.tenant_id = p.tenant_id;
   d.request_id = p.extend_request_id;
+  d.fingerprint = p.fingerprint;
   d.sequence_id = p.sequence_id;
   d.lineages.reserve(p.changes.size());
   for (const auto& [lineage, e] : p.changes) d.lineages.push_back(lineage);

@@ -79,12 +79,14 @@ class PendingDemotes {
   // the worker call; nullopt when no block shrinks.
   std::optional<DemotePrepared> PrepareAging(
       SequenceRecord* s, size_t old_blocks, const std::string& tenant_id,
-      const std::string& extend_request_id, const ExtendSequenceResult& result);
+      const std::string& extend_request_id, uint64_t extend_fingerprint,
+      const ExtendSequenceResult& result);
 
   struct Committed {
     DemoteBlocksResult result;
     std::string tenant_id;
-    std::string request_id;  // of the DemoteBlocks (empty for an Extend's)
+    std::string request_id;    // of the DemoteBlocks (empty for an Extend's)
+    uint64_t fingerprint = 0;  // of the DemoteBlocks
   };
   // Applies a pending demote: new encodings and bytes, shrinkage released,
   // one BLOCK_DEMOTED event per block into *ev, the sequence's version
@@ -98,7 +100,8 @@ class PendingDemotes {
   struct ExtendDemotion {
     ExtendSequenceResult result;  // the Extend's reply, moved out
     std::string tenant_id;
-    std::string request_id;  // the Extend's
+    std::string request_id;    // the Extend's
+    uint64_t fingerprint = 0;  // the Extend's
     std::string sequence_id;
     std::vector<uint64_t> lineages;  // the blocks being demoted
   };

@@ -231,7 +231,7 @@ TEST(PendingDemotesTest, AgingDemotionsOfAnExtend) {
   s->blocks[2]->refcount = 2;  // shared with a fork: immutable
   ExtendSequenceResult result;
   result.sequence.sequence_id = s->id;
-  auto d = w.demotes.PrepareAging(s, 4, "t", "x1", result);
+  auto d = w.demotes.PrepareAging(s, 4, "t", "x1", 0, result);
   ASSERT_TRUE(d.has_value());
   ASSERT_EQ(d->blocks.size(), 1u);  // block 1 only
   EXPECT_EQ(d->blocks[0].lineage_id, 2u);
@@ -260,7 +260,7 @@ TEST(PendingDemotesTest, AgingDemotionsOfAnExtend) {
   EXPECT_TRUE(c->request_id.empty());  // not a DemoteBlocks reply
   EXPECT_EQ(t->used[kDev], 3 * kBf16 + kInt4);
   // Nothing left to shrink: no demotion.
-  EXPECT_FALSE(w.demotes.PrepareAging(s, 4, "t", "x2", result).has_value());
+  EXPECT_FALSE(w.demotes.PrepareAging(s, 4, "t", "x2", 0, result).has_value());
   // A plain DemoteBlocks token is not an Extend's.
   auto plain = w.Prepare(s, Req(s->id, {To(4, Format::kINT8)}));
   ASSERT_THAT(plain, IsOk());

@@ -56,6 +56,7 @@ struct TransferSequenceRequest {
   // 0: every block moves (the prefix must then be empty).
   uint32_t first_block = 0;
   std::string destination_prefix_sequence_id;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 // triax.v1.TransferSequenceResponse.
@@ -133,6 +134,7 @@ class PendingTransfers {
     std::string transfer_id;
     std::string tenant_id;
     std::string request_id;
+    uint64_t fingerprint = 0;  // of the request (IdempotencyCache::Lookup)
     std::string sequence_id;
     std::string source_id;
     std::string destination_id;

@@ -177,6 +177,7 @@ struct CalibrationTableInfo {
 struct PutCalibrationRequest {
   std::string request_id;
   CalibrationTableInfo table;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct Budget {
@@ -328,7 +329,8 @@ struct RegisterWorkerRequest {
   // The worker process's identity ([A-Za-z0-9._:-]{1,128}); empty: every
   // re-registration is a restart. See ManagerCore::RegisterWorker.
   std::string incarnation;
-  Inventory inventory;  // what the worker holds now
+  Inventory inventory;       // what the worker holds now
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 struct RegisterWorkerResult {
   uint32_t heartbeat_interval_ms = 0;
@@ -351,12 +353,14 @@ struct CreateTenantRequest {
   std::string default_policy;   // empty: the manager's default
   // Prefix reuse: a shared salt (an id); empty: the tenant's private salt.
   std::string prefix_salt;
+  uint64_t fingerprint = 0;     // of the payload: IdempotencyCache::Lookup
 };
 
 struct SetBudgetRequest {
   std::string request_id;
   std::string tenant_id;
   Budget budget;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct OpenSequenceRequest {
@@ -379,6 +383,7 @@ struct OpenSequenceRequest {
   std::vector<uint32_t> token_ids;
   std::vector<std::string> block_hashes;
   bool no_reuse = false;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct ExtendSequenceRequest {
@@ -394,19 +399,22 @@ struct ExtendSequenceRequest {
   // The new tokens' ids (one per token, or none): newly full blocks of the
   // sequence's hash chain get hashes (prefix_index.h).
   std::vector<uint32_t> token_ids;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct ForkSequenceRequest {
   std::string request_id;
   std::string tenant_id;
   std::string parent_sequence_id;
-  uint64_t num_tokens = 0;  // 0: all
+  uint64_t num_tokens = 0;   // 0: all
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct CloseSequenceRequest {
   std::string request_id;
   std::string tenant_id;
   std::string sequence_id;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 struct CloseSequenceResult {
   std::vector<uint64_t> freed_lineage_ids;
@@ -417,6 +425,7 @@ struct TruncateSequenceRequest {
   std::string tenant_id;
   std::string sequence_id;
   uint64_t num_tokens = 0;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 struct TruncateSequenceResult {
   SequenceInfo sequence;
@@ -427,6 +436,7 @@ struct TruncateSequenceResult {
 struct PutPolicyRequest {
   std::string request_id;
   PolicyInfo policy;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 // The new encoding of one block of a DemoteBlocks request.
@@ -440,6 +450,7 @@ struct DemoteBlocksRequest {
   std::string tenant_id;
   std::string sequence_id;
   std::vector<BlockEncoding> blocks;  // 1..kMaxSequenceBlocks, distinct
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 struct DemoteBlocksResult {
   SequenceInfo sequence;

@@ -57,7 +57,7 @@ absl::Status WorkerRegistry::ValidateHeartbeat(const std::string& worker_id,
 }
 
 absl::StatusOr<WorkerRecord*> WorkerRegistry::FindForRegistration(
-    const RegisterWorkerRequest& req) const {
+    const RegisterWorkerRequest& req, int64_t now_ms, int64_t live_ms) const {
   auto it = workers_.find(req.worker_id);
   if (it == workers_.end()) return nullptr;
   WorkerRecord* w = it->second.get();
@@ -67,6 +67,18 @@ absl::StatusOr<WorkerRecord*> WorkerRegistry::FindForRegistration(
         w->info.state == WorkerState::kUp ? "up" : "suspect", " at address ",
         Quote(w->info.address), "; a worker at address ", Quote(req.address),
         " cannot take it"));
+  }
+  const int64_t silent_ms = now_ms - w->info.last_heartbeat_unix_ms;
+  if (live_ms > 0 && w->info.state == WorkerState::kUp &&
+      !w->incarnation.empty() && !req.incarnation.empty() &&
+      w->incarnation != req.incarnation && silent_ms < live_ms) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "worker_id ", Quote(req.worker_id), " is up at address ",
+        Quote(w->info.address), " with incarnation ", Quote(w->incarnation),
+        " (last heartbeat ", silent_ms, " ms ago); incarnation ",
+        Quote(req.incarnation),
+        " cannot take it until that one misses its heartbeats for ", live_ms,
+        " ms"));
   }
   return w;
 }

@@ -88,9 +88,14 @@ class WorkerRegistry {
 
   // The record a registration takes over: the known worker of that id, or
   // nullptr for a new id. ALREADY_EXISTS when the id is UP or SUSPECT at a
-  // different address.
+  // different address, and, with live_ms > 0, when the id is UP under
+  // another (non-empty) incarnation that heartbeat within the last live_ms
+  // before now_ms: a second process started with a live worker's id, not a
+  // restart (a restarted worker is let in once the old incarnation has been
+  // silent for live_ms).
   absl::StatusOr<WorkerRecord*> FindForRegistration(
-      const RegisterWorkerRequest& req) const;
+      const RegisterWorkerRequest& req, int64_t now_ms = 0,
+      int64_t live_ms = 0) const;
   // Creates or updates the worker's record: UP, heartbeat at now_ms, the
   // request's address, backend, capacities, incarnation and inventory.
   WorkerRecord* Register(const RegisterWorkerRequest& req, int64_t now_ms);

@@ -110,6 +110,37 @@ TEST(WorkerRegistryTest, RegisterCreatesThenTakesOverTheRecord) {
   EXPECT_EQ(*down, w);
 }
 
+// With a live window: another incarnation at the same address is refused
+// while the registered one heartbeat within it, taken once it has been
+// silent for the window; no incarnation on either side: the address rule
+// only.
+TEST(WorkerRegistryTest, AnotherIncarnationWaitsForTheLiveOneToGoSilent) {
+  WorkerRegistry reg;
+  RegisterWorkerRequest first = Req("w1", 100);
+  first.incarnation = "a";
+  WorkerRecord* w = reg.Register(first, 1000);
+  RegisterWorkerRequest second = Req("w1", 100);
+  second.incarnation = "b";
+  EXPECT_THAT(reg.FindForRegistration(second, 1199, 200),
+              StatusIs(C::kAlreadyExists,
+                       HasSubstr("with incarnation \"a\" (last heartbeat "
+                                 "199 ms ago); incarnation \"b\" cannot take "
+                                 "it until that one misses its heartbeats for "
+                                 "200 ms")));
+  auto later = reg.FindForRegistration(second, 1200, 200);
+  ASSERT_THAT(later, IsOk());
+  EXPECT_EQ(*later, w);
+  // The same incarnation, and the window off (0), are let in at once.
+  EXPECT_THAT(reg.FindForRegistration(first, 1001, 200), IsOk());
+  EXPECT_THAT(reg.FindForRegistration(second, 1001, 0), IsOk());
+  // A SUSPECT worker is not live.
+  w->info.state = WorkerState::kSuspect;
+  EXPECT_THAT(reg.FindForRegistration(second, 1001, 200), IsOk());
+  // Without an incarnation in the request: the address rule only.
+  w->info.state = WorkerState::kUp;
+  EXPECT_THAT(reg.FindForRegistration(Req("w1", 100), 1001, 200), IsOk());
+}
+
 TEST(WorkerRegistryTest, HeartbeatsAndDownDetection) {
   WorkerRegistry reg;
   EXPECT_THAT(reg.Heartbeat("w1", Inventory{}, 0),

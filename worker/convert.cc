@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "common/proto_fingerprint.h"
 #include "kernels/numeric.h"
 
 namespace triax::worker {
@@ -29,6 +30,7 @@ std::vector<uint64_t> IdsFromProto(
 AllocatePagesRequest FromProto(const v1::AllocatePagesRequest& p) {
   AllocatePagesRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.model = FromProto(p.model());
@@ -41,6 +43,7 @@ AllocatePagesRequest FromProto(const v1::AllocatePagesRequest& p) {
 ForkRequest FromProto(const v1::WorkerForkRequest& p) {
   ForkRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.parent_sequence_id = p.parent_sequence_id();
   d.child_sequence_id = p.child_sequence_id();
@@ -53,6 +56,7 @@ ForkRequest FromProto(const v1::WorkerForkRequest& p) {
 DemoteRequest FromProto(const v1::DemoteRequest& p) {
   DemoteRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.blocks = PlanFromProto(p.blocks());
@@ -62,6 +66,7 @@ DemoteRequest FromProto(const v1::DemoteRequest& p) {
 FreeRequest FromProto(const v1::FreePagesRequest& p) {
   FreeRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   return d;
@@ -70,6 +75,7 @@ FreeRequest FromProto(const v1::FreePagesRequest& p) {
 SpillRequest FromProto(const v1::SpillRequest& p) {
   SpillRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.lineage_ids = IdsFromProto(p.lineage_ids());
@@ -80,6 +86,7 @@ SpillRequest FromProto(const v1::SpillRequest& p) {
 RestoreRequest FromProto(const v1::RestoreRequest& p) {
   RestoreRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.lineage_ids = IdsFromProto(p.lineage_ids());
@@ -90,6 +97,7 @@ RestoreRequest FromProto(const v1::RestoreRequest& p) {
 EvictRequest FromProto(const v1::EvictRequest& p) {
   EvictRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
   d.lineage_ids = IdsFromProto(p.lineage_ids());
@@ -291,6 +299,7 @@ void ToProto(const InventorySnapshot& d, v1::Inventory* p) {
 ImportRequest FromProto(const v1::ImportSequenceRequest& p) {
   ImportRequest d;
   d.request_id = p.request_id();
+  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
   d.transfer_id = p.transfer_id();
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();

@@ -309,12 +309,17 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  // gRPC would otherwise bind with SO_REUSEPORT, and a second kvworker on
+  // this port would start and split the connections with this one.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(256 << 20);
   builder.SetMaxSendMessageSize(256 << 20);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    return Fail(1, absl::StrCat("cannot listen on --listen=", listen));
+    return Fail(1, absl::StrCat("cannot listen on --listen=", listen,
+                                ": the port is in use or the host is not an "
+                                "address of this machine"));
   }
   const std::string bound = absl::StrCat(HostOf(listen), ":", port);
   if (server->GetHealthCheckService() == nullptr) {

@@ -63,30 +63,47 @@ WorkerCore::WorkerCore(SequenceStore* store, Device* device,
       evict_cache_(options.idempotency_capacity),
       import_cache_(options.idempotency_capacity) {}
 
+namespace {
+
+// The fingerprint of one WriteKV message folded into `h`.
+uint64_t AddWriteMessage(uint64_t h, const WriteMessage& m) {
+  h = FingerprintAdd(h, m.sequence_id);
+  if (!m.chunk.has_value()) return FingerprintAdd(h, "no chunk");
+  const KvWrite& c = *m.chunk;
+  h = FingerprintAdd(h, absl::StrCat(c.layer, ",", c.first_token, ",",
+                                     c.num_tokens, ",", c.dtype));
+  h = FingerprintAdd(h, c.k);
+  return FingerprintAdd(h, c.v);
+}
+
+}  // namespace
+
 template <typename Reply, typename Apply>
-absl::StatusOr<Reply> WorkerCore::Once(
-    IdempotencyCache<Reply>& cache, absl::string_view method,
-    const std::string& tenant_id, const std::string& request_id, Apply apply,
-    const std::function<absl::Status()>& replay) {
+absl::StatusOr<Reply> WorkerCore::Once(IdempotencyCache<Reply>& cache,
+                                       absl::string_view method,
+                                       const std::string& tenant_id,
+                                       const std::string& request_id,
+                                       uint64_t fingerprint, Apply apply) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(request_id));
   if (request_id.empty()) return apply();
   const std::string scope = absl::StrCat(method, "/", tenant_id);
   // The '\0' keeps (scope, id) pairs apart: ids have no '\0'.
   InFlight hold(this,
                 absl::StrCat(scope, absl::string_view("\0", 1), request_id));
-  if (auto hit = cache.Find(scope, request_id)) {
-    if (replay) TRIAX_RETURN_IF_ERROR(replay());
-    return std::move(hit->reply);
-  }
+  TRIAX_ASSIGN_OR_RETURN(auto hit,
+                         cache.Lookup(scope, request_id, fingerprint, method));
+  if (hit) return std::move(hit->reply);
   absl::StatusOr<Reply> result = apply();
-  if (result.ok()) cache.Put(scope, request_id, absl::OkStatus(), *result);
+  if (result.ok()) {
+    cache.Put(scope, request_id, fingerprint, absl::OkStatus(), *result);
+  }
   return result;
 }
 
 absl::StatusOr<AllocateResult> WorkerCore::AllocatePages(
     const AllocatePagesRequest& req) {
   return Once(allocate_cache_, "AllocatePages", req.tenant_id, req.request_id,
-              [&] {
+              req.fingerprint, [&] {
                 return store_->AllocatePages(req.tenant_id, req.sequence_id,
                                              req.model, req.block_tokens,
                                              req.blocks, req.window_tokens);
@@ -94,32 +111,51 @@ absl::StatusOr<AllocateResult> WorkerCore::AllocatePages(
 }
 
 absl::StatusOr<ForkResult> WorkerCore::Fork(const ForkRequest& req) {
-  return Once(fork_cache_, "ForkSequence", req.tenant_id, req.request_id, [&] {
-    return store_->Fork(req.tenant_id, req.parent_sequence_id,
-                        req.child_sequence_id, req.num_tokens, req.blocks,
-                        req.parent_tenant_id);
-  });
+  return Once(fork_cache_, "ForkSequence", req.tenant_id, req.request_id,
+              req.fingerprint, [&] {
+                return store_->Fork(req.tenant_id, req.parent_sequence_id,
+                                    req.child_sequence_id, req.num_tokens,
+                                    req.blocks, req.parent_tenant_id);
+              });
 }
 
 absl::StatusOr<WriteResult> WorkerCore::WriteKV(const WriteStream& stream) {
   WriteMessage first;
   TRIAX_ASSIGN_OR_RETURN(const bool any, stream.next(&first));
   if (!any) return WriteResult{};
-  // A remembered stream was applied before: pull the rest, write nothing.
-  auto drain = [&stream]() -> absl::Status {
+  TRIAX_RETURN_IF_ERROR(ValidateRequestId(first.request_id));
+  if (first.request_id.empty()) return WriteMessages(stream, first, nullptr);
+  uint64_t fingerprint = 0;
+  const std::string scope = absl::StrCat("WriteKV/", first.tenant_id);
+  InFlight hold(
+      this, absl::StrCat(scope, absl::string_view("\0", 1), first.request_id));
+  if (auto hit = write_cache_.Find(scope, first.request_id)) {
+    // A remembered stream was applied before: pull the rest, write nothing,
+    // and answer the first reply if it carried the same messages.
+    fingerprint = AddWriteMessage(fingerprint, first);
     WriteMessage rest;
     while (true) {
       TRIAX_ASSIGN_OR_RETURN(const bool more, stream.next(&rest));
-      if (!more) return absl::OkStatus();
+      if (!more) break;
+      fingerprint = AddWriteMessage(fingerprint, rest);
     }
-  };
-  return Once(
-      write_cache_, "WriteKV", first.tenant_id, first.request_id,
-      [&] { return WriteMessages(stream, first); }, drain);
+    if (fingerprint != hit->fingerprint) {
+      return RequestIdReused("WriteKV", first.request_id);
+    }
+    return hit->reply;
+  }
+  absl::StatusOr<WriteResult> result =
+      WriteMessages(stream, first, &fingerprint);
+  if (result.ok()) {
+    write_cache_.Put(scope, first.request_id, fingerprint, absl::OkStatus(),
+                     *result);
+  }
+  return result;
 }
 
-absl::StatusOr<WriteResult> WorkerCore::WriteMessages(
-    const WriteStream& stream, const WriteMessage& first) {
+absl::StatusOr<WriteResult> WorkerCore::WriteMessages(const WriteStream& stream,
+                                                      const WriteMessage& first,
+                                                      uint64_t* fingerprint) {
   WriteResult result;
   WriteMessage later;
   const WriteMessage* msg = &first;
@@ -127,6 +163,9 @@ absl::StatusOr<WriteResult> WorkerCore::WriteMessages(
     if (!msg->chunk.has_value()) {
       return absl::InvalidArgumentError(
           absl::StrCat("message ", index, ": chunk is missing"));
+    }
+    if (fingerprint != nullptr) {
+      *fingerprint = AddWriteMessage(*fingerprint, *msg);
     }
     absl::StatusOr<uint64_t> n =
         store_->Write(msg->tenant_id, msg->sequence_id, *msg->chunk);
@@ -147,19 +186,22 @@ absl::StatusOr<WriteResult> WorkerCore::WriteMessages(
 }
 
 absl::StatusOr<DemoteResult> WorkerCore::Demote(const DemoteRequest& req) {
-  return Once(demote_cache_, "Demote", req.tenant_id, req.request_id, [&] {
-    return store_->Demote(req.tenant_id, req.sequence_id, req.blocks);
-  });
+  return Once(demote_cache_, "Demote", req.tenant_id, req.request_id,
+              req.fingerprint, [&] {
+                return store_->Demote(req.tenant_id, req.sequence_id,
+                                      req.blocks);
+              });
 }
 
 absl::StatusOr<FreeResult> WorkerCore::Free(const FreeRequest& req) {
   return Once(free_cache_, "FreePages", req.tenant_id, req.request_id,
+              req.fingerprint,
               [&] { return store_->Free(req.tenant_id, req.sequence_id); });
 }
 
 absl::StatusOr<SpillResult> WorkerCore::Spill(const SpillRequest& req) {
   return Once(spill_cache_, "Spill", req.tenant_id, req.request_id,
-              [&]() -> absl::StatusOr<SpillResult> {
+              req.fingerprint, [&]() -> absl::StatusOr<SpillResult> {
                 if (req.tier != Tier::kHost && req.tier != Tier::kDisk) {
                   return absl::InvalidArgumentError(
                       absl::StrCat("tier=", static_cast<int>(req.tier),
@@ -172,15 +214,16 @@ absl::StatusOr<SpillResult> WorkerCore::Spill(const SpillRequest& req) {
 }
 
 absl::StatusOr<RestoreResult> WorkerCore::Restore(const RestoreRequest& req) {
-  return Once(restore_cache_, "Restore", req.tenant_id, req.request_id, [&] {
-    return store_->Restore(req.tenant_id, req.sequence_id, req.lineage_ids,
-                           req.background);
-  });
+  return Once(restore_cache_, "Restore", req.tenant_id, req.request_id,
+              req.fingerprint, [&] {
+                return store_->Restore(req.tenant_id, req.sequence_id,
+                                       req.lineage_ids, req.background);
+              });
 }
 
 absl::StatusOr<EvictResult> WorkerCore::Evict(const EvictRequest& req) {
   return Once(evict_cache_, "Evict", req.tenant_id, req.request_id,
-              [&]() -> absl::StatusOr<EvictResult> {
+              req.fingerprint, [&]() -> absl::StatusOr<EvictResult> {
                 if (req.lineage_ids.empty()) return EmptyLineageIds();
                 return store_->Evict(req.tenant_id, req.sequence_id,
                                      req.lineage_ids);
@@ -241,7 +284,7 @@ absl::StatusOr<ImportReply> WorkerCore::Import(const ImportRequest& req,
                                                const PageFetcher& fetch) {
   return Once(
       import_cache_, "ImportSequence", req.tenant_id, req.request_id,
-      [&]() -> absl::StatusOr<ImportReply> {
+      req.fingerprint, [&]() -> absl::StatusOr<ImportReply> {
         if (req.source_address.empty()) {
           return absl::InvalidArgumentError(
               "source_address is empty; name the source worker's address");

@@ -84,6 +84,7 @@ struct AllocatePagesRequest {
   uint32_t block_tokens = 0;
   std::vector<BlockSpec> blocks;
   std::optional<uint32_t> window_tokens;  // nullopt: the store's default
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct ForkRequest {
@@ -94,6 +95,7 @@ struct ForkRequest {
   uint64_t num_tokens = 0;
   std::vector<BlockSpec> blocks;  // the child's plan
   std::string parent_tenant_id;   // empty: tenant_id
+  uint64_t fingerprint = 0;       // of the payload: IdempotencyCache::Lookup
 };
 
 // Each block names index and lineage_id, and the new encoding.
@@ -102,12 +104,14 @@ struct DemoteRequest {
   std::string tenant_id;
   std::string sequence_id;
   std::vector<BlockSpec> blocks;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct FreeRequest {
   std::string request_id;
   std::string tenant_id;
   std::string sequence_id;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct SpillRequest {
@@ -116,6 +120,7 @@ struct SpillRequest {
   std::string sequence_id;
   std::vector<uint64_t> lineage_ids;  // >= 1, no repeats
   Tier tier = Tier::kUnspecified;     // kHost or kDisk
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct RestoreRequest {
@@ -124,6 +129,7 @@ struct RestoreRequest {
   std::string sequence_id;
   std::vector<uint64_t> lineage_ids;  // empty: every spilled block
   bool background = false;            // queue for the prefetch thread
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct EvictRequest {
@@ -131,6 +137,7 @@ struct EvictRequest {
   std::string tenant_id;
   std::string sequence_id;
   std::vector<uint64_t> lineage_ids;  // >= 1, no repeats
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 // One message of a WriteKV stream. request_id and tenant_id of the first
@@ -202,6 +209,7 @@ struct ImportRequest {
   // share prefix_sequence_id's pages here and are not pulled.
   std::string prefix_sequence_id;
   uint32_t prefix_blocks = 0;
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct ImportReply {
@@ -312,17 +320,21 @@ class WorkerCore {
   class InFlight;
 
   // Runs `apply` once per key: validates the request id, answers a
-  // remembered reply (after `replay`, which drains a stream), else applies
-  // and remembers a success.
+  // remembered reply when the request's fingerprint is the remembered one
+  // (FAILED_PRECONDITION, request id reused, when not), else applies and
+  // remembers a success.
   template <typename Reply, typename Apply>
-  absl::StatusOr<Reply> Once(
-      IdempotencyCache<Reply>& cache, absl::string_view method,
-      const std::string& tenant_id, const std::string& request_id, Apply apply,
-      const std::function<absl::Status()>& replay = nullptr);
+  absl::StatusOr<Reply> Once(IdempotencyCache<Reply>& cache,
+                             absl::string_view method,
+                             const std::string& tenant_id,
+                             const std::string& request_id,
+                             uint64_t fingerprint, Apply apply);
 
-  // Writes `first` and every later message of `stream`.
+  // Writes `first` and every later message of `stream`; *fingerprint (when
+  // given) gets the fingerprint of the messages taken.
   absl::StatusOr<WriteResult> WriteMessages(const WriteStream& stream,
-                                            const WriteMessage& first);
+                                            const WriteMessage& first,
+                                            uint64_t* fingerprint);
 
   SequenceStore* const store_;
   Device* const device_;

@@ -231,9 +231,10 @@ class WorkerCoreTest : public ::testing::Test {
   std::unique_ptr<WorkerCore> core_;
 };
 
-// Given an AllocatePages under request id "a-1", when it comes again, even
-// planning 40 tokens instead of 20, then the first reply comes back and
-// nothing more is reserved; another tenant's "a-1" is its own request.
+// Given an AllocatePages under request id "a-1", when it comes again, then
+// the first reply comes back and nothing more is reserved; planning 40
+// tokens instead of 20 (another fingerprint) is refused FAILED_PRECONDITION;
+// another tenant's "a-1" is its own request.
 TEST_F(WorkerCoreTest, AllocatePagesRepeatReturnsTheFirstReply) {
   auto first = core_->AllocatePages(Alloc("s", 20, "a-1"));
   ASSERT_THAT(first, IsOk());
@@ -244,10 +245,13 @@ TEST_F(WorkerCoreTest, AllocatePagesRepeatReturnsTheFirstReply) {
   EXPECT_EQ(again->pages_allocated, first->pages_allocated);
   EXPECT_EQ(again->bytes_allocated, first->bytes_allocated);
   EXPECT_EQ(State(), after);
-  // A reused id with another payload is not detected: the first reply.
-  auto other = core_->AllocatePages(Alloc("s", 40, "a-1"));
-  ASSERT_THAT(other, IsOk());
-  EXPECT_EQ(other->pages_allocated, 4u);
+  // The service fingerprints the wire request; here the core is told.
+  AllocatePagesRequest other = Alloc("s", 40, "a-1");
+  other.fingerprint = 1;
+  EXPECT_THAT(core_->AllocatePages(other),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("request_id=\"a-1\" was used for a "
+                                 "different AllocatePages request")));
   EXPECT_EQ(State(), after);
   // Keys are per tenant: tenant-b's "a-1" runs.
   auto b = core_->AllocatePages(Alloc("t", 20, "a-1", "tenant-b"));
@@ -308,13 +312,29 @@ TEST_F(WorkerCoreTest, ForkDemoteAndFreeRepeatsApplyOnce) {
   EXPECT_EQ(d1->pages_reencoded, 2u);
   EXPECT_LT(d1->bytes_delta, 0);
   const std::string demoted = State();
-  // The same id naming another encoding: the first reply, nothing applied.
-  d.blocks[0].encoding = Format::kBF16;
   auto d2 = core_->Demote(d);
   ASSERT_THAT(d2, IsOk());
   EXPECT_EQ(d2->pages_reencoded, d1->pages_reencoded);
   EXPECT_EQ(d2->bytes_delta, d1->bytes_delta);
   EXPECT_EQ(State(), demoted);
+  // The same id naming another encoding (another fingerprint): refused,
+  // nothing applied.
+  d.blocks[0].encoding = Format::kBF16;
+  d.fingerprint = 1;
+  EXPECT_THAT(core_->Demote(d),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("request_id=\"d-1\" was used for a "
+                                 "different Demote request")));
+  EXPECT_EQ(State(), demoted);
+  free_child.fingerprint = 1;
+  EXPECT_THAT(core_->Free(free_child),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("different FreePages request")));
+  fork.request_id = "f-1";
+  fork.fingerprint = 1;
+  EXPECT_THAT(core_->Fork(fork),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("different ForkSequence request")));
 }
 
 TEST_F(WorkerCoreTest, SpillRestoreEvictRepeatsApplyOnce) {
@@ -358,6 +378,20 @@ TEST_F(WorkerCoreTest, SpillRestoreEvictRepeatsApplyOnce) {
   EXPECT_EQ(e2->pages_freed, 2u);
   EXPECT_EQ(State(), evicted);
   EXPECT_EQ(core_->Inventory().evictions, 1u);
+
+  // Each id reused with another fingerprint is refused, nothing applied.
+  SpillRequest sp = SpillReq("sp-1", {1000});
+  sp.fingerprint = 1;
+  r.fingerprint = 1;
+  e.fingerprint = 1;
+  EXPECT_THAT(core_->Spill(sp), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                         HasSubstr("different Spill request")));
+  EXPECT_THAT(core_->Restore(r),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("different Restore request")));
+  EXPECT_THAT(core_->Evict(e), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                        HasSubstr("different Evict request")));
+  EXPECT_EQ(State(), evicted);
 }
 
 // A failure changes nothing and is not remembered: the same id runs again
@@ -447,9 +481,10 @@ TEST_F(WorkerCoreTest, BadInputsAreRefusedWithoutStateChange) {
   EXPECT_EQ(State(), before);
 }
 
-// Given a stream under "w-1" that wrote, when the same stream comes again
-// (or another payload under "w-1"), then every message is pulled, nothing
-// is written, and the first reply comes back.
+// Given a stream under "w-1" that wrote, when the same stream comes again,
+// then every message is pulled, nothing is written, and the first reply
+// comes back; another payload under "w-1" is pulled too, writes nothing and
+// is refused FAILED_PRECONDITION.
 TEST_F(WorkerCoreTest, WriteKVRepeatIsDrainedAndAnsweredWithTheFirstReply) {
   ASSERT_THAT(core_->AllocatePages(Alloc("s", 40)), IsOk());
   TestStream first;
@@ -471,10 +506,18 @@ TEST_F(WorkerCoreTest, WriteKVRepeatIsDrainedAndAnsweredWithTheFirstReply) {
 
   TestStream other;
   other.Add("s", 0, 20, 5, "w-1").Add("s", 1, 0, 5).Add("s", 1, 5, 5);
-  auto r3 = core_->WriteKV(other.stream());
-  ASSERT_THAT(r3, IsOk());
-  EXPECT_EQ(r3->tokens_written, 20u);
+  EXPECT_THAT(core_->WriteKV(other.stream()),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("request_id=\"w-1\" was used for a "
+                                 "different WriteKV request")));
   EXPECT_EQ(other.pulled(), 3u);
+  EXPECT_EQ(State(), after);
+  // The same tokens in other chunks: refused as well.
+  TestStream changed;
+  changed.Add("s", 0, 0, 10, "w-1").Add("s", 0, 10, 9).Add("s", 0, 19, 1);
+  EXPECT_THAT(core_->WriteKV(changed.stream()),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("different WriteKV request")));
   EXPECT_EQ(State(), after);
 
   // An empty stream writes nothing.

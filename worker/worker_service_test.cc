@@ -69,10 +69,11 @@ TEST_F(ServiceTest, AllocatePagesIsIdempotentByRequestId) {
       Allocate(AllocRequest("s", 20, v1::FORMAT_INT4, "req-1"), &second).ok());
   EXPECT_EQ(second.SerializeAsString(), first.SerializeAsString());
   EXPECT_EQ(Inventory(), after_first);
-  // Same id, even with another plan: the first reply, nothing applied.
-  ASSERT_TRUE(
-      Allocate(AllocRequest("s", 40, v1::FORMAT_INT4, "req-1"), &third).ok());
-  EXPECT_EQ(third.pages_allocated(), 4u);
+  // Same id with another plan: refused, nothing applied.
+  EXPECT_CODE(Allocate(AllocRequest("s", 40, v1::FORMAT_INT4, "req-1"), &third),
+              grpc::StatusCode::FAILED_PRECONDITION,
+              "request_id=\"req-1\" was used for a different AllocatePages "
+              "request");
   EXPECT_EQ(Inventory(), after_first);
 }
 
@@ -133,12 +134,17 @@ TEST_F(ServiceTest, EncodingsWindowTokensAndDemote) {
   EXPECT_LT(first.bytes_delta(), 0);
   const std::string after = Inventory();
   EXPECT_NE(after, before);
-  // Same request id, even naming another encoding: the first reply, nothing
-  // applied.
-  d.mutable_blocks(0)->set_format(v1::FORMAT_BF16);
+  // The same request again: the first reply, nothing applied.
   ASSERT_TRUE(demote(d, &second).ok());
   EXPECT_EQ(second.SerializeAsString(), first.SerializeAsString());
   EXPECT_EQ(Inventory(), after);
+  // Same request id naming another encoding: refused, nothing applied.
+  d.mutable_blocks(0)->set_format(v1::FORMAT_BF16);
+  v1::DemoteResponse third;
+  EXPECT_CODE(demote(d, &third), grpc::StatusCode::FAILED_PRECONDITION,
+              "was used for a different Demote request");
+  EXPECT_EQ(Inventory(), after);
+  d.mutable_blocks(0)->set_format(v1::FORMAT_TQ2);
 
   // Errors map to canonical codes and change nothing.
   d.set_request_id("dem-2");
@@ -254,6 +260,13 @@ TEST_F(ServiceTest, WriteKVIsIdempotentPerStream) {
   EXPECT_EQ(second.SerializeAsString(), first.SerializeAsString());
   auto d = store_->Describe("s");
   EXPECT_EQ(d->written[0], 20u);
+  // The id reused for the next tokens: refused, nothing written.
+  std::vector<v1::WriteKVRequest> next = {
+      WriteMsg("s", F32Chunk(0, 20, 10, k, v), "w-1")};
+  v1::WriteKVResponse third;
+  EXPECT_CODE(Write(next, &third), grpc::StatusCode::FAILED_PRECONDITION,
+              "request_id=\"w-1\" was used for a different WriteKV request");
+  EXPECT_EQ(store_->Describe("s")->written[0], 20u);
 }
 
 TEST_F(ServiceTest, StreamedWriteAttendReadRoundTrip) {

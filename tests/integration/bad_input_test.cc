@@ -365,5 +365,57 @@ TEST_F(BadInputTest, CreateTenantIsIdempotent) {
               StatusIs(StatusCode::kAlreadyExists, HasSubstr("gamma")));
 }
 
+// The manager receives rendered prompts up to the tagger's 16 MiB
+// (docs/manager.md, "Tagger"): a 10 MiB ChatML prompt opens; 16 MiB + 1
+// bytes of text is INVALID_ARGUMENT from the tagger; a request above the
+// server's receive limit (kMaxRequestBytes, 64 MiB) is RESOURCE_EXHAUSTED.
+TEST_F(BadInputTest, RenderedPromptsUpToTheDocumentedSize) {
+  ASSERT_THAT(cluster_->CreateTenant("delta"), IsOk());
+  const auto open = [](size_t content_bytes, uint32_t token_bytes,
+                       triax::v1::OpenSequenceResponse* resp) {
+    triax::v1::OpenSequenceRequest req;
+    req.set_tenant_id("delta");
+    *req.mutable_model() = SmallModel();
+    req.set_policy("bf16");
+    req.set_block_tokens(16);
+    triax::v1::RenderedText* r = req.mutable_rendered();
+    std::string* text = r->mutable_text();
+    text->reserve(content_bytes + 32);
+    text->append("<|im_start|>user\n");
+    text->append(content_bytes, 'a');
+    text->append("<|im_end|>\n");
+    r->set_chat_template(triax::v1::CHAT_TEMPLATE_CHATML);
+    for (size_t at = 0; at < text->size(); at += token_bytes) {
+      r->add_token_offsets(static_cast<uint32_t>(at));
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(30));
+    return FromGrpcStatus(cluster_->manager()->OpenSequence(&ctx, req, resp));
+  };
+  triax::v1::OpenSequenceResponse opened;
+  ASSERT_THAT(open(size_t{10} << 20, 4096, &opened), IsOk());
+  EXPECT_EQ(opened.sequence().num_tokens(),
+            ((size_t{10} << 20) + 28) / 4096 + 1);
+  {
+    triax::v1::CloseSequenceRequest close;
+    close.set_tenant_id("delta");
+    close.set_sequence_id(opened.sequence().sequence_id());
+    triax::v1::CloseSequenceResponse closed;
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    ASSERT_TRUE(cluster_->manager()->CloseSequence(&ctx, close, &closed).ok());
+  }
+  triax::v1::OpenSequenceResponse unused;
+  // 16 MiB + 1 bytes of text in all.
+  EXPECT_THAT(open((size_t{16} << 20) + 1 - 28, 4096, &unused),
+              StatusIs(StatusCode::kInvalidArgument,
+                       HasSubstr("rendered.text is 16777217 bytes; the limit "
+                                 "is 16777216")));
+  EXPECT_THAT(
+      open(size_t{65} << 20, 4096, &unused),
+      StatusIs(StatusCode::kResourceExhausted, HasSubstr("larger than max")));
+}
+
 }  // namespace
 }  // namespace triax::testing

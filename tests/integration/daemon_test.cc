@@ -1,8 +1,9 @@
 // The daemons from the outside, as an operator or Kubernetes sees them:
 // both serve grpc.health.v1.Health, overall and for their service (the
-// readiness probes), --help explains each and lists its flags,
-// contradicting flags stop them at start-up naming the flags, and SIGTERM
-// ends them with status 0.
+// readiness probes), --help explains each and lists its flags, --version
+// (kvctl's too) prints the build's version, contradicting flags stop them at
+// start-up naming the flags, a port in use stops them at start-up naming the
+// address, and SIGTERM ends them with status 0.
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -179,6 +180,62 @@ TEST(DaemonTest, KvworkerRefusesLinksItCannotMake) {
       EXPECT_THAT(err, HasSubstr(word)) << c.args.back();
     }
     EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
+  }
+}
+
+// --version: the project version and the build's git commit, exit 0, for
+// both daemons and kvctl.
+TEST(DaemonTest, VersionPrintsTheBuildAndExitsZero) {
+  auto dir = TempDir::Create("daemon");
+  ASSERT_THAT(dir, IsOk());
+  for (const std::string binary : {"kvmanager", "kvworker", "kvctl"}) {
+    std::string out, err;
+    auto rc =
+        RunToCompletion(binary, {"--version"}, (*dir)->path(), &out, &err);
+    ASSERT_THAT(rc, IsOk());
+    EXPECT_EQ(*rc, 0) << binary << ": " << err;
+    EXPECT_THAT(
+        out, ::testing::MatchesRegex("triaxkv [0-9]+\\.[0-9]+\\.[0-9]+ \\(git "
+                                     "([0-9a-f]{12}|unknown)\\)\n"))
+        << binary;
+  }
+}
+
+// Ports are bound exclusively (no SO_REUSEPORT): a second kvmanager or
+// kvworker on a port in use exits 1 at start-up naming the address, and the
+// first keeps serving.
+TEST(DaemonTest, ASecondDaemonOnAPortInUseExitsNamingIt) {
+  ClusterOptions o;
+  auto started = Cluster::Start(o);
+  ASSERT_THAT(started, IsOk());
+  Cluster& cluster = **started;
+  struct Case {
+    std::string binary;
+    std::string address;
+    std::vector<std::string> flags;
+  };
+  const std::vector<Case> cases = {
+      {"kvmanager", cluster.manager_address(), {}},
+      {"kvworker",
+       cluster.worker_process(0)->address(),
+       {"--pool_mb=16", "--window_tokens=32"}},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = c.flags;
+    args.push_back("--listen=" + c.address);
+    std::string out, err;
+    auto rc = RunToCompletion(c.binary, args, cluster.dir(), &out, &err);
+    ASSERT_THAT(rc, IsOk());
+    EXPECT_EQ(*rc, 1) << c.binary << ": " << err;
+    EXPECT_THAT(err, HasSubstr("cannot listen on --listen=" + c.address))
+        << c.binary;
+    EXPECT_THAT(out, ::testing::Not(HasSubstr("listening"))) << c.binary;
+  }
+  for (const std::string& address :
+       {cluster.manager_address(), cluster.worker_process(0)->address()}) {
+    auto health = CheckHealth(Dial(address), "");
+    ASSERT_THAT(health, IsOk());
+    EXPECT_EQ(*health, ServingStatus::kServing) << address;
   }
 }
 

@@ -2,7 +2,8 @@
 // after --worker_timeout_ms and DOWN after --worker_down_timeout_ms, the
 // sequence becomes LOST with its blocks' lineage
 // ids, WatchEvents replays WORKER_DOWN and SEQUENCE_LOST, and the client's
-// next Attend fails with UNAVAILABLE.
+// next Attend fails with UNAVAILABLE. A second process under a live
+// worker's id is refused; a restart is taken.
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <random>
 
+#include "absl/strings/match.h"
 #include "client/kv_client.h"
 #include "common/status_matchers.h"
 #include "tests/integration/cluster.h"
@@ -114,6 +116,72 @@ TEST(WorkerFailureTest, KilledWorkerLosesItsSequences) {
   EXPECT_THAT(
       (*client)->Extend(&h, {MakeSpan(triax::v1::ROLE_USER, 2)}, false, false),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("lost")));
+}
+
+// A second kvworker started with a live worker's id (and, to look like it,
+// its address) is refused, and the live worker keeps its sequence; once the
+// live one is killed, a new process under the id at the same address is a
+// restart: taken, the sequence LOST.
+TEST(WorkerFailureTest, ASecondWorkerUnderALiveIdIsRefusedARestartTaken) {
+  ClusterOptions o;
+  o.worker_timeout_ms = 2000;
+  o.heartbeat_interval_ms = 100;
+  auto started = Cluster::Start(o);
+  ASSERT_THAT(started, IsOk());
+  Cluster& cluster = **started;
+  ASSERT_THAT(cluster.CreateTenant("acme"), IsOk());
+  auto client = cluster.NewClient("acme");
+  ASSERT_THAT(client, IsOk());
+  auto seq = (*client)->Open(SmallModel(), {MakeSpan(triax::v1::ROLE_USER, 20)},
+                             "bf16", 16);
+  ASSERT_THAT(seq, IsOk());
+  auto live = cluster.GetWorker("w0");
+  ASSERT_THAT(live, IsOk());
+  const std::string address = cluster.worker_process(0)->address();
+  const auto worker_args = [&](const std::string& listen) {
+    return std::vector<std::string>{
+        "--listen=" + listen, "--manager=" + cluster.manager_address(),
+        "--worker_id=w0",     "--advertise=" + address,
+        "--pool_mb=16",       "--window_tokens=32"};
+  };
+
+  {
+    auto dup = Process::Start("dup", "kvworker", worker_args("127.0.0.1:0"),
+                              cluster.dir());
+    ASSERT_THAT(dup, IsOk());
+    ASSERT_THAT(Cluster::WaitFor("the duplicate's refusal", absl::Seconds(10),
+                                 [&]() -> absl::StatusOr<bool> {
+                                   return absl::StrContains((*dup)->Log(),
+                                                            "cannot take it");
+                                 }),
+                IsOk());
+    EXPECT_THAT((*dup)->Log(), HasSubstr("is up at address"));
+    auto w0 = cluster.GetWorker("w0");
+    ASSERT_THAT(w0, IsOk());
+    EXPECT_EQ(w0->state(), triax::v1::WORKER_STATE_UP);
+    EXPECT_EQ(w0->incarnation(), live->incarnation());
+    auto info = (*client)->GetSequence(seq->sequence_id);
+    ASSERT_THAT(info, IsOk());
+    EXPECT_EQ(info->state(), triax::v1::SEQUENCE_STATE_OPEN);
+  }
+
+  cluster.worker_process(0)->Kill();
+  auto restarted = Process::Start("w0-restarted", "kvworker",
+                                  worker_args(address), cluster.dir());
+  ASSERT_THAT(restarted, IsOk());
+  ASSERT_THAT(Cluster::WaitFor("w0 to register again", absl::Seconds(10),
+                               [&]() -> absl::StatusOr<bool> {
+                                 auto w = cluster.GetWorker("w0");
+                                 if (!w.ok()) return w.status();
+                                 return w->state() ==
+                                            triax::v1::WORKER_STATE_UP &&
+                                        w->incarnation() != live->incarnation();
+                               }),
+              IsOk())
+      << (*restarted)->Log();
+  auto info = (*client)->GetSequence(seq->sequence_id);
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->state(), triax::v1::SEQUENCE_STATE_LOST);
 }
 
 }  // namespace
