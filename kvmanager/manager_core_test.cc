@@ -668,7 +668,7 @@ TEST_F(CoreTest, ARequestIdReusedForAnotherPayloadIsRefused) {
   EXPECT_EQ(core_->GetSequence("acme", child->sequence_id)->state,
             SequenceState::kOpen);
 
-  CreateTenantRequest tenant{"ct-1", "other", {}, "", 61};
+  CreateTenantRequest tenant{"ct-1", "other", {}, "", "", 61};
   ASSERT_THAT(core_->CreateTenant(tenant), IsOk());
   tenant.tenant_id = "third";
   tenant.fingerprint = 62;

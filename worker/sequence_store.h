@@ -314,6 +314,10 @@ struct StoreOptions {
   // False: no prefetch thread; background restores wait in the queue for
   // ServePrefetchQueue (deterministic tests).
   bool prefetch_thread = true;
+  // On a device that time-slices processes (Device::TimeSlicesProcesses),
+  // a shared export of stored pages takes its CRC32Cs a group of layers of
+  // at least this many page bytes at a time.
+  uint64_t shared_checksum_group_bytes = uint64_t{1} << 30;
 };
 
 class SequenceStore {
@@ -518,9 +522,10 @@ class SequenceStore {
       absl::string_view tenant_id, absl::string_view sequence_id,
       absl::Span<const uint64_t> lineage_ids, bool background);
 
-  // A shared export without follow_writes (store_transfer.cc): every
-  // layer's pages pinned, then all their CRC32Cs in one Device::Checksum,
-  // then the sink per layer.
+  // A shared export without follow_writes (store_transfer.cc): layers in
+  // groups of at least StoreOptions::shared_checksum_group_bytes of pages
+  // (the last may be smaller), each group's pages pinned, then their
+  // CRC32Cs in one Device::Checksum, then the sink per layer of the group.
   absl::Status ExportSharedAtOnce(
       const std::shared_ptr<Sequence>& seq, absl::string_view tenant_id,
       absl::Span<const ExportBlock> blocks, uint32_t layers, uint64_t end,

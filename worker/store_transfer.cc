@@ -238,11 +238,11 @@ absl::Status SequenceStore::Export(
     }
   }
   // On a device that time-slices processes, a shared export of written
-  // layers whose pages all go as stored takes every page's CRC32C in one
-  // pass before the first layer goes to the sink, rather than one launch
-  // per layer between the peer's copies. Re-encoded or spilled pages would
-  // all sit in scratch pages at once that way; those exports go layer by
-  // layer.
+  // layers whose pages all go as stored takes its CRC32Cs in passes over
+  // groups of layers (1 GiB of pages) before each group goes to the sink,
+  // rather than one launch per layer between the peer's copies.
+  // Re-encoded or spilled pages would sit in scratch pages a group at a
+  // time that way; those exports go layer by layer.
   if (options.pins != nullptr && options.shared_checksums &&
       !options.follow_writes && as_stored && device_->TimeSlicesProcesses()) {
     return ExportSharedAtOnce(seq, tenant_id, blocks, layers, end, options.pins,
@@ -289,8 +289,38 @@ absl::Status SequenceStore::ExportSharedAtOnce(
     PagePins* pins,
     absl::FunctionRef<absl::Status(uint32_t, std::vector<TransferPage>*)>
         sink) {
-  std::vector<std::vector<TransferPage>> all(layers);
-  size_t count = 0;
+  const uint8_t* base = allocator_->arena_base();
+  std::vector<std::vector<TransferPage>> group;  // layers [first, first + n)
+  uint64_t group_bytes = 0;
+  uint32_t first = 0;
+  // Checksums the group's pages in one pass and hands its layers on. The
+  // pages are pinned: their bytes stay where they are without the data
+  // lock.
+  auto flush = [&]() -> absl::Status {
+    std::vector<DeviceBytes> ranges;
+    for (const std::vector<TransferPage>& layer : group) {
+      for (const TransferPage& p : layer) {
+        ranges.push_back(DeviceBytes{base + p.arena_offset,
+                                     static_cast<size_t>(p.shared_bytes)});
+      }
+    }
+    std::vector<uint32_t> crcs(ranges.size());
+    if (absl::Status s = device_->Checksum(ranges, absl::MakeSpan(crcs));
+        !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("export of sequence_id=", Quote(seq->id),
+                                       " checksums: ", s.message()));
+    }
+    size_t at = 0;
+    for (size_t i = 0; i < group.size(); ++i) {
+      for (TransferPage& p : group[i]) p.crc32c = crcs[at++];
+      TRIAX_RETURN_IF_ERROR(sink(first + static_cast<uint32_t>(i), &group[i]));
+    }
+    first += static_cast<uint32_t>(group.size());
+    group.clear();
+    group_bytes = 0;
+    return absl::OkStatus();
+  };
   for (uint32_t l = 0; l < layers; ++l) {
     absl::StatusOr<std::vector<TransferPage>> pages =
         WithRoom<std::vector<TransferPage>>([&] {
@@ -298,33 +328,13 @@ absl::Status SequenceStore::ExportSharedAtOnce(
                                  /*shared_checksums=*/false);
         });
     TRIAX_RETURN_IF_ERROR(pages.status());
-    all[l] = *std::move(pages);
-    count += all[l].size();
-  }
-  // The pages are pinned: their bytes stay where they are without the data
-  // lock.
-  const uint8_t* base = allocator_->arena_base();
-  std::vector<DeviceBytes> ranges;
-  ranges.reserve(count);
-  for (const std::vector<TransferPage>& layer : all) {
-    for (const TransferPage& p : layer) {
-      ranges.push_back(DeviceBytes{base + p.arena_offset,
-                                   static_cast<size_t>(p.shared_bytes)});
+    for (const TransferPage& p : *pages) group_bytes += p.shared_bytes;
+    group.push_back(*std::move(pages));
+    if (group_bytes >= options_.shared_checksum_group_bytes) {
+      TRIAX_RETURN_IF_ERROR(flush());
     }
   }
-  std::vector<uint32_t> crcs(count);
-  if (absl::Status s = device_->Checksum(ranges, absl::MakeSpan(crcs));
-      !s.ok()) {
-    return absl::Status(s.code(),
-                        absl::StrCat("export of sequence_id=", Quote(seq->id),
-                                     " checksums: ", s.message()));
-  }
-  size_t at = 0;
-  for (uint32_t l = 0; l < layers; ++l) {
-    for (TransferPage& p : all[l]) p.crc32c = crcs[at++];
-    TRIAX_RETURN_IF_ERROR(sink(l, &all[l]));
-  }
-  return absl::OkStatus();
+  return group.empty() ? absl::OkStatus() : flush();
 }
 
 absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(

@@ -771,9 +771,9 @@ TEST_F(SharedTransferTest, InstallsTheBytesTheStreamInstalls) {
 }
 
 // On a device whose processes time-slice, a shared export of stored pages
-// takes every checksum in one pass before the first layer goes out; one
-// that re-encodes (scratch pages) or follows writes goes layer by layer.
-// Both name the same pages with the same CRC32Cs.
+// takes its checksums in one pass per group of layers (the whole sequence
+// here) before the group goes out; one that re-encodes (scratch pages)
+// goes layer by layer. Both name the same pages with the same CRC32Cs.
 TEST_F(SharedTransferTest, TimeSlicedDeviceChecksumsStoredPagesInOnePass) {
   const std::vector<BlockSpec> plan = Plan(kTokens, Encoding(Format::kINT4));
   Install(src_.get(), "s", plan, kTokens, 5);
@@ -809,6 +809,40 @@ TEST_F(SharedTransferTest, TimeSlicedDeviceChecksumsStoredPagesInOnePass) {
   }
   ASSERT_THAT(ImportShared(DstPlan("d", plan), at_once).status(), IsOk());
   ExpectSameReads(src_.get(), "s", dst_.get(), "d");
+
+  // Groups of layers: one byte per group makes each layer its own group,
+  // checksummed and pinned only when its turn comes.
+  {
+    auto alloc = PageAllocator::Create(&device_, 16 << 20);
+    ASSERT_THAT(alloc.status(), IsOk());
+    StoreOptions so;
+    so.window_tokens = 16;
+    so.prefetch_thread = false;
+    so.shared_checksum_group_bytes = 1;
+    SequenceStore grouped(&device_, alloc->get(), so);
+    Install(&grouped, "g", plan, kTokens, 5);
+    device_.ClearChecksums();
+    PagePins group_pins(alloc->get());
+    ExportOptions go;
+    go.pins = &group_pins;
+    std::vector<size_t> pinned_at_sink;
+    ASSERT_THAT(grouped.Export(kTenant, "g", ExportList(plan), go,
+                               [&](uint32_t, std::vector<TransferPage>* p) {
+                                 pinned_at_sink.push_back(group_pins.size());
+                                 for (const TransferPage& page : *p) {
+                                   EXPECT_EQ(page.crc32c,
+                                             Crc32c(alloc->get()->arena_base() +
+                                                        page.arena_offset,
+                                                    page.shared_bytes));
+                                 }
+                                 return absl::OkStatus();
+                               }),
+                IsOk());
+    EXPECT_EQ(device_.checksums(),
+              (std::vector<size_t>{plan.size(), plan.size()}));
+    EXPECT_EQ(pinned_at_sink,
+              (std::vector<size_t>{plan.size(), 2 * plan.size()}));
+  }
 
   // Re-encoded on the way: layer by layer even here.
   device_.ClearChecksums();
