@@ -353,7 +353,7 @@ struct CreateTenantRequest {
   std::string default_policy;   // empty: the manager's default
   // Prefix reuse: a shared salt (an id); empty: the tenant's private salt.
   std::string prefix_salt;
-  uint64_t fingerprint = 0;     // of the payload: IdempotencyCache::Lookup
+  uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
 };
 
 struct SetBudgetRequest {
