@@ -64,6 +64,8 @@ class CalibrationStore {
   const std::shared_ptr<const CalibrationTable>* ForModel(
       const ModelShape& model) const;
   size_t size() const { return tables_.size(); }
+  // The tables by model (snapshots).
+  const auto& all() const { return tables_; }
 
  private:
   absl::flat_hash_map<std::string, std::shared_ptr<const CalibrationTable>>

@@ -48,7 +48,10 @@ ManagerCore::ManagerCore(const ManagerOptions& options, const Clock* clock)
       demotes_(clock, &workers_, &tenants_, &sequences_, &next_token_),
       transfers_(&tenants_, &workers_, &next_token_),
       pressure_(PressureOptionsOf(options), clock, &workers_, &tenants_,
-                &sequences_, &calibrations_, &next_token_) {}
+                &sequences_, &calibrations_, &next_token_) {
+  absl::MutexLock lock(&mu_);
+  sequences_.set_changes(&changes_);
+}
 
 ManagerCore::~ManagerCore() = default;
 
@@ -160,7 +163,7 @@ void ManagerCore::MarkLostLocked(SequenceRecord* s, const std::string& reason,
     ReleaseBlockLocked(s, b, /*lost=*/true, nullptr, ev, forgotten);
   }
   s->state = SequenceState::kLost;
-  ++s->version;
+  Touch(s);
   Event e = MakeEvent(*clock_, EventKind::kSequenceLost, s, nullptr);
   e.lineage_ids = s->lost_lineage_ids;
   e.detail =
@@ -182,7 +185,7 @@ absl::StatusOr<TenantInfo> ManagerCore::CreateTenant(
                          TenantLedger::ValidateBudgets(req.budgets));
   const std::string policy =
       req.default_policy.empty() ? options_.default_policy : req.default_policy;
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   TRIAX_ASSIGN_OR_RETURN(auto hit,
                          tenant_cache_.Lookup("CreateTenant", req.request_id,
                                               req.fingerprint, "CreateTenant"));
@@ -193,6 +196,7 @@ absl::StatusOr<TenantInfo> ManagerCore::CreateTenant(
   TRIAX_ASSIGN_OR_RETURN(TenantRecord * t,
                          tenants_.Create(req.tenant_id, budgets, policy));
   t->prefix_salt = req.prefix_salt;
+  if (changes_.enabled) changes_.tenants.insert(t->id);
   TenantInfo info = TenantLedger::Info(*t);
   std::vector<Event> ev(1);
   ev[0].unix_ms = clock_->NowMs();
@@ -209,7 +213,7 @@ absl::StatusOr<TenantInfo> ManagerCore::SetBudget(const SetBudgetRequest& req) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_RETURN_IF_ERROR(ValidateId("tenant_id", req.tenant_id));
   TRIAX_RETURN_IF_ERROR(TenantLedger::ValidateBudget("budget", req.budget));
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   const std::string key = absl::StrCat("SetBudget/", req.tenant_id);
   TRIAX_ASSIGN_OR_RETURN(
       auto hit,
@@ -217,6 +221,7 @@ absl::StatusOr<TenantInfo> ManagerCore::SetBudget(const SetBudgetRequest& req) {
   if (hit) return hit->reply;
   TRIAX_ASSIGN_OR_RETURN(TenantRecord * t, tenants_.Find(req.tenant_id));
   TenantLedger::SetBudget(t, req.budget);
+  if (changes_.enabled) changes_.tenants.insert(t->id);
   TenantInfo info = TenantLedger::Info(*t);
   std::vector<Event> ev(1);
   ev[0].unix_ms = clock_->NowMs();
@@ -290,7 +295,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
     }
   }
 
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   const std::string cache_key = absl::StrCat("OpenSequence/", req.tenant_id);
   TRIAX_ASSIGN_OR_RETURN(
       auto hit, open_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
@@ -426,7 +431,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   }
   s->num_tokens = total;
   if (prefix.donor != nullptr) {
-    ++prefix.donor->version;  // its blocks' refcounts change
+    Touch(prefix.donor);  // its blocks' refcounts change
     s->prefix_sequence_id = prefix.donor->id;
     s->prefix_tenant_id = prefix.donor->tenant->id;
     s->prefix_blocks = prefix.blocks;
@@ -488,7 +493,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
         req.rendered.has_value() ? "rendered text has " : "spans have ", total,
         " tokens (send one id per token, or none)"));
   }
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   const std::string cache_key = absl::StrCat("ExtendSequence/", req.tenant_id);
   TRIAX_ASSIGN_OR_RETURN(
       auto hit, extend_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
@@ -546,7 +551,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   s->last_access_ms = clock_->NowMs();
 
   // Commit.
-  ++s->version;
+  Touch(s);
   const size_t old_blocks = s->blocks.size();
   if (plan.fill > 0) UnsealLastLocked(s);
   if (allocating) s->allocation = std::move(allocation);
@@ -620,7 +625,7 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
 absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
     const ForkSequenceRequest& req) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   const std::string cache_key = absl::StrCat("ForkSequence/", req.tenant_id);
   TRIAX_ASSIGN_OR_RETURN(
       auto hit, open_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
@@ -642,7 +647,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   }
   TRIAX_RETURN_IF_ERROR(WorkerRegistry::Fits(*parent->worker, bytes, demand));
 
-  ++parent->version;  // its blocks' refcounts change
+  Touch(parent);  // its blocks' refcounts change
   auto seq = std::make_unique<SequenceRecord>();
   SequenceRecord* s = seq.get();
   s->id = sequences_.NewId();
@@ -700,7 +705,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
 absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
     const CloseSequenceRequest& req) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   const std::string cache_key = absl::StrCat("CloseSequence/", req.tenant_id);
   TRIAX_ASSIGN_OR_RETURN(
       auto hit, close_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
@@ -721,7 +726,7 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
                        &forgotten);
   }
   s->state = SequenceState::kClosed;
-  ++s->version;
+  Touch(s);
   Event e = MakeEvent(*clock_, EventKind::kSequenceClosed, s, nullptr);
   e.detail = absl::StrCat("blocks=", s->blocks.size(),
                           " freed=", result.freed_lineage_ids.size());
@@ -790,12 +795,12 @@ double ManagerCore::RefreshRanking(bool spill_tiers) {
   // hot path never waits for a whole snapshot.
   std::optional<SnapshotBuilder> builder;
   {
-    absl::MutexLock lock(&mu_);
+    JournaledLock lock(this);
     builder.emplace(pressure_.NewSnapshot(spill_tiers));
     builder->Begin(clock_->NowMs());
   }
   while (!builder->done()) {
-    absl::MutexLock lock(&mu_);
+    JournaledLock lock(this);
     builder->CopyChunk();
   }
   const auto start = std::chrono::steady_clock::now();
@@ -816,7 +821,7 @@ double ManagerCore::RefreshRanking(bool spill_tiers) {
   }
   snap->ranking = std::move(*ranking);
   snap->ranking.ranking_ms = ms;
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   pressure_.Publish(std::move(snap));
   return ms;
 }
@@ -827,25 +832,25 @@ bool ManagerCore::NeedsReclaim() const {
 }
 
 TierPlan ManagerCore::PlanPressure() {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   return pressure_.PlanPressure();
 }
 
 TierPlan ManagerCore::PlanAdmission(const AdmissionShortfall& s) {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   return pressure_.PlanAdmission(s);
 }
 
 TierPlan ManagerCore::PlanPrefetch(const std::string& sequence_id,
                                    AdmissionShortfall* shortfall) {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   return pressure_.PlanPrefetch(sequence_id, shortfall);
 }
 
 absl::StatusOr<TierPlan> ManagerCore::ReportAccess(
     const ReportAccessRequest& req) {
   TRIAX_RETURN_IF_ERROR(PressureCoordinator::ValidateAccessReport(req));
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   TRIAX_ASSIGN_OR_RETURN(
       SequenceRecord * s,
       FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id,
@@ -856,7 +861,7 @@ absl::StatusOr<TierPlan> ManagerCore::ReportAccess(
 absl::Status ManagerCore::FinishTierPlan(
     uint64_t token, const std::vector<absl::Status>& results,
     TierPlanOutcome* outcome) {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   std::vector<Event> ev;
   TRIAX_RETURN_IF_ERROR(pressure_.FinishTierPlan(token, results, &ev, outcome));
   DropUnusablePrefixesLocked(ev);

@@ -223,6 +223,7 @@
 #include "kvmanager/calibration_store.h"
 #include "kvmanager/event_log.h"
 #include "kvmanager/manager_state.h"
+#include "kvmanager/metadata_journal.h"
 #include "kvmanager/pending_demotes.h"
 #include "kvmanager/pending_transfers.h"
 #include "kvmanager/policy.h"
@@ -501,6 +502,31 @@ class ManagerCore {
   // Pools, tenants, the top ranked actions of the snapshot, counters.
   PressureState GetPressure(uint32_t top) const;
 
+  // --- Durable metadata (manager_core_durable.cc; metadata_journal.h) -------
+  // Rebuilds what a journal recovered, on a core that holds nothing yet
+  // (FAILED_PRECONDITION otherwise): tenants, operator policies and
+  // calibration tables, every retained sequence with its blocks (charged
+  // again to their tenants and workers by the accounting rules above), the
+  // id counters (continuing past every id the previous run may have handed
+  // out). The workers are SUSPECT until they report; a worker's first
+  // heartbeat or registration with the same incarnation reconciles: its
+  // open sequences its inventory does not list are LOST (reason
+  // not_on_worker), and what it holds that is not open here it is told to
+  // free (release_sequence_ids). A worker that never reports goes DOWN
+  // after worker_down_timeout_ms as usual. DATA_LOSS naming the record when
+  // the recovered records are inconsistent (a sequence of an unknown
+  // tenant or worker, a block missing).
+  absl::Status Restore(RecoveredState state);
+  // Journals every later change to `journal` (not owned; outlives the
+  // core), starting with a snapshot of everything (waited for).
+  void SetJournal(MetadataJournal* journal);
+  // Counts of what is held: tenants, workers, retained sequences, live
+  // blocks (recovery figures).
+  struct Counts {
+    size_t tenants = 0, workers = 0, sequences = 0, blocks = 0;
+  };
+  Counts GetCounts() const;
+
   // --- Events ----------------------------------------------------------------
   // NOT_FOUND when the lineage is neither live nor in retained events.
   absl::StatusOr<TraceResult> QueryTrace(uint64_t lineage_id) const;
@@ -508,6 +534,31 @@ class ManagerCore {
 
  private:
   ManagerCore(const ManagerOptions& options, const Clock* clock);
+
+  // Holds mu_ for a call that may change state; on release, hands what the
+  // call changed to the journal (still under mu_), then waits without mu_
+  // until it is durable.
+  class ABSL_SCOPED_LOCKABLE JournaledLock {
+   public:
+    explicit JournaledLock(ManagerCore* core)
+        ABSL_EXCLUSIVE_LOCK_FUNCTION(core->mu_)
+        : core_(core) {
+      core_->mu_.Lock();
+    }
+    ~JournaledLock() ABSL_UNLOCK_FUNCTION();
+    JournaledLock(const JournaledLock&) = delete;
+    JournaledLock& operator=(const JournaledLock&) = delete;
+
+   private:
+    ManagerCore* const core_;
+  };
+  // A recovered worker's first report (manager_core_durable.cc): its open
+  // sequences `inventory` does not list are LOST.
+  void ReconcileRecoveredLocked(WorkerRecord* w, const Inventory& inventory,
+                                std::vector<Event>* ev,
+                                std::vector<EventLog::LastPlan>* forgotten)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  StateView ViewLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // options_.resume_reserve: an Open of `bytes` on `worker` must fit beside
   // the bytes held for spilled open sequences (worker's and tenant's);
@@ -661,6 +712,10 @@ class ManagerCore {
   IdempotencyCache<TransferSequenceResult> transfer_cache_;
 
   mutable absl::Mutex mu_;
+  // Durable metadata: the journal (null: none) and what the current call
+  // changed.
+  MetadataJournal* journal_ ABSL_GUARDED_BY(mu_) = nullptr;
+  ChangeSet changes_ ABSL_GUARDED_BY(mu_);
   WorkerRegistry workers_ ABSL_GUARDED_BY(mu_);
   TenantLedger tenants_ ABSL_GUARDED_BY(mu_);
   PolicyStore policies_ ABSL_GUARDED_BY(mu_);

@@ -17,7 +17,7 @@ absl::StatusOr<PolicyInfo> ManagerCore::PutPolicy(const PutPolicyRequest& req) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const Policy> policy,
                          BuildPolicy(req.policy));
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   TRIAX_ASSIGN_OR_RETURN(auto hit,
                          policy_cache_.Lookup("PutPolicy", req.request_id,
                                               req.fingerprint, "PutPolicy"));
@@ -26,6 +26,7 @@ absl::StatusOr<PolicyInfo> ManagerCore::PutPolicy(const PutPolicyRequest& req) {
   }
   PolicyInfo info = policy->Info();
   TRIAX_RETURN_IF_ERROR(policies_.Put(std::move(policy)));
+  if (changes_.enabled) changes_.operator_policies.insert(info.name);
   policy_cache_.Put("PutPolicy", req.request_id, req.fingerprint,
                     absl::OkStatus(), info);
   return info;
@@ -47,7 +48,7 @@ absl::StatusOr<DemotePrepared> ManagerCore::PrepareDemote(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_ASSIGN_OR_RETURN(const std::vector<Encoding> encodings,
                          PendingDemotes::ValidateRequest(req));
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   const std::string cache_key = absl::StrCat("DemoteBlocks/", req.tenant_id);
   TRIAX_ASSIGN_OR_RETURN(
       auto hit, demote_cache_.Lookup(cache_key, req.request_id, req.fingerprint,
@@ -77,18 +78,18 @@ absl::StatusOr<DemoteBlocksResult> ManagerCore::CommitDemoteLocked(
 }
 
 void ManagerCore::AbortDemote(uint64_t token) {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   demotes_.Release(token);
 }
 
 absl::StatusOr<DemoteBlocksResult> ManagerCore::CommitDemote(uint64_t token) {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   return CommitDemoteLocked(token);
 }
 
 absl::StatusOr<ExtendSequenceResult> ManagerCore::FinishExtendDemotion(
     uint64_t token, const absl::Status& worker_status) {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   TRIAX_ASSIGN_OR_RETURN(PendingDemotes::ExtendDemotion d,
                          demotes_.TakeExtend(token));
   ExtendSequenceResult result = std::move(d.result);
@@ -135,14 +136,16 @@ absl::StatusOr<uint32_t> ManagerCore::PutCalibration(
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const CalibrationTable> table,
                          CalibrationStore::Build(req.table));
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   TRIAX_ASSIGN_OR_RETURN(
       auto hit, calibration_cache_.Lookup("PutCalibration", req.request_id,
                                           req.fingerprint, "PutCalibration"));
   if (hit) {
     return hit->reply;
   }
+  const std::string model = table->info.model;
   TRIAX_ASSIGN_OR_RETURN(const uint32_t n, calibrations_.Put(std::move(table)));
+  if (changes_.enabled) changes_.calibrations.insert(model);
   calibration_cache_.Put("PutCalibration", req.request_id, req.fingerprint,
                          absl::OkStatus(), n);
   return n;

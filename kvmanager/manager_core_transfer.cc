@@ -193,7 +193,7 @@ absl::StatusOr<const SequenceRecord*> ManagerCore::TransferPrefixLocked(
 absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
     const TransferSequenceRequest& req) {
   TRIAX_RETURN_IF_ERROR(PendingTransfers::ValidateRequest(req));
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   const std::string cache_key =
       absl::StrCat("TransferSequence/", req.tenant_id);
   TRIAX_ASSIGN_OR_RETURN(
@@ -342,7 +342,7 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
   s->transfer_id = pending->transfer_id;
   s->transfer_destination = dest;
   for (BlockRecord* b : s->blocks) b->busy = pending->token;
-  ++s->version;
+  Touch(s);
 
   std::vector<Event> ev(1);
   ev[0] = TransferEvent(*clock_, EventKind::kTransferStarted, s, nullptr,
@@ -380,7 +380,7 @@ absl::StatusOr<TransferPrepared> ManagerCore::PrepareTransfer(
 
 absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
     uint64_t token, const TransferImportFigures& figures) {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   PendingTransfers::Pending* p = transfers_.Find(token);
   if (p == nullptr) {
     return absl::NotFoundError(
@@ -512,7 +512,7 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
   }
   s->transfer_id.clear();
   s->transfer_destination = nullptr;
-  ++s->version;
+  Touch(s);
 
   TransferCommitted out;
   TransferSequenceResult& r = out.result;
@@ -549,7 +549,7 @@ absl::StatusOr<TransferCommitted> ManagerCore::CommitTransfer(
 }
 
 void ManagerCore::AbortTransfer(uint64_t token, const absl::Status& error) {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   AbortTransferLocked(token, error);
 }
 

@@ -23,7 +23,7 @@ absl::StatusOr<TruncateSequenceResult> ManagerCore::TruncateSequence(
         "num_tokens is 0; a sequence keeps at least one token (close it "
         "with CloseSequence instead)");
   }
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   const std::string cache_key =
       absl::StrCat("TruncateSequence/", req.tenant_id);
   TRIAX_ASSIGN_OR_RETURN(
@@ -72,7 +72,7 @@ absl::StatusOr<TruncateSequenceResult> ManagerCore::TruncateSequence(
   }
 
   // Commit: every check passed.
-  ++s->version;  // pending demotes of this sequence abort at commit
+  Touch(s);  // pending demotes of this sequence abort at commit
   s->last_access_ms = clock_->NowMs();
   const uint64_t from_tokens = s->num_tokens;
   const size_t from_blocks = s->blocks.size();

@@ -38,7 +38,7 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
     const RegisterWorkerRequest& req) {
   TRIAX_RETURN_IF_ERROR(ValidateRequestId(req.request_id));
   TRIAX_RETURN_IF_ERROR(WorkerRegistry::ValidateRegistration(req));
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   TRIAX_ASSIGN_OR_RETURN(
       auto hit, register_cache_.Lookup(req.worker_id, req.request_id,
                                        req.fingerprint, "RegisterWorker"));
@@ -74,6 +74,11 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
     }
   }
   WorkerRecord* w = workers_.Register(req, clock_->NowMs());
+  if (changes_.enabled) changes_.workers.insert(w->info.worker_id);
+  if (same && w->recovered) {
+    ReconcileRecoveredLocked(w, req.inventory, &ev, &forgotten);
+  }
+  w->recovered = false;
   if (same) {
     result.recovered_sequence_ids = RecoverParkedLocked(w, req.inventory, &ev);
   }
@@ -113,7 +118,7 @@ absl::StatusOr<HeartbeatResult> ManagerCore::Heartbeat(
     const std::string& incarnation) {
   TRIAX_RETURN_IF_ERROR(
       WorkerRegistry::ValidateHeartbeat(worker_id, inventory, incarnation));
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   const WorkerRecord* known = workers_.Find(worker_id);
   const bool was_suspect =
       known != nullptr && known->info.state == WorkerState::kSuspect;
@@ -124,6 +129,11 @@ absl::StatusOr<HeartbeatResult> ManagerCore::Heartbeat(
       WorkerRecord * w,
       workers_.Heartbeat(worker_id, inventory, clock_->NowMs(), incarnation));
   std::vector<Event> ev;
+  std::vector<EventLog::LastPlan> forgotten;
+  if (w->recovered) {
+    ReconcileRecoveredLocked(w, inventory, &ev, &forgotten);
+    w->recovered = false;
+  }
   if (was_suspect) {
     Event e;
     e.unix_ms = clock_->NowMs();
@@ -137,7 +147,7 @@ absl::StatusOr<HeartbeatResult> ManagerCore::Heartbeat(
     pressure_.ApplyWorkerRestores(w, inventory.restored_lineage_ids, &ev);
     w->info.inventory.restored_lineage_ids.clear();
   }
-  if (!ev.empty()) events_.Append(&ev);
+  if (!ev.empty()) events_.Append(&ev, &forgotten);
   HeartbeatResult result;
   result.release_sequence_ids = ReleaseListLocked(*w, inventory);
   return result;
@@ -157,7 +167,7 @@ uint64_t ManagerCore::PlannedOn(const std::string& worker_id) const {
 void ManagerCore::RefreshWorkerRoom(const std::string& worker_id,
                                     const Inventory& inventory,
                                     uint64_t planned_before) {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   WorkerRecord* w = workers_.Find(worker_id);
   if (w == nullptr || w->info.state != WorkerState::kUp) return;
   Inventory& have = w->info.inventory;
@@ -176,7 +186,7 @@ void ManagerCore::RefreshWorkerRoom(const std::string& worker_id,
 
 std::vector<std::string> ManagerCore::CheckWorkers(
     std::vector<std::string>* suspect) {
-  absl::MutexLock lock(&mu_);
+  JournaledLock lock(this);
   const int64_t now = clock_->NowMs();
   std::vector<std::string> ids;
   std::vector<Event> ev;
@@ -290,7 +300,7 @@ std::vector<std::string> ManagerCore::RecoverParkedLocked(
     s->state = SequenceState::kOpen;
     s->lost_lineage_ids.clear();
     s->last_access_ms = clock_->NowMs();
-    ++s->version;
+    Touch(s);
     sequences_.Reopen(s);
     Unpark(s);
     Event e = MakeEvent(*clock_, EventKind::kSequenceRecovered, s, nullptr);

@@ -42,6 +42,35 @@ inline constexpr uint32_t kMaxBlockTokens = 4096;
 
 struct SequenceRecord;
 
+// What the core's calls changed, by id, for the metadata journal
+// (metadata_journal.h); collected (with ManagerCore::mu_ held) only while
+// `enabled`, written and cleared at the end of each call.
+struct ChangeSet {
+  bool enabled = false;
+  absl::flat_hash_set<std::string> tenants;
+  absl::flat_hash_set<std::string> workers;
+  absl::flat_hash_set<std::string> sequences;
+  absl::flat_hash_set<std::string> operator_policies;
+  absl::flat_hash_set<std::string> calibrations;  // by model
+  std::vector<std::string> dropped_sequences;     // out of closed retention
+  bool counters = false;
+
+  bool empty() const {
+    return tenants.empty() && workers.empty() && sequences.empty() &&
+           operator_policies.empty() && calibrations.empty() &&
+           dropped_sequences.empty() && !counters;
+  }
+  void Clear() {
+    tenants.clear();
+    workers.clear();
+    sequences.clear();
+    operator_policies.clear();
+    calibrations.clear();
+    dropped_sequences.clear();
+    counters = false;
+  }
+};
+
 struct TenantRecord {
   std::string id;
   std::array<std::optional<Budget>, kNumTiers> budgets;  // by Tier value
@@ -81,6 +110,10 @@ struct WorkerRecord {
   // Ids of the sequences lost when it went DOWN, recoverable when it comes
   // back with the same incarnation (SequenceRecord::parked).
   std::vector<std::string> parked;
+  // Restored from the metadata store by a restarted manager and not heard
+  // from since: its first report (heartbeat or registration with the same
+  // incarnation) reconciles (ManagerCore::ReconcileRecoveredLocked).
+  bool recovered = false;
 };
 
 // A calibration table as stored: immutable once built; sequences under an
@@ -148,7 +181,9 @@ struct SequenceRecord {
   std::vector<BlockRecord*> blocks;
   std::vector<uint32_t> turn_start;  // first block index of each turn
   uint64_t bytes = 0;                // sum of its blocks' bytes
-  uint64_t version = 0;              // bumped by every mutation
+  uint64_t version = 0;              // bumped by every mutation (Touch)
+  // Where Touch records the change (SequenceTable::Insert sets it).
+  ChangeSet* changes = nullptr;
   std::vector<uint64_t> lost_lineage_ids;
   // Allocation policies: the calibration table version of Open and the
   // current choice per tag.
@@ -187,6 +222,16 @@ struct SequenceRecord {
 };
 
 // --- Helpers -----------------------------------------------------------------
+
+// Every mutation of a sequence (its record or its blocks') goes through
+// here: its version moves (pending demotes then abort) and the metadata
+// journal learns that it changed.
+inline void Touch(SequenceRecord* s) {
+  ++s->version;
+  if (s->changes != nullptr && s->changes->enabled) {
+    s->changes->sequences.insert(s->id);
+  }
+}
 
 // Model shapes are checked by ValidateModelShape and blocks tagged by
 // TemporalFor, both in common/model.h.

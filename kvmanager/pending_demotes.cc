@@ -264,7 +264,7 @@ absl::StatusOr<PendingDemotes::Committed> PendingDemotes::Commit(
     s->tenant->used[static_cast<int>(Tier::kDevice)] -= freed;
     s->worker->reserved -= freed;
   }
-  ++s->version;
+  Touch(s);
   Committed out;
   out.result.sequence = SequenceTable::Info(*s, /*with_blocks=*/true);
   out.result.bytes_delta = p.bytes_delta;

@@ -44,6 +44,11 @@ class PolicyStore {
   // Operator policies, ordered by name.
   std::vector<PolicyInfo> ListOperator() const;
   size_t size() const { return policies_.size(); }
+  // Operator policies by name (snapshots).
+  const absl::flat_hash_map<std::string, std::shared_ptr<const Policy>>& all()
+      const {
+    return policies_;
+  }
 
  private:
   absl::flat_hash_map<std::string, std::shared_ptr<const Policy>> policies_;

@@ -758,7 +758,7 @@ absl::Status PressureCoordinator::FinishTierPlan(
           break;
         }
       }
-      if (s != nullptr) ++s->version;
+      if (s != nullptr) Touch(s);
       ev->push_back(std::move(e));
     }
   }
@@ -788,7 +788,7 @@ void PressureCoordinator::ApplyWorkerRestores(WorkerRecord* w,
     if (s != nullptr) {
       s->bytes += b->bytes;
       if (s->spilled > 0) --s->spilled;
-      ++s->version;
+      Touch(s);
     }
     Event e = MakeEvent(*clock_, EventKind::kBlockRestored, s, b);
     e.detail =

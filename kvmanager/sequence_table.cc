@@ -11,14 +11,26 @@ namespace triax::manager {
 
 // --- Sequences ---------------------------------------------------------------
 
+void SequenceTable::RestoreCounters(uint64_t next_sequence,
+                                    uint64_t next_lineage) {
+  next_sequence_ = sequence_limit_ = std::max<uint64_t>(next_sequence, 1);
+  next_lineage_ = lineage_limit_ = std::max<uint64_t>(next_lineage, 1);
+}
+
 std::string SequenceTable::NewId() {
+  if (next_sequence_ >= sequence_limit_) {
+    sequence_limit_ = next_sequence_ + kIdLease;
+    if (changes_ != nullptr && changes_->enabled) changes_->counters = true;
+  }
   return absl::StrCat("seq-", next_sequence_++);
 }
 
 SequenceRecord* SequenceTable::Insert(std::unique_ptr<SequenceRecord> s) {
   SequenceRecord* out = s.get();
+  out->changes = changes_;
   const std::string id = out->id;
   sequences_.emplace(id, std::move(s));
+  if (changes_ != nullptr && changes_->enabled) changes_->sequences.insert(id);
   return out;
 }
 
@@ -70,13 +82,22 @@ void SequenceTable::Retire(SequenceRecord* s) {
   s->turn_start.shrink_to_fit();
   s->bytes = 0;
   retired_.push_back(s->id);
+  const bool journal = changes_ != nullptr && changes_->enabled;
+  if (journal) changes_->sequences.insert(s->id);
   while (retired_.size() > closed_retention_) {
+    if (journal) {
+      changes_->sequences.erase(retired_.front());
+      changes_->dropped_sequences.push_back(retired_.front());
+    }
     sequences_.erase(retired_.front());
     retired_.pop_front();
   }
 }
 
 void SequenceTable::Reopen(SequenceRecord* s) {
+  if (changes_ != nullptr && changes_->enabled) {
+    changes_->sequences.insert(s->id);
+  }
   s->tenant->open_sequences++;
   s->worker->open.insert(s);
   auto it = std::find(retired_.begin(), retired_.end(), s->id);
@@ -143,6 +164,10 @@ BlockRecord* SequenceTable::NewBlock(SequenceRecord* s, uint64_t first_token,
   auto block = std::make_unique<BlockRecord>();
   BlockRecord* b = block.get();
   b->index = static_cast<uint32_t>(s->blocks.size());
+  if (next_lineage_ >= lineage_limit_) {
+    lineage_limit_ = next_lineage_ + kIdLease * 16;
+    if (changes_ != nullptr && changes_->enabled) changes_->counters = true;
+  }
   b->lineage_id = next_lineage_++;
   b->first_token = first_token;
   b->num_tokens = num_tokens;
@@ -167,19 +192,20 @@ BlockRecord* SequenceTable::NewBlock(SequenceRecord* s, uint64_t first_token,
 }
 
 BlockRecord* SequenceTable::RestoreBlock(SequenceRecord* s,
-                                         const BlockRecord& parked) {
+                                         const BlockRecord& parked,
+                                         TenantRecord* charged) {
   auto block = std::make_unique<BlockRecord>(parked);
   BlockRecord* b = block.get();
   b->refcount = 1;
   b->busy = 0;
-  b->charged = s->tenant;
+  b->charged = charged != nullptr ? charged : s->tenant;
   b->worker = s->worker;
   b->owner = s;
   b->holders = {{s->worker, 1}};
   s->blocks.push_back(b);
   if (!b->evicted) {
     const int tier = static_cast<int>(b->tier);
-    s->tenant->used[tier] += b->bytes;
+    b->charged->used[tier] += b->bytes;
     if (b->tier == Tier::kDevice) {
       s->worker->Reserve(b->bytes);
     } else {

@@ -36,6 +36,23 @@ class SequenceTable {
   explicit SequenceTable(size_t closed_retention)
       : closed_retention_(closed_retention) {}
 
+  // --- Durable metadata (metadata_journal.h)
+  // ---------------------------------- Where inserted sequences record their
+  // changes (Touch) and where Insert, Retire, Reopen and the counters record
+  // theirs.
+  void set_changes(ChangeSet* changes) { changes_ = changes; }
+  // Ids below these limits may have been handed out: a journal stores them
+  // before any is; NewId and NewBlock raise a limit (by kIdLease, marking
+  // the counters changed) when they reach it.
+  static constexpr uint64_t kIdLease = 4096;
+  uint64_t sequence_limit() const { return sequence_limit_; }
+  uint64_t lineage_limit() const { return lineage_limit_; }
+  // A restarted manager continues at the limits its previous run stored.
+  void RestoreCounters(uint64_t next_sequence, uint64_t next_lineage);
+  // A recovered closed or lost sequence (already inserted, no blocks) joins
+  // closed retention.
+  void RetireRecovered(SequenceRecord* s) { retired_.push_back(s->id); }
+
   // --- Sequences -------------------------------------------------------------
   // The id the next inserted sequence takes ("seq-<n>"); consumes it.
   std::string NewId();
@@ -79,8 +96,10 @@ class SequenceTable {
   // Appends a copy of `parked` (a block `s` held when it was lost) to `s`
   // under its old lineage id, with refcount 1, owner s, not busy, and
   // charges its bytes to its tier of s's tenant and worker (nothing when
-  // evicted). The lineage id must not be live.
-  BlockRecord* RestoreBlock(SequenceRecord* s, const BlockRecord& parked);
+  // evicted). The lineage id must not be live. `charged`: the tenant the
+  // block is charged to (nullptr: s's).
+  BlockRecord* RestoreBlock(SequenceRecord* s, const BlockRecord& parked,
+                            TenantRecord* charged = nullptr);
   // Appends `b` (a parent's block, or a block live elsewhere) to `s`
   // (refcount + 1); charged again only when s's worker held no copy of it.
   static void Share(SequenceRecord* s, BlockRecord* b);
@@ -132,6 +151,9 @@ class SequenceTable {
   absl::flat_hash_map<uint64_t, std::unique_ptr<BlockRecord>> blocks_;
   uint64_t next_lineage_ = 1;
   uint64_t next_sequence_ = 1;
+  uint64_t lineage_limit_ = 1;
+  uint64_t sequence_limit_ = 1;
+  ChangeSet* changes_ = nullptr;
 };
 
 }  // namespace triax::manager

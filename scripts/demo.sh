@@ -33,6 +33,7 @@ wait_port() {  # file, name, pid
 }
 
 "$bin/kvmanager" --listen 127.0.0.1:0 --port_file "$run/manager.port" \
+  --metadata "file:$run/metadata" \
   >"$run/kvmanager.log" 2>&1 &
 pids+=($!)
 wait_port "$run/manager.port" kvmanager "${pids[-1]}"

@@ -78,6 +78,7 @@ for backend in "${backends[@]}"; do
   dlog="$logs/$backend-kvdemo.log"
   rm -f "$run/manager.port" "$run/worker.port"
   "$bundle/run" "$bundle/bin/kvmanager" --listen 127.0.0.1:0 \
+    --metadata "file:$run/$backend-metadata" \
     --port_file "$run/manager.port" >"$mlog" 2>&1 &
   pids+=($!)
   if ! wait_port "$run/manager.port" kvmanager "${pids[-1]}" "$mlog"; then

@@ -42,6 +42,7 @@ wait_port() {  # file, name, pid, log
 }
 
 "$bundle/run" "$bundle/bin/kvmanager" --listen 127.0.0.1:0 \
+  --metadata "file:$run/metadata" \
   --port_file "$run/manager.port" >"$out/kvmanager.log" 2>&1 &
 pids+=($!)
 wait_port "$run/manager.port" kvmanager "${pids[-1]}" "$out/kvmanager.log" || exit 1

@@ -49,6 +49,9 @@ ABSL_FLAG(std::string, kvmanager, "",
 ABSL_FLAG(std::string, clients, "1,16,64", "comma-separated client counts");
 ABSL_FLAG(int, seconds, 5, "seconds per client count");
 ABSL_FLAG(int, tenants, 4, "tenants the clients spread over");
+ABSL_FLAG(std::string, metadata, "file",
+          "the kvmanager's durable metadata: file (its embedded store in a "
+          "fresh directory, fsync'ed group commits) or memory (none)");
 
 namespace {
 
@@ -69,9 +72,12 @@ class Manager {
   bool Start(const std::string& binary, const std::string& dir) {
     port_file_ = dir + "/port";
     log_file_ = dir + "/kvmanager.log";
-    std::vector<std::string> args = {binary, "--listen=127.0.0.1:0",
-                                     "--port_file=" + port_file_,
-                                     "--worker_timeout_ms=10000"};
+    const std::string metadata = absl::GetFlag(FLAGS_metadata) == "memory"
+                                     ? "memory"
+                                     : "file:" + dir + "/metadata";
+    std::vector<std::string> args = {
+        binary, "--listen=127.0.0.1:0", "--port_file=" + port_file_,
+        "--worker_timeout_ms=10000", "--metadata=" + metadata};
     std::vector<char*> argv;
     argv.reserve(args.size() + 1);
     for (auto& a : args) argv.push_back(a.data());

@@ -57,7 +57,10 @@ TEST(CalibrationManagerTest, PutCalibrationRoundTrips) {
   auto dir = testing::TempDir::Create("kvcalibrate");
   ASSERT_THAT(dir.status(), IsOk());
   auto manager = testing::Process::Start(
-      "kvmanager", "kvmanager", {"--listen=127.0.0.1:0"}, (*dir)->path());
+      "kvmanager", "kvmanager",
+      {"--listen=127.0.0.1:0",
+       "--metadata=file:" + (*dir)->path() + "/metadata"},
+      (*dir)->path());
   ASSERT_THAT(manager.status(), IsOk());
   client::ClientOptions o;
   o.manager_address = (*manager)->address();

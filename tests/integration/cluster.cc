@@ -29,9 +29,11 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
       "--listen=127.0.0.1:0",
       absl::StrCat("--worker_timeout_ms=", options.worker_timeout_ms),
       absl::StrCat("--worker_down_timeout_ms=", options.worker_down_timeout_ms),
-      absl::StrCat("--heartbeat_interval_ms=", options.heartbeat_interval_ms)};
+      absl::StrCat("--heartbeat_interval_ms=", options.heartbeat_interval_ms),
+      absl::StrCat("--metadata=file:", c->dir(), "/metadata")};
   manager_args.insert(manager_args.end(), options.manager_flags.begin(),
                       options.manager_flags.end());
+  c->manager_args_ = manager_args;
   auto manager =
       Process::Start("kvmanager", "kvmanager", manager_args, c->dir());
   if (!manager.ok()) return manager.status();
@@ -73,6 +75,25 @@ Cluster::~Cluster() {
   // Workers first, so they do not log a lost manager on the way out.
   for (auto& w : workers_) w->Stop();
   if (manager_) manager_->Stop();
+}
+
+absl::Status Cluster::RestartManager(bool kill9) {
+  const int port = manager_->port();
+  if (kill9) {
+    manager_->Kill();
+  } else {
+    manager_->Stop();
+  }
+  std::vector<std::string> args = manager_args_;
+  args[0] = absl::StrCat("--listen=127.0.0.1:", port);
+  // A new name: its own log and port file.
+  auto manager = Process::Start(absl::StrCat("kvmanager-", ++restarts_),
+                                "kvmanager", args, dir());
+  if (!manager.ok()) return manager.status();
+  manager_ = std::move(*manager);
+  stub_ = triax::v1::Manager::NewStub(grpc::CreateChannel(
+      manager_address(), grpc::InsecureChannelCredentials()));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<client::Client>> Cluster::NewClient(

@@ -46,6 +46,12 @@ class Cluster {
   Process* worker_process(int i) { return workers_[i].get(); }
   static std::string WorkerId(int i) { return "w" + std::to_string(i); }
 
+  // Kills the manager (SIGKILL when `kill9`, else SIGTERM with grace) and
+  // starts it again with the same flags on the same port, so that workers
+  // and clients keep their address; it recovers from its metadata
+  // directory (<dir>/metadata). The stub is replaced.
+  absl::Status RestartManager(bool kill9 = true);
+
   // A fresh stub to the manager, calls bounded by the caller's context.
   triax::v1::Manager::Stub* manager() { return stub_.get(); }
   absl::StatusOr<std::unique_ptr<client::Client>> NewClient(
@@ -74,6 +80,8 @@ class Cluster {
   ClusterOptions options_;
   std::unique_ptr<TempDir> dir_;
   std::unique_ptr<Process> manager_;
+  std::vector<std::string> manager_args_;
+  int restarts_ = 0;
   std::vector<std::unique_ptr<Process>> workers_;
   std::unique_ptr<triax::v1::Manager::Stub> stub_;
 };

@@ -215,7 +215,7 @@ TEST(DaemonTest, ASecondDaemonOnAPortInUseExitsNamingIt) {
     std::vector<std::string> flags;
   };
   const std::vector<Case> cases = {
-      {"kvmanager", cluster.manager_address(), {}},
+      {"kvmanager", cluster.manager_address(), {"--metadata=memory"}},
       {"kvworker",
        cluster.worker_process(0)->address(),
        {"--pool_mb=16", "--window_tokens=32"}},

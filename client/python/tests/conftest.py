@@ -88,7 +88,8 @@ class Cluster:
         self.dir = tempfile.mkdtemp(prefix="triax-py-")
         self.workers = []
         self.manager = Process("kvmanager", "kvmanager",
-                               ["--listen=127.0.0.1:0", "--heartbeat_interval_ms=100"],
+                               ["--listen=127.0.0.1:0", "--heartbeat_interval_ms=100",
+                                "--metadata=file:" + os.path.join(self.dir, "metadata")],
                                self.dir)
         try:
             for i in range(workers):

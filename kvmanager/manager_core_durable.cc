@@ -1,0 +1,175 @@
+// ManagerCore's durable metadata (manager_core.h "Durable metadata",
+// metadata_journal.h): the journaled lock, Restore, and the reconciliation
+// of a recovered worker's first report.
+#include <algorithm>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/ids.h"
+#include "common/status_macros.h"
+#include "kvmanager/manager_core.h"
+
+namespace triax::manager {
+
+ManagerCore::JournaledLock::~JournaledLock() {
+  uint64_t ticket = 0;
+  MetadataJournal* journal = core_->journal_;
+  if (journal != nullptr && !core_->changes_.empty()) {
+    ticket = journal->Write(core_->changes_, core_->ViewLocked());
+    core_->changes_.Clear();
+  }
+  core_->mu_.Unlock();
+  if (ticket != 0) journal->Wait(ticket);
+}
+
+StateView ManagerCore::ViewLocked() const {
+  return StateView{tenants_, workers_, sequences_, policies_, calibrations_};
+}
+
+void ManagerCore::SetJournal(MetadataJournal* journal) {
+  uint64_t ticket = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    journal_ = journal;
+    changes_.Clear();
+    changes_.enabled = journal != nullptr;
+    if (journal == nullptr) return;
+    ticket = journal->Snapshot(ViewLocked());
+  }
+  journal->Wait(ticket);
+}
+
+ManagerCore::Counts ManagerCore::GetCounts() const {
+  absl::MutexLock lock(&mu_);
+  Counts c;
+  c.tenants = tenants_.all().size();
+  c.workers = workers_.all().size();
+  c.sequences = sequences_.all().size();
+  c.blocks = sequences_.num_blocks();
+  return c;
+}
+
+absl::Status ManagerCore::Restore(RecoveredState state) {
+  absl::MutexLock lock(&mu_);
+  if (!sequences_.all().empty() || !tenants_.all().empty() ||
+      !workers_.all().empty() || policies_.size() != 0 ||
+      calibrations_.size() != 0) {
+    return absl::FailedPreconditionError(
+        "Restore needs a manager that holds nothing yet");
+  }
+  // Restoring is not a change to journal: SetJournal snapshots afterwards.
+  const bool enabled = changes_.enabled;
+  changes_.enabled = false;
+  sequences_.RestoreCounters(state.next_sequence, state.next_lineage);
+  for (const TenantRecord& t : state.tenants) {
+    TRIAX_ASSIGN_OR_RETURN(TenantRecord * r,
+                           tenants_.Create(t.id, t.budgets, t.default_policy));
+    r->prefix_salt = t.prefix_salt;
+  }
+  for (std::shared_ptr<const Policy>& p : state.operator_policies) {
+    TRIAX_RETURN_IF_ERROR(policies_.Put(std::move(p)));
+  }
+  for (std::shared_ptr<const CalibrationTable>& c : state.calibrations) {
+    TRIAX_RETURN_IF_ERROR(calibrations_.Put(std::move(c)).status());
+  }
+  const int64_t now = clock_->NowMs();
+  for (const RegisterWorkerRequest& r : state.workers) {
+    WorkerRecord* w = workers_.Register(r, now);
+    // Not heard from yet: nothing is placed on it until it reports, and it
+    // goes DOWN as usual if it never does.
+    w->info.state = WorkerState::kSuspect;
+    w->info.capacity_bytes = r.capacity_bytes;
+    w->recovered = true;
+  }
+  for (RecoveredSequence& rs : state.sequences) {
+    TenantRecord* t = tenants_.FindOrNull(rs.tenant_id);
+    WorkerRecord* w = workers_.Find(rs.worker_id);
+    if (t == nullptr || w == nullptr) {
+      return absl::DataLossError(
+          absl::StrCat("stored sequence ", Quote(rs.record.id), " names ",
+                       t == nullptr ? "tenant " : "worker ",
+                       Quote(t == nullptr ? rs.tenant_id : rs.worker_id),
+                       ", which is not stored"));
+    }
+    auto seq = std::make_unique<SequenceRecord>(std::move(rs.record));
+    SequenceRecord* s = seq.get();
+    s->tenant = t;
+    s->worker = w;
+    s->blocks.clear();
+    // A transfer in flight rolls back: the source stays authoritative.
+    s->transfer_id.clear();
+    s->transfer_destination = nullptr;
+    s->parked = false;
+    s->parked_blocks.clear();
+    s->parked_turn_start.clear();
+    s->last_access_ms = now;
+    const uint64_t bytes = s->bytes;
+    sequences_.Insert(std::move(seq));
+    if (s->state != SequenceState::kOpen) {
+      s->bytes = 0;
+      sequences_.RetireRecovered(s);
+      continue;
+    }
+    for (const uint64_t id : rs.lineage_ids) {
+      BlockRecord* b = sequences_.FindBlock(id);
+      if (b != nullptr) {  // held by an earlier sequence too (a fork's)
+        SequenceTable::Share(s, b);
+        continue;
+      }
+      auto it = state.blocks.find(id);
+      TenantRecord* charged =
+          it == state.blocks.end()
+              ? nullptr
+              : tenants_.FindOrNull(it->second.charged_tenant);
+      if (charged == nullptr || it->second.record.index != s->blocks.size()) {
+        return absl::DataLossError(
+            absl::StrCat("stored sequence ", Quote(s->id), " lists block ", id,
+                         " at index ", s->blocks.size(),
+                         it == state.blocks.end() ? ", which is not stored"
+                                                  : ", stored inconsistently"));
+      }
+      BlockRecord copy = it->second.record;
+      const bool indexed = copy.prefix_indexed;
+      copy.prefix_indexed = false;
+      b = sequences_.RestoreBlock(s, copy, charged);
+      b->creator = it->second.record.creator;
+      pressure_.BlockCreated(s, *b);
+      if (indexed && !b->prefix_hash.empty()) prefix_.Add(b);
+    }
+    s->bytes = bytes;
+    t->open_sequences++;
+    w->open.insert(s);
+  }
+  // Owners as stored, where that sequence still holds the block.
+  for (const auto& [id, rb] : state.blocks) {
+    BlockRecord* b = sequences_.FindBlock(id);
+    SequenceRecord* o = sequences_.Find(rb.owner);
+    if (b != nullptr && o != nullptr && o->state == SequenceState::kOpen &&
+        b->index < o->blocks.size() && o->blocks[b->index] == b) {
+      b->owner = o;
+    }
+  }
+  changes_.enabled = enabled;
+  return absl::OkStatus();
+}
+
+void ManagerCore::ReconcileRecoveredLocked(
+    WorkerRecord* w, const Inventory& inventory, std::vector<Event>* ev,
+    std::vector<EventLog::LastPlan>* forgotten) {
+  const absl::flat_hash_set<std::string> held(inventory.sequence_ids.begin(),
+                                              inventory.sequence_ids.end());
+  std::vector<SequenceRecord*> lost;
+  for (SequenceRecord* s : w->open) {
+    if (!held.contains(s->id)) lost.push_back(s);
+  }
+  std::sort(lost.begin(), lost.end(),
+            [](const SequenceRecord* a, const SequenceRecord* b) {
+              return SequenceIdBefore(a->id, b->id);
+            });
+  for (SequenceRecord* s : lost) {
+    MarkLostLocked(s, "not_on_worker", ev, forgotten);
+  }
+}
+
+}  // namespace triax::manager
