@@ -38,8 +38,9 @@ RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 # The Ubuntu packages the binaries load (gRPC, protobuf, Abseil, OpenSSL...),
 # found from their shared libraries, so the runtime stage installs exactly
 # those; libraries of the CUDA image itself (cuda-*, NCCL) are left to it.
+# (The devel image also has NCCL's header, which link_nccl.cc includes.)
 RUN set -eu; \
-    for lib in $(ldd /out/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u); do \
+    for lib in $(ldd /out/kvmanager /out/kvworker /out/kvctl | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u); do \
       dpkg -S "$lib" 2>/dev/null || dpkg -S "$(realpath "$lib")" 2>/dev/null || \
         dpkg -S "/usr$lib" 2>/dev/null || true; \
     done | cut -d: -f1 | sort -u | grep -v -E '^(cuda-|libcuda|libnccl|libc6$)' \
