@@ -10,8 +10,9 @@
 namespace triax::worker {
 
 HealthReporter::HealthReporter(const WorkerCore* core,
-                               grpc::HealthCheckServiceInterface* health)
-    : core_(core), health_(health) {}
+                               grpc::HealthCheckServiceInterface* health,
+                               bool await_registration)
+    : core_(core), health_(health), registered_(!await_registration) {}
 
 HealthReporter::~HealthReporter() { Stop(); }
 
@@ -19,11 +20,15 @@ absl::Status HealthReporter::Check() {
   absl::Status health = core_->DeviceHealth();
   const bool serving = health.ok();
   absl::MutexLock lock(&mu_);
+  const bool ready = serving && registered_;
+  // Under mu_ so that two concurrent checks cannot leave the older status.
+  if (ready_ != ready) {
+    health_->SetServingStatus("", ready);
+    ready_ = ready;
+  }
   if (serving_ == serving) return health;
   const bool first = !serving_.has_value();
   serving_ = serving;
-  // Under mu_ so that two concurrent checks cannot leave the older status.
-  health_->SetServingStatus("", serving);
   health_->SetServingStatus(v1::Worker::service_full_name(), serving);
   if (!serving) {
     Log(LogLevel::kError, "worker", "device unhealthy: health NOT_SERVING",
@@ -32,6 +37,15 @@ absl::Status HealthReporter::Check() {
     Log(LogLevel::kInfo, "worker", "device healthy again: health SERVING", "");
   }
   return health;
+}
+
+void HealthReporter::MarkRegistered() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (registered_) return;
+    registered_ = true;
+  }
+  (void)Check();
 }
 
 void HealthReporter::Start(absl::Duration interval) {

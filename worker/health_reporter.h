@@ -1,17 +1,28 @@
 // Keeps the gRPC health service (grpc.health.v1.Health, turned on with
 // grpc::EnableDefaultHealthCheckService before the server is built) in step
-// with the device: the server as a whole ("") and triax.v1.Worker are
-// NOT_SERVING while WorkerCore::DeviceHealth() is not OK (a sticky CUDA
-// error: a poisoned context must not keep taking traffic; restart the
-// worker) and SERVING otherwise.
+// with the device and the worker's registration:
+//   triax.v1.Worker  SERVING while WorkerCore::DeviceHealth() is OK,
+//                    NOT_SERVING while it is not (a sticky CUDA error: a
+//                    poisoned context must not keep taking traffic; restart
+//                    the worker). Kubernetes' liveness probe asks this one.
+//   "" (the server)  SERVING when the device is healthy and, for a reporter
+//                    built with `await_registration` (kvworker --manager),
+//                    once the worker has registered with the manager
+//                    (MarkRegistered); NOT_SERVING otherwise. The readiness
+//                    probe asks this one, so a rollout waits until each new
+//                    worker has joined, while a manager that is down does
+//                    not get healthy workers restarted by the liveness probe.
+// Registration counts once: a manager that later restarts or fails over does
+// not turn a worker unready (it registers again on its own).
 //
-// The state is polled on a thread of its own every `interval`, so the health
-// RPCs (answered by gRPC from the last status set) never wait on the device,
-// and a device that turns unhealthy is reported within one interval. A
-// poll is cheap: Device::Health() reads a sticky flag.
+// The device is polled on a thread of its own every `interval`, so the
+// health RPCs (answered by gRPC from the last status set) never wait on the
+// device, and a device that turns unhealthy is reported within one
+// interval. A poll is cheap: Device::Health() reads a sticky flag.
 //
-// Thread contract: Start and Stop from one owner thread; Check is
-// thread-safe. Stop before the server's health service is shut down.
+// Thread contract: Start and Stop from one owner thread; Check and
+// MarkRegistered are thread-safe. Stop before the server's health service is
+// shut down (its Shutdown sets every status NOT_SERVING for the drain).
 #pragma once
 
 #include <optional>
@@ -34,7 +45,8 @@ class HealthReporter {
   // `core` and `health` (the server's GetHealthCheckService()) must outlive
   // the reporter.
   HealthReporter(const WorkerCore* core,
-                 grpc::HealthCheckServiceInterface* health);
+                 grpc::HealthCheckServiceInterface* health,
+                 bool await_registration = false);
   ~HealthReporter();  // Stop()
 
   HealthReporter(const HealthReporter&) = delete;
@@ -43,6 +55,10 @@ class HealthReporter {
   // Reads the device's health now and sets both statuses to match (logging
   // a change); returns the health read.
   absl::Status Check();
+
+  // The worker has registered with its manager: "" may turn SERVING (now,
+  // when the device is healthy). Idempotent.
+  void MarkRegistered();
 
   // Checks once on the calling thread, then every `interval` on the
   // reporter's thread until Stop.
@@ -57,8 +73,11 @@ class HealthReporter {
 
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  // The statuses last set; nullopt before the first Check.
+  bool registered_ ABSL_GUARDED_BY(mu_);
+  // The statuses last set (triax.v1.Worker, ""); nullopt before the first
+  // Check.
   std::optional<bool> serving_ ABSL_GUARDED_BY(mu_);
+  std::optional<bool> ready_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace triax::worker

@@ -108,12 +108,14 @@ constexpr char kUsage[] =
     "      --advertise=10.0.0.5:7071 --pool_mb=16384 --backend=cuda\n"
     "  kvworker --listen=127.0.0.1:0 --port_file=/tmp/w.port --backend=cpu\n"
     "\n"
-    "Serves triax.v1.Worker and grpc.health.v1.Health on --listen (\"\" and\n"
-    "\"triax.v1.Worker\" are NOT_SERVING while the device is unhealthy, e.g.\n"
-    "after a sticky CUDA error) and prints \"kvworker listening on\n"
-    "HOST:PORT\" once serving. Exit status: 0 after SIGTERM / SIGINT\n"
-    "(graceful shutdown), 1 when it cannot start, 2 for flags out of range\n"
-    "or contradicting each other. Flags:";
+    "Serves triax.v1.Worker and grpc.health.v1.Health on --listen:\n"
+    "\"triax.v1.Worker\" is NOT_SERVING while the device is unhealthy (e.g.\n"
+    "after a sticky CUDA error: the liveness probe), \"\" is SERVING once the\n"
+    "device is healthy and, with --manager, the worker has registered (the\n"
+    "readiness probe); both NOT_SERVING from shutdown on. Prints \"kvworker\n"
+    "listening on HOST:PORT\" once serving. Exit status: 0 after SIGTERM /\n"
+    "SIGINT (graceful shutdown), 1 when it cannot start, 2 for flags out of\n"
+    "range or contradicting each other. Flags:";
 
 // Values of at most 16 TiB, so MiB -> bytes cannot overflow.
 constexpr int64_t kMaxMb = int64_t{1} << 24;
@@ -326,7 +328,10 @@ int main(int argc, char** argv) {
     server->Shutdown();
     return Fail(1, "the gRPC health service did not start");
   }
-  HealthReporter health(&core, server->GetHealthCheckService());
+  // With a manager, "" stays NOT_SERVING until the first registration.
+  const std::string manager = absl::GetFlag(FLAGS_manager);
+  HealthReporter health(&core, server->GetHealthCheckService(),
+                        /*await_registration=*/!manager.empty());
   health.Start(absl::Seconds(1));
 
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
@@ -338,7 +343,6 @@ int main(int argc, char** argv) {
   }
 
   std::unique_ptr<ManagerLink> link;
-  const std::string manager = absl::GetFlag(FLAGS_manager);
   std::string worker_id = absl::GetFlag(FLAGS_worker_id);
   if (worker_id.empty()) {
     char host[256] = {};
@@ -362,6 +366,7 @@ int main(int argc, char** argv) {
         (*tiers)->Usage(triax::Tier::kHost).capacity_bytes;
     opts.disk_capacity_bytes =
         (*tiers)->Usage(triax::Tier::kDisk).capacity_bytes;
+    opts.on_registered = [&health] { health.MarkRegistered(); };
     link = NewManagerLink(opts, &core);
     link->Start();
   }

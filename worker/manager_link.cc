@@ -128,6 +128,7 @@ void ManagerLink::Run() {
           on_lost_(std::vector<std::string>(resp.release_sequence_ids().begin(),
                                             resp.release_sequence_ids().end()));
         }
+        if (options_.on_registered) options_.on_registered();
       } else {
         // Log the first failure and then every 25th (~5 s), not every retry.
         if (failures++ % 25 == 0) {

@@ -41,6 +41,9 @@ struct ManagerLinkOptions {
   int rpc_deadline_ms = 2000;
   // Empty: "<unix micros at start>-<16 random hex digits>".
   std::string incarnation;
+  // Called on the link's thread after every successful RegisterWorker (the
+  // worker's readiness waits for the first: HealthReporter::MarkRegistered).
+  std::function<void()> on_registered;
 };
 
 class ManagerLink {

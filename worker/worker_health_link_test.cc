@@ -37,6 +37,34 @@ TEST_F(ServiceTest, HealthServiceFollowsTheDevice) {
               StatusIs(absl::StatusCode::kNotFound, ::testing::_));
 }
 
+// Built to await registration (kvworker --manager), the reporter keeps ""
+// (readiness) NOT_SERVING until MarkRegistered, while triax.v1.Worker
+// (liveness) follows the device alone; an unhealthy device takes both down.
+TEST_F(ServiceTest, ReadinessWaitsForRegistration) {
+  HealthReporter health(core_.get(), server_->GetHealthCheckService(),
+                        /*await_registration=*/true);
+  const auto status = [this](const std::string& service) {
+    return CheckHealth(channel_, service).value_or(ServingStatus::kUnknown);
+  };
+  EXPECT_THAT(health.Check(), IsOk());
+  EXPECT_EQ(status(""), ServingStatus::kNotServing);
+  EXPECT_EQ(status("triax.v1.Worker"), ServingStatus::kServing);
+
+  health.MarkRegistered();
+  EXPECT_EQ(status(""), ServingStatus::kServing);
+  EXPECT_EQ(status("triax.v1.Worker"), ServingStatus::kServing);
+
+  device_.SetUnhealthy("device poisoned: test");
+  EXPECT_FALSE(health.Check().ok());
+  EXPECT_EQ(status(""), ServingStatus::kNotServing);
+  EXPECT_EQ(status("triax.v1.Worker"), ServingStatus::kNotServing);
+  device_.SetUnhealthy("");
+  health.MarkRegistered();  // a second registration changes nothing
+  EXPECT_THAT(health.Check(), IsOk());
+  EXPECT_EQ(status(""), ServingStatus::kServing);
+  EXPECT_EQ(status("triax.v1.Worker"), ServingStatus::kServing);
+}
+
 // Started, the reporter notices a device turning unhealthy on its own
 // thread (no RPC waits for the device); stopped, it leaves the last status.
 TEST_F(ServiceTest, HealthReporterPollsTheDevice) {

@@ -34,7 +34,14 @@ TEST(DaemonTest, BothServeHealthAndStopOnSigterm) {
   auto worker = Dial(cluster.worker_process(0)->address());
   auto manager = Dial(cluster.manager_address());
 
-  auto overall = CheckHealth(worker, "");
+  // The manager lists the worker UP as it answers RegisterWorker; the
+  // worker's readiness ("") follows once that answer has arrived.
+  absl::StatusOr<ServingStatus> overall = ServingStatus::kUnknown;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(10);
+       absl::Now() < deadline; absl::SleepFor(absl::Milliseconds(10))) {
+    overall = CheckHealth(worker, "");
+    if (!overall.ok() || *overall == ServingStatus::kServing) break;
+  }
   ASSERT_THAT(overall, IsOk());
   EXPECT_EQ(*overall, ServingStatus::kServing);
   auto service = CheckHealth(worker, "triax.v1.Worker");

@@ -1,0 +1,70 @@
+{{/* Names: <release>-<chart> unless overridden, cut to 63 characters. */}}
+{{- define "triaxkv.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "triaxkv.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Object names; the StatefulSet's leaves room for "-<ordinal>" and the
+     controller-revision-hash label. */}}
+{{- define "triaxkv.manager" -}}
+{{- printf "%s-kvmanager" (include "triaxkv.fullname" .) | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- define "triaxkv.managerHeadless" -}}
+{{- printf "%s-headless" (include "triaxkv.manager" .) -}}
+{{- end -}}
+{{- define "triaxkv.worker" -}}
+{{- printf "%s-kvworker" (include "triaxkv.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "triaxkv.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "triaxkv.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels of one component ("kvmanager" or "kvworker"). */}}
+{{- define "triaxkv.selector" -}}
+app.kubernetes.io/name: {{ include "triaxkv.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "triaxkv.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Every manager's stable address through the headless Service, joined
+     by "," (the --manager list of workers and clients). */}}
+{{- define "triaxkv.managerAddresses" -}}
+{{- $addrs := list -}}
+{{- range $i := until (int .Values.manager.replicas) -}}
+{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc:%d" (include "triaxkv.manager" $) $i (include "triaxkv.managerHeadless" $) $.Release.Namespace (int $.Values.manager.port)) -}}
+{{- end -}}
+{{- join "," $addrs -}}
+{{- end -}}
+
+{{/* The manager's --metadata flag. */}}
+{{- define "triaxkv.metadataFlag" -}}
+{{- if eq .Values.manager.metadata.mode "etcd" -}}
+{{- if not .Values.manager.metadata.etcd.endpoints -}}
+{{- fail "manager.metadata.mode=etcd needs manager.metadata.etcd.endpoints (host:port of each etcd member)" -}}
+{{- end -}}
+--metadata=etcd://{{ join "," .Values.manager.metadata.etcd.endpoints }}
+{{- else -}}
+--metadata=file:{{ .Values.manager.persistence.mountPath }}
+{{- end -}}
+{{- end -}}
