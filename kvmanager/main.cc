@@ -11,6 +11,8 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -20,16 +22,26 @@
 #include "common/clock.h"
 #include "common/daemon_flags.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/port_file.h"
 #include "kvmanager/manager_core.h"
 #include "kvmanager/manager_service.h"
 #include "kvmanager/metadata_store.h"
+#include "kvmanager/metrics.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "host:port to listen on; port 0 picks a free port");
 ABSL_FLAG(
     std::string, port_file, "",
     "if set, the bound port is written here as decimal text (atomically)");
+ABSL_FLAG(std::string, http_listen, "",
+          "host:port of the HTTP endpoints /metrics (Prometheus), /healthz "
+          "and /readyz; port 0 picks a free port; empty: off");
+ABSL_FLAG(std::string, http_port_file, "",
+          "if set, the bound HTTP port is written here (atomically)");
+ABSL_FLAG(uint32_t, metrics_max_tenants, 64,
+          "tenants with their own label in /metrics (the first by id); the "
+          "rest are summed as tenant=\"_other\"");
 ABSL_FLAG(int64_t, worker_timeout_ms, 3000,
           "a worker without a heartbeat for this long is SUSPECT: nothing new "
           "is placed on it, its sequences stay open");
@@ -119,9 +131,10 @@ constexpr char kUsage[] =
     "Serves triax.v1.Manager and grpc.health.v1.Health on --listen (\"\" and\n"
     "\"triax.v1.Manager\" are SERVING while it runs, NOT_SERVING from\n"
     "shutdown on) and prints \"kvmanager listening on HOST:PORT\" once\n"
-    "serving. Exit status: 0 after SIGTERM / SIGINT (graceful shutdown), 1\n"
-    "when it cannot start, 2 for flags out of range or contradicting each\n"
-    "other. Flags:";
+    "serving. With --http_listen it also serves /metrics (Prometheus text),\n"
+    "/healthz and /readyz over HTTP (docs/metrics.md). Exit status: 0 after\n"
+    "SIGTERM / SIGINT (graceful shutdown), 1 when it cannot start, 2 for\n"
+    "flags out of range or contradicting each other. Flags:";
 
 // Ranges the core does not check, and flags that contradict each other;
 // messages name the flags and their values. ManagerCore::Create checks the
@@ -290,11 +303,25 @@ int main(int argc, char** argv) {
       core->get(), check_ms, absl::GetFlag(FLAGS_worker_rpc_timeout_ms),
       absl::GetFlag(FLAGS_pressure_interval_ms));
 
+  triax::RpcMetrics rpc_metrics("triaxkv_manager");
+  triax::manager::ManagerMetricsOptions metrics_options;
+  metrics_options.max_tenants = absl::GetFlag(FLAGS_metrics_max_tenants);
+  triax::manager::ManagerMetrics metrics(core->get(), &rpc_metrics,
+                                         metrics_options);
+  triax::manager::ManagerReadiness readiness;
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
   const std::string listen = absl::GetFlag(FLAGS_listen);
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  {
+    std::vector<
+        std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+        interceptors;
+    interceptors.push_back(rpc_metrics.InterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
   // gRPC would otherwise bind with SO_REUSEPORT, and a second kvmanager on
   // this port would start and split the connections with this one.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -308,6 +335,25 @@ int main(int argc, char** argv) {
                      "this machine"),
         Kv("listen", listen));
     return 1;
+  }
+  // Before the port file, so that whoever waits on it finds HTTP up too.
+  std::unique_ptr<triax::HttpServer> http;
+  if (const std::string http_listen = absl::GetFlag(FLAGS_http_listen);
+      !http_listen.empty()) {
+    auto started = triax::StartOperatorHttp(
+        http_listen, absl::GetFlag(FLAGS_http_port_file),
+        {[&] {
+           return triax::MetricsResponse({&rpc_metrics.registry(), &metrics});
+         },
+         [] { return triax::ProbeResponse(true, ""); },
+         [&readiness] { return readiness.Ready(); }});
+    if (!started.ok()) {
+      Log(LogLevel::kError, "manager", std::string(started.status().message()),
+          Kv("http_listen", http_listen));
+      server->Shutdown();
+      return 1;
+    }
+    http = std::move(*started);
   }
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
@@ -326,6 +372,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   health->SetServingStatus(kServiceName, true);
+  readiness.SetServing(true);
   std::cout << "kvmanager listening on " << host << ":" << port << std::endl;
   Log(LogLevel::kInfo, "manager", "listening",
       absl::StrCat(
@@ -338,10 +385,12 @@ int main(int argc, char** argv) {
   sigwait(&signals, &sig);
   Log(LogLevel::kInfo, "manager", "shutting down", Kv("signal", sig));
   // NOT_SERVING for the drain, so health probes stop routing here first.
+  readiness.SetServing(false);
   health->Shutdown();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   service.Stop();
   server->Wait();
   (*core)->SetJournal(nullptr);  // the store closes before the core
+  if (http) http->Stop();
   return 0;
 }

@@ -7,11 +7,14 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -22,10 +25,12 @@
 #include "common/daemon_flags.h"
 #include "common/ids.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/port_file.h"
 #include "worker/device.h"
 #include "worker/health_reporter.h"
 #include "worker/manager_link.h"
+#include "worker/metrics.h"
 #include "worker/page_allocator.h"
 #include "worker/sequence_store.h"
 #include "worker/tier_store.h"
@@ -36,6 +41,11 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:7071",
           "host:port to serve on; port 0 picks a free port");
 ABSL_FLAG(std::string, port_file, "",
           "if set, the bound port is written here (atomically)");
+ABSL_FLAG(std::string, http_listen, "",
+          "host:port of the HTTP endpoints /metrics (Prometheus), /healthz "
+          "and /readyz; port 0 picks a free port; empty: off");
+ABSL_FLAG(std::string, http_port_file, "",
+          "if set, the bound HTTP port is written here (atomically)");
 ABSL_FLAG(std::string, manager, "",
           "kvmanager host:port to register with; empty runs standalone");
 ABSL_FLAG(std::string, worker_id, "",
@@ -113,9 +123,11 @@ constexpr char kUsage[] =
     "after a sticky CUDA error: the liveness probe), \"\" is SERVING once the\n"
     "device is healthy and, with --manager, the worker has registered (the\n"
     "readiness probe); both NOT_SERVING from shutdown on. Prints \"kvworker\n"
-    "listening on HOST:PORT\" once serving. Exit status: 0 after SIGTERM /\n"
-    "SIGINT (graceful shutdown), 1 when it cannot start, 2 for flags out of\n"
-    "range or contradicting each other. Flags:";
+    "listening on HOST:PORT\" once serving. With --http_listen it also\n"
+    "serves /metrics (Prometheus text), /healthz and /readyz over HTTP, the\n"
+    "same probes (docs/metrics.md). Exit status: 0 after SIGTERM / SIGINT\n"
+    "(graceful shutdown), 1 when it cannot start, 2 for flags out of range\n"
+    "or contradicting each other. Flags:";
 
 // Values of at most 16 TiB, so MiB -> bytes cannot overflow.
 constexpr int64_t kMaxMb = int64_t{1} << 24;
@@ -306,11 +318,30 @@ int main(int argc, char** argv) {
   }
   WorkerService service(&core, service_options);
 
+  triax::RpcMetrics rpc_metrics("triaxkv_worker");
+  WorkerMetrics metrics(&core);
+  // Registered: the manager link (set once it starts) has registered.
+  std::atomic<ManagerLink*> registered_link{nullptr};
+  WorkerReadiness readiness(
+      &core, absl::GetFlag(FLAGS_manager).empty()
+                 ? std::function<bool()>()
+                 : [&registered_link] {
+                     ManagerLink* l = registered_link.load();
+                     return l != nullptr && l->registrations() > 0;
+                   });
+
   const std::string listen = absl::GetFlag(FLAGS_listen);
   int port = 0;
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  {
+    std::vector<
+        std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+        interceptors;
+    interceptors.push_back(rpc_metrics.InterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
   // gRPC would otherwise bind with SO_REUSEPORT, and a second kvworker on
   // this port would start and split the connections with this one.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -333,6 +364,24 @@ int main(int argc, char** argv) {
   HealthReporter health(&core, server->GetHealthCheckService(),
                         /*await_registration=*/!manager.empty());
   health.Start(absl::Seconds(1));
+  // Before the port file, so that whoever waits on it finds HTTP up too.
+  std::unique_ptr<triax::HttpServer> http;
+  if (const std::string http_listen = absl::GetFlag(FLAGS_http_listen);
+      !http_listen.empty()) {
+    auto started = triax::StartOperatorHttp(
+        http_listen, absl::GetFlag(FLAGS_http_port_file),
+        {[&] {
+           return triax::MetricsResponse({&rpc_metrics.registry(), &metrics});
+         },
+         [&readiness] { return readiness.Health(); },
+         [&readiness] { return readiness.Ready(); }});
+    if (!started.ok()) {
+      server->Shutdown();
+      return Fail(1, started.status().message());
+    }
+    http = std::move(*started);
+  }
+  readiness.SetServing(true);
 
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
@@ -369,6 +418,7 @@ int main(int argc, char** argv) {
     opts.on_registered = [&health] { health.MarkRegistered(); };
     link = NewManagerLink(opts, &core);
     link->Start();
+    registered_link.store(link.get());
   }
 
   std::printf("kvworker listening on %s\n", bound.c_str());
@@ -388,11 +438,13 @@ int main(int argc, char** argv) {
   sigwait(&signals, &sig);
   triax::Log(triax::LogLevel::kInfo, "worker", "shutting down",
              triax::Kv("signal", sig));
+  readiness.SetServing(false);
   if (link) link->Stop();
   // NOT_SERVING for the drain, so health probes stop routing here first.
   health.Stop();
   server->GetHealthCheckService()->Shutdown();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
+  if (http) http->Stop();
   return 0;
 }

@@ -1,0 +1,276 @@
+#include "common/http_server.h"
+
+#include <atomic>
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <chrono>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+
+namespace triax {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+
+namespace {
+
+std::chrono::milliseconds ToChrono(absl::Duration d) {
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+}
+
+absl::StatusOr<tcp::endpoint> ParseListen(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen address \"", listen, "\" is not host:port"));
+  }
+  absl::string_view host(listen.data(), colon);
+  int port = 0;
+  if (!absl::SimpleAtoi(absl::string_view(listen).substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen address \"", listen, "\" has no port in 0..65535"));
+  }
+  if (absl::ConsumePrefix(&host, "[") && !absl::ConsumeSuffix(&host, "]")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen address \"", listen, "\" has an unclosed ["));
+  }
+  if (host == "localhost") host = "127.0.0.1";
+  boost::system::error_code ec;
+  const asio::ip::address address =
+      asio::ip::make_address(std::string(host), ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen address \"", listen, "\": \"", host,
+                     "\" is not an IP address (", ec.message(), ")"));
+  }
+  return tcp::endpoint(address, static_cast<uint16_t>(port));
+}
+
+}  // namespace
+
+class HttpServer::Impl {
+ public:
+  Impl(HttpServerOptions options, std::map<std::string, HttpHandler> routes)
+      : options_(std::move(options)),
+        routes_(std::move(routes)),
+        acceptor_(ctx_) {}
+
+  absl::Status Listen(const tcp::endpoint& endpoint) {
+    boost::system::error_code ec;
+    acceptor_.open(endpoint.protocol(), ec);
+    // SO_REUSEADDR only lets a restart bind over connections in TIME_WAIT;
+    // on Linux it does not let two sockets listen on one port.
+    if (!ec) acceptor_.set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) acceptor_.bind(endpoint, ec);
+    if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", options_.listen, ": ", ec.message(),
+                       " (the port is in use or the host is "
+                       "not an address of this machine)"));
+    }
+    port_ = acceptor_.local_endpoint(ec).port();
+    if (ec) return absl::InternalError(ec.message());
+    return absl::OkStatus();
+  }
+
+  void Run() {
+    Accept();
+    thread_ = std::thread([this] { ctx_.run(); });
+  }
+
+  void Stop() {
+    if (!thread_.joinable()) return;
+    ctx_.stop();
+    thread_.join();
+    boost::system::error_code ec;
+    acceptor_.close(ec);
+  }
+
+  int port() const { return port_; }
+
+  // Builds the answer to one parsed request.
+  http::response<http::string_body> Answer(
+      const http::request<http::empty_body>& req) const {
+    HttpResponse r;
+    absl::string_view target(req.target().data(), req.target().size());
+    if (const size_t q = target.find('?'); q != absl::string_view::npos) {
+      target = target.substr(0, q);
+    }
+    auto it = routes_.find(std::string(target));
+    std::string allow;
+    if (it == routes_.end()) {
+      r.status = 404;
+      r.body = absl::StrCat("no such path: ", target, "\n");
+    } else if (req.method() != http::verb::get) {
+      r.status = 405;
+      r.body = absl::StrCat("method ", std::string(req.method_string()),
+                            " is not allowed on ", target, "; use GET\n");
+      allow = "GET";
+    } else {
+      r = it->second();
+    }
+    http::response<http::string_body> res(static_cast<http::status>(r.status),
+                                          req.version());
+    res.set(http::field::content_type, r.content_type);
+    if (!allow.empty()) res.set(http::field::allow, allow);
+    res.keep_alive(req.keep_alive());
+    res.body() = std::move(r.body);
+    res.prepare_payload();
+    return res;
+  }
+
+  const HttpServerOptions& options() const { return options_; }
+  std::atomic<size_t>& connections() { return connections_; }
+
+ private:
+  void Accept();
+
+  const HttpServerOptions options_;
+  const std::map<std::string, HttpHandler> routes_;
+  // Before ctx_: sessions still queued in ctx_ decrement it when ctx_ is
+  // destroyed.
+  std::atomic<size_t> connections_{0};
+  asio::io_context ctx_;
+  tcp::acceptor acceptor_;
+  std::thread thread_;
+  int port_ = 0;
+};
+
+namespace {
+
+// One connection: read a request (bounded header, no body, read timeout),
+// answer it, and read the next while the client keeps the connection alive.
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, HttpServer::Impl* server)
+      : stream_(std::move(socket)), server_(server) {
+    server_->connections().fetch_add(1);
+  }
+  ~Session() { server_->connections().fetch_sub(1); }
+
+  void Read() {
+    parser_.emplace();
+    parser_->header_limit(
+        static_cast<uint32_t>(server_->options().max_header_bytes));
+    // Probes and scrapes carry no body; a body is refused, not buffered.
+    parser_->body_limit(0);
+    stream_.expires_after(ToChrono(server_->options().read_timeout));
+    http::async_read(stream_, buffer_, *parser_,
+                     [self = shared_from_this()](beast::error_code ec, size_t) {
+                       self->OnRead(ec);
+                     });
+  }
+
+ private:
+  void OnRead(beast::error_code ec) {
+    if (ec == http::error::end_of_stream || ec == beast::error::timeout ||
+        ec == asio::error::operation_aborted ||
+        ec == asio::error::connection_reset || ec == asio::error::eof) {
+      Close();
+      return;
+    }
+    if (ec) {
+      // A malformed or oversized request: say why, then close, since the
+      // rest of the stream cannot be framed.
+      http::response<http::string_body> res(http::status::bad_request, 11);
+      res.set(http::field::content_type, "text/plain; charset=utf-8");
+      res.body() = absl::StrCat("bad request: ", ec.message(), "\n");
+      res.keep_alive(false);
+      res.prepare_payload();
+      Write(std::move(res));
+      return;
+    }
+    Write(server_->Answer(parser_->get()));
+  }
+
+  void Write(http::response<http::string_body> res) {
+    response_ =
+        std::make_unique<http::response<http::string_body>>(std::move(res));
+    stream_.expires_after(ToChrono(server_->options().write_timeout));
+    http::async_write(
+        stream_, *response_,
+        [self = shared_from_this()](beast::error_code ec, size_t) {
+          const bool keep = self->response_->keep_alive();
+          self->response_.reset();
+          if (ec || !keep) {
+            self->Close();
+          } else {
+            self->Read();
+          }
+        });
+  }
+
+  void Close() {
+    beast::error_code ec;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+    stream_.socket().close(ec);
+  }
+
+  beast::tcp_stream stream_;
+  HttpServer::Impl* server_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::empty_body>> parser_;
+  std::unique_ptr<http::response<http::string_body>> response_;
+};
+
+}  // namespace
+
+void HttpServer::Impl::Accept() {
+  acceptor_.async_accept([this](beast::error_code ec, tcp::socket socket) {
+    if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
+    if (!ec) {
+      if (connections_.load() >= options_.max_connections) {
+        beast::error_code ignored;
+        socket.close(ignored);
+      } else {
+        std::make_shared<Session>(std::move(socket), this)->Read();
+      }
+    }
+    Accept();
+  });
+}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
+    const HttpServerOptions& options,
+    std::map<std::string, HttpHandler> routes) {
+  for (const auto& [path, handler] : routes) {
+    if (path.empty() || path[0] != '/' || handler == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "route \"", path, "\" must start with / and have a handler"));
+    }
+  }
+  auto endpoint = ParseListen(options.listen);
+  if (!endpoint.ok()) return endpoint.status();
+  auto impl = std::make_unique<Impl>(options, std::move(routes));
+  if (absl::Status s = impl->Listen(*endpoint); !s.ok()) return s;
+  impl->Run();
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+HttpServer::~HttpServer() { Stop(); }
+
+int HttpServer::port() const { return impl_->port(); }
+
+void HttpServer::Stop() { impl_->Stop(); }
+
+HttpResponse ProbeResponse(bool ok, const std::string& reason) {
+  HttpResponse r;
+  r.status = ok ? 200 : 503;
+  r.body = ok ? "ok\n" : absl::StrCat(reason, "\n");
+  return r;
+}
+
+}  // namespace triax

@@ -1,0 +1,78 @@
+// A small HTTP/1.1 server for the daemons' operator endpoints (/metrics,
+// /healthz, /readyz), on Boost.Beast over Boost.Asio.
+//
+// Every route answers GET (HEAD and other methods: 405 with "Allow: GET");
+// a path without a route is 404; the query string is ignored. A request
+// whose header is malformed or longer than max_header_bytes, or that
+// carries a body, gets 400 naming the parse error, and its connection is
+// closed; the server goes on serving the others. Connections are kept
+// alive between requests. A connection that does not deliver a whole
+// request within read_timeout (a slow-loris client) is closed; all
+// connections are served asynchronously on one thread, so a slow client
+// never holds another one up. Past max_connections, new connections are
+// closed at once.
+//
+// The listen socket is exclusive (no SO_REUSEPORT, as the gRPC ports): a
+// port another process listens on fails Start with UNAVAILABLE naming the
+// address.
+//
+// Thread contract: Start, port and Stop from one owner thread. Handlers run
+// on the server's thread, one at a time; they must not block for long (a
+// scrape's collection, not I/O).
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace triax {
+
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "text/plain; charset=utf-8";
+  std::string body;
+};
+
+using HttpHandler = std::function<HttpResponse()>;
+
+struct HttpServerOptions {
+  // host:port (IPv4, or [IPv6]); port 0 picks a free port.
+  std::string listen;
+  // A whole request (request line and headers) must arrive within this.
+  absl::Duration read_timeout = absl::Seconds(10);
+  absl::Duration write_timeout = absl::Seconds(10);
+  size_t max_header_bytes = 8192;
+  size_t max_connections = 256;
+};
+
+class HttpServer {
+ public:
+  // Binds, listens and starts serving `routes` (path -> handler, paths
+  // starting with "/"). INVALID_ARGUMENT for a malformed listen address or
+  // route; UNAVAILABLE naming the address when it cannot be bound.
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(
+      const HttpServerOptions& options,
+      std::map<std::string, HttpHandler> routes);
+  ~HttpServer();  // Stop()
+
+  int port() const;
+  // Closes the listener and every connection and joins the thread;
+  // idempotent.
+  void Stop();
+
+  class Impl;
+
+ private:
+  explicit HttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The answer of a probe (/healthz, /readyz): 200 "ok\n" when `ok`, else 503
+// with `reason` and a newline.
+HttpResponse ProbeResponse(bool ok, const std::string& reason);
+
+}  // namespace triax
