@@ -7,6 +7,7 @@ pkgs=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libboost-dev
+  prometheus-cpp-dev libprometheus-cpp-core1.0 prometheus
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-yaml
 )
 

@@ -144,6 +144,9 @@ std::vector<MetricFamily> WorkerMetrics::Collect() const {
           D(a.compactions));
   counter("compaction_moved_bytes_total", "Bytes compactions moved.",
           D(a.bytes_moved));
+  for (MetricFamily& f : core_->timings().Collect("triaxkv_worker_")) {
+    out.push_back(std::move(f));
+  }
   return out;
 }
 

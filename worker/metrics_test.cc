@@ -161,5 +161,48 @@ TEST_F(WorkerMetricsTest, ReadinessAndHealth) {
   EXPECT_EQ(standalone.Ready().status, 200);
 }
 
+TEST(OpTimingsTest, AttentionByFormatMixAndImportsByPath) {
+  OpTimings t;
+  std::vector<uint64_t> bf16_only(9, 0), mixed(9, 0), none(9, 0);
+  bf16_only[static_cast<size_t>(kernels::Format::kBF16)] = 4;
+  mixed[static_cast<size_t>(kernels::Format::kBF16)] = 1;
+  mixed[static_cast<size_t>(kernels::Format::kINT4)] = 6;
+  t.RecordAttention(bf16_only, 0.002);
+  t.RecordAttention(bf16_only, 0.004);
+  t.RecordAttention(mixed, 0.5);
+  t.RecordAttention(none, 1);  // nothing attended: not observed
+  t.RecordImport("stream", true, 1000, 0.2);
+  t.RecordImport("unknown", false, 0, 0.1);
+  const std::string text = [&] {
+    class Wrap : public prometheus::Collectable {
+     public:
+      explicit Wrap(const OpTimings* t) : t_(t) {}
+      std::vector<prometheus::MetricFamily> Collect() const override {
+        return t_->Collect("triaxkv_worker_");
+      }
+
+     private:
+      const OpTimings* t_;
+    } wrap(&t);
+    return MetricsResponse({&wrap}).body;
+  }();
+  EXPECT_THAT(text, HasSubstr("triaxkv_worker_attention_seconds_count{"
+                              "formats=\"bf16\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("triaxkv_worker_attention_seconds_sum{"
+                              "formats=\"bf16\"} 0.006\n"));
+  EXPECT_THAT(text, HasSubstr("triaxkv_worker_attention_seconds_count{"
+                              "formats=\"bf16+int4\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("triaxkv_worker_attention_pages_total{format="
+                              "\"bf16\"} 9\n"));
+  EXPECT_THAT(text, HasSubstr("triaxkv_worker_attention_pages_total{format="
+                              "\"int4\"} 6\n"));
+  EXPECT_THAT(text, HasSubstr("triaxkv_worker_import_seconds_count{path="
+                              "\"stream\",result=\"ok\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("triaxkv_worker_import_seconds_count{path="
+                              "\"unknown\",result=\"error\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("triaxkv_worker_import_wire_bytes_total{path="
+                              "\"stream\"} 1000\n"));
+}
+
 }  // namespace
 }  // namespace triax::worker

@@ -180,6 +180,7 @@
 #include "common/model.h"
 #include "kernels/layout.h"
 #include "worker/device.h"
+#include "worker/op_timings.h"
 #include "worker/page_allocator.h"
 #include "worker/prefetch_queue.h"
 #include "worker/tier_store.h"
@@ -430,6 +431,9 @@ class SequenceStore {
 
   absl::StatusOr<SequenceSnapshot> Describe(absl::string_view sequence_id);
   InventorySnapshot Inventory() const;
+  // Timings of attention batches and imports for /metrics (op_timings.h).
+  OpTimings& timings() { return timings_; }
+  const OpTimings& timings() const { return timings_; }
 
   // Worker-to-worker transfer (worker/store_transfer.h, store_transfer.cc):
   // streams a sequence's pages layer by layer into `sink`, and installs a
@@ -660,6 +664,7 @@ class SequenceStore {
   std::vector<uint64_t> self_restored_ ABSL_GUARDED_BY(self_restored_mu_);
   std::atomic<uint64_t> spills_{0}, restores_{0}, checksum_failures_{0},
       evictions_{0};
+  OpTimings timings_;  // attention batches (store_attend.cc), imports
 
   PrefetchQueue prefetch_;
 };

@@ -213,7 +213,22 @@ std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatchOnce(
       }
     }
     first[pending.size()] = params.size();
+    // Page reads by K format (each query reads its item's pages), for the
+    // batch's timing under its format mix (op_timings.h).
+    std::vector<uint64_t> pages_by_format(
+        static_cast<size_t>(kernels::Format::kTQ2) + 1, 0);
+    for (const PreparedAttend& p : pending) {
+      for (const kernels::PageRef& r : p.refs) {
+        const size_t f = static_cast<size_t>(r.encoding.k);
+        if (f < pages_by_format.size()) pages_by_format[f] += p.attend.size();
+      }
+    }
+    const absl::Time start = absl::Now();
     const absl::Status all = device_->DecodeAttentionBatch(params);
+    if (all.ok()) {
+      timings_.RecordAttention(pages_by_format,
+                               absl::ToDoubleSeconds(absl::Now() - start));
+    }
     for (size_t k = 0; k < pending.size(); ++k) {
       absl::Status s = all;
       if (!s.ok() && s.code() != absl::StatusCode::kUnavailable &&

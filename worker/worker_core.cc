@@ -282,50 +282,59 @@ std::string SourceLabel(const ImportRequest& req) {
 
 absl::StatusOr<ImportReply> WorkerCore::Import(const ImportRequest& req,
                                                const PageFetcher& fetch) {
-  return Once(
-      import_cache_, "ImportSequence", req.tenant_id, req.request_id,
-      req.fingerprint, [&]() -> absl::StatusOr<ImportReply> {
-        if (req.source_address.empty()) {
-          return absl::InvalidArgumentError(
-              "source_address is empty; name the source worker's address");
-        }
-        if (req.timeout_ms > kMaxImportTimeoutMs) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "timeout_ms=", req.timeout_ms, " is above ", kMaxImportTimeoutMs,
-              " (0 means ", kDefaultImportTimeoutMs, ")"));
-        }
-        const absl::Time start = absl::Now();
-        const uint32_t timeout_ms =
-            req.timeout_ms == 0 ? kDefaultImportTimeoutMs : req.timeout_ms;
-        ImportPlan plan;
-        plan.tenant_id = req.tenant_id;
-        plan.sequence_id = req.sequence_id;
-        plan.model = req.model;
-        plan.block_tokens = req.block_tokens;
-        plan.window_tokens = req.window_tokens;
-        plan.blocks = req.blocks;
-        plan.source = SourceLabel(req);
-        plan.prefix_sequence_id = req.prefix_sequence_id;
-        plan.prefix_blocks = req.prefix_blocks;
-        TRIAX_ASSIGN_OR_RETURN(std::unique_ptr<ImportSession> session,
-                               store_->BeginImport(plan));
-        ImportReply reply;
-        bool pull = false;  // a block neither shared nor evicted
-        for (const BlockSpec& b : req.blocks) {
-          pull = pull || (!b.evicted && b.index >= req.prefix_blocks);
-        }
-        if (pull) {
-          TRIAX_ASSIGN_OR_RETURN(
-              reply.data_path,
-              fetch(req, start + absl::Milliseconds(timeout_ms),
-                    session.get()));
-        } else {
-          reply.data_path = "none";
-        }
-        TRIAX_ASSIGN_OR_RETURN(reply.result, session->Commit());
-        reply.seconds = absl::ToDoubleSeconds(absl::Now() - start);
-        return reply;
-      });
+  auto import = [&]() -> absl::StatusOr<ImportReply> {
+    if (req.source_address.empty()) {
+      return absl::InvalidArgumentError(
+          "source_address is empty; name the source worker's address");
+    }
+    if (req.timeout_ms > kMaxImportTimeoutMs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "timeout_ms=", req.timeout_ms, " is above ", kMaxImportTimeoutMs,
+          " (0 means ", kDefaultImportTimeoutMs, ")"));
+    }
+    const absl::Time start = absl::Now();
+    const uint32_t timeout_ms =
+        req.timeout_ms == 0 ? kDefaultImportTimeoutMs : req.timeout_ms;
+    ImportPlan plan;
+    plan.tenant_id = req.tenant_id;
+    plan.sequence_id = req.sequence_id;
+    plan.model = req.model;
+    plan.block_tokens = req.block_tokens;
+    plan.window_tokens = req.window_tokens;
+    plan.blocks = req.blocks;
+    plan.source = SourceLabel(req);
+    plan.prefix_sequence_id = req.prefix_sequence_id;
+    plan.prefix_blocks = req.prefix_blocks;
+    TRIAX_ASSIGN_OR_RETURN(std::unique_ptr<ImportSession> session,
+                           store_->BeginImport(plan));
+    ImportReply reply;
+    bool pull = false;  // a block neither shared nor evicted
+    for (const BlockSpec& b : req.blocks) {
+      pull = pull || (!b.evicted && b.index >= req.prefix_blocks);
+    }
+    if (pull) {
+      TRIAX_ASSIGN_OR_RETURN(
+          reply.data_path,
+          fetch(req, start + absl::Milliseconds(timeout_ms), session.get()));
+    } else {
+      reply.data_path = "none";
+    }
+    TRIAX_ASSIGN_OR_RETURN(reply.result, session->Commit());
+    reply.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    return reply;
+  };
+  return Once(import_cache_, "ImportSequence", req.tenant_id, req.request_id,
+              req.fingerprint, [&]() -> absl::StatusOr<ImportReply> {
+                // Applied imports only (a remembered reply is not timed);
+                // a failed one has no data path yet.
+                const absl::Time start = absl::Now();
+                absl::StatusOr<ImportReply> r = import();
+                store_->timings().RecordImport(
+                    r.ok() ? r->data_path : "unknown", r.ok(),
+                    r.ok() ? r->result.wire_bytes : 0,
+                    absl::ToDoubleSeconds(absl::Now() - start));
+                return r;
+              });
 }
 
 absl::Status WorkerCore::Export(const ExportRequest& req,

@@ -304,6 +304,8 @@ class WorkerCore {
 
   // --- For the manager link and the health service -----------------------
   InventorySnapshot Inventory() const { return store_->Inventory(); }
+  // The store's attention and import timings (op_timings.h), for /metrics.
+  const OpTimings& timings() const { return store_->timings(); }
   // SequenceStore::TakeSelfRestored / ReturnSelfRestored.
   std::vector<uint64_t> TakeSelfRestored();
   void ReturnSelfRestored(const std::vector<uint64_t>& lineage_ids);
