@@ -279,6 +279,9 @@ int main(int argc, char** argv) {
         return 1;
       }
       (*core)->SetJournal(store.get());
+      // Replies wait for durability in the journal's writer thread, not in
+      // gRPC's callback threads (ManagerService FinishDurable).
+      (*core)->DeferDurableWaits(true);
       const auto counts = (*core)->GetCounts();
       Log(LogLevel::kInfo, "manager", "metadata recovered",
           absl::StrCat(

@@ -207,7 +207,9 @@
 // callbacks run under mu_ and must not call back into the core).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -520,6 +522,15 @@ class ManagerCore {
   // Journals every later change to `journal` (not owned; outlives the
   // core), starting with a snapshot of everything (waited for).
   void SetJournal(MetadataJournal* journal);
+  // Replies wait for durability without blocking a thread: with
+  // DeferDurableWaits(true) (the service's mode) a call that changed state
+  // does not wait for its record; it leaves the record's ticket in the
+  // calling thread, and the caller hands TakeDurableTicket() to WhenDurable
+  // with its reply, which runs once the record is on disk (now when the
+  // ticket is 0 or no journal is set).
+  void DeferDurableWaits(bool defer) { defer_waits_ = defer; }
+  static uint64_t TakeDurableTicket();
+  void WhenDurable(uint64_t ticket, std::function<void()> fn);
   // Counts of what is held: tenants, workers, retained sequences, live
   // blocks (recovery figures).
   struct Counts {
@@ -715,6 +726,7 @@ class ManagerCore {
   // Durable metadata: the journal (null: none) and what the current call
   // changed.
   MetadataJournal* journal_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::atomic<bool> defer_waits_{false};
   ChangeSet changes_ ABSL_GUARDED_BY(mu_);
   WorkerRegistry workers_ ABSL_GUARDED_BY(mu_);
   TenantLedger tenants_ ABSL_GUARDED_BY(mu_);

@@ -50,12 +50,14 @@ void ToProto(const ReclaimReport& r, v1::ReclaimSummary* out) {
 // else every this many rounds.
 constexpr int kIdleRankRounds = 10;
 
-// The one helper every unary RPC goes through: runs `body` (which fills the
-// response and returns a Status) and finishes with the mapped status.
+// The one helper every simple unary RPC goes through: runs `body` (which
+// fills the response and returns a Status) and finishes with the mapped
+// status (FinishDurable).
 template <typename F>
-grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, F&& body) {
+grpc::ServerUnaryReactor* Unary(ManagerCore* core,
+                                grpc::CallbackServerContext* ctx, F&& body) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(body()));
+  FinishDurable(core, reactor, ToGrpcStatus(body()));
   return reactor;
 }
 
@@ -155,6 +157,13 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
 };
 
 }  // namespace
+
+void FinishDurable(ManagerCore* core, grpc::ServerUnaryReactor* reactor,
+                   grpc::Status status) {
+  core->WhenDurable(
+      ManagerCore::TakeDurableTicket(),
+      [reactor, status = std::move(status)] { reactor->Finish(status); });
+}
 
 ManagerService::ManagerService(ManagerCore* core, int64_t check_interval_ms,
                                int64_t worker_rpc_timeout_ms,
@@ -379,7 +388,7 @@ absl::Time ManagerService::ReclaimDeadline(
 grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
     grpc::CallbackServerContext* ctx, const v1::RegisterWorkerRequest* req,
     v1::RegisterWorkerResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     auto r = core_->RegisterWorker(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
@@ -398,7 +407,7 @@ grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
 grpc::ServerUnaryReactor* ManagerService::Heartbeat(
     grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
     v1::HeartbeatResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     auto r = core_->Heartbeat(req->worker_id(), FromProto(req->inventory()),
                               req->incarnation());
     if (!r.ok()) return r.status();
@@ -410,7 +419,7 @@ grpc::ServerUnaryReactor* ManagerService::Heartbeat(
 grpc::ServerUnaryReactor* ManagerService::ListWorkers(
     grpc::CallbackServerContext* ctx, const v1::ListWorkersRequest* req,
     v1::ListWorkersResponse* resp) {
-  return Unary(ctx, [&] {
+  return Unary(core_, ctx, [&] {
     for (const WorkerInfo& w : core_->ListWorkers())
       ToProto(w, resp->add_workers());
     return absl::OkStatus();
@@ -420,7 +429,7 @@ grpc::ServerUnaryReactor* ManagerService::ListWorkers(
 grpc::ServerUnaryReactor* ManagerService::CreateTenant(
     grpc::CallbackServerContext* ctx, const v1::CreateTenantRequest* req,
     v1::CreateTenantResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     auto r = core_->CreateTenant(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp->mutable_tenant());
@@ -431,7 +440,7 @@ grpc::ServerUnaryReactor* ManagerService::CreateTenant(
 grpc::ServerUnaryReactor* ManagerService::SetBudget(
     grpc::CallbackServerContext* ctx, const v1::SetBudgetRequest* req,
     v1::SetBudgetResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     if (!req->has_budget())
       return absl::InvalidArgumentError("budget is not set");
     auto r = core_->SetBudget(FromProto(*req));
@@ -444,7 +453,7 @@ grpc::ServerUnaryReactor* ManagerService::SetBudget(
 grpc::ServerUnaryReactor* ManagerService::ListTenants(
     grpc::CallbackServerContext* ctx, const v1::ListTenantsRequest* req,
     v1::ListTenantsResponse* resp) {
-  return Unary(ctx, [&] {
+  return Unary(core_, ctx, [&] {
     for (const TenantInfo& t : core_->ListTenants())
       ToProto(t, resp->add_tenants());
     return absl::OkStatus();
@@ -456,8 +465,8 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
     v1::OpenSequenceResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   if (!req->has_model()) {
-    reactor->Finish(
-        ToGrpcStatus(absl::InvalidArgumentError("model is not set")));
+    FinishDurable(core_, reactor,
+                  ToGrpcStatus(absl::InvalidArgumentError("model is not set")));
     return reactor;
   }
   OpenSequenceRequest open = FromProto(*req);
@@ -466,7 +475,7 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
   if (r.ok() || !absl::IsResourceExhausted(r.status()) ||
       shortfall.request_bytes == 0) {
     if (r.ok()) ToProto(*r, resp->mutable_sequence());
-    reactor->Finish(ToGrpcStatus(r.status()));
+    FinishDurable(core_, reactor, ToGrpcStatus(r.status()));
     return reactor;
   }
   // Admission after reclaiming: on the pressure executor.
@@ -481,7 +490,7 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
       ToProto(*again, resp->mutable_sequence());
       ToProto(report, resp->mutable_reclaimed());
     }
-    reactor->Finish(ToGrpcStatus(again.status()));
+    FinishDurable(core_, reactor, ToGrpcStatus(again.status()));
   });
   return reactor;
 }
@@ -531,7 +540,7 @@ void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
   }
   if (!r.ok() || !r->demotion) {
     if (r.ok()) ToProto(*r, resp);
-    reactor->Finish(ToGrpcStatus(r.status()));
+    FinishDurable(core_, reactor, ToGrpcStatus(r.status()));
     return;
   }
   // Allocation policy: demote the blocks whose tag's choice shrank on the
@@ -542,7 +551,7 @@ void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
                                      const absl::Status& worker, uint64_t) {
     auto fin = core_->FinishExtendDemotion(token, worker);
     if (fin.ok()) ToProto(*fin, resp);
-    reactor->Finish(ToGrpcStatus(fin.status()));
+    FinishDurable(core_, reactor, ToGrpcStatus(fin.status()));
   });
 }
 
@@ -552,7 +561,7 @@ grpc::ServerUnaryReactor* ManagerService::ReportAccess(
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto plan = core_->ReportAccess(FromProto(*req));
   if (!plan.ok()) {
-    reactor->Finish(ToGrpcStatus(plan.status()));
+    FinishDurable(core_, reactor, ToGrpcStatus(plan.status()));
     return reactor;
   }
   uint32_t blocks = 0;
@@ -563,7 +572,7 @@ grpc::ServerUnaryReactor* ManagerService::ReportAccess(
     if (plan->token != 0) {
       Post([this, plan = std::move(*plan)] { RunTierPlan(plan); });
     }
-    reactor->Finish(grpc::Status::OK);
+    FinishDurable(core_, reactor, grpc::Status::OK);
     return reactor;
   }
   // Active: the reply waits until the sequence's spilled blocks are back
@@ -578,7 +587,7 @@ grpc::ServerUnaryReactor* ManagerService::ReportAccess(
         RestoreWithReclaim(seq, deadline, &restored, &report);
     resp->set_blocks_prefetching(blocks + restored);
     if (report.stages > 0) ToProto(report, resp->mutable_reclaimed());
-    reactor->Finish(ToGrpcStatus(st));
+    FinishDurable(core_, reactor, ToGrpcStatus(st));
   });
   return reactor;
 }
@@ -629,7 +638,7 @@ absl::Status ManagerService::RestoreWithReclaim(const std::string& sequence_id,
 grpc::ServerUnaryReactor* ManagerService::GetPressure(
     grpc::CallbackServerContext* ctx, const v1::GetPressureRequest* req,
     v1::GetPressureResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     if (req->top() > 10000) {
       return absl::InvalidArgumentError(
           absl::StrCat("top ", req->top(), " is above the limit 10000"));
@@ -642,7 +651,7 @@ grpc::ServerUnaryReactor* ManagerService::GetPressure(
 grpc::ServerUnaryReactor* ManagerService::ForkSequence(
     grpc::CallbackServerContext* ctx, const v1::ForkSequenceRequest* req,
     v1::ForkSequenceResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     auto r = core_->ForkSequence(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp->mutable_sequence());
@@ -653,7 +662,7 @@ grpc::ServerUnaryReactor* ManagerService::ForkSequence(
 grpc::ServerUnaryReactor* ManagerService::CloseSequence(
     grpc::CallbackServerContext* ctx, const v1::CloseSequenceRequest* req,
     v1::CloseSequenceResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     auto r = core_->CloseSequence(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
@@ -664,7 +673,7 @@ grpc::ServerUnaryReactor* ManagerService::CloseSequence(
 grpc::ServerUnaryReactor* ManagerService::TruncateSequence(
     grpc::CallbackServerContext* ctx, const v1::TruncateSequenceRequest* req,
     v1::TruncateSequenceResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     auto r = core_->TruncateSequence(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
@@ -675,7 +684,7 @@ grpc::ServerUnaryReactor* ManagerService::TruncateSequence(
 grpc::ServerUnaryReactor* ManagerService::GetSequence(
     grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* req,
     v1::GetSequenceResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     auto r = core_->GetSequence(req->tenant_id(), req->sequence_id());
     if (!r.ok()) return r.status();
     ToProto(*r, resp->mutable_sequence());
@@ -686,7 +695,7 @@ grpc::ServerUnaryReactor* ManagerService::GetSequence(
 grpc::ServerUnaryReactor* ManagerService::ListSequences(
     grpc::CallbackServerContext* ctx, const v1::ListSequencesRequest* req,
     v1::ListSequencesResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     auto r = core_->ListSequences(req->tenant_id(), req->include_closed());
     if (!r.ok()) return r.status();
     for (const SequenceInfo& s : *r) ToProto(s, resp->add_sequences());
@@ -697,7 +706,7 @@ grpc::ServerUnaryReactor* ManagerService::ListSequences(
 grpc::ServerUnaryReactor* ManagerService::QueryTrace(
     grpc::CallbackServerContext* ctx, const v1::QueryTraceRequest* req,
     v1::QueryTraceResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     auto r = core_->QueryTrace(req->lineage_id());
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
@@ -708,7 +717,7 @@ grpc::ServerUnaryReactor* ManagerService::QueryTrace(
 grpc::ServerUnaryReactor* ManagerService::PutPolicy(
     grpc::CallbackServerContext* ctx, const v1::PutPolicyRequest* req,
     v1::PutPolicyResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     if (!req->has_policy())
       return absl::InvalidArgumentError("policy is not set");
     auto r = core_->PutPolicy(FromProto(*req));
@@ -723,7 +732,7 @@ grpc::ServerUnaryReactor* ManagerService::PutPolicy(
 grpc::ServerUnaryReactor* ManagerService::ListPolicies(
     grpc::CallbackServerContext* ctx, const v1::ListPoliciesRequest* req,
     v1::ListPoliciesResponse* resp) {
-  return Unary(ctx, [&] {
+  return Unary(core_, ctx, [&] {
     for (const PolicyInfo& p : core_->ListPolicies())
       ToProto(p, resp->add_policies());
     return absl::OkStatus();
@@ -747,19 +756,19 @@ grpc::ServerUnaryReactor* ManagerService::DemoteBlocks(
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto prepared = core_->PrepareDemote(FromProto(*req));
   if (!prepared.ok()) {
-    reactor->Finish(ToGrpcStatus(prepared.status()));
+    FinishDurable(core_, reactor, ToGrpcStatus(prepared.status()));
     return reactor;
   }
   if (prepared->done) {  // an idempotent repeat
     ToProto(*prepared->done, resp);
-    reactor->Finish(grpc::Status::OK);
+    FinishDurable(core_, reactor, grpc::Status::OK);
     return reactor;
   }
   const uint64_t token = prepared->token;
   if (prepared->blocks.empty()) {  // every block already has its encoding
     auto r = core_->CommitDemote(token);
     if (r.ok()) ToProto(*r, resp);
-    reactor->Finish(ToGrpcStatus(r.status()));
+    FinishDurable(core_, reactor, ToGrpcStatus(r.status()));
     return reactor;
   }
   const std::string worker_id = prepared->worker_id;
@@ -786,7 +795,7 @@ grpc::ServerUnaryReactor* ManagerService::DemoteBlocks(
           }
           result = r.status();
         }
-        reactor->Finish(ToGrpcStatus(result));
+        FinishDurable(core_, reactor, ToGrpcStatus(result));
       });
   return reactor;
 }
@@ -833,7 +842,7 @@ void ManagerService::CallWorkerDemote(
 grpc::ServerUnaryReactor* ManagerService::PutCalibration(
     grpc::CallbackServerContext* ctx, const v1::PutCalibrationRequest* req,
     v1::PutCalibrationResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     if (!req->has_table())
       return absl::InvalidArgumentError("table is not set");
     if (!req->table().has_shape())
@@ -852,7 +861,7 @@ grpc::ServerUnaryReactor* ManagerService::PutCalibration(
 grpc::ServerUnaryReactor* ManagerService::GetCalibration(
     grpc::CallbackServerContext* ctx, const v1::GetCalibrationRequest* req,
     v1::GetCalibrationResponse* resp) {
-  return Unary(ctx, [&]() -> absl::Status {
+  return Unary(core_, ctx, [&]() -> absl::Status {
     auto r = core_->GetCalibration(req->model());
     if (!r.ok()) return r.status();
     ToProto(*r, resp->mutable_table());

@@ -91,6 +91,14 @@ namespace triax::manager {
 // by gRPC before it reaches the service.
 inline constexpr int kMaxRequestBytes = 64 << 20;
 
+// Finishes `reactor` with `status` once what this thread's core calls
+// changed is durable (ManagerCore::WhenDurable; at once without a journal),
+// so that no reply acknowledges a change a crash could lose, and no thread
+// blocks on the disk meanwhile. Every unary reply of the service goes
+// through here.
+void FinishDurable(ManagerCore* core, grpc::ServerUnaryReactor* reactor,
+                   grpc::Status status);
+
 class ManagerService final : public v1::Manager::CallbackService {
  public:
   // `core` must outlive the service. check_interval_ms <= 0 disables the

@@ -22,12 +22,12 @@ grpc::ServerUnaryReactor* ManagerService::TransferSequence(
   absl::StatusOr<TransferPrepared> prepared =
       core_->PrepareTransfer(FromProto(*req));
   if (!prepared.ok()) {
-    reactor->Finish(ToGrpcStatus(prepared.status()));
+    FinishDurable(core_, reactor, ToGrpcStatus(prepared.status()));
     return reactor;
   }
   if (prepared->done) {  // an idempotent repeat of a committed transfer
     ToProto(*prepared->done, resp);
-    reactor->Finish(grpc::Status::OK);
+    FinishDurable(core_, reactor, grpc::Status::OK);
     return reactor;
   }
   // The import call's state lives until its completion callback.
@@ -108,7 +108,7 @@ grpc::ServerUnaryReactor* ManagerService::TransferSequence(
               absl::StrCat(Kv("transfer", p.transfer_id), " ",
                            Kv("error", result.ToString())));
         }
-        reactor->Finish(ToGrpcStatus(result));
+        FinishDurable(core_, reactor, ToGrpcStatus(result));
         delete call;
         absl::MutexLock lock(&mu_);
         --in_flight_;

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,9 @@ class MetadataJournal {
   // A journal that cannot write stops the process (fail-stop: the core's
   // memory is then ahead of its disk, and a restart recovers from the disk).
   virtual void Wait(uint64_t ticket) = 0;
+  // Calls fn once the ticket's record is durable (from the journal's
+  // writer thread, or now), with Wait's fail-stop.
+  virtual void OnDurable(uint64_t ticket, std::function<void()> fn) = 0;
 };
 
 // What a journal recovered, for ManagerCore::Restore. Records carry their

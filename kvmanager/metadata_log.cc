@@ -283,6 +283,20 @@ absl::Status MetadataLog::Wait(uint64_t seq) {
   return failed_;
 }
 
+void MetadataLog::OnDurable(uint64_t seq,
+                            std::function<void(const absl::Status&)> fn) {
+  absl::Status now;
+  {
+    absl::MutexLock lock(&mu_);
+    if (durable_seq_ < seq && failed_.ok()) {
+      callbacks_.emplace(seq, std::move(fn));
+      return;
+    }
+    now = failed_;
+  }
+  fn(now);
+}
+
 MetadataLogStats MetadataLog::stats() const {
   absl::MutexLock lock(&mu_);
   return stats_;
@@ -334,15 +348,26 @@ void MetadataLog::WriterLoop() {
       st = flush();
       ++syncs;
     }
-    absl::MutexLock lock(&mu_);
-    stats_.syncs += syncs;
-    if (!st.ok()) {
-      failed_ = st;
-      Log(LogLevel::kError, "metadata",
-          absl::StrCat("metadata log write failed: ", st.message()));
-      return;
+    std::vector<std::function<void(const absl::Status&)>> ready;
+    {
+      absl::MutexLock lock(&mu_);
+      stats_.syncs += syncs;
+      if (!st.ok()) {
+        failed_ = st;
+        Log(LogLevel::kError, "metadata",
+            absl::StrCat("metadata log write failed: ", st.message()));
+      } else {
+        durable_seq_ = last;
+      }
+      auto end =
+          st.ok() ? callbacks_.upper_bound(durable_seq_) : callbacks_.end();
+      for (auto it = callbacks_.begin(); it != end; ++it) {
+        ready.push_back(std::move(it->second));
+      }
+      callbacks_.erase(callbacks_.begin(), end);
     }
-    durable_seq_ = last;
+    for (auto& fn : ready) fn(st);
+    if (!st.ok()) return;
   }
 }
 

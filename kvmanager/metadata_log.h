@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -81,6 +82,10 @@ class MetadataLog {
   // Blocks until every record up to `seq` is on disk (fdatasync'ed), or the
   // writer failed: then returns its error (every later Wait too).
   absl::Status Wait(uint64_t seq);
+  // Calls fn once every record up to `seq` is on disk (OK) or the writer
+  // failed (its error): from the writer thread, or now from this one when
+  // that is already so. fn must not call back into the log.
+  void OnDurable(uint64_t seq, std::function<void(const absl::Status&)> fn);
 
   MetadataLogStats stats() const;
   const std::string& dir() const { return options_.dir; }
@@ -113,6 +118,8 @@ class MetadataLog {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   MetadataLogStats stats_ ABSL_GUARDED_BY(mu_);
+  std::multimap<uint64_t, std::function<void(const absl::Status&)>> callbacks_
+      ABSL_GUARDED_BY(mu_);
 };
 
 // Frames `payload` (length, CRC, payload) onto *out.

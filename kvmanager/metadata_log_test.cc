@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +23,8 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::triax::testing::IsOk;
+using ::triax::testing::StatusIs;
 
 std::string NewDir() {
   std::string tmpl = (fs::temp_directory_path() / "metalog-XXXXXX").string();
@@ -156,7 +159,7 @@ TEST(MetadataLogTest, ASecondOpenerIsRefused) {
   EXPECT_THAT(MetadataLog::Open(o), IsOk());
   o.dir = "";
   EXPECT_THAT(MetadataLog::Open(o).status(),
-              StatusIs(absl::StatusCode::kInvalidArgument));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
 }
 
 }  // namespace

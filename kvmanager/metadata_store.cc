@@ -285,14 +285,28 @@ uint64_t MetadataStore::Snapshot(const StateView& view) {
   return log_->AppendSnapshot(std::move(records));
 }
 
-void MetadataStore::Wait(uint64_t ticket) {
-  absl::Status st = log_->Wait(ticket);
-  if (st.ok()) return;
-  // Fail-stop: the core's memory is ahead of its disk. A restart recovers
-  // what is on disk; serving on would acknowledge changes that are not.
+namespace {
+
+// Fail-stop: the core's memory is ahead of its disk. A restart recovers
+// what is on disk; serving on would acknowledge changes that are not.
+[[noreturn]] void FailStop(const absl::Status& st) {
   Log(LogLevel::kError, "metadata",
       absl::StrCat("cannot write the metadata log, stopping: ", st.message()));
   std::_Exit(74);  // EX_IOERR
+}
+
+}  // namespace
+
+void MetadataStore::Wait(uint64_t ticket) {
+  absl::Status st = log_->Wait(ticket);
+  if (!st.ok()) FailStop(st);
+}
+
+void MetadataStore::OnDurable(uint64_t ticket, std::function<void()> fn) {
+  log_->OnDurable(ticket, [fn = std::move(fn)](const absl::Status& st) {
+    if (!st.ok()) FailStop(st);
+    fn();
+  });
 }
 
 // --- Recovery ----------------------------------------------------------------

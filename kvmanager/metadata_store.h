@@ -52,6 +52,7 @@ class MetadataStore : public MetadataJournal {
   uint64_t Write(const ChangeSet& changes, const StateView& view) override;
   uint64_t Snapshot(const StateView& view) override;
   void Wait(uint64_t ticket) override;
+  void OnDurable(uint64_t ticket, std::function<void()> fn) override;
 
   uint64_t epoch() const { return epoch_; }
   MetadataLogStats log_stats() const { return log_->stats(); }
