@@ -727,6 +727,8 @@ class ManagerCore {
   // changed.
   MetadataJournal* journal_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::atomic<bool> defer_waits_{false};
+  // journal_ for WhenDurable, read without mu_ (set by SetJournal).
+  std::atomic<MetadataJournal*> reply_journal_{nullptr};
   ChangeSet changes_ ABSL_GUARDED_BY(mu_);
   WorkerRegistry workers_ ABSL_GUARDED_BY(mu_);
   TenantLedger tenants_ ABSL_GUARDED_BY(mu_);

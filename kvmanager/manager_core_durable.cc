@@ -44,11 +44,7 @@ uint64_t ManagerCore::TakeDurableTicket() {
 }
 
 void ManagerCore::WhenDurable(uint64_t ticket, std::function<void()> fn) {
-  MetadataJournal* journal = nullptr;
-  if (ticket != 0) {
-    absl::MutexLock lock(&mu_);
-    journal = journal_;
-  }
+  MetadataJournal* journal = ticket != 0 ? reply_journal_.load() : nullptr;
   if (journal == nullptr) {
     fn();
     return;
@@ -81,6 +77,7 @@ void ManagerCore::SetJournal(MetadataJournal* journal) {
   {
     absl::MutexLock lock(&mu_);
     journal_ = journal;
+    reply_journal_ = journal;
     changes_.Clear();
     changes_.enabled = journal != nullptr;
     if (journal == nullptr) return;

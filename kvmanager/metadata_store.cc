@@ -56,45 +56,107 @@ void EncodeWorker(const WorkerRecord& w, meta::StoredWorker* p) {
   p->set_incarnation(w.incarnation);
 }
 
-void EncodeBlock(const BlockRecord& b, meta::StoredBlock* p) {
-  p->set_index(b.index);
-  p->set_lineage_id(b.lineage_id);
-  p->set_first_token(b.first_token);
-  p->set_num_tokens(b.num_tokens);
-  p->set_capacity(b.capacity);
-  ToProto(b.tag, p->mutable_tag());
-  EncodeEncoding(b.encoding, p->mutable_encoding());
-  p->set_tier(static_cast<v1::Tier>(b.tier));
-  p->set_evicted(b.evicted);
-  p->set_turn(b.turn);
-  p->set_bytes(b.bytes);
-  if (b.charged != nullptr) p->set_charged_tenant(b.charged->id);
-  p->set_creator(b.creator);
-  if (b.owner != nullptr) p->set_owner(b.owner->id);
-  p->set_prefix_hash(b.prefix_hash);
-  p->set_prefix_indexed(b.prefix_indexed);
+uint32_t PackTag(const Tag& t) {
+  return static_cast<uint32_t>(t.temporal) |
+         static_cast<uint32_t>(t.modality) << 8 |
+         static_cast<uint32_t>(t.role) << 16;
 }
 
-RecoveredBlock DecodeBlock(const meta::StoredBlock& p) {
+Tag UnpackTag(uint32_t v) {
+  Tag t;
+  t.temporal = static_cast<Temporal>(v & 0xff);
+  t.modality = static_cast<Modality>((v >> 8) & 0xff);
+  t.role = static_cast<Role>((v >> 16) & 0xff);
+  return t;
+}
+
+uint32_t PackEncoding(const Encoding& e) {
+  return static_cast<uint32_t>(e.k) | static_cast<uint32_t>(e.v) << 8 |
+         static_cast<uint32_t>(e.group & 0xff) << 16 |
+         static_cast<uint32_t>(e.scale_dtype) << 24;
+}
+
+Encoding UnpackEncoding(uint32_t v) {
+  Encoding e;
+  e.k = static_cast<Format>(v & 0xff);
+  e.v = static_cast<Format>((v >> 8) & 0xff);
+  e.group = static_cast<int>((v >> 16) & 0xff);
+  e.scale_dtype = static_cast<ScaleDtype>((v >> 24) & 0xff);
+  return e;
+}
+
+void EncodeBlocks(const SequenceRecord& s, meta::StoredBlocks* p) {
+  const int n = static_cast<int>(s.blocks.size());
+  p->mutable_lineage_id()->Reserve(n);
+  p->mutable_first_token()->Reserve(n);
+  p->mutable_num_tokens()->Reserve(n);
+  p->mutable_capacity()->Reserve(n);
+  p->mutable_tag()->Reserve(n);
+  p->mutable_encoding()->Reserve(n);
+  p->mutable_flags()->Reserve(n);
+  p->mutable_turn()->Reserve(n);
+  p->mutable_bytes()->Reserve(n);
+  for (uint32_t i = 0; i < s.blocks.size(); ++i) {
+    const BlockRecord& b = *s.blocks[i];
+    p->add_lineage_id(b.lineage_id);
+    p->add_first_token(b.first_token);
+    p->add_num_tokens(b.num_tokens);
+    p->add_capacity(b.capacity);
+    p->add_tag(PackTag(b.tag));
+    p->add_encoding(PackEncoding(b.encoding));
+    p->add_flags(static_cast<uint32_t>(b.tier) | (b.evicted ? 1u << 8 : 0u) |
+                 (b.prefix_indexed ? 1u << 9 : 0u));
+    p->add_turn(b.turn);
+    p->add_bytes(b.bytes);
+    if (b.charged != nullptr && b.charged != s.tenant) {
+      (*p->mutable_charged_tenant())[i] = b.charged->id;
+    }
+    if (b.creator != s.id) (*p->mutable_creator())[i] = b.creator;
+    if (b.owner != &s) {
+      (*p->mutable_owner())[i] = b.owner != nullptr ? b.owner->id : "";
+    }
+    if (!b.prefix_hash.empty()) (*p->mutable_prefix_hash())[i] = b.prefix_hash;
+  }
+}
+
+// Block i of a stored sequence (id, tenant).
+RecoveredBlock DecodeBlock(const meta::StoredBlocks& p, uint32_t i,
+                           const std::string& sequence_id,
+                           const std::string& tenant_id) {
   RecoveredBlock out;
   BlockRecord& b = out.record;
-  b.index = p.index();
-  b.lineage_id = p.lineage_id();
-  b.first_token = p.first_token();
-  b.num_tokens = p.num_tokens();
-  b.capacity = p.capacity();
-  b.tag = FromProto(p.tag());
-  b.encoding = DecodeEncoding(p.encoding());
-  b.tier = static_cast<Tier>(p.tier());
-  b.evicted = p.evicted();
-  b.turn = p.turn();
-  b.bytes = p.bytes();
-  b.creator = p.creator();
-  b.prefix_hash = p.prefix_hash();
-  b.prefix_indexed = p.prefix_indexed();
-  out.charged_tenant = p.charged_tenant();
-  out.owner = p.owner();
+  b.index = i;
+  b.lineage_id = p.lineage_id(i);
+  b.first_token = p.first_token(i);
+  b.num_tokens = p.num_tokens(i);
+  b.capacity = p.capacity(i);
+  b.tag = UnpackTag(p.tag(i));
+  b.encoding = UnpackEncoding(p.encoding(i));
+  const uint32_t flags = p.flags(i);
+  b.tier = static_cast<Tier>(flags & 0xff);
+  b.evicted = (flags & (1u << 8)) != 0;
+  b.prefix_indexed = (flags & (1u << 9)) != 0;
+  b.turn = p.turn(i);
+  b.bytes = p.bytes(i);
+  auto find = [i](const google::protobuf::Map<uint32_t, std::string>& m,
+                  const std::string& fallback) {
+    auto it = m.find(i);
+    return it == m.end() ? fallback : it->second;
+  };
+  out.charged_tenant = find(p.charged_tenant(), tenant_id);
+  b.creator = find(p.creator(), sequence_id);
+  out.owner = find(p.owner(), sequence_id);
+  b.prefix_hash = find(p.prefix_hash(), "");
   return out;
+}
+
+// Whether every column of `p` has `n` entries.
+bool ColumnsMatch(const meta::StoredBlocks& p) {
+  const int n = p.lineage_id_size();
+  return p.first_token_size() == n && p.num_tokens_size() == n &&
+         p.capacity_size() == n && p.tag_size() == n &&
+         p.encoding_size() == n && p.flags_size() == n && p.turn_size() == n &&
+         p.bytes_size() == n;
 }
 
 }  // namespace
@@ -150,7 +212,7 @@ class MetadataEncoder {
     p->set_current_turn(s.current_turn);
     p->set_policy_ref(Policy(s.policy, rec));
     p->set_parent(s.parent);
-    for (const BlockRecord* b : s.blocks) EncodeBlock(*b, p->add_blocks());
+    EncodeBlocks(s, p->mutable_blocks());
     for (uint32_t t : s.turn_start) p->add_turn_start(t);
     p->set_bytes(s.bytes);
     p->set_version(s.version);
@@ -270,7 +332,7 @@ uint64_t MetadataStore::Snapshot(const StateView& view) {
   size_t part_bytes = 0;
   for (const auto& [id, s] : view.sequences.all()) {
     enc.Sequence(*s, &part);
-    part_bytes += 64 + 96 * s->blocks.size();
+    part_bytes += 64 + 40 * s->blocks.size();
     if (part_bytes >= kSnapshotChunkBytes) {
       records.push_back(part.SerializeAsString());
       part.Clear();
@@ -323,10 +385,10 @@ struct Image {
   absl::flat_hash_map<std::string, uint64_t> operator_policies;
   absl::flat_hash_map<std::string, uint64_t> calibration_tables;
   absl::flat_hash_map<std::string, meta::StoredSequence> sequences;
-  absl::flat_hash_map<uint64_t, meta::StoredBlock> blocks;  // newest copy
+  absl::flat_hash_map<uint64_t, RecoveredBlock> blocks;  // newest copies
   uint64_t max_ref = 0;
 
-  void Apply(meta::MetadataRecord& rec) {
+  absl::Status Apply(meta::MetadataRecord& rec) {
     if (rec.snapshot_first()) *this = Image();
     if (rec.has_counters()) counters = rec.counters();
     for (auto& t : *rec.mutable_tenants()) tenants[t.id()] = std::move(t);
@@ -348,14 +410,30 @@ struct Image {
       calibration_tables[n.name()] = n.ref();
     }
     for (auto& s : *rec.mutable_sequences()) {
-      for (const auto& b : s.blocks()) blocks[b.lineage_id()] = b;
-      s.clear_blocks();  // kept as lineage ids below, in `order`
+      const meta::StoredBlocks& cols = s.blocks();
+      if (!ColumnsMatch(cols)) {
+        return absl::DataLossError(absl::StrCat("stored sequence ",
+                                                Quote(s.id()),
+                                                " has block columns of "
+                                                "different lengths"));
+      }
+      for (int i = 0; i < cols.lineage_id_size(); ++i) {
+        blocks[cols.lineage_id(i)] =
+            DecodeBlock(cols, static_cast<uint32_t>(i), s.id(), s.tenant_id());
+      }
       const std::string id = s.id();
       sequences[id] = std::move(s);
+      // Only the lineage ids are kept (the blocks are in `blocks`).
+      meta::StoredBlocks* kept = sequences[id].mutable_blocks();
+      google::protobuf::RepeatedField<uint64_t> ids;
+      ids.Swap(kept->mutable_lineage_id());
+      kept->Clear();
+      kept->mutable_lineage_id()->Swap(&ids);
     }
     for (const std::string& id : rec.dropped_sequence_ids()) {
       sequences.erase(id);
     }
+    return absl::OkStatus();
   }
 };
 
@@ -372,9 +450,6 @@ absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
       MetadataLog::Open(log_options);
   if (!log.ok()) return log.status();
   Image image;
-  // Each stored sequence's block lineage ids, as the newest record of it
-  // listed them.
-  absl::flat_hash_map<std::string, std::vector<uint64_t>> lineages;
   RecoveryFigures fig;
   absl::Status st = (*log)->Replay([&](absl::string_view bytes,
                                        bool /*from_snapshot*/) -> absl::Status {
@@ -386,17 +461,7 @@ absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
     }
     ++fig.records;
     fig.bytes += bytes.size();
-    if (rec.snapshot_first()) lineages.clear();
-    for (const auto& s : rec.sequences()) {
-      std::vector<uint64_t>& ids = lineages[s.id()];
-      ids.clear();
-      for (const auto& b : s.blocks()) ids.push_back(b.lineage_id());
-    }
-    for (const std::string& id : rec.dropped_sequence_ids()) {
-      lineages.erase(id);
-    }
-    image.Apply(rec);
-    return absl::OkStatus();
+    return image.Apply(rec);
   });
   if (!st.ok()) return st;
 
@@ -538,7 +603,8 @@ absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
     s.chain_open = p.chain_open();
     s.chain_tail.assign(p.chain_tail().begin(), p.chain_tail().end());
     if (s.state == SequenceState::kOpen) {
-      rs.lineage_ids = lineages[id];
+      rs.lineage_ids.assign(p.blocks().lineage_id().begin(),
+                            p.blocks().lineage_id().end());
       for (uint64_t lineage : rs.lineage_ids) {
         if (out.blocks.contains(lineage)) continue;
         auto b = image.blocks.find(lineage);
@@ -547,7 +613,7 @@ absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
                                                   " lists block ", lineage,
                                                   ", which is not stored"));
         }
-        out.blocks.emplace(lineage, DecodeBlock(b->second));
+        out.blocks.emplace(lineage, std::move(b->second));
       }
     }
     out.sequences.push_back(std::move(rs));

@@ -26,6 +26,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -49,6 +50,11 @@ ABSL_FLAG(std::string, kvmanager, "",
 ABSL_FLAG(std::string, clients, "1,16,64", "comma-separated client counts");
 ABSL_FLAG(int, seconds, 5, "seconds per client count");
 ABSL_FLAG(int, tenants, 4, "tenants the clients spread over");
+ABSL_FLAG(std::string, recovery_blocks, "",
+          "comma-separated block counts: instead of the throughput levels, "
+          "for each count fill a kvmanager (embedded store) with that many "
+          "blocks, kill it with SIGKILL, start it again on its store and "
+          "time the restart until it serves");
 ABSL_FLAG(std::string, metadata, "file",
           "the kvmanager's durable metadata: file (its embedded store in a "
           "fresh directory, fsync'ed group commits) or memory (none)");
@@ -122,6 +128,17 @@ class Manager {
   }
 
   int port() const { return port_; }
+  const std::string& log_file() const { return log_file_; }
+
+  // SIGKILL, reaped; the port file goes, so that a Start on the same
+  // directory waits for the new process's.
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+    std::remove(port_file_.c_str());
+  }
 
  private:
   pid_t pid_ = -1;
@@ -240,6 +257,125 @@ void RunClient(const std::string& target, int index, const std::string& tenant,
   }
 }
 
+// The bench worker and `tenants` tenants ("bench-t<i>") on a fresh manager.
+bool Setup(v1::Manager::Stub* admin, int tenants) {
+  v1::RegisterWorkerRequest req;
+  req.set_request_id("bench-register");
+  req.set_worker_id("bench-worker");
+  req.set_address("127.0.0.1:1");
+  req.set_backend("cpu");
+  req.set_capacity_bytes(uint64_t{1} << 62);
+  req.set_incarnation("bench-incarnation");
+  v1::RegisterWorkerResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status s = admin->RegisterWorker(&ctx, req, &resp);
+  if (!s.ok()) {
+    std::cerr << "RegisterWorker: " << s.error_message() << "\n";
+    return false;
+  }
+  for (int t = 0; t < tenants; ++t) {
+    v1::CreateTenantRequest treq;
+    treq.set_tenant_id(absl::StrCat("bench-t", t));
+    v1::CreateTenantResponse tresp;
+    grpc::ClientContext tctx;
+    s = admin->CreateTenant(&tctx, treq, &tresp);
+    if (!s.ok()) {
+      std::cerr << "CreateTenant: " << s.error_message() << "\n";
+      return false;
+    }
+  }
+  return true;
+}
+
+// Recovery: for each block count, a manager filled with open sequences of
+// 125 blocks (2,000 tokens at T = 16, the session's model), killed with
+// SIGKILL and started again on its store. Prints the store's size, the
+// restart's time until the port file appears (recovery, restore and the
+// start snapshot come before listening) and the manager's own figures.
+int RunRecovery(const std::string& binary, const std::vector<int64_t>& sizes) {
+  std::printf(
+      "| blocks | sequences | store MiB | fill s | restart until serving s | "
+      "read s | restore s | records |\n|---:|---:|---:|---:|---:|---:|---:|"
+      "---:|\n");
+  for (const int64_t blocks : sizes) {
+    char dir_template[] = "/tmp/manager_recovery.XXXXXX";
+    const char* dir = mkdtemp(dir_template);
+    if (dir == nullptr) return 1;
+    Manager manager;
+    if (!manager.Start(binary, dir)) return 1;
+    const std::string target = absl::StrCat("127.0.0.1:", manager.port());
+    auto admin = v1::Manager::NewStub(NewChannel(target, -1));
+    if (!Setup(admin.get(), 1)) return 1;
+    const int64_t sequences = (blocks + 124) / 125;
+    const int threads_n = 16;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> errors{0};
+    const auto fill_start = Clock::now();
+    std::vector<std::thread> threads;
+    for (int i = 0; i < threads_n; ++i) {
+      threads.emplace_back([&, i] {
+        auto stub = v1::Manager::NewStub(NewChannel(target, i));
+        v1::OpenSequenceRequest open;
+        open.set_tenant_id("bench-t0");
+        auto* m = open.mutable_model();
+        m->set_name("bench-8b");
+        m->set_n_layers(32);
+        m->set_n_kv_heads(8);
+        m->set_n_q_heads(32);
+        m->set_head_dim(128);
+        AddSpan(open.mutable_spans(), v1::ROLE_SYSTEM, 400);
+        AddSpan(open.mutable_spans(), v1::ROLE_USER, 1600);
+        while (next.fetch_add(1) < sequences) {
+          v1::OpenSequenceResponse resp;
+          grpc::ClientContext ctx;
+          if (!stub->OpenSequence(&ctx, open, &resp).ok()) errors++;
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    const double fill_s =
+        std::chrono::duration<double>(Clock::now() - fill_start).count();
+    if (errors > 0) {
+      std::cerr << errors << " opens failed\n";
+      return 1;
+    }
+    manager.Kill();
+    uint64_t store_bytes = 0;
+    for (const auto& e :
+         std::filesystem::directory_iterator(std::string(dir) + "/metadata")) {
+      store_bytes += e.file_size();
+    }
+    const auto restart = Clock::now();
+    if (!manager.Start(binary, dir)) return 1;
+    const double serving_s =
+        std::chrono::duration<double>(Clock::now() - restart).count();
+    // The manager's "metadata recovered" line: read_seconds and
+    // restore_seconds (restore includes the start snapshot).
+    std::ifstream log(manager.log_file());
+    std::string line, read_s = "?", restore_s = "?", records = "?";
+    auto field = [&](const std::string& key) -> std::string {
+      const size_t at = line.find(key + "=");
+      if (at == std::string::npos) return "?";
+      const size_t from = at + key.size() + 1;
+      return line.substr(from, line.find_first_of(" \"}", from) - from);
+    };
+    while (std::getline(log, line)) {
+      if (line.find("metadata recovered") == std::string::npos) continue;
+      read_s = field("read_seconds");
+      restore_s = field("restore_seconds");
+      records = field("records");
+    }
+    std::printf("| %lld | %lld | %.1f | %.1f | %.2f | %s | %s | %s |\n",
+                static_cast<long long>(sequences * 125),
+                static_cast<long long>(sequences), store_bytes / 1048576.0,
+                fill_s, serving_s, read_s.c_str(), restore_s.c_str(),
+                records.c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 double Percentile(std::vector<double>* v, double p) {
   if (v->empty()) return 0;
   std::sort(v->begin(), v->end());
@@ -263,6 +399,19 @@ int main(int argc, char** argv) {
     }
     levels.push_back(n);
   }
+  if (!absl::GetFlag(FLAGS_recovery_blocks).empty()) {
+    std::vector<int64_t> sizes;
+    for (absl::string_view part :
+         absl::StrSplit(absl::GetFlag(FLAGS_recovery_blocks), ',')) {
+      int64_t n = 0;
+      if (!absl::SimpleAtoi(part, &n) || n < 1) {
+        std::cerr << "--recovery_blocks: bad count \"" << part << "\"\n";
+        return 2;
+      }
+      sizes.push_back(n);
+    }
+    return RunRecovery(binary, sizes);
+  }
   const int seconds = absl::GetFlag(FLAGS_seconds);
   const int tenants = std::max(1, absl::GetFlag(FLAGS_tenants));
 
@@ -277,40 +426,14 @@ int main(int argc, char** argv) {
   const std::string target = absl::StrCat("127.0.0.1:", manager.port());
 
   auto admin = v1::Manager::NewStub(NewChannel(target, -1));
-  {
-    v1::RegisterWorkerRequest req;
-    req.set_request_id("bench-register");
-    req.set_worker_id("bench-worker");
-    req.set_address("127.0.0.1:1");
-    req.set_backend("cpu");
-    req.set_capacity_bytes(uint64_t{1} << 62);
-    v1::RegisterWorkerResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::seconds(10));
-    grpc::Status s = admin->RegisterWorker(&ctx, req, &resp);
-    if (!s.ok()) {
-      std::cerr << "RegisterWorker: " << s.error_message() << "\n";
-      return 1;
-    }
-  }
-  for (int t = 0; t < tenants; ++t) {
-    v1::CreateTenantRequest req;
-    req.set_tenant_id(absl::StrCat("bench-t", t));
-    v1::CreateTenantResponse resp;
-    grpc::ClientContext ctx;
-    grpc::Status s = admin->CreateTenant(&ctx, req, &resp);
-    if (!s.ok()) {
-      std::cerr << "CreateTenant: " << s.error_message() << "\n";
-      return 1;
-    }
-  }
+  if (!Setup(admin.get(), tenants)) return 1;
   absl::Notification stop_heartbeat;
   std::thread heartbeat([&] {
     while (!stop_heartbeat.WaitForNotificationWithTimeout(
         absl::Milliseconds(500))) {
       v1::HeartbeatRequest req;
       req.set_worker_id("bench-worker");
+      req.set_incarnation("bench-incarnation");
       v1::HeartbeatResponse resp;
       grpc::ClientContext ctx;
       admin->Heartbeat(&ctx, req, &resp);
