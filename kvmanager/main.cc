@@ -46,8 +46,8 @@ ABSL_FLAG(uint64_t, event_retention, 1000000,
           "lifecycle events kept for WatchEvents replay and QueryTrace "
           "(oldest dropped first); >= 1");
 ABSL_FLAG(uint64_t, event_retention_bytes, uint64_t{1} << 30,
-          "and fewer events when their estimated bytes pass this (about 350 "
-          "bytes an event; oldest dropped first); 0: no byte bound");
+          "and fewer events when their estimated bytes pass this (about 330 "
+          "bytes a block event; oldest dropped first); 0: no byte bound");
 ABSL_FLAG(uint64_t, closed_retention, 100000,
           "closed and lost sequences kept queryable (GetSequence, "
           "ListSequences include_closed) after they end, oldest dropped "
