@@ -326,6 +326,32 @@ TEST_F(ListTest, TraceEventsPage) {
   EXPECT_THAT(got, ElementsAreArray(want));
 }
 
+TEST_F(ListTest, LostSequencesLeaveTheOpenListAndComeBackWhenRecovered) {
+  RegisterWorkerRequest reg{"", "w1", "127.0.0.1:9001", "cpu", 1ull << 40};
+  reg.incarnation = "boot-1";
+  ASSERT_THAT(core_->RegisterWorker(reg), IsOk());
+  for (int i = 0; i < 4; ++i) OpenOne();
+  // w1 silent past worker_down_timeout_ms: every sequence LOST.
+  clock_.AdvanceMs(3001);
+  core_->CheckWorkers();
+  clock_.AdvanceMs(30000);
+  ASSERT_EQ(core_->CheckWorkers().size(), 1u);
+  EXPECT_TRUE(WalkSequences(core_.get(), "", false, 2).empty());
+  EXPECT_TRUE(WalkSequences(core_.get(), "acme", false, 2).empty());
+  EXPECT_THAT(WalkSequences(core_.get(), "", true, 3),
+              ElementsAreArray(Seqs({1, 2, 3, 4})));
+  // The same incarnation returns holding seq-2 and seq-4: those are open
+  // again (and listed as open), the others stay lost.
+  reg.inventory.sequence_ids = {"seq-2", "seq-4"};
+  ASSERT_THAT(core_->RegisterWorker(reg), IsOk());
+  EXPECT_THAT(WalkSequences(core_.get(), "", false, 1),
+              ElementsAreArray(Seqs({2, 4})));
+  EXPECT_THAT(WalkSequences(core_.get(), "acme", false, 1),
+              ElementsAreArray(Seqs({2, 4})));
+  EXPECT_THAT(WalkSequences(core_.get(), "acme", true, 10),
+              ElementsAreArray(Seqs({1, 2, 3, 4})));
+}
+
 TEST_F(ListTest, ClosedRetentionForgetsTheOldestClosedSequences) {
   ManagerOptions options;
   options.closed_retention = 2;
