@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -146,7 +147,9 @@ class SequenceTable {
     bool operator()(
         const std::pair<const TenantRecord*, absl::string_view>& a,
         const std::pair<const TenantRecord*, absl::string_view>& b) const {
-      if (a.first != b.first) return a.first < b.first;
+      if (a.first != b.first) {
+        return std::less<const TenantRecord*>()(a.first, b.first);
+      }
       return ShortlexLess()(a.second, b.second);
     }
   };
