@@ -256,6 +256,28 @@ class Client {
   // "GetPressure: " (UNIMPLEMENTED from a manager without pressure support).
   absl::StatusOr<triax::v1::GetPressureResponse> GetPressure(uint32_t top);
 
+  // Operator lists (the manager's List RPCs and QueryTrace, which answer a
+  // page at a time: docs/manager.md "Paging"). Each follows next_page_token
+  // until the last page, asking `page_size` items a page (0: the manager's
+  // default, 1000), and returns every item in one response, in the
+  // manager's order, with next_page_token empty. A page that fails
+  // UNAVAILABLE is asked once more; errors are prefixed with the RPC's name
+  // (INVALID_ARGUMENT for a negative page_size, checked locally; INTERNAL
+  // when the manager hands back the token it was given, which would never
+  // end). Items added or removed during the walk may or may not appear;
+  // every item present throughout appears once.
+  absl::StatusOr<triax::v1::ListWorkersResponse> ListWorkers(
+      int32_t page_size = 0);
+  absl::StatusOr<triax::v1::ListTenantsResponse> ListTenants(
+      int32_t page_size = 0);
+  absl::StatusOr<triax::v1::ListSequencesResponse> ListSequences(
+      const std::string& tenant_id, bool include_closed, int32_t page_size = 0);
+  absl::StatusOr<triax::v1::ListPoliciesResponse> ListPolicies(
+      int32_t page_size = 0);
+  // Every page's block and sequence_id are the same; the events add up.
+  absl::StatusOr<triax::v1::QueryTraceResponse> QueryTrace(
+      uint64_t lineage_id, int32_t page_size = 0);
+
   triax::v1::Manager::Stub* manager() { return manager_.get(); }
   // Stub for a worker address (cached). FAILED_PRECONDITION for "".
   absl::StatusOr<triax::v1::Worker::Stub*> worker(const std::string& address);
@@ -268,6 +290,15 @@ class Client {
   Client() = default;
 
   void SetDeadline(grpc::ClientContext* ctx) const;
+  // The walk of the List functions above (kv_client_list.cc): `page(req,
+  // resp)` asks one page of req (page fields set) into resp; `append(resp,
+  // all)` moves the page's items into all.
+  template <typename Req, typename Resp>
+  absl::StatusOr<Resp> AllPages(
+      absl::string_view what, Req req,
+      const std::function<grpc::Status(grpc::ClientContext*, const Req&,
+                                       Resp*)>& page,
+      const std::function<void(Resp*, Resp*)>& append);
   // Runs `call` with a fresh context and deadline; once more when it fails
   // with UNAVAILABLE and `retry` is set. The status is prefixed with `what`.
   absl::Status CallWithRetry(

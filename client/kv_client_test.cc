@@ -23,6 +23,7 @@ namespace triax::client {
 namespace {
 
 using ::testing::AllOf;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 using triax::testing::IsOk;
@@ -676,6 +677,133 @@ TEST(Client, TransferSequenceRefreshesTheHandle) {
   EXPECT_TRUE(req.follow_writes());
   EXPECT_FALSE(req.request_id().empty());
   EXPECT_NE(req.request_id(), fake.requests[0].request_id());
+  server->Shutdown();
+}
+
+// A manager that pages ListSequences (tokens "p<next index>") over five
+// sequences and QueryTrace over three events, recording the requests;
+// `unavailable_once` fails the next page once, `stuck` answers every page
+// with the token it was given.
+class PagingManager final : public triax::v1::Manager::Service {
+ public:
+  grpc::Status ListSequences(grpc::ServerContext*,
+                             const triax::v1::ListSequencesRequest* req,
+                             triax::v1::ListSequencesResponse* resp) override {
+    absl::MutexLock lock(&mu);
+    requests.push_back(*req);
+    if (unavailable_once) {
+      unavailable_once = false;
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "try again");
+    }
+    size_t from = 0;
+    if (!req->page_token().empty())
+      from = std::stoul(req->page_token().substr(1));
+    const size_t size = req->page_size() == 0 ? 1000 : req->page_size();
+    size_t i = from;
+    for (; i < 5 && i < from + size; ++i) {
+      resp->add_sequences()->set_sequence_id("seq-" + std::to_string(i + 1));
+    }
+    if (stuck) {
+      resp->set_next_page_token(req->page_token().empty() ? "p0"
+                                                          : req->page_token());
+    } else if (i < 5) {
+      resp->set_next_page_token("p" + std::to_string(i));
+    }
+    return grpc::Status::OK;
+  }
+  grpc::Status QueryTrace(grpc::ServerContext*,
+                          const triax::v1::QueryTraceRequest* req,
+                          triax::v1::QueryTraceResponse* resp) override {
+    const uint64_t from =
+        req->page_token().empty() ? 1 : std::stoul(req->page_token());
+    resp->mutable_block()->set_lineage_id(req->lineage_id());
+    resp->set_sequence_id("seq-1");
+    resp->add_events()->set_id(from);
+    if (from < 3) resp->set_next_page_token(std::to_string(from + 1));
+    return grpc::Status::OK;
+  }
+  absl::Mutex mu;
+  bool unavailable_once ABSL_GUARDED_BY(mu) = false;
+  bool stuck ABSL_GUARDED_BY(mu) = false;
+  std::vector<triax::v1::ListSequencesRequest> requests ABSL_GUARDED_BY(mu);
+};
+
+TEST(Client, ListsFollowEveryPage) {
+  PagingManager fake;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&fake);
+  auto server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ClientOptions o = Unreachable();
+  o.manager_address = "127.0.0.1:" + std::to_string(port);
+  auto c = Client::Connect(o);
+  ASSERT_THAT(c, IsOk());
+
+  auto ids = [](const triax::v1::ListSequencesResponse& r) {
+    std::vector<std::string> out;
+    for (const auto& s : r.sequences()) out.push_back(s.sequence_id());
+    return out;
+  };
+  auto all = (*c)->ListSequences("acme", true, 2);
+  ASSERT_THAT(all, IsOk());
+  EXPECT_THAT(ids(*all),
+              ElementsAre("seq-1", "seq-2", "seq-3", "seq-4", "seq-5"));
+  EXPECT_TRUE(all->next_page_token().empty());
+  {
+    absl::MutexLock lock(&fake.mu);
+    ASSERT_EQ(fake.requests.size(), 3u);
+    EXPECT_EQ(fake.requests[0].page_token(), "");
+    EXPECT_EQ(fake.requests[1].page_token(), "p2");
+    EXPECT_EQ(fake.requests[2].page_token(), "p4");
+    for (const auto& r : fake.requests) {
+      EXPECT_EQ(r.tenant_id(), "acme");
+      EXPECT_TRUE(r.include_closed());
+      EXPECT_EQ(r.page_size(), 2);
+    }
+    fake.requests.clear();
+    fake.unavailable_once = true;
+  }
+  // An UNAVAILABLE page is asked once more, the same page.
+  all = (*c)->ListSequences("", false, 3);
+  ASSERT_THAT(all, IsOk());
+  EXPECT_EQ(ids(*all).size(), 5u);
+  {
+    absl::MutexLock lock(&fake.mu);
+    ASSERT_EQ(fake.requests.size(), 3u);
+    EXPECT_EQ(fake.requests[0].page_token(), "");
+    EXPECT_EQ(fake.requests[1].page_token(), "");
+    EXPECT_EQ(fake.requests[2].page_token(), "p3");
+    fake.requests.clear();
+    fake.stuck = true;
+  }
+  // A manager answering the token it was given would never end.
+  EXPECT_THAT((*c)->ListSequences("", false, 2),
+              StatusIs(absl::StatusCode::kInternal,
+                       AllOf(StartsWith("ListSequences: "),
+                             HasSubstr("same next_page_token"))));
+  {
+    absl::MutexLock lock(&fake.mu);
+    EXPECT_EQ(fake.requests.size(), 2u);
+    fake.requests.clear();
+  }
+  EXPECT_THAT(
+      (*c)->ListSequences("", false, -1),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_size -1")));
+  {
+    absl::MutexLock lock(&fake.mu);
+    EXPECT_TRUE(fake.requests.empty());  // refused before any RPC
+  }
+
+  auto trace = (*c)->QueryTrace(9, 1);
+  ASSERT_THAT(trace, IsOk());
+  EXPECT_EQ(trace->block().lineage_id(), 9u);
+  EXPECT_EQ(trace->sequence_id(), "seq-1");
+  ASSERT_EQ(trace->events_size(), 3);
+  EXPECT_EQ(trace->events(0).id(), 1u);
+  EXPECT_EQ(trace->events(2).id(), 3u);
   server->Shutdown();
 }
 

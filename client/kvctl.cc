@@ -65,6 +65,10 @@ ABSL_FLAG(int64_t, wait_ms, 0,
           "events: stop quietly after this long (0: no limit)");
 ABSL_FLAG(bool, json, false, "events: print JSON lines");
 ABSL_FLAG(uint32_t, top, 20, "pressure: ranked actions to show (1..10000)");
+ABSL_FLAG(int32_t, page_size, 0,
+          "workers, pools, tenants, sequences, policies, trace: items asked "
+          "per page (every page is fetched and printed; 0: the manager's "
+          "default, 1000)");
 
 namespace {
 
@@ -117,6 +121,10 @@ commands:
          [--wait_ms N] [--json]  one event per line (key=value or JSON)
   --version                     print the version and the git commit of the
                                 build and exit 0
+
+The list commands (workers, pools, tenants, sequences, policies, trace) read
+every page the manager answers and print all items; --page_size N (1..10000,
+0: the manager's default of 1000) sets the items asked per page.
 )";
 
 int Usage(const std::string& why) {
@@ -164,33 +172,27 @@ class Kvctl {
         std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
   }
 
+  // The list commands follow the manager's pages (Client::List*), so they
+  // print every item however many there are.
+  static int32_t PageSize() { return absl::GetFlag(FLAGS_page_size); }
   int Workers() {
-    grpc::ClientContext ctx;
-    Deadline(&ctx);
-    triax::v1::ListWorkersResponse resp;
-    auto s = m()->ListWorkers(&ctx, {}, &resp);
-    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
-    std::cout << triax::kvctl::WorkersTable(resp);
+    auto resp = client_->ListWorkers(PageSize());
+    if (!resp.ok()) return Fail(resp.status());
+    std::cout << triax::kvctl::WorkersTable(*resp);
     return 0;
   }
 
   int Pools() {
-    grpc::ClientContext ctx;
-    Deadline(&ctx);
-    triax::v1::ListWorkersResponse resp;
-    auto s = m()->ListWorkers(&ctx, {}, &resp);
-    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
-    std::cout << triax::kvctl::PoolsTable(resp);
+    auto resp = client_->ListWorkers(PageSize());
+    if (!resp.ok()) return Fail(resp.status());
+    std::cout << triax::kvctl::PoolsTable(*resp);
     return 0;
   }
 
   int Tenants() {
-    grpc::ClientContext ctx;
-    Deadline(&ctx);
-    triax::v1::ListTenantsResponse resp;
-    auto s = m()->ListTenants(&ctx, {}, &resp);
-    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
-    std::cout << triax::kvctl::TenantsTable(resp);
+    auto resp = client_->ListTenants(PageSize());
+    if (!resp.ok()) return Fail(resp.status());
+    std::cout << triax::kvctl::TenantsTable(*resp);
     return 0;
   }
 
@@ -250,15 +252,10 @@ class Kvctl {
   }
 
   int Sequences() {
-    triax::v1::ListSequencesRequest req;
-    req.set_tenant_id(absl::GetFlag(FLAGS_tenant));
-    req.set_include_closed(absl::GetFlag(FLAGS_all));
-    grpc::ClientContext ctx;
-    Deadline(&ctx);
-    triax::v1::ListSequencesResponse resp;
-    auto s = m()->ListSequences(&ctx, req, &resp);
-    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
-    std::cout << triax::kvctl::SequencesTable(resp);
+    auto resp = client_->ListSequences(absl::GetFlag(FLAGS_tenant),
+                                       absl::GetFlag(FLAGS_all), PageSize());
+    if (!resp.ok()) return Fail(resp.status());
+    std::cout << triax::kvctl::SequencesTable(*resp);
     return 0;
   }
 
@@ -333,12 +330,9 @@ class Kvctl {
   }
 
   int Policies() {
-    grpc::ClientContext ctx;
-    Deadline(&ctx);
-    triax::v1::ListPoliciesResponse resp;
-    auto s = m()->ListPolicies(&ctx, {}, &resp);
-    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
-    std::cout << triax::kvctl::PoliciesTable(resp);
+    auto resp = client_->ListPolicies(PageSize());
+    if (!resp.ok()) return Fail(resp.status());
+    std::cout << triax::kvctl::PoliciesTable(*resp);
     return 0;
   }
 
@@ -398,14 +392,9 @@ class Kvctl {
   }
 
   int Trace(uint64_t lineage) {
-    triax::v1::QueryTraceRequest req;
-    req.set_lineage_id(lineage);
-    grpc::ClientContext ctx;
-    Deadline(&ctx);
-    triax::v1::QueryTraceResponse resp;
-    auto s = m()->QueryTrace(&ctx, req, &resp);
-    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
-    std::cout << triax::kvctl::TraceDetail(lineage, resp);
+    auto resp = client_->QueryTrace(lineage, PageSize());
+    if (!resp.ok()) return Fail(resp.status());
+    std::cout << triax::kvctl::TraceDetail(lineage, *resp);
     return 0;
   }
 
@@ -480,6 +469,9 @@ int main(int argc, char** argv) {
   auto client = triax::client::Client::Connect(opts);
   if (!client.ok()) return Fail(client.status());
   Kvctl k(client->get(), timeout_given);
+  if (const int32_t n = absl::GetFlag(FLAGS_page_size); n < 0) {
+    return Usage(absl::StrCat("--page_size=", n, " is negative"));
+  }
 
   if (cmd == "workers" && want_args(0)) return k.Workers();
   if (cmd == "pools" && want_args(0)) return k.Pools();

@@ -534,6 +534,7 @@ void ToProto(const TraceResult& d, v1::QueryTraceResponse* p) {
   ToProto(d.block, p->mutable_block());
   p->set_sequence_id(d.sequence_id);
   for (const Event& e : d.events) ToProto(e, p->add_events());
+  p->set_next_page_token(d.next_page_token);
 }
 
 void ToProto(const PressureState& d, v1::GetPressureResponse* p) {

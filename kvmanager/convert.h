@@ -38,6 +38,11 @@ CalibrationTableInfo FromProto(const v1::CalibrationTable& p);
 ReportAccessRequest FromProto(const v1::ReportAccessRequest& p);
 TransferSequenceRequest FromProto(const v1::TransferSequenceRequest& p);
 TransferImportFigures FromProto(const v1::ImportSequenceResponse& p);
+// The paging fields every List request (and QueryTrace's) carries.
+template <typename Req>
+PageRequest PageOf(const Req& p) {
+  return PageRequest{p.page_size(), p.page_token()};
+}
 
 // Replies and infos.
 void ToProto(const BlockPlan& d, v1::BlockPlan* p);

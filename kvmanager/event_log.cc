@@ -113,6 +113,8 @@ void EventLog::Append(std::vector<Event>* events,
         }
       }
       events_.push_back(e);
+      // Of the stored copy: eviction subtracts the same figure.
+      bytes_ += EventBytes(events_.back());
     }
     if (forgotten != nullptr) {
       for (const LastPlan& lp : *forgotten)
@@ -123,8 +125,25 @@ void EventLog::Append(std::vector<Event>* events,
   for (const auto& sub : to_notify) sub->Notify();
 }
 
+uint64_t EventLog::EventBytes(const Event& e) {
+  // Heap bytes of a string beyond the small-string buffer (libstdc++: 15).
+  auto heap = [](const std::string& s) -> uint64_t {
+    return s.capacity() > 15 ? s.capacity() + 1 : 0;
+  };
+  // The index's share: an id in its lineage's queue and a part of the
+  // entry (measured: bench/results/manager.md "Retention and memory").
+  constexpr uint64_t kIndexBytes = 48;
+  return sizeof(Event) + heap(e.sequence_id) + heap(e.tenant_id) +
+         heap(e.worker_id) + heap(e.detail) + heap(e.source_worker_id) +
+         e.lineage_ids.capacity() * sizeof(uint64_t) +
+         (e.lineage_id != 0 ? kIndexBytes : 0);
+}
+
 void EventLog::EvictLocked() {
-  while (events_.size() > options_.retention) {
+  // The newest event always stays, whatever its bytes.
+  while (events_.size() > options_.retention ||
+         (options_.retention_bytes != 0 && bytes_ > options_.retention_bytes &&
+          events_.size() > 1)) {
     const Event& e = events_.front();
     if (e.lineage_id != 0) {
       auto it = lineages_.find(e.lineage_id);
@@ -134,6 +153,7 @@ void EventLog::EvictLocked() {
         if (ids.empty()) lineages_.erase(it);
       }
     }
+    bytes_ -= EventBytes(e);
     events_.pop_front();
     ++first_id_;
   }
@@ -169,6 +189,26 @@ std::vector<Event> EventLog::EventsForLineage(uint64_t lineage_id) const {
   return out;
 }
 
+std::vector<Event> EventLog::EventsForLineage(uint64_t lineage_id,
+                                              uint64_t after_id, size_t max,
+                                              bool* more) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<Event> out;
+  *more = false;
+  auto it = lineages_.find(lineage_id);
+  if (it == lineages_.end()) return out;
+  const IdQueue& ids = it->second.event_ids;
+  // Ids below first_id_ have left retention (the entry keeps them until
+  // eviction reaches it); the cursor skips them too.
+  auto id = std::upper_bound(ids.begin(), ids.end(),
+                             std::max(after_id, first_id_ - 1));
+  for (; id != ids.end() && out.size() < max; ++id) {
+    out.push_back(events_[*id - first_id_]);
+  }
+  *more = id != ids.end();
+  return out;
+}
+
 void EventLog::RecordLastPlan(const BlockPlan& plan,
                               const std::string& creator) {
   absl::MutexLock lock(&mu_);
@@ -180,15 +220,17 @@ void EventLog::RecordLastPlanLocked(const BlockPlan& plan,
   auto it = lineages_.find(plan.lineage_id);
   // A lineage without retained events is forgotten anyway.
   if (it == lineages_.end()) return;
-  it->second.last_plan = LastPlan{plan, creator};
+  it->second.last_plan = std::make_unique<LastPlan>(LastPlan{plan, creator});
 }
 
 std::optional<EventLog::LastPlan> EventLog::FindLastPlan(
     uint64_t lineage_id) const {
   absl::MutexLock lock(&mu_);
   auto it = lineages_.find(lineage_id);
-  if (it == lineages_.end()) return std::nullopt;
-  return it->second.last_plan;
+  if (it == lineages_.end() || it->second.last_plan == nullptr) {
+    return std::nullopt;
+  }
+  return *it->second.last_plan;
 }
 
 std::shared_ptr<EventSubscription> EventLog::Subscribe(
@@ -216,6 +258,16 @@ void EventLog::Unsubscribe(EventSubscription* sub) {
       subs_.end());
   sub->ended_ = true;
   sub->end_status_ = absl::CancelledError("watch cancelled");
+}
+
+size_t EventLog::retained() const {
+  absl::MutexLock lock(&mu_);
+  return events_.size();
+}
+
+uint64_t EventLog::retained_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
 }
 
 size_t EventLog::subscribers() const {

@@ -138,3 +138,74 @@ TEST(EventLogTest, SlowWatcherIsEndedWithResourceExhausted) {
 
 }  // namespace
 }  // namespace triax::manager
+
+namespace triax::manager {
+namespace {
+
+TEST(EventLogTest, ByteBoundDropsOldestEvents) {
+  Event sample = Ev(EventKind::kBlockCreated, 1, "seq-1");
+  sample.detail = std::string(100, 'x');  // on the heap
+  const uint64_t one = EventLog::EventBytes(sample);
+  EXPECT_GT(one, sizeof(Event) + 100);
+  EventLog log({/*retention=*/1000, /*watcher_queue_limit=*/100,
+                /*retention_bytes=*/10 * one});
+  std::vector<Event> batch;
+  for (uint64_t i = 0; i < 30; ++i) {
+    Event e = sample;
+    e.lineage_id = i + 1;
+    batch.push_back(e);
+  }
+  log.Append(&batch);
+  // The count bound (1000) is far: the byte bound keeps the newest 10.
+  EXPECT_EQ(log.retained(), 10u);
+  EXPECT_LE(log.retained_bytes(), 10 * one);
+  auto kept = log.Retained(1, EventFilter{});
+  ASSERT_EQ(kept.size(), 10u);
+  EXPECT_EQ(kept.front().id, 21u);
+  EXPECT_EQ(kept.back().id, 30u);
+  // Evicted events leave the lineage index.
+  EXPECT_TRUE(log.EventsForLineage(20).empty());
+  EXPECT_EQ(log.EventsForLineage(21).size(), 1u);
+
+  // One event bigger than the bound still stays: the newest is kept.
+  Event huge = sample;
+  huge.detail = std::string(20 * one, 'y');
+  std::vector<Event> big = {huge};
+  log.Append(&big);
+  EXPECT_EQ(log.retained(), 1u);
+  EXPECT_EQ(log.Retained(1, EventFilter{}).front().id, 31u);
+}
+
+TEST(EventLogTest, LongLineageKeepsItsNewestEventsInOrderAndPages) {
+  EventLog log({/*retention=*/50, /*watcher_queue_limit=*/100});
+  for (int i = 0; i < 100; ++i) {
+    std::vector<Event> one = {Ev(EventKind::kBlockRetagged, 7, "s")};
+    log.Append(&one);
+  }
+  auto all = log.EventsForLineage(7);
+  ASSERT_EQ(all.size(), 50u);
+  for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i].id, 51 + i);
+  // Pages of 20 after each page's last id.
+  std::vector<uint64_t> got;
+  uint64_t after = 0;
+  bool more = true;
+  int pages = 0;
+  while (more) {
+    auto page = log.EventsForLineage(7, after, 20, &more);
+    ++pages;
+    for (const Event& e : page) got.push_back(e.id);
+    if (!page.empty()) after = page.back().id;
+  }
+  EXPECT_EQ(pages, 3);
+  ASSERT_EQ(got.size(), 50u);
+  EXPECT_EQ(got.front(), 51u);
+  EXPECT_EQ(got.back(), 100u);
+  // A cursor below retention starts at the oldest retained event.
+  auto first = log.EventsForLineage(7, 3, 1, &more);
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(first[0].id, 51u);
+  EXPECT_TRUE(more);
+}
+
+}  // namespace
+}  // namespace triax::manager

@@ -56,7 +56,22 @@ ABSL_FLAG(uint32_t, default_block_tokens, 16,
 ABSL_FLAG(uint32_t, recent_turns, 2,
           "turns before the newest whose blocks are tagged RECENT_TURNS");
 ABSL_FLAG(uint64_t, event_retention, 1000000,
-          "lifecycle events kept for WatchEvents replay and QueryTrace");
+          "lifecycle events kept for WatchEvents replay and QueryTrace "
+          "(oldest dropped first); >= 1");
+ABSL_FLAG(uint64_t, event_retention_bytes, uint64_t{1} << 30,
+          "and fewer events when their estimated bytes pass this (about 330 "
+          "bytes a block event; oldest dropped first); 0: no byte bound");
+ABSL_FLAG(uint64_t, closed_retention, 100000,
+          "closed and lost sequences kept queryable (GetSequence, "
+          "ListSequences include_closed) after they end, oldest dropped "
+          "first (then NOT_FOUND); 0: none");
+ABSL_FLAG(uint64_t, idempotency_capacity, 16384,
+          "replies remembered per mutating method for request-id retries, "
+          "oldest dropped first (a retry older than that is applied again); "
+          ">= 1");
+ABSL_FLAG(uint64_t, watcher_queue_limit, 65536,
+          "live events a WatchEvents stream may lag behind before it is "
+          "ended RESOURCE_EXHAUSTED; >= 1");
 ABSL_FLAG(std::string, default_policy, "triaxial-static",
           "built-in policy for tenants without their own: triaxial-static, "
           "bf16, fp8, int8, int4, int2, tq4, tq3, tq2");
@@ -134,7 +149,17 @@ constexpr char kUsage[] =
     "serving. With --http_listen it also serves /metrics (Prometheus text),\n"
     "/healthz and /readyz over HTTP (docs/metrics.md). Exit status: 0 after\n"
     "SIGTERM / SIGINT (graceful shutdown), 1 when it cannot start, 2 for\n"
-    "flags out of range or contradicting each other. Flags:";
+    "flags out of range or contradicting each other.\n"
+    "\n"
+    "What it cannot rebuild from its workers it keeps in --metadata (an\n"
+    "embedded write-ahead log and snapshots; docs/manager.md \"Durable\n"
+    "metadata\"): killed and started again on the same flags it recovers.\n"
+    "Memory beyond open sequences and their blocks is bounded by\n"
+    "--event_retention, --event_retention_bytes, --closed_retention,\n"
+    "--idempotency_capacity and --watcher_queue_limit; docs/manager.md\n"
+    "\"Retention and memory\" gives the bytes per item. List RPCs answer\n"
+    "pages of at most 10000 items (page_size 0: 1000); kvctl follows the\n"
+    "pages. Flags:";
 
 // Ranges the core does not check, and flags that contradict each other;
 // messages name the flags and their values. ManagerCore::Create checks the
@@ -164,6 +189,16 @@ absl::Status CheckFlags() {
   if (const int64_t d = absl::GetFlag(FLAGS_admission_deadline_ms); d <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--admission_deadline_ms=", d, " must be > 0"));
+  }
+  for (const auto& [name, value] :
+       {std::pair<const char*, uint64_t>{"event_retention",
+                                         absl::GetFlag(FLAGS_event_retention)},
+        {"idempotency_capacity", absl::GetFlag(FLAGS_idempotency_capacity)},
+        {"watcher_queue_limit", absl::GetFlag(FLAGS_watcher_queue_limit)}}) {
+    if (value == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, "=0 must be >= 1"));
+    }
   }
   if (const int64_t p = absl::GetFlag(FLAGS_pressure_interval_ms); p < 0) {
     return absl::InvalidArgumentError(
@@ -203,6 +238,10 @@ int main(int argc, char** argv) {
   options.default_block_tokens = absl::GetFlag(FLAGS_default_block_tokens);
   options.recent_turns = absl::GetFlag(FLAGS_recent_turns);
   options.event_retention = absl::GetFlag(FLAGS_event_retention);
+  options.event_retention_bytes = absl::GetFlag(FLAGS_event_retention_bytes);
+  options.closed_retention = absl::GetFlag(FLAGS_closed_retention);
+  options.idempotency_capacity = absl::GetFlag(FLAGS_idempotency_capacity);
+  options.watcher_queue_limit = absl::GetFlag(FLAGS_watcher_queue_limit);
   options.default_policy = absl::GetFlag(FLAGS_default_policy);
   {
     auto mode =

@@ -226,6 +226,7 @@
 #include "kvmanager/event_log.h"
 #include "kvmanager/manager_state.h"
 #include "kvmanager/metadata_journal.h"
+#include "kvmanager/paging.h"
 #include "kvmanager/pending_demotes.h"
 #include "kvmanager/pending_transfers.h"
 #include "kvmanager/policy.h"
@@ -252,7 +253,10 @@ struct ManagerOptions {
   uint32_t heartbeat_interval_ms = 1000;  // told to workers at registration
   uint32_t default_block_tokens = 16;     // 1..4096
   uint32_t recent_turns = 2;  // turns before the newest that are "recent"
-  size_t event_retention = 1'000'000;   // events kept for replay and trace
+  size_t event_retention = 1'000'000;  // events kept for replay and trace
+  // And fewer when their estimated bytes pass this (EventLog::EventBytes;
+  // 0: no byte bound).
+  uint64_t event_retention_bytes = 1ull << 30;
   size_t watcher_queue_limit = 65'536;  // live events a watcher may lag
   std::string default_policy = kDefaultPolicy;
   size_t closed_retention = 100'000;  // closed/lost sequences still queryable
@@ -541,6 +545,24 @@ class ManagerCore {
   // --- Events ----------------------------------------------------------------
   // NOT_FOUND when the lineage is neither live nor in retained events.
   absl::StatusOr<TraceResult> QueryTrace(uint64_t lineage_id) const;
+
+  // --- Paged lists (manager_core_list.cc; paging.h) --------------------------
+  // One page each, in the order of the unpaged calls above (workers,
+  // tenants and sequences by id, policies built-in first then by name, a
+  // trace's events by id), costing O(log n + page) under mu_.
+  // INVALID_ARGUMENT naming page_size (negative) or page_token (malformed,
+  // another list's, or issued for other filter fields); ListSequences also
+  // as the unpaged call for tenant_id. QueryTrace's page carries
+  // `block` and `sequence_id` every time, its events in `events` and the
+  // next token in next_page_token.
+  absl::StatusOr<Page<WorkerInfo>> ListWorkers(const PageRequest& page) const;
+  absl::StatusOr<Page<TenantInfo>> ListTenants(const PageRequest& page) const;
+  absl::StatusOr<Page<SequenceInfo>> ListSequences(
+      const std::string& tenant_id, bool include_closed,
+      const PageRequest& page) const;
+  absl::StatusOr<Page<PolicyInfo>> ListPolicies(const PageRequest& page) const;
+  absl::StatusOr<TraceResult> QueryTrace(uint64_t lineage_id,
+                                         const PageRequest& page) const;
   EventLog& events() { return events_; }
 
  private:

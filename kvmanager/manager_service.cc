@@ -419,9 +419,11 @@ grpc::ServerUnaryReactor* ManagerService::Heartbeat(
 grpc::ServerUnaryReactor* ManagerService::ListWorkers(
     grpc::CallbackServerContext* ctx, const v1::ListWorkersRequest* req,
     v1::ListWorkersResponse* resp) {
-  return Unary(core_, ctx, [&] {
-    for (const WorkerInfo& w : core_->ListWorkers())
-      ToProto(w, resp->add_workers());
+  return Unary(core_, ctx, [&]() -> absl::Status {
+    auto r = core_->ListWorkers(PageOf(*req));
+    if (!r.ok()) return r.status();
+    for (const WorkerInfo& w : r->items) ToProto(w, resp->add_workers());
+    resp->set_next_page_token(r->next_page_token);
     return absl::OkStatus();
   });
 }
@@ -453,9 +455,11 @@ grpc::ServerUnaryReactor* ManagerService::SetBudget(
 grpc::ServerUnaryReactor* ManagerService::ListTenants(
     grpc::CallbackServerContext* ctx, const v1::ListTenantsRequest* req,
     v1::ListTenantsResponse* resp) {
-  return Unary(core_, ctx, [&] {
-    for (const TenantInfo& t : core_->ListTenants())
-      ToProto(t, resp->add_tenants());
+  return Unary(core_, ctx, [&]() -> absl::Status {
+    auto r = core_->ListTenants(PageOf(*req));
+    if (!r.ok()) return r.status();
+    for (const TenantInfo& t : r->items) ToProto(t, resp->add_tenants());
+    resp->set_next_page_token(r->next_page_token);
     return absl::OkStatus();
   });
 }
@@ -696,9 +700,11 @@ grpc::ServerUnaryReactor* ManagerService::ListSequences(
     grpc::CallbackServerContext* ctx, const v1::ListSequencesRequest* req,
     v1::ListSequencesResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
-    auto r = core_->ListSequences(req->tenant_id(), req->include_closed());
+    auto r = core_->ListSequences(req->tenant_id(), req->include_closed(),
+                                  PageOf(*req));
     if (!r.ok()) return r.status();
-    for (const SequenceInfo& s : *r) ToProto(s, resp->add_sequences());
+    for (const SequenceInfo& s : r->items) ToProto(s, resp->add_sequences());
+    resp->set_next_page_token(r->next_page_token);
     return absl::OkStatus();
   });
 }
@@ -707,7 +713,7 @@ grpc::ServerUnaryReactor* ManagerService::QueryTrace(
     grpc::CallbackServerContext* ctx, const v1::QueryTraceRequest* req,
     v1::QueryTraceResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
-    auto r = core_->QueryTrace(req->lineage_id());
+    auto r = core_->QueryTrace(req->lineage_id(), PageOf(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
     return absl::OkStatus();
@@ -732,9 +738,11 @@ grpc::ServerUnaryReactor* ManagerService::PutPolicy(
 grpc::ServerUnaryReactor* ManagerService::ListPolicies(
     grpc::CallbackServerContext* ctx, const v1::ListPoliciesRequest* req,
     v1::ListPoliciesResponse* resp) {
-  return Unary(core_, ctx, [&] {
-    for (const PolicyInfo& p : core_->ListPolicies())
-      ToProto(p, resp->add_policies());
+  return Unary(core_, ctx, [&]() -> absl::Status {
+    auto r = core_->ListPolicies(PageOf(*req));
+    if (!r.ok()) return r.status();
+    for (const PolicyInfo& p : r->items) ToProto(p, resp->add_policies());
+    resp->set_next_page_token(r->next_page_token);
     return absl::OkStatus();
   });
 }

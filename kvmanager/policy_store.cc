@@ -49,9 +49,19 @@ std::vector<PolicyInfo> PolicyStore::ListOperator() const {
   std::vector<PolicyInfo> ops;
   ops.reserve(policies_.size());
   for (const auto& [name, p] : policies_) ops.push_back(p->Info());
-  std::sort(
-      ops.begin(), ops.end(),
-      [](const PolicyInfo& a, const PolicyInfo& b) { return a.name < b.name; });
+  return ops;
+}
+
+std::vector<PolicyInfo> PolicyStore::ListOperator(const std::string* after,
+                                                  size_t max,
+                                                  bool* more) const {
+  std::vector<PolicyInfo> ops;
+  auto it =
+      after != nullptr ? policies_.upper_bound(*after) : policies_.begin();
+  for (; it != policies_.end() && ops.size() < max; ++it) {
+    ops.push_back(it->second->Info());
+  }
+  *more = it != policies_.end();
   return ops;
 }
 

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
+#include "absl/container/btree_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -43,6 +43,11 @@ class PolicyStore {
   absl::Status Put(std::shared_ptr<const Policy> policy);
   // Operator policies, ordered by name.
   std::vector<PolicyInfo> ListOperator() const;
+  // At most `max` operator policies named after `after` (nullptr: from the
+  // first), ordered by name; *more: whether others follow.
+  // O(log policies + max).
+  std::vector<PolicyInfo> ListOperator(const std::string* after, size_t max,
+                                       bool* more) const;
   size_t size() const { return policies_.size(); }
   // Operator policies by name (snapshots).
   const absl::flat_hash_map<std::string, std::shared_ptr<const Policy>>& all()
@@ -51,7 +56,8 @@ class PolicyStore {
   }
 
  private:
-  absl::flat_hash_map<std::string, std::shared_ptr<const Policy>> policies_;
+  // Ordered by name: ListOperator pages through it.
+  absl::btree_map<std::string, std::shared_ptr<const Policy>> policies_;
 };
 
 // Every candidate's and every rule's encoding must be valid for the page

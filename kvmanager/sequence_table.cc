@@ -31,7 +31,20 @@ SequenceRecord* SequenceTable::Insert(std::unique_ptr<SequenceRecord> s) {
   const std::string id = out->id;
   sequences_.emplace(id, std::move(s));
   if (changes_ != nullptr && changes_->enabled) changes_->sequences.insert(id);
+  ids_.insert(out->id);
+  tenant_ids_.insert({out->tenant, out->id});
+  if (out->state == SequenceState::kOpen) IndexOpen(*out);
   return out;
+}
+
+void SequenceTable::IndexOpen(const SequenceRecord& s) {
+  open_ids_.insert(s.id);
+  tenant_open_ids_.insert({s.tenant, s.id});
+}
+
+void SequenceTable::UnindexOpen(const SequenceRecord& s) {
+  open_ids_.erase(s.id);
+  tenant_open_ids_.erase({s.tenant, s.id});
 }
 
 absl::StatusOr<SequenceRecord*> SequenceTable::FindOpen(
@@ -81,15 +94,22 @@ void SequenceTable::Retire(SequenceRecord* s) {
   s->turn_start.clear();
   s->turn_start.shrink_to_fit();
   s->bytes = 0;
+  UnindexOpen(*s);
   retired_.push_back(s->id);
   const bool journal = changes_ != nullptr && changes_->enabled;
   if (journal) changes_->sequences.insert(s->id);
   while (retired_.size() > closed_retention_) {
-    if (journal) {
-      changes_->sequences.erase(retired_.front());
-      changes_->dropped_sequences.push_back(retired_.front());
+    auto it = sequences_.find(retired_.front());
+    if (it != sequences_.end()) {
+      if (journal) {
+        changes_->sequences.erase(retired_.front());
+        changes_->dropped_sequences.push_back(retired_.front());
+      }
+      // The index entries are views of the record's id: they go first.
+      ids_.erase(it->second->id);
+      tenant_ids_.erase({it->second->tenant, it->second->id});
+      sequences_.erase(it);
     }
-    sequences_.erase(retired_.front());
     retired_.pop_front();
   }
 }
@@ -100,6 +120,7 @@ void SequenceTable::Reopen(SequenceRecord* s) {
   }
   s->tenant->open_sequences++;
   s->worker->open.insert(s);
+  IndexOpen(*s);
   auto it = std::find(retired_.begin(), retired_.end(), s->id);
   if (it != retired_.end()) retired_.erase(it);
 }
@@ -107,20 +128,54 @@ void SequenceTable::Reopen(SequenceRecord* s) {
 std::vector<SequenceInfo> SequenceTable::List(const TenantRecord* tenant,
                                               bool include_closed) const {
   std::vector<SequenceInfo> out;
-  for (const auto& [id, s] : sequences_) {
-    if (tenant != nullptr && s->tenant != tenant) continue;
-    if (!include_closed && s->state != SequenceState::kOpen) continue;
-    out.push_back(Info(*s, /*with_blocks=*/false));
+  if (tenant == nullptr) {
+    const IdIndex& index = include_closed ? ids_ : open_ids_;
+    out.reserve(index.size());
+    for (absl::string_view id : index)
+      out.push_back(Info(*sequences_.find(id)->second, /*with_blocks=*/false));
+    return out;
   }
-  // Ids are "seq-<n>": order by n, the creation order.
-  std::sort(out.begin(), out.end(),
-            [](const SequenceInfo& a, const SequenceInfo& b) {
-              if (a.sequence_id.size() != b.sequence_id.size()) {
-                return a.sequence_id.size() < b.sequence_id.size();
-              }
-              return a.sequence_id < b.sequence_id;
-            });
+  const TenantIndex& index = include_closed ? tenant_ids_ : tenant_open_ids_;
+  for (auto it = index.lower_bound({tenant, absl::string_view()});
+       it != index.end() && it->first == tenant; ++it) {
+    out.push_back(
+        Info(*sequences_.find(it->second)->second, /*with_blocks=*/false));
+  }
   return out;
+}
+
+Page<SequenceInfo> SequenceTable::ListPage(const TenantRecord* tenant,
+                                           bool include_closed,
+                                           const PageCursor& cursor) const {
+  Page<SequenceInfo> page;
+  const absl::string_view after =
+      cursor.after() ? absl::string_view(*cursor.after()) : "";
+  if (tenant == nullptr) {
+    const IdIndex& index = include_closed ? ids_ : open_ids_;
+    auto it = cursor.after() ? index.upper_bound(after) : index.begin();
+    for (; it != index.end() && page.items.size() < cursor.size(); ++it) {
+      page.items.push_back(
+          Info(*sequences_.find(*it)->second, /*with_blocks=*/false));
+    }
+    if (it != index.end()) {
+      page.next_page_token = cursor.NextToken(page.items.back().sequence_id);
+    }
+    return page;
+  }
+  const TenantIndex& index = include_closed ? tenant_ids_ : tenant_open_ids_;
+  // The empty view sorts first among the tenant's entries.
+  auto it = cursor.after() ? index.upper_bound({tenant, after})
+                           : index.lower_bound({tenant, absl::string_view()});
+  for (; it != index.end() && it->first == tenant &&
+         page.items.size() < cursor.size();
+       ++it) {
+    page.items.push_back(
+        Info(*sequences_.find(it->second)->second, /*with_blocks=*/false));
+  }
+  if (it != index.end() && it->first == tenant) {
+    page.next_page_token = cursor.NextToken(page.items.back().sequence_id);
+  }
+  return page;
 }
 
 SequenceInfo SequenceTable::Info(const SequenceRecord& s, bool with_blocks) {

@@ -7,6 +7,12 @@
 // accounting") from NewBlock until the Unref that drops its last reference;
 // the caller then erases it (EraseBlock) once it has recorded its events.
 //
+// Paging (paging.h): ordered indexes of the retained sequences by id
+// (shortlex: creation order), overall and per tenant, each of all retained
+// sequences and of the open ones, so that a page of List costs
+// O(log n + page) whatever the filter. They hold views of the records' ids
+// (an id never changes while its record is retained).
+//
 // Error codes (lookups for a tenant's request, the field named): NOT_FOUND
 // (unknown sequence), PERMISSION_DENIED (another tenant's),
 // FAILED_PRECONDITION (closed or lost, for mutations).
@@ -17,14 +23,18 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvmanager/manager_state.h"
+#include "kvmanager/paging.h"
 #include "kvmanager/types.h"
 
 namespace triax::manager {
@@ -81,6 +91,9 @@ class SequenceTable {
   // Without blocks, ordered by creation; tenant nullptr: every tenant's.
   std::vector<SequenceInfo> List(const TenantRecord* tenant,
                                  bool include_closed) const;
+  // One page of List (the cursor's key: the previous page's last id).
+  Page<SequenceInfo> ListPage(const TenantRecord* tenant, bool include_closed,
+                              const PageCursor& cursor) const;
   static SequenceInfo Info(const SequenceRecord& s, bool with_blocks);
   // Every retained sequence, unordered (snapshots).
   const Map& all() const { return sequences_; }
@@ -148,6 +161,27 @@ class SequenceTable {
   const size_t closed_retention_;
   Map sequences_;
   std::deque<std::string> retired_;  // closed/lost, oldest first
+  // Paging indexes (see "Paging" above).
+  struct TenantIdLess {
+    bool operator()(
+        const std::pair<const TenantRecord*, absl::string_view>& a,
+        const std::pair<const TenantRecord*, absl::string_view>& b) const {
+      if (a.first != b.first) {
+        return std::less<const TenantRecord*>()(a.first, b.first);
+      }
+      return ShortlexLess()(a.second, b.second);
+    }
+  };
+  using IdIndex = absl::btree_set<absl::string_view, ShortlexLess>;
+  using TenantIndex =
+      absl::btree_set<std::pair<const TenantRecord*, absl::string_view>,
+                      TenantIdLess>;
+  void IndexOpen(const SequenceRecord& s);
+  void UnindexOpen(const SequenceRecord& s);
+  IdIndex ids_;
+  IdIndex open_ids_;
+  TenantIndex tenant_ids_;
+  TenantIndex tenant_open_ids_;
   absl::flat_hash_map<uint64_t, std::unique_ptr<BlockRecord>> blocks_;
   uint64_t next_lineage_ = 1;
   uint64_t next_sequence_ = 1;

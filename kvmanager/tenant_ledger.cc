@@ -56,6 +56,7 @@ absl::StatusOr<TenantRecord*> TenantLedger::Create(
   t->default_policy = default_policy;
   TenantRecord* out = t.get();
   tenants_.emplace(tenant_id, std::move(t));
+  ids_.insert(tenant_id);
   return out;
 }
 
@@ -114,13 +115,21 @@ TenantInfo TenantLedger::Info(const TenantRecord& t) {
 
 std::vector<TenantInfo> TenantLedger::List() const {
   std::vector<TenantInfo> out;
-  out.reserve(tenants_.size());
-  for (const auto& [id, t] : tenants_) out.push_back(Info(*t));
-  std::sort(out.begin(), out.end(),
-            [](const TenantInfo& a, const TenantInfo& b) {
-              return a.tenant_id < b.tenant_id;
-            });
+  out.reserve(ids_.size());
+  for (const std::string& id : ids_) out.push_back(Info(*tenants_.at(id)));
   return out;
+}
+
+Page<TenantInfo> TenantLedger::ListPage(const PageCursor& cursor) const {
+  Page<TenantInfo> page;
+  auto it = cursor.after() ? ids_.upper_bound(*cursor.after()) : ids_.begin();
+  for (; it != ids_.end() && page.items.size() < cursor.size(); ++it) {
+    page.items.push_back(Info(*tenants_.at(*it)));
+  }
+  if (it != ids_.end()) {
+    page.next_page_token = cursor.NextToken(page.items.back().tenant_id);
+  }
+  return page;
 }
 
 }  // namespace triax::manager

@@ -23,10 +23,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvmanager/manager_state.h"
+#include "kvmanager/paging.h"
 #include "kvmanager/types.h"
 
 namespace triax::manager {
@@ -65,11 +67,15 @@ class TenantLedger {
   static TenantInfo Info(const TenantRecord& t);
   // Ordered by id.
   std::vector<TenantInfo> List() const;
+  // One page of List (paging.h; the cursor's key: the previous page's last
+  // id). O(log tenants + page).
+  Page<TenantInfo> ListPage(const PageCursor& cursor) const;
   // Every tenant, unordered (snapshots and inspection).
   const Map& all() const { return tenants_; }
 
  private:
   Map tenants_;
+  absl::btree_set<std::string> ids_;  // the tenants' ids, for paging
 };
 
 }  // namespace triax::manager

@@ -494,6 +494,8 @@ struct TraceResult {
   BlockPlan block;  // current state, or the last known one if freed/lost
   std::string sequence_id;    // the sequence that created the block
   std::vector<Event> events;  // retained events of the lineage, by id
+  // The paged QueryTrace: the token of the next page of events (empty: last).
+  std::string next_page_token;
 };
 
 // Which events a watcher sees; empty / zero fields match everything.

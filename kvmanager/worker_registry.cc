@@ -86,7 +86,10 @@ absl::StatusOr<WorkerRecord*> WorkerRegistry::FindForRegistration(
 WorkerRecord* WorkerRegistry::Register(const RegisterWorkerRequest& req,
                                        int64_t now_ms) {
   std::unique_ptr<WorkerRecord>& slot = workers_[req.worker_id];
-  if (slot == nullptr) slot = std::make_unique<WorkerRecord>();
+  if (slot == nullptr) {
+    slot = std::make_unique<WorkerRecord>();
+    ids_.insert(req.worker_id);
+  }
   WorkerRecord* w = slot.get();
   w->info.worker_id = req.worker_id;
   w->info.address = req.address;
@@ -350,13 +353,21 @@ WorkerInfo WorkerRegistry::Info(const WorkerRecord& w) {
 
 std::vector<WorkerInfo> WorkerRegistry::List() const {
   std::vector<WorkerInfo> out;
-  out.reserve(workers_.size());
-  for (const auto& [id, w] : workers_) out.push_back(Info(*w));
-  std::sort(out.begin(), out.end(),
-            [](const WorkerInfo& a, const WorkerInfo& b) {
-              return a.worker_id < b.worker_id;
-            });
+  out.reserve(ids_.size());
+  for (const std::string& id : ids_) out.push_back(Info(*workers_.at(id)));
   return out;
+}
+
+Page<WorkerInfo> WorkerRegistry::ListPage(const PageCursor& cursor) const {
+  Page<WorkerInfo> page;
+  auto it = cursor.after() ? ids_.upper_bound(*cursor.after()) : ids_.begin();
+  for (; it != ids_.end() && page.items.size() < cursor.size(); ++it) {
+    page.items.push_back(Info(*workers_.at(*it)));
+  }
+  if (it != ids_.end()) {
+    page.next_page_token = cursor.NextToken(page.items.back().worker_id);
+  }
+  return page;
 }
 
 }  // namespace triax::manager

@@ -45,10 +45,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvmanager/manager_state.h"
+#include "kvmanager/paging.h"
 #include "kvmanager/types.h"
 
 namespace triax::manager {
@@ -162,11 +164,15 @@ class WorkerRegistry {
   static WorkerInfo Info(const WorkerRecord& w);
   // Every worker (UP and DOWN), ordered by id.
   std::vector<WorkerInfo> List() const;
+  // One page of List (paging.h; the cursor's key: the previous page's last
+  // id). O(log workers + page).
+  Page<WorkerInfo> ListPage(const PageCursor& cursor) const;
   // Every worker, unordered (snapshots and inspection).
   const Map& all() const { return workers_; }
 
  private:
   Map workers_;
+  absl::btree_set<std::string> ids_;  // the workers' ids, for paging
 };
 
 }  // namespace triax::manager

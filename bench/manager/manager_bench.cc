@@ -14,6 +14,16 @@
 // Prints a markdown table: RPCs/s, blocks planned/s (blocks of Open plus new
 // blocks of Extend), and p50/p99 latency per RPC. The subprocess is
 // terminated at the end (SIGTERM, then SIGKILL after 5 s).
+//
+// --mode=memory measures the manager's memory instead (docs/manager.md
+// "Retention and memory"): --memory_clients clients open and close
+// --sessions sequences in all (3 spans, 144 tokens -> 9 blocks; 29 events
+// each: opened, 9 created, 9 released, 9 freed, closed; every call with a
+// request id), and the manager's resident set (VmRSS of /proc/PID/status)
+// is printed at the start and after every quarter, then after a paged
+// ListSequences walk of every retained sequence (include_closed, pages of
+// 1000), with the sequences that walk saw. --manager_flags passes
+// retention flags (e.g. "--event_retention=100000 --closed_retention=1000").
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <spawn.h>
@@ -50,6 +60,14 @@ ABSL_FLAG(std::string, kvmanager, "",
 ABSL_FLAG(std::string, clients, "1,16,64", "comma-separated client counts");
 ABSL_FLAG(int, seconds, 5, "seconds per client count");
 ABSL_FLAG(int, tenants, 4, "tenants the clients spread over");
+ABSL_FLAG(std::string, mode, "throughput",
+          "throughput (RPCs/s and latency) or memory (the manager's RSS as "
+          "sequences open and close)");
+ABSL_FLAG(std::string, manager_flags, "",
+          "extra kvmanager flags, space-separated");
+ABSL_FLAG(int, sessions, 41400,
+          "memory: sequences opened and closed (29 events each)");
+ABSL_FLAG(int, memory_clients, 8, "memory: client threads");
 ABSL_FLAG(std::string, recovery_blocks, "",
           "comma-separated block counts: instead of the throughput levels, "
           "for each count fill a kvmanager (embedded store) with that many "
@@ -75,7 +93,8 @@ std::string SelfDir() {
 // The kvmanager subprocess; terminated by the destructor.
 class Manager {
  public:
-  bool Start(const std::string& binary, const std::string& dir) {
+  bool Start(const std::string& binary, const std::string& dir,
+             const std::vector<std::string>& extra) {
     port_file_ = dir + "/port";
     log_file_ = dir + "/kvmanager.log";
     const std::string metadata = absl::GetFlag(FLAGS_metadata) == "memory"
@@ -84,6 +103,7 @@ class Manager {
     std::vector<std::string> args = {
         binary, "--listen=127.0.0.1:0", "--port_file=" + port_file_,
         "--worker_timeout_ms=10000", "--metadata=" + metadata};
+    args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     argv.reserve(args.size() + 1);
     for (auto& a : args) argv.push_back(a.data());
@@ -138,6 +158,19 @@ class Manager {
     waitpid(pid_, nullptr, 0);
     pid_ = -1;
     std::remove(port_file_.c_str());
+  }
+  // The process's resident set in KiB (VmRSS), 0 when unreadable.
+  uint64_t RssKiB() const {
+    std::ifstream in(absl::StrCat("/proc/", pid_, "/status"));
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind("VmRSS:", 0) != 0) continue;
+      uint64_t kib = 0;
+      std::vector<std::string> parts =
+          absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &kib)) return kib;
+    }
+    return 0;
   }
 
  private:
@@ -257,6 +290,168 @@ void RunClient(const std::string& target, int index, const std::string& tenant,
   }
 }
 
+// --- --mode=memory -------------------------------------------------------
+
+struct SessionStats {
+  uint64_t done = 0;
+  uint64_t errors = 0;
+  std::string first_error;
+  uint64_t last_lineage = 0;  // a block freed by the client's last Close
+};
+
+// Opens and closes sequences number next++ while below `end`.
+void RunSessions(const std::string& target, int index,
+                 const std::string& tenant, std::atomic<int>* next, int end,
+                 SessionStats* stats) {
+  auto stub = v1::Manager::NewStub(NewChannel(target, index));
+  v1::OpenSequenceRequest open;
+  open.set_tenant_id(tenant);
+  auto* m = open.mutable_model();
+  m->set_name("bench-8b");
+  m->set_n_layers(32);
+  m->set_n_kv_heads(8);
+  m->set_n_q_heads(32);
+  m->set_head_dim(128);
+  AddSpan(open.mutable_spans(), v1::ROLE_SYSTEM, 64);
+  AddSpan(open.mutable_spans(), v1::ROLE_USER, 48);
+  AddSpan(open.mutable_spans(), v1::ROLE_ASSISTANT, 32);
+  v1::CloseSequenceRequest close;
+  close.set_tenant_id(tenant);
+  auto fail = [&](const char* what, const grpc::Status& s) {
+    if (stats->errors++ == 0) {
+      stats->first_error =
+          absl::StrCat(what, ": ", s.error_code(), " ", s.error_message());
+    }
+  };
+  while (true) {
+    // Take the next number only while below `end`, so none is lost between
+    // the quarters.
+    int i = next->load();
+    while (i < end && !next->compare_exchange_weak(i, i + 1)) {
+    }
+    if (i >= end) break;
+    open.set_request_id(absl::StrCat("mo-", i));
+    v1::OpenSequenceResponse open_resp;
+    grpc::Status s;
+    {
+      grpc::ClientContext ctx;
+      s = stub->OpenSequence(&ctx, open, &open_resp);
+    }
+    if (!s.ok()) {
+      fail("OpenSequence", s);
+      continue;
+    }
+    close.set_request_id(absl::StrCat("mc-", i));
+    close.set_sequence_id(open_resp.sequence().sequence_id());
+    v1::CloseSequenceResponse close_resp;
+    {
+      grpc::ClientContext ctx;
+      s = stub->CloseSequence(&ctx, close, &close_resp);
+    }
+    if (!s.ok()) {
+      fail("CloseSequence", s);
+      continue;
+    }
+    ++stats->done;
+    if (close_resp.freed_lineage_ids_size() > 0) {
+      stats->last_lineage =
+          close_resp.freed_lineage_ids(close_resp.freed_lineage_ids_size() - 1);
+    }
+  }
+}
+
+double MiB(uint64_t kib) { return kib / 1024.0; }
+
+int RunMemory(const std::string& target, const Manager& manager,
+              v1::Manager::Stub* admin, int tenants) {
+  const int sessions = std::max(1, absl::GetFlag(FLAGS_sessions));
+  const int clients = std::max(1, absl::GetFlag(FLAGS_memory_clients));
+  std::printf("kvmanager at %s, flags: %s\n\n", target.c_str(),
+              absl::GetFlag(FLAGS_manager_flags).empty()
+                  ? "(defaults)"
+                  : absl::GetFlag(FLAGS_manager_flags).c_str());
+  std::printf(
+      "| stage | sequences opened and closed | events appended | "
+      "RSS MiB |\n|---|---:|---:|---:|\n");
+  std::printf("| started | 0 | - | %.1f |\n", MiB(manager.RssKiB()));
+  std::atomic<int> next{0};
+  std::vector<SessionStats> stats(clients);
+  uint64_t errors = 0;
+  uint64_t last_lineage = 0;
+  for (int quarter = 1; quarter <= 4; ++quarter) {
+    const int end = static_cast<int>(int64_t{sessions} * quarter / 4);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < clients; ++i) {
+      threads.emplace_back(RunSessions, target, i,
+                           absl::StrCat("bench-t", i % tenants), &next, end,
+                           &stats[i]);
+    }
+    for (auto& t : threads) t.join();
+    uint64_t done = 0;
+    errors = 0;
+    for (const SessionStats& st : stats) {
+      done += st.done;
+      errors += st.errors;
+      if (st.last_lineage > last_lineage) last_lineage = st.last_lineage;
+    }
+    // The newest event id: the last freed block's trace ends a few events
+    // before its sequence's SEQUENCE_CLOSED.
+    std::string appended = "-";
+    if (last_lineage != 0) {
+      v1::QueryTraceRequest req;
+      req.set_lineage_id(last_lineage);
+      req.set_page_size(10000);
+      v1::QueryTraceResponse resp;
+      grpc::ClientContext ctx;
+      if (admin->QueryTrace(&ctx, req, &resp).ok() && resp.events_size() > 0) {
+        appended = absl::StrCat("~", resp.events(resp.events_size() - 1).id());
+      }
+    }
+    std::printf("| after %d/4 | %llu | %s | %.1f |\n", quarter,
+                static_cast<unsigned long long>(done), appended.c_str(),
+                MiB(manager.RssKiB()));
+    std::fflush(stdout);
+  }
+  // Every retained sequence through the pages.
+  v1::ListSequencesRequest req;
+  req.set_include_closed(true);
+  req.set_page_size(1000);
+  uint64_t listed = 0, pages = 0;
+  const auto t0 = Clock::now();
+  while (true) {
+    v1::ListSequencesResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = admin->ListSequences(&ctx, req, &resp);
+    if (!s.ok()) {
+      std::fprintf(stderr, "ListSequences: %s\n", s.error_message().c_str());
+      return 1;
+    }
+    listed += resp.sequences_size();
+    ++pages;
+    if (resp.next_page_token().empty()) break;
+    req.set_page_token(resp.next_page_token());
+  }
+  const double walk_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  std::printf(
+      "\nListSequences(include_closed) walk: %llu sequences retained, %llu "
+      "pages of <= 1000 in %.0f ms; RSS after it %.1f MiB\n",
+      static_cast<unsigned long long>(listed),
+      static_cast<unsigned long long>(pages), walk_ms, MiB(manager.RssKiB()));
+  if (errors > 0) {
+    for (const SessionStats& st : stats) {
+      if (!st.first_error.empty()) {
+        std::fprintf(stderr, "%llu errors; first: %s\n",
+                     static_cast<unsigned long long>(errors),
+                     st.first_error.c_str());
+        break;
+      }
+    }
+    return 1;
+  }
+  return 0;
+}
+
 // The bench worker and `tenants` tenants ("bench-t<i>") on a fresh manager.
 bool Setup(v1::Manager::Stub* admin, int tenants) {
   v1::RegisterWorkerRequest req;
@@ -303,7 +498,7 @@ int RunRecovery(const std::string& binary, const std::vector<int64_t>& sizes) {
     const char* dir = mkdtemp(dir_template);
     if (dir == nullptr) return 1;
     Manager manager;
-    if (!manager.Start(binary, dir)) return 1;
+    if (!manager.Start(binary, dir, {})) return 1;
     const std::string target = absl::StrCat("127.0.0.1:", manager.port());
     auto admin = v1::Manager::NewStub(NewChannel(target, -1));
     if (!Setup(admin.get(), 1)) return 1;
@@ -347,7 +542,7 @@ int RunRecovery(const std::string& binary, const std::vector<int64_t>& sizes) {
       store_bytes += e.file_size();
     }
     const auto restart = Clock::now();
-    if (!manager.Start(binary, dir)) return 1;
+    if (!manager.Start(binary, dir, {})) return 1;
     const double serving_s =
         std::chrono::duration<double>(Clock::now() - restart).count();
     // The manager's "metadata recovered" line: read_seconds and
@@ -421,8 +616,15 @@ int main(int argc, char** argv) {
     std::cerr << "mkdtemp failed\n";
     return 1;
   }
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode != "throughput" && mode != "memory") {
+    std::cerr << "--mode: \"" << mode << "\"; want throughput or memory\n";
+    return 2;
+  }
+  const std::vector<std::string> extra = absl::StrSplit(
+      absl::GetFlag(FLAGS_manager_flags), ' ', absl::SkipEmpty());
   Manager manager;
-  if (!manager.Start(binary, dir)) return 1;
+  if (!manager.Start(binary, dir, extra)) return 1;
   const std::string target = absl::StrCat("127.0.0.1:", manager.port());
 
   auto admin = v1::Manager::NewStub(NewChannel(target, -1));
@@ -439,6 +641,13 @@ int main(int argc, char** argv) {
       admin->Heartbeat(&ctx, req, &resp);
     }
   });
+
+  if (mode == "memory") {
+    const int rc = RunMemory(target, manager, admin.get(), tenants);
+    stop_heartbeat.Notify();
+    heartbeat.join();
+    return rc;
+  }
 
   const unsigned cores = std::thread::hardware_concurrency();
   std::printf(

@@ -1,7 +1,5 @@
 #include "client/frontend/demo_disaggregate.h"
 
-#include <grpcpp/grpcpp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -11,7 +9,6 @@
 #include "absl/strings/str_cat.h"
 #include "client/frontend/service_kv_store.h"
 #include "client/frontend/service_types.h"
-#include "common/grpc_status.h"
 #include "common/status_macros.h"
 
 namespace triax::frontend {
@@ -22,14 +19,9 @@ double Seconds(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// UP workers' ids, ordered by id (as ListWorkers answers).
+// UP workers' ids, ordered by id (as ListWorkers answers; every page).
 absl::StatusOr<std::vector<std::string>> UpWorkerIds(client::Client* c) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  v1::ListWorkersResponse resp;
-  const grpc::Status s =
-      c->manager()->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp);
-  if (!s.ok()) return FromGrpcStatus(s);
+  TRIAX_ASSIGN_OR_RETURN(const v1::ListWorkersResponse resp, c->ListWorkers());
   std::vector<std::string> up;
   for (const v1::WorkerInfo& w : resp.workers()) {
     if (w.state() == v1::WORKER_STATE_UP) up.push_back(w.worker_id());

@@ -111,12 +111,8 @@ void SetDeadline(grpc::ClientContext* ctx) {
 
 absl::Status EnsureTenant(client::Client* c, const std::string& tenant) {
   {
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx);
-    v1::ListTenantsRequest req;
-    v1::ListTenantsResponse resp;
-    TRIAX_RETURN_IF_ERROR(
-        FromGrpcStatus(c->manager()->ListTenants(&ctx, req, &resp)));
+    TRIAX_ASSIGN_OR_RETURN(const v1::ListTenantsResponse resp,
+                           c->ListTenants());
     for (const auto& t : resp.tenants()) {
       if (t.tenant_id() == tenant) {
         std::printf("tenant %s exists\n", tenant.c_str());

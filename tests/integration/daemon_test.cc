@@ -8,6 +8,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <csignal>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "common/health_check.h"
 #include "common/status_matchers.h"
 #include "tests/integration/cluster.h"
+#include "tests/integration/reference.h"
 
 namespace triax::testing {
 namespace {
@@ -75,7 +77,11 @@ TEST(DaemonTest, KvmanagerHelpExplainsItselfAndListsItsFlags) {
             HasSubstr("grpc.health.v1.Health"), HasSubstr("Exit status"),
             HasSubstr("--listen"), HasSubstr("--worker_timeout_ms"),
             HasSubstr("--worker_down_timeout_ms"), HasSubstr("--pressure_mode"),
-            HasSubstr("--high_watermark")));
+            HasSubstr("--high_watermark"), HasSubstr("--closed_retention"),
+            HasSubstr("--event_retention_bytes"),
+            HasSubstr("--idempotency_capacity"),
+            HasSubstr("--watcher_queue_limit"),
+            HasSubstr("Retention and memory")));
 }
 
 TEST(DaemonTest, KvmanagerRefusesContradictingFlagsNamingThem) {
@@ -97,6 +103,9 @@ TEST(DaemonTest, KvmanagerRefusesContradictingFlagsNamingThem) {
           {{"--admission_deadline_ms=-3"}, {"--admission_deadline_ms=-3"}},
           {{"--default_policy=fastest"}, {"fastest"}},
           {{"--pressure_mode=random"}, {"random"}},
+          {{"--event_retention=0"}, {"--event_retention=0"}},
+          {{"--idempotency_capacity=0"}, {"--idempotency_capacity=0"}},
+          {{"--watcher_queue_limit=0"}, {"--watcher_queue_limit=0"}},
       };
   for (const auto& [args, words] : cases) {
     std::string out, err;
@@ -108,6 +117,68 @@ TEST(DaemonTest, KvmanagerRefusesContradictingFlagsNamingThem) {
     }
     EXPECT_THAT(out, ::testing::Not(HasSubstr("listening")));
   }
+}
+
+// The retention flags reach the core: a closed sequence past
+// --closed_retention is NOT_FOUND; a request id older than
+// --idempotency_capacity replies is applied again.
+TEST(DaemonTest, KvmanagerRetentionFlagsTakeEffect) {
+  ClusterOptions o;
+  o.manager_flags = {"--closed_retention=1", "--idempotency_capacity=1"};
+  auto started = Cluster::Start(o);
+  ASSERT_THAT(started, IsOk());
+  Cluster& cluster = **started;
+  ASSERT_THAT(cluster.CreateTenant("ops"), IsOk());
+  auto call = [&](auto method, const auto& req, auto* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(10));
+    return (cluster.manager()->*method)(&ctx, req, resp);
+  };
+  auto open = [&](const std::string& request_id) {
+    triax::v1::OpenSequenceRequest req;
+    req.set_request_id(request_id);
+    req.set_tenant_id("ops");
+    *req.mutable_model() = SmallModel();
+    *req.add_spans() = MakeSpan(triax::v1::ROLE_USER, 20);
+    triax::v1::OpenSequenceResponse resp;
+    grpc::Status s = call(&triax::v1::Manager::Stub::OpenSequence, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp.sequence().sequence_id();
+  };
+  auto close = [&](const std::string& id) {
+    triax::v1::CloseSequenceRequest req;
+    req.set_tenant_id("ops");
+    req.set_sequence_id(id);
+    triax::v1::CloseSequenceResponse resp;
+    grpc::Status s = call(&triax::v1::Manager::Stub::CloseSequence, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  };
+  auto get = [&](const std::string& id) {
+    triax::v1::GetSequenceRequest req;
+    req.set_sequence_id(id);
+    triax::v1::GetSequenceResponse resp;
+    return call(&triax::v1::Manager::Stub::GetSequence, req, &resp);
+  };
+
+  const std::string a = open("open-a");
+  const std::string b = open("open-b");
+  ASSERT_NE(a, b);
+  // open-a's reply left the cache (capacity 1) when open-b's came in: the
+  // same request id opens another sequence.
+  const std::string again = open("open-a");
+  EXPECT_NE(again, a);
+  EXPECT_NE(again, b);
+  // The newest reply is still remembered.
+  EXPECT_EQ(open("open-a"), again);
+
+  close(a);
+  EXPECT_TRUE(get(a).ok());
+  close(b);
+  grpc::Status s = get(a);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr(a));
+  EXPECT_TRUE(get(b).ok());
 }
 
 TEST(DaemonTest, KvworkerHelpExplainsItselfAndListsItsFlags) {

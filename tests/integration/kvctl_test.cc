@@ -153,6 +153,55 @@ TEST_F(KvctlTest, PoliciesPolicyPutAndDemote) {
   EXPECT_THAT((*client)->Close(*seq), IsOk());
 }
 
+TEST_F(KvctlTest, ListCommandsPrintEveryPage) {
+  ASSERT_THAT(cluster_->CreateTenant("ops"), IsOk());
+  ASSERT_THAT(cluster_->CreateTenant("ops2"), IsOk());
+  auto client = cluster_->NewClient("ops");
+  ASSERT_THAT(client, IsOk());
+  std::vector<std::string> ids;
+  std::vector<triax::client::SequenceHandle> seqs;
+  for (int i = 0; i < 5; ++i) {
+    auto seq = (*client)->Open(
+        SmallModel(), {MakeSpan(triax::v1::ROLE_USER, 20)}, "bf16", 16);
+    ASSERT_THAT(seq, IsOk());
+    ids.push_back(seq->sequence_id);
+    seqs.push_back(*seq);
+  }
+  ASSERT_THAT((*client)->Close(seqs[1]), IsOk());
+
+  // Pages of 2: every open sequence, each once, in creation order.
+  ASSERT_EQ(Kvctl({"sequences", "--tenant=ops", "--page_size=2"}), 0) << err_;
+  std::vector<std::string> lines =
+      absl::StrSplit(out_, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 5u) << out_;  // header + 4 open sequences
+  for (size_t i = 0, open = 0; i < ids.size(); ++i) {
+    if (i == 1) {
+      EXPECT_THAT(out_, ::testing::Not(HasSubstr(ids[1] + " "))) << out_;
+      continue;
+    }
+    EXPECT_THAT(lines[1 + open], StartsWith(ids[i])) << out_;
+    ++open;
+  }
+  ASSERT_EQ(Kvctl({"sequences", "--all", "--page_size=1"}), 0) << err_;
+  for (const std::string& id : ids) EXPECT_THAT(out_, HasSubstr(id));
+
+  ASSERT_EQ(Kvctl({"tenants", "--page_size=1"}), 0) << err_;
+  EXPECT_THAT(out_, HasSubstr("ops "));
+  EXPECT_THAT(out_, HasSubstr("ops2"));
+  ASSERT_EQ(Kvctl({"workers", "--page_size=1"}), 0) << err_;
+  EXPECT_THAT(out_, HasSubstr("w0"));
+  ASSERT_EQ(Kvctl({"policies", "--page_size=2"}), 0) << err_;
+  for (const char* p : {"triaxial-static", "bf16", "int2", "tq2"}) {
+    EXPECT_THAT(out_, HasSubstr(p));
+  }
+  const std::string lineage = absl::StrCat(seqs[0].blocks[0].lineage_id());
+  ASSERT_EQ(Kvctl({"trace", lineage, "--page_size=1"}), 0) << err_;
+  EXPECT_THAT(out_, HasSubstr("BLOCK_CREATED"));
+
+  EXPECT_EQ(Kvctl({"sequences", "--page_size=-1"}), 2);
+  EXPECT_THAT(err_, HasSubstr("--page_size=-1 is negative"));
+}
+
 TEST_F(KvctlTest, PressureShowsPoolsTenantsAndTheRanking) {
   ASSERT_EQ(Kvctl({"tenant-create", "ops", "--device_floor_bytes=1024",
                    "--device_ceiling_bytes=10000000"}),

@@ -228,6 +228,28 @@ def test_demote_reencodes_and_frees_bytes(client):
     client.close_sequence(seq)
 
 
+def test_lists_follow_every_page(client):
+    seqs = [open_bf16(client) for _ in range(5)]
+    client.close_sequence(seqs[2])
+    ids = [s.sequence_id for s in seqs]
+    # Pages of 2: every open sequence once, in creation order.
+    listed = [s.sequence_id for s in client.list_sequences(page_size=2)]
+    assert listed == ids[:2] + ids[3:]
+    listed = [s.sequence_id for s in client.list_sequences(include_closed=True,
+                                                           page_size=1)]
+    assert listed == ids
+    assert [t.tenant_id for t in client.list_tenants(page_size=1)] == \
+        [t.tenant_id for t in client.list_tenants()]
+    assert client.tenant_id in [t.tenant_id for t in client.list_tenants(page_size=1)]
+    workers = [w.worker_id for w in client.list_workers(page_size=1)]
+    assert len(workers) >= 2 and workers == sorted(workers)
+    with pytest.raises(triaxkv.InvalidArgument) as e:
+        client.list_sequences(page_size=-1)
+    assert "page_size -1" in e.value.message and e.value.call == "ListSequences"
+    for s in seqs[:2] + seqs[3:]:
+        client.close_sequence(s)
+
+
 def test_watch_events_replays_and_cancels(client):
     seq = open_bf16(client)
     client.close_sequence(seq)

@@ -342,13 +342,36 @@ class Client:
             budget=budget(tier, floor_bytes, ceiling_bytes))
         return self._call("SetBudget", self.manager.SetBudget, req, True).tenant
 
-    def list_tenants(self):
-        req = manager_pb2.ListTenantsRequest()
-        return list(self._call("ListTenants", self.manager.ListTenants, req, True).tenants)
+    def _all_pages(self, what, method, request, field):
+        """Every item of a paged List RPC (docs/manager.md "Paging"):
+        follows next_page_token until the last page; each page is a call of
+        its own (deadline, one retry on UNAVAILABLE)."""
+        items = []
+        while True:
+            resp = self._call(what, method, request, True)
+            items.extend(getattr(resp, field))
+            if not resp.next_page_token:
+                return items
+            if resp.next_page_token == request.page_token:
+                raise from_status(
+                    grpc.StatusCode.INTERNAL,
+                    "the manager answered page_token %r with the same "
+                    "next_page_token" % request.page_token, what)
+            request.page_token = resp.next_page_token
 
-    def list_workers(self):
-        req = manager_pb2.ListWorkersRequest()
-        return list(self._call("ListWorkers", self.manager.ListWorkers, req, True).workers)
+    def list_tenants(self, page_size=0):
+        """Every tenant, by id (pages of page_size; 0: the manager's
+        default)."""
+        req = manager_pb2.ListTenantsRequest(page_size=page_size)
+        return self._all_pages("ListTenants", self.manager.ListTenants, req,
+                               "tenants")
+
+    def list_workers(self, page_size=0):
+        """Every worker, by id (pages of page_size; 0: the manager's
+        default)."""
+        req = manager_pb2.ListWorkersRequest(page_size=page_size)
+        return self._all_pages("ListWorkers", self.manager.ListWorkers, req,
+                               "workers")
 
     # -- sequences -----------------------------------------------------------
 
@@ -556,13 +579,15 @@ class Client:
                                              sequence_id=sequence_id)
         return self._call("GetSequence", self.manager.GetSequence, req, True).sequence
 
-    def list_sequences(self, include_closed=False):
+    def list_sequences(self, include_closed=False, page_size=0):
         """This tenant's sequences (every tenant's when tenant_id is ""),
-        without blocks."""
+        without blocks, in creation order; follows the manager's pages of
+        page_size (0: its default)."""
         req = manager_pb2.ListSequencesRequest(tenant_id=self.tenant_id,
-                                               include_closed=include_closed)
-        return list(self._call("ListSequences", self.manager.ListSequences,
-                               req, True).sequences)
+                                               include_closed=include_closed,
+                                               page_size=page_size)
+        return self._all_pages("ListSequences", self.manager.ListSequences,
+                               req, "sequences")
 
     def refresh_plan(self, seq):
         """Replaces seq's plan with the manager's current one (the manager
