@@ -10,8 +10,10 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/grpc_status.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
@@ -127,8 +129,16 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
   }
   std::unique_ptr<Client> c(new Client());
   c->options_ = options;
-  c->manager_ =
-      triax::v1::Manager::NewStub(MakeChannel(options.manager_address));
+  c->manager_addresses_ =
+      absl::StrSplit(options.manager_address, ',', absl::SkipEmpty());
+  for (const std::string& a : c->manager_addresses_) {
+    c->managers_.push_back(triax::v1::Manager::NewStub(MakeChannel(a)));
+  }
+  if (c->managers_.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Connect: manager_address \"", options.manager_address,
+                     "\" names no host:port"));
+  }
   std::random_device rd;
   const uint64_t r =
       (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
@@ -147,15 +157,41 @@ void Client::SetDeadline(grpc::ClientContext* ctx) const {
                     std::chrono::milliseconds(options_.rpc_timeout_ms));
 }
 
+bool Client::FollowLeader(const absl::Status& s) {
+  const size_t n = manager_addresses_.size();
+  if (n < 2) return false;
+  size_t next = (current_manager_.load() + 1) % n;
+  const absl::string_view m = s.message();
+  const size_t at = m.find("the leader is at ");
+  if (at != absl::string_view::npos) {
+    const absl::string_view leader = m.substr(at + 17);
+    for (size_t i = 0; i < n; ++i) {
+      if (manager_addresses_[i] == leader) next = i;
+    }
+  }
+  current_manager_ = next;
+  return true;
+}
+
 absl::Status Client::CallWithRetry(
     absl::string_view what, bool retry,
     const std::function<grpc::Status(grpc::ClientContext*)>& call) {
   absl::Status s;
-  for (int attempt = 0; attempt < (retry ? 2 : 1); ++attempt) {
+  const absl::Time give_up =
+      absl::Now() + absl::Milliseconds(options_.failover_ms);
+  for (int attempt = 0;; ++attempt) {
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
     s = FromGrpcStatus(call(&ctx));
     if (s.code() != absl::StatusCode::kUnavailable) break;
+    // A standby did not apply the call: always safe to send to the leader.
+    // A manager that went away may have: only retried calls go again.
+    const bool standby = absl::StrContains(s.message(), "is a standby");
+    if (FollowLeader(s) && (standby || retry) && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(std::min(50 * (attempt + 1), 500)));
+      continue;
+    }
+    if (!retry || attempt >= 1) break;
   }
   return Prefixed(what, s);
 }
@@ -183,7 +219,7 @@ absl::StatusOr<SequenceInfo> Client::GetSequence(
   triax::v1::GetSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "GetSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_->GetSequence(ctx, req, &resp);
+        return manager_stub()->GetSequence(ctx, req, &resp);
       }));
   return resp.sequence();
 }
@@ -242,7 +278,7 @@ absl::StatusOr<uint32_t> Client::ReportAccess(
   // No request id: a resend would count the hits twice, so it is not retried.
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "ReportAccess", /*retry=*/false, [&](grpc::ClientContext* ctx) {
-        return manager_->ReportAccess(ctx, req, &resp);
+        return manager_stub()->ReportAccess(ctx, req, &resp);
       }));
   return resp.blocks_prefetching();
 }
@@ -258,7 +294,7 @@ absl::StatusOr<triax::v1::GetPressureResponse> Client::GetPressure(
   triax::v1::GetPressureResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "GetPressure", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_->GetPressure(ctx, req, &resp);
+        return manager_stub()->GetPressure(ctx, req, &resp);
       }));
   return resp;
 }
@@ -290,7 +326,7 @@ void Client::CloseOnManagerQuietly(const std::string& sequence_id) {
   triax::v1::CloseSequenceResponse resp;
   // Best effort: the caller reports the error that made it undo the open.
   CallWithRetry("CloseSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-    return manager_->CloseSequence(ctx, req, &resp);
+    return manager_stub()->CloseSequence(ctx, req, &resp);
   }).IgnoreError();
 }
 
@@ -343,7 +379,7 @@ absl::StatusOr<SequenceHandle> Client::Open(
   triax::v1::OpenSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "OpenSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_->OpenSequence(ctx, req, &resp);
+        return manager_stub()->OpenSequence(ctx, req, &resp);
       }));
   const SequenceInfo& info = resp.sequence();
   if (info.prefix_blocks() > 0) {
@@ -413,7 +449,7 @@ absl::Status Client::Extend(SequenceHandle* seq,
   triax::v1::ExtendSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "ExtendSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_->ExtendSequence(ctx, req, &resp);
+        return manager_stub()->ExtendSequence(ctx, req, &resp);
       }));
   absl::Status alloc = AllocateOnWorker(resp.sequence(), seq->window_tokens);
   if (!alloc.ok()) {
@@ -449,10 +485,10 @@ absl::Status Client::TruncateOnManager(const std::string& sequence_id,
   req.set_sequence_id(sequence_id);
   req.set_num_tokens(num_tokens);
   triax::v1::TruncateSequenceResponse resp;
-  return CallWithRetry("TruncateSequence", /*retry=*/true,
-                       [&](grpc::ClientContext* ctx) {
-                         return manager_->TruncateSequence(ctx, req, &resp);
-                       });
+  return CallWithRetry(
+      "TruncateSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
+        return manager_stub()->TruncateSequence(ctx, req, &resp);
+      });
 }
 
 absl::StatusOr<SequenceHandle> Client::Fork(const SequenceHandle& parent,
@@ -465,7 +501,7 @@ absl::StatusOr<SequenceHandle> Client::Fork(const SequenceHandle& parent,
   triax::v1::ForkSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "ForkSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_->ForkSequence(ctx, req, &resp);
+        return manager_stub()->ForkSequence(ctx, req, &resp);
       }));
   const SequenceInfo& child = resp.sequence();
   if (!child.worker_address().empty() &&
@@ -515,7 +551,7 @@ absl::StatusOr<int64_t> Client::DemoteBlocks(
   triax::v1::DemoteBlocksResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "DemoteBlocks", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_->DemoteBlocks(ctx, req, &resp);
+        return manager_stub()->DemoteBlocks(ctx, req, &resp);
       }));
   const std::optional<uint32_t> window = seq->window_tokens;
   FillHandle(resp.sequence(), seq);
@@ -549,7 +585,7 @@ absl::StatusOr<triax::v1::TransferSequenceResponse> Client::TransferSequence(
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(deadline_ms));
-    s = FromGrpcStatus(manager_->TransferSequence(&ctx, req, &resp));
+    s = FromGrpcStatus(manager_stub()->TransferSequence(&ctx, req, &resp));
     if (s.code() != absl::StatusCode::kUnavailable) break;
   }
   TRIAX_RETURN_IF_ERROR(Prefixed("TransferSequence", s));
@@ -600,7 +636,7 @@ absl::Status Client::Close(const SequenceHandle& seq) {
   triax::v1::CloseSequenceResponse resp;
   return CallWithRetry("CloseSequence", /*retry=*/true,
                        [&](grpc::ClientContext* ctx) {
-                         return manager_->CloseSequence(ctx, req, &resp);
+                         return manager_stub()->CloseSequence(ctx, req, &resp);
                        });
 }
 

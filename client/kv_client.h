@@ -79,7 +79,13 @@
 namespace triax::client {
 
 struct ClientOptions {
-  std::string manager_address;  // host:port
+  // host:port, or several comma-separated (managers on etcd: calls move to
+  // the leader — a standby's UNAVAILABLE names it — and are retried there;
+  // see Client::CallWithRetry).
+  std::string manager_address;
+  // How long a call keeps looking for a leader across several managers
+  // (a failover takes about the leader lease's TTL).
+  int failover_ms = 15000;
   std::string tenant_id;
   int64_t rpc_timeout_ms = 30000;
   // Read-only Attends answered UNAVAILABLE with retry_after_ms > 0 are sent
@@ -278,7 +284,8 @@ class Client {
   absl::StatusOr<triax::v1::QueryTraceResponse> QueryTrace(
       uint64_t lineage_id, int32_t page_size = 0);
 
-  triax::v1::Manager::Stub* manager() { return manager_.get(); }
+  // The manager calls go to now (the leader, when several are given).
+  triax::v1::Manager::Stub* manager() { return manager_stub(); }
   // Stub for a worker address (cached). FAILED_PRECONDITION for "".
   absl::StatusOr<triax::v1::Worker::Stub*> worker(const std::string& address);
   const ClientOptions& options() const { return options_; }
@@ -318,7 +325,16 @@ class Client {
                                  uint64_t num_tokens);
 
   ClientOptions options_;
-  std::unique_ptr<triax::v1::Manager::Stub> manager_;
+  // One stub per manager address; calls use managers_[current_manager_].
+  std::vector<std::string> manager_addresses_;
+  std::vector<std::unique_ptr<triax::v1::Manager::Stub>> managers_;
+  std::atomic<size_t> current_manager_{0};
+  triax::v1::Manager::Stub* manager_stub() const {
+    return managers_[current_manager_.load()].get();
+  }
+  // After an UNAVAILABLE from the manager in use: moves to the leader the
+  // answer names, else to the next address. False with one address.
+  bool FollowLeader(const absl::Status& s);
   std::string request_prefix_;
   std::atomic<uint64_t> next_request_{0};
   absl::Mutex workers_mu_;

@@ -52,7 +52,7 @@ absl::StatusOr<triax::v1::ListWorkersResponse> Client::ListWorkers(
       "ListWorkers", req,
       [this](grpc::ClientContext* ctx, const triax::v1::ListWorkersRequest& r,
              triax::v1::ListWorkersResponse* out) {
-        return manager_->ListWorkers(ctx, r, out);
+        return manager_stub()->ListWorkers(ctx, r, out);
       },
       [](triax::v1::ListWorkersResponse* one,
          triax::v1::ListWorkersResponse* all) {
@@ -70,7 +70,7 @@ absl::StatusOr<triax::v1::ListTenantsResponse> Client::ListTenants(
       "ListTenants", req,
       [this](grpc::ClientContext* ctx, const triax::v1::ListTenantsRequest& r,
              triax::v1::ListTenantsResponse* out) {
-        return manager_->ListTenants(ctx, r, out);
+        return manager_stub()->ListTenants(ctx, r, out);
       },
       [](triax::v1::ListTenantsResponse* one,
          triax::v1::ListTenantsResponse* all) {
@@ -90,7 +90,7 @@ absl::StatusOr<triax::v1::ListSequencesResponse> Client::ListSequences(
       "ListSequences", req,
       [this](grpc::ClientContext* ctx, const triax::v1::ListSequencesRequest& r,
              triax::v1::ListSequencesResponse* out) {
-        return manager_->ListSequences(ctx, r, out);
+        return manager_stub()->ListSequences(ctx, r, out);
       },
       [](triax::v1::ListSequencesResponse* one,
          triax::v1::ListSequencesResponse* all) {
@@ -109,7 +109,7 @@ absl::StatusOr<triax::v1::ListPoliciesResponse> Client::ListPolicies(
       "ListPolicies", req,
       [this](grpc::ClientContext* ctx, const triax::v1::ListPoliciesRequest& r,
              triax::v1::ListPoliciesResponse* out) {
-        return manager_->ListPolicies(ctx, r, out);
+        return manager_stub()->ListPolicies(ctx, r, out);
       },
       [](triax::v1::ListPoliciesResponse* one,
          triax::v1::ListPoliciesResponse* all) {
@@ -128,7 +128,7 @@ absl::StatusOr<triax::v1::QueryTraceResponse> Client::QueryTrace(
       "QueryTrace", req,
       [this](grpc::ClientContext* ctx, const triax::v1::QueryTraceRequest& r,
              triax::v1::QueryTraceResponse* out) {
-        return manager_->QueryTrace(ctx, r, out);
+        return manager_stub()->QueryTrace(ctx, r, out);
       },
       [](triax::v1::QueryTraceResponse* one,
          triax::v1::QueryTraceResponse* all) {

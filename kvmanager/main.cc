@@ -5,12 +5,14 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -19,15 +21,19 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "common/clock.h"
 #include "common/daemon_flags.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/port_file.h"
+#include "kvmanager/etcd_log.h"
 #include "kvmanager/manager_core.h"
 #include "kvmanager/manager_service.h"
 #include "kvmanager/metadata_store.h"
 #include "kvmanager/metrics.h"
+#include "kvmanager/standby.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "host:port to listen on; port 0 picks a free port");
@@ -123,6 +129,16 @@ ABSL_FLAG(std::string, metadata, "file:kvmanager-metadata",
           "counters): file:DIR (a write-ahead log and snapshots in DIR, "
           "created if missing; relative to the working directory) or memory "
           "(nothing survives a restart)");
+ABSL_FLAG(std::string, advertise, "",
+          "host:port clients and workers reach this manager at, published as "
+          "the leader's address with --metadata=etcd://... (default: the "
+          "--listen host and bound port)");
+ABSL_FLAG(std::string, etcd_prefix, "/triaxkv/default",
+          "with --metadata=etcd://...: the key prefix of this cluster's "
+          "leader key and log (managers of one cluster share it)");
+ABSL_FLAG(int64_t, etcd_lease_seconds, 2,
+          "with --metadata=etcd://...: the leader lease's TTL; a standby "
+          "takes over about this long after the leader dies; >= 1");
 ABSL_FLAG(uint64_t, metadata_snapshot_mb, 64,
           "log bytes (MiB) after which the state is snapshotted and the log "
           "before it deleted; > 0");
@@ -154,6 +170,9 @@ constexpr char kUsage[] =
     "What it cannot rebuild from its workers it keeps in --metadata (an\n"
     "embedded write-ahead log and snapshots; docs/manager.md \"Durable\n"
     "metadata\"): killed and started again on the same flags it recovers.\n"
+    "With --metadata=etcd://HOST:PORT,... several managers share one etcd:\n"
+    "one leads (an etcd lease), the others answer UNAVAILABLE naming it and\n"
+    "take over when it dies (docs/manager.md \"Failover on etcd\").\n"
     "Memory beyond open sequences and their blocks is bounded by\n"
     "--event_retention, --event_retention_bytes, --closed_retention,\n"
     "--idempotency_capacity and --watcher_queue_limit; docs/manager.md\n"
@@ -230,6 +249,16 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // One thread takes them for the whole run: a standby's campaign and the
+  // leader's serving both end on it.
+  absl::Notification shutdown;
+  std::atomic<int> shutdown_signal{0};
+  std::thread([&signals, &shutdown, &shutdown_signal] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    shutdown_signal = sig;
+    shutdown.Notify();
+  }).detach();
 
   triax::manager::ManagerOptions options;
   options.worker_timeout_ms = absl::GetFlag(FLAGS_worker_timeout_ms);
@@ -279,30 +308,99 @@ int main(int argc, char** argv) {
     return 2;
   }
   // Durable metadata: recover before serving, then journal every change.
+  std::string listen = absl::GetFlag(FLAGS_listen);
+  std::unique_ptr<triax::manager::EtcdClient> etcd_client;
+  std::unique_ptr<triax::manager::EtcdLeadership> leadership;
   std::unique_ptr<triax::manager::MetadataStore> store;
   {
     const std::string metadata = absl::GetFlag(FLAGS_metadata);
     const uint64_t snapshot_mb = absl::GetFlag(FLAGS_metadata_snapshot_mb);
-    if (metadata != "memory" &&
+    const bool etcd = absl::StartsWith(metadata, "etcd://");
+    if (metadata != "memory" && !etcd &&
         (!absl::StartsWith(metadata, "file:") || metadata.size() == 5)) {
       Log(LogLevel::kError, "manager", "bad flags",
-          Kv("error", absl::StrCat("--metadata=", metadata,
-                                   " is neither file:DIR nor memory")));
+          Kv("error",
+             absl::StrCat("--metadata=", metadata,
+                          " is neither file:DIR, etcd://HOST:PORT,... nor "
+                          "memory")));
       return 2;
+    }
+    if (etcd) {
+      auto endpoints = triax::manager::ParseEtcdEndpoints(metadata);
+      if (!endpoints.ok() || absl::GetFlag(FLAGS_etcd_lease_seconds) < 1) {
+        Log(LogLevel::kError, "manager", "bad flags",
+            Kv("error",
+               endpoints.ok()
+                   ? absl::StrCat("--etcd_lease_seconds=",
+                                  absl::GetFlag(FLAGS_etcd_lease_seconds),
+                                  " must be >= 1")
+                   : endpoints.status().ToString()));
+        return 2;
+      }
+      etcd_client = std::make_unique<triax::manager::EtcdClient>(
+          *endpoints, absl::Seconds(5));
     }
     if (snapshot_mb == 0) {
       Log(LogLevel::kError, "manager", "bad flags",
           Kv("error", "--metadata_snapshot_mb=0 must be > 0"));
       return 2;
     }
+    if (etcd_client != nullptr) {
+      // Stand by until this manager leads: RPCs get UNAVAILABLE naming the
+      // leader meanwhile.
+      auto standby = triax::manager::StandbyServer::Start(listen);
+      if (!standby.ok()) {
+        Log(LogLevel::kError, "manager",
+            std::string(standby.status().message()), Kv("listen", listen));
+        return 1;
+      }
+      listen = absl::StrCat(listen.substr(0, listen.rfind(':')), ":",
+                            (*standby)->port());
+      std::string advertise = absl::GetFlag(FLAGS_advertise);
+      if (advertise.empty()) advertise = listen;
+      (*standby)->SetSelf(advertise);
+      if (const std::string port_file = absl::GetFlag(FLAGS_port_file);
+          !port_file.empty()) {
+        triax::WritePortFile(port_file, (*standby)->port()).IgnoreError();
+      }
+      triax::manager::EtcdLeadershipOptions lead;
+      lead.prefix = absl::GetFlag(FLAGS_etcd_prefix);
+      lead.advertise = advertise;
+      lead.lease_seconds = absl::GetFlag(FLAGS_etcd_lease_seconds);
+      leadership = std::make_unique<triax::manager::EtcdLeadership>(
+          etcd_client.get(), lead);
+      Log(LogLevel::kInfo, "manager", "campaigning for leadership",
+          absl::StrCat(Kv("etcd", etcd_client->endpoints()), " ",
+                       Kv("prefix", lead.prefix), " ",
+                       Kv("advertise", advertise)));
+      const absl::Status won = leadership->Campaign(
+          [&](const std::string& leader) {
+            (*standby)->SetLeader(leader);
+            Log(LogLevel::kInfo, "manager", "standing by",
+                Kv("leader", leader.empty() ? "-" : leader));
+          },
+          &shutdown);
+      (*standby)->Stop();
+      if (!won.ok()) return 0;  // shut down while standing by
+      Log(LogLevel::kInfo, "manager", "leading",
+          absl::StrCat(Kv("advertise", advertise), " ",
+                       Kv("revision", leadership->create_revision())));
+    }
     if (metadata != "memory") {
       triax::manager::MetadataStoreOptions store_options;
-      store_options.dir = metadata.substr(5);
+      store_options.dir = etcd_client != nullptr ? "" : metadata.substr(5);
       store_options.snapshot_bytes = snapshot_mb << 20;
       triax::manager::RecoveredState recovered;
       triax::manager::RecoveryFigures figures;
-      auto opened = triax::manager::MetadataStore::Open(store_options,
-                                                        &recovered, &figures);
+      auto opened =
+          etcd_client != nullptr
+              ? triax::manager::MetadataStore::Open(
+                    std::make_unique<triax::manager::EtcdLog>(
+                        etcd_client.get(), absl::GetFlag(FLAGS_etcd_prefix),
+                        leadership->create_revision()),
+                    store_options, &recovered, &figures)
+              : triax::manager::MetadataStore::Open(store_options, &recovered,
+                                                    &figures);
       if (!opened.ok()) {
         Log(LogLevel::kError, "manager", "cannot open the metadata store",
             absl::StrCat(Kv("dir", store_options.dir), " ",
@@ -321,6 +419,15 @@ int main(int argc, char** argv) {
       // Replies wait for durability in the journal's writer thread, not in
       // gRPC's callback threads (ManagerService FinishDurable).
       (*core)->DeferDurableWaits(true);
+      if (leadership != nullptr) {
+        // No two leaders: one that cannot keep its lease stops serving
+        // before a standby can win (and its log writes are fenced anyway).
+        leadership->KeepAlive([](const std::string& why) {
+          Log(LogLevel::kError, "manager", "lost leadership, stopping",
+              Kv("reason", why));
+          std::_Exit(75);
+        });
+      }
       const auto counts = (*core)->GetCounts();
       Log(LogLevel::kInfo, "manager", "metadata recovered",
           absl::StrCat(
@@ -355,7 +462,6 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  const std::string listen = absl::GetFlag(FLAGS_listen);
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   {
     std::vector<
@@ -423,9 +529,9 @@ int main(int argc, char** argv) {
           Kv("worker_timeout_ms", options.worker_timeout_ms), " ",
           Kv("worker_down_timeout_ms", options.worker_down_timeout_ms)));
 
-  int sig = 0;
-  sigwait(&signals, &sig);
-  Log(LogLevel::kInfo, "manager", "shutting down", Kv("signal", sig));
+  shutdown.WaitForNotification();
+  Log(LogLevel::kInfo, "manager", "shutting down",
+      Kv("signal", shutdown_signal.load()));
   // NOT_SERVING for the drain, so health probes stop routing here first.
   readiness.SetServing(false);
   health->Shutdown();

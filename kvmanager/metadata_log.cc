@@ -99,8 +99,14 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
                      std::istreambuf_iterator<char>());
 }
 
-// Calls fn for every whole frame of `data`. Returns the offset of the first
-// byte that is not a whole, valid frame (data.size() when all are).
+}  // namespace
+
+void AppendFrame(absl::string_view payload, std::string* out) {
+  PutU32(static_cast<uint32_t>(payload.size()), out);
+  PutU32(Crc(payload), out);
+  out->append(payload.data(), payload.size());
+}
+
 absl::StatusOr<size_t> ForEachFrame(
     absl::string_view data, bool from_snapshot,
     const std::function<absl::Status(absl::string_view, bool)>& fn) {
@@ -117,13 +123,6 @@ absl::StatusOr<size_t> ForEachFrame(
   return off;
 }
 
-}  // namespace
-
-void AppendFrame(absl::string_view payload, std::string* out) {
-  PutU32(static_cast<uint32_t>(payload.size()), out);
-  PutU32(Crc(payload), out);
-  out->append(payload.data(), payload.size());
-}
 
 MetadataLog::MetadataLog(const MetadataLogOptions& options)
     : options_(options) {}
@@ -155,16 +154,33 @@ absl::StatusOr<std::unique_ptr<MetadataLog>> MetadataLog::Open(
 }
 
 MetadataLog::~MetadataLog() {
+  StopWriter();
+  if (segment_fd_ >= 0) ::close(segment_fd_);
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
+}
+
+// --- GroupCommitLog ------------------------------------------------------------
+
+GroupCommitLog::~GroupCommitLog() { StopWriter(); }
+
+void GroupCommitLog::StopWriter() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
   }
   if (writer_.joinable()) writer_.join();
-  if (segment_fd_ >= 0) ::close(segment_fd_);
-  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
 }
 
-absl::Status MetadataLog::Replay(
+absl::Status GroupCommitLog::Replay(
+    const std::function<absl::Status(absl::string_view, bool)>& fn) {
+  if (absl::Status st = ReplayStored(fn); !st.ok()) return st;
+  writer_ = std::thread([this] { WriterLoop(); });
+  return absl::OkStatus();
+}
+
+// --- MetadataLog (files) --------------------------------------------------------
+
+absl::Status MetadataLog::ReplayStored(
     const std::function<absl::Status(absl::string_view, bool)>& fn) {
   std::vector<uint64_t> segments;
   std::vector<uint64_t> snapshots;
@@ -224,11 +240,7 @@ absl::Status MetadataLog::Replay(
       return Errno("cannot truncate", path);
     }
   }
-  if (absl::Status st = OpenSegment(last + 1); !st.ok()) return st;
-  absl::MutexLock lock(&mu_);
-  started_ = true;
-  writer_ = std::thread([this] { WriterLoop(); });
-  return absl::OkStatus();
+  return OpenSegment(last + 1);
 }
 
 absl::Status MetadataLog::OpenSegment(uint64_t n) {
@@ -245,7 +257,7 @@ absl::Status MetadataLog::OpenSegment(uint64_t n) {
   return absl::OkStatus();
 }
 
-uint64_t MetadataLog::Append(std::string record) {
+uint64_t GroupCommitLog::Append(std::string record) {
   absl::MutexLock lock(&mu_);
   Item item;
   item.seq = next_seq_++;
@@ -257,7 +269,7 @@ uint64_t MetadataLog::Append(std::string record) {
   return queue_.back().seq;
 }
 
-uint64_t MetadataLog::AppendSnapshot(std::vector<std::string> records) {
+uint64_t GroupCommitLog::AppendSnapshot(std::vector<std::string> records) {
   absl::MutexLock lock(&mu_);
   Item item;
   item.seq = next_seq_++;
@@ -268,9 +280,9 @@ uint64_t MetadataLog::AppendSnapshot(std::vector<std::string> records) {
   return queue_.back().seq;
 }
 
-absl::Status MetadataLog::Wait(uint64_t seq) {
+absl::Status GroupCommitLog::Wait(uint64_t seq) {
   struct Arg {
-    MetadataLog* log;
+    GroupCommitLog* log;
     uint64_t seq;
   } arg{this, seq};
   absl::MutexLock lock(&mu_);
@@ -283,7 +295,7 @@ absl::Status MetadataLog::Wait(uint64_t seq) {
   return failed_;
 }
 
-void MetadataLog::OnDurable(uint64_t seq,
+void GroupCommitLog::OnDurable(uint64_t seq,
                             std::function<void(const absl::Status&)> fn) {
   absl::Status now;
   {
@@ -297,18 +309,18 @@ void MetadataLog::OnDurable(uint64_t seq,
   fn(now);
 }
 
-MetadataLogStats MetadataLog::stats() const {
+MetadataLogStats GroupCommitLog::stats() const {
   absl::MutexLock lock(&mu_);
   return stats_;
 }
 
-void MetadataLog::WriterLoop() {
+void GroupCommitLog::WriterLoop() {
   for (;;) {
     std::deque<Item> batch;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](MetadataLog* l) {
+          +[](GroupCommitLog* l) {
             l->mu_.AssertHeld();
             return l->stop_ || !l->queue_.empty();
           },
@@ -317,37 +329,27 @@ void MetadataLog::WriterLoop() {
       batch.swap(queue_);
     }
     absl::Status st;
-    std::string buffer;
     uint64_t last = 0;
-    auto flush = [&]() -> absl::Status {
-      if (buffer.empty()) return absl::OkStatus();
-      const std::string path = options_.dir + "/" + SegmentName(segment_);
-      absl::Status w = WriteAll(segment_fd_, buffer, path);
-      buffer.clear();
-      if (!w.ok()) return w;
-      if (options_.sync && ::fdatasync(segment_fd_) != 0) {
-        return Errno("cannot fdatasync", path);
-      }
-      return absl::OkStatus();
-    };
     uint64_t syncs = 0;
+    std::vector<const std::string*> records;
+    auto flush = [&]() -> absl::Status {
+      if (records.empty()) return absl::OkStatus();
+      ++syncs;
+      absl::Status w = WriteRecords(records);
+      records.clear();
+      return w;
+    };
     for (Item& item : batch) {
       last = item.seq;
       if (!item.is_snapshot) {
-        AppendFrame(item.record, &buffer);
+        records.push_back(&item.record);
         continue;
       }
       st = flush();
-      ++syncs;
-      if (st.ok()) st = OpenSegment(segment_ + 1);
-      if (st.ok()) st = WriteSnapshot(segment_, item.snapshot);
+      if (st.ok()) st = WriteSnapshot(item.snapshot);
       if (!st.ok()) break;
-      RemoveBefore(segment_);
     }
-    if (st.ok()) {
-      st = flush();
-      ++syncs;
-    }
+    if (st.ok()) st = flush();
     std::vector<std::function<void(const absl::Status&)>> ready;
     {
       absl::MutexLock lock(&mu_);
@@ -371,8 +373,23 @@ void MetadataLog::WriterLoop() {
   }
 }
 
-absl::Status MetadataLog::WriteSnapshot(uint64_t n,
-                                        const std::vector<std::string>& recs) {
+absl::Status MetadataLog::WriteRecords(
+    const std::vector<const std::string*>& records) {
+  std::string buffer;
+  for (const std::string* r : records) AppendFrame(*r, &buffer);
+  const std::string path = options_.dir + "/" + SegmentName(segment_);
+  if (absl::Status w = WriteAll(segment_fd_, buffer, path); !w.ok()) return w;
+  if (options_.sync && ::fdatasync(segment_fd_) != 0) {
+    return Errno("cannot fdatasync", path);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MetadataLog::WriteSnapshot(
+    const std::vector<std::string>& recs) {
+  // A new segment starts here; the snapshot is the state before it.
+  if (absl::Status st = OpenSegment(segment_ + 1); !st.ok()) return st;
+  const uint64_t n = segment_;
   const std::string path = options_.dir + "/" + SnapshotName(n);
   const std::string tmp = path + ".tmp";
   const int fd =
@@ -401,7 +418,11 @@ absl::Status MetadataLog::WriteSnapshot(uint64_t n,
     absl::MutexLock lock(&mu_);
     stats_.snapshots++;
   }
-  return options_.sync ? SyncDir(options_.dir) : absl::OkStatus();
+  if (options_.sync) {
+    if (absl::Status d = SyncDir(options_.dir); !d.ok()) return d;
+  }
+  RemoveBefore(n);
+  return absl::OkStatus();
 }
 
 void MetadataLog::RemoveBefore(uint64_t n) {

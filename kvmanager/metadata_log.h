@@ -62,36 +62,56 @@ struct MetadataLogStats {
   uint64_t segment = 0;  // number of the segment appends go to
 };
 
-class MetadataLog {
+// The group commit every metadata backend shares (the file log below, the
+// etcd log of etcd_log.h): a queue of records and snapshots, one writer
+// thread that hands whatever is queued to the backend at once, sequence
+// numbers, waits and callbacks on durability. A backend implements Replay
+// and the two writes.
+class GroupCommitLog {
  public:
-  // Creates DIR if missing and locks it. FAILED_PRECONDITION when another
-  // process holds the lock; INTERNAL (with errno text) for I/O errors.
-  static absl::StatusOr<std::unique_ptr<MetadataLog>> Open(
-      const MetadataLogOptions& options);
-  ~MetadataLog();  // writes what is queued, stops the writer, unlocks
+  virtual ~GroupCommitLog();
 
   // Calls fn for each stored record in order: the snapshot's (from_snapshot
   // true), then the log's. Stops at fn's first error. Starts the writer.
-  absl::Status Replay(const std::function<absl::Status(
-                          absl::string_view record, bool from_snapshot)>& fn);
-
+  absl::Status Replay(
+      const std::function<absl::Status(absl::string_view record,
+                                       bool from_snapshot)>& fn);
   // Queues one record; returns its sequence number (from 1).
   uint64_t Append(std::string record);
   // Queues a snapshot (its records in order); returns its sequence number.
   uint64_t AppendSnapshot(std::vector<std::string> records);
-  // Blocks until every record up to `seq` is on disk (fdatasync'ed), or the
-  // writer failed: then returns its error (every later Wait too).
+  // Blocks until every record up to `seq` is durable, or the writer failed:
+  // then returns its error (every later Wait too).
   absl::Status Wait(uint64_t seq);
-  // Calls fn once every record up to `seq` is on disk (OK) or the writer
+  // Calls fn once every record up to `seq` is durable (OK) or the writer
   // failed (its error): from the writer thread, or now from this one when
   // that is already so. fn must not call back into the log.
   void OnDurable(uint64_t seq, std::function<void(const absl::Status&)> fn);
 
   MetadataLogStats stats() const;
-  const std::string& dir() const { return options_.dir; }
+  // Where the log is, for messages ("metadata directory X", "etcd ...").
+  virtual std::string where() const = 0;
+
+ protected:
+  GroupCommitLog() = default;
+  // Stops the writer after what is queued (a backend's destructor calls it
+  // first, while the backend is still whole).
+  void StopWriter();
+  // The backend's recovery (Replay calls it before starting the writer).
+  virtual absl::Status ReplayStored(
+      const std::function<absl::Status(absl::string_view, bool)>& fn) = 0;
+  // Writer thread: makes `records` durable, in order, appended to the log.
+  virtual absl::Status WriteRecords(
+      const std::vector<const std::string*>& records) = 0;
+  // Writer thread: makes `snapshot` the state before every later record,
+  // and drops what it replaces.
+  virtual absl::Status WriteSnapshot(
+      const std::vector<std::string>& snapshot) = 0;
+
+  mutable absl::Mutex mu_;
+  MetadataLogStats stats_ ABSL_GUARDED_BY(mu_);
 
  private:
-  explicit MetadataLog(const MetadataLogOptions& options);
   struct Item {
     uint64_t seq = 0;
     std::string record;                 // a log record, or
@@ -99,30 +119,54 @@ class MetadataLog {
     bool is_snapshot = false;
   };
   void WriterLoop();
-  absl::Status WriteItem(Item& item);
+
+  std::thread writer_;
+  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t durable_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::multimap<uint64_t, std::function<void(const absl::Status&)>> callbacks_
+      ABSL_GUARDED_BY(mu_);
+};
+
+// The file backend: segments and snapshots in one directory (see above).
+class MetadataLog final : public GroupCommitLog {
+ public:
+  // Creates DIR if missing and locks it. FAILED_PRECONDITION when another
+  // process holds the lock; INTERNAL (with errno text) for I/O errors.
+  static absl::StatusOr<std::unique_ptr<MetadataLog>> Open(
+      const MetadataLogOptions& options);
+  ~MetadataLog() override;  // writes what is queued, stops, unlocks
+
+  const std::string& dir() const { return options_.dir; }
+  std::string where() const override {
+    return "metadata directory " + options_.dir;
+  }
+
+ private:
+  explicit MetadataLog(const MetadataLogOptions& options);
+  absl::Status ReplayStored(
+      const std::function<absl::Status(absl::string_view, bool)>& fn) override;
+  absl::Status WriteRecords(
+      const std::vector<const std::string*>& records) override;
+  absl::Status WriteSnapshot(const std::vector<std::string>& snapshot) override;
   absl::Status OpenSegment(uint64_t n);
-  absl::Status WriteSnapshot(uint64_t n, const std::vector<std::string>& recs);
   void RemoveBefore(uint64_t n);
 
   const MetadataLogOptions options_;
   int lock_fd_ = -1;
   int segment_fd_ = -1;   // writer thread only (after Replay)
   uint64_t segment_ = 0;  // writer thread only (after Replay)
-  std::thread writer_;
-
-  mutable absl::Mutex mu_;
-  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t durable_seq_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status failed_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool started_ ABSL_GUARDED_BY(mu_) = false;
-  MetadataLogStats stats_ ABSL_GUARDED_BY(mu_);
-  std::multimap<uint64_t, std::function<void(const absl::Status&)>> callbacks_
-      ABSL_GUARDED_BY(mu_);
 };
 
 // Frames `payload` (length, CRC, payload) onto *out.
 void AppendFrame(absl::string_view payload, std::string* out);
+// Calls fn for every whole, valid frame of `data` in order; returns the
+// offset of the first byte that is not one (data.size() when all are), or
+// fn's first error.
+absl::StatusOr<size_t> ForEachFrame(
+    absl::string_view data, bool from_snapshot,
+    const std::function<absl::Status(absl::string_view, bool)>& fn);
 
 }  // namespace triax::manager

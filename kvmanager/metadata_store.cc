@@ -246,7 +246,8 @@ class MetadataEncoder {
 };
 
 MetadataStore::MetadataStore(const MetadataStoreOptions& options,
-                             std::unique_ptr<MetadataLog> log, uint64_t epoch,
+                             std::unique_ptr<GroupCommitLog> log,
+                             uint64_t epoch,
                              uint64_t next_ref)
     : options_(options),
       log_(std::move(log)),
@@ -442,22 +443,29 @@ struct Image {
 absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
     const MetadataStoreOptions& options, RecoveredState* recovered,
     RecoveryFigures* figures) {
-  const auto start = std::chrono::steady_clock::now();
   MetadataLogOptions log_options;
   log_options.dir = options.dir;
   log_options.sync = options.sync;
   absl::StatusOr<std::unique_ptr<MetadataLog>> log =
       MetadataLog::Open(log_options);
   if (!log.ok()) return log.status();
+  return Open(*std::move(log), options, recovered, figures);
+}
+
+absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
+    std::unique_ptr<GroupCommitLog> log, const MetadataStoreOptions& options,
+    RecoveredState* recovered, RecoveryFigures* figures) {
+  const auto start = std::chrono::steady_clock::now();
   Image image;
   RecoveryFigures fig;
-  absl::Status st = (*log)->Replay([&](absl::string_view bytes,
+  absl::Status st = log->Replay([&](absl::string_view bytes,
                                        bool /*from_snapshot*/) -> absl::Status {
     meta::MetadataRecord rec;
     if (!rec.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
       return absl::DataLossError(absl::StrCat("metadata record ",
                                               fig.records + 1, " in ",
-                                              options.dir, " does not parse"));
+                                              log->where(),
+                                              " does not parse"));
     }
     ++fig.records;
     fig.bytes += bytes.size();
@@ -626,7 +634,7 @@ absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
   if (figures != nullptr) *figures = fig;
   *recovered = std::move(out);
   return std::unique_ptr<MetadataStore>(
-      new MetadataStore(options, *std::move(log), epoch, image.max_ref + 1));
+      new MetadataStore(options, std::move(log), epoch, image.max_ref + 1));
 }
 
 }  // namespace triax::manager

@@ -48,6 +48,11 @@ class MetadataStore : public MetadataJournal {
   static absl::StatusOr<std::unique_ptr<MetadataStore>> Open(
       const MetadataStoreOptions& options, RecoveredState* recovered,
       RecoveryFigures* figures = nullptr);
+  // The same over any backend (the etcd log: etcd_log.h); options.dir and
+  // options.sync are the backend's business then.
+  static absl::StatusOr<std::unique_ptr<MetadataStore>> Open(
+      std::unique_ptr<GroupCommitLog> log, const MetadataStoreOptions& options,
+      RecoveredState* recovered, RecoveryFigures* figures = nullptr);
 
   uint64_t Write(const ChangeSet& changes, const StateView& view) override;
   uint64_t Snapshot(const StateView& view) override;
@@ -59,7 +64,7 @@ class MetadataStore : public MetadataJournal {
 
  private:
   MetadataStore(const MetadataStoreOptions& options,
-                std::unique_ptr<MetadataLog> log, uint64_t epoch,
+                std::unique_ptr<GroupCommitLog> log, uint64_t epoch,
                 uint64_t next_ref);
   struct Interned {
     uint64_t ref = 0;
@@ -67,7 +72,7 @@ class MetadataStore : public MetadataJournal {
   };
 
   const MetadataStoreOptions options_;
-  std::unique_ptr<MetadataLog> log_;
+  std::unique_ptr<GroupCommitLog> log_;
   const uint64_t epoch_;
   // Refs of the policy and calibration versions already written since the
   // last snapshot (by address; the shared_ptr keeps the address unique).

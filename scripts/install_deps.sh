@@ -8,6 +8,7 @@ pkgs=(
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libboost-dev
   prometheus-cpp-dev libprometheus-cpp-core1.0 prometheus
+  etcd-server zlib1g-dev
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-yaml
 )
 

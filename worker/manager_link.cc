@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/log.h"
 #include "worker/convert.h"
@@ -33,8 +34,36 @@ ManagerLink::ManagerLink(ManagerLinkOptions options, InventoryFn inventory,
       inventory_(std::move(inventory)),
       on_lost_(std::move(on_lost)),
       on_unsent_(std::move(on_unsent)) {
-  stub_ = v1::Manager::NewStub(grpc::CreateChannel(
-      options_.manager_address, grpc::InsecureChannelCredentials()));
+  addresses_ = absl::StrSplit(options_.manager_address, ',', absl::SkipEmpty());
+  if (addresses_.empty()) addresses_.push_back(options_.manager_address);
+  for (const std::string& a : addresses_) {
+    stubs_.push_back(v1::Manager::NewStub(
+        grpc::CreateChannel(a, grpc::InsecureChannelCredentials())));
+  }
+}
+
+void ManagerLink::FollowLeader(const grpc::Status& s) {
+  if (addresses_.size() < 2) return;
+  if (s.error_code() != grpc::StatusCode::UNAVAILABLE &&
+      s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return;
+  }
+  size_t next = (current_ + 1) % addresses_.size();
+  const std::string& m = s.error_message();
+  const size_t at = m.find("the leader is at ");
+  if (at != std::string::npos) {
+    const std::string leader = m.substr(at + 17);
+    for (size_t i = 0; i < addresses_.size(); ++i) {
+      if (addresses_[i] == leader) next = i;
+    }
+  }
+  if (next != current_) {
+    Log(LogLevel::kInfo, "worker", "moving to another manager",
+        absl::StrCat(Kv("from", addresses_[current_]), " ",
+                     Kv("to", addresses_[next]), " ",
+                     Kv("error", s.error_message())));
+  }
+  current_ = next;
 }
 
 ManagerLink::~ManagerLink() { Stop(); }
@@ -100,7 +129,7 @@ void ManagerLink::Run() {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::milliseconds(options_.rpc_deadline_ms));
-      const grpc::Status s = stub_->RegisterWorker(&ctx, req, &resp);
+      const grpc::Status s = stub()->RegisterWorker(&ctx, req, &resp);
       if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
       if (s.ok()) {
         registered = true;
@@ -131,6 +160,7 @@ void ManagerLink::Run() {
         if (options_.on_registered) options_.on_registered();
       } else {
         // Log the first failure and then every 25th (~5 s), not every retry.
+        FollowLeader(s);
         if (failures++ % 25 == 0) {
           Log(LogLevel::kWarn, "worker", "RegisterWorker failed; retrying",
               absl::StrCat(kvs, " ",
@@ -150,7 +180,7 @@ void ManagerLink::Run() {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(options_.rpc_deadline_ms));
-    const grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+    const grpc::Status s = stub()->Heartbeat(&ctx, req, &resp);
     if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
     if (s.ok()) {
       if (resp.release_sequence_ids_size() > 0) {
@@ -173,6 +203,7 @@ void ManagerLink::Run() {
           kvs);
       registered = false;
     } else {
+      FollowLeader(s);
       Log(LogLevel::kWarn, "worker", "Heartbeat failed",
           absl::StrCat(kvs, " ", Kv("code", static_cast<int>(s.error_code())),
                        " ", Kv("error", s.error_message())));

@@ -29,7 +29,9 @@
 namespace triax::worker {
 
 struct ManagerLinkOptions {
-  std::string manager_address;  // host:port of the kvmanager
+  // host:port of the kvmanager, or several, comma-separated (managers on
+  // etcd: the link follows the leader — see ManagerLink).
+  std::string manager_address;
   std::string worker_id;
   std::string advertise_address;  // host:port frontends dial
   std::string backend;            // "cpu" | "cuda"
@@ -80,7 +82,14 @@ class ManagerLink {
   const InventoryFn inventory_;
   const LostFn on_lost_;
   const UnsentFn on_unsent_;
-  std::unique_ptr<v1::Manager::Stub> stub_;
+  // One stub per manager address; calls go to stubs_[current_] (Run's
+  // thread only). A call answered UNAVAILABLE (a standby, or a manager
+  // gone) moves to the leader the answer names, else to the next address.
+  std::vector<std::string> addresses_;
+  std::vector<std::unique_ptr<v1::Manager::Stub>> stubs_;
+  size_t current_ = 0;
+  v1::Manager::Stub* stub() { return stubs_[current_].get(); }
+  void FollowLeader(const grpc::Status& s);
   std::thread thread_;
 
   mutable absl::Mutex mu_;

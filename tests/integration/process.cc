@@ -112,9 +112,13 @@ absl::StatusOr<std::unique_ptr<Process>> Process::Start(
     const std::string& name, const std::string& binary,
     std::vector<std::string> args, const std::string& dir, bool with_port_file,
     absl::Duration timeout) {
-  auto bin_dir = BinDir();
-  if (!bin_dir.ok()) return bin_dir.status();
-  const std::string path = absl::StrCat(*bin_dir, "/", binary);
+  // An absolute path (a system program such as etcd) is used as is.
+  std::string path = binary;
+  if (binary.empty() || binary[0] != '/') {
+    auto bin_dir = BinDir();
+    if (!bin_dir.ok()) return bin_dir.status();
+    path = absl::StrCat(*bin_dir, "/", binary);
+  }
   if (access(path.c_str(), X_OK) != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "binary ", path, " is not executable: ", std::strerror(errno)));
@@ -230,9 +234,13 @@ absl::StatusOr<int> RunToCompletion(const std::string& binary,
                                     const std::vector<std::string>& args,
                                     const std::string& dir, std::string* out,
                                     std::string* err, absl::Duration timeout) {
-  auto bin_dir = BinDir();
-  if (!bin_dir.ok()) return bin_dir.status();
-  const std::string path = absl::StrCat(*bin_dir, "/", binary);
+  // An absolute path (a system program such as etcd) is used as is.
+  std::string path = binary;
+  if (binary.empty() || binary[0] != '/') {
+    auto bin_dir = BinDir();
+    if (!bin_dir.ok()) return bin_dir.status();
+    path = absl::StrCat(*bin_dir, "/", binary);
+  }
   static int counter = 0;
   ++counter;
   const std::string out_path = absl::StrCat(dir, "/run", counter, ".out");
