@@ -47,7 +47,9 @@ ABSL_FLAG(std::string, http_listen, "",
 ABSL_FLAG(std::string, http_port_file, "",
           "if set, the bound HTTP port is written here (atomically)");
 ABSL_FLAG(std::string, manager, "",
-          "kvmanager host:port to register with; empty runs standalone");
+          "kvmanager host:port to register with, or several comma-separated "
+          "(managers on etcd: the worker follows the leader); empty runs "
+          "standalone");
 ABSL_FLAG(std::string, worker_id, "",
           "worker id ([A-Za-z0-9._:-]{1,128}), also the disk tier's "
           "subdirectory; default worker-<hostname>-<port>");
