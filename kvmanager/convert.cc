@@ -44,6 +44,14 @@ RegisterWorkerRequest FromProto(const v1::RegisterWorkerRequest& p) {
 
 Inventory FromProto(const v1::Inventory& p) {
   Inventory d;
+  for (const v1::DescribedSequence& ds : p.described()) {
+    Inventory::Described out;
+    out.sequence_id = ds.sequence_id();
+    for (const v1::BlockPlan& b : ds.blocks()) {
+      out.blocks.push_back(FromProto(b));
+    }
+    d.described.push_back(std::move(out));
+  }
   d.capacity_bytes = p.capacity_bytes();
   d.used_bytes = p.used_bytes();
   d.window_bytes = p.window_bytes();

@@ -533,6 +533,20 @@ class ManagerCore {
   // with its reply, which runs once the record is on disk (now when the
   // ticket is 0 or no journal is set).
   void DeferDurableWaits(bool defer) { defer_waits_ = defer; }
+  // Waits until this thread's changes are durable (with DeferDurableWaits):
+  // before a worker is told to act on a prepared change, so that a
+  // restarted manager knows it was in flight.
+  void AwaitDurable();
+  // After a restart: the blocks a worker described
+  // (Inventory::described, asked for RegisterWorkerResult::
+  // describe_sequence_ids) replace what the manager stored where they
+  // differ — a demote or tier plan the worker applied but the manager had
+  // not committed when it stopped: encodings, bytes, tiers and evictions
+  // adopted, charges moved, one event per block (detail by=reconcile).
+  // Blocks shared, busy or of sequences no longer open there are left
+  // alone. NOT_FOUND for an unknown worker.
+  absl::Status AdoptWorkerBlocks(const std::string& worker_id,
+                                 const Inventory& described);
   static uint64_t TakeDurableTicket();
   void WhenDurable(uint64_t ticket, std::function<void()> fn);
   // Counts of what is held: tenants, workers, retained sequences, live
@@ -587,9 +601,10 @@ class ManagerCore {
   };
   // A recovered worker's first report (manager_core_durable.cc): its open
   // sequences `inventory` does not list are LOST.
-  void ReconcileRecoveredLocked(WorkerRecord* w, const Inventory& inventory,
-                                std::vector<Event>* ev,
-                                std::vector<EventLog::LastPlan>* forgotten)
+  // Returns its open sequences that were in doubt (WorkerRecord::verify).
+  std::vector<std::string> ReconcileRecoveredLocked(
+      WorkerRecord* w, const Inventory& inventory, std::vector<Event>* ev,
+      std::vector<EventLog::LastPlan>* forgotten)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   StateView ViewLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -186,6 +186,9 @@ absl::Status ManagerCore::Restore(RecoveredState state) {
     s->bytes = bytes;
     t->open_sequences++;
     w->open.insert(s);
+    // A demote or tier plan was in flight: its worker may have applied it.
+    if (s->in_doubt > 0) w->verify.push_back(s->id);
+    s->in_doubt = 0;
   }
   // Owners as stored, where that sequence still holds the block.
   for (const auto& [id, rb] : state.blocks) {
@@ -200,7 +203,7 @@ absl::Status ManagerCore::Restore(RecoveredState state) {
   return absl::OkStatus();
 }
 
-void ManagerCore::ReconcileRecoveredLocked(
+std::vector<std::string> ManagerCore::ReconcileRecoveredLocked(
     WorkerRecord* w, const Inventory& inventory, std::vector<Event>* ev,
     std::vector<EventLog::LastPlan>* forgotten) {
   const absl::flat_hash_set<std::string> held(inventory.sequence_ids.begin(),
@@ -216,6 +219,103 @@ void ManagerCore::ReconcileRecoveredLocked(
   for (SequenceRecord* s : lost) {
     MarkLostLocked(s, "not_on_worker", ev, forgotten);
   }
+  std::vector<std::string> verify;
+  for (const std::string& id : w->verify) {
+    const SequenceRecord* s = sequences_.Find(id);
+    if (s != nullptr && s->state == SequenceState::kOpen && s->worker == w) {
+      verify.push_back(id);
+    }
+  }
+  w->verify.clear();
+  return verify;
+}
+
+void ManagerCore::AwaitDurable() {
+  const uint64_t ticket = TakeDurableTicket();
+  MetadataJournal* journal = ticket != 0 ? reply_journal_.load() : nullptr;
+  if (journal != nullptr) journal->Wait(ticket);
+}
+
+absl::Status ManagerCore::AdoptWorkerBlocks(const std::string& worker_id,
+                                            const Inventory& described) {
+  JournaledLock lock(this);
+  WorkerRecord* w = workers_.Find(worker_id);
+  if (w == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("worker_id ", Quote(worker_id), " is not registered"));
+  }
+  std::vector<Event> ev;
+  for (const Inventory::Described& d : described.described) {
+    SequenceRecord* s = sequences_.Find(d.sequence_id);
+    if (s == nullptr || s->state != SequenceState::kOpen || s->worker != w ||
+        !s->transfer_id.empty()) {
+      continue;
+    }
+    bool changed = false;
+    for (const BlockSpec& held : d.blocks) {
+      BlockRecord* b = sequences_.BlockOf(*s, held.lineage_id);
+      // Shared blocks are never re-encoded or moved; busy ones belong to a
+      // plan of this run.
+      if (b == nullptr || b->refcount != 1 || b->busy != 0) continue;
+      const Tier tier = held.evicted || held.tier == Tier::kUnspecified
+                            ? Tier::kDevice
+                            : held.tier;
+      const bool same_encoding =
+          CanonicalEncoding(b->encoding) == CanonicalEncoding(held.encoding);
+      if (same_encoding && b->tier == tier && b->evicted == held.evicted) {
+        continue;
+      }
+      // Take the block off its current charges, then charge what the
+      // worker holds.
+      const int from = static_cast<int>(b->tier);
+      if (!b->evicted) {
+        b->charged->used[from] -= b->bytes;
+        if (b->tier == Tier::kDevice) {
+          w->reserved -= std::min(w->reserved, b->bytes);
+          s->bytes -= std::min(s->bytes, b->bytes);
+        } else {
+          w->tier_used[from] -= std::min(w->tier_used[from], b->bytes);
+          if (s->spilled > 0) --s->spilled;
+        }
+      }
+      const Encoding old = b->encoding;
+      const Tier old_tier = b->tier;
+      if (!same_encoding) {
+        b->encoding = held.encoding;
+        b->bytes = BlockBytes(s->model, s->block_tokens, held.encoding);
+      }
+      b->tier = tier;
+      b->evicted = held.evicted;
+      if (!b->evicted) {
+        const int to = static_cast<int>(b->tier);
+        b->charged->used[to] += b->bytes;
+        if (b->tier == Tier::kDevice) {
+          w->Reserve(b->bytes);
+          s->bytes += b->bytes;
+        } else {
+          w->tier_used[to] += b->bytes;
+          ++s->spilled;
+        }
+      }
+      EventKind kind = EventKind::kBlockDemoted;
+      if (b->evicted) {
+        kind = EventKind::kBlockEvicted;
+      } else if (b->tier != old_tier) {
+        kind = b->tier == Tier::kDevice ? EventKind::kBlockRestored
+                                        : EventKind::kBlockSpilled;
+      }
+      Event e = MakeEvent(*clock_, kind, s, b);
+      e.detail =
+          absl::StrCat("by=reconcile from=", EncodingString(old), "/",
+                       TierName(old_tier), " to=", EncodingString(b->encoding),
+                       "/", TierName(b->tier), " bytes=", b->bytes);
+      ev.push_back(std::move(e));
+      changed = true;
+    }
+    if (changed) Touch(s);
+  }
+  if (!ev.empty()) events_.Append(&ev);
+  return absl::OkStatus();
 }
 
 }  // namespace triax::manager

@@ -76,7 +76,8 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
   WorkerRecord* w = workers_.Register(req, clock_->NowMs());
   if (changes_.enabled) changes_.workers.insert(w->info.worker_id);
   if (same && w->recovered) {
-    ReconcileRecoveredLocked(w, req.inventory, &ev, &forgotten);
+    result.describe_sequence_ids =
+        ReconcileRecoveredLocked(w, req.inventory, &ev, &forgotten);
   }
   w->recovered = false;
   if (same) {
@@ -130,8 +131,9 @@ absl::StatusOr<HeartbeatResult> ManagerCore::Heartbeat(
       workers_.Heartbeat(worker_id, inventory, clock_->NowMs(), incarnation));
   std::vector<Event> ev;
   std::vector<EventLog::LastPlan> forgotten;
+  std::vector<std::string> describe;
   if (w->recovered) {
-    ReconcileRecoveredLocked(w, inventory, &ev, &forgotten);
+    describe = ReconcileRecoveredLocked(w, inventory, &ev, &forgotten);
     w->recovered = false;
   }
   if (was_suspect) {
@@ -150,6 +152,10 @@ absl::StatusOr<HeartbeatResult> ManagerCore::Heartbeat(
   if (!ev.empty()) events_.Append(&ev, &forgotten);
   HeartbeatResult result;
   result.release_sequence_ids = ReleaseListLocked(*w, inventory);
+  result.describe_sequence_ids = std::move(describe);
+  if (!result.describe_sequence_ids.empty()) {
+    result.worker_address = w->info.address;
+  }
   return result;
 }
 

@@ -266,6 +266,8 @@ void ManagerService::PressureLoop(int64_t interval_ms) {
 
 TierPlanOutcome ManagerService::RunTierPlan(const TierPlan& plan) {
   if (plan.token == 0) return TierPlanOutcome{};
+  // The plan is on disk (its sequences in doubt) before any worker acts.
+  core_->AwaitDurable();
   std::vector<absl::Status> results;
   results.reserve(plan.commands.size());
   uint64_t blocks = 0;
@@ -355,6 +357,32 @@ TierPlanOutcome ManagerService::RunReclaimStage(const TierPlan& plan) {
   return outcome;
 }
 
+void ManagerService::DescribeAndAdopt(const std::string& worker_id,
+                                      const std::string& address,
+                                      const std::vector<std::string>& ids) {
+  constexpr size_t kChunk = 1024;  // the worker's limit per request
+  for (size_t i = 0; i < ids.size(); i += kChunk) {
+    v1::GetInventoryRequest req;
+    for (size_t j = i; j < std::min(ids.size(), i + kChunk); ++j) {
+      req.add_describe_sequence_ids(ids[j]);
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(worker_rpc_timeout_ms_));
+    v1::Inventory inv;
+    const grpc::Status st = WorkerStub(address)->GetInventory(&ctx, req, &inv);
+    absl::Status adopted = FromGrpcStatus(st);
+    if (adopted.ok())
+      adopted = core_->AdoptWorkerBlocks(worker_id, FromProto(inv));
+    Log(adopted.ok() ? LogLevel::kInfo : LogLevel::kWarn, "manager",
+        "reconciled sequences in doubt with their worker",
+        absl::StrCat(Kv("worker_id", worker_id), " ",
+                     Kv("sequences", req.describe_sequence_ids_size()), " ",
+                     Kv("described", inv.described_size()), " ",
+                     Kv("error", adopted.ok() ? "-" : adopted.ToString())));
+  }
+}
+
 void ManagerService::RefreshRoom(const std::string& worker_id,
                                  const std::string& address) {
   const uint64_t planned_before = core_->PlannedOn(worker_id);
@@ -392,6 +420,12 @@ grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
     auto r = core_->RegisterWorker(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
+    if (!r->describe_sequence_ids.empty()) {
+      Post([this, id = req->worker_id(), address = req->address(),
+            ids = r->describe_sequence_ids] {
+        DescribeAndAdopt(id, address, ids);
+      });
+    }
     Log(LogLevel::kInfo, "manager", "worker registered",
         absl::StrCat(
             Kv("worker_id", req->worker_id()), " ",
@@ -412,6 +446,12 @@ grpc::ServerUnaryReactor* ManagerService::Heartbeat(
                               req->incarnation());
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
+    if (!r->describe_sequence_ids.empty()) {
+      Post([this, id = req->worker_id(), address = r->worker_address,
+            ids = r->describe_sequence_ids] {
+        DescribeAndAdopt(id, address, ids);
+      });
+    }
     return absl::OkStatus();
   });
 }
@@ -819,6 +859,8 @@ void ManagerService::CallWorkerDemote(
     std::shared_ptr<v1::Worker::Stub> stub;
     std::function<void(const absl::Status&, uint64_t)> done;
   };
+  // The prepare is on disk (its sequence in doubt) before the worker acts.
+  core_->AwaitDurable();
   auto* call = new Call;
   ToProto(prepared, &call->req);
   call->stub = WorkerStub(prepared.worker_address);

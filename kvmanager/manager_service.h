@@ -227,6 +227,12 @@ class ManagerService final : public v1::Manager::CallbackService {
   // Asks the worker for its inventory (deadline worker_rpc_timeout_ms) and
   // takes its frames as the worker's room (ManagerCore::RefreshWorkerRoom);
   // on error logs and keeps the old room. Blocking: runs on the executor.
+  // After a manager restart: asks the worker at `address` to describe the
+  // sequences that were in doubt and adopts what it holds
+  // (ManagerCore::AdoptWorkerBlocks). Runs on the executor.
+  void DescribeAndAdopt(const std::string& worker_id,
+                        const std::string& address,
+                        const std::vector<std::string>& sequence_ids);
   void RefreshRoom(const std::string& worker_id, const std::string& address);
   // Runs the worker's Demote for `prepared` through the async stub (deadline
   // worker_rpc_timeout_ms; counted in in_flight_); `done` runs on the

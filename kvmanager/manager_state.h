@@ -114,6 +114,9 @@ struct WorkerRecord {
   // from since: its first report (heartbeat or registration with the same
   // incarnation) reconciles (ManagerCore::ReconcileRecoveredLocked).
   bool recovered = false;
+  // Its open sequences that were in doubt when the manager stopped: asked
+  // for at its first report (RegisterWorkerResult::describe_sequence_ids).
+  std::vector<std::string> verify;
 };
 
 // A calibration table as stored: immutable once built; sequences under an
@@ -184,6 +187,10 @@ struct SequenceRecord {
   uint64_t version = 0;              // bumped by every mutation (Touch)
   // Where Touch records the change (SequenceTable::Insert sets it).
   ChangeSet* changes = nullptr;
+  // Two-phase worker changes prepared and not finished (demotes, tier
+  // plans): stored, so that a restarted manager asks the worker what it
+  // holds for this sequence (ManagerCore::AdoptWorkerBlocks).
+  uint32_t in_doubt = 0;
   std::vector<uint64_t> lost_lineage_ids;
   // Allocation policies: the calibration table version of Open and the
   // current choice per tag.
@@ -231,6 +238,19 @@ inline void Touch(SequenceRecord* s) {
   if (s->changes != nullptr && s->changes->enabled) {
     s->changes->sequences.insert(s->id);
   }
+}
+
+// A change to journal that pending operations must not see as a mutation
+// (the version stays): SequenceRecord::in_doubt.
+inline void MarkChanged(SequenceRecord* s) {
+  if (s->changes != nullptr && s->changes->enabled) {
+    s->changes->sequences.insert(s->id);
+  }
+}
+inline void AddInDoubt(SequenceRecord* s, int delta) {
+  if (delta < 0 && s->in_doubt == 0) return;
+  s->in_doubt += delta;
+  MarkChanged(s);
 }
 
 // Model shapes are checked by ValidateModelShape and blocks tagged by

@@ -123,7 +123,6 @@ absl::StatusOr<size_t> ForEachFrame(
   return off;
 }
 
-
 MetadataLog::MetadataLog(const MetadataLogOptions& options)
     : options_(options) {}
 
@@ -159,7 +158,8 @@ MetadataLog::~MetadataLog() {
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
 }
 
-// --- GroupCommitLog ------------------------------------------------------------
+// --- GroupCommitLog
+// ------------------------------------------------------------
 
 GroupCommitLog::~GroupCommitLog() { StopWriter(); }
 
@@ -178,7 +178,8 @@ absl::Status GroupCommitLog::Replay(
   return absl::OkStatus();
 }
 
-// --- MetadataLog (files) --------------------------------------------------------
+// --- MetadataLog (files)
+// --------------------------------------------------------
 
 absl::Status MetadataLog::ReplayStored(
     const std::function<absl::Status(absl::string_view, bool)>& fn) {
@@ -296,7 +297,7 @@ absl::Status GroupCommitLog::Wait(uint64_t seq) {
 }
 
 void GroupCommitLog::OnDurable(uint64_t seq,
-                            std::function<void(const absl::Status&)> fn) {
+                               std::function<void(const absl::Status&)> fn) {
   absl::Status now;
   {
     absl::MutexLock lock(&mu_);
@@ -385,8 +386,7 @@ absl::Status MetadataLog::WriteRecords(
   return absl::OkStatus();
 }
 
-absl::Status MetadataLog::WriteSnapshot(
-    const std::vector<std::string>& recs) {
+absl::Status MetadataLog::WriteSnapshot(const std::vector<std::string>& recs) {
   // A new segment starts here; the snapshot is the state before it.
   if (absl::Status st = OpenSegment(segment_ + 1); !st.ok()) return st;
   const uint64_t n = segment_;

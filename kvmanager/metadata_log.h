@@ -73,9 +73,8 @@ class GroupCommitLog {
 
   // Calls fn for each stored record in order: the snapshot's (from_snapshot
   // true), then the log's. Stops at fn's first error. Starts the writer.
-  absl::Status Replay(
-      const std::function<absl::Status(absl::string_view record,
-                                       bool from_snapshot)>& fn);
+  absl::Status Replay(const std::function<absl::Status(
+                          absl::string_view record, bool from_snapshot)>& fn);
   // Queues one record; returns its sequence number (from 1).
   uint64_t Append(std::string record);
   // Queues a snapshot (its records in order); returns its sequence number.

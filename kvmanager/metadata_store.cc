@@ -232,6 +232,7 @@ class MetadataEncoder {
     p->set_chain_blocks(s.chain_blocks);
     p->set_chain_open(s.chain_open);
     for (uint32_t t : s.chain_tail) p->add_chain_tail(t);
+    p->set_in_doubt(s.in_doubt);
   }
 
   void Counters(const StateView& view, meta::MetadataRecord* rec) {
@@ -247,8 +248,7 @@ class MetadataEncoder {
 
 MetadataStore::MetadataStore(const MetadataStoreOptions& options,
                              std::unique_ptr<GroupCommitLog> log,
-                             uint64_t epoch,
-                             uint64_t next_ref)
+                             uint64_t epoch, uint64_t next_ref)
     : options_(options),
       log_(std::move(log)),
       epoch_(epoch),
@@ -459,13 +459,12 @@ absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
   Image image;
   RecoveryFigures fig;
   absl::Status st = log->Replay([&](absl::string_view bytes,
-                                       bool /*from_snapshot*/) -> absl::Status {
+                                    bool /*from_snapshot*/) -> absl::Status {
     meta::MetadataRecord rec;
     if (!rec.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
       return absl::DataLossError(absl::StrCat("metadata record ",
                                               fig.records + 1, " in ",
-                                              log->where(),
-                                              " does not parse"));
+                                              log->where(), " does not parse"));
     }
     ++fig.records;
     fig.bytes += bytes.size();
@@ -610,6 +609,7 @@ absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
     s.chain_blocks = p.chain_blocks();
     s.chain_open = p.chain_open();
     s.chain_tail.assign(p.chain_tail().begin(), p.chain_tail().end());
+    s.in_doubt = p.in_doubt();
     if (s.state == SequenceState::kOpen) {
       rs.lineage_ids.assign(p.blocks().lineage_id().begin(),
                             p.blocks().lineage_id().end());

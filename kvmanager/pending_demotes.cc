@@ -165,6 +165,7 @@ absl::StatusOr<DemotePrepared> PendingDemotes::Prepare(
   pending->worker_id = s->worker->info.worker_id;
   pending->bytes_delta = delta;
   pending_.emplace(token, std::move(pending));
+  AddInDoubt(s, +1);
 
   prepared.token = token;
   prepared.worker_id = s->worker->info.worker_id;
@@ -222,6 +223,7 @@ std::optional<DemotePrepared> PendingDemotes::PrepareAging(
   prepared.sequence_id = s->id;
   prepared.bytes_delta = pending->bytes_delta;
   pending_.emplace(token, std::move(pending));
+  AddInDoubt(s, +1);
   return prepared;
 }
 
@@ -265,6 +267,7 @@ absl::StatusOr<PendingDemotes::Committed> PendingDemotes::Commit(
     s->worker->reserved -= freed;
   }
   Touch(s);
+  AddInDoubt(s, -1);
   Committed out;
   out.result.sequence = SequenceTable::Info(*s, /*with_blocks=*/true);
   out.result.bytes_delta = p.bytes_delta;
@@ -279,6 +282,7 @@ void PendingDemotes::Release(uint64_t token) {
   auto it = pending_.find(token);
   if (it == pending_.end()) return;
   const Pending& p = *it->second;
+  if (SequenceRecord* s = sequences_->Find(p.sequence_id)) AddInDoubt(s, -1);
   if (p.reserved > 0) {
     if (TenantRecord* t = tenants_->FindOrNull(p.tenant_id)) {
       t->used[static_cast<int>(Tier::kDevice)] -= p.reserved;

@@ -47,6 +47,14 @@ struct PressureCoordinator::PendingPlan {
   std::vector<Command> commands;
 };
 
+void PressureCoordinator::MarkInDoubt(const PendingPlan& p, int delta) {
+  for (const PendingPlan::Command& c : p.commands) {
+    if (SequenceRecord* s = sequences_->Find(c.sequence_id)) {
+      AddInDoubt(s, delta);
+    }
+  }
+}
+
 absl::Status PressureCoordinator::ValidateOptions(
     const PressureOptions& options) {
   const Watermarks& wm = options.watermarks;
@@ -252,6 +260,7 @@ TierPlan PressureCoordinator::PlanFromPicks(const Picks& picks,
   if (plan.commands.empty()) return TierPlan{};
   plan.token = token;
   plan.reason = reason;
+  MarkInDoubt(*pending, +1);
   pending_.emplace(token, std::move(pending));
   return plan;
 }
@@ -620,6 +629,7 @@ TierPlan PressureCoordinator::PlanRestore(const std::vector<BlockRecord*>& want,
   if (plan.commands.empty()) return TierPlan{};
   plan.token = token;
   plan.reason = reason;
+  MarkInDoubt(*pending, +1);
   pending_.emplace(token, std::move(pending));
   return plan;
 }
@@ -637,6 +647,7 @@ absl::Status PressureCoordinator::FinishTierPlan(
   }
   std::unique_ptr<PendingPlan> p = std::move(pit->second);
   pending_.erase(pit);
+  MarkInDoubt(*p, -1);
   for (size_t ci = 0; ci < p->commands.size(); ++ci) {
     const PendingPlan::Command& c = p->commands[ci];
     const absl::Status st =

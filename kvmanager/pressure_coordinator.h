@@ -290,6 +290,9 @@ class PressureCoordinator {
 
  private:
   struct PendingPlan;
+  // Each command's sequence is in doubt while the plan is pending
+  // (SequenceRecord::in_doubt).
+  void MarkInDoubt(const PendingPlan& p, int delta);
   using Picks = std::vector<std::pair<BlockRecord*, RankedAction>>;
 
   // Whether `b` may take `a` now (see the top); worker_add / tenant_add:

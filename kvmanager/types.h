@@ -254,6 +254,12 @@ struct Inventory {
   uint64_t pages_moved = 0;
   uint64_t bytes_moved = 0;
   uint64_t frames_freed_by_compaction = 0;
+  // Blocks of the sequences GetInventory was asked to describe.
+  struct Described {
+    std::string sequence_id;
+    std::vector<BlockSpec> blocks;
+  };
+  std::vector<Described> described;
 };
 
 struct WorkerInfo {
@@ -340,10 +346,18 @@ struct RegisterWorkerResult {
   std::vector<std::string> release_sequence_ids;
   // LOST sequences of this worker that are OPEN again. Sorted.
   std::vector<std::string> recovered_sequence_ids;
+  // Not sent to the worker: open sequences a two-phase change was in
+  // flight on when the manager stopped, whose blocks the service asks the
+  // worker to describe (ManagerCore::AdoptWorkerBlocks).
+  std::vector<std::string> describe_sequence_ids;
 };
 struct HeartbeatResult {
   // As RegisterWorkerResult::release_sequence_ids.
   std::vector<std::string> release_sequence_ids;
+  // As RegisterWorkerResult::describe_sequence_ids, with the worker's
+  // address to ask.
+  std::vector<std::string> describe_sequence_ids;
+  std::string worker_address;
 };
 
 struct CreateTenantRequest {

@@ -154,7 +154,12 @@ AttendRequest FromProto(const v1::AttendRequest& p) {
   return d;
 }
 
-InventoryRequest FromProto(const v1::GetInventoryRequest&) { return {}; }
+InventoryRequest FromProto(const v1::GetInventoryRequest& p) {
+  InventoryRequest r;
+  r.describe_sequence_ids.assign(p.describe_sequence_ids().begin(),
+                                 p.describe_sequence_ids().end());
+  return r;
+}
 
 void ToProto(const AllocateResult& d, v1::AllocatePagesResponse* p) {
   p->set_pages_allocated(d.pages_allocated);
@@ -239,6 +244,11 @@ void ToProto(const ReadResult& d, uint32_t layer, KvDtype dtype,
 }
 
 void ToProto(const InventorySnapshot& d, v1::Inventory* p) {
+  for (const auto& [id, blocks] : d.described) {
+    v1::DescribedSequence* ds = p->add_described();
+    ds->set_sequence_id(id);
+    for (const BlockSpec& b : blocks) ToProto(b, ds->add_blocks());
+  }
   p->set_capacity_bytes(d.capacity_bytes);
   p->set_used_bytes(d.used_bytes);
   p->set_window_bytes(d.window_bytes);

@@ -284,6 +284,8 @@ struct InventorySnapshot {
   // The arena's frames, pools, fragmentation and compaction counters
   // (PageAllocator::Stats).
   AllocatorStats arena;
+  // Blocks of the sequences a GetInventory asked to describe (WorkerCore).
+  std::vector<std::pair<std::string, std::vector<BlockSpec>>> described;
 };
 
 // Attend/Read answer UNAVAILABLE with this payload (decimal milliseconds)

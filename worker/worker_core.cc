@@ -254,8 +254,18 @@ absl::StatusOr<ReadResult> WorkerCore::Read(const ReadRequest& req) {
 }
 
 absl::StatusOr<InventorySnapshot> WorkerCore::GetInventory(
-    const InventoryRequest&) const {
-  return store_->Inventory();
+    const InventoryRequest& req) const {
+  if (req.describe_sequence_ids.size() > kMaxDescribed) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "describe_sequence_ids has ", req.describe_sequence_ids.size(),
+        " ids; at most ", kMaxDescribed));
+  }
+  InventorySnapshot snap = store_->Inventory();
+  for (const std::string& id : req.describe_sequence_ids) {
+    absl::StatusOr<SequenceSnapshot> d = store_->Describe(id);
+    if (d.ok()) snap.described.emplace_back(id, std::move(d->blocks));
+  }
+  return snap;
 }
 
 std::vector<uint64_t> WorkerCore::TakeSelfRestored() {

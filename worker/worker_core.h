@@ -189,7 +189,11 @@ struct AttendResult {
   std::vector<absl::StatusOr<std::vector<float>>> items;
 };
 
-struct InventoryRequest {};
+struct InventoryRequest {
+  // At most kMaxDescribed; see GetInventoryRequest.describe_sequence_ids.
+  std::vector<std::string> describe_sequence_ids;
+};
+inline constexpr size_t kMaxDescribed = 1024;
 
 // The destination side of a transfer (see "Transfers" above).
 struct ImportRequest {

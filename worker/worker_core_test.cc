@@ -628,6 +628,22 @@ TEST_F(WorkerCoreTest, ReadAttendAndInventoryPassThrough) {
   ASSERT_THAT(inv, IsOk());
   EXPECT_EQ(inv->sequence_ids, std::vector<std::string>{"s"});
   EXPECT_EQ(inv->device_error, "");
+  EXPECT_TRUE(inv->described.empty());
+
+  // A restarted manager asks for the blocks of sequences it was unsure of:
+  // the ones held are described, unknown ids left out.
+  InventoryRequest describe;
+  describe.describe_sequence_ids = {"s", "nope"};
+  auto described = core_->GetInventory(describe);
+  ASSERT_THAT(described, IsOk());
+  ASSERT_EQ(described->described.size(), 1u);
+  EXPECT_EQ(described->described[0].first, "s");
+  EXPECT_FALSE(described->described[0].second.empty());
+  EXPECT_EQ(described->described[0].second[0].tier, Tier::kDevice);
+  describe.describe_sequence_ids.assign(kMaxDescribed + 1, "s");
+  EXPECT_THAT(core_->GetInventory(describe),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("describe_sequence_ids has 1025 ids")));
 }
 
 TEST_F(WorkerCoreTest, DeviceHealthAndLostSequences) {
