@@ -315,6 +315,99 @@ def test_live_stream_schema_chains_replay_and_bad_requests(cluster):
     ctx.term()
 
 
+MEDIUM_OF_TIER = {"TIER_DEVICE": "GPU", "TIER_HOST": "CPU", "TIER_DISK": "DISK"}
+
+
+def test_spills_move_blocks_to_the_disk_medium(tmp_path):
+    """Memory pressure spills idle blocks to the disk tier: each leaves GPU
+    (BlockRemoved) and is stored on DISK (BlockStored, its parent still the
+    chain's); the subscriber's view converges to the manager's tiers."""
+    import numpy as np
+    d = str(tmp_path)
+    manager = Process("kvmanager", "kvmanager", [
+        "--listen=127.0.0.1:0", "--heartbeat_interval_ms=100",
+        "--metadata=file:" + os.path.join(d, "metadata"),
+        "--pressure_interval_ms=50", "--high_watermark=0.6", "--low_watermark=0.4",
+        "--window_guard_tokens=0", "--reuse_half_life_ms=100",
+        "--spill_disk_penalty=0",
+        "--kv_events_endpoint=tcp://127.0.0.1:*",
+        "--kv_events_replay_endpoint=tcp://127.0.0.1:*"], d)
+    worker = None
+    ctx = zmq.Context()
+    try:
+        worker = Process("w0", "kvworker", [
+            "--listen=127.0.0.1:0", f"--manager={manager.address}", "--worker_id=w0",
+            "--pool_mb=1", "--frame_kb=16", "--window_tokens=0", "--host_tier_mb=0",
+            "--disk_tier_dir=" + os.path.join(d, "disk"), "--disk_tier_mb=64"], d)
+        _, replay_ep = free_log_endpoints(manager)
+        c = triaxkv.Client(manager.address, tenant_id="spill", timeout=10)
+        wait_until("w0 UP", lambda: any(
+            w.worker_id == "w0" and w.state == triaxkv.types_pb2.WORKER_STATE_UP
+            for w in c.list_workers()))
+        c.create_tenant(default_policy="bf16")
+        rng = np.random.default_rng(20261125)
+        print("seed 20261125")
+        seqs, hashes = [], {}
+        # 9 x 12 BF16 blocks of 8 KiB in a 1 MiB pool: far past 60%.
+        for i in range(9):
+            ids = list(range(i * 1000 + 1, i * 1000 + 193))
+            s = c.open_sequence(MODEL, [("system", 16), ("user", 176)],
+                                block_tokens=16, window_tokens=0, token_ids=ids)
+            for layer in range(MODEL.n_layers):
+                k = rng.standard_normal((192, MODEL.n_kv_heads, MODEL.head_dim),
+                                        dtype=np.float32)
+                c.write_kv(s, layer, 0, k, k)
+            seqs.append(s)
+            hashes[s.sequence_id] = triaxkv.prefix_block_hashes(
+                c.tenant_id, MODEL, 16, ids)
+        wait_until("a spill", lambda: c.get_pressure().spills > 0, timeout=30)
+
+        def truth():
+            out = {}
+            for s in seqs:
+                info = c.get_sequence(s.sequence_id)
+                for i, b in enumerate(info.blocks):
+                    if not b.evicted:
+                        key = (hashes[s.sequence_id][i],
+                               MEDIUM_OF_TIER[triaxkv.types_pb2.Tier.Name(b.tier)])
+                        out[key] = out.get(key, 0) + 1
+            return out
+
+        def view():
+            batches = replay(ctx, replay_ep, (0).to_bytes(8, "big"))
+            assert sorted(batches) == list(range(len(batches)))
+            state = {}
+            for seq in sorted(batches):
+                apply(state, decode(batches[seq])[1])
+            return state, batches
+
+        wait_until("the stream to agree with the manager's tiers",
+                   lambda: view()[0] == truth(), timeout=30)
+        state, batches = view()
+        assert any(m == "DISK" for _, m in state), "no block on DISK"
+        events = [e for seq in sorted(batches) for e in decode(batches[seq])[1]]
+        disk = [f for tag, f in events if tag == "BlockStored" and f["medium"] == "DISK"]
+        gone = {h for tag, f in events if tag == "BlockRemoved" and f["medium"] == "GPU"
+                for h in f["block_hashes"]}
+        parents = {}
+        for h_list in hashes.values():
+            for i, h in enumerate(h_list):
+                parents[h] = h_list[i - 1] if i else None
+        for f in disk:
+            assert f["parent_block_hash"] == parents[f["block_hashes"][0]]
+            for h in f["block_hashes"]:
+                assert h in gone, f"{h.hex()} stored on DISK but never left GPU"
+            assert len(f["token_ids"]) == 16 * len(f["block_hashes"])
+        for s in seqs:
+            c.close_sequence(s)
+        c.close()
+    finally:
+        ctx.destroy(linger=0)
+        if worker is not None:
+            worker.stop()
+        manager.stop()
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([os.path.abspath(__file__), "-q", "-rs",
                           "-p", "no:cacheprovider"]))
