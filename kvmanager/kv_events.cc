@@ -248,7 +248,11 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(
     ManagerCore* core, const KvEventsOptions& options) {
   if (options.buffer_steps == 0) {
     return absl::InvalidArgumentError(
-        "kv_events_buffer=0: replay needs at least one batch kept");
+        "--kv_events_buffer=0: replay needs at least one batch kept");
+  }
+  if (options.data_parallel_rank < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--data_parallel_rank=", options.data_parallel_rank, " must be >= 0"));
   }
   auto endpoint = OffsetEndpointPort(
       options.endpoint, options.data_parallel_rank, "--kv_events_endpoint");

@@ -315,6 +315,29 @@ def test_live_stream_schema_chains_replay_and_bad_requests(cluster):
     ctx.term()
 
 
+def test_bad_flags_stop_the_manager_naming_them(tmp_path):
+    import subprocess
+    binary = os.path.join(os.environ.get("TRIAX_BIN_DIR", os.path.join(REPO, "build", "bin")),
+                          "kvmanager")
+    cases = [
+        (["--kv_events_endpoint=tcp://127.0.0.1:notaport"],
+         "--kv_events_endpoint=tcp://127.0.0.1:notaport"),
+        (["--kv_events_replay_endpoint=tcp://127.0.0.1:*"], "--kv_events_endpoint"),
+        (["--kv_events_endpoint=tcp://127.0.0.1:*", "--kv_events_buffer=0"],
+         "--kv_events_buffer=0"),
+        (["--kv_events_endpoint=tcp://127.0.0.1:*", "--data_parallel_rank=-2"],
+         "--data_parallel_rank=-2"),
+        (["--kv_events_endpoint=tcp://127.0.0.1:*", "--data_parallel_rank=1"],
+         "--kv_events_endpoint=tcp://127.0.0.1:*"),  # no port to offset
+    ]
+    for i, (flags, named) in enumerate(cases):
+        r = subprocess.run([binary, "--listen=127.0.0.1:0",
+                            "--metadata=file:" + str(tmp_path / f"m{i}")] + flags,
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1, (flags, r.returncode, r.stderr)
+        assert named in r.stdout + r.stderr, (flags, r.stdout + r.stderr)
+
+
 MEDIUM_OF_TIER = {"TIER_DEVICE": "GPU", "TIER_HOST": "CPU", "TIER_DISK": "DISK"}
 
 
