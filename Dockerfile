@@ -23,7 +23,8 @@ RUN apt-get update -qq && \
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       build-essential cmake ninja-build pkg-config git \
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
-      libabsl-dev libssl-dev libboost-dev nlohmann-json3-dev && \
+      libabsl-dev libssl-dev libboost-dev nlohmann-json3-dev \
+      cppzmq-dev libzmq3-dev libmsgpack-cxx-dev && \
     rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # .dockerignore keeps build trees, .git, device bundles and tools out.

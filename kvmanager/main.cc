@@ -29,6 +29,7 @@
 #include "common/metrics.h"
 #include "common/port_file.h"
 #include "kvmanager/etcd_log.h"
+#include "kvmanager/kv_events.h"
 #include "kvmanager/manager_core.h"
 #include "kvmanager/manager_service.h"
 #include "kvmanager/metadata_store.h"
@@ -142,6 +143,20 @@ ABSL_FLAG(int64_t, etcd_lease_seconds, 2,
 ABSL_FLAG(uint64_t, metadata_snapshot_mb, 64,
           "log bytes (MiB) after which the state is snapshotted and the log "
           "before it deleted; > 0");
+ABSL_FLAG(std::string, kv_events_endpoint, "",
+          "ZeroMQ PUB endpoint of KV events in vLLM's format, e.g. "
+          "tcp://*:5557 (bound when it has '*', else connected); empty: off "
+          "(docs/kv_events.md)");
+ABSL_FLAG(std::string, kv_events_replay_endpoint, "",
+          "ZeroMQ ROUTER endpoint answering replay requests for missed KV "
+          "event batches, e.g. tcp://*:5558; empty: no replay");
+ABSL_FLAG(std::string, kv_events_topic, "",
+          "topic frame of every KV event batch");
+ABSL_FLAG(uint64_t, kv_events_buffer, 10000,
+          "KV event batches kept for replay (> 0)");
+ABSL_FLAG(int64_t, data_parallel_rank, 0,
+          "data_parallel_rank of every KV event batch; a non-zero rank also "
+          "offsets the KV event ports by itself, as vLLM does");
 ABSL_FLAG(uint32_t, transfer_timeout_ms, 10000,
           "bound on a TransferSequence whose request gives no timeout_ms: "
           "allocate, pull, verify and commit, else it aborts; "
@@ -503,6 +518,32 @@ int main(int argc, char** argv) {
     }
     http = std::move(*started);
   }
+  std::unique_ptr<triax::manager::KvEventPublisher> kv_events;
+  if (const std::string ep = absl::GetFlag(FLAGS_kv_events_endpoint);
+      !ep.empty() || !absl::GetFlag(FLAGS_kv_events_replay_endpoint).empty()) {
+    triax::manager::KvEventsOptions kv;
+    kv.endpoint = ep;
+    kv.replay_endpoint = absl::GetFlag(FLAGS_kv_events_replay_endpoint);
+    kv.topic = absl::GetFlag(FLAGS_kv_events_topic);
+    kv.buffer_steps = absl::GetFlag(FLAGS_kv_events_buffer);
+    kv.data_parallel_rank = absl::GetFlag(FLAGS_data_parallel_rank);
+    absl::StatusOr<std::unique_ptr<triax::manager::KvEventPublisher>> started =
+        absl::InvalidArgumentError(
+            "--kv_events_replay_endpoint needs --kv_events_endpoint (empty)");
+    if (!ep.empty()) {
+      started = triax::manager::KvEventPublisher::Start(core->get(), kv);
+    }
+    if (!started.ok()) {
+      Log(LogLevel::kError, "manager", std::string(started.status().message()),
+          Kv("kv_events_endpoint", ep));
+      server->Shutdown();
+      return 1;
+    }
+    kv_events = *std::move(started);
+    Log(LogLevel::kInfo, "manager", "publishing KV events",
+        absl::StrCat(Kv("endpoint", kv_events->endpoint()), " ",
+                     Kv("replay_endpoint", kv_events->replay_endpoint())));
+  }
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
@@ -538,6 +579,7 @@ int main(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   service.Stop();
   server->Wait();
+  kv_events.reset();             // reads the core; goes before it
   (*core)->SetJournal(nullptr);  // the store closes before the core
   if (http) http->Stop();
   return 0;

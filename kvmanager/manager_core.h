@@ -579,6 +579,30 @@ class ManagerCore {
                                          const PageRequest& page) const;
   EventLog& events() { return events_; }
 
+  // --- KV events (kv_events.h) -----------------------------------------------
+  // A block as the KV event publisher reads it: its chained content hash
+  // (empty: not sealed or no token ids), its parent's (empty: block 0 or
+  // unknown) and where its pages are.
+  struct HashedBlock {
+    uint64_t lineage_id = 0;
+    uint32_t index = 0;
+    std::string hash;
+    std::string parent_hash;
+    std::vector<uint32_t> token_ids;  // empty unless KeepBlockTokenIds
+    uint32_t num_tokens = 0;
+    Tier tier = Tier::kDevice;
+    bool evicted = false;
+  };
+  // The live blocks of the open `sequence_ids` (index order), then the live
+  // `lineage_ids` not listed yet; with `all`, the hashed blocks of every open
+  // sequence instead. Unknown ids are skipped. Takes mu_.
+  std::vector<HashedBlock> HashedBlocks(
+      const std::vector<std::string>& sequence_ids,
+      const std::vector<uint64_t>& lineage_ids, bool all) const;
+  // Blocks sealed from now on keep their token ids (BlockRecord::token_ids),
+  // which KV events carry; off by default (4 bytes a token).
+  void KeepBlockTokenIds(bool keep);
+
  private:
   ManagerCore(const ManagerOptions& options, const Clock* clock);
 
@@ -779,6 +803,7 @@ class ManagerCore {
   PendingTransfers transfers_ ABSL_GUARDED_BY(mu_);
   PressureCoordinator pressure_ ABSL_GUARDED_BY(mu_);
   PrefixIndex prefix_ ABSL_GUARDED_BY(mu_);
+  bool keep_token_ids_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t prefix_hits_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t prefix_reused_blocks_ ABSL_GUARDED_BY(mu_) = 0;
   // Serializes RefreshRanking's Rank (its scratch buffers); never taken

@@ -130,6 +130,10 @@ void ManagerCore::AdvanceChainLocked(SequenceRecord* s,
           BlockHash(prev, model_id, salt,
                     absl::MakeConstSpan(buf).subspan(at, b->num_tokens));
       if (b->tier == Tier::kDevice && !b->evicted) prefix_.Add(b);
+      if (keep_token_ids_) {
+        const auto ids = absl::MakeConstSpan(buf).subspan(at, b->num_tokens);
+        b->token_ids.assign(ids.begin(), ids.end());
+      }
     }
     prev = b->prefix_hash;
     ++s->chain_blocks;
@@ -161,6 +165,7 @@ void ManagerCore::UnsealLastLocked(SequenceRecord* s) {
   if (last->prefix_hash.empty()) return;
   prefix_.Remove(last);
   last->prefix_hash.clear();
+  last->token_ids.clear();
   const uint32_t index = static_cast<uint32_t>(s->blocks.size() - 1);
   if (s->chain_blocks > index) {
     // Its token ids are not kept: the chain cannot continue past it.

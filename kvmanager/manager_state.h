@@ -164,6 +164,9 @@ struct BlockRecord {
   // none) and whether PrefixIndex lists it.
   std::string prefix_hash;
   bool prefix_indexed = false;
+  // Its token ids once hashed, when ManagerCore::KeepBlockTokenIds (KV
+  // events); else empty.
+  std::vector<uint32_t> token_ids;
 };
 
 struct SequenceRecord {

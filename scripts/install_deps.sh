@@ -7,9 +7,11 @@ pkgs=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libboost-dev
+  cppzmq-dev libzmq3-dev libmsgpack-cxx-dev
   prometheus-cpp-dev libprometheus-cpp-core1.0 prometheus
   etcd-server zlib1g-dev
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-yaml
+  python3-zmq python3-msgpack
 )
 
 missing=()
