@@ -50,7 +50,7 @@ class PolicyStore {
                                        bool* more) const;
   size_t size() const { return policies_.size(); }
   // Operator policies by name (snapshots).
-  const absl::flat_hash_map<std::string, std::shared_ptr<const Policy>>& all()
+  const absl::btree_map<std::string, std::shared_ptr<const Policy>>& all()
       const {
     return policies_;
   }
