@@ -9,6 +9,9 @@ pkgs=(
   nlohmann-json3-dev libboost-dev
   prometheus-cpp-dev libprometheus-cpp-core1.0 prometheus
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-yaml
+  # Headless browser for dashboard_test (label browser): ~100 MB download,
+  # ~360 MB installed with chromium-common; the test skips without it.
+  chromium
 )
 
 missing=()
