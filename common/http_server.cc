@@ -247,14 +247,15 @@ void HttpServer::Impl::Accept() {
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
     const HttpServerOptions& options,
-    std::map<std::string, HttpHandler> routes) {
-  return Start(options, std::move(routes), {});
+    const std::map<std::string, HttpHandler>& routes) {
+  return Start(options, routes, {});
 }
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
-    const HttpServerOptions& options, std::map<std::string, HttpHandler> routes,
+    const HttpServerOptions& options,
+    const std::map<std::string, HttpHandler>& routes,
     std::map<std::string, HttpRequestHandler> request_routes) {
-  for (auto& [path, handler] : routes) {
+  for (const auto& [path, handler] : routes) {
     if (handler == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "route \"", path, "\" must start with / and have a handler"));
@@ -263,9 +264,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
       return absl::InvalidArgumentError(
           absl::StrCat("route \"", path, "\" is given twice"));
     }
-    request_routes[path] = [h = std::move(handler)](const HttpRequest&) {
-      return h();
-    };
+    request_routes[path] = [h = handler](const HttpRequest&) { return h(); };
   }
   for (const auto& [path, handler] : request_routes) {
     if (path.empty() || path[0] != '/' || handler == nullptr) {

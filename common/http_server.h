@@ -73,12 +73,12 @@ class HttpServer {
   // route; UNAVAILABLE naming the address when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(
       const HttpServerOptions& options,
-      std::map<std::string, HttpHandler> routes);
+      const std::map<std::string, HttpHandler>& routes);
   // The same with request routes beside the plain ones; a path in both is
   // INVALID_ARGUMENT.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(
       const HttpServerOptions& options,
-      std::map<std::string, HttpHandler> routes,
+      const std::map<std::string, HttpHandler>& routes,
       std::map<std::string, HttpRequestHandler> request_routes);
   ~HttpServer();  // Stop()
 

@@ -80,9 +80,10 @@ TEST_F(DashboardTest, PageIsSelfContained) {
 TEST_F(DashboardTest, WorkersCarryPoolsByEncoding) {
   Inventory inv;
   inv.capacity_bytes = 1ull << 40;
-  inv.used_bytes = 3 * 16384;
+  inv.used_bytes = 3 * uint64_t{16384};
   inv.window_bytes = 16384;
-  inv.formats = {{Format::kBF16, 2, 2 * 16384}, {Format::kINT4, 4, 4 * 5632}};
+  inv.formats = {{Format::kBF16, 2, 2 * uint64_t{16384}},
+                 {Format::kINT4, 4, 4 * uint64_t{5632}}};
   PoolInventory pool;
   pool.encoding = Encoding(Format::kINT4, Format::kINT2, 64);
   pool.page_bytes = 5632;
@@ -90,7 +91,7 @@ TEST_F(DashboardTest, WorkersCarryPoolsByEncoding) {
   pool.frames = 2;
   pool.pages_used = 4;
   inv.pools = {pool};
-  inv.frame_bytes = 11 * 5632;
+  inv.frame_bytes = 11 * uint64_t{5632};
   inv.frames = 8;
   inv.free_frames = 6;
   inv.free_bytes = 6 * inv.frame_bytes;

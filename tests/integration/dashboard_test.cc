@@ -87,7 +87,7 @@ std::string FindOnPath(const std::vector<std::string>& names) {
   const char* path = std::getenv("PATH");
   for (const std::string& name : names) {
     for (absl::string_view dir : absl::StrSplit(path ? path : "", ':')) {
-      const std::string full = absl::StrCat(dir, "/", name);
+      std::string full = absl::StrCat(dir, "/", name);
       if (access(full.c_str(), X_OK) == 0) return full;
     }
   }
