@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 
@@ -60,7 +61,8 @@ absl::StatusOr<tcp::endpoint> ParseListen(const std::string& listen) {
 
 class HttpServer::Impl {
  public:
-  Impl(HttpServerOptions options, std::map<std::string, HttpHandler> routes)
+  Impl(HttpServerOptions options,
+       std::map<std::string, HttpRequestHandler> routes)
       : options_(std::move(options)),
         routes_(std::move(routes)),
         acceptor_(ctx_) {}
@@ -104,7 +106,9 @@ class HttpServer::Impl {
       const http::request<http::empty_body>& req) const {
     HttpResponse r;
     absl::string_view target(req.target().data(), req.target().size());
+    absl::string_view query;
     if (const size_t q = target.find('?'); q != absl::string_view::npos) {
+      query = target.substr(q + 1);
       target = target.substr(0, q);
     }
     auto it = routes_.find(std::string(target));
@@ -118,7 +122,7 @@ class HttpServer::Impl {
                             " is not allowed on ", target, "; use GET\n");
       allow = "GET";
     } else {
-      r = it->second();
+      r = it->second(HttpRequest{std::string(target), std::string(query)});
     }
     http::response<http::string_body> res(static_cast<http::status>(r.status),
                                           req.version());
@@ -137,7 +141,7 @@ class HttpServer::Impl {
   void Accept();
 
   const HttpServerOptions options_;
-  const std::map<std::string, HttpHandler> routes_;
+  const std::map<std::string, HttpRequestHandler> routes_;
   // Before ctx_: sessions still queued in ctx_ decrement it when ctx_ is
   // destroyed.
   std::atomic<size_t> connections_{0};
@@ -243,8 +247,26 @@ void HttpServer::Impl::Accept() {
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
     const HttpServerOptions& options,
-    std::map<std::string, HttpHandler> routes) {
+    const std::map<std::string, HttpHandler>& routes) {
+  return Start(options, routes, {});
+}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
+    const HttpServerOptions& options,
+    const std::map<std::string, HttpHandler>& routes,
+    std::map<std::string, HttpRequestHandler> request_routes) {
   for (const auto& [path, handler] : routes) {
+    if (handler == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "route \"", path, "\" must start with / and have a handler"));
+    }
+    if (request_routes.count(path) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("route \"", path, "\" is given twice"));
+    }
+    request_routes[path] = [h = handler](const HttpRequest&) { return h(); };
+  }
+  for (const auto& [path, handler] : request_routes) {
     if (path.empty() || path[0] != '/' || handler == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "route \"", path, "\" must start with / and have a handler"));
@@ -252,7 +274,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
   }
   auto endpoint = ParseListen(options.listen);
   if (!endpoint.ok()) return endpoint.status();
-  auto impl = std::make_unique<Impl>(options, std::move(routes));
+  auto impl = std::make_unique<Impl>(options, std::move(request_routes));
   if (absl::Status s = impl->Listen(*endpoint); !s.ok()) return s;
   impl->Run();
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
@@ -265,6 +287,65 @@ HttpServer::~HttpServer() { Stop(); }
 int HttpServer::port() const { return impl_->port(); }
 
 void HttpServer::Stop() { impl_->Stop(); }
+
+namespace {
+
+int HexValue(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// '+' -> ' ' and %XX -> the byte; false for a malformed escape.
+bool Unescape(absl::string_view in, std::string* out) {
+  out->clear();
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] == '+') {
+      out->push_back(' ');
+    } else if (in[i] != '%') {
+      out->push_back(in[i]);
+    } else {
+      if (i + 2 >= in.size()) return false;
+      const int hi = HexValue(in[i + 1]);
+      const int lo = HexValue(in[i + 2]);
+      if (hi < 0 || lo < 0) return false;
+      out->push_back(static_cast<char>(hi * 16 + lo));
+      i += 2;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<std::map<std::string, std::string>> ParseQuery(
+    absl::string_view query) {
+  std::map<std::string, std::string> out;
+  for (absl::string_view part : absl::StrSplit(query, '&')) {
+    if (part.empty()) continue;
+    const size_t eq = part.find('=');
+    const absl::string_view raw_key = part.substr(0, eq);
+    const absl::string_view raw_value = eq == absl::string_view::npos
+                                            ? absl::string_view()
+                                            : part.substr(eq + 1);
+    std::string key, value;
+    if (!Unescape(raw_key, &key)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "query parameter \"", raw_key, "\" has a malformed %-escape"));
+    }
+    if (!Unescape(raw_value, &value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("query parameter ", key, "=\"", raw_value,
+                       "\" has a malformed %-escape"));
+    }
+    if (!out.emplace(key, std::move(value)).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("query parameter ", key, " is given twice"));
+    }
+  }
+  return out;
+}
 
 HttpResponse ProbeResponse(bool ok, const std::string& reason) {
   HttpResponse r;

@@ -2,7 +2,9 @@
 // /healthz, /readyz), on Boost.Beast over Boost.Asio.
 //
 // Every route answers GET (HEAD and other methods: 405 with "Allow: GET");
-// a path without a route is 404; the query string is ignored. A request
+// a path without a route is 404. Routes are matched on the path alone; a
+// request route (HttpRequestHandler) is handed the query string, a plain
+// route ignores it. A request
 // whose header is malformed or longer than max_header_bytes, or that
 // carries a body, gets 400 naming the parse error, and its connection is
 // closed; the server goes on serving the others. Connections are kept
@@ -27,6 +29,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace triax {
@@ -38,6 +41,20 @@ struct HttpResponse {
 };
 
 using HttpHandler = std::function<HttpResponse()>;
+
+// What a request route sees of a request.
+struct HttpRequest {
+  std::string path;   // the target before any '?'
+  std::string query;  // after the '?', as sent (not decoded); "" when none
+};
+using HttpRequestHandler = std::function<HttpResponse(const HttpRequest&)>;
+
+// The parameters of a query string ("a=1&b=x%20y"): split on '&', each
+// "key=value" or a bare "key" (value ""), '+' and %XX decoded in keys and
+// values, empty parts skipped. INVALID_ARGUMENT naming the parameter for a
+// malformed %-escape, and for a key given twice.
+absl::StatusOr<std::map<std::string, std::string>> ParseQuery(
+    absl::string_view query);
 
 struct HttpServerOptions {
   // host:port (IPv4, or [IPv6]); port 0 picks a free port.
@@ -56,7 +73,13 @@ class HttpServer {
   // route; UNAVAILABLE naming the address when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(
       const HttpServerOptions& options,
-      std::map<std::string, HttpHandler> routes);
+      const std::map<std::string, HttpHandler>& routes);
+  // The same with request routes beside the plain ones; a path in both is
+  // INVALID_ARGUMENT.
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(
+      const HttpServerOptions& options,
+      const std::map<std::string, HttpHandler>& routes,
+      std::map<std::string, HttpRequestHandler> request_routes);
   ~HttpServer();  // Stop()
 
   int port() const;

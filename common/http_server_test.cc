@@ -4,6 +4,7 @@
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <map>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -202,6 +203,58 @@ TEST(HttpServerStartTest, BadListenAddressesAndRoutes) {
       HttpServer::Start(options, {{"metrics", [] { return HttpResponse{}; }}})
           .status(),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"metrics\"")));
+}
+
+TEST(HttpServerStartTest, RequestRoutesSeeTheQuery) {
+  HttpServerOptions options;
+  options.listen = "127.0.0.1:0";
+  auto server = HttpServer::Start(
+      options, {{"/healthz", [] { return ProbeResponse(true, ""); }}},
+      {{"/api/echo", [](const HttpRequest& req) {
+          HttpResponse r;
+          r.content_type = "application/json";
+          r.body = absl::StrCat(req.path, "|", req.query);
+          return r;
+        }}});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  const std::string reply = Get(port, "/api/echo?id=seq-1&top=5");
+  EXPECT_THAT(reply, StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(reply, HasSubstr("Content-Type: application/json\r\n"));
+  EXPECT_THAT(reply, HasSubstr("\r\n\r\n/api/echo|id=seq-1&top=5"));
+  EXPECT_THAT(Get(port, "/api/echo"), HasSubstr("\r\n\r\n/api/echo|"));
+  EXPECT_THAT(Get(port, "/healthz?x=1"), HasSubstr("200 OK\r\n"));
+  EXPECT_THAT(Get(port, "/api/echo/more"), HasSubstr("404 Not Found\r\n"));
+
+  // A path in both maps is refused.
+  EXPECT_THAT(HttpServer::Start(
+                  options, {{"/a", [] { return HttpResponse{}; }}},
+                  {{"/a", [](const HttpRequest&) { return HttpResponse{}; }}})
+                  .status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"/a\" is given twice")));
+}
+
+TEST(ParseQueryTest, DecodesAndRefusesMalformedParameters) {
+  auto q = ParseQuery("a=1&b=x%20y+z&flag&&c=%2Fp%3d&empty=");
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(*q, (std::map<std::string, std::string>{{"a", "1"},
+                                                    {"b", "x y z"},
+                                                    {"flag", ""},
+                                                    {"c", "/p="},
+                                                    {"empty", ""}}));
+  EXPECT_TRUE(ParseQuery("")->empty());
+  EXPECT_THAT(ParseQuery("id=%zz").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("id=\"%zz\" has a malformed %-escape")));
+  EXPECT_THAT(ParseQuery("id=abc%4").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("id=")));
+  EXPECT_THAT(ParseQuery("k%g1=2").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"k%g1\" has a malformed %-escape")));
+  EXPECT_THAT(ParseQuery("top=1&top=2").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("top is given twice")));
 }
 
 TEST(HttpServerStartTest, StopClosesThePort) {

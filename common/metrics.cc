@@ -165,10 +165,11 @@ absl::StatusOr<std::unique_ptr<HttpServer>> StartOperatorHttp(
     OperatorEndpoints endpoints) {
   HttpServerOptions options;
   options.listen = listen;
-  auto server =
-      HttpServer::Start(options, {{"/metrics", std::move(endpoints.metrics)},
-                                  {"/healthz", std::move(endpoints.healthz)},
-                                  {"/readyz", std::move(endpoints.readyz)}});
+  auto server = HttpServer::Start(options,
+                                  {{"/metrics", std::move(endpoints.metrics)},
+                                   {"/healthz", std::move(endpoints.healthz)},
+                                   {"/readyz", std::move(endpoints.readyz)}},
+                                  std::move(endpoints.more));
   if (!server.ok()) {
     return absl::Status(server.status().code(),
                         absl::StrCat("--http_listen=", listen, ": ",

@@ -20,6 +20,7 @@
 #include <grpcpp/support/server_interceptor.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -90,13 +91,15 @@ struct OperatorEndpoints {
   HttpHandler metrics;  // /metrics
   HttpHandler healthz;  // /healthz
   HttpHandler readyz;   // /readyz
+  // Further routes that read the query (the manager's dashboard).
+  std::map<std::string, HttpRequestHandler> more;
 };
 
 // Starts the HTTP server of --http_listen=`listen` with the three routes
-// and writes its port to `port_file` when not empty (as --port_file).
-// UNAVAILABLE naming the flag and the address when it cannot bind (a port
-// in use), INVALID_ARGUMENT for a malformed address, INTERNAL when the port
-// file cannot be written.
+// and `more`, and writes its port to `port_file` when not empty (as
+// --port_file). UNAVAILABLE naming the flag and the address when it cannot bind
+// (a port in use), INVALID_ARGUMENT for a malformed address, INTERNAL when the
+// port file cannot be written.
 absl::StatusOr<std::unique_ptr<HttpServer>> StartOperatorHttp(
     const std::string& listen, const std::string& port_file,
     OperatorEndpoints endpoints);

@@ -28,6 +28,7 @@
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/port_file.h"
+#include "kvmanager/dashboard.h"
 #include "kvmanager/etcd_log.h"
 #include "kvmanager/kv_events.h"
 #include "kvmanager/manager_core.h"
@@ -42,8 +43,9 @@ ABSL_FLAG(
     std::string, port_file, "",
     "if set, the bound port is written here as decimal text (atomically)");
 ABSL_FLAG(std::string, http_listen, "",
-          "host:port of the HTTP endpoints /metrics (Prometheus), /healthz "
-          "and /readyz; port 0 picks a free port; empty: off");
+          "host:port of the HTTP endpoints /metrics (Prometheus), /healthz, "
+          "/readyz and the live dashboard (/ and /api/...); port 0 picks a "
+          "free port; empty: off");
 ABSL_FLAG(std::string, http_port_file, "",
           "if set, the bound HTTP port is written here (atomically)");
 ABSL_FLAG(uint32_t, metrics_max_tenants, 64,
@@ -178,7 +180,8 @@ constexpr char kUsage[] =
     "\"triax.v1.Manager\" are SERVING while it runs, NOT_SERVING from\n"
     "shutdown on) and prints \"kvmanager listening on HOST:PORT\" once\n"
     "serving. With --http_listen it also serves /metrics (Prometheus text),\n"
-    "/healthz and /readyz over HTTP (docs/metrics.md). Exit status: 0 after\n"
+    "/healthz and /readyz over HTTP (docs/metrics.md), and a live dashboard\n"
+    "at / with its JSON under /api/ (docs/dashboard.md). Exit status: 0 after\n"
     "SIGTERM / SIGINT (graceful shutdown), 1 when it cannot start, 2 for\n"
     "flags out of range or contradicting each other.\n"
     "\n"
@@ -473,6 +476,7 @@ int main(int argc, char** argv) {
   triax::manager::ManagerMetrics metrics(core->get(), &rpc_metrics,
                                          metrics_options);
   triax::manager::ManagerReadiness readiness;
+  const triax::manager::Dashboard dashboard(core->get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -509,7 +513,7 @@ int main(int argc, char** argv) {
            return triax::MetricsResponse({&rpc_metrics.registry(), &metrics});
          },
          [] { return triax::ProbeResponse(true, ""); },
-         [&readiness] { return readiness.Ready(); }});
+         [&readiness] { return readiness.Ready(); }, dashboard.Routes()});
     if (!started.ok()) {
       Log(LogLevel::kError, "manager", std::string(started.status().message()),
           Kv("http_listen", http_listen));
