@@ -24,7 +24,8 @@ RUN apt-get update -qq && \
       build-essential cmake ninja-build pkg-config git \
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
       libabsl-dev libssl-dev libboost-dev nlohmann-json3-dev \
-      cppzmq-dev libzmq3-dev libmsgpack-cxx-dev && \
+      cppzmq-dev libzmq3-dev libmsgpack-cxx-dev \
+      prometheus-cpp-dev zlib1g-dev && \
     rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # .dockerignore keeps build trees, .git, device bundles and tools out.
