@@ -196,6 +196,15 @@ struct ClientStats {
   std::string first_error;
 };
 
+// The sessions' model: 32 layers, 8 KV heads, 32 query heads, head_dim 128.
+void SetBenchModel(v1::ModelShape* m) {
+  m->set_name("bench-8b");
+  m->set_n_layers(32);
+  m->set_n_kv_heads(8);
+  m->set_n_q_heads(32);
+  m->set_head_dim(128);
+}
+
 void AddSpan(google::protobuf::RepeatedPtrField<v1::Span>* spans, v1::Role role,
              uint32_t n) {
   auto* s = spans->Add();
@@ -209,12 +218,7 @@ void RunClient(const std::string& target, int index, const std::string& tenant,
   auto stub = v1::Manager::NewStub(NewChannel(target, index));
   v1::OpenSequenceRequest open;
   open.set_tenant_id(tenant);
-  auto* m = open.mutable_model();
-  m->set_name("bench-8b");
-  m->set_n_layers(32);
-  m->set_n_kv_heads(8);
-  m->set_n_q_heads(32);
-  m->set_head_dim(128);
+  SetBenchModel(open.mutable_model());
   AddSpan(open.mutable_spans(), v1::ROLE_SYSTEM, 200);
   AddSpan(open.mutable_spans(), v1::ROLE_TOOL_SCHEMA, 150);
   AddSpan(open.mutable_spans(), v1::ROLE_USER, 100);
@@ -306,12 +310,7 @@ void RunSessions(const std::string& target, int index,
   auto stub = v1::Manager::NewStub(NewChannel(target, index));
   v1::OpenSequenceRequest open;
   open.set_tenant_id(tenant);
-  auto* m = open.mutable_model();
-  m->set_name("bench-8b");
-  m->set_n_layers(32);
-  m->set_n_kv_heads(8);
-  m->set_n_q_heads(32);
-  m->set_head_dim(128);
+  SetBenchModel(open.mutable_model());
   AddSpan(open.mutable_spans(), v1::ROLE_SYSTEM, 64);
   AddSpan(open.mutable_spans(), v1::ROLE_USER, 48);
   AddSpan(open.mutable_spans(), v1::ROLE_ASSISTANT, 32);
@@ -513,12 +512,7 @@ int RunRecovery(const std::string& binary, const std::vector<int64_t>& sizes) {
         auto stub = v1::Manager::NewStub(NewChannel(target, i));
         v1::OpenSequenceRequest open;
         open.set_tenant_id("bench-t0");
-        auto* m = open.mutable_model();
-        m->set_name("bench-8b");
-        m->set_n_layers(32);
-        m->set_n_kv_heads(8);
-        m->set_n_q_heads(32);
-        m->set_head_dim(128);
+        SetBenchModel(open.mutable_model());
         AddSpan(open.mutable_spans(), v1::ROLE_SYSTEM, 400);
         AddSpan(open.mutable_spans(), v1::ROLE_USER, 1600);
         while (next.fetch_add(1) < sequences) {

@@ -188,7 +188,9 @@ TEST(ManagerRestartTest, KilledAtRestEverythingComesBackAsItWas) {
     ASSERT_THAT(fork, IsOk());
     auto extra = (*beta)->Open(model, {MakeSpan(v1::ROLE_USER, 17)}, "", 16);
     ASSERT_THAT(extra, IsOk());
-    if (round == 1) ASSERT_THAT((*beta)->Close(*extra), IsOk());
+    if (round == 1) {
+      ASSERT_THAT((*beta)->Close(*extra), IsOk());
+    }
     if (round == 2) {
       client::Client::TransferOptions to;
       auto moved = (*beta)->TransferSequence(&*b, to);
