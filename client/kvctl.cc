@@ -28,7 +28,9 @@
 #include "common/grpc_status.h"
 #include "common/version.h"
 
-ABSL_FLAG(std::string, manager, "127.0.0.1:7070", "manager address host:port");
+ABSL_FLAG(std::string, manager, "127.0.0.1:7070",
+          "manager address host:port, or several comma-separated (managers "
+          "on etcd: calls go to the leader)");
 ABSL_FLAG(int64_t, timeout_ms, 10000,
           "deadline of each unary RPC; transfer: the transfer's bound (the "
           "manager's --transfer_timeout_ms when not given)");

@@ -113,19 +113,6 @@ std::string EncodingText(const Encoding& e) {
   return kernels::EncodingName(e, buf, sizeof(buf));
 }
 
-std::string WorkerStateText(WorkerState s) {
-  switch (s) {
-    case WorkerState::kUp:
-      return "up";
-    case WorkerState::kSuspect:
-      return "suspect";
-    case WorkerState::kDown:
-      return "down";
-    default:
-      return "unspecified";
-  }
-}
-
 std::string SequenceStateText(SequenceState s) {
   switch (s) {
     case SequenceState::kOpen:
@@ -197,7 +184,7 @@ json WorkerJson(const WorkerInfo& w) {
   return {{"worker_id", w.worker_id},
           {"address", w.address},
           {"backend", w.backend},
-          {"state", WorkerStateText(w.state)},
+          {"state", WorkerStateName(w.state)},
           {"last_heartbeat_unix_ms", w.last_heartbeat_unix_ms},
           {"sequences", w.sequences},
           {"capacity_bytes", w.capacity_bytes},

@@ -130,8 +130,10 @@ ABSL_FLAG(std::string, metadata, "file:kvmanager-metadata",
           "where the manager keeps what it cannot rebuild (tenants, budgets, "
           "policies, calibration tables, sequences and their blocks, id "
           "counters): file:DIR (a write-ahead log and snapshots in DIR, "
-          "created if missing; relative to the working directory) or memory "
-          "(nothing survives a restart)");
+          "created if missing; relative to the working directory), "
+          "etcd://HOST:PORT,... (several managers share one etcd cluster; one "
+          "leads, the others stand by) or memory (nothing survives a "
+          "restart)");
 ABSL_FLAG(std::string, advertise, "",
           "host:port clients and workers reach this manager at, published as "
           "the leader's address with --metadata=etcd://... (default: the "

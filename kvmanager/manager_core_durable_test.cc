@@ -149,8 +149,9 @@ TEST_F(DurableCoreTest, APreparedDemoteIsReconciledWithWhatTheWorkerHolds) {
   auto hb2 = core_->Heartbeat("w1", Holding(s->sequence_id), "inc-1");
   ASSERT_THAT(hb2, IsOk());
   EXPECT_TRUE(hb2->describe_sequence_ids.empty());
-  EXPECT_THAT(core_->AdoptWorkerBlocks("nobody", described),
-              StatusIs(absl::StatusCode::kNotFound, ::testing::HasSubstr("nobody")));
+  EXPECT_THAT(
+      core_->AdoptWorkerBlocks("nobody", described),
+      StatusIs(absl::StatusCode::kNotFound, ::testing::HasSubstr("nobody")));
 }
 
 TEST_F(DurableCoreTest, ASequenceTheWorkerDoesNotHoldIsLostAfterARestart) {

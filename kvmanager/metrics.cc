@@ -24,19 +24,6 @@ constexpr char kOther[] = "_other";
 
 std::string Name(absl::string_view suffix) { return absl::StrCat(kP, suffix); }
 
-std::string StateLabel(WorkerState s) {
-  switch (s) {
-    case WorkerState::kUp:
-      return "up";
-    case WorkerState::kSuspect:
-      return "suspect";
-    case WorkerState::kDown:
-      return "down";
-    default:
-      return "unspecified";
-  }
-}
-
 // "EVENT_BLOCK_SPILLED" -> "block_spilled".
 std::string KindLabel(EventKind k) {
   std::string name = EventKindName(k);
@@ -160,7 +147,7 @@ void ManagerMetrics::CollectWorkers(std::vector<MetricFamily>* out) const {
   std::map<std::string, int> by_state = {
       {"up", 0}, {"suspect", 0}, {"down", 0}};
   for (const WorkerInfo& w : core_->ListWorkers()) {
-    ++by_state[StateLabel(w.state)];
+    ++by_state[WorkerStateName(w.state)];
     const Labels id = {{"worker", w.worker_id}};
     auto with = [&id](const char* k, std::string v) {
       Labels l = id;

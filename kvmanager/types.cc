@@ -15,6 +15,19 @@ std::string NameOf(const char* prefix, int v, const char* const (&names)[N]) {
 
 }  // namespace
 
+std::string WorkerStateName(WorkerState s) {
+  switch (s) {
+    case WorkerState::kUp:
+      return "up";
+    case WorkerState::kSuspect:
+      return "suspect";
+    case WorkerState::kDown:
+      return "down";
+    default:
+      return "unspecified";
+  }
+}
+
 std::string EventKindName(EventKind k) {
   static const char* const kNames[] = {
       "EVENT_KIND_UNSPECIFIED",    "EVENT_BLOCK_CREATED",

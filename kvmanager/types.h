@@ -26,6 +26,9 @@ enum class WorkerState : int {
   kDown = 2,
   kSuspect = 3,  // missed heartbeats; not yet DOWN
 };
+// "up", "suspect", "down"; "unspecified" for anything else (metrics
+// labels, the dashboard's JSON).
+std::string WorkerStateName(WorkerState s);
 enum class SequenceState : int {
   kUnspecified = 0,
   kOpen = 1,
