@@ -4,7 +4,7 @@
 #include <cstdlib>
 #include <ctime>
 
-#include "absl/strings/escaping.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -46,10 +46,41 @@ ABSL_CONST_INIT absl::Mutex log_mu(absl::kConstInit);
 std::string Kv(absl::string_view key, absl::string_view value) {
   bool quote = value.empty();
   for (char c : value) {
-    if (c == ' ' || c == '"' || c == '=' || c == '\n') quote = true;
+    const auto u = static_cast<unsigned char>(c);
+    if (u <= 0x20 || u == 0x7f || c == '"' || c == '=' || c == '\\') {
+      quote = true;
+    }
   }
   if (!quote) return absl::StrCat(key, "=", value);
-  return absl::StrCat(key, "=\"", absl::CEscape(value), "\"");
+  std::string out = absl::StrCat(key, "=\"");
+  for (char c : value) {
+    const auto u = static_cast<unsigned char>(c);
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (u < 0x20 || u == 0x7f) {
+          absl::StrAppendFormat(&out, "\\u%04x", u);
+        } else {
+          out.push_back(c);
+        }
+    }
+  }
+  out.push_back('"');
+  return out;
 }
 
 void Log(LogLevel level, absl::string_view component, absl::string_view msg,
