@@ -282,11 +282,16 @@ class TraceBuilder {
         auto [spid, stid] = BlockThread(source, lineage, was ? was->tier : 0);
         Open(e, e.worker_id(), 0, encoding);
         auto [dpid, dtid] = BlockThread(e.worker_id(), lineage, 0);
+        // A flow start binds to the slice enclosing it; the source span ends
+        // at the transfer, so the start sits 1 us inside it (viewers differ
+        // on whether a slice encloses its own end).
+        int64_t from_us = Micros(e.unix_ms());
+        if (was && was->start_ms < e.unix_ms()) from_us -= 1;
         trace_.push_back(json{{"ph", "s"},
                               {"name", "transfer"},
                               {"cat", "transfer"},
                               {"id", e.id()},
-                              {"ts", Micros(e.unix_ms())},
+                              {"ts", from_us},
                               {"pid", spid},
                               {"tid", stid}});
         trace_.push_back(json{{"ph", "f"},

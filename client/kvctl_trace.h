@@ -37,10 +37,10 @@ namespace triax::kvctl {
 //   ph "i"   an instant (scope "t") per block event, named by its kind in
 //            lower case ("created", "demoted", "spilled", ...), args: the
 //            event id and detail.
-// A BLOCK_TRANSFERRED adds a flow (ph "s" on the source's span at the
-// transfer, ph "f" with bp "e" on the destination's, cat "transfer", id =
-// the event id). Metadata events (ph "M") name every process and thread
-// and give their sort order.
+// A BLOCK_TRANSFERRED adds a flow (ph "s" on the source's span 1 us before
+// its end at the transfer, ph "f" with bp "e" on the destination's span at
+// its start, cat "transfer", id = the event id). Metadata events (ph "M") name
+// every process and thread and give their sort order.
 std::string ChromeTraceJson(const std::vector<triax::v1::Event>& events,
                             int64_t end_unix_ms);
 
