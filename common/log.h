@@ -1,5 +1,8 @@
-// Structured key=value logging to stderr, one line per record:
+// Structured logging to stderr, one line per record, logfmt by default:
 //   ts=2026-11-22T10:00:00.123Z level=info component=manager msg="..." k=v
+// or, after SetLogFormat(LogFormat::kJson), one JSON object a line:
+//   {"ts":"2026-11-22T10:00:00.123Z","level":"info","component":"manager",
+//    "msg":"...","k":"v","n":3}
 #pragma once
 
 #include <string>
@@ -12,7 +15,15 @@ namespace triax {
 
 enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
 
-// Thread-safe. Records below the level are dropped (default info; the
+enum class LogFormat { kLogfmt = 0, kJson = 1 };
+
+// Process-wide; the daemons set it from --log_format before they log.
+void SetLogFormat(LogFormat format);
+
+// Thread-safe. `kvs` is the record's other pairs, made of Kv() joined by
+// spaces; in JSON they become members (integers as numbers, the rest as
+// strings; a `kvs` that is not logfmt is kept whole under "kvs").
+// Records below the level are dropped (default info; the
 // TRIAX_LOG_LEVEL environment variable may say debug|info|warn|error).
 void Log(LogLevel level, absl::string_view component, absl::string_view msg,
          absl::string_view kvs = {});

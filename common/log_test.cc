@@ -4,10 +4,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "absl/strings/str_split.h"
-#include "common/logfmt_testing.h"
+#include "common/logfmt.h"
 #include "common/status_matchers.h"
 
 namespace triax {
@@ -15,8 +16,6 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::triax::testing::IsOk;
-using ::triax::testing::LogfmtValue;
-using ::triax::testing::ParseLogfmt;
 
 TEST(KvTest, PlainValuesAreBare) {
   EXPECT_EQ(Kv("worker_id", "w0"), "worker_id=w0");
@@ -87,6 +86,32 @@ TEST(LogTest, ARecordIsOneLogfmtLineWithTheQuotedMessage) {
   EXPECT_EQ(LogfmtValue(*record, "worker_id"), "w0");
   EXPECT_EQ(LogfmtValue(*record, "error"), "UNAVAILABLE: no route");
   EXPECT_THAT(LogfmtValue(*record, "ts"), HasSubstr("T"));
+}
+
+TEST(LogTest, JsonFormatIsOneObjectALineWithTypedPairs) {
+  SetLogFormat(LogFormat::kJson);
+  ::testing::internal::CaptureStderr();
+  Log(LogLevel::kError, "worker", "bad \"x\"\n",
+      absl::StrCat(Kv("bytes", 42), " ", Kv("error", "a b"), " ",
+                   Kv("msg", "dup"), " ", Kv("path", "/tmp/\xff")));
+  Log(LogLevel::kInfo, "worker", "raw", "not logfmt");
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  SetLogFormat(LogFormat::kLogfmt);
+  std::vector<std::string> lines = absl::StrSplit(err, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 2u) << err;
+  const nlohmann::json a = nlohmann::json::parse(lines[0], nullptr, false);
+  ASSERT_FALSE(a.is_discarded()) << lines[0];
+  EXPECT_EQ(a["level"], "error");
+  EXPECT_EQ(a["component"], "worker");
+  EXPECT_EQ(a["msg"], "bad \"x\"\n");
+  EXPECT_EQ(a["bytes"], 42);  // a number
+  EXPECT_EQ(a["error"], "a b");
+  EXPECT_EQ(a["kv_msg"], "dup");              // the record's msg stays
+  EXPECT_EQ(a["path"], "/tmp/\xef\xbf\xbd");  // not UTF-8: U+FFFD
+  EXPECT_TRUE(a["ts"].is_string());
+  const nlohmann::json b = nlohmann::json::parse(lines[1], nullptr, false);
+  ASSERT_FALSE(b.is_discarded()) << lines[1];
+  EXPECT_EQ(b["kvs"], "not logfmt");
 }
 
 }  // namespace

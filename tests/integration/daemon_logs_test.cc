@@ -8,13 +8,14 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/kv_client.h"
-#include "common/logfmt_testing.h"
+#include "common/logfmt.h"
 #include "common/status_matchers.h"
 #include "tests/integration/cluster.h"
 #include "tests/integration/reference.h"
@@ -159,6 +160,68 @@ TEST(DaemonLogsTest, AWorkerThatCannotStartLogsAnErrorRecord) {
     }
   }
   EXPECT_TRUE(error) << (*w)->Log();
+}
+
+TEST(DaemonLogsTest, WithLogFormatJsonEveryLineIsAJsonObject) {
+  ClusterOptions o;
+  o.manager_flags = {"--log_format=json"};
+  o.worker_flags = {"--log_format=json"};
+  auto c = Cluster::Start(o);
+  ASSERT_THAT(c, IsOk());
+  Cluster& cluster = **c;
+  ASSERT_THAT(cluster.CreateTenant("ops"), IsOk());
+  // The manager killed: the worker warns with the RPC's error.
+  cluster.manager_process()->Kill();
+  const std::string worker_log = cluster.dir() + "/w0.log";
+  ASSERT_THAT(Cluster::WaitFor("the worker to log a failed heartbeat",
+                               absl::Seconds(10),
+                               [&]() -> absl::StatusOr<bool> {
+                                 return absl::StrContains(ReadAll(worker_log),
+                                                          "Heartbeat failed");
+                               }),
+              IsOk());
+  bool registered = false, heartbeat = false;
+  for (const auto& [path, daemon] :
+       {std::make_pair(cluster.dir() + "/kvmanager.log", "kvmanager"),
+        std::make_pair(worker_log, "kvworker")}) {
+    const std::string text = ReadAll(path);
+    for (absl::string_view line :
+         absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+      if (absl::StartsWith(line, absl::StrCat(daemon, " listening on "))) {
+        continue;
+      }
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      ASSERT_TRUE(j.is_object()) << path << ": " << line;
+      for (const char* key : {"ts", "level", "component", "msg"}) {
+        EXPECT_TRUE(j.contains(key)) << key << " missing: " << line;
+      }
+      registered |= j["msg"] == "worker registered" && j["worker_id"] == "w0";
+      if (j["msg"] == "Heartbeat failed") {
+        heartbeat = true;
+        EXPECT_TRUE(j["code"].is_number()) << line;
+        EXPECT_TRUE(j["error"].is_string()) << line;
+      }
+    }
+  }
+  EXPECT_TRUE(registered);
+  EXPECT_TRUE(heartbeat);
+}
+
+TEST(DaemonLogsTest, ABadLogFormatIsAUsageError) {
+  auto dir = TempDir::Create("triax-logs");
+  ASSERT_THAT(dir, IsOk());
+  for (const char* daemon : {"kvworker", "kvmanager"}) {
+    std::string out, err;
+    auto rc = RunToCompletion(daemon, {"--log_format=xml"}, (*dir)->path(),
+                              &out, &err);
+    ASSERT_THAT(rc, IsOk());
+    EXPECT_EQ(*rc, 2) << daemon;
+    EXPECT_THAT(err, HasSubstr("--log_format=\"xml\": want logfmt or json"))
+        << daemon;
+    rc = RunToCompletion(daemon, {"--help"}, (*dir)->path(), &out, &err);
+    ASSERT_THAT(rc, IsOk());
+    EXPECT_THAT(out + err, HasSubstr("-log_format")) << daemon;
+  }
 }
 
 }  // namespace

@@ -1,28 +1,14 @@
-// A strict logfmt reader for tests: checks that a log line is exactly what
-// common/log.h promises, so a test can assert "every line is logfmt".
-#pragma once
+#include "common/logfmt.h"
 
-#include <cctype>
-#include <string>
-#include <utility>
-#include <vector>
+#include <cstdint>
 
-#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 
-namespace triax::testing {
+namespace triax {
 
-using LogfmtRecord = std::vector<std::pair<std::string, std::string>>;
-
-// Parses one line (no trailing newline) of pairs separated by one space:
-//   key=bare  or  key="quoted"
-// key: one or more of [A-Za-z0-9_.-]; bare: one or more bytes other than
-// space, '"', '=', '\\' and control bytes; quoted: any bytes but control
-// bytes, with \" \\ \n \r \t and \u00XX (a control byte) the only escapes.
-// INVALID_ARGUMENT naming the offset and what was wrong otherwise.
-inline absl::StatusOr<LogfmtRecord> ParseLogfmt(absl::string_view line) {
+absl::StatusOr<LogfmtRecord> ParseLogfmt(absl::string_view line) {
   LogfmtRecord out;
   size_t i = 0;
   auto bad = [&](absl::string_view what) {
@@ -37,7 +23,7 @@ inline absl::StatusOr<LogfmtRecord> ParseLogfmt(absl::string_view line) {
   while (i < line.size()) {
     const size_t key_start = i;
     while (i < line.size() &&
-           (std::isalnum(static_cast<unsigned char>(line[i])) ||
+           (absl::ascii_isalnum(static_cast<unsigned char>(line[i])) ||
             line[i] == '_' || line[i] == '.' || line[i] == '-')) {
       ++i;
     }
@@ -107,13 +93,11 @@ inline absl::StatusOr<LogfmtRecord> ParseLogfmt(absl::string_view line) {
   return out;
 }
 
-// The value of `key` in `record` ("" when absent).
-inline std::string LogfmtValue(const LogfmtRecord& record,
-                               absl::string_view key) {
+std::string LogfmtValue(const LogfmtRecord& record, absl::string_view key) {
   for (const auto& [k, v] : record) {
     if (k == key) return v;
   }
   return "";
 }
 
-}  // namespace triax::testing
+}  // namespace triax
