@@ -128,21 +128,13 @@ commands:
   demote SEQ LINEAGE ENCODING --tenant T
                                 re-encode one block in place, e.g.
                                 kvctl demote seq-3 17 int2 --tenant acme
-  pressure [--top N] [--watch [--interval S] [--count N]]
+  pressure [--top N] [--watch --interval S --count N]
                                 memory pressure: pools (used, capacity,
                                 watermarks), tenants against floor and
                                 ceiling per tier, mode, ranking time,
                                 snapshot size, applied-action counters and
-                                the N cheapest ranked actions (default 20);
-                                --watch re-draws it every S seconds
-                                (default 1) until ^C or N frames
-  top [--interval S] [--count N]
-                                live view, refreshed every S seconds:
-                                workers (state, sequences, bytes, spill /
-                                restore / eviction rates), bytes by
-                                encoding, tenants (sequences, bytes by
-                                tier, change since the last frame), the
-                                manager's pressure actions per second
+                                the N cheapest ranked actions (default 20)
+  top [--interval S] [--count N]  live workers, encodings, tenants, rates
   transfer SEQ [--to W] [--policy P] [--timeout_ms N] [--follow_writes]
               [--first_block K --prefix_sequence P] [--tenant T]
                                 move a sequence to worker W (placement when
@@ -153,21 +145,12 @@ commands:
                                 BF16 bytes, seconds
   trace LINEAGE_ID [--chrome_trace FILE]
                                 a block, its worker path (created on A,
-                                transferred A -> B, ...) and its events;
-                                FILE: the same as a Chrome trace
+                                transferred A -> B, ...) and its events
   events [--from N] [--max N] [--tenant T] [--sequence S] [--lineage L]
-         [--since T] [--until T] [--wait_ms N] [--json]
-         [--chrome_trace FILE]  one event per line (key=value or JSON);
-                                T: RFC 3339 or Unix seconds; with FILE the
-                                retained events (from N, default 1) are
-                                also written as a Chrome trace, one track
-                                per worker and block tier (docs/tracing.md)
+         [--since T] [--until T] [--wait_ms N] [--json] [--chrome_trace F]
+                                one event per line (key=value or JSON)
   --version                     print the version and the git commit of the
                                 build and exit 0
-
-Live views (pressure --watch, top) clear the screen between frames on a
-terminal; otherwise they print the frames one after another, separated by
-a line "---".
 
 The list commands (workers, pools, tenants, sequences, policies, trace) read
 every page the manager answers and print all items; --page_size N (1..10000,
