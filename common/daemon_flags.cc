@@ -1,5 +1,7 @@
 #include "common/daemon_flags.h"
 
+#include <grpc/support/log.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -8,6 +10,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
@@ -34,6 +37,21 @@ ABSL_FLAG(std::string, log_format, "logfmt",
     });
 
 namespace triax {
+namespace {
+
+// gRPC's own lines (gpr_log: errors by default, more with GRPC_VERBOSITY)
+// become records like the daemons' own, so that every line is logfmt (or
+// JSON).
+void GrpcLogToRecords(gpr_log_func_args* args) {
+  LogLevel level = LogLevel::kInfo;
+  if (args->severity == GPR_LOG_SEVERITY_DEBUG) level = LogLevel::kDebug;
+  if (args->severity == GPR_LOG_SEVERITY_ERROR) level = LogLevel::kError;
+  Log(level, "grpc", args->message == nullptr ? "" : args->message,
+      absl::StrCat(Kv("file", args->file == nullptr ? "" : args->file), " ",
+                   Kv("line", args->line)));
+}
+
+}  // namespace
 
 void InitDaemonFlags(absl::string_view main_file, const char* usage) {
   absl::FlagsUsageConfig config;
@@ -54,6 +72,7 @@ void InitDaemonFlags(absl::string_view main_file, const char* usage) {
   config.version_string = [] { return VersionLine(); };
   absl::SetFlagsUsageConfig(config);
   absl::SetProgramUsageMessage(usage);
+  gpr_set_log_function(&GrpcLogToRecords);
 }
 
 void DisableMutexDeadlockDetectionInRelease() {

@@ -4,6 +4,8 @@
 // prints VersionLine() (common/version.h) and exits 0. Both take
 // --log_format=logfmt|json (common/log.h), defined in daemon_flags.cc and
 // listed by --help; another value exits 2 while the flags are parsed.
+// gRPC's own log lines (gpr_log) are routed into the same records
+// (component "grpc").
 #pragma once
 
 #include "absl/strings/string_view.h"

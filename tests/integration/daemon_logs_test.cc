@@ -1,12 +1,14 @@
 // Every line the daemons log is logfmt (common/log.h): a kvmanager and a
 // kvworker are provoked into warnings and errors (a worker paused past
 // --worker_timeout_ms, the manager killed under a live worker and started
-// again, bad requests, a refused transfer) and each line of both daemons'
-// output is read back by a strict logfmt parser. The one line that is not a
-// log record is the documented "<daemon> listening on HOST:PORT" on stdout.
+// again, bad requests, a refused transfer; gRPC's own logging at INFO) and
+// each line of both daemons' output is read back by a strict logfmt parser.
+// The one line that is not a log record is the documented "<daemon>
+// listening on HOST:PORT" on stdout.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -65,6 +67,9 @@ bool Has(const std::vector<LogfmtRecord>& records, absl::string_view level,
 }
 
 TEST(DaemonLogsTest, EveryLineOfBothDaemonsIsLogfmt) {
+  // gRPC's own lines too: at INFO it reports its pollers, server and
+  // every failed connect to the killed manager.
+  ASSERT_EQ(setenv("GRPC_VERBOSITY", "INFO", 1), 0);
   ClusterOptions o;
   o.worker_timeout_ms = 600;
   auto c = Cluster::Start(o);
@@ -120,6 +125,13 @@ TEST(DaemonLogsTest, EveryLineOfBothDaemonsIsLogfmt) {
   const std::vector<LogfmtRecord> manager2 =
       Records(cluster.dir() + "/kvmanager-1.log", "kvmanager");
   const std::vector<LogfmtRecord> worker = Records(worker_log, "kvworker");
+  ASSERT_EQ(unsetenv("GRPC_VERBOSITY"), 0);
+  bool grpc_line = false;
+  for (const LogfmtRecord& r : worker) {
+    grpc_line |= LogfmtValue(r, "component") == "grpc" &&
+                 !LogfmtValue(r, "file").empty();
+  }
+  EXPECT_TRUE(grpc_line) << "no gRPC record at GRPC_VERBOSITY=INFO";
   EXPECT_TRUE(Has(manager, "warn", "worker suspect: no heartbeat"));
   EXPECT_TRUE(Has(manager, "info", "worker registered"));
   EXPECT_TRUE(Has(manager2, "info", "metadata recovered"));
