@@ -5,12 +5,16 @@
 // Errors print "kvctl: <CODE>: <message>" to stderr and exit 1; bad usage
 // prints the usage text and exits 2.
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,8 +27,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/kv_client.h"
 #include "client/kvctl_format.h"
+#include "client/kvctl_live.h"
+#include "client/kvctl_trace.h"
 #include "common/grpc_status.h"
 #include "common/version.h"
 
@@ -66,6 +74,22 @@ ABSL_FLAG(uint64_t, lineage, 0, "events: lineage filter");
 ABSL_FLAG(int64_t, wait_ms, 0,
           "events: stop quietly after this long (0: no limit)");
 ABSL_FLAG(bool, json, false, "events: print JSON lines");
+ABSL_FLAG(std::string, chrome_trace, "",
+          "trace, events: also write the events as a Chrome trace (Trace "
+          "Event Format JSON; open in Perfetto or chrome://tracing) to this "
+          "file; events then reads the retained events and stops");
+ABSL_FLAG(std::string, since, "",
+          "events: only events at or after this time (RFC 3339, e.g. "
+          "2026-11-25T13:00:00Z, or Unix seconds)");
+ABSL_FLAG(std::string, until, "",
+          "events: only events at or before this time (RFC 3339 or Unix "
+          "seconds)");
+ABSL_FLAG(bool, watch, false,
+          "pressure: re-draw every --interval seconds (until ^C or --count)");
+ABSL_FLAG(std::string, interval, "1",
+          "pressure --watch, top: seconds between frames, in (0, 3600]");
+ABSL_FLAG(std::string, count, "0",
+          "pressure --watch, top: frames to draw, then exit (0: until ^C)");
 ABSL_FLAG(uint32_t, top, 20, "pressure: ranked actions to show (1..10000)");
 ABSL_FLAG(int32_t, page_size, 0,
           "workers, pools, tenants, sequences, policies, trace: items asked "
@@ -104,11 +128,13 @@ commands:
   demote SEQ LINEAGE ENCODING --tenant T
                                 re-encode one block in place, e.g.
                                 kvctl demote seq-3 17 int2 --tenant acme
-  pressure [--top N]            memory pressure: pools (used, capacity,
+  pressure [--top N] [--watch --interval S --count N]
+                                memory pressure: pools (used, capacity,
                                 watermarks), tenants against floor and
                                 ceiling per tier, mode, ranking time,
                                 snapshot size, applied-action counters and
                                 the N cheapest ranked actions (default 20)
+  top [--interval S] [--count N]  live workers, encodings, tenants, rates
   transfer SEQ [--to W] [--policy P] [--timeout_ms N] [--follow_writes]
               [--first_block K --prefix_sequence P] [--tenant T]
                                 move a sequence to worker W (placement when
@@ -117,10 +143,12 @@ commands:
                                 worker and only the others move; prints
                                 blocks moved and shared, pages, wire vs
                                 BF16 bytes, seconds
-  trace LINEAGE_ID              a block, its worker path (created on A,
+  trace LINEAGE_ID [--chrome_trace FILE]
+                                a block, its worker path (created on A,
                                 transferred A -> B, ...) and its events
   events [--from N] [--max N] [--tenant T] [--sequence S] [--lineage L]
-         [--wait_ms N] [--json]  one event per line (key=value or JSON)
+         [--since T] [--until T] [--wait_ms N] [--json] [--chrome_trace F]
+                                one event per line (key=value or JSON)
   --version                     print the version and the git commit of the
                                 build and exit 0
 
@@ -387,6 +415,14 @@ class Kvctl {
       return Usage(
           absl::StrCat("pressure: --top=", top, " is not in [1, 10000]"));
     }
+    if (absl::GetFlag(FLAGS_watch)) {
+      return Live("pressure", [&]() -> absl::StatusOr<std::string> {
+        const int64_t now = absl::ToUnixMillis(absl::Now());
+        auto resp = client_->GetPressure(top);
+        if (!resp.ok()) return resp.status();
+        return triax::kvctl::PressureFrame(now, *resp);
+      });
+    }
     auto resp = client_->GetPressure(top);
     if (!resp.ok()) return Fail(resp.status());
     std::cout << triax::kvctl::PressureReport(*resp);
@@ -397,12 +433,64 @@ class Kvctl {
     auto resp = client_->QueryTrace(lineage, PageSize());
     if (!resp.ok()) return Fail(resp.status());
     std::cout << triax::kvctl::TraceDetail(lineage, *resp);
+    const std::string file = absl::GetFlag(FLAGS_chrome_trace);
+    if (file.empty()) return 0;
+    const std::vector<triax::v1::Event> events(resp->events().begin(),
+                                               resp->events().end());
+    return WriteTrace(file, events);
+  }
+
+  // The events as a Chrome trace in `file`; spans still open end now.
+  static int WriteTrace(const std::string& file,
+                        const std::vector<triax::v1::Event>& events) {
+    const std::string json =
+        triax::kvctl::ChromeTraceJson(events, absl::ToUnixMillis(absl::Now()));
+    std::ofstream out(file, std::ios::binary | std::ios::trunc);
+    out << json;
+    out.close();
+    if (!out) {
+      return Fail(absl::ErrnoToStatus(
+          errno, absl::StrCat("cannot write --chrome_trace=", file)));
+    }
+    std::cout << "chrome trace: " << file << " (" << events.size()
+              << " events; open in https://ui.perfetto.dev or "
+                 "chrome://tracing)\n";
     return 0;
   }
 
   int Events() {
+    int64_t since = 0;
+    int64_t until = INT64_MAX;
+    absl::Status bad_time;
+    auto parse_time = [&](absl::string_view name, const std::string& text,
+                          int64_t* out) {
+      if (text.empty() || !bad_time.ok()) return;
+      absl::StatusOr<int64_t> t = triax::kvctl::ParseTimeFlag(name, text);
+      if (t.ok()) {
+        *out = *t;
+      } else {
+        bad_time = t.status();
+      }
+    };
+    parse_time("since", absl::GetFlag(FLAGS_since), &since);
+    parse_time("until", absl::GetFlag(FLAGS_until), &until);
+    if (!bad_time.ok()) {
+      return Usage(absl::StrCat("events: ", bad_time.message()));
+    }
+    if (since > until) {
+      return Usage(
+          absl::StrCat("events: --since=", absl::GetFlag(FLAGS_since),
+                       " is after --until=", absl::GetFlag(FLAGS_until)));
+    }
+    const std::string trace_file = absl::GetFlag(FLAGS_chrome_trace);
+    std::vector<triax::v1::Event> kept;
     triax::v1::WatchEventsRequest req;
     req.set_from_id(absl::GetFlag(FLAGS_from));
+    if (!trace_file.empty()) {
+      // A file is written once: read what is retained, then stop.
+      if (req.from_id() == 0) req.set_from_id(1);
+      req.set_replay_only(true);
+    }
     req.set_max_events(absl::GetFlag(FLAGS_max));
     req.set_tenant_id(absl::GetFlag(FLAGS_tenant));
     req.set_sequence_id(absl::GetFlag(FLAGS_sequence));
@@ -417,16 +505,64 @@ class Kvctl {
     auto reader = m()->WatchEvents(&ctx, req);
     triax::v1::Event e;
     while (reader->Read(&e)) {
+      // The manager filters by tenant, sequence and lineage; the time
+      // window is applied here.
+      if (e.unix_ms() < since || e.unix_ms() > until) continue;
       std::cout << (json ? triax::kvctl::EventJson(e)
                          : triax::kvctl::EventLine(e))
                 << std::endl;  // flushed: the stream may be live
+      if (!trace_file.empty()) kept.push_back(e);
     }
     grpc::Status s = reader->Finish();
-    if (wait_ms > 0 && s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-      return 0;  // --wait_ms ran out: a normal end
+    if (!s.ok() && !(wait_ms > 0 &&
+                     s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)) {
+      return Fail(triax::FromGrpcStatus(s));
     }
-    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    // (--wait_ms running out is a normal end.)
+    if (!trace_file.empty()) return WriteTrace(trace_file, kept);
     return 0;
+  }
+
+  // Draws frames from `render` (absl::StatusOr<std::string>()) every
+  // --interval seconds, --count of them (0: until interrupted).
+  template <typename Render>
+  static int Live(absl::string_view command, Render render) {
+    auto interval = triax::kvctl::ParseInterval(absl::GetFlag(FLAGS_interval));
+    if (!interval.ok()) {
+      return Usage(absl::StrCat(command, ": ", interval.status().message()));
+    }
+    auto count = triax::kvctl::ParseCount(absl::GetFlag(FLAGS_count));
+    if (!count.ok()) {
+      return Usage(absl::StrCat(command, ": ", count.status().message()));
+    }
+    const bool tty = isatty(STDOUT_FILENO) == 1;
+    for (int64_t i = 0; *count == 0 || i < *count; ++i) {
+      if (i > 0) absl::SleepFor(absl::Seconds(*interval));
+      absl::StatusOr<std::string> body = render();
+      if (!body.ok()) return Fail(body.status());
+      std::cout << triax::kvctl::FrameText(*body, i, tty) << std::flush;
+    }
+    return 0;
+  }
+
+  int Top() {
+    std::optional<triax::kvctl::TopSample> prev;
+    return Live("top", [&]() -> absl::StatusOr<std::string> {
+      triax::kvctl::TopSample now;
+      now.unix_ms = absl::ToUnixMillis(absl::Now());
+      auto workers = client_->ListWorkers(PageSize());
+      if (!workers.ok()) return workers.status();
+      auto tenants = client_->ListTenants(PageSize());
+      if (!tenants.ok()) return tenants.status();
+      auto pressure = client_->GetPressure(1);
+      if (!pressure.ok()) return pressure.status();
+      now.workers = *std::move(workers);
+      now.tenants = *std::move(tenants);
+      now.pressure = *std::move(pressure);
+      std::string frame = triax::kvctl::TopFrame(now, prev ? &*prev : nullptr);
+      prev = std::move(now);
+      return frame;
+    });
   }
 
  private:
@@ -493,6 +629,7 @@ int main(int argc, char** argv) {
   }
   if (cmd == "events" && want_args(0)) return k.Events();
   if (cmd == "pressure" && want_args(0)) return k.Pressure();
+  if (cmd == "top" && want_args(0)) return k.Top();
   if (cmd == "policies" && want_args(0)) return k.Policies();
   if (cmd == "policy-put" && args.size() >= 2) {
     return k.PolicyPut(args[0], {args.begin() + 1, args.end()});

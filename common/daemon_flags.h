@@ -1,7 +1,11 @@
 // Start-up of the daemons' flags (kvmanager, kvworker): --help lists the
 // flags defined in the daemon's main.cc under a usage message that says what
 // the program is, how it is run and what its exit statuses mean; --version
-// prints VersionLine() (common/version.h) and exits 0.
+// prints VersionLine() (common/version.h) and exits 0. Both take
+// --log_format=logfmt|json (common/log.h), defined in daemon_flags.cc and
+// listed by --help; another value exits 2 while the flags are parsed.
+// gRPC's own log lines (gpr_log) are routed into the same records
+// (component "grpc").
 #pragma once
 
 #include "absl/strings/string_view.h"

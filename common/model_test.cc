@@ -29,8 +29,9 @@ TEST(ModelShapeTest, AcceptsAValidShape) {
 TEST(ModelShapeTest, NamesTheFieldAndTheValue) {
   ModelShape m = Shape();
   m.n_layers = 0;
-  EXPECT_THAT(ValidateModelShape(m), StatusIs(absl::StatusCode::kInvalidArgument,
-                                              HasSubstr("model.n_layers=0")));
+  EXPECT_THAT(ValidateModelShape(m),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("model.n_layers=0")));
   m = Shape();
   m.n_layers = 1025;
   EXPECT_THAT(ValidateModelShape(m, "table.shape"),
@@ -101,16 +102,15 @@ TEST(NamesTest, ProtoNamesAndLabels) {
 TEST(NamesTest, ParseRoleListRoundTripsLabels) {
   EXPECT_THAT(ParseRoleList(" system, tool_call ,,delimiter"),
               IsOkAndHolds(ElementsAre(Role::kSystem, Role::kToolCall,
-                                              Role::kDelimiter)));
+                                       Role::kDelimiter)));
   EXPECT_THAT(ParseRoleList(""), IsOkAndHolds(ElementsAre()));
   for (int i = 1; i < kNumRoles; ++i) {
     const Role r = static_cast<Role>(i);
-    EXPECT_THAT(ParseRoleList(RoleLabel(r)),
-                IsOkAndHolds(ElementsAre(r)));
+    EXPECT_THAT(ParseRoleList(RoleLabel(r)), IsOkAndHolds(ElementsAre(r)));
   }
-  EXPECT_THAT(ParseRoleList("system,wizard"),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("\"wizard\"")));
+  EXPECT_THAT(
+      ParseRoleList("system,wizard"),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"wizard\"")));
   EXPECT_THAT(ParseRoleList("unspecified"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("\"unspecified\"")));
@@ -159,10 +159,10 @@ TEST(TemporalForTest, SinkCurrentRecentOlder) {
 TEST(EncodingFieldsTest, RefusesEachFieldByName) {
   EXPECT_THAT(ValidateEncodingFields(Encoding(Format::kINT4), "blocks[0]"),
               IsOk());
-  EXPECT_THAT(ValidateEncodingFields(
-                  Encoding(Format::kINT4, Format::kINT2, 128, ScaleDtype::kFP8),
-                  "b"),
-              IsOk());
+  EXPECT_THAT(
+      ValidateEncodingFields(
+          Encoding(Format::kINT4, Format::kINT2, 128, ScaleDtype::kFP8), "b"),
+      IsOk());
   Encoding e(Format::kINT4);
   e.k = static_cast<Format>(0);
   EXPECT_THAT(ValidateEncodingFields(e, "blocks[3]"),

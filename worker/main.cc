@@ -134,7 +134,13 @@ constexpr char kUsage[] =
 // Values of at most 16 TiB, so MiB -> bytes cannot overflow.
 constexpr int64_t kMaxMb = int64_t{1} << 24;
 
+// Bad flags (code 2) are usage, printed plain; a start that fails (code 1)
+// is an error record in the log like every other.
 int Fail(int code, absl::string_view what) {
+  if (code != 2) {
+    triax::Log(triax::LogLevel::kError, "worker", what);
+    return code;
+  }
   std::fprintf(stderr, "kvworker: %.*s\n", static_cast<int>(what.size()),
                what.data());
   return code;
