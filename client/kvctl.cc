@@ -26,6 +26,7 @@
 #include "client/kv_client.h"
 #include "client/kvctl_format.h"
 #include "common/grpc_status.h"
+#include "common/tls.h"
 #include "common/version.h"
 
 ABSL_FLAG(std::string, manager, "127.0.0.1:7070",
@@ -67,6 +68,13 @@ ABSL_FLAG(int64_t, wait_ms, 0,
           "events: stop quietly after this long (0: no limit)");
 ABSL_FLAG(bool, json, false, "events: print JSON lines");
 ABSL_FLAG(uint32_t, top, 20, "pressure: ranked actions to show (1..10000)");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificates: talk TLS to the manager and workers, "
+          "verified by them; empty: plaintext (docs/security.md)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "with --tls_ca: PEM client certificate for servers that ask for "
+          "one (--tls_require_client_cert)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(int32_t, page_size, 0,
           "workers, pools, tenants, sequences, policies, trace: items asked "
           "per page (every page is fetched and printed; 0: the manager's "
@@ -77,7 +85,8 @@ namespace {
 constexpr char kUsage[] =
     R"(kvctl: operator CLI of the triaxkv manager.
 
-usage: kvctl [--manager host:port] [--timeout_ms N] <command> [args] [flags]
+usage: kvctl [--manager host:port] [--timeout_ms N]
+             [--tls_ca F [--tls_cert F --tls_key F]] <command> [args] [flags]
 
 commands:
   workers                       registered workers, state, capacity, pages,
@@ -468,6 +477,16 @@ int main(int argc, char** argv) {
   triax::client::ClientOptions opts;
   opts.manager_address = absl::GetFlag(FLAGS_manager);
   opts.rpc_timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
+  {
+    auto tls = triax::LoadTls({absl::GetFlag(FLAGS_tls_cert),
+                               absl::GetFlag(FLAGS_tls_key),
+                               absl::GetFlag(FLAGS_tls_ca), false});
+    if (!tls.ok()) return Usage(std::string(tls.status().message()));
+    if (!tls->cert_pem.empty() && !tls->client_enabled()) {
+      return Usage("--tls_cert needs --tls_ca (empty)");
+    }
+    opts.credentials = triax::ChannelCredentials(*tls);
+  }
   auto client = triax::client::Client::Connect(opts);
   if (!client.ok()) return Fail(client.status());
   Kvctl k(client->get(), timeout_given);

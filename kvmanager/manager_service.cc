@@ -787,13 +787,21 @@ grpc::ServerUnaryReactor* ManagerService::ListPolicies(
   });
 }
 
+void ManagerService::SetWorkerCredentials(
+    std::shared_ptr<grpc::ChannelCredentials> creds) {
+  absl::MutexLock lock(&mu_);
+  worker_credentials_ = std::move(creds);
+}
+
 std::shared_ptr<v1::Worker::Stub> ManagerService::WorkerStub(
     const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto& stub = stubs_[address];
   if (stub == nullptr) {
     stub = v1::Worker::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(address, worker_credentials_ != nullptr
+                                         ? worker_credentials_
+                                         : grpc::InsecureChannelCredentials()));
   }
   return stub;
 }

@@ -65,6 +65,8 @@
 // has been shut down (which ends all watch streams).
 #pragma once
 
+#include <grpcpp/security/credentials.h>
+
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -111,6 +113,10 @@ class ManagerService final : public v1::Manager::CallbackService {
   // Stops the failure detector and waits for in-flight worker calls;
   // idempotent.
   void Stop();
+
+  // Credentials of the channels to workers (TLS, common/tls.h); insecure
+  // until set. Call before serving.
+  void SetWorkerCredentials(std::shared_ptr<grpc::ChannelCredentials> creds);
 
   grpc::ServerUnaryReactor* RegisterWorker(
       grpc::CallbackServerContext* ctx, const v1::RegisterWorkerRequest* req,
@@ -257,6 +263,8 @@ class ManagerService final : public v1::Manager::CallbackService {
   const int64_t worker_rpc_timeout_ms_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_
+      ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<grpc::ChannelCredentials> worker_credentials_
       ABSL_GUARDED_BY(mu_);
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // worker calls not yet completed
   absl::Notification stop_;
