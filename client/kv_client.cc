@@ -41,10 +41,14 @@ absl::Status Prefixed(absl::string_view what, const absl::Status& s) {
 
 std::shared_ptr<grpc::Channel> MakeChannel(
     const std::string& address,
-    const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+    const std::string& server_name = "") {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
+  if (credentials != nullptr && !server_name.empty()) {
+    args.SetSslTargetNameOverride(server_name);
+  }
   return grpc::CreateCustomChannel(
       address,
       credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(),
@@ -210,8 +214,8 @@ absl::StatusOr<triax::v1::Worker::Stub*> Client::worker(
   absl::MutexLock lock(&workers_mu_);
   auto it = workers_.find(address);
   if (it != workers_.end()) return it->second.get();
-  auto stub =
-      triax::v1::Worker::NewStub(MakeChannel(address, options_.credentials));
+  auto stub = triax::v1::Worker::NewStub(MakeChannel(
+      address, options_.credentials, options_.tls_worker_server_name));
   triax::v1::Worker::Stub* raw = stub.get();
   workers_.emplace(address, std::move(stub));
   return raw;

@@ -97,6 +97,9 @@ struct ClientOptions {
   // certificate) from triax::ChannelCredentials (common/tls.h); null:
   // plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // With TLS: the name workers' certificates are verified against instead
+  // of the address dialed (docs/security.md); empty: the address.
+  std::string tls_worker_server_name;
 };
 
 // A sequence opened through the client: its plan and the worker it lives on.

@@ -75,6 +75,9 @@ ABSL_FLAG(std::string, tls_cert, "",
           "with --tls_ca: PEM client certificate for servers that ask for "
           "one (--tls_require_client_cert)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_worker_server_name, "",
+          "with --tls_ca: verify workers' certificates against this DNS "
+          "name instead of their address; empty: the address");
 ABSL_FLAG(int32_t, page_size, 0,
           "workers, pools, tenants, sequences, policies, trace: items asked "
           "per page (every page is fetched and printed; 0: the manager's "
@@ -486,6 +489,7 @@ int main(int argc, char** argv) {
       return Usage("--tls_cert needs --tls_ca (empty)");
     }
     opts.credentials = triax::ChannelCredentials(*tls);
+    opts.tls_worker_server_name = absl::GetFlag(FLAGS_tls_worker_server_name);
   }
   auto client = triax::client::Client::Connect(opts);
   if (!client.ok()) return Fail(client.status());

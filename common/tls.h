@@ -11,7 +11,10 @@
 // for a certificate and verify the one sent (so a handler can tell who
 // calls); with require_client_cert a client without a valid one is refused
 // at the handshake. Channels: TLS when ca_file is set, presenting
-// cert_file/key_file when those are set.
+// cert_file/key_file when those are set. Workers advertise addresses (pod
+// IPs) that no shared certificate can name, so channels to workers may
+// verify one agreed name instead (--tls_worker_server_name, set on the
+// channel as gRPC's SSL target name override).
 //
 // Flags-free: the daemons' flags (--tls_cert, --tls_key, --tls_ca,
 // --tls_require_client_cert) fill TlsOptions, and errors name those flags.

@@ -172,6 +172,11 @@ ABSL_FLAG(std::string, tls_ca, "",
           "PEM CA certificates: verify the workers dialed and ask every "
           "client for a certificate signed by them (worker RPCs then need "
           "one named in --tls_worker_names)");
+ABSL_FLAG(std::string, tls_worker_server_name, "",
+          "with --tls_ca: verify workers' certificates against this DNS "
+          "name instead of the address dialed (workers advertise addresses, "
+          "such as pod IPs, a shared certificate cannot name); empty: the "
+          "address");
 ABSL_FLAG(bool, tls_require_client_cert, false,
           "refuse clients without a certificate signed by --tls_ca (mutual "
           "TLS on every call)");
@@ -519,7 +524,8 @@ int main(int argc, char** argv) {
   triax::manager::ManagerService service(
       core->get(), check_ms, absl::GetFlag(FLAGS_worker_rpc_timeout_ms),
       absl::GetFlag(FLAGS_pressure_interval_ms));
-  service.SetWorkerCredentials(triax::ChannelCredentials(*tls));
+  service.SetWorkerCredentials(triax::ChannelCredentials(*tls),
+                               absl::GetFlag(FLAGS_tls_worker_server_name));
 
   triax::RpcMetrics rpc_metrics("triaxkv_manager");
   triax::manager::ManagerMetricsOptions metrics_options;

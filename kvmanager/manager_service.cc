@@ -788,9 +788,10 @@ grpc::ServerUnaryReactor* ManagerService::ListPolicies(
 }
 
 void ManagerService::SetWorkerCredentials(
-    std::shared_ptr<grpc::ChannelCredentials> creds) {
+    std::shared_ptr<grpc::ChannelCredentials> creds, std::string server_name) {
   absl::MutexLock lock(&mu_);
   worker_credentials_ = std::move(creds);
+  worker_server_name_ = std::move(server_name);
 }
 
 std::shared_ptr<v1::Worker::Stub> ManagerService::WorkerStub(
@@ -798,10 +799,15 @@ std::shared_ptr<v1::Worker::Stub> ManagerService::WorkerStub(
   absl::MutexLock lock(&mu_);
   auto& stub = stubs_[address];
   if (stub == nullptr) {
-    stub = v1::Worker::NewStub(
-        grpc::CreateChannel(address, worker_credentials_ != nullptr
-                                         ? worker_credentials_
-                                         : grpc::InsecureChannelCredentials()));
+    grpc::ChannelArguments args;
+    if (worker_credentials_ != nullptr && !worker_server_name_.empty()) {
+      args.SetSslTargetNameOverride(worker_server_name_);
+    }
+    stub = v1::Worker::NewStub(grpc::CreateCustomChannel(
+        address,
+        worker_credentials_ != nullptr ? worker_credentials_
+                                       : grpc::InsecureChannelCredentials(),
+        args));
   }
   return stub;
 }

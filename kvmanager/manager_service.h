@@ -115,8 +115,11 @@ class ManagerService final : public v1::Manager::CallbackService {
   void Stop();
 
   // Credentials of the channels to workers (TLS, common/tls.h); insecure
-  // until set. Call before serving.
-  void SetWorkerCredentials(std::shared_ptr<grpc::ChannelCredentials> creds);
+  // until set. `server_name`: with TLS, the name workers' certificates are
+  // verified against instead of their address (empty: the address). Call
+  // before serving.
+  void SetWorkerCredentials(std::shared_ptr<grpc::ChannelCredentials> creds,
+                            std::string server_name = "");
 
   grpc::ServerUnaryReactor* RegisterWorker(
       grpc::CallbackServerContext* ctx, const v1::RegisterWorkerRequest* req,
@@ -266,6 +269,7 @@ class ManagerService final : public v1::Manager::CallbackService {
       ABSL_GUARDED_BY(mu_);
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials_
       ABSL_GUARDED_BY(mu_);
+  std::string worker_server_name_ ABSL_GUARDED_BY(mu_);
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // worker calls not yet completed
   absl::Notification stop_;
   std::thread checker_;

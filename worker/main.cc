@@ -114,6 +114,11 @@ ABSL_FLAG(std::string, tls_ca, "",
           "PEM CA certificates: dial the manager and source workers over TLS "
           "verified by them, and ask clients for certificates signed by "
           "them");
+ABSL_FLAG(std::string, tls_worker_server_name, "",
+          "with --tls_ca: verify source workers' certificates against this "
+          "DNS name instead of the address dialed (workers advertise "
+          "addresses, such as pod IPs, a shared certificate cannot name); "
+          "empty: the address");
 ABSL_FLAG(bool, tls_require_client_cert, false,
           "refuse clients without a certificate signed by --tls_ca (mutual "
           "TLS on every call)");
@@ -329,6 +334,8 @@ int main(int argc, char** argv) {
                 "use stream (over TLS) or ipc (same host)");
   }
   service_options.peer_credentials = triax::ChannelCredentials(*tls);
+  service_options.peer_server_name =
+      absl::GetFlag(FLAGS_tls_worker_server_name);
   if (transfer_path == TransferPath::kLink ||
       (transfer_path == TransferPath::kAuto && cuda)) {
     LinkOptions link_options;

@@ -83,10 +83,13 @@ class TransferClient {
   // `link_batch_bytes`: the link path's batch (and staging slot) size,
   // clamped to kLinkBatchBytes (0: kLinkBatchBytes). `credentials`: of the
   // channels to sources (TLS, common/tls.h); null: insecure.
+  // `server_name`: with TLS, the name sources' certificates are verified
+  // against instead of their address (empty: the address).
   explicit TransferClient(
       Device* device = nullptr, TransferPath path = TransferPath::kStream,
       uint64_t link_batch_bytes = kLinkBatchBytes,
-      std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
+      std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr,
+      std::string server_name = "");
   ~TransferClient();
 
   // Pulls `req`'s pages into `session` (see the header comment); returns
@@ -137,6 +140,7 @@ class TransferClient {
   // Names this process to sources (OpenLinkRequest.owner).
   const std::string owner_;
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  const std::string server_name_;  // empty: verify the address
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_

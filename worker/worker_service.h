@@ -90,6 +90,9 @@ struct WorkerServiceOptions {
   uint64_t link_batch_bytes = kLinkBatchBytes;
   // Of the channels to source workers (TLS, common/tls.h); null: insecure.
   std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
+  // With TLS: the name source workers' certificates are verified against
+  // instead of their address (empty: the address).
+  std::string peer_server_name;
 };
 
 class WorkerService final : public v1::Worker::Service {

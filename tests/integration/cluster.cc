@@ -109,6 +109,7 @@ absl::StatusOr<std::unique_ptr<client::Client>> Cluster::NewClient(
   o.tenant_id = tenant_id;
   o.rpc_timeout_ms = 5000;
   o.credentials = options_.credentials;
+  o.tls_worker_server_name = options_.tls_worker_server_name;
   return client::Client::Connect(o);
 }
 

@@ -35,6 +35,7 @@ struct ClusterOptions {
   // Of the cluster's own stub and of NewClient (a TLS cluster: the daemons'
   // --tls_* flags in manager_flags / worker_flags); null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::string tls_worker_server_name;  // NewClient's (ClientOptions)
 };
 
 class Cluster {

@@ -97,10 +97,14 @@ std::string ReadAll(const std::string& path) {
 
 // A cluster of a manager and two CPU workers, all on TLS with the test
 // CA; clients present the frontend's certificate. `require`: every
-// listener also demands client certificates.
+// listener also demands client certificates. `named_workers`: the workers'
+// certificate names no address, only kvworker.triaxkv.test, which every
+// dialer of a worker verifies instead (--tls_worker_server_name).
 class TlsTest : public ::testing::Test {
  protected:
-  void StartCluster(bool require) {
+  static constexpr char kWorkerName[] = "kvworker.triaxkv.test";
+
+  void StartCluster(bool require, bool named_workers = false) {
     auto dir = TempDir::Create("tls_test");
     ASSERT_THAT(dir, IsOk());
     dir_ = std::move(*dir);
@@ -111,8 +115,16 @@ class TlsTest : public ::testing::Test {
     o.manager_flags = certs_->DaemonFlags("manager");
     o.manager_flags.push_back("--http_listen=127.0.0.1:0");
     o.manager_flags.push_back("--http_port_file=" + dir_->path() + "/m.http");
-    o.worker_flags = certs_->DaemonFlags("worker");
+    o.worker_flags =
+        certs_->DaemonFlags(named_workers ? "named-worker" : "worker");
     o.worker_flags.push_back("--backend=cpu");
+    if (named_workers) {
+      const std::string flag =
+          absl::StrCat("--tls_worker_server_name=", kWorkerName);
+      o.manager_flags.push_back(flag);
+      o.worker_flags.push_back(flag);
+      o.tls_worker_server_name = kWorkerName;
+    }
     if (require) {
       o.manager_flags.push_back("--tls_require_client_cert");
       o.worker_flags.push_back("--tls_require_client_cert");
@@ -157,8 +169,12 @@ class TlsTest : public ::testing::Test {
   std::string out_, err_;
 };
 
-TEST_F(TlsTest, ClusterRunsItsNormalFlowOverTls) {
-  ASSERT_NO_FATAL_FAILURE(StartCluster(/*require=*/true));
+class TlsFlowTest : public TlsTest,
+                    public ::testing::WithParamInterface<bool> {};
+
+TEST_P(TlsFlowTest, ClusterRunsItsNormalFlowOverTls) {
+  const bool named_workers = GetParam();
+  ASSERT_NO_FATAL_FAILURE(StartCluster(/*require=*/true, named_workers));
   ASSERT_THAT(cluster_->CreateTenant("acme"), IsOk());
   auto client = cluster_->NewClient("acme");
   ASSERT_THAT(client, IsOk());
@@ -202,6 +218,19 @@ TEST_F(TlsTest, ClusterRunsItsNormalFlowOverTls) {
   ASSERT_EQ(Kvctl({"workers"}, ClientTls()), 0) << err_;
   EXPECT_THAT(out_, HasSubstr("w0"));
   EXPECT_THAT(out_, HasSubstr("w1"));
+  if (named_workers) {
+    // A dialer that checks the worker's address instead of its agreed
+    // name cannot verify it: UNAVAILABLE, nothing read.
+    client::ClientOptions o;
+    o.manager_address = cluster_->manager_address();
+    o.tenant_id = "acme";
+    o.rpc_timeout_ms = 5000;
+    o.credentials = certs_->Credentials("client");
+    auto unnamed = client::Client::Connect(o);
+    ASSERT_THAT(unnamed, IsOk());
+    EXPECT_THAT((*unnamed)->ReadKV(*seq, 0, 0, 33, &rk, &rv),
+                StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  }
   ASSERT_EQ(Kvctl({"sequences", "--tenant=acme"}, ClientTls()), 0) << err_;
   EXPECT_THAT(out_, HasSubstr(seq->sequence_id));
 
@@ -219,6 +248,12 @@ TEST_F(TlsTest, ClusterRunsItsNormalFlowOverTls) {
   EXPECT_EQ(rk, RoundToBf16(k0));
   EXPECT_EQ(rv, RoundToBf16(v0));
 }
+
+INSTANTIATE_TEST_SUITE_P(WorkerCertificates, TlsFlowTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "NamedNotAddressed"
+                                             : "AddressedByIp";
+                         });
 
 TEST_F(TlsTest, PlaintextClientIsRefusedAndChangesNothing) {
   ASSERT_NO_FATAL_FAILURE(StartCluster(/*require=*/false));

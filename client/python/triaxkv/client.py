@@ -235,10 +235,13 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-def _channel(address, credentials=None):
+def _channel(address, credentials=None, server_name=None):
     if credentials is None:
         return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-    return grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+    options = list(_CHANNEL_OPTIONS)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.secure_channel(address, credentials, options=options)
 
 
 def _read_pem(name, path):
@@ -271,7 +274,7 @@ def tls_credentials(tls_ca, tls_cert=None, tls_key=None):
 
 class Client:
     """Client(manager_address, tenant_id="", timeout=30.0, attend_retries=50,
-    tls_ca=None, tls_cert=None, tls_key=None).
+    tls_ca=None, tls_cert=None, tls_key=None, tls_worker_server_name=None).
 
     manager_address: "host:port". tenant_id: the tenant sequences are opened
     for (created with create_tenant, or by an operator). timeout: the
@@ -281,11 +284,14 @@ class Client:
     tls_ca: path of the PEM CA certificates that verify the manager and the
     workers: TLS on every channel (None: plaintext); tls_cert / tls_key: the
     client certificate and its key, for servers that require one
-    (tls_credentials). Channels connect lazily: an unreachable manager surfaces as Unavailable
+    (tls_credentials); tls_worker_server_name: the name workers'
+    certificates are verified against instead of their address (workers
+    that advertise pod IPs; kvworker --tls_worker_server_name). Channels
+    connect lazily: an unreachable manager surfaces as Unavailable
     (or DeadlineExceeded) on the first call that needs it."""
 
     def __init__(self, manager_address, tenant_id="", timeout=30.0, attend_retries=50,
-                 tls_ca=None, tls_cert=None, tls_key=None):
+                 tls_ca=None, tls_cert=None, tls_key=None, tls_worker_server_name=None):
         if not isinstance(manager_address, str) or not manager_address:
             raise ValueError(f"manager_address: {manager_address!r}; want host:port")
         if not isinstance(tenant_id, str):
@@ -302,6 +308,7 @@ class Client:
             raise ValueError(f"tls_cert={tls_cert!r}: a client certificate needs tls_ca")
         self._credentials = (tls_credentials(tls_ca, tls_cert, tls_key)
                              if tls_ca is not None else None)
+        self._worker_server_name = tls_worker_server_name
         self._manager_channel = _channel(manager_address, self._credentials)
         self.manager = manager_pb2_grpc.ManagerStub(self._manager_channel)
         self._lock = threading.Lock()
@@ -340,7 +347,7 @@ class Client:
         with self._lock:
             entry = self._workers.get(address)
             if entry is None:
-                channel = _channel(address, self._credentials)
+                channel = _channel(address, self._credentials, self._worker_server_name)
                 entry = (channel, worker_pb2_grpc.WorkerStub(channel))
                 self._workers[address] = entry
             return entry[1]
