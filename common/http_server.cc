@@ -168,7 +168,6 @@ class HttpServer::Impl {
 
   const HttpServerOptions& options() const { return options_; }
   std::atomic<size_t>& connections() { return connections_; }
-  asio::ssl::context* ssl() const { return ssl_.get(); }
 
  private:
   void Accept();

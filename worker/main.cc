@@ -324,8 +324,8 @@ int main(int argc, char** argv) {
                                 " backend cannot share its arena"));
   }
   const bool cuda = std::string((*device)->Name()) == "cuda";
-  // The CPU workers' TCP link carries pages without encryption: with TLS on
-  // they stream over the (TLS) gRPC channel instead.
+  // The CPU workers' TCP link carries pages without encryption, so with TLS
+  // on it is refused; auto already streams over the (TLS) gRPC channel.
   if (transfer_path == TransferPath::kLink && !cuda &&
       (tls->server_enabled() || tls->client_enabled())) {
     return Fail(2,
