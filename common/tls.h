@@ -24,8 +24,8 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
 
+#include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -76,12 +76,17 @@ std::string PeerIdentity(const grpc::AuthContext& context);
 bool IdentityMatches(absl::string_view identity,
                      const std::vector<std::string>& names);
 
-// Refuses the calls to `methods` ("/triax.v1.Manager/Heartbeat") whose
-// client certificate's identity is not in `names` (IdentityMatches):
-// UNAUTHENTICATED without a verified certificate, PERMISSION_DENIED with one
-// of another name. Other methods pass. Set on TLS server credentials
-// (SetAuthMetadataProcessor); it runs inline on gRPC's thread, per call.
+// Method ("/triax.v1.Manager/Heartbeat") -> the client certificate names
+// allowed to call it.
+using MethodNames = std::map<std::string, std::vector<std::string>>;
+
+// Refuses the calls to a method of `allowed` whose client certificate's
+// identity is not among its names (IdentityMatches): UNAUTHENTICATED
+// without a verified certificate, PERMISSION_DENIED with one of another
+// name; both name the method. Other methods pass. Set on TLS server
+// credentials (SetAuthMetadataProcessor); it runs inline on gRPC's thread,
+// per call.
 std::shared_ptr<grpc::AuthMetadataProcessor> MethodIdentityGuard(
-    std::set<std::string> methods, std::vector<std::string> names);
+    MethodNames allowed);
 
 }  // namespace triax

@@ -365,8 +365,8 @@ int main(int argc, char** argv) {
         absl::GetFlag(FLAGS_tls_worker_names), ',', absl::SkipWhitespace());
     if (!names.empty()) {
       credentials->SetAuthMetadataProcessor(triax::MethodIdentityGuard(
-          {"/triax.v1.Manager/RegisterWorker", "/triax.v1.Manager/Heartbeat"},
-          std::move(names)));
+          {{"/triax.v1.Manager/RegisterWorker", names},
+           {"/triax.v1.Manager/Heartbeat", names}}));
     }
   } else if (tls->server_enabled()) {
     Log(LogLevel::kWarn, "manager",

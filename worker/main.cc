@@ -11,6 +11,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <utility>
@@ -21,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "common/daemon_flags.h"
 #include "common/ids.h"
@@ -119,6 +121,15 @@ ABSL_FLAG(std::string, tls_worker_server_name, "",
           "DNS name instead of the address dialed (workers advertise "
           "addresses, such as pod IPs, a shared certificate cannot name); "
           "empty: the address");
+ABSL_FLAG(std::string, tls_manager_names, "kvmanager",
+          "with --tls_cert and --tls_ca: the client certificate names "
+          "(common name, else first SAN; comma-separated; a trailing * "
+          "matches a prefix) allowed to call the manager's RPCs here: "
+          "Demote, Spill, Restore, Evict, ImportSequence; empty: any client");
+ABSL_FLAG(std::string, tls_worker_names, "kvworker",
+          "with --tls_cert and --tls_ca: the client certificate names "
+          "allowed to pull pages from here as a transfer's destination: "
+          "ExportPages, SharePages, OpenLink, LinkPages; empty: any client");
 ABSL_FLAG(bool, tls_require_client_cert, false,
           "refuse clients without a certificate signed by --tls_ca (mutual "
           "TLS on every call)");
@@ -375,7 +386,32 @@ int main(int argc, char** argv) {
   int port = 0;
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, triax::ServerCredentials(*tls), &port);
+  std::shared_ptr<grpc::ServerCredentials> credentials =
+      triax::ServerCredentials(*tls);
+  if (tls->server_enabled() && tls->client_enabled()) {
+    // The manager's plans and the transfers' page pulls come from the
+    // manager's and the workers' certificates; frontends only hold their
+    // own sequences' pages through the data-plane RPCs.
+    triax::MethodNames allowed;
+    const auto add = [&allowed](const std::string& flag,
+                                std::initializer_list<const char*> methods) {
+      std::vector<std::string> names =
+          absl::StrSplit(flag, ',', absl::SkipWhitespace());
+      if (names.empty()) return;
+      for (const char* m : methods) {
+        allowed[absl::StrCat("/triax.v1.Worker/", m)] = names;
+      }
+    };
+    add(absl::GetFlag(FLAGS_tls_manager_names),
+        {"Demote", "Spill", "Restore", "Evict", "ImportSequence"});
+    add(absl::GetFlag(FLAGS_tls_worker_names),
+        {"ExportPages", "SharePages", "OpenLink", "LinkPages"});
+    if (!allowed.empty()) {
+      credentials->SetAuthMetadataProcessor(
+          triax::MethodIdentityGuard(std::move(allowed)));
+    }
+  }
+  builder.AddListeningPort(listen, credentials, &port);
   {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>

@@ -306,6 +306,10 @@ class ChartTest(unittest.TestCase):
             self.assertEqual(volumes["tls"]["secret"]["secretName"],
                              "m-tls" if c is m else "w-tls", what)
         self.assertEqual(flag(m["args"], "tls_worker_names"), "kvworker")
+        self.assertIsNone(flag(m["args"], "tls_manager_names"))
+        for w in wpod["containers"]:
+            self.assertEqual(flag(w["args"], "tls_manager_names"), "kvmanager")
+            self.assertEqual(flag(w["args"], "tls_worker_names"), "kvworker")
 
     def test_large_integers_render_as_integers(self):
         objects = render("--set", "manager.eventRetention=100000000,"

@@ -336,6 +336,64 @@ TEST_F(TlsTest, OnlyWorkerCertificatesRegisterAndHeartbeat) {
   EXPECT_EQ(after->state(), v1::WORKER_STATE_UP);
 }
 
+TEST_F(TlsTest, WorkersTakePlansOnlyFromTheManagerAndPagePullsFromWorkers) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(/*require=*/false));
+  ASSERT_THAT(cluster_->CreateTenant("acme"), IsOk());
+  auto client = cluster_->NewClient("acme");
+  ASSERT_THAT(client, IsOk());
+  const v1::ModelShape model = SmallModel();
+  auto seq =
+      (*client)->Open(model, {MakeSpan(v1::ROLE_SYSTEM, 16)}, "bf16", 16);
+  ASSERT_THAT(seq, IsOk());
+  std::mt19937 rng(20261125);
+  const size_t elems = size_t{model.n_kv_heads()} * model.head_dim();
+  std::vector<float> k, v;
+  for (uint32_t l = 0; l < model.n_layers(); ++l) {
+    k = RandomVector(16 * elems, &rng), v = RandomVector(16 * elems, &rng);
+    ASSERT_THAT((*client)->WriteKV(*seq, l, 0, 16, k.data(), v.data()), IsOk());
+  }
+
+  v1::EvictRequest evict;
+  evict.set_request_id("evict-1");
+  evict.set_tenant_id("acme");
+  evict.set_sequence_id(seq->sequence_id);
+  evict.add_lineage_ids(seq->blocks[0].lineage_id());
+  v1::ExportPagesRequest pull;
+  pull.set_transfer_id("xfer-x");
+  pull.set_tenant_id("acme");
+  pull.set_sequence_id(seq->sequence_id);
+  *pull.add_blocks() = seq->blocks[0];
+  struct Caller {
+    std::string who;  // certificate presented; "" none
+    grpc::StatusCode want;
+  };
+  for (const Caller& c : {Caller{"client", grpc::StatusCode::PERMISSION_DENIED},
+                          Caller{"", grpc::StatusCode::UNAUTHENTICATED}}) {
+    SCOPED_TRACE("certificate: " + (c.who.empty() ? "none" : c.who));
+    auto worker = v1::Worker::NewStub(
+        grpc::CreateChannel(seq->worker_address, certs_->Credentials(c.who)));
+    grpc::ClientContext ectx;
+    Deadline(&ectx);
+    v1::EvictResponse eresp;
+    const grpc::Status e = worker->Evict(&ectx, evict, &eresp);
+    EXPECT_EQ(e.error_code(), c.want) << e.error_message();
+    EXPECT_THAT(e.error_message(), HasSubstr("Evict"));
+    grpc::ClientContext pctx;
+    Deadline(&pctx);
+    auto reader = worker->ExportPages(&pctx, pull);
+    v1::PageBatch batch;
+    EXPECT_FALSE(reader->Read(&batch));
+    const grpc::Status p = reader->Finish();
+    EXPECT_EQ(p.error_code(), c.want) << p.error_message();
+  }
+  // Nothing was evicted: the last layer reads back as written.
+  std::vector<float> rk, rv;
+  ASSERT_THAT((*client)->ReadKV(*seq, model.n_layers() - 1, 0, 16, &rk, &rv),
+              IsOk());
+  EXPECT_EQ(rk, RoundToBf16(k));
+  EXPECT_EQ(rv, RoundToBf16(v));
+}
+
 TEST_F(TlsTest, RequiredClientCertificatesRefuseOthers) {
   ASSERT_NO_FATAL_FAILURE(StartCluster(/*require=*/true));
   auto list = [&](std::shared_ptr<grpc::ChannelCredentials> creds) {

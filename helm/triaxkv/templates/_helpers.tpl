@@ -84,8 +84,9 @@ app.kubernetes.io/component: {{ .component }}
 - --tls_ca={{ $t.mountPath }}/ca.crt
 - --tls_require_client_cert={{ $t.requireClientCert }}
 - --tls_worker_server_name={{ $t.workerServerName }}
-{{- if eq .role "manager" }}
 - --tls_worker_names={{ join "," $t.workerNames }}
+{{- if eq .role "worker" }}
+- --tls_manager_names={{ join "," $t.managerNames }}
 {{- end }}
 {{- end -}}
 {{- end -}}
