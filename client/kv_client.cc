@@ -39,12 +39,20 @@ absl::Status Prefixed(absl::string_view what, const absl::Status& s) {
   return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+std::shared_ptr<grpc::Channel> MakeChannel(
+    const std::string& address,
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+    const std::string& server_name = "") {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                   args);
+  if (credentials != nullptr && !server_name.empty()) {
+    args.SetSslTargetNameOverride(server_name);
+  }
+  return grpc::CreateCustomChannel(
+      address,
+      credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(),
+      args);
 }
 
 std::string Bf16Bytes(const float* src, size_t n) {
@@ -132,7 +140,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
   c->manager_addresses_ =
       absl::StrSplit(options.manager_address, ',', absl::SkipEmpty());
   for (const std::string& a : c->manager_addresses_) {
-    c->managers_.push_back(triax::v1::Manager::NewStub(MakeChannel(a)));
+    c->managers_.push_back(
+        triax::v1::Manager::NewStub(MakeChannel(a, options.credentials)));
   }
   if (c->managers_.empty()) {
     return absl::InvalidArgumentError(
@@ -205,7 +214,8 @@ absl::StatusOr<triax::v1::Worker::Stub*> Client::worker(
   absl::MutexLock lock(&workers_mu_);
   auto it = workers_.find(address);
   if (it != workers_.end()) return it->second.get();
-  auto stub = triax::v1::Worker::NewStub(MakeChannel(address));
+  auto stub = triax::v1::Worker::NewStub(MakeChannel(
+      address, options_.credentials, options_.tls_worker_server_name));
   triax::v1::Worker::Stub* raw = stub.get();
   workers_.emplace(address, std::move(stub));
   return raw;

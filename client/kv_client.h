@@ -57,6 +57,8 @@
 //            without closing on the manager.
 #pragma once
 
+#include <grpcpp/security/credentials.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -91,6 +93,13 @@ struct ClientOptions {
   // Read-only Attends answered UNAVAILABLE with retry_after_ms > 0 are sent
   // again at most this many times (>= 0; 0: never).
   int attend_retries = 50;
+  // Of the channels to the managers and workers: TLS (and a client
+  // certificate) from triax::ChannelCredentials (common/tls.h); null:
+  // plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // With TLS: the name workers' certificates are verified against instead
+  // of the address dialed (docs/security.md); empty: the address.
+  std::string tls_worker_server_name;
 };
 
 // A sequence opened through the client: its plan and the worker it lives on.

@@ -34,6 +34,7 @@
 #include "client/kvctl_live.h"
 #include "client/kvctl_trace.h"
 #include "common/grpc_status.h"
+#include "common/tls.h"
 #include "common/version.h"
 
 ABSL_FLAG(std::string, manager, "127.0.0.1:7070",
@@ -91,6 +92,16 @@ ABSL_FLAG(std::string, interval, "1",
 ABSL_FLAG(std::string, count, "0",
           "pressure --watch, top: frames to draw, then exit (0: until ^C)");
 ABSL_FLAG(uint32_t, top, 20, "pressure: ranked actions to show (1..10000)");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificates: talk TLS to the manager and workers, "
+          "verified by them; empty: plaintext (docs/security.md)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "with --tls_ca: PEM client certificate for servers that ask for "
+          "one (--tls_require_client_cert)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_worker_server_name, "",
+          "with --tls_ca: verify workers' certificates against this DNS "
+          "name instead of their address; empty: the address");
 ABSL_FLAG(int32_t, page_size, 0,
           "workers, pools, tenants, sequences, policies, trace: items asked "
           "per page (every page is fetched and printed; 0: the manager's "
@@ -101,7 +112,8 @@ namespace {
 constexpr char kUsage[] =
     R"(kvctl: operator CLI of the triaxkv manager.
 
-usage: kvctl [--manager host:port] [--timeout_ms N] <command> [args] [flags]
+usage: kvctl [--manager host:port] [--timeout_ms N]
+             [--tls_ca F [--tls_cert F --tls_key F]] <command> [args] [flags]
 
 commands:
   workers                       registered workers, state, capacity, pages,
@@ -604,6 +616,17 @@ int main(int argc, char** argv) {
   triax::client::ClientOptions opts;
   opts.manager_address = absl::GetFlag(FLAGS_manager);
   opts.rpc_timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
+  {
+    auto tls = triax::LoadTls({absl::GetFlag(FLAGS_tls_cert),
+                               absl::GetFlag(FLAGS_tls_key),
+                               absl::GetFlag(FLAGS_tls_ca), false});
+    if (!tls.ok()) return Usage(std::string(tls.status().message()));
+    if (!tls->cert_pem.empty() && !tls->client_enabled()) {
+      return Usage("--tls_cert needs --tls_ca (empty)");
+    }
+    opts.credentials = triax::ChannelCredentials(*tls);
+    opts.tls_worker_server_name = absl::GetFlag(FLAGS_tls_worker_server_name);
+  }
   auto client = triax::client::Client::Connect(opts);
   if (!client.ok()) return Fail(client.status());
   Kvctl k(client->get(), timeout_given);

@@ -4,6 +4,7 @@
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
 #include <chrono>
 #include <optional>
 #include <thread>
@@ -66,6 +67,37 @@ class HttpServer::Impl {
       : options_(std::move(options)),
         routes_(std::move(routes)),
         acceptor_(ctx_) {}
+
+  // HTTPS from here on; INVALID_ARGUMENT when OpenSSL refuses the PEMs.
+  absl::Status UseTls(const std::string& cert_pem, const std::string& key_pem) {
+    auto ssl =
+        std::make_unique<asio::ssl::context>(asio::ssl::context::tls_server);
+    boost::system::error_code ec;
+    ssl->set_options(
+        asio::ssl::context::default_workarounds | asio::ssl::context::no_sslv2 |
+            asio::ssl::context::no_sslv3 | asio::ssl::context::no_tlsv1 |
+            asio::ssl::context::no_tlsv1_1,
+        ec);
+    if (!ec) {
+      ssl->use_certificate_chain(asio::buffer(cert_pem.data(), cert_pem.size()),
+                                 ec);
+      if (ec) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the TLS certificate: ", ec.message()));
+      }
+    }
+    if (!ec) {
+      ssl->use_private_key(asio::buffer(key_pem.data(), key_pem.size()),
+                           asio::ssl::context::pem, ec);
+      if (ec) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the TLS key: ", ec.message()));
+      }
+    }
+    if (ec) return absl::InvalidArgumentError(ec.message());
+    ssl_ = std::move(ssl);
+    return absl::OkStatus();
+  }
 
   absl::Status Listen(const tcp::endpoint& endpoint) {
     boost::system::error_code ec;
@@ -145,6 +177,7 @@ class HttpServer::Impl {
   // Before ctx_: sessions still queued in ctx_ decrement it when ctx_ is
   // destroyed.
   std::atomic<size_t> connections_{0};
+  std::unique_ptr<asio::ssl::context> ssl_;  // null: plain HTTP
   asio::io_context ctx_;
   tcp::acceptor acceptor_;
   std::thread thread_;
@@ -155,13 +188,32 @@ namespace {
 
 // One connection: read a request (bounded header, no body, read timeout),
 // answer it, and read the next while the client keeps the connection alive.
-class Session : public std::enable_shared_from_this<Session> {
+// Stream: beast::tcp_stream (HTTP) or beast::ssl_stream over one (HTTPS).
+template <class Stream>
+class Session : public std::enable_shared_from_this<Session<Stream>> {
  public:
-  Session(tcp::socket socket, HttpServer::Impl* server)
-      : stream_(std::move(socket)), server_(server) {
+  template <class... Args>
+  Session(HttpServer::Impl* server, Args&&... args)
+      : stream_(std::forward<Args>(args)...), server_(server) {
     server_->connections().fetch_add(1);
   }
   ~Session() { server_->connections().fetch_sub(1); }
+
+  // HTTPS: the handshake, bounded by read_timeout like a request, then
+  // Read(); a failed handshake closes the connection.
+  void Handshake() {
+    beast::get_lowest_layer(stream_).expires_after(
+        ToChrono(server_->options().read_timeout));
+    stream_.async_handshake(
+        asio::ssl::stream_base::server,
+        [self = this->shared_from_this()](beast::error_code ec) {
+          if (ec) {
+            self->Close();
+          } else {
+            self->Read();
+          }
+        });
+  }
 
   void Read() {
     parser_.emplace();
@@ -169,18 +221,19 @@ class Session : public std::enable_shared_from_this<Session> {
         static_cast<uint32_t>(server_->options().max_header_bytes));
     // Probes and scrapes carry no body; a body is refused, not buffered.
     parser_->body_limit(0);
-    stream_.expires_after(ToChrono(server_->options().read_timeout));
+    beast::get_lowest_layer(stream_).expires_after(
+        ToChrono(server_->options().read_timeout));
     http::async_read(stream_, buffer_, *parser_,
-                     [self = shared_from_this()](beast::error_code ec, size_t) {
-                       self->OnRead(ec);
-                     });
+                     [self = this->shared_from_this()](
+                         beast::error_code ec, size_t) { self->OnRead(ec); });
   }
 
  private:
   void OnRead(beast::error_code ec) {
     if (ec == http::error::end_of_stream || ec == beast::error::timeout ||
         ec == asio::error::operation_aborted ||
-        ec == asio::error::connection_reset || ec == asio::error::eof) {
+        ec == asio::error::connection_reset || ec == asio::error::eof ||
+        ec == asio::ssl::error::stream_truncated) {
       Close();
       return;
     }
@@ -201,10 +254,11 @@ class Session : public std::enable_shared_from_this<Session> {
   void Write(http::response<http::string_body> res) {
     response_ =
         std::make_unique<http::response<http::string_body>>(std::move(res));
-    stream_.expires_after(ToChrono(server_->options().write_timeout));
+    beast::get_lowest_layer(stream_).expires_after(
+        ToChrono(server_->options().write_timeout));
     http::async_write(
         stream_, *response_,
-        [self = shared_from_this()](beast::error_code ec, size_t) {
+        [self = this->shared_from_this()](beast::error_code ec, size_t) {
           const bool keep = self->response_->keep_alive();
           self->response_.reset();
           if (ec || !keep) {
@@ -215,13 +269,17 @@ class Session : public std::enable_shared_from_this<Session> {
         });
   }
 
+  // Over TLS without a close_notify: the answer is framed by
+  // Content-Length, and a peer that waits for the alert must not hold
+  // the server's only thread.
   void Close() {
     beast::error_code ec;
-    stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
-    stream_.socket().close(ec);
+    tcp::socket& socket = beast::get_lowest_layer(stream_).socket();
+    socket.shutdown(tcp::socket::shutdown_send, ec);
+    socket.close(ec);
   }
 
-  beast::tcp_stream stream_;
+  Stream stream_;
   HttpServer::Impl* server_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::empty_body>> parser_;
@@ -237,8 +295,13 @@ void HttpServer::Impl::Accept() {
       if (connections_.load() >= options_.max_connections) {
         beast::error_code ignored;
         socket.close(ignored);
+      } else if (ssl_ != nullptr) {
+        std::make_shared<Session<beast::ssl_stream<beast::tcp_stream>>>(
+            this, std::move(socket), *ssl_)
+            ->Handshake();
       } else {
-        std::make_shared<Session>(std::move(socket), this)->Read();
+        std::make_shared<Session<beast::tcp_stream>>(this, std::move(socket))
+            ->Read();
       }
     }
     Accept();
@@ -275,6 +338,17 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
   auto endpoint = ParseListen(options.listen);
   if (!endpoint.ok()) return endpoint.status();
   auto impl = std::make_unique<Impl>(options, std::move(request_routes));
+  if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "HTTPS needs both a certificate and a key (one is empty)");
+  }
+  if (!options.tls_cert_pem.empty()) {
+    if (absl::Status s =
+            impl->UseTls(options.tls_cert_pem, options.tls_key_pem);
+        !s.ok()) {
+      return s;
+    }
+  }
   if (absl::Status s = impl->Listen(*endpoint); !s.ok()) return s;
   impl->Run();
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));

@@ -64,13 +64,19 @@ struct HttpServerOptions {
   absl::Duration write_timeout = absl::Seconds(10);
   size_t max_header_bytes = 8192;
   size_t max_connections = 256;
+  // HTTPS (TLS 1.2 or newer) with this PEM certificate chain and key when
+  // both are set, else plain HTTP. A client that does not complete the TLS
+  // handshake within read_timeout is closed.
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
 };
 
 class HttpServer {
  public:
   // Binds, listens and starts serving `routes` (path -> handler, paths
   // starting with "/"). INVALID_ARGUMENT for a malformed listen address or
-  // route; UNAVAILABLE naming the address when it cannot be bound.
+  // route, or a TLS certificate or key OpenSSL refuses; UNAVAILABLE naming the
+  // address when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(
       const HttpServerOptions& options,
       const std::map<std::string, HttpHandler>& routes);

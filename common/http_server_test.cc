@@ -205,6 +205,21 @@ TEST(HttpServerStartTest, BadListenAddressesAndRoutes) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"metrics\"")));
 }
 
+// HTTPS itself is served to curl in tests/integration/tls_test.cc, with
+// certificates openssl makes at run time; here, what Start refuses.
+TEST(HttpServerStartTest, BadTlsCertificatesAndKeysAreRefused) {
+  HttpServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.tls_cert_pem = "-----BEGIN CERTIFICATE-----\nnot base64\n";
+  EXPECT_THAT(HttpServer::Start(options, {}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("needs both a certificate and a key")));
+  options.tls_key_pem = "not a key";
+  EXPECT_THAT(HttpServer::Start(options, {}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the TLS certificate")));
+}
+
 TEST(HttpServerStartTest, RequestRoutesSeeTheQuery) {
   HttpServerOptions options;
   options.listen = "127.0.0.1:0";

@@ -165,6 +165,8 @@ absl::StatusOr<std::unique_ptr<HttpServer>> StartOperatorHttp(
     OperatorEndpoints endpoints) {
   HttpServerOptions options;
   options.listen = listen;
+  options.tls_cert_pem = std::move(endpoints.tls_cert_pem);
+  options.tls_key_pem = std::move(endpoints.tls_key_pem);
   auto server = HttpServer::Start(options,
                                   {{"/metrics", std::move(endpoints.metrics)},
                                    {"/healthz", std::move(endpoints.healthz)},

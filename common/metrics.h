@@ -93,6 +93,10 @@ struct OperatorEndpoints {
   HttpHandler readyz;   // /readyz
   // Further routes that read the query (the manager's dashboard).
   std::map<std::string, HttpRequestHandler> more;
+  // HTTPS with this PEM certificate chain and key (the daemon's --tls_cert
+  // and --tls_key) when both are set; plain HTTP when both are empty.
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
 };
 
 // Starts the HTTP server of --http_listen=`listen` with the three routes

@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
@@ -28,6 +29,7 @@
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/port_file.h"
+#include "common/tls.h"
 #include "kvmanager/dashboard.h"
 #include "kvmanager/etcd_log.h"
 #include "kvmanager/kv_events.h"
@@ -161,6 +163,28 @@ ABSL_FLAG(uint64_t, kv_events_buffer, 10000,
 ABSL_FLAG(int64_t, data_parallel_rank, 0,
           "data_parallel_rank of every KV event batch; a non-zero rank also "
           "offsets the KV event ports by itself, as vLLM does");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: serve gRPC (and --http_listen as HTTPS) "
+          "over TLS with it, and present it on the calls to workers; empty: "
+          "plaintext (docs/security.md)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificates: verify the workers dialed and ask every "
+          "client for a certificate signed by them (worker RPCs then need "
+          "one named in --tls_worker_names)");
+ABSL_FLAG(std::string, tls_worker_server_name, "",
+          "with --tls_ca: verify workers' certificates against this DNS "
+          "name instead of the address dialed (workers advertise addresses, "
+          "such as pod IPs, a shared certificate cannot name); empty: the "
+          "address");
+ABSL_FLAG(bool, tls_require_client_cert, false,
+          "refuse clients without a certificate signed by --tls_ca (mutual "
+          "TLS on every call)");
+ABSL_FLAG(std::string, tls_worker_names, "kvworker",
+          "with --tls_ca: the client certificate names (common name, else "
+          "first SAN) allowed to call RegisterWorker and Heartbeat, "
+          "comma-separated; a trailing * matches a prefix (kvworker-*); "
+          "empty: any client");
 ABSL_FLAG(uint32_t, transfer_timeout_ms, 10000,
           "bound on a TransferSequence whose request gives no timeout_ms: "
           "allocate, pull, verify and commit, else it aborts; "
@@ -185,7 +209,8 @@ constexpr char kUsage[] =
     "/healthz and /readyz over HTTP (docs/metrics.md), and a live dashboard\n"
     "at / with its JSON under /api/ (docs/dashboard.md). Exit status: 0 after\n"
     "SIGTERM / SIGINT (graceful shutdown), 1 when it cannot start, 2 for\n"
-    "flags out of range or contradicting each other.\n"
+    "flags out of range or contradicting each other (and unreadable or\n"
+    "invalid --tls_* files).\n"
     "\n"
     "What it cannot rebuild from its workers it keeps in --metadata (an\n"
     "embedded write-ahead log and snapshots; docs/manager.md \"Durable\n"
@@ -198,7 +223,9 @@ constexpr char kUsage[] =
     "--idempotency_capacity and --watcher_queue_limit; docs/manager.md\n"
     "\"Retention and memory\" gives the bytes per item. List RPCs answer\n"
     "pages of at most 10000 items (page_size 0: 1000); kvctl follows the\n"
-    "pages. Flags:";
+    "pages. With --tls_cert/--tls_key it serves TLS (and HTTPS); with\n"
+    "--tls_ca only workers' certificates may register and heartbeat\n"
+    "(docs/security.md). Flags:";
 
 // Ranges the core does not check, and flags that contradict each other;
 // messages name the flags and their values. ManagerCore::Create checks the
@@ -320,6 +347,32 @@ int main(int argc, char** argv) {
     options.resume_reserve = absl::GetFlag(FLAGS_resume_reserve);
   }
   options.transfer_timeout_ms = absl::GetFlag(FLAGS_transfer_timeout_ms);
+  auto tls =
+      triax::LoadTls({absl::GetFlag(FLAGS_tls_cert),
+                      absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca),
+                      absl::GetFlag(FLAGS_tls_require_client_cert)});
+  if (!tls.ok()) {
+    Log(LogLevel::kError, "manager", "bad flags",
+        Kv("error", tls.status().ToString()));
+    return 2;
+  }
+  std::shared_ptr<grpc::ServerCredentials> credentials =
+      triax::ServerCredentials(*tls);
+  if (tls->server_enabled() && tls->client_enabled()) {
+    // Only real workers register and heartbeat: their client certificates
+    // carry a worker name; a frontend's (or none) is refused at the call.
+    std::vector<std::string> names = absl::StrSplit(
+        absl::GetFlag(FLAGS_tls_worker_names), ',', absl::SkipWhitespace());
+    if (!names.empty()) {
+      credentials->SetAuthMetadataProcessor(triax::MethodIdentityGuard(
+          {{"/triax.v1.Manager/RegisterWorker", names},
+           {"/triax.v1.Manager/Heartbeat", names}}));
+    }
+  } else if (tls->server_enabled()) {
+    Log(LogLevel::kWarn, "manager",
+        "TLS without --tls_ca: client certificates are not asked for, so any "
+        "client may register and heartbeat as a worker");
+  }
   auto core =
       triax::manager::ManagerCore::Create(options, triax::RealClock::Get());
   if (!core.ok()) {
@@ -368,7 +421,7 @@ int main(int argc, char** argv) {
     if (etcd_client != nullptr) {
       // Stand by until this manager leads: RPCs get UNAVAILABLE naming the
       // leader meanwhile.
-      auto standby = triax::manager::StandbyServer::Start(listen);
+      auto standby = triax::manager::StandbyServer::Start(listen, credentials);
       if (!standby.ok()) {
         Log(LogLevel::kError, "manager",
             std::string(standby.status().message()), Kv("listen", listen));
@@ -471,6 +524,8 @@ int main(int argc, char** argv) {
   triax::manager::ManagerService service(
       core->get(), check_ms, absl::GetFlag(FLAGS_worker_rpc_timeout_ms),
       absl::GetFlag(FLAGS_pressure_interval_ms));
+  service.SetWorkerCredentials(triax::ChannelCredentials(*tls),
+                               absl::GetFlag(FLAGS_tls_worker_server_name));
 
   triax::RpcMetrics rpc_metrics("triaxkv_manager");
   triax::manager::ManagerMetricsOptions metrics_options;
@@ -483,7 +538,7 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, credentials, &port);
   {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
@@ -515,7 +570,8 @@ int main(int argc, char** argv) {
            return triax::MetricsResponse({&rpc_metrics.registry(), &metrics});
          },
          [] { return triax::ProbeResponse(true, ""); },
-         [&readiness] { return readiness.Ready(); }, dashboard.Routes()});
+         [&readiness] { return readiness.Ready(); }, dashboard.Routes(),
+         tls->cert_pem, tls->key_pem});
     if (!started.ok()) {
       Log(LogLevel::kError, "manager", std::string(started.status().message()),
           Kv("http_listen", http_listen));

@@ -787,13 +787,27 @@ grpc::ServerUnaryReactor* ManagerService::ListPolicies(
   });
 }
 
+void ManagerService::SetWorkerCredentials(
+    std::shared_ptr<grpc::ChannelCredentials> creds, std::string server_name) {
+  absl::MutexLock lock(&mu_);
+  worker_credentials_ = std::move(creds);
+  worker_server_name_ = std::move(server_name);
+}
+
 std::shared_ptr<v1::Worker::Stub> ManagerService::WorkerStub(
     const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto& stub = stubs_[address];
   if (stub == nullptr) {
-    stub = v1::Worker::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ChannelArguments args;
+    if (worker_credentials_ != nullptr && !worker_server_name_.empty()) {
+      args.SetSslTargetNameOverride(worker_server_name_);
+    }
+    stub = v1::Worker::NewStub(grpc::CreateCustomChannel(
+        address,
+        worker_credentials_ != nullptr ? worker_credentials_
+                                       : grpc::InsecureChannelCredentials(),
+        args));
   }
   return stub;
 }

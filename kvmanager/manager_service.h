@@ -65,6 +65,8 @@
 // has been shut down (which ends all watch streams).
 #pragma once
 
+#include <grpcpp/security/credentials.h>
+
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -111,6 +113,13 @@ class ManagerService final : public v1::Manager::CallbackService {
   // Stops the failure detector and waits for in-flight worker calls;
   // idempotent.
   void Stop();
+
+  // Credentials of the channels to workers (TLS, common/tls.h); insecure
+  // until set. `server_name`: with TLS, the name workers' certificates are
+  // verified against instead of their address (empty: the address). Call
+  // before serving.
+  void SetWorkerCredentials(std::shared_ptr<grpc::ChannelCredentials> creds,
+                            std::string server_name = "");
 
   grpc::ServerUnaryReactor* RegisterWorker(
       grpc::CallbackServerContext* ctx, const v1::RegisterWorkerRequest* req,
@@ -258,6 +267,9 @@ class ManagerService final : public v1::Manager::CallbackService {
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_
       ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<grpc::ChannelCredentials> worker_credentials_
+      ABSL_GUARDED_BY(mu_);
+  std::string worker_server_name_ ABSL_GUARDED_BY(mu_);
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // worker calls not yet completed
   absl::Notification stop_;
   std::thread checker_;

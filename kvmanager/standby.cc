@@ -54,13 +54,13 @@ class StandbyServer::Service final : public grpc::CallbackGenericService {
 };
 
 absl::StatusOr<std::unique_ptr<StandbyServer>> StandbyServer::Start(
-    const std::string& listen) {
+    const std::string& listen,
+    std::shared_ptr<grpc::ServerCredentials> credentials) {
   std::unique_ptr<StandbyServer> s(new StandbyServer());
   s->service_ = std::make_unique<Service>();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(),
-                           &s->port_);
+  builder.AddListeningPort(listen, std::move(credentials), &s->port_);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterCallbackGenericService(s->service_.get());
   s->server_ = builder.BuildAndStart();

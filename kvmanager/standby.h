@@ -23,9 +23,13 @@ std::string StandbyMessage(const std::string& self, const std::string& leader);
 
 class StandbyServer {
  public:
-  // Binds `listen` exclusively; INTERNAL naming it when it cannot.
+  // Binds `listen` exclusively, with the leader's listener's credentials
+  // (TLS: a standby answers clients that only speak TLS); INTERNAL naming it
+  // when it cannot.
   static absl::StatusOr<std::unique_ptr<StandbyServer>> Start(
-      const std::string& listen);
+      const std::string& listen,
+      std::shared_ptr<grpc::ServerCredentials> credentials =
+          grpc::InsecureServerCredentials());
   ~StandbyServer();  // Stop()
 
   int port() const { return port_; }

@@ -10,6 +10,10 @@ pkgs=(
   cppzmq-dev libzmq3-dev libmsgpack-cxx-dev
   prometheus-cpp-dev libprometheus-cpp-core1.0 prometheus
   etcd-server zlib1g-dev
+  # OpenSSL: HTTPS of the operator endpoints and the TLS files' checks
+  # (common/tls.h); the openssl CLI makes tls_test's certificates at run
+  # time, curl fetches its HTTPS /metrics.
+  libssl-dev openssl curl
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-yaml
   python3-zmq python3-msgpack
   # Headless browser for dashboard_test (label browser): ~100 MB download,

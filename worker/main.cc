@@ -11,6 +11,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <utility>
@@ -21,12 +22,14 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "common/daemon_flags.h"
 #include "common/ids.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/port_file.h"
+#include "common/tls.h"
 #include "worker/device.h"
 #include "worker/health_reporter.h"
 #include "worker/manager_link.h"
@@ -103,6 +106,33 @@ ABSL_FLAG(std::string, link_host, "",
 ABSL_FLAG(std::string, nccl_library, "libnccl.so.2",
           "link transfer path, CUDA workers: the NCCL library to load "
           "(a file name searched on the library path, or a path)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: serve gRPC (and --http_listen as HTTPS) "
+          "over TLS with it, and present it as the client certificate to the "
+          "manager and to source workers (it needs serverAuth and "
+          "clientAuth); empty: plaintext (docs/security.md)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificates: dial the manager and source workers over TLS "
+          "verified by them, and ask clients for certificates signed by "
+          "them");
+ABSL_FLAG(std::string, tls_worker_server_name, "",
+          "with --tls_ca: verify source workers' certificates against this "
+          "DNS name instead of the address dialed (workers advertise "
+          "addresses, such as pod IPs, a shared certificate cannot name); "
+          "empty: the address");
+ABSL_FLAG(std::string, tls_manager_names, "kvmanager",
+          "with --tls_cert and --tls_ca: the client certificate names "
+          "(common name, else first SAN; comma-separated; a trailing * "
+          "matches a prefix) allowed to call the manager's RPCs here: "
+          "Demote, Spill, Restore, Evict, ImportSequence; empty: any client");
+ABSL_FLAG(std::string, tls_worker_names, "kvworker",
+          "with --tls_cert and --tls_ca: the client certificate names "
+          "allowed to pull pages from here as a transfer's destination: "
+          "ExportPages, SharePages, OpenLink, LinkPages; empty: any client");
+ABSL_FLAG(bool, tls_require_client_cert, false,
+          "refuse clients without a certificate signed by --tls_ca (mutual "
+          "TLS on every call)");
 ABSL_FLAG(int32_t, testing_corrupt_export_pages, 0,
           "TEST HOOK: flip one byte of every N-th page this worker exports "
           "(ExportPages), after its CRC32C was taken, so that the importing "
@@ -129,7 +159,10 @@ constexpr char kUsage[] =
     "serves /metrics (Prometheus text), /healthz and /readyz over HTTP, the\n"
     "same probes (docs/metrics.md). Exit status: 0 after SIGTERM / SIGINT\n"
     "(graceful shutdown), 1 when it cannot start, 2 for flags out of range\n"
-    "or contradicting each other. Flags:";
+    "or contradicting each other (and unreadable or invalid --tls_* files).\n"
+    "With --tls_cert/--tls_key/--tls_ca it serves TLS (and HTTPS) and dials\n"
+    "the manager and source workers over TLS with its certificate\n"
+    "(docs/security.md). Flags:";
 
 // Values of at most 16 TiB, so MiB -> bytes cannot overflow.
 constexpr int64_t kMaxMb = int64_t{1} << 24;
@@ -267,6 +300,11 @@ int main(int argc, char** argv) {
   const int64_t host_tier_mb = absl::GetFlag(FLAGS_host_tier_mb);
   const TransferPath transfer_path =
       *ParseTransferPath(absl::GetFlag(FLAGS_transfer_path));
+  auto tls =
+      triax::LoadTls({absl::GetFlag(FLAGS_tls_cert),
+                      absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca),
+                      absl::GetFlag(FLAGS_tls_require_client_cert)});
+  if (!tls.ok()) return Fail(2, tls.status().message());
   DeviceOptions device_options;
   device_options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   device_options.share_arena = transfer_path == TransferPath::kIpc;
@@ -303,6 +341,18 @@ int main(int argc, char** argv) {
                                 " backend cannot share its arena"));
   }
   const bool cuda = std::string((*device)->Name()) == "cuda";
+  // The CPU workers' TCP link carries pages without encryption, so with TLS
+  // on it is refused; auto already streams over the (TLS) gRPC channel.
+  if (transfer_path == TransferPath::kLink && !cuda &&
+      (tls->server_enabled() || tls->client_enabled())) {
+    return Fail(2,
+                "--transfer_path=link: the TCP link between CPU workers is "
+                "not encrypted, so it is refused with --tls_cert/--tls_ca; "
+                "use stream (over TLS) or ipc (same host)");
+  }
+  service_options.peer_credentials = triax::ChannelCredentials(*tls);
+  service_options.peer_server_name =
+      absl::GetFlag(FLAGS_tls_worker_server_name);
   if (transfer_path == TransferPath::kLink ||
       (transfer_path == TransferPath::kAuto && cuda)) {
     LinkOptions link_options;
@@ -342,7 +392,32 @@ int main(int argc, char** argv) {
   int port = 0;
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  std::shared_ptr<grpc::ServerCredentials> credentials =
+      triax::ServerCredentials(*tls);
+  if (tls->server_enabled() && tls->client_enabled()) {
+    // The manager's plans and the transfers' page pulls come from the
+    // manager's and the workers' certificates; frontends only hold their
+    // own sequences' pages through the data-plane RPCs.
+    triax::MethodNames allowed;
+    const auto add = [&allowed](const std::string& flag,
+                                std::initializer_list<const char*> methods) {
+      std::vector<std::string> names =
+          absl::StrSplit(flag, ',', absl::SkipWhitespace());
+      if (names.empty()) return;
+      for (const char* m : methods) {
+        allowed[absl::StrCat("/triax.v1.Worker/", m)] = names;
+      }
+    };
+    add(absl::GetFlag(FLAGS_tls_manager_names),
+        {"Demote", "Spill", "Restore", "Evict", "ImportSequence"});
+    add(absl::GetFlag(FLAGS_tls_worker_names),
+        {"ExportPages", "SharePages", "OpenLink", "LinkPages"});
+    if (!allowed.empty()) {
+      credentials->SetAuthMetadataProcessor(
+          triax::MethodIdentityGuard(std::move(allowed)));
+    }
+  }
+  builder.AddListeningPort(listen, credentials, &port);
   {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
@@ -382,7 +457,10 @@ int main(int argc, char** argv) {
            return triax::MetricsResponse({&rpc_metrics.registry(), &metrics});
          },
          [&readiness] { return readiness.Health(); },
-         [&readiness] { return readiness.Ready(); }});
+         [&readiness] { return readiness.Ready(); },
+         {},
+         tls->cert_pem,
+         tls->key_pem});
     if (!started.ok()) {
       server->Shutdown();
       return Fail(1, started.status().message());
@@ -424,6 +502,7 @@ int main(int argc, char** argv) {
     opts.disk_capacity_bytes =
         (*tiers)->Usage(triax::Tier::kDisk).capacity_bytes;
     opts.on_registered = [&health] { health.MarkRegistered(); };
+    opts.credentials = triax::ChannelCredentials(*tls);
     link = NewManagerLink(opts, &core);
     link->Start();
     registered_link.store(link.get());

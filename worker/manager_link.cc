@@ -38,7 +38,9 @@ ManagerLink::ManagerLink(ManagerLinkOptions options, InventoryFn inventory,
   if (addresses_.empty()) addresses_.push_back(options_.manager_address);
   for (const std::string& a : addresses_) {
     stubs_.push_back(v1::Manager::NewStub(
-        grpc::CreateChannel(a, grpc::InsecureChannelCredentials())));
+        grpc::CreateChannel(a, options_.credentials != nullptr
+                                   ? options_.credentials
+                                   : grpc::InsecureChannelCredentials())));
   }
 }
 

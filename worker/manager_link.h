@@ -13,6 +13,8 @@
 // own thread; the counters are thread-safe.
 #pragma once
 
+#include <grpcpp/security/credentials.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -43,6 +45,9 @@ struct ManagerLinkOptions {
   int rpc_deadline_ms = 2000;
   // Empty: "<unix micros at start>-<16 random hex digits>".
   std::string incarnation;
+  // Of the channels to the managers (TLS with the worker's client
+  // certificate, common/tls.h); null: insecure.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
   // Called on the link's thread after every successful RegisterWorker (the
   // worker's readiness waits for the first: HealthReporter::MarkRegistered).
   std::function<void()> on_registered;

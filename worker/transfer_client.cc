@@ -130,8 +130,10 @@ class AckSender {
 
 }  // namespace
 
-TransferClient::TransferClient(Device* device, TransferPath path,
-                               uint64_t link_batch_bytes)
+TransferClient::TransferClient(
+    Device* device, TransferPath path, uint64_t link_batch_bytes,
+    std::shared_ptr<grpc::ChannelCredentials> credentials,
+    std::string server_name)
     : device_(device),
       link_batch_bytes_(link_batch_bytes == 0
                             ? kLinkBatchBytes
@@ -139,7 +141,10 @@ TransferClient::TransferClient(Device* device, TransferPath path,
       path_(device == nullptr ? TransferPath::kStream : path),
       share_domain_(device == nullptr ? "" : device->ShareDomain()),
       link_backend_(device == nullptr ? "" : device->LinkBackend()),
-      owner_(ProcessOwner()) {}
+      owner_(ProcessOwner()),
+      credentials_(credentials != nullptr ? std::move(credentials)
+                                          : grpc::InsecureChannelCredentials()),
+      server_name_(std::move(server_name)) {}
 
 TransferClient::~TransferClient() = default;
 
@@ -150,8 +155,9 @@ std::shared_ptr<grpc::Channel> TransferClient::ChannelFor(
   if (it != channels_.end()) return it->second;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxReceiveBytes);
-  auto channel = grpc::CreateCustomChannel(
-      address, grpc::InsecureChannelCredentials(), args);
+  // Only TLS reads it; a plaintext channel ignores the override.
+  if (!server_name_.empty()) args.SetSslTargetNameOverride(server_name_);
+  auto channel = grpc::CreateCustomChannel(address, credentials_, args);
   channels_.emplace(address, channel);
   return channel;
 }

@@ -81,10 +81,15 @@ class TransferClient {
   // `device` (the store's; may be null for the stream path only) must
   // outlive the client; it maps peers' arenas on the ipc path.
   // `link_batch_bytes`: the link path's batch (and staging slot) size,
-  // clamped to kLinkBatchBytes (0: kLinkBatchBytes).
-  explicit TransferClient(Device* device = nullptr,
-                          TransferPath path = TransferPath::kStream,
-                          uint64_t link_batch_bytes = kLinkBatchBytes);
+  // clamped to kLinkBatchBytes (0: kLinkBatchBytes). `credentials`: of the
+  // channels to sources (TLS, common/tls.h); null: insecure.
+  // `server_name`: with TLS, the name sources' certificates are verified
+  // against instead of their address (empty: the address).
+  explicit TransferClient(
+      Device* device = nullptr, TransferPath path = TransferPath::kStream,
+      uint64_t link_batch_bytes = kLinkBatchBytes,
+      std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr,
+      std::string server_name = "");
   ~TransferClient();
 
   // Pulls `req`'s pages into `session` (see the header comment); returns
@@ -134,6 +139,8 @@ class TransferClient {
   const std::string link_backend_;  // device_->LinkBackend(), or empty
   // Names this process to sources (OpenLinkRequest.owner).
   const std::string owner_;
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  const std::string server_name_;  // empty: verify the address
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_

@@ -53,7 +53,8 @@ WorkerService::WorkerService(WorkerCore* core, WorkerServiceOptions options)
     : core_(core),
       options_(options),
       transfers_(options.device, options.transfer_path,
-                 options.link_batch_bytes) {}
+                 options.link_batch_bytes, options.peer_credentials,
+                 options.peer_server_name) {}
 
 template <typename Call, typename Request, typename Reply>
 grpc::Status WorkerService::Serve(Call call, const Request& request,

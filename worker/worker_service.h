@@ -64,6 +64,8 @@
 // Thread contract: thread-safe; handlers run concurrently.
 #pragma once
 
+#include <grpcpp/security/credentials.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -86,6 +88,11 @@ struct WorkerServiceOptions {
   // The link path's batch size when this worker imports (tests make it
   // small to move a sequence in many batches); at most kLinkBatchBytes.
   uint64_t link_batch_bytes = kLinkBatchBytes;
+  // Of the channels to source workers (TLS, common/tls.h); null: insecure.
+  std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
+  // With TLS: the name source workers' certificates are verified against
+  // instead of their address (empty: the address).
+  std::string peer_server_name;
 };
 
 class WorkerService final : public v1::Worker::Service {

@@ -8,7 +8,8 @@ a one-replica StatefulSet with --metadata=file:<dir> on a volumeClaimTemplate,
 and for the HA values three replicas with --metadata=etcd://<endpoints> and
 no claim; every container runs as non-root with gRPC probes; both components
 have a PodDisruptionBudget that selects their pods; a node with N GPUs runs N
-worker containers with distinct ports and worker ids. Every flag the chart
+worker containers with distinct ports and worker ids; with tls.enabled the
+Secrets are mounted, the --tls_* flags passed and the probes are HTTPS GETs. Every flag the chart
 passes is one the daemons' --help lists (when the binaries are built).
 
 helm: $TRIAX_HELM, else <repo>/.tools/bin/helm (scripts/install_helm.sh),
@@ -186,6 +187,9 @@ class ChartTest(unittest.TestCase):
             ("manager.port=70000", "manager.port"),
             ("podSecurityContext.runAsNonRoot=false", "runAsNonRoot"),
             ("manager.extraArgs={metadata=x}", "extraArgs"),
+            ("tls.enabled=true", "managerSecret"),
+            ("tls.mountPath=etc/tls", "tls.mountPath"),
+            ("tls.workerNames=null", "workerNames"),
         ]
         for value, word in cases:
             with self.subTest(value=value):
@@ -199,7 +203,8 @@ class ChartTest(unittest.TestCase):
         for value, words in (
                 ("manager.replicas=2", ["manager.replicas=2", "mode=file"]),
                 ("manager.metadata.mode=etcd",
-                 ["manager.metadata.etcd.endpoints"])):
+                 ["manager.metadata.etcd.endpoints"]),
+                ("tls.enabled=true", ["tls.enabled", "Secret"])):
             with self.subTest(value=value):
                 rc, out = helm("template", RELEASE, CHART,
                                "--skip-schema-validation", "--set", value)
@@ -264,6 +269,47 @@ class ChartTest(unittest.TestCase):
         self.assertIn("nvidia.com/gpu",
                       [t["key"] for t in pod["spec"]["tolerations"]])
         self.pdb_for(objects, pod["metadata"]["labels"], "worker")
+
+    def test_tls_mounts_the_secrets_and_probes_over_https(self):
+        objects = render("--set", "tls.enabled=true,tls.managerSecret=m-tls,"
+                         "tls.workerSecret=w-tls,worker.gpusPerNode=2")
+        (m,) = self.manager(objects)["spec"]["template"]["spec"]["containers"]
+        wpod = self.worker(objects)["spec"]["template"]["spec"]
+        for c, secret_volume, https in (
+                [m, self.manager(objects)["spec"]["template"]["spec"], 9090],
+                *[[w, wpod, 9100 + i]
+                  for i, w in enumerate(wpod["containers"])]):
+            what = c["name"]
+            self.assertEqual(flag(c["args"], "tls_cert"),
+                             "/etc/triaxkv/tls/tls.crt", what)
+            self.assertEqual(flag(c["args"], "tls_key"),
+                             "/etc/triaxkv/tls/tls.key", what)
+            self.assertEqual(flag(c["args"], "tls_ca"),
+                             "/etc/triaxkv/tls/ca.crt", what)
+            self.assertEqual(flag(c["args"], "tls_require_client_cert"),
+                             "true", what)
+            self.assertEqual(flag(c["args"], "tls_worker_server_name"),
+                             "kvworker.triaxkv", what)
+            self.assertEqual(flag(c["args"], "http_listen"),
+                             f"0.0.0.0:{https}", what)
+            mounts = {v["name"]: v for v in c["volumeMounts"]}
+            self.assertEqual(mounts["tls"]["mountPath"], "/etc/triaxkv/tls")
+            self.assertIs(mounts["tls"]["readOnly"], True)
+            for probe, path in (("readinessProbe", "/readyz"),
+                                ("livenessProbe", "/healthz"),
+                                ("startupProbe", "/healthz")):
+                self.assertNotIn("grpc", c[probe], f"{what} {probe}")
+                self.assertEqual(c[probe]["httpGet"],
+                                 {"path": path, "port": https,
+                                  "scheme": "HTTPS"}, f"{what} {probe}")
+            volumes = {v["name"]: v for v in secret_volume["volumes"]}
+            self.assertEqual(volumes["tls"]["secret"]["secretName"],
+                             "m-tls" if c is m else "w-tls", what)
+        self.assertEqual(flag(m["args"], "tls_worker_names"), "kvworker")
+        self.assertIsNone(flag(m["args"], "tls_manager_names"))
+        for w in wpod["containers"]:
+            self.assertEqual(flag(w["args"], "tls_manager_names"), "kvmanager")
+            self.assertEqual(flag(w["args"], "tls_worker_names"), "kvworker")
 
     def test_large_integers_render_as_integers(self):
         objects = render("--set", "manager.eventRetention=100000000,"
@@ -408,7 +454,9 @@ class ChartTest(unittest.TestCase):
             self.skipTest("TRIAX_BIN_DIR has no kvmanager/kvworker")
         pending = PENDING_MANAGER_FLAGS - known["kvmanager"]
         for args in ([], ["-f", HA_VALUES],
-                     ["--set", "worker.diskTier.enabled=true"]):
+                     ["--set", "worker.diskTier.enabled=true"],
+                     ["--set", "tls.enabled=true,tls.managerSecret=m,"
+                               "tls.workerSecret=w"]):
             objects = render(*args)
             for kind in ("StatefulSet", "DaemonSet"):
                 for obj in of_kind(objects, kind):

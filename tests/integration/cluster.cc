@@ -15,6 +15,12 @@ void Deadline(grpc::ClientContext* ctx) {
   ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
+std::shared_ptr<grpc::ChannelCredentials> CredentialsOf(
+    const ClusterOptions& options) {
+  return options.credentials != nullptr ? options.credentials
+                                        : grpc::InsecureChannelCredentials();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
@@ -38,8 +44,8 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
       Process::Start("kvmanager", "kvmanager", manager_args, c->dir());
   if (!manager.ok()) return manager.status();
   c->manager_ = std::move(*manager);
-  c->stub_ = triax::v1::Manager::NewStub(grpc::CreateChannel(
-      c->manager_address(), grpc::InsecureChannelCredentials()));
+  c->stub_ = triax::v1::Manager::NewStub(
+      grpc::CreateChannel(c->manager_address(), CredentialsOf(options)));
 
   for (int i = 0; i < options.num_workers; ++i) {
     std::vector<std::string> worker_args = {
@@ -91,8 +97,8 @@ absl::Status Cluster::RestartManager(bool kill9) {
                                 "kvmanager", args, dir());
   if (!manager.ok()) return manager.status();
   manager_ = std::move(*manager);
-  stub_ = triax::v1::Manager::NewStub(grpc::CreateChannel(
-      manager_address(), grpc::InsecureChannelCredentials()));
+  stub_ = triax::v1::Manager::NewStub(
+      grpc::CreateChannel(manager_address(), CredentialsOf(options_)));
   return absl::OkStatus();
 }
 
@@ -102,6 +108,8 @@ absl::StatusOr<std::unique_ptr<client::Client>> Cluster::NewClient(
   o.manager_address = manager_address();
   o.tenant_id = tenant_id;
   o.rpc_timeout_ms = 5000;
+  o.credentials = options_.credentials;
+  o.tls_worker_server_name = options_.tls_worker_server_name;
   return client::Client::Connect(o);
 }
 

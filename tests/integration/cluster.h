@@ -4,6 +4,8 @@
 // Thread-compatible.
 #pragma once
 
+#include <grpcpp/security/credentials.h>
+
 #include <functional>
 #include <memory>
 #include <string>
@@ -30,6 +32,10 @@ struct ClusterOptions {
   std::vector<std::string> worker_flags;
   // Flags of worker i only (when given), after worker_flags.
   std::vector<std::vector<std::string>> per_worker_flags;
+  // Of the cluster's own stub and of NewClient (a TLS cluster: the daemons'
+  // --tls_* flags in manager_flags / worker_flags); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::string tls_worker_server_name;  // NewClient's (ClientOptions)
 };
 
 class Cluster {

@@ -84,12 +84,18 @@ class Process:
 class Cluster:
     """kvmanager plus `workers` CPU kvworkers ("w0", "w1", ...), all UP."""
 
-    def __init__(self, workers=2, pool_mb=64, window_tokens=16):
-        self.dir = tempfile.mkdtemp(prefix="triax-py-")
+    def __init__(self, workers=2, pool_mb=64, window_tokens=16, manager_flags=(),
+                 worker_flags=(), client_kwargs=None, directory=None):
+        """manager_flags / worker_flags: extra flags (a TLS cluster's);
+        client_kwargs: what a triaxkv.Client needs to reach it (tls_ca...).
+        directory: where the logs go (default: a fresh temp dir)."""
+        self.dir = directory or tempfile.mkdtemp(prefix="triax-py-")
         self.workers = []
+        self.client_kwargs = dict(client_kwargs or {})
         self.manager = Process("kvmanager", "kvmanager",
                                ["--listen=127.0.0.1:0", "--heartbeat_interval_ms=100",
-                                "--metadata=file:" + os.path.join(self.dir, "metadata")],
+                                "--metadata=file:" + os.path.join(self.dir, "metadata")]
+                               + list(manager_flags),
                                self.dir)
         try:
             for i in range(workers):
@@ -97,14 +103,14 @@ class Cluster:
                     f"w{i}", "kvworker",
                     ["--listen=127.0.0.1:0", f"--manager={self.manager.address}",
                      f"--worker_id=w{i}", f"--pool_mb={pool_mb}",
-                     f"--window_tokens={window_tokens}"], self.dir))
+                     f"--window_tokens={window_tokens}"] + list(worker_flags), self.dir))
             self._wait_up([f"w{i}" for i in range(workers)])
         except BaseException:
             self.stop()
             raise
 
     def _wait_up(self, ids, timeout=10.0):
-        with triaxkv.Client(self.manager.address, timeout=5) as c:
+        with triaxkv.Client(self.manager.address, timeout=5, **self.client_kwargs) as c:
             deadline = time.monotonic() + timeout
             while True:
                 up = {w.worker_id for w in c.list_workers()

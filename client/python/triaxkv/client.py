@@ -229,25 +229,69 @@ class EventStream:
         return False
 
 
-def _channel(address):
-    return grpc.insecure_channel(address, options=[
-        ("grpc.max_receive_message_length", -1),
-        ("grpc.max_send_message_length", -1),
-    ])
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+]
+
+
+def _channel(address, credentials=None, server_name=None):
+    if credentials is None:
+        return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    options = list(_CHANNEL_OPTIONS)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def _read_pem(name, path):
+    """The bytes of PEM file `path` given as argument `name`; ValueError
+    naming both when it cannot be read or holds no PEM block."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{name}={path!r}: cannot read the file: {e.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{name}={path!r}: holds no PEM block")
+    return data
+
+
+def tls_credentials(tls_ca, tls_cert=None, tls_key=None):
+    """grpc.ChannelCredentials verifying servers with the CA certificates in
+    file `tls_ca`, presenting the client certificate `tls_cert` with its key
+    `tls_key` (both or neither) to servers that ask for one
+    (kvmanager / kvworker --tls_require_client_cert). docs/security.md."""
+    if not tls_ca:
+        raise ValueError(f"tls_ca: {tls_ca!r}; want the path of a PEM CA file")
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError(f"tls_cert={tls_cert!r}, tls_key={tls_key!r}: give both or neither")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_pem("tls_ca", tls_ca),
+        private_key=_read_pem("tls_key", tls_key) if tls_key else None,
+        certificate_chain=_read_pem("tls_cert", tls_cert) if tls_cert else None)
 
 
 class Client:
-    """Client(manager_address, tenant_id="", timeout=30.0, attend_retries=50).
+    """Client(manager_address, tenant_id="", timeout=30.0, attend_retries=50,
+    tls_ca=None, tls_cert=None, tls_key=None, tls_worker_server_name=None).
 
     manager_address: "host:port". tenant_id: the tenant sequences are opened
     for (created with create_tenant, or by an operator). timeout: the
     deadline of every RPC in seconds. attend_retries: how often an Attend
     answered UNAVAILABLE with retry_after_ms (spilled blocks being restored)
     is sent again, never past `timeout` from the first attempt.
-    Channels connect lazily: an unreachable manager surfaces as Unavailable
+    tls_ca: path of the PEM CA certificates that verify the manager and the
+    workers: TLS on every channel (None: plaintext); tls_cert / tls_key: the
+    client certificate and its key, for servers that require one
+    (tls_credentials); tls_worker_server_name: the name workers'
+    certificates are verified against instead of their address (workers
+    that advertise pod IPs; kvworker --tls_worker_server_name). Channels
+    connect lazily: an unreachable manager surfaces as Unavailable
     (or DeadlineExceeded) on the first call that needs it."""
 
-    def __init__(self, manager_address, tenant_id="", timeout=30.0, attend_retries=50):
+    def __init__(self, manager_address, tenant_id="", timeout=30.0, attend_retries=50,
+                 tls_ca=None, tls_cert=None, tls_key=None, tls_worker_server_name=None):
         if not isinstance(manager_address, str) or not manager_address:
             raise ValueError(f"manager_address: {manager_address!r}; want host:port")
         if not isinstance(tenant_id, str):
@@ -260,7 +304,12 @@ class Client:
         self.tenant_id = tenant_id
         self.timeout = float(timeout)
         self.attend_retries = attend_retries
-        self._manager_channel = _channel(manager_address)
+        if tls_ca is None and (tls_cert or tls_key):
+            raise ValueError(f"tls_cert={tls_cert!r}: a client certificate needs tls_ca")
+        self._credentials = (tls_credentials(tls_ca, tls_cert, tls_key)
+                             if tls_ca is not None else None)
+        self._worker_server_name = tls_worker_server_name
+        self._manager_channel = _channel(manager_address, self._credentials)
         self.manager = manager_pb2_grpc.ManagerStub(self._manager_channel)
         self._lock = threading.Lock()
         self._workers = {}  # address -> (channel, stub)
@@ -298,7 +347,7 @@ class Client:
         with self._lock:
             entry = self._workers.get(address)
             if entry is None:
-                channel = _channel(address)
+                channel = _channel(address, self._credentials, self._worker_server_name)
                 entry = (channel, worker_pb2_grpc.WorkerStub(channel))
                 self._workers[address] = entry
             return entry[1]

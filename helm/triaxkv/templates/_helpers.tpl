@@ -68,3 +68,47 @@ app.kubernetes.io/component: {{ .component }}
 --metadata=file:{{ .Values.manager.persistence.mountPath }}
 {{- end -}}
 {{- end -}}
+
+{{/* The --tls_* flags of .role (manager, worker) as YAML list items, one
+     per line; nothing unless tls.enabled. The Secret's files are mounted
+     at tls.mountPath (triaxkv.tlsVolume). */}}
+{{- define "triaxkv.tlsArgs" -}}
+{{- $t := .root.Values.tls -}}
+{{- if $t.enabled -}}
+{{- $secret := ternary $t.managerSecret $t.workerSecret (eq .role "manager") -}}
+{{- if not $secret -}}
+{{- fail (printf "tls.enabled needs tls.%sSecret (a Secret with tls.crt, tls.key and ca.crt)" .role) -}}
+{{- end -}}
+- --tls_cert={{ $t.mountPath }}/tls.crt
+- --tls_key={{ $t.mountPath }}/tls.key
+- --tls_ca={{ $t.mountPath }}/ca.crt
+- --tls_require_client_cert={{ $t.requireClientCert }}
+- --tls_worker_server_name={{ $t.workerServerName }}
+- --tls_worker_names={{ join "," $t.workerNames }}
+{{- if eq .role "worker" }}
+- --tls_manager_names={{ join "," $t.managerNames }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/* The volume of .role's TLS Secret (only with tls.enabled). */}}
+{{- define "triaxkv.tlsVolume" -}}
+{{- $t := .root.Values.tls -}}
+- name: tls
+  secret:
+    secretName: {{ ternary $t.managerSecret $t.workerSecret (eq .role "manager") | quote }}
+    defaultMode: 288  # 0440: readable by the pod's fsGroup
+{{- end -}}
+
+{{/* Probes: gRPC health without TLS. Kubernetes' gRPC probes cannot speak
+     TLS, so with tls.enabled they are HTTPS GETs of the daemon's
+     --http_listen (/readyz, /healthz; the kubelet does not verify the
+     certificate). .port: the gRPC port; .httpPort: the HTTPS port;
+     .ready / .live: the gRPC services asked. */}}
+{{- define "triaxkv.probe" -}}
+{{- if .root.Values.tls.enabled -}}
+httpGet: {path: {{ .path }}, port: {{ .httpPort }}, scheme: HTTPS}
+{{- else -}}
+grpc: {port: {{ .port }}, service: {{ .service | quote }}}
+{{- end -}}
+{{- end -}}
