@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/bearer.h"
 #include "common/grpc_status.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
@@ -155,6 +156,11 @@ std::string Client::NewRequestId() {
 void Client::SetDeadline(grpc::ClientContext* ctx) const {
   ctx->set_deadline(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(options_.rpc_timeout_ms));
+  Authorize(ctx);
+}
+
+void Client::Authorize(grpc::ClientContext* ctx) const {
+  AddBearer(ctx, options_.token);
 }
 
 bool Client::FollowLeader(const absl::Status& s) {
@@ -585,6 +591,7 @@ absl::StatusOr<triax::v1::TransferSequenceResponse> Client::TransferSequence(
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(deadline_ms));
+    Authorize(&ctx);
     s = FromGrpcStatus(manager_stub()->TransferSequence(&ctx, req, &resp));
     if (s.code() != absl::StatusCode::kUnavailable) break;
   }

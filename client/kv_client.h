@@ -87,6 +87,9 @@ struct ClientOptions {
   // (a failover takes about the leader lease's TTL).
   int failover_ms = 15000;
   std::string tenant_id;
+  // Bearer token every call carries (kvmanager --auth=token;
+  // docs/security.md); empty: none.
+  std::string token;
   int64_t rpc_timeout_ms = 30000;
   // Read-only Attends answered UNAVAILABLE with retry_after_ms > 0 are sent
   // again at most this many times (>= 0; 0: never).
@@ -292,6 +295,10 @@ class Client {
 
   // A fresh request id, unique across clients: "c<16 hex>-<counter>".
   std::string NewRequestId();
+
+  // Adds the bearer token (ClientOptions::token) to a call made on a stub
+  // of this client (kvctl's own calls).
+  void Authorize(grpc::ClientContext* ctx) const;
 
  private:
   Client() = default;

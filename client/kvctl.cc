@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/kv_client.h"
 #include "client/kvctl_format.h"
+#include "common/bearer.h"
 #include "common/grpc_status.h"
 #include "common/version.h"
 
@@ -67,6 +68,12 @@ ABSL_FLAG(int64_t, wait_ms, 0,
           "events: stop quietly after this long (0: no limit)");
 ABSL_FLAG(bool, json, false, "events: print JSON lines");
 ABSL_FLAG(uint32_t, top, 20, "pressure: ranked actions to show (1..10000)");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the bearer token for a manager with --auth=token "
+          "(else the TRIAX_TOKEN environment variable)");
+ABSL_FLAG(uint64_t, ttl_seconds, 0,
+          "token-issue: seconds until the token expires (0: never)");
+ABSL_FLAG(std::string, description, "", "token-issue: free text");
 ABSL_FLAG(int32_t, page_size, 0,
           "workers, pools, tenants, sequences, policies, trace: items asked "
           "per page (every page is fetched and printed; 0: the manager's "
@@ -121,6 +128,15 @@ commands:
                                 transferred A -> B, ...) and its events
   events [--from N] [--max N] [--tenant T] [--sequence S] [--lineage L]
          [--wait_ms N] [--json]  one event per line (key=value or JSON)
+  tokens                        bearer tokens (id, role, tenant, expiry;
+                                never the secrets); admin
+  token-issue ROLE [TENANT] [--ttl_seconds N] [--description D]
+                                issue a token (ROLE admin, tenant or
+                                worker; TENANT for tenant tokens) and print
+                                it once; admin
+  token-revoke TOKEN_ID         revoke a token; admin
+  --token_file PATH             the caller's bearer token (a manager with
+                                --auth=token; else $TRIAX_TOKEN)
   --version                     print the version and the git commit of the
                                 build and exit 0
 
@@ -172,6 +188,7 @@ class Kvctl {
     ctx->set_deadline(
         std::chrono::system_clock::now() +
         std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+    client_->Authorize(ctx);
   }
 
   // The list commands follow the manager's pages (Client::List*), so they
@@ -331,6 +348,52 @@ class Kvctl {
     return 0;
   }
 
+  int Tokens() {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::ListTokensResponse resp;
+    auto s = m()->ListTokens(&ctx, triax::v1::ListTokensRequest{}, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << triax::kvctl::TokensTable(resp);
+    return 0;
+  }
+
+  int TokenIssue(const std::string& role, const std::string& tenant) {
+    triax::v1::IssueTokenRequest req;
+    req.set_role(role);
+    req.set_tenant_id(tenant);
+    req.set_ttl_seconds(absl::GetFlag(FLAGS_ttl_seconds));
+    req.set_description(absl::GetFlag(FLAGS_description));
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::IssueTokenResponse resp;
+    auto s = m()->IssueToken(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    // The token on stdout alone (for a file or a secret store); what it is
+    // on stderr.
+    std::cerr << "issued token " << resp.info().token_id()
+              << " role=" << resp.info().role()
+              << (resp.info().tenant_id().empty()
+                      ? std::string()
+                      : " tenant=" + resp.info().tenant_id())
+              << " expires_unix_ms=" << resp.info().expires_unix_ms()
+              << " (shown once; the manager keeps only its hash)\n";
+    std::cout << resp.token() << "\n";
+    return 0;
+  }
+
+  int TokenRevoke(const std::string& id) {
+    triax::v1::RevokeTokenRequest req;
+    req.set_token_id(id);
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::RevokeTokenResponse resp;
+    auto s = m()->RevokeToken(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << "revoked token " << id << "\n";
+    return 0;
+  }
+
   int Policies() {
     auto resp = client_->ListPolicies(PageSize());
     if (!resp.ok()) return Fail(resp.status());
@@ -467,6 +530,15 @@ int main(int argc, char** argv) {
 
   triax::client::ClientOptions opts;
   opts.manager_address = absl::GetFlag(FLAGS_manager);
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token =
+        triax::ReadBearerToken("token_file", path);
+    if (!token.ok()) return Usage(std::string(token.status().message()));
+    opts.token = *std::move(token);
+  } else if (const char* env = std::getenv("TRIAX_TOKEN");
+             env != nullptr && *env != '\0') {
+    opts.token = env;
+  }
   opts.rpc_timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
   auto client = triax::client::Client::Connect(opts);
   if (!client.ok()) return Fail(client.status());
@@ -491,6 +563,11 @@ int main(int argc, char** argv) {
     }
     return k.Trace(lineage);
   }
+  if (cmd == "tokens" && want_args(0)) return k.Tokens();
+  if (cmd == "token-issue" && (want_args(1) || want_args(2))) {
+    return k.TokenIssue(args[0], args.size() == 2 ? args[1] : "");
+  }
+  if (cmd == "token-revoke" && want_args(1)) return k.TokenRevoke(args[0]);
   if (cmd == "events" && want_args(0)) return k.Events();
   if (cmd == "pressure" && want_args(0)) return k.Pressure();
   if (cmd == "policies" && want_args(0)) return k.Policies();

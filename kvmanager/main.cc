@@ -161,6 +161,14 @@ ABSL_FLAG(uint64_t, kv_events_buffer, 10000,
 ABSL_FLAG(int64_t, data_parallel_rank, 0,
           "data_parallel_rank of every KV event batch; a non-zero rank also "
           "offsets the KV event ports by itself, as vLLM does");
+ABSL_FLAG(std::string, auth, "none",
+          "none: any caller may make any call (a trusted network only); "
+          "token: every call carries \"authorization: Bearer <token>\" "
+          "(tenant, worker and admin roles; docs/security.md); needs "
+          "--admin_token_file");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "--auth=token: the bootstrap admin token (created, mode 0600, "
+          "when the file does not exist; refused when others may read it)");
 ABSL_FLAG(uint32_t, transfer_timeout_ms, 10000,
           "bound on a TransferSequence whose request gives no timeout_ms: "
           "allocate, pull, verify and commit, else it aborts; "
@@ -471,6 +479,33 @@ int main(int argc, char** argv) {
   triax::manager::ManagerService service(
       core->get(), check_ms, absl::GetFlag(FLAGS_worker_rpc_timeout_ms),
       absl::GetFlag(FLAGS_pressure_interval_ms));
+  if (const std::string auth = absl::GetFlag(FLAGS_auth); auth == "token") {
+    const std::string path = absl::GetFlag(FLAGS_admin_token_file);
+    if (path.empty()) {
+      Log(LogLevel::kError, "manager",
+          "--auth=token needs --admin_token_file (the bootstrap admin token)");
+      return 2;
+    }
+    bool created = false;
+    absl::StatusOr<std::string> admin = triax::manager::ReadOrCreateAdminToken(
+        path, (*core)->NowMs(), &created);
+    absl::Status added =
+        admin.ok() ? (*core)->AddBootstrapToken(*admin) : admin.status();
+    if (!added.ok()) {
+      Log(LogLevel::kError, "manager", "cannot use the admin token",
+          Kv("error", added.ToString()));
+      return 2;
+    }
+    service.RequireTokens();
+    Log(LogLevel::kInfo, "manager", "bearer tokens required",
+        absl::StrCat(Kv("admin_token_file", path), " ",
+                     Kv("created", created ? "true" : "false"), " ",
+                     Kv("stored_tokens", (*core)->ListTokens().size())));
+  } else if (auth != "none") {
+    Log(LogLevel::kError, "manager",
+        absl::StrCat("--auth=", auth, " is not one of none, token"));
+    return 2;
+  }
 
   triax::RpcMetrics rpc_metrics("triaxkv_manager");
   triax::manager::ManagerMetricsOptions metrics_options;

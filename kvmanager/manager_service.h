@@ -76,6 +76,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "kvmanager/auth.h"
 #include "kvmanager/manager_core.h"
 #include "kvmanager/reclaim_round.h"
 #include "triax/v1/manager.grpc.pb.h"
@@ -111,6 +112,13 @@ class ManagerService final : public v1::Manager::CallbackService {
   // Stops the failure detector and waits for in-flight worker calls;
   // idempotent.
   void Stop();
+
+  // Every call must carry a bearer token the core's TokenStore verifies
+  // (auth.h for the rules). Call before the server starts.
+  void RequireTokens() {
+    auth_ =
+        Authorizer(&core_->tokens(), [core = core_] { return core->NowMs(); });
+  }
 
   grpc::ServerUnaryReactor* RegisterWorker(
       grpc::CallbackServerContext* ctx, const v1::RegisterWorkerRequest* req,
@@ -181,6 +189,15 @@ class ManagerService final : public v1::Manager::CallbackService {
   grpc::ServerWriteReactor<v1::Event>* WatchEvents(
       grpc::CallbackServerContext* ctx,
       const v1::WatchEventsRequest* req) override;
+  grpc::ServerUnaryReactor* IssueToken(grpc::CallbackServerContext* ctx,
+                                       const v1::IssueTokenRequest* req,
+                                       v1::IssueTokenResponse* resp) override;
+  grpc::ServerUnaryReactor* RevokeToken(grpc::CallbackServerContext* ctx,
+                                        const v1::RevokeTokenRequest* req,
+                                        v1::RevokeTokenResponse* resp) override;
+  grpc::ServerUnaryReactor* ListTokens(grpc::CallbackServerContext* ctx,
+                                       const v1::ListTokensRequest* req,
+                                       v1::ListTokensResponse* resp) override;
 
  private:
   void CheckLoop(int64_t interval_ms);
@@ -254,6 +271,7 @@ class ManagerService final : public v1::Manager::CallbackService {
                            const std::string& why);
 
   ManagerCore* const core_;
+  Authorizer auth_;  // off unless RequireTokens
   const int64_t worker_rpc_timeout_ms_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_

@@ -19,6 +19,12 @@ grpc::ServerUnaryReactor* ManagerService::TransferSequence(
     grpc::CallbackServerContext* ctx, const v1::TransferSequenceRequest* req,
     v1::TransferSequenceResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (absl::Status denied =
+          auth_.Tenant(*ctx, "TransferSequence", req->tenant_id());
+      !denied.ok()) {
+    reactor->Finish(ToGrpcStatus(denied));
+    return reactor;
+  }
   absl::StatusOr<TransferPrepared> prepared =
       core_->PrepareTransfer(FromProto(*req));
   if (!prepared.ok()) {

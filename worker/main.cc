@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/bearer.h"
 #include "common/daemon_flags.h"
 #include "common/ids.h"
 #include "common/log.h"
@@ -50,6 +51,9 @@ ABSL_FLAG(std::string, manager, "",
           "kvmanager host:port to register with, or several comma-separated "
           "(managers on etcd: the worker follows the leader); empty runs "
           "standalone");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding this worker's bearer token (role worker) for a "
+          "kvmanager with --auth=token");
 ABSL_FLAG(std::string, worker_id, "",
           "worker id ([A-Za-z0-9._:-]{1,128}), also the disk tier's "
           "subdirectory; default worker-<hostname>-<port>");
@@ -407,6 +411,16 @@ int main(int argc, char** argv) {
     }
     ManagerLinkOptions opts;
     opts.manager_address = manager;
+    if (const std::string path = absl::GetFlag(FLAGS_token_file);
+        !path.empty()) {
+      absl::StatusOr<std::string> token =
+          triax::ReadBearerToken("token_file", path);
+      if (!token.ok()) {
+        server->Shutdown();
+        return Fail(2, token.status().message());
+      }
+      opts.token = *std::move(token);
+    }
     opts.worker_id = worker_id;
     opts.advertise_address = absl::GetFlag(FLAGS_advertise).empty()
                                  ? bound

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "common/bearer.h"
 #include "common/log.h"
 #include "worker/convert.h"
 
@@ -129,6 +130,7 @@ void ManagerLink::Run() {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::milliseconds(options_.rpc_deadline_ms));
+      AddBearer(&ctx, options_.token);
       const grpc::Status s = stub()->RegisterWorker(&ctx, req, &resp);
       if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
       if (s.ok()) {
@@ -180,6 +182,7 @@ void ManagerLink::Run() {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(options_.rpc_deadline_ms));
+    AddBearer(&ctx, options_.token);
     const grpc::Status s = stub()->Heartbeat(&ctx, req, &resp);
     if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
     if (s.ok()) {

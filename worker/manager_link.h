@@ -43,6 +43,9 @@ struct ManagerLinkOptions {
   int rpc_deadline_ms = 2000;
   // Empty: "<unix micros at start>-<16 random hex digits>".
   std::string incarnation;
+  // Bearer token of role worker for a manager with --auth=token (kvworker
+  // --token_file); empty: none.
+  std::string token;
   // Called on the link's thread after every successful RegisterWorker (the
   // worker's readiness waits for the first: HealthReporter::MarkRegistered).
   std::function<void()> on_registered;

@@ -236,18 +236,60 @@ def _channel(address):
     ])
 
 
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds "authorization: Bearer <token>" to every call of a channel."""
+
+    def __init__(self, token):
+        self._metadata = ("authorization", "Bearer " + token)
+
+    def _details(self, details):
+        metadata = list(details.metadata or []) + [self._metadata]
+        return _CallDetails(details.method, details.timeout, metadata,
+                            details.credentials, details.wait_for_ready,
+                            getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready,
+                 compression):
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
+
+
 class Client:
-    """Client(manager_address, tenant_id="", timeout=30.0, attend_retries=50).
+    """Client(manager_address, tenant_id="", timeout=30.0, attend_retries=50,
+    token=None).
 
     manager_address: "host:port". tenant_id: the tenant sequences are opened
     for (created with create_tenant, or by an operator). timeout: the
     deadline of every RPC in seconds. attend_retries: how often an Attend
     answered UNAVAILABLE with retry_after_ms (spilled blocks being restored)
     is sent again, never past `timeout` from the first attempt.
+    token: the bearer token of a manager with --auth=token (a str; issued
+    by an admin with kvctl token-issue), sent with every manager call;
+    None: none.
     Channels connect lazily: an unreachable manager surfaces as Unavailable
     (or DeadlineExceeded) on the first call that needs it."""
 
-    def __init__(self, manager_address, tenant_id="", timeout=30.0, attend_retries=50):
+    def __init__(self, manager_address, tenant_id="", timeout=30.0, attend_retries=50,
+                 token=None):
         if not isinstance(manager_address, str) or not manager_address:
             raise ValueError(f"manager_address: {manager_address!r}; want host:port")
         if not isinstance(tenant_id, str):
@@ -260,8 +302,13 @@ class Client:
         self.tenant_id = tenant_id
         self.timeout = float(timeout)
         self.attend_retries = attend_retries
+        if token is not None and (not isinstance(token, str) or not token.strip()):
+            raise ValueError("token: want a non-empty str (kvctl token-issue prints one)")
         self._manager_channel = _channel(manager_address)
-        self.manager = manager_pb2_grpc.ManagerStub(self._manager_channel)
+        channel = self._manager_channel
+        if token is not None:
+            channel = grpc.intercept_channel(channel, _Bearer(token.strip()))
+        self.manager = manager_pb2_grpc.ManagerStub(channel)
         self._lock = threading.Lock()
         self._workers = {}  # address -> (channel, stub)
         self._request_prefix = "p" + os.urandom(8).hex()
