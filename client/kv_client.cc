@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/bearer.h"
+#include "common/capability.h"
 #include "common/grpc_status.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
@@ -106,6 +107,12 @@ void FillHandle(const SequenceInfo& info, SequenceHandle* h) {
   h->block_tokens = info.block_tokens();
   h->blocks.assign(info.blocks().begin(), info.blocks().end());
   h->num_tokens = info.num_tokens();
+  h->capabilities.assign(info.capabilities().begin(),
+                         info.capabilities().end());
+}
+
+std::vector<triax::v1::Capability> CapabilitiesOf(const SequenceInfo& info) {
+  return {info.capabilities().begin(), info.capabilities().end()};
 }
 
 }  // namespace
@@ -320,6 +327,7 @@ absl::Status Client::AllocateOnWorker(const SequenceInfo& info,
   triax::v1::AllocatePagesResponse resp;
   return CallWithRetry("AllocatePages", /*retry=*/true,
                        [&](grpc::ClientContext* ctx) {
+                         AddCapabilities(ctx, CapabilitiesOf(info));
                          return w->AllocatePages(ctx, req, &resp);
                        });
 }
@@ -433,6 +441,7 @@ absl::Status Client::ForkPrefixOnWorker(const SequenceInfo& info) {
   triax::v1::WorkerForkResponse wresp;
   return CallWithRetry("Worker.ForkSequence", /*retry=*/true,
                        [&](grpc::ClientContext* ctx) {
+                         AddCapabilities(ctx, CapabilitiesOf(info));
                          return w->ForkSequence(ctx, wreq, &wresp);
                        });
 }
@@ -530,6 +539,8 @@ absl::StatusOr<SequenceHandle> Client::Fork(const SequenceHandle& parent,
   triax::v1::WorkerForkResponse wresp;
   absl::Status s = CallWithRetry("Worker.ForkSequence", /*retry=*/true,
                                  [&](grpc::ClientContext* ctx) {
+                                   AddCapabilities(ctx, CapabilitiesOf(child));
+                                   AddCapabilities(ctx, parent.capabilities);
                                    return w->ForkSequence(ctx, wreq, &wresp);
                                  });
   if (!s.ok()) {
@@ -625,6 +636,7 @@ absl::Status Client::Close(const SequenceHandle& seq) {
     triax::v1::FreePagesResponse resp;
     worker_status = CallWithRetry("FreePages", /*retry=*/true,
                                   [&](grpc::ClientContext* ctx) {
+                                    AddCapabilities(ctx, seq.capabilities);
                                     return (*w)->FreePages(ctx, req, &resp);
                                   });
   }
@@ -686,6 +698,7 @@ absl::Status Client::WriteKV(const SequenceHandle& seq, uint32_t layer,
   return CallWithRetry("WriteKV", /*retry=*/true,
                        [&](grpc::ClientContext* ctx) {
                          triax::v1::WriteKVResponse resp;
+                         AddCapabilities(ctx, seq.capabilities);
                          auto writer = w->WriteKV(ctx, &resp);
                          for (const auto& m : msgs) {
                            // A false Write means the stream is broken; Finish
@@ -758,8 +771,10 @@ absl::Status Client::Attend(const SequenceHandle& seq, const AttendArgs& args) {
   for (int retries = 0;; ++retries) {
     resp.Clear();
     TRIAX_RETURN_IF_ERROR(CallWithRetry(
-        "Attend", /*retry=*/!append,
-        [&](grpc::ClientContext* ctx) { return w->Attend(ctx, req, &resp); }));
+        "Attend", /*retry=*/!append, [&](grpc::ClientContext* ctx) {
+          AddCapabilities(ctx, seq.capabilities);
+          return w->Attend(ctx, req, &resp);
+        }));
     if (resp.results_size() != 1) {
       return absl::InternalError(absl::StrCat("Attend: worker returned ",
                                               resp.results_size(),
@@ -825,6 +840,7 @@ absl::Status Client::ReadKV(const SequenceHandle& seq, uint32_t layer,
         v->clear();
         content = absl::OkStatus();
         uint64_t next = first_token;
+        AddCapabilities(ctx, seq.capabilities);
         auto reader = w->ReadKV(ctx, req);
         triax::v1::KvChunk c;
         while (reader->Read(&c)) {

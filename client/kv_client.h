@@ -112,6 +112,10 @@ struct SequenceHandle {
   // prefix_tokens on); 0 when nothing was reused.
   std::string prefix_sequence_id;
   uint64_t prefix_tokens = 0;
+  // With kvmanager --auth=token: the manager's capabilities for this
+  // sequence's worker calls (SequenceInfo.capabilities, renewed by every
+  // reply that refreshes the handle); sent with each worker call.
+  std::vector<triax::v1::Capability> capabilities;
 };
 
 // Options of Open beyond the model and spans.

@@ -576,6 +576,10 @@ class ManagerCore {
     return tokens_.AddBootstrap(token);
   }
   int64_t NowMs() const { return clock_->NowMs(); }
+  // The key of the workers' capabilities: the stored one, else a new one
+  // (journaled, so a restarted or failed-over manager signs with the same
+  // key and the capabilities clients hold stay valid).
+  absl::StatusOr<std::string> EnsureCapabilityKey();
 
   // --- Events ----------------------------------------------------------------
   // NOT_FOUND when the lineage is neither live nor in retained events.
@@ -818,6 +822,7 @@ class ManagerCore {
   CalibrationStore calibrations_ ABSL_GUARDED_BY(mu_);
   // Its own lock (Verify on every RPC); changed only under mu_ (journal).
   TokenStore tokens_;
+  std::string capability_key_ ABSL_GUARDED_BY(mu_);
   SequenceTable sequences_ ABSL_GUARDED_BY(mu_);
   // Tokens of two-phase operations (demotes and tier plans), one sequence
   // so that a token names one operation.

@@ -69,8 +69,8 @@ void ManagerCore::WhenDurable(uint64_t ticket, std::function<void()> fn) {
 }
 
 StateView ManagerCore::ViewLocked() const {
-  return StateView{tenants_,  workers_,      sequences_,
-                   policies_, calibrations_, tokens_};
+  return StateView{tenants_,      workers_, sequences_,     policies_,
+                   calibrations_, tokens_,  capability_key_};
 }
 
 void ManagerCore::SetJournal(MetadataJournal* journal) {
@@ -121,6 +121,7 @@ absl::Status ManagerCore::Restore(RecoveredState state) {
     TRIAX_RETURN_IF_ERROR(calibrations_.Put(std::move(c)).status());
   }
   for (TokenRecord& t : state.tokens) tokens_.Put(std::move(t));
+  capability_key_ = std::move(state.capability_key);
   const int64_t now = clock_->NowMs();
   for (const RegisterWorkerRequest& r : state.workers) {
     WorkerRecord* w = workers_.Register(r, now);

@@ -1,5 +1,6 @@
 // ManagerCore: bearer tokens (manager_core.h "Identity"; token_store.h).
 #include "absl/strings/str_cat.h"
+#include "common/capability.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
 #include "kvmanager/manager_core.h"
@@ -56,6 +57,14 @@ absl::Status ManagerCore::RevokeToken(const std::string& token_id) {
     changes_.revoked_tokens.push_back(token_id);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ManagerCore::EnsureCapabilityKey() {
+  JournaledLock lock(this);
+  if (!capability_key_.empty()) return capability_key_;
+  TRIAX_ASSIGN_OR_RETURN(capability_key_, NewCapabilityKey());
+  if (changes_.enabled) changes_.capability_key = true;
+  return capability_key_;
 }
 
 std::vector<TokenRecord> ManagerCore::ListTokens() const {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "common/capability.h"
 #include "common/grpc_status.h"
 #include "common/ids.h"
 #include "common/log.h"
@@ -166,6 +167,54 @@ void FinishDurable(ManagerCore* core, grpc::ServerUnaryReactor* reactor,
       [reactor, status = std::move(status)] { reactor->Finish(status); });
 }
 
+v1::Capability ManagerService::ManagerCapability(
+    const std::string& worker_id, const std::string& tenant_id,
+    const std::string& sequence_id) const {
+  v1::Capability cap;
+  cap.set_tenant_id(tenant_id);
+  cap.set_sequence_id(sequence_id);
+  cap.set_worker_id(worker_id);
+  // Long enough for the slowest worker call the manager makes.
+  cap.set_expires_unix_ms(core_->NowMs() +
+                          std::max<int64_t>(worker_rpc_timeout_ms_, 60000));
+  cap.set_scope(v1::Capability::SCOPE_MANAGER);
+  SignCapability(capability_key_, &cap);
+  return cap;
+}
+
+void ManagerService::SignWorkerCall(grpc::ClientContext* ctx,
+                                    const std::string& worker_id,
+                                    const std::string& tenant_id,
+                                    const std::string& sequence_id) const {
+  if (capability_key_.empty()) return;
+  AddCapability(ctx, ManagerCapability(worker_id, tenant_id, sequence_id));
+}
+
+void ManagerService::SignSequence(v1::SequenceInfo* info) const {
+  info->clear_capabilities();
+  if (capability_key_.empty() || info->worker_id().empty()) return;
+  const int64_t expires = core_->NowMs() + capability_ttl_ms_;
+  v1::Capability* own = info->add_capabilities();
+  own->set_tenant_id(info->tenant_id());
+  own->set_sequence_id(info->sequence_id());
+  own->set_worker_id(info->worker_id());
+  own->set_expires_unix_ms(expires);
+  own->set_scope(v1::Capability::SCOPE_CLIENT);
+  own->set_max_tokens(info->num_tokens());
+  SignCapability(capability_key_, own);
+  if (info->prefix_blocks() > 0 && !info->prefix_sequence_id().empty()) {
+    v1::Capability* fork = info->add_capabilities();
+    fork->set_tenant_id(info->prefix_tenant_id().empty()
+                            ? info->tenant_id()
+                            : info->prefix_tenant_id());
+    fork->set_sequence_id(info->prefix_sequence_id());
+    fork->set_worker_id(info->worker_id());
+    fork->set_expires_unix_ms(expires);
+    fork->set_scope(v1::Capability::SCOPE_FORK);
+    SignCapability(capability_key_, fork);
+  }
+}
+
 ManagerService::ManagerService(ManagerCore* core, int64_t check_interval_ms,
                                int64_t worker_rpc_timeout_ms,
                                int64_t pressure_interval_ms)
@@ -278,6 +327,7 @@ TierPlanOutcome ManagerService::RunTierPlan(const TierPlan& plan) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(worker_rpc_timeout_ms_));
+    SignWorkerCall(&ctx, c.worker_id, c.tenant_id, c.sequence_id);
     grpc::Status status;
     const char* what = "";
     switch (c.kind) {
@@ -370,6 +420,7 @@ void ManagerService::DescribeAndAdopt(const std::string& worker_id,
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(worker_rpc_timeout_ms_));
+    SignWorkerCall(&ctx, worker_id, "", "");
     v1::Inventory inv;
     const grpc::Status st = WorkerStub(address)->GetInventory(&ctx, req, &inv);
     absl::Status adopted = FromGrpcStatus(st);
@@ -390,6 +441,7 @@ void ManagerService::RefreshRoom(const std::string& worker_id,
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(worker_rpc_timeout_ms_));
+  SignWorkerCall(&ctx, worker_id, "", "");
   v1::Inventory inv;
   const grpc::Status st =
       WorkerStub(address)->GetInventory(&ctx, v1::GetInventoryRequest{}, &inv);
@@ -422,6 +474,7 @@ grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
     auto r = core_->RegisterWorker(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
+    resp->set_capability_key(capability_key_);
     if (!r->describe_sequence_ids.empty()) {
       Post([this, id = req->worker_id(), address = req->address(),
             ids = r->describe_sequence_ids] {
@@ -449,6 +502,7 @@ grpc::ServerUnaryReactor* ManagerService::Heartbeat(
                               req->incarnation());
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
+    resp->set_capability_key(capability_key_);
     if (!r->describe_sequence_ids.empty()) {
       Post([this, id = req->worker_id(), address = r->worker_address,
             ids = r->describe_sequence_ids] {
@@ -539,7 +593,10 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
   auto r = core_->OpenSequence(open, &shortfall);
   if (r.ok() || !absl::IsResourceExhausted(r.status()) ||
       shortfall.request_bytes == 0) {
-    if (r.ok()) ToProto(*r, resp->mutable_sequence());
+    if (r.ok()) {
+      ToProto(*r, resp->mutable_sequence());
+      SignSequence(resp->mutable_sequence());
+    }
     FinishDurable(core_, reactor, ToGrpcStatus(r.status()));
     return reactor;
   }
@@ -553,6 +610,7 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
         &report);
     if (again.ok()) {
       ToProto(*again, resp->mutable_sequence());
+      SignSequence(resp->mutable_sequence());
       ToProto(report, resp->mutable_reclaimed());
     }
     FinishDurable(core_, reactor, ToGrpcStatus(again.status()));
@@ -610,7 +668,10 @@ void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
     });
   }
   if (!r.ok() || !r->demotion) {
-    if (r.ok()) ToProto(*r, resp);
+    if (r.ok()) {
+      ToProto(*r, resp);
+      SignSequence(resp->mutable_sequence());
+    }
     FinishDurable(core_, reactor, ToGrpcStatus(r.status()));
     return;
   }
@@ -621,7 +682,10 @@ void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
   CallWorkerDemote(*r->demotion, [this, reactor, resp, token](
                                      const absl::Status& worker, uint64_t) {
     auto fin = core_->FinishExtendDemotion(token, worker);
-    if (fin.ok()) ToProto(*fin, resp);
+    if (fin.ok()) {
+      ToProto(*fin, resp);
+      SignSequence(resp->mutable_sequence());
+    }
     FinishDurable(core_, reactor, ToGrpcStatus(fin.status()));
   });
 }
@@ -734,6 +798,7 @@ grpc::ServerUnaryReactor* ManagerService::ForkSequence(
     auto r = core_->ForkSequence(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp->mutable_sequence());
+    SignSequence(resp->mutable_sequence());
     return absl::OkStatus();
   });
 }
@@ -775,6 +840,7 @@ grpc::ServerUnaryReactor* ManagerService::GetSequence(
     auto r = core_->GetSequence(req->tenant_id(), req->sequence_id());
     if (!r.ok()) return r.status();
     ToProto(*r, resp->mutable_sequence());
+    SignSequence(resp->mutable_sequence());
     return absl::OkStatus();
   });
 }
@@ -937,6 +1003,8 @@ void ManagerService::CallWorkerDemote(
   call->done = std::move(done);
   call->ctx.set_deadline(std::chrono::system_clock::now() +
                          std::chrono::milliseconds(worker_rpc_timeout_ms_));
+  SignWorkerCall(&call->ctx, prepared.worker_id, call->req.tenant_id(),
+                 call->req.sequence_id());
   {
     absl::MutexLock lock(&mu_);
     ++in_flight_;

@@ -114,10 +114,17 @@ class ManagerService final : public v1::Manager::CallbackService {
   void Stop();
 
   // Every call must carry a bearer token the core's TokenStore verifies
-  // (auth.h for the rules). Call before the server starts.
-  void RequireTokens() {
+  // (auth.h for the rules), and the workers require capabilities signed
+  // with `capability_key` (common/capability.h): the manager hands the key
+  // to workers in RegisterWorker and Heartbeat replies, signs a client
+  // capability (valid capability_ttl_ms) into every SequenceInfo it returns
+  // to its tenant, and signs its own worker calls. Call before the server
+  // starts.
+  void RequireTokens(std::string capability_key, int64_t capability_ttl_ms) {
     auth_ =
         Authorizer(&core_->tokens(), [core = core_] { return core->NowMs(); });
+    capability_key_ = std::move(capability_key);
+    capability_ttl_ms_ = capability_ttl_ms;
   }
 
   grpc::ServerUnaryReactor* RegisterWorker(
@@ -200,6 +207,19 @@ class ManagerService final : public v1::Manager::CallbackService {
                                        v1::ListTokensResponse* resp) override;
 
  private:
+  // With capabilities on (RequireTokens): adds the manager's capability for
+  // (tenant_id, sequence_id; empty: the whole worker) on worker_id to a
+  // worker call; off: nothing.
+  void SignWorkerCall(grpc::ClientContext* ctx, const std::string& worker_id,
+                      const std::string& tenant_id,
+                      const std::string& sequence_id) const;
+  v1::Capability ManagerCapability(const std::string& worker_id,
+                                   const std::string& tenant_id,
+                                   const std::string& sequence_id) const;
+  // With capabilities on: a client capability for the sequence on its
+  // worker (and a fork capability for its shared prefix) into
+  // info->capabilities; off, or no worker: nothing.
+  void SignSequence(v1::SequenceInfo* info) const;
   void CheckLoop(int64_t interval_ms);
   // The pressure executor: runs posted tasks in order and, every
   // interval_ms > 0 without tasks, one background pressure round.
@@ -271,7 +291,9 @@ class ManagerService final : public v1::Manager::CallbackService {
                            const std::string& why);
 
   ManagerCore* const core_;
-  Authorizer auth_;  // off unless RequireTokens
+  Authorizer auth_;             // off unless RequireTokens
+  std::string capability_key_;  // empty: capabilities off
+  int64_t capability_ttl_ms_ = 0;
   const int64_t worker_rpc_timeout_ms_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_

@@ -47,6 +47,7 @@ struct StateView {
   const PolicyStore& policies;
   const CalibrationStore& calibrations;
   const TokenStore& tokens;
+  const std::string& capability_key;
 };
 
 class MetadataJournal {
@@ -92,6 +93,7 @@ struct RecoveredState {
   std::vector<std::shared_ptr<const Policy>> operator_policies;
   std::vector<std::shared_ptr<const CalibrationTable>> calibrations;
   std::vector<TokenRecord> tokens;
+  std::string capability_key;
   std::vector<RecoveredSequence> sequences;              // in creation order
   absl::flat_hash_map<uint64_t, RecoveredBlock> blocks;  // newest copies
 };

@@ -300,6 +300,7 @@ uint64_t MetadataStore::Write(const ChangeSet& changes, const StateView& view) {
   for (const std::string& id : changes.revoked_tokens) {
     rec.add_revoked_token_ids(id);
   }
+  if (changes.capability_key) rec.set_capability_key(view.capability_key);
   std::vector<const SequenceRecord*> seqs;
   seqs.reserve(changes.sequences.size());
   for (const std::string& id : changes.sequences) {
@@ -348,6 +349,7 @@ uint64_t MetadataStore::Snapshot(const StateView& view) {
   for (const TokenRecord& t : view.tokens.List()) {
     EncodeToken(t, head.add_tokens());
   }
+  head.set_capability_key(view.capability_key);
   records.push_back(head.SerializeAsString());
   meta::MetadataRecord part;
   part.set_snapshot_part(true);
@@ -408,6 +410,7 @@ struct Image {
   absl::flat_hash_map<std::string, uint64_t> calibration_tables;
   absl::flat_hash_map<std::string, meta::StoredSequence> sequences;
   absl::flat_hash_map<std::string, meta::StoredToken> tokens;
+  std::string capability_key;
   absl::flat_hash_map<uint64_t, RecoveredBlock> blocks;  // newest copies
   uint64_t max_ref = 0;
 
@@ -417,6 +420,7 @@ struct Image {
     for (auto& t : *rec.mutable_tenants()) tenants[t.id()] = std::move(t);
     for (auto& t : *rec.mutable_tokens()) tokens[t.id()] = std::move(t);
     for (const std::string& id : rec.revoked_token_ids()) tokens.erase(id);
+    if (!rec.capability_key().empty()) capability_key = rec.capability_key();
     for (auto& w : *rec.mutable_workers()) {
       workers[w.worker_id()] = std::move(w);
     }
@@ -516,6 +520,7 @@ absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
     r.prefix_salt = t.prefix_salt();
     out.tenants.push_back(std::move(r));
   }
+  out.capability_key = image.capability_key;
   for (const auto& [id, t] : image.tokens) {
     if (t.role() < static_cast<uint32_t>(TokenRole::kAdmin) ||
         t.role() > static_cast<uint32_t>(TokenRole::kWorker)) {

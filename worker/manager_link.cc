@@ -134,6 +134,9 @@ void ManagerLink::Run() {
       const grpc::Status s = stub()->RegisterWorker(&ctx, req, &resp);
       if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
       if (s.ok()) {
+        if (!resp.capability_key().empty() && options_.on_capability_key) {
+          options_.on_capability_key(resp.capability_key());
+        }
         registered = true;
         failures = 0;
         interval_ms = resp.heartbeat_interval_ms() > 0
@@ -186,6 +189,9 @@ void ManagerLink::Run() {
     const grpc::Status s = stub()->Heartbeat(&ctx, req, &resp);
     if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
     if (s.ok()) {
+      if (!resp.capability_key().empty() && options_.on_capability_key) {
+        options_.on_capability_key(resp.capability_key());
+      }
       if (resp.release_sequence_ids_size() > 0) {
         Log(LogLevel::kInfo, "worker",
             "releasing sequences the manager does not hold",

@@ -68,6 +68,7 @@
 #include <cstdint>
 #include <functional>
 
+#include "common/capability.h"
 #include "triax/v1/worker.grpc.pb.h"
 #include "worker/transfer_client.h"
 #include "worker/worker_core.h"
@@ -86,6 +87,9 @@ struct WorkerServiceOptions {
   // The link path's batch size when this worker imports (tests make it
   // small to move a sequence in many batches); at most kLinkBatchBytes.
   uint64_t link_batch_bytes = kLinkBatchBytes;
+  // Capabilities the calls must carry (kvworker --token_file; null: none;
+  // docs/security.md "Capabilities"). Must outlive the service.
+  const CapabilityVerifier* capabilities = nullptr;
 };
 
 class WorkerService final : public v1::Worker::Service {
@@ -149,6 +153,9 @@ class WorkerService final : public v1::Worker::Service {
   const LinkRegistry& links() const { return links_; }
 
  private:
+  // OK without options_.capabilities; else CapabilityVerifier::CheckAll.
+  absl::Status Allowed(const grpc::ServerContext& ctx, absl::string_view method,
+                       const std::vector<CapabilityNeed>& needs) const;
   // The one path of every RPC: `call` (a WorkerCore member) on the domain
   // `request`, then the result written into `reply` (a response message, or
   // ReadKV's stream), then the status mapped.

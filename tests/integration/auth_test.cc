@@ -8,6 +8,7 @@
 #include <chrono>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/bearer.h"
+#include "common/capability.h"
 #include "common/grpc_status.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
@@ -24,6 +26,7 @@
 #include "tests/integration/process.h"
 #include "tests/integration/reference.h"
 #include "triax/v1/manager.grpc.pb.h"
+#include "triax/v1/worker.grpc.pb.h"
 
 namespace triax::testing {
 namespace {
@@ -95,7 +98,7 @@ class AuthTest : public ::testing::Test {
     grpc::Status s = Call(token, [&](grpc::ClientContext* ctx) {
       return stub_->ListTenants(ctx, {}, &resp);
     });
-    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_TRUE(s.ok()) << s.error_code() << " " << s.error_message();
     std::vector<std::string> ids;
     for (const auto& t : resp.tenants()) ids.push_back(t.tenant_id());
     return ids;
@@ -132,7 +135,7 @@ class AuthTest : public ::testing::Test {
     grpc::Status s = Call(admin_, [&](grpc::ClientContext* ctx) {
       return stub_->ListWorkers(ctx, {}, &resp);
     });
-    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_TRUE(s.ok()) << s.error_code() << " " << s.error_message();
     std::vector<std::string> ids;
     for (const auto& w : resp.workers()) ids.push_back(w.worker_id());
     return ids;
@@ -456,6 +459,162 @@ TEST_F(AuthTest, TokensSurviveARestartAndRevocationsToo) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
   // The admin token file is read again.
   EXPECT_EQ(TenantIds(admin_), std::vector<std::string>{"acme"});
+}
+
+// Workers serve only what the manager signed (docs/security.md
+// "Capabilities"): the tenant's own calls through the client library, the
+// manager's transfers and demotions; nothing without a capability, with
+// another sequence's, a forged one, another worker's, or one of a narrower
+// scope.
+TEST_F(AuthTest, WorkersServeOnlyCallsTheManagerSigned) {
+  ASSERT_TRUE(CreateTenant(admin_, "acme").ok());
+  ASSERT_TRUE(CreateTenant(admin_, "beta").ok());
+  const std::string a = Issue("tenant", "acme", "acme.token");
+  const std::string b = Issue("tenant", "beta", "beta.token");
+  Issue("worker", "", "worker.token");
+  auto w0 = StartWorker("w0", "worker.token");
+  ASSERT_THAT(WaitForWorker("w0"), IsOk());
+  auto acme = ClientFor("acme", a);
+  // Placed on w0 (the only worker).
+  auto seq = acme->Open(SmallModel(), {MakeSpan(v1::ROLE_SYSTEM, 32)}, "bf16");
+  ASSERT_THAT(seq, IsOk());
+  ASSERT_EQ(seq->capabilities.size(), 1u);
+  EXPECT_EQ(seq->capabilities[0].worker_id(), "w0");
+  EXPECT_EQ(seq->capabilities[0].scope(), v1::Capability::SCOPE_CLIENT);
+  const v1::ModelShape m = SmallModel();
+  const size_t n = 32 * m.n_kv_heads() * m.head_dim();
+  std::mt19937 rng(7);
+  const std::vector<float> k = RoundToBf16(RandomVector(n, &rng));
+  const std::vector<float> v = RoundToBf16(RandomVector(n, &rng));
+  for (uint32_t layer = 0; layer < m.n_layers(); ++layer) {
+    ASSERT_THAT(acme->WriteKV(*seq, layer, 0, 32, k.data(), v.data()), IsOk());
+  }
+  std::vector<float> rk, rv;
+  ASSERT_THAT(acme->ReadKV(*seq, 0, 0, 32, &rk, &rv), IsOk());
+  EXPECT_EQ(rk, k);
+  auto beta = ClientFor("beta", b);
+  auto theirs = beta->Open(SmallModel(), {MakeSpan(v1::ROLE_USER, 16)}, "bf16");
+  ASSERT_THAT(theirs, IsOk());
+
+  auto stub = v1::Worker::NewStub(
+      grpc::CreateChannel(w0->address(), grpc::InsecureChannelCredentials()));
+  grpc::Status s;
+  auto read = [&](const std::string& tenant,
+                  const std::vector<v1::Capability>& caps) {
+    v1::ReadKVRequest req;
+    req.set_tenant_id(tenant);
+    req.set_sequence_id(seq->sequence_id);
+    req.set_dtype(v1::KV_DTYPE_F32);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(5));
+    AddCapabilities(&ctx, caps);
+    auto reader = stub->ReadKV(&ctx, req);
+    v1::KvChunk c;
+    while (reader->Read(&c)) {
+    }
+    return reader->Finish();
+  };
+  s = read("acme", seq->capabilities);
+  EXPECT_TRUE(s.ok()) << s.error_code() << " " << s.error_message();
+  s = read("acme", {});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(s.error_message(), HasSubstr("no capability"));
+  // beta with its own capability, naming acme's sequence.
+  s = read("acme", theirs->capabilities);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  s = read("beta", theirs->capabilities);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  // acme's capability with its tenant or sequence changed: forged.
+  v1::Capability forged = seq->capabilities[0];
+  forged.set_tenant_id("beta");
+  s = read("beta", {forged});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(s.error_message(), HasSubstr("signature does not verify"));
+
+  auto call = [&](const std::vector<v1::Capability>& caps, auto&& rpc) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(5));
+    AddCapabilities(&ctx, caps);
+    return rpc(&ctx);
+  };
+  // A plan for a tenant the manager never signed for: nothing reserved.
+  v1::AllocatePagesRequest ghost;
+  ghost.set_tenant_id("ghost");
+  ghost.set_sequence_id("seq-ghost");
+  *ghost.mutable_model() = SmallModel();
+  ghost.set_block_tokens(16);
+  ghost.add_blocks()->set_num_tokens(16);
+  v1::AllocatePagesResponse allocated;
+  s = call({}, [&](grpc::ClientContext* c) {
+    return stub->AllocatePages(c, ghost, &allocated);
+  });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  // acme's own sequence, but a bigger plan than the manager's.
+  v1::AllocatePagesRequest bigger;
+  bigger.set_tenant_id("acme");
+  bigger.set_sequence_id(seq->sequence_id);
+  *bigger.mutable_model() = SmallModel();
+  bigger.set_block_tokens(16);
+  for (int i = 0; i < 64; ++i) bigger.add_blocks()->set_num_tokens(16);
+  s = call(seq->capabilities, [&](grpc::ClientContext* c) {
+    return stub->AllocatePages(c, bigger, &allocated);
+  });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("1024 tokens exceed the 32"));
+  // A tenant's capability does not demote, spill or free another's, nor
+  // list the worker's inventory.
+  v1::DemoteRequest demote;
+  demote.set_tenant_id("acme");
+  demote.set_sequence_id(seq->sequence_id);
+  v1::DemoteResponse demoted;
+  s = call(seq->capabilities, [&](grpc::ClientContext* c) {
+    return stub->Demote(c, demote, &demoted);
+  });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("does not allow a manager call"));
+  v1::FreePagesRequest free;
+  free.set_tenant_id("acme");
+  free.set_sequence_id(seq->sequence_id);
+  v1::FreePagesResponse freed;
+  s = call(theirs->capabilities, [&](grpc::ClientContext* c) {
+    return stub->FreePages(c, free, &freed);
+  });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  v1::Inventory inventory;
+  s = call(seq->capabilities, [&](grpc::ClientContext* c) {
+    return stub->GetInventory(c, {}, &inventory);
+  });
+  EXPECT_NE(s.error_code(), grpc::StatusCode::OK);
+  // Nothing changed: acme reads its KV back.
+  ASSERT_THAT(acme->ReadKV(*seq, 0, 0, 32, &rk, &rv), IsOk());
+  EXPECT_EQ(rk, k);
+
+  // The manager's own worker calls carry its capabilities: a transfer to a
+  // second worker (ImportSequence there, ExportPages from w0, FreePages on
+  // w0) and the tenant's refreshed handle reads from the new worker.
+  auto w1 = StartWorker("w1", "worker.token");
+  ASSERT_THAT(WaitForWorker("w1"), IsOk());
+  client::Client::TransferOptions to;
+  to.destination_worker_id = "w1";
+  ASSERT_THAT(acme->TransferSequence(&*seq, to), IsOk());
+  ASSERT_EQ(seq->capabilities.size(), 1u);
+  EXPECT_EQ(seq->capabilities[0].worker_id(), "w1");
+  ASSERT_THAT(acme->ReadKV(*seq, 0, 0, 32, &rk, &rv), IsOk());
+  EXPECT_EQ(rk, k);
+  // A capability for w1 is no use on w0.
+  s = read("acme", seq->capabilities);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(s.error_message(), HasSubstr("not this one"));
+  // An operator's demotion (the manager's Demote on w1).
+  ASSERT_EQ(Kvctl({"demote", seq->sequence_id,
+                   std::to_string(seq->blocks[0].lineage_id()), "int4",
+                   "--tenant=acme"},
+                  admin_file_),
+            0)
+      << err_;
+  EXPECT_THAT(acme->Close(*seq), IsOk());
 }
 
 TEST(AuthFlagsTest, AnAdminTokenFileOthersMayReadIsRefused) {

@@ -190,6 +190,9 @@ class Sequence:
         # prefix_sequence_id (their KV is there: prefill from prefix_tokens).
         self.prefix_sequence_id = info.prefix_sequence_id
         self.prefix_tokens = info.prefix_tokens
+        # With --auth=token: the manager's capabilities for this sequence's
+        # worker calls, renewed with every refresh of the handle.
+        self.capabilities = list(info.capabilities)
 
     def __repr__(self):
         return (f"Sequence({self.sequence_id!r}, worker={self.worker_id!r}, "
@@ -227,6 +230,19 @@ class EventStream:
     def __exit__(self, *exc):
         self.cancel()
         return False
+
+
+_CAPABILITY_KEY = "x-triax-capability-bin"
+
+
+def _caps(*infos):
+    """The capabilities of SequenceInfos / Sequences as call metadata
+    (docs/security.md "Capabilities"); empty without --auth=token."""
+    md = []
+    for info in infos:
+        caps = info.capabilities if hasattr(info, "capabilities") else ()
+        md.extend((_CAPABILITY_KEY, c.SerializeToString()) for c in caps)
+    return tuple(md)
 
 
 def _channel(address):
@@ -463,7 +479,10 @@ class Client:
         if window_tokens is not None:
             req.window_tokens = window_tokens
         w = self.worker(info.worker_address)
-        self._call("AllocatePages", w.AllocatePages, req, True)
+        md = _caps(info)
+        self._call("AllocatePages",
+                   lambda r, timeout: w.AllocatePages(r, timeout=timeout, metadata=md),
+                   req, True)
 
     def _close_on_manager_quietly(self, sequence_id):
         req = manager_pb2.CloseSequenceRequest(
@@ -520,7 +539,11 @@ class Client:
                 num_tokens=info.prefix_tokens, blocks=list(info.blocks))
             try:
                 w = self.worker(info.worker_address)
-                self._call("Worker.ForkSequence", w.ForkSequence, wreq, True)
+                md = _caps(info)
+                self._call("Worker.ForkSequence",
+                           lambda r, timeout: w.ForkSequence(r, timeout=timeout,
+                                                             metadata=md),
+                           wreq, True)
             except Exception:
                 # The manager's view of the prefix can be ahead of the
                 # worker's: open again without reuse.
@@ -591,7 +614,10 @@ class Client:
                 child_sequence_id=child.sequence_id, num_tokens=child.num_tokens,
                 blocks=list(child.blocks))
             w = self.worker(parent.worker_address)
-            self._call("Worker.ForkSequence", w.ForkSequence, wreq, True)
+            md = _caps(child, parent)
+            self._call("Worker.ForkSequence",
+                       lambda r, timeout: w.ForkSequence(r, timeout=timeout, metadata=md),
+                       wreq, True)
         except Exception:
             self._close_on_manager_quietly(child.sequence_id)
             raise
@@ -608,7 +634,10 @@ class Client:
             freq = worker_pb2.FreePagesRequest(
                 request_id=self.new_request_id(), tenant_id=self.tenant_id,
                 sequence_id=seq.sequence_id)
-            self._call("FreePages", w.FreePages, freq, True)
+            md = _caps(seq)
+            self._call("FreePages",
+                       lambda r, timeout: w.FreePages(r, timeout=timeout, metadata=md),
+                       freq, True)
         except Exception as e:
             gone = getattr(e, "code", None) in (grpc.StatusCode.UNAVAILABLE,
                                                 grpc.StatusCode.NOT_FOUND)
@@ -707,7 +736,10 @@ class Client:
                                          k=kb[lo:hi], v=vb[lo:hi])))
         msgs[0].request_id = self.new_request_id()
         w = self.worker(seq.worker_address)
-        resp = self._call("WriteKV", lambda it, timeout: w.WriteKV(iter(it), timeout=timeout),
+        md = _caps(seq)
+        resp = self._call("WriteKV",
+                          lambda it, timeout: w.WriteKV(iter(it), timeout=timeout,
+                                                        metadata=md),
                           msgs, True)
         return resp.tokens_written
 
@@ -730,7 +762,7 @@ class Client:
 
         def read(request, timeout):
             ks, vs, nxt = [], [], first_token
-            for c in w.ReadKV(request, timeout=timeout):
+            for c in w.ReadKV(request, timeout=timeout, metadata=_caps(seq)):
                 if c.first_token != nxt or c.dtype != wire:
                     raise from_status(grpc.StatusCode.INTERNAL,
                                       f"chunk at token {c.first_token} dtype {c.dtype}; "
@@ -846,7 +878,10 @@ class Client:
             # A transport-level retry of an appending Attend could land after
             # the first attempt's write, so only read-only ones are retried.
             appends = any(built[i][2] for i in pending)
-            resp = self._call("Attend", w.Attend, req, not appends)
+            md = _caps(*[items[i]["seq"] for i in pending])
+            resp = self._call("Attend",
+                              lambda r, timeout: w.Attend(r, timeout=timeout, metadata=md),
+                              req, not appends)
             if len(resp.results) != len(pending):
                 raise from_status(grpc.StatusCode.INTERNAL,
                                   f"worker returned {len(resp.results)} results for "
