@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/bearer.h"
+#include "common/capability.h"
 #include "common/grpc_status.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
@@ -113,6 +115,12 @@ void FillHandle(const SequenceInfo& info, SequenceHandle* h) {
   h->block_tokens = info.block_tokens();
   h->blocks.assign(info.blocks().begin(), info.blocks().end());
   h->num_tokens = info.num_tokens();
+  h->capabilities.assign(info.capabilities().begin(),
+                         info.capabilities().end());
+}
+
+std::vector<triax::v1::Capability> CapabilitiesOf(const SequenceInfo& info) {
+  return {info.capabilities().begin(), info.capabilities().end()};
 }
 
 }  // namespace
@@ -164,6 +172,11 @@ std::string Client::NewRequestId() {
 void Client::SetDeadline(grpc::ClientContext* ctx) const {
   ctx->set_deadline(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(options_.rpc_timeout_ms));
+  Authorize(ctx);
+}
+
+void Client::Authorize(grpc::ClientContext* ctx) const {
+  AddBearer(ctx, options_.token);
 }
 
 bool Client::FollowLeader(const absl::Status& s) {
@@ -324,6 +337,7 @@ absl::Status Client::AllocateOnWorker(const SequenceInfo& info,
   triax::v1::AllocatePagesResponse resp;
   return CallWithRetry("AllocatePages", /*retry=*/true,
                        [&](grpc::ClientContext* ctx) {
+                         AddCapabilities(ctx, CapabilitiesOf(info));
                          return w->AllocatePages(ctx, req, &resp);
                        });
 }
@@ -437,6 +451,7 @@ absl::Status Client::ForkPrefixOnWorker(const SequenceInfo& info) {
   triax::v1::WorkerForkResponse wresp;
   return CallWithRetry("Worker.ForkSequence", /*retry=*/true,
                        [&](grpc::ClientContext* ctx) {
+                         AddCapabilities(ctx, CapabilitiesOf(info));
                          return w->ForkSequence(ctx, wreq, &wresp);
                        });
 }
@@ -534,6 +549,8 @@ absl::StatusOr<SequenceHandle> Client::Fork(const SequenceHandle& parent,
   triax::v1::WorkerForkResponse wresp;
   absl::Status s = CallWithRetry("Worker.ForkSequence", /*retry=*/true,
                                  [&](grpc::ClientContext* ctx) {
+                                   AddCapabilities(ctx, CapabilitiesOf(child));
+                                   AddCapabilities(ctx, parent.capabilities);
                                    return w->ForkSequence(ctx, wreq, &wresp);
                                  });
   if (!s.ok()) {
@@ -595,6 +612,7 @@ absl::StatusOr<triax::v1::TransferSequenceResponse> Client::TransferSequence(
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(deadline_ms));
+    Authorize(&ctx);
     s = FromGrpcStatus(manager_stub()->TransferSequence(&ctx, req, &resp));
     if (s.code() != absl::StatusCode::kUnavailable) break;
   }
@@ -628,6 +646,7 @@ absl::Status Client::Close(const SequenceHandle& seq) {
     triax::v1::FreePagesResponse resp;
     worker_status = CallWithRetry("FreePages", /*retry=*/true,
                                   [&](grpc::ClientContext* ctx) {
+                                    AddCapabilities(ctx, seq.capabilities);
                                     return (*w)->FreePages(ctx, req, &resp);
                                   });
   }
@@ -689,6 +708,7 @@ absl::Status Client::WriteKV(const SequenceHandle& seq, uint32_t layer,
   return CallWithRetry("WriteKV", /*retry=*/true,
                        [&](grpc::ClientContext* ctx) {
                          triax::v1::WriteKVResponse resp;
+                         AddCapabilities(ctx, seq.capabilities);
                          auto writer = w->WriteKV(ctx, &resp);
                          for (const auto& m : msgs) {
                            // A false Write means the stream is broken; Finish
@@ -761,8 +781,10 @@ absl::Status Client::Attend(const SequenceHandle& seq, const AttendArgs& args) {
   for (int retries = 0;; ++retries) {
     resp.Clear();
     TRIAX_RETURN_IF_ERROR(CallWithRetry(
-        "Attend", /*retry=*/!append,
-        [&](grpc::ClientContext* ctx) { return w->Attend(ctx, req, &resp); }));
+        "Attend", /*retry=*/!append, [&](grpc::ClientContext* ctx) {
+          AddCapabilities(ctx, seq.capabilities);
+          return w->Attend(ctx, req, &resp);
+        }));
     if (resp.results_size() != 1) {
       return absl::InternalError(absl::StrCat("Attend: worker returned ",
                                               resp.results_size(),
@@ -828,6 +850,7 @@ absl::Status Client::ReadKV(const SequenceHandle& seq, uint32_t layer,
         v->clear();
         content = absl::OkStatus();
         uint64_t next = first_token;
+        AddCapabilities(ctx, seq.capabilities);
         auto reader = w->ReadKV(ctx, req);
         triax::v1::KvChunk c;
         while (reader->Read(&c)) {

@@ -89,6 +89,9 @@ struct ClientOptions {
   // (a failover takes about the leader lease's TTL).
   int failover_ms = 15000;
   std::string tenant_id;
+  // Bearer token every call carries (kvmanager --auth=token;
+  // docs/security.md); empty: none.
+  std::string token;
   int64_t rpc_timeout_ms = 30000;
   // Read-only Attends answered UNAVAILABLE with retry_after_ms > 0 are sent
   // again at most this many times (>= 0; 0: never).
@@ -118,6 +121,10 @@ struct SequenceHandle {
   // prefix_tokens on); 0 when nothing was reused.
   std::string prefix_sequence_id;
   uint64_t prefix_tokens = 0;
+  // With kvmanager --auth=token: the manager's capabilities for this
+  // sequence's worker calls (SequenceInfo.capabilities, renewed by every
+  // reply that refreshes the handle); sent with each worker call.
+  std::vector<triax::v1::Capability> capabilities;
 };
 
 // Options of Open beyond the model and spans.
@@ -301,6 +308,10 @@ class Client {
 
   // A fresh request id, unique across clients: "c<16 hex>-<counter>".
   std::string NewRequestId();
+
+  // Adds the bearer token (ClientOptions::token) to a call made on a stub
+  // of this client (kvctl's own calls).
+  void Authorize(grpc::ClientContext* ctx) const;
 
  private:
   Client() = default;

@@ -33,6 +33,7 @@
 #include "client/kvctl_format.h"
 #include "client/kvctl_live.h"
 #include "client/kvctl_trace.h"
+#include "common/bearer.h"
 #include "common/grpc_status.h"
 #include "common/tls.h"
 #include "common/version.h"
@@ -102,6 +103,12 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_worker_server_name, "",
           "with --tls_ca: verify workers' certificates against this DNS "
           "name instead of their address; empty: the address");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the bearer token for a manager with --auth=token "
+          "(else the TRIAX_TOKEN environment variable)");
+ABSL_FLAG(uint64_t, ttl_seconds, 0,
+          "token-issue: seconds until the token expires (0: never)");
+ABSL_FLAG(std::string, description, "", "token-issue: free text");
 ABSL_FLAG(int32_t, page_size, 0,
           "workers, pools, tenants, sequences, policies, trace: items asked "
           "per page (every page is fetched and printed; 0: the manager's "
@@ -161,6 +168,15 @@ commands:
   events [--from N] [--max N] [--tenant T] [--sequence S] [--lineage L]
          [--since T] [--until T] [--wait_ms N] [--json] [--chrome_trace F]
                                 one event per line (key=value or JSON)
+  tokens                        bearer tokens (id, role, tenant, expiry;
+                                never the secrets); admin
+  token-issue ROLE [TENANT] [--ttl_seconds N] [--description D]
+                                issue a token (ROLE admin, tenant or
+                                worker; TENANT for tenant tokens) and print
+                                it once; admin
+  token-revoke TOKEN_ID         revoke a token; admin
+  --token_file PATH             the caller's bearer token (a manager with
+                                --auth=token; else $TRIAX_TOKEN)
   --version                     print the version and the git commit of the
                                 build and exit 0
 
@@ -169,9 +185,11 @@ every page the manager answers and print all items; --page_size N (1..10000,
 0: the manager's default of 1000) sets the items asked per page.
 )";
 
+// The usage, then what was wrong: last, where a terminal (or a log's tail)
+// shows it after the long usage.
 int Usage(const std::string& why) {
-  if (!why.empty()) std::cerr << "kvctl: " << why << "\n\n";
   std::cerr << kUsage;
+  if (!why.empty()) std::cerr << "\nkvctl: " << why << "\n";
   return 2;
 }
 
@@ -212,6 +230,7 @@ class Kvctl {
     ctx->set_deadline(
         std::chrono::system_clock::now() +
         std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+    client_->Authorize(ctx);
   }
 
   // The list commands follow the manager's pages (Client::List*), so they
@@ -368,6 +387,52 @@ class Kvctl {
     auto s = m()->TransferSequence(&ctx, req, &resp);
     if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
     std::cout << triax::kvctl::TransferReport(resp);
+    return 0;
+  }
+
+  int Tokens() {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::ListTokensResponse resp;
+    auto s = m()->ListTokens(&ctx, triax::v1::ListTokensRequest{}, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << triax::kvctl::TokensTable(resp);
+    return 0;
+  }
+
+  int TokenIssue(const std::string& role, const std::string& tenant) {
+    triax::v1::IssueTokenRequest req;
+    req.set_role(role);
+    req.set_tenant_id(tenant);
+    req.set_ttl_seconds(absl::GetFlag(FLAGS_ttl_seconds));
+    req.set_description(absl::GetFlag(FLAGS_description));
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::IssueTokenResponse resp;
+    auto s = m()->IssueToken(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    // The token on stdout alone (for a file or a secret store); what it is
+    // on stderr.
+    std::cerr << "issued token " << resp.info().token_id()
+              << " role=" << resp.info().role()
+              << (resp.info().tenant_id().empty()
+                      ? std::string()
+                      : " tenant=" + resp.info().tenant_id())
+              << " expires_unix_ms=" << resp.info().expires_unix_ms()
+              << " (shown once; the manager keeps only its hash)\n";
+    std::cout << resp.token() << "\n";
+    return 0;
+  }
+
+  int TokenRevoke(const std::string& id) {
+    triax::v1::RevokeTokenRequest req;
+    req.set_token_id(id);
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    triax::v1::RevokeTokenResponse resp;
+    auto s = m()->RevokeToken(&ctx, req, &resp);
+    if (!s.ok()) return Fail(triax::FromGrpcStatus(s));
+    std::cout << "revoked token " << id << "\n";
     return 0;
   }
 
@@ -615,6 +680,15 @@ int main(int argc, char** argv) {
 
   triax::client::ClientOptions opts;
   opts.manager_address = absl::GetFlag(FLAGS_manager);
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token =
+        triax::ReadBearerToken("token_file", path);
+    if (!token.ok()) return Usage(std::string(token.status().message()));
+    opts.token = *std::move(token);
+  } else if (const char* env = std::getenv("TRIAX_TOKEN");
+             env != nullptr && *env != '\0') {
+    opts.token = env;
+  }
   opts.rpc_timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
   {
     auto tls = triax::LoadTls({absl::GetFlag(FLAGS_tls_cert),
@@ -650,6 +724,11 @@ int main(int argc, char** argv) {
     }
     return k.Trace(lineage);
   }
+  if (cmd == "tokens" && want_args(0)) return k.Tokens();
+  if (cmd == "token-issue" && (want_args(1) || want_args(2))) {
+    return k.TokenIssue(args[0], args.size() == 2 ? args[1] : "");
+  }
+  if (cmd == "token-revoke" && want_args(1)) return k.TokenRevoke(args[0]);
   if (cmd == "events" && want_args(0)) return k.Events();
   if (cmd == "pressure" && want_args(0)) return k.Pressure();
   if (cmd == "top" && want_args(0)) return k.Top();

@@ -398,6 +398,22 @@ std::string PoolsTable(const triax::v1::ListWorkersResponse& resp) {
   return t.Render();
 }
 
+std::string TokensTable(const triax::v1::ListTokensResponse& resp) {
+  auto when = [](int64_t ms) {
+    return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::FromUnixMillis(ms),
+                            absl::UTCTimeZone());
+  };
+  Table t({"TOKEN", "ROLE", "TENANT", "CREATED", "EXPIRES", "DESCRIPTION"});
+  for (const auto& k : resp.tokens()) {
+    t.AddRow({k.token_id(), k.role(),
+              k.tenant_id().empty() ? "-" : k.tenant_id(),
+              when(k.created_unix_ms()),
+              k.expires_unix_ms() == 0 ? "never" : when(k.expires_unix_ms()),
+              k.description().empty() ? "-" : k.description()});
+  }
+  return t.Render();
+}
+
 std::string TenantsTable(const triax::v1::ListTenantsResponse& resp) {
   Table t({"TENANT", "OPEN", "USAGE", "BUDGETS (floor..ceiling)"});
   for (const auto& ten : resp.tenants()) {

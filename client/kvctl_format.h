@@ -87,6 +87,9 @@ std::string WorkersTable(const triax::v1::ListWorkersResponse& resp);
 // One row per page pool of every worker (its last heartbeat's inventory).
 std::string PoolsTable(const triax::v1::ListWorkersResponse& resp);
 std::string TenantsTable(const triax::v1::ListTenantsResponse& resp);
+// Token id, role, tenant ("-" for none), created and expiry (RFC 3339 UTC,
+// "never"), description.
+std::string TokensTable(const triax::v1::ListTokensResponse& resp);
 std::string SequencesTable(const triax::v1::ListSequencesResponse& resp);
 // Header fields (with the transfer in flight, if any), the plan as a table
 // (K and V formats, INT group and scale dtype, tier (unspecified prints as

@@ -385,6 +385,15 @@ void ToProto(const Budget& d, v1::Budget* p) {
   p->set_ceiling_bytes(d.ceiling_bytes);
 }
 
+void ToProto(const TokenRecord& d, v1::TokenInfo* p) {
+  p->set_token_id(d.id);
+  p->set_role(RoleName(d.role));
+  p->set_tenant_id(d.tenant_id);
+  p->set_description(d.description);
+  p->set_created_unix_ms(d.created_ms);
+  p->set_expires_unix_ms(d.expires_ms);
+}
+
 void ToProto(const TenantInfo& d, v1::TenantInfo* p) {
   p->set_tenant_id(d.tenant_id);
   for (const Budget& b : d.budgets) ToProto(b, p->add_budgets());

@@ -48,6 +48,7 @@ PageRequest PageOf(const Req& p) {
 void ToProto(const BlockPlan& d, v1::BlockPlan* p);
 void ToProto(const Budget& d, v1::Budget* p);
 void ToProto(const TenantInfo& d, v1::TenantInfo* p);
+void ToProto(const TokenRecord& d, v1::TokenInfo* p);
 void ToProto(const Inventory& d, v1::Inventory* p);
 void ToProto(const WorkerInfo& d, v1::WorkerInfo* p);
 void ToProto(const SequenceInfo& d, v1::SequenceInfo* p);

@@ -185,6 +185,18 @@ ABSL_FLAG(std::string, tls_worker_names, "kvworker",
           "first SAN) allowed to call RegisterWorker and Heartbeat, "
           "comma-separated; a trailing * matches a prefix (kvworker-*); "
           "empty: any client");
+ABSL_FLAG(std::string, auth, "none",
+          "none: any caller may make any call (a trusted network only); "
+          "token: every call carries \"authorization: Bearer <token>\" "
+          "(tenant, worker and admin roles; docs/security.md); needs "
+          "--admin_token_file");
+ABSL_FLAG(uint32_t, capability_ttl_seconds, 86400,
+          "--auth=token: how long the capability a sequence's reply carries "
+          "lets its tenant call the worker (every Open, Extend, Fork and "
+          "GetSequence reply signs a fresh one); 60..2592000");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "--auth=token: the bootstrap admin token (created, mode 0600, "
+          "when the file does not exist; refused when others may read it)");
 ABSL_FLAG(uint32_t, transfer_timeout_ms, 10000,
           "bound on a TransferSequence whose request gives no timeout_ms: "
           "allocate, pull, verify and commit, else it aborts; "
@@ -526,6 +538,48 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_pressure_interval_ms));
   service.SetWorkerCredentials(triax::ChannelCredentials(*tls),
                                absl::GetFlag(FLAGS_tls_worker_server_name));
+  if (const std::string auth = absl::GetFlag(FLAGS_auth); auth == "token") {
+    const std::string path = absl::GetFlag(FLAGS_admin_token_file);
+    if (const uint32_t ttl = absl::GetFlag(FLAGS_capability_ttl_seconds);
+        ttl < 60 || ttl > 2592000) {
+      Log(LogLevel::kError, "manager",
+          absl::StrCat("--capability_ttl_seconds=", ttl,
+                       " is not in [60, 2592000]"));
+      return 2;
+    }
+    if (path.empty()) {
+      Log(LogLevel::kError, "manager",
+          "--auth=token needs --admin_token_file (the bootstrap admin token)");
+      return 2;
+    }
+    bool created = false;
+    absl::StatusOr<std::string> admin = triax::manager::ReadOrCreateAdminToken(
+        path, (*core)->NowMs(), &created);
+    absl::Status added =
+        admin.ok() ? (*core)->AddBootstrapToken(*admin) : admin.status();
+    if (!added.ok()) {
+      Log(LogLevel::kError, "manager", "cannot use the admin token",
+          Kv("error", added.ToString()));
+      return 2;
+    }
+    absl::StatusOr<std::string> key = (*core)->EnsureCapabilityKey();
+    if (!key.ok()) {
+      Log(LogLevel::kError, "manager", "no capability key",
+          Kv("error", key.status().ToString()));
+      return 1;
+    }
+    service.RequireTokens(
+        *std::move(key),
+        int64_t{1000} * absl::GetFlag(FLAGS_capability_ttl_seconds));
+    Log(LogLevel::kInfo, "manager", "bearer tokens required",
+        absl::StrCat(Kv("admin_token_file", path), " ",
+                     Kv("created", created ? "true" : "false"), " ",
+                     Kv("stored_tokens", (*core)->ListTokens().size())));
+  } else if (auth != "none") {
+    Log(LogLevel::kError, "manager",
+        absl::StrCat("--auth=", auth, " is not one of none, token"));
+    return 2;
+  }
 
   triax::RpcMetrics rpc_metrics("triaxkv_manager");
   triax::manager::ManagerMetricsOptions metrics_options;

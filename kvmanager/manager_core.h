@@ -236,6 +236,7 @@
 #include "kvmanager/sequence_planner.h"
 #include "kvmanager/sequence_table.h"
 #include "kvmanager/tenant_ledger.h"
+#include "kvmanager/token_store.h"
 #include "kvmanager/types.h"
 #include "kvmanager/worker_registry.h"
 
@@ -556,6 +557,30 @@ class ManagerCore {
   };
   Counts GetCounts() const;
 
+  // --- Identity (manager_core_tokens.cc; token_store.h) ----------------------
+  // Issues a token (stored hashed, journaled like a tenant): role "tenant"
+  // names an existing tenant (NOT_FOUND otherwise). INVALID_ARGUMENT naming
+  // role, tenant_id, ttl_seconds or description (over 256 bytes).
+  absl::StatusOr<IssuedToken> IssueToken(const std::string& role,
+                                         const std::string& tenant_id,
+                                         uint64_t ttl_seconds,
+                                         const std::string& description);
+  // NOT_FOUND for an unknown id (or the bootstrap admin token, which is
+  // revoked by changing its file).
+  absl::Status RevokeToken(const std::string& token_id);
+  std::vector<TokenRecord> ListTokens() const;
+  // Verifies bearer tokens without the core's mutex.
+  const TokenStore& tokens() const { return tokens_; }
+  // kvmanager --admin_token_file, before serving.
+  absl::Status AddBootstrapToken(const std::string& token) {
+    return tokens_.AddBootstrap(token);
+  }
+  int64_t NowMs() const { return clock_->NowMs(); }
+  // The key of the workers' capabilities: the stored one, else a new one
+  // (journaled, so a restarted or failed-over manager signs with the same
+  // key and the capabilities clients hold stay valid).
+  absl::StatusOr<std::string> EnsureCapabilityKey();
+
   // --- Events ----------------------------------------------------------------
   // NOT_FOUND when the lineage is neither live nor in retained events.
   absl::StatusOr<TraceResult> QueryTrace(uint64_t lineage_id) const;
@@ -795,6 +820,9 @@ class ManagerCore {
   TenantLedger tenants_ ABSL_GUARDED_BY(mu_);
   PolicyStore policies_ ABSL_GUARDED_BY(mu_);
   CalibrationStore calibrations_ ABSL_GUARDED_BY(mu_);
+  // Its own lock (Verify on every RPC); changed only under mu_ (journal).
+  TokenStore tokens_;
+  std::string capability_key_ ABSL_GUARDED_BY(mu_);
   SequenceTable sequences_ ABSL_GUARDED_BY(mu_);
   // Tokens of two-phase operations (demotes and tier plans), one sequence
   // so that a token names one operation.

@@ -69,7 +69,8 @@ void ManagerCore::WhenDurable(uint64_t ticket, std::function<void()> fn) {
 }
 
 StateView ManagerCore::ViewLocked() const {
-  return StateView{tenants_, workers_, sequences_, policies_, calibrations_};
+  return StateView{tenants_,      workers_, sequences_,     policies_,
+                   calibrations_, tokens_,  capability_key_};
 }
 
 void ManagerCore::SetJournal(MetadataJournal* journal) {
@@ -119,6 +120,8 @@ absl::Status ManagerCore::Restore(RecoveredState state) {
   for (std::shared_ptr<const CalibrationTable>& c : state.calibrations) {
     TRIAX_RETURN_IF_ERROR(calibrations_.Put(std::move(c)).status());
   }
+  for (TokenRecord& t : state.tokens) tokens_.Put(std::move(t));
+  capability_key_ = std::move(state.capability_key);
   const int64_t now = clock_->NowMs();
   for (const RegisterWorkerRequest& r : state.workers) {
     WorkerRecord* w = workers_.Register(r, now);

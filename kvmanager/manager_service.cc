@@ -10,9 +10,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "common/capability.h"
 #include "common/grpc_status.h"
 #include "common/ids.h"
 #include "common/log.h"
+#include "common/status_macros.h"
 #include "kvmanager/convert.h"
 #include "kvmanager/reclaim_round.h"
 
@@ -165,6 +167,54 @@ void FinishDurable(ManagerCore* core, grpc::ServerUnaryReactor* reactor,
       [reactor, status = std::move(status)] { reactor->Finish(status); });
 }
 
+v1::Capability ManagerService::ManagerCapability(
+    const std::string& worker_id, const std::string& tenant_id,
+    const std::string& sequence_id) const {
+  v1::Capability cap;
+  cap.set_tenant_id(tenant_id);
+  cap.set_sequence_id(sequence_id);
+  cap.set_worker_id(worker_id);
+  // Long enough for the slowest worker call the manager makes.
+  cap.set_expires_unix_ms(core_->NowMs() +
+                          std::max<int64_t>(worker_rpc_timeout_ms_, 60000));
+  cap.set_scope(v1::Capability::SCOPE_MANAGER);
+  SignCapability(capability_key_, &cap);
+  return cap;
+}
+
+void ManagerService::SignWorkerCall(grpc::ClientContext* ctx,
+                                    const std::string& worker_id,
+                                    const std::string& tenant_id,
+                                    const std::string& sequence_id) const {
+  if (capability_key_.empty()) return;
+  AddCapability(ctx, ManagerCapability(worker_id, tenant_id, sequence_id));
+}
+
+void ManagerService::SignSequence(v1::SequenceInfo* info) const {
+  info->clear_capabilities();
+  if (capability_key_.empty() || info->worker_id().empty()) return;
+  const int64_t expires = core_->NowMs() + capability_ttl_ms_;
+  v1::Capability* own = info->add_capabilities();
+  own->set_tenant_id(info->tenant_id());
+  own->set_sequence_id(info->sequence_id());
+  own->set_worker_id(info->worker_id());
+  own->set_expires_unix_ms(expires);
+  own->set_scope(v1::Capability::SCOPE_CLIENT);
+  own->set_max_tokens(info->num_tokens());
+  SignCapability(capability_key_, own);
+  if (info->prefix_blocks() > 0 && !info->prefix_sequence_id().empty()) {
+    v1::Capability* fork = info->add_capabilities();
+    fork->set_tenant_id(info->prefix_tenant_id().empty()
+                            ? info->tenant_id()
+                            : info->prefix_tenant_id());
+    fork->set_sequence_id(info->prefix_sequence_id());
+    fork->set_worker_id(info->worker_id());
+    fork->set_expires_unix_ms(expires);
+    fork->set_scope(v1::Capability::SCOPE_FORK);
+    SignCapability(capability_key_, fork);
+  }
+}
+
 ManagerService::ManagerService(ManagerCore* core, int64_t check_interval_ms,
                                int64_t worker_rpc_timeout_ms,
                                int64_t pressure_interval_ms)
@@ -277,6 +327,7 @@ TierPlanOutcome ManagerService::RunTierPlan(const TierPlan& plan) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(worker_rpc_timeout_ms_));
+    SignWorkerCall(&ctx, c.worker_id, c.tenant_id, c.sequence_id);
     grpc::Status status;
     const char* what = "";
     switch (c.kind) {
@@ -369,6 +420,7 @@ void ManagerService::DescribeAndAdopt(const std::string& worker_id,
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(worker_rpc_timeout_ms_));
+    SignWorkerCall(&ctx, worker_id, "", "");
     v1::Inventory inv;
     const grpc::Status st = WorkerStub(address)->GetInventory(&ctx, req, &inv);
     absl::Status adopted = FromGrpcStatus(st);
@@ -389,6 +441,7 @@ void ManagerService::RefreshRoom(const std::string& worker_id,
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(worker_rpc_timeout_ms_));
+  SignWorkerCall(&ctx, worker_id, "", "");
   v1::Inventory inv;
   const grpc::Status st =
       WorkerStub(address)->GetInventory(&ctx, v1::GetInventoryRequest{}, &inv);
@@ -417,9 +470,11 @@ grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
     grpc::CallbackServerContext* ctx, const v1::RegisterWorkerRequest* req,
     v1::RegisterWorkerResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Worker(*ctx, "RegisterWorker"));
     auto r = core_->RegisterWorker(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
+    resp->set_capability_key(capability_key_);
     if (!r->describe_sequence_ids.empty()) {
       Post([this, id = req->worker_id(), address = req->address(),
             ids = r->describe_sequence_ids] {
@@ -442,10 +497,12 @@ grpc::ServerUnaryReactor* ManagerService::Heartbeat(
     grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
     v1::HeartbeatResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Worker(*ctx, "Heartbeat"));
     auto r = core_->Heartbeat(req->worker_id(), FromProto(req->inventory()),
                               req->incarnation());
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
+    resp->set_capability_key(capability_key_);
     if (!r->describe_sequence_ids.empty()) {
       Post([this, id = req->worker_id(), address = r->worker_address,
             ids = r->describe_sequence_ids] {
@@ -460,6 +517,7 @@ grpc::ServerUnaryReactor* ManagerService::ListWorkers(
     grpc::CallbackServerContext* ctx, const v1::ListWorkersRequest* req,
     v1::ListWorkersResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "ListWorkers"));
     auto r = core_->ListWorkers(PageOf(*req));
     if (!r.ok()) return r.status();
     for (const WorkerInfo& w : r->items) ToProto(w, resp->add_workers());
@@ -472,6 +530,7 @@ grpc::ServerUnaryReactor* ManagerService::CreateTenant(
     grpc::CallbackServerContext* ctx, const v1::CreateTenantRequest* req,
     v1::CreateTenantResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "CreateTenant"));
     auto r = core_->CreateTenant(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp->mutable_tenant());
@@ -483,6 +542,7 @@ grpc::ServerUnaryReactor* ManagerService::SetBudget(
     grpc::CallbackServerContext* ctx, const v1::SetBudgetRequest* req,
     v1::SetBudgetResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "SetBudget"));
     if (!req->has_budget())
       return absl::InvalidArgumentError("budget is not set");
     auto r = core_->SetBudget(FromProto(*req));
@@ -496,6 +556,15 @@ grpc::ServerUnaryReactor* ManagerService::ListTenants(
     grpc::CallbackServerContext* ctx, const v1::ListTenantsRequest* req,
     v1::ListTenantsResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_ASSIGN_OR_RETURN(const std::string scope,
+                           auth_.TenantScope(*ctx, "ListTenants", ""));
+    if (!scope.empty()) {
+      // A tenant sees itself only (no paging: one item).
+      auto own = core_->GetTenant(scope);
+      if (!own.ok()) return own.status();
+      ToProto(*own, resp->add_tenants());
+      return absl::OkStatus();
+    }
     auto r = core_->ListTenants(PageOf(*req));
     if (!r.ok()) return r.status();
     for (const TenantInfo& t : r->items) ToProto(t, resp->add_tenants());
@@ -508,6 +577,12 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
     grpc::CallbackServerContext* ctx, const v1::OpenSequenceRequest* req,
     v1::OpenSequenceResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (absl::Status denied =
+          auth_.Tenant(*ctx, "OpenSequence", req->tenant_id());
+      !denied.ok()) {
+    reactor->Finish(ToGrpcStatus(denied));
+    return reactor;
+  }
   if (!req->has_model()) {
     FinishDurable(core_, reactor,
                   ToGrpcStatus(absl::InvalidArgumentError("model is not set")));
@@ -518,7 +593,10 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
   auto r = core_->OpenSequence(open, &shortfall);
   if (r.ok() || !absl::IsResourceExhausted(r.status()) ||
       shortfall.request_bytes == 0) {
-    if (r.ok()) ToProto(*r, resp->mutable_sequence());
+    if (r.ok()) {
+      ToProto(*r, resp->mutable_sequence());
+      SignSequence(resp->mutable_sequence());
+    }
     FinishDurable(core_, reactor, ToGrpcStatus(r.status()));
     return reactor;
   }
@@ -532,6 +610,7 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
         &report);
     if (again.ok()) {
       ToProto(*again, resp->mutable_sequence());
+      SignSequence(resp->mutable_sequence());
       ToProto(report, resp->mutable_reclaimed());
     }
     FinishDurable(core_, reactor, ToGrpcStatus(again.status()));
@@ -543,6 +622,12 @@ grpc::ServerUnaryReactor* ManagerService::ExtendSequence(
     grpc::CallbackServerContext* ctx, const v1::ExtendSequenceRequest* req,
     v1::ExtendSequenceResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (absl::Status denied =
+          auth_.Tenant(*ctx, "ExtendSequence", req->tenant_id());
+      !denied.ok()) {
+    reactor->Finish(ToGrpcStatus(denied));
+    return reactor;
+  }
   ExtendSequenceRequest extend = FromProto(*req);
   AdmissionShortfall shortfall;
   auto r = core_->ExtendSequence(extend, &shortfall);
@@ -583,7 +668,10 @@ void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
     });
   }
   if (!r.ok() || !r->demotion) {
-    if (r.ok()) ToProto(*r, resp);
+    if (r.ok()) {
+      ToProto(*r, resp);
+      SignSequence(resp->mutable_sequence());
+    }
     FinishDurable(core_, reactor, ToGrpcStatus(r.status()));
     return;
   }
@@ -594,7 +682,10 @@ void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
   CallWorkerDemote(*r->demotion, [this, reactor, resp, token](
                                      const absl::Status& worker, uint64_t) {
     auto fin = core_->FinishExtendDemotion(token, worker);
-    if (fin.ok()) ToProto(*fin, resp);
+    if (fin.ok()) {
+      ToProto(*fin, resp);
+      SignSequence(resp->mutable_sequence());
+    }
     FinishDurable(core_, reactor, ToGrpcStatus(fin.status()));
   });
 }
@@ -603,6 +694,12 @@ grpc::ServerUnaryReactor* ManagerService::ReportAccess(
     grpc::CallbackServerContext* ctx, const v1::ReportAccessRequest* req,
     v1::ReportAccessResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (absl::Status denied =
+          auth_.Tenant(*ctx, "ReportAccess", req->tenant_id());
+      !denied.ok()) {
+    reactor->Finish(ToGrpcStatus(denied));
+    return reactor;
+  }
   auto plan = core_->ReportAccess(FromProto(*req));
   if (!plan.ok()) {
     FinishDurable(core_, reactor, ToGrpcStatus(plan.status()));
@@ -683,6 +780,7 @@ grpc::ServerUnaryReactor* ManagerService::GetPressure(
     grpc::CallbackServerContext* ctx, const v1::GetPressureRequest* req,
     v1::GetPressureResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "GetPressure"));
     if (req->top() > 10000) {
       return absl::InvalidArgumentError(
           absl::StrCat("top ", req->top(), " is above the limit 10000"));
@@ -696,9 +794,11 @@ grpc::ServerUnaryReactor* ManagerService::ForkSequence(
     grpc::CallbackServerContext* ctx, const v1::ForkSequenceRequest* req,
     v1::ForkSequenceResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Tenant(*ctx, "ForkSequence", req->tenant_id()));
     auto r = core_->ForkSequence(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp->mutable_sequence());
+    SignSequence(resp->mutable_sequence());
     return absl::OkStatus();
   });
 }
@@ -707,6 +807,8 @@ grpc::ServerUnaryReactor* ManagerService::CloseSequence(
     grpc::CallbackServerContext* ctx, const v1::CloseSequenceRequest* req,
     v1::CloseSequenceResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(
+        auth_.Tenant(*ctx, "CloseSequence", req->tenant_id()));
     auto r = core_->CloseSequence(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
@@ -718,6 +820,8 @@ grpc::ServerUnaryReactor* ManagerService::TruncateSequence(
     grpc::CallbackServerContext* ctx, const v1::TruncateSequenceRequest* req,
     v1::TruncateSequenceResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(
+        auth_.Tenant(*ctx, "TruncateSequence", req->tenant_id()));
     auto r = core_->TruncateSequence(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
@@ -729,9 +833,14 @@ grpc::ServerUnaryReactor* ManagerService::GetSequence(
     grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* req,
     v1::GetSequenceResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(
+        req->tenant_id().empty()
+            ? auth_.Admin(*ctx, "GetSequence (no tenant_id: any tenant's)")
+            : auth_.Tenant(*ctx, "GetSequence", req->tenant_id()));
     auto r = core_->GetSequence(req->tenant_id(), req->sequence_id());
     if (!r.ok()) return r.status();
     ToProto(*r, resp->mutable_sequence());
+    SignSequence(resp->mutable_sequence());
     return absl::OkStatus();
   });
 }
@@ -740,8 +849,10 @@ grpc::ServerUnaryReactor* ManagerService::ListSequences(
     grpc::CallbackServerContext* ctx, const v1::ListSequencesRequest* req,
     v1::ListSequencesResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
-    auto r = core_->ListSequences(req->tenant_id(), req->include_closed(),
-                                  PageOf(*req));
+    TRIAX_ASSIGN_OR_RETURN(
+        const std::string tenant,
+        auth_.TenantScope(*ctx, "ListSequences", req->tenant_id()));
+    auto r = core_->ListSequences(tenant, req->include_closed(), PageOf(*req));
     if (!r.ok()) return r.status();
     for (const SequenceInfo& s : r->items) ToProto(s, resp->add_sequences());
     resp->set_next_page_token(r->next_page_token);
@@ -753,8 +864,27 @@ grpc::ServerUnaryReactor* ManagerService::QueryTrace(
     grpc::CallbackServerContext* ctx, const v1::QueryTraceRequest* req,
     v1::QueryTraceResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_ASSIGN_OR_RETURN(const std::string scope,
+                           auth_.TenantScope(*ctx, "QueryTrace", ""));
     auto r = core_->QueryTrace(req->lineage_id(), PageOf(*req));
     if (!r.ok()) return r.status();
+    if (!scope.empty()) {
+      // A tenant traces only blocks its own sequences made, and sees only
+      // its own events of them (a block shared by prefix reuse is not
+      // another tenant's window into it).
+      if (!core_->GetSequence(scope, r->sequence_id).ok()) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "QueryTrace: lineage_id=", req->lineage_id(),
+            " was made by a sequence that is not tenant ", Quote(scope), "'s"));
+      }
+      std::vector<Event> own;
+      for (Event& e : r->events) {
+        if (e.tenant_id.empty() || e.tenant_id == scope) {
+          own.push_back(std::move(e));
+        }
+      }
+      r->events = std::move(own);
+    }
     ToProto(*r, resp);
     return absl::OkStatus();
   });
@@ -764,6 +894,7 @@ grpc::ServerUnaryReactor* ManagerService::PutPolicy(
     grpc::CallbackServerContext* ctx, const v1::PutPolicyRequest* req,
     v1::PutPolicyResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "PutPolicy"));
     if (!req->has_policy())
       return absl::InvalidArgumentError("policy is not set");
     auto r = core_->PutPolicy(FromProto(*req));
@@ -779,6 +910,7 @@ grpc::ServerUnaryReactor* ManagerService::ListPolicies(
     grpc::CallbackServerContext* ctx, const v1::ListPoliciesRequest* req,
     v1::ListPoliciesResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.User(*ctx, "ListPolicies"));
     auto r = core_->ListPolicies(PageOf(*req));
     if (!r.ok()) return r.status();
     for (const PolicyInfo& p : r->items) ToProto(p, resp->add_policies());
@@ -816,6 +948,10 @@ grpc::ServerUnaryReactor* ManagerService::DemoteBlocks(
     grpc::CallbackServerContext* ctx, const v1::DemoteBlocksRequest* req,
     v1::DemoteBlocksResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (absl::Status denied = auth_.Admin(*ctx, "DemoteBlocks"); !denied.ok()) {
+    reactor->Finish(ToGrpcStatus(denied));
+    return reactor;
+  }
   auto prepared = core_->PrepareDemote(FromProto(*req));
   if (!prepared.ok()) {
     FinishDurable(core_, reactor, ToGrpcStatus(prepared.status()));
@@ -881,6 +1017,8 @@ void ManagerService::CallWorkerDemote(
   call->done = std::move(done);
   call->ctx.set_deadline(std::chrono::system_clock::now() +
                          std::chrono::milliseconds(worker_rpc_timeout_ms_));
+  SignWorkerCall(&call->ctx, prepared.worker_id, call->req.tenant_id(),
+                 call->req.sequence_id());
   {
     absl::MutexLock lock(&mu_);
     ++in_flight_;
@@ -907,6 +1045,7 @@ grpc::ServerUnaryReactor* ManagerService::PutCalibration(
     grpc::CallbackServerContext* ctx, const v1::PutCalibrationRequest* req,
     v1::PutCalibrationResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "PutCalibration"));
     if (!req->has_table())
       return absl::InvalidArgumentError("table is not set");
     if (!req->table().has_shape())
@@ -926,6 +1065,7 @@ grpc::ServerUnaryReactor* ManagerService::GetCalibration(
     grpc::CallbackServerContext* ctx, const v1::GetCalibrationRequest* req,
     v1::GetCalibrationResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.User(*ctx, "GetCalibration"));
     auto r = core_->GetCalibration(req->model());
     if (!r.ok()) return r.status();
     ToProto(*r, resp->mutable_table());
@@ -936,7 +1076,10 @@ grpc::ServerUnaryReactor* ManagerService::GetCalibration(
 grpc::ServerWriteReactor<v1::Event>* ManagerService::WatchEvents(
     grpc::CallbackServerContext* ctx, const v1::WatchEventsRequest* req) {
   absl::Status invalid;
-  if (!req->tenant_id().empty())
+  absl::StatusOr<std::string> scope =
+      auth_.TenantScope(*ctx, "WatchEvents", req->tenant_id());
+  if (!scope.ok()) invalid = scope.status();
+  if (invalid.ok() && !req->tenant_id().empty())
     invalid = ValidateId("tenant_id", req->tenant_id());
   if (invalid.ok() && !req->sequence_id().empty()) {
     invalid = ValidateId("sequence_id", req->sequence_id());
@@ -950,7 +1093,55 @@ grpc::ServerWriteReactor<v1::Event>* ManagerService::WatchEvents(
     };
     return new Rejected(invalid);
   }
-  return new WatchReactor(&core_->events(), *req);
+  if (*scope == req->tenant_id()) {
+    return new WatchReactor(&core_->events(), *req);
+  }
+  v1::WatchEventsRequest scoped = *req;  // a tenant watches its own events
+  scoped.set_tenant_id(*scope);
+  return new WatchReactor(&core_->events(), scoped);
+}
+
+grpc::ServerUnaryReactor* ManagerService::IssueToken(
+    grpc::CallbackServerContext* ctx, const v1::IssueTokenRequest* req,
+    v1::IssueTokenResponse* resp) {
+  return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "IssueToken"));
+    auto r = core_->IssueToken(req->role(), req->tenant_id(),
+                               req->ttl_seconds(), req->description());
+    if (!r.ok()) return r.status();
+    ToProto(r->record, resp->mutable_info());
+    resp->set_token(r->token);
+    Log(LogLevel::kInfo, "manager", "token issued",
+        absl::StrCat(Kv("token_id", r->record.id), " ",
+                     Kv("role", RoleName(r->record.role)), " ",
+                     Kv("tenant_id", r->record.tenant_id), " ",
+                     Kv("expires_unix_ms", r->record.expires_ms)));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* ManagerService::RevokeToken(
+    grpc::CallbackServerContext* ctx, const v1::RevokeTokenRequest* req,
+    v1::RevokeTokenResponse* resp) {
+  return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "RevokeToken"));
+    TRIAX_RETURN_IF_ERROR(core_->RevokeToken(req->token_id()));
+    Log(LogLevel::kInfo, "manager", "token revoked",
+        Kv("token_id", req->token_id()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* ManagerService::ListTokens(
+    grpc::CallbackServerContext* ctx, const v1::ListTokensRequest* req,
+    v1::ListTokensResponse* resp) {
+  return Unary(core_, ctx, [&]() -> absl::Status {
+    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "ListTokens"));
+    for (const TokenRecord& t : core_->ListTokens()) {
+      ToProto(t, resp->add_tokens());
+    }
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace triax::manager

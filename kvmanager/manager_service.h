@@ -78,6 +78,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "kvmanager/auth.h"
 #include "kvmanager/manager_core.h"
 #include "kvmanager/reclaim_round.h"
 #include "triax/v1/manager.grpc.pb.h"
@@ -120,6 +121,19 @@ class ManagerService final : public v1::Manager::CallbackService {
   // before serving.
   void SetWorkerCredentials(std::shared_ptr<grpc::ChannelCredentials> creds,
                             std::string server_name = "");
+  // Every call must carry a bearer token the core's TokenStore verifies
+  // (auth.h for the rules), and the workers require capabilities signed
+  // with `capability_key` (common/capability.h): the manager hands the key
+  // to workers in RegisterWorker and Heartbeat replies, signs a client
+  // capability (valid capability_ttl_ms) into every SequenceInfo it returns
+  // to its tenant, and signs its own worker calls. Call before the server
+  // starts.
+  void RequireTokens(std::string capability_key, int64_t capability_ttl_ms) {
+    auth_ =
+        Authorizer(&core_->tokens(), [core = core_] { return core->NowMs(); });
+    capability_key_ = std::move(capability_key);
+    capability_ttl_ms_ = capability_ttl_ms;
+  }
 
   grpc::ServerUnaryReactor* RegisterWorker(
       grpc::CallbackServerContext* ctx, const v1::RegisterWorkerRequest* req,
@@ -190,8 +204,30 @@ class ManagerService final : public v1::Manager::CallbackService {
   grpc::ServerWriteReactor<v1::Event>* WatchEvents(
       grpc::CallbackServerContext* ctx,
       const v1::WatchEventsRequest* req) override;
+  grpc::ServerUnaryReactor* IssueToken(grpc::CallbackServerContext* ctx,
+                                       const v1::IssueTokenRequest* req,
+                                       v1::IssueTokenResponse* resp) override;
+  grpc::ServerUnaryReactor* RevokeToken(grpc::CallbackServerContext* ctx,
+                                        const v1::RevokeTokenRequest* req,
+                                        v1::RevokeTokenResponse* resp) override;
+  grpc::ServerUnaryReactor* ListTokens(grpc::CallbackServerContext* ctx,
+                                       const v1::ListTokensRequest* req,
+                                       v1::ListTokensResponse* resp) override;
 
  private:
+  // With capabilities on (RequireTokens): adds the manager's capability for
+  // (tenant_id, sequence_id; empty: the whole worker) on worker_id to a
+  // worker call; off: nothing.
+  void SignWorkerCall(grpc::ClientContext* ctx, const std::string& worker_id,
+                      const std::string& tenant_id,
+                      const std::string& sequence_id) const;
+  v1::Capability ManagerCapability(const std::string& worker_id,
+                                   const std::string& tenant_id,
+                                   const std::string& sequence_id) const;
+  // With capabilities on: a client capability for the sequence on its
+  // worker (and a fork capability for its shared prefix) into
+  // info->capabilities; off, or no worker: nothing.
+  void SignSequence(v1::SequenceInfo* info) const;
   void CheckLoop(int64_t interval_ms);
   // The pressure executor: runs posted tasks in order and, every
   // interval_ms > 0 without tasks, one background pressure round.
@@ -263,6 +299,9 @@ class ManagerService final : public v1::Manager::CallbackService {
                            const std::string& why);
 
   ManagerCore* const core_;
+  Authorizer auth_;             // off unless RequireTokens
+  std::string capability_key_;  // empty: capabilities off
+  int64_t capability_ttl_ms_ = 0;
   const int64_t worker_rpc_timeout_ms_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_

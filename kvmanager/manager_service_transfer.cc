@@ -19,6 +19,12 @@ grpc::ServerUnaryReactor* ManagerService::TransferSequence(
     grpc::CallbackServerContext* ctx, const v1::TransferSequenceRequest* req,
     v1::TransferSequenceResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (absl::Status denied =
+          auth_.Tenant(*ctx, "TransferSequence", req->tenant_id());
+      !denied.ok()) {
+    reactor->Finish(ToGrpcStatus(denied));
+    return reactor;
+  }
   absl::StatusOr<TransferPrepared> prepared =
       core_->PrepareTransfer(FromProto(*req));
   if (!prepared.ok()) {
@@ -27,6 +33,7 @@ grpc::ServerUnaryReactor* ManagerService::TransferSequence(
   }
   if (prepared->done) {  // an idempotent repeat of a committed transfer
     ToProto(*prepared->done, resp);
+    SignSequence(resp->mutable_sequence());
     FinishDurable(core_, reactor, grpc::Status::OK);
     return reactor;
   }
@@ -48,6 +55,12 @@ grpc::ServerUnaryReactor* ManagerService::TransferSequence(
   // The caller's deadline, if sooner: the answer must reach it.
   deadline = std::min(deadline, ctx->deadline());
   call->ctx.set_deadline(deadline);
+  if (!capability_key_.empty()) {
+    SignWorkerCall(&call->ctx, p.destination_worker_id, p.tenant_id,
+                   p.sequence_id);
+    *call->req.mutable_source_capability() =
+        ManagerCapability(p.source_worker_id, p.tenant_id, p.sequence_id);
+  }
   Log(LogLevel::kInfo, "manager", "transfer started",
       absl::StrCat(Kv("transfer", p.transfer_id), " ",
                    Kv("sequence_id", p.sequence_id), " ",
@@ -80,6 +93,7 @@ grpc::ServerUnaryReactor* ManagerService::TransferSequence(
               core_->CommitTransfer(p.token, FromProto(call->resp));
           if (committed.ok()) {
             ToProto(committed->result, resp);
+            SignSequence(resp->mutable_sequence());
             FreePagesBestEffort(p.source_worker_id, committed->source_address,
                                 absl::StrCat(p.transfer_id, "-free-source"),
                                 committed->tenant_id, committed->sequence_id,
@@ -135,6 +149,7 @@ void ManagerService::FreePagesBestEffort(const std::string& worker_id,
   call->stub = WorkerStub(address);
   call->ctx.set_deadline(std::chrono::system_clock::now() +
                          std::chrono::milliseconds(worker_rpc_timeout_ms_));
+  SignWorkerCall(&call->ctx, worker_id, tenant_id, sequence_id);
   {
     absl::MutexLock lock(&mu_);
     ++in_flight_;

@@ -53,12 +53,16 @@ struct ChangeSet {
   absl::flat_hash_set<std::string> operator_policies;
   absl::flat_hash_set<std::string> calibrations;  // by model
   std::vector<std::string> dropped_sequences;     // out of closed retention
+  absl::flat_hash_set<std::string> tokens;        // issued (token ids)
+  std::vector<std::string> revoked_tokens;
+  bool capability_key = false;
   bool counters = false;
 
   bool empty() const {
     return tenants.empty() && workers.empty() && sequences.empty() &&
            operator_policies.empty() && calibrations.empty() &&
-           dropped_sequences.empty() && !counters;
+           dropped_sequences.empty() && tokens.empty() &&
+           revoked_tokens.empty() && !capability_key && !counters;
   }
   void Clear() {
     tenants.clear();
@@ -67,6 +71,9 @@ struct ChangeSet {
     operator_policies.clear();
     calibrations.clear();
     dropped_sequences.clear();
+    tokens.clear();
+    revoked_tokens.clear();
+    capability_key = false;
     counters = false;
   }
 };

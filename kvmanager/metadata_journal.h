@@ -34,6 +34,7 @@
 #include "kvmanager/policy_store.h"
 #include "kvmanager/sequence_table.h"
 #include "kvmanager/tenant_ledger.h"
+#include "kvmanager/token_store.h"
 #include "kvmanager/worker_registry.h"
 
 namespace triax::manager {
@@ -45,6 +46,8 @@ struct StateView {
   const SequenceTable& sequences;
   const PolicyStore& policies;
   const CalibrationStore& calibrations;
+  const TokenStore& tokens;
+  const std::string& capability_key;
 };
 
 class MetadataJournal {
@@ -89,6 +92,8 @@ struct RecoveredState {
   std::vector<RegisterWorkerRequest> workers;
   std::vector<std::shared_ptr<const Policy>> operator_policies;
   std::vector<std::shared_ptr<const CalibrationTable>> calibrations;
+  std::vector<TokenRecord> tokens;
+  std::string capability_key;
   std::vector<RecoveredSequence> sequences;              // in creation order
   absl::flat_hash_map<uint64_t, RecoveredBlock> blocks;  // newest copies
 };

@@ -46,6 +46,16 @@ void EncodeTenant(const TenantRecord& t, meta::StoredTenant* p) {
   p->set_prefix_salt(t.prefix_salt);
 }
 
+void EncodeToken(const TokenRecord& t, meta::StoredToken* p) {
+  p->set_id(t.id);
+  p->set_sha256(t.sha256);
+  p->set_role(static_cast<uint32_t>(t.role));
+  p->set_tenant_id(t.tenant_id);
+  p->set_description(t.description);
+  p->set_created_ms(t.created_ms);
+  p->set_expires_ms(t.expires_ms);
+}
+
 void EncodeWorker(const WorkerRecord& w, meta::StoredWorker* p) {
   p->set_worker_id(w.info.worker_id);
   p->set_address(w.info.address);
@@ -282,6 +292,15 @@ uint64_t MetadataStore::Write(const ChangeSet& changes, const StateView& view) {
     n->set_name(model);
     n->set_ref(enc.Calibration(it->second, &rec));
   }
+  for (const std::string& id : changes.tokens) {
+    if (std::optional<TokenRecord> t = view.tokens.Find(id)) {
+      EncodeToken(*t, rec.add_tokens());
+    }
+  }
+  for (const std::string& id : changes.revoked_tokens) {
+    rec.add_revoked_token_ids(id);
+  }
+  if (changes.capability_key) rec.set_capability_key(view.capability_key);
   std::vector<const SequenceRecord*> seqs;
   seqs.reserve(changes.sequences.size());
   for (const std::string& id : changes.sequences) {
@@ -327,6 +346,10 @@ uint64_t MetadataStore::Snapshot(const StateView& view) {
     n->set_name(model);
     n->set_ref(enc.Calibration(t, &head));
   }
+  for (const TokenRecord& t : view.tokens.List()) {
+    EncodeToken(t, head.add_tokens());
+  }
+  head.set_capability_key(view.capability_key);
   records.push_back(head.SerializeAsString());
   meta::MetadataRecord part;
   part.set_snapshot_part(true);
@@ -386,6 +409,8 @@ struct Image {
   absl::flat_hash_map<std::string, uint64_t> operator_policies;
   absl::flat_hash_map<std::string, uint64_t> calibration_tables;
   absl::flat_hash_map<std::string, meta::StoredSequence> sequences;
+  absl::flat_hash_map<std::string, meta::StoredToken> tokens;
+  std::string capability_key;
   absl::flat_hash_map<uint64_t, RecoveredBlock> blocks;  // newest copies
   uint64_t max_ref = 0;
 
@@ -393,6 +418,9 @@ struct Image {
     if (rec.snapshot_first()) *this = Image();
     if (rec.has_counters()) counters = rec.counters();
     for (auto& t : *rec.mutable_tenants()) tenants[t.id()] = std::move(t);
+    for (auto& t : *rec.mutable_tokens()) tokens[t.id()] = std::move(t);
+    for (const std::string& id : rec.revoked_token_ids()) tokens.erase(id);
+    if (!rec.capability_key().empty()) capability_key = rec.capability_key();
     for (auto& w : *rec.mutable_workers()) {
       workers[w.worker_id()] = std::move(w);
     }
@@ -491,6 +519,23 @@ absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(
     r.default_policy = t.default_policy();
     r.prefix_salt = t.prefix_salt();
     out.tenants.push_back(std::move(r));
+  }
+  out.capability_key = image.capability_key;
+  for (const auto& [id, t] : image.tokens) {
+    if (t.role() < static_cast<uint32_t>(TokenRole::kAdmin) ||
+        t.role() > static_cast<uint32_t>(TokenRole::kWorker)) {
+      return absl::DataLossError(
+          absl::StrCat("stored token ", id, " has an unknown role ", t.role()));
+    }
+    TokenRecord r;
+    r.id = t.id();
+    r.sha256 = t.sha256();
+    r.role = static_cast<TokenRole>(t.role());
+    r.tenant_id = t.tenant_id();
+    r.description = t.description();
+    r.created_ms = t.created_ms();
+    r.expires_ms = t.expires_ms();
+    out.tokens.push_back(std::move(r));
   }
   for (const auto& [id, w] : image.workers) {
     RegisterWorkerRequest r;

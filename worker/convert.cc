@@ -309,7 +309,12 @@ void ToProto(const InventorySnapshot& d, v1::Inventory* p) {
 ImportRequest FromProto(const v1::ImportSequenceRequest& p) {
   ImportRequest d;
   d.request_id = p.request_id();
-  if (!d.request_id.empty()) d.fingerprint = ProtoFingerprint(p);
+  if (!d.request_id.empty()) {
+    // The capability is fresh on every attempt: not part of the payload.
+    v1::ImportSequenceRequest payload = p;
+    payload.clear_source_capability();
+    d.fingerprint = ProtoFingerprint(payload);
+  }
   d.transfer_id = p.transfer_id();
   d.tenant_id = p.tenant_id();
   d.sequence_id = p.sequence_id();
@@ -319,6 +324,9 @@ ImportRequest FromProto(const v1::ImportSequenceRequest& p) {
   d.blocks = PlanFromProto(p.blocks());
   d.source_address = p.source_address();
   d.source_worker_id = p.source_worker_id();
+  if (p.has_source_capability()) {
+    d.source_capability = p.source_capability().SerializeAsString();
+  }
   d.timeout_ms = p.timeout_ms();
   d.follow_writes = p.follow_writes();
   d.prefix_sequence_id = p.prefix_sequence_id();

@@ -24,6 +24,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/bearer.h"
+#include "common/capability.h"
 #include "common/daemon_flags.h"
 #include "common/ids.h"
 #include "common/log.h"
@@ -53,6 +55,9 @@ ABSL_FLAG(std::string, manager, "",
           "kvmanager host:port to register with, or several comma-separated "
           "(managers on etcd: the worker follows the leader); empty runs "
           "standalone");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding this worker's bearer token (role worker) for a "
+          "kvmanager with --auth=token");
 ABSL_FLAG(std::string, worker_id, "",
           "worker id ([A-Za-z0-9._:-]{1,128}), also the disk tier's "
           "subdirectory; default worker-<hostname>-<port>");
@@ -331,7 +336,22 @@ int main(int argc, char** argv) {
       static_cast<uint32_t>(absl::GetFlag(FLAGS_retry_after_ms));
   SequenceStore store(device->get(), allocator->get(), store_options);
   WorkerCore core(&store, device->get());
+  // A worker of a cluster with tokens (--token_file) serves only calls
+  // carrying the manager's capabilities, from its first call on.
+  std::string token;
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    absl::StatusOr<std::string> read =
+        triax::ReadBearerToken("token_file", path);
+    if (!read.ok()) return Fail(2, read.status().message());
+    token = *std::move(read);
+  }
+  triax::CapabilityVerifier capabilities(
+      +[]() -> int64_t { return absl::ToUnixMillis(absl::Now()); });
   WorkerServiceOptions service_options;
+  if (!token.empty()) {
+    capabilities.Require();
+    service_options.capabilities = &capabilities;
+  }
   service_options.testing_corrupt_export_pages =
       static_cast<uint32_t>(absl::GetFlag(FLAGS_testing_corrupt_export_pages));
   service_options.transfer_path = transfer_path;
@@ -491,6 +511,13 @@ int main(int argc, char** argv) {
     }
     ManagerLinkOptions opts;
     opts.manager_address = manager;
+    opts.token = token;
+    if (capabilities.required()) {
+      capabilities.SetWorkerId(worker_id);
+      opts.on_capability_key = [&capabilities](const std::string& key) {
+        capabilities.SetKey(key);
+      };
+    }
     opts.worker_id = worker_id;
     opts.advertise_address = absl::GetFlag(FLAGS_advertise).empty()
                                  ? bound

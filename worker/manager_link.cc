@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "common/bearer.h"
 #include "common/log.h"
 #include "worker/convert.h"
 
@@ -131,9 +132,13 @@ void ManagerLink::Run() {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::milliseconds(options_.rpc_deadline_ms));
+      AddBearer(&ctx, options_.token);
       const grpc::Status s = stub()->RegisterWorker(&ctx, req, &resp);
       if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
       if (s.ok()) {
+        if (!resp.capability_key().empty() && options_.on_capability_key) {
+          options_.on_capability_key(resp.capability_key());
+        }
         registered = true;
         failures = 0;
         interval_ms = resp.heartbeat_interval_ms() > 0
@@ -182,9 +187,13 @@ void ManagerLink::Run() {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(options_.rpc_deadline_ms));
+    AddBearer(&ctx, options_.token);
     const grpc::Status s = stub()->Heartbeat(&ctx, req, &resp);
     if (!s.ok() && on_unsent_) on_unsent_(req.inventory());
     if (s.ok()) {
+      if (!resp.capability_key().empty() && options_.on_capability_key) {
+        options_.on_capability_key(resp.capability_key());
+      }
       if (resp.release_sequence_ids_size() > 0) {
         Log(LogLevel::kInfo, "worker",
             "releasing sequences the manager does not hold",

@@ -48,6 +48,12 @@ struct ManagerLinkOptions {
   // Of the channels to the managers (TLS with the worker's client
   // certificate, common/tls.h); null: insecure.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // Bearer token of role worker for a manager with --auth=token (kvworker
+  // --token_file); empty: none.
+  std::string token;
+  // Called with the capability key of every RegisterWorker and Heartbeat
+  // reply that carries one, before on_registered.
+  std::function<void(const std::string&)> on_capability_key;
   // Called on the link's thread after every successful RegisterWorker (the
   // worker's readiness waits for the first: HealthReporter::MarkRegistered).
   std::function<void()> on_registered;

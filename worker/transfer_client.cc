@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/capability.h"
 #include "common/grpc_status.h"
 #include "common/ids.h"
 #include "common/log.h"
@@ -64,6 +65,13 @@ struct TransferClient::PeerLink {
 };
 
 namespace {
+
+// The manager's capability for the source's sequence, on a call pulling it.
+void SignPull(grpc::ClientContext* ctx, const ImportRequest& req) {
+  if (!req.source_capability.empty()) {
+    ctx->AddMetadata(kCapabilityMetadata, req.source_capability);
+  }
+}
 
 std::string ProcessOwner() {
   std::random_device rd;
@@ -223,6 +231,7 @@ absl::Status TransferClient::FetchStream(const ImportRequest& req,
   auto stub = v1::Worker::NewStub(ChannelFor(req.source_address));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(deadline));
+  SignPull(&ctx, req);
   const v1::ExportPagesRequest request = ExportRequestFor(req);
   std::unique_ptr<grpc::ClientReader<v1::PageBatch>> reader =
       stub->ExportPages(&ctx, request);
@@ -286,6 +295,7 @@ absl::StatusOr<bool> TransferClient::FetchShared(const ImportRequest& req,
   auto stub = v1::Worker::NewStub(ChannelFor(req.source_address));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(deadline));
+  SignPull(&ctx, req);
   std::unique_ptr<
       grpc::ClientReaderWriter<v1::SharePagesRequest, v1::PageBatch>>
       stream = stub->SharePages(&ctx);
@@ -381,6 +391,7 @@ absl::StatusOr<std::unique_ptr<LinkEnd>> TransferClient::OpenLinkTo(
   auto stub = v1::Worker::NewStub(ChannelFor(req.source_address));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(deadline));
+  SignPull(&ctx, req);
   v1::OpenLinkRequest open;
   open.set_backend(link_backend_);
   open.set_link_id(*id);
@@ -456,6 +467,7 @@ absl::StatusOr<bool> TransferClient::FetchLink(const ImportRequest& req,
     auto stub = v1::Worker::NewStub(ChannelFor(req.source_address));
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline));
+    SignPull(&ctx, req);
     std::unique_ptr<
         grpc::ClientReaderWriter<v1::LinkPagesRequest, v1::PageBatch>>
         stream = stub->LinkPages(&ctx);

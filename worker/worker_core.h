@@ -214,6 +214,9 @@ struct ImportRequest {
   std::string prefix_sequence_id;
   uint32_t prefix_blocks = 0;
   uint64_t fingerprint = 0;  // of the payload: IdempotencyCache::Lookup
+  // With capabilities required: the manager's capability for the source's
+  // sequence (a serialized v1::Capability), sent with the pulling calls.
+  std::string source_capability;
 };
 
 struct ImportReply {

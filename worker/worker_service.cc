@@ -56,6 +56,30 @@ WorkerService::WorkerService(WorkerCore* core, WorkerServiceOptions options)
                  options.link_batch_bytes, options.peer_credentials,
                  options.peer_server_name) {}
 
+namespace {
+
+uint64_t PlanTokens(
+    const google::protobuf::RepeatedPtrField<v1::BlockPlan>& b) {
+  uint64_t tokens = 0;
+  for (const v1::BlockPlan& p : b) tokens += p.num_tokens();
+  return tokens;
+}
+
+}  // namespace
+
+absl::Status WorkerService::Allowed(
+    const grpc::ServerContext& ctx, absl::string_view method,
+    const std::vector<CapabilityNeed>& needs) const {
+  if (options_.capabilities == nullptr) return absl::OkStatus();
+  return options_.capabilities->CheckAll(ctx, method, needs);
+}
+
+#define TRIAX_ALLOWED(ctx, method, ...)                              \
+  if (absl::Status allowed = Allowed(*(ctx), method, {__VA_ARGS__}); \
+      !allowed.ok()) {                                               \
+    return ToGrpcStatus(allowed);                                    \
+  }
+
 template <typename Call, typename Request, typename Reply>
 grpc::Status WorkerService::Serve(Call call, const Request& request,
                                   Reply* reply) {
@@ -64,15 +88,26 @@ grpc::Status WorkerService::Serve(Call call, const Request& request,
   return ToGrpcStatus(Answer(*result, reply));
 }
 
-grpc::Status WorkerService::AllocatePages(grpc::ServerContext*,
+grpc::Status WorkerService::AllocatePages(grpc::ServerContext* ctx,
                                           const v1::AllocatePagesRequest* req,
                                           v1::AllocatePagesResponse* resp) {
+  TRIAX_ALLOWED(
+      ctx, "AllocatePages",
+      CapabilityNeed{req->tenant_id(), req->sequence_id(),
+                     v1::Capability::SCOPE_CLIENT, PlanTokens(req->blocks())});
   return Serve(&WorkerCore::AllocatePages, FromProto(*req), resp);
 }
 
-grpc::Status WorkerService::ForkSequence(grpc::ServerContext*,
+grpc::Status WorkerService::ForkSequence(grpc::ServerContext* ctx,
                                          const v1::WorkerForkRequest* req,
                                          v1::WorkerForkResponse* resp) {
+  TRIAX_ALLOWED(
+      ctx, "ForkSequence",
+      CapabilityNeed{req->tenant_id(), req->child_sequence_id(),
+                     v1::Capability::SCOPE_CLIENT, PlanTokens(req->blocks())},
+      CapabilityNeed{req->parent_tenant_id().empty() ? req->tenant_id()
+                                                     : req->parent_tenant_id(),
+                     req->parent_sequence_id(), v1::Capability::SCOPE_FORK});
   return Serve(&WorkerCore::Fork, FromProto(*req), resp);
 }
 
@@ -81,12 +116,23 @@ grpc::Status WorkerService::WriteKV(
     v1::WriteKVResponse* resp) {
   v1::WriteKVRequest msg;  // the message the pulled views point into
   WriteStream stream;
+  std::string allowed_tenant, allowed_sequence;  // the last checked
   stream.next = [&](WriteMessage* out) -> absl::StatusOr<bool> {
     if (!reader->Read(&msg)) {
       // Read fails at the end of the stream and when the client cancels; a
       // cancelled stream must not be remembered as complete.
       if (ctx->IsCancelled()) return absl::CancelledError("WriteKV cancelled");
       return false;
+    }
+    if (options_.capabilities != nullptr &&
+        (msg.tenant_id() != allowed_tenant ||
+         msg.sequence_id() != allowed_sequence)) {
+      TRIAX_RETURN_IF_ERROR(
+          Allowed(*ctx, "WriteKV",
+                  {CapabilityNeed{msg.tenant_id(), msg.sequence_id(),
+                                  v1::Capability::SCOPE_CLIENT}}));
+      allowed_tenant = msg.tenant_id();
+      allowed_sequence = msg.sequence_id();
     }
     *out = FromProto(msg);
     return true;
@@ -97,56 +143,89 @@ grpc::Status WorkerService::WriteKV(
 grpc::Status WorkerService::ReadKV(grpc::ServerContext* ctx,
                                    const v1::ReadKVRequest* req,
                                    grpc::ServerWriter<v1::KvChunk>* writer) {
+  TRIAX_ALLOWED(ctx, "ReadKV",
+                CapabilityNeed{req->tenant_id(), req->sequence_id(),
+                               v1::Capability::SCOPE_CLIENT});
   const ReadRequest request = FromProto(*req);
   ReadStream out{ctx, writer, request.layer, request.dtype};
   return Serve(&WorkerCore::Read, request, &out);
 }
 
-grpc::Status WorkerService::Attend(grpc::ServerContext*,
+grpc::Status WorkerService::Attend(grpc::ServerContext* ctx,
                                    const v1::AttendRequest* req,
                                    v1::AttendResponse* resp) {
+  if (options_.capabilities != nullptr) {
+    std::vector<CapabilityNeed> needs;
+    for (const v1::AttendItem& item : req->items()) {
+      needs.push_back(CapabilityNeed{req->tenant_id(), item.sequence_id(),
+                                     v1::Capability::SCOPE_CLIENT});
+    }
+    if (absl::Status a = Allowed(*ctx, "Attend", needs); !a.ok()) {
+      return ToGrpcStatus(a);
+    }
+  }
   return Serve(&WorkerCore::Attend, FromProto(*req), resp);
 }
 
-grpc::Status WorkerService::FreePages(grpc::ServerContext*,
+grpc::Status WorkerService::FreePages(grpc::ServerContext* ctx,
                                       const v1::FreePagesRequest* req,
                                       v1::FreePagesResponse* resp) {
+  TRIAX_ALLOWED(ctx, "FreePages",
+                CapabilityNeed{req->tenant_id(), req->sequence_id(),
+                               v1::Capability::SCOPE_CLIENT});
   return Serve(&WorkerCore::Free, FromProto(*req), resp);
 }
 
-grpc::Status WorkerService::Demote(grpc::ServerContext*,
+grpc::Status WorkerService::Demote(grpc::ServerContext* ctx,
                                    const v1::DemoteRequest* req,
                                    v1::DemoteResponse* resp) {
+  TRIAX_ALLOWED(ctx, "Demote",
+                CapabilityNeed{req->tenant_id(), req->sequence_id(),
+                               v1::Capability::SCOPE_MANAGER});
   return Serve(&WorkerCore::Demote, FromProto(*req), resp);
 }
 
-grpc::Status WorkerService::Spill(grpc::ServerContext*,
+grpc::Status WorkerService::Spill(grpc::ServerContext* ctx,
                                   const v1::SpillRequest* req,
                                   v1::SpillResponse* resp) {
+  TRIAX_ALLOWED(ctx, "Spill",
+                CapabilityNeed{req->tenant_id(), req->sequence_id(),
+                               v1::Capability::SCOPE_MANAGER});
   return Serve(&WorkerCore::Spill, FromProto(*req), resp);
 }
 
-grpc::Status WorkerService::Restore(grpc::ServerContext*,
+grpc::Status WorkerService::Restore(grpc::ServerContext* ctx,
                                     const v1::RestoreRequest* req,
                                     v1::RestoreResponse* resp) {
+  TRIAX_ALLOWED(ctx, "Restore",
+                CapabilityNeed{req->tenant_id(), req->sequence_id(),
+                               v1::Capability::SCOPE_MANAGER});
   return Serve(&WorkerCore::Restore, FromProto(*req), resp);
 }
 
-grpc::Status WorkerService::Evict(grpc::ServerContext*,
+grpc::Status WorkerService::Evict(grpc::ServerContext* ctx,
                                   const v1::EvictRequest* req,
                                   v1::EvictResponse* resp) {
+  TRIAX_ALLOWED(ctx, "Evict",
+                CapabilityNeed{req->tenant_id(), req->sequence_id(),
+                               v1::Capability::SCOPE_MANAGER});
   return Serve(&WorkerCore::Evict, FromProto(*req), resp);
 }
 
-grpc::Status WorkerService::GetInventory(grpc::ServerContext*,
+grpc::Status WorkerService::GetInventory(grpc::ServerContext* ctx,
                                          const v1::GetInventoryRequest* req,
                                          v1::Inventory* resp) {
+  TRIAX_ALLOWED(ctx, "GetInventory",
+                CapabilityNeed{"", "", v1::Capability::SCOPE_MANAGER});
   return Serve(&WorkerCore::GetInventory, FromProto(*req), resp);
 }
 
-grpc::Status WorkerService::ImportSequence(grpc::ServerContext*,
+grpc::Status WorkerService::ImportSequence(grpc::ServerContext* ctx,
                                            const v1::ImportSequenceRequest* req,
                                            v1::ImportSequenceResponse* resp) {
+  TRIAX_ALLOWED(ctx, "ImportSequence",
+                CapabilityNeed{req->tenant_id(), req->sequence_id(),
+                               v1::Capability::SCOPE_MANAGER});
   absl::StatusOr<ImportReply> reply =
       core_->Import(FromProto(*req), transfers_.AsFetcher());
   if (!reply.ok()) return ToGrpcStatus(reply.status());
@@ -157,6 +236,9 @@ grpc::Status WorkerService::ImportSequence(grpc::ServerContext*,
 grpc::Status WorkerService::ExportPages(
     grpc::ServerContext* ctx, const v1::ExportPagesRequest* req,
     grpc::ServerWriter<v1::PageBatch>* writer) {
+  TRIAX_ALLOWED(ctx, "ExportPages",
+                CapabilityNeed{req->tenant_id(), req->sequence_id(),
+                               v1::Capability::SCOPE_MANAGER});
   const uint32_t max_batch = req->max_batch_bytes() == 0
                                  ? kDefaultMaxBatchBytes
                                  : req->max_batch_bytes();
@@ -234,6 +316,9 @@ grpc::Status WorkerService::SharePages(
                         std::string(arena.status().message()));
   }
   const v1::ExportPagesRequest& req = first.request();
+  TRIAX_ALLOWED(ctx, "SharePages",
+                CapabilityNeed{req.tenant_id(), req.sequence_id(),
+                               v1::Capability::SCOPE_MANAGER});
   const uint64_t max_batch = req.max_batch_bytes() == 0
                                  ? kDefaultMaxSharedBatchBytes
                                  : req.max_batch_bytes();
@@ -318,6 +403,9 @@ grpc::Status WorkerService::SharePages(
 grpc::Status WorkerService::OpenLink(grpc::ServerContext* ctx,
                                      const v1::OpenLinkRequest* req,
                                      v1::OpenLinkResponse* resp) {
+  TRIAX_ALLOWED(ctx, "OpenLink",
+                CapabilityNeed{"", "", v1::Capability::SCOPE_MANAGER, 0,
+                               /*any_sequence=*/true});
   if (options_.transfer_path == TransferPath::kStream ||
       options_.transfer_path == TransferPath::kIpc) {
     return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
@@ -385,6 +473,9 @@ grpc::Status WorkerService::LinkPages(
                      first.has_request() ? "link_key" : "request"));
   }
   const v1::ExportPagesRequest& req = first.request();
+  TRIAX_ALLOWED(ctx, "LinkPages",
+                CapabilityNeed{req.tenant_id(), req.sequence_id(),
+                               v1::Capability::SCOPE_MANAGER});
   if (req.max_batch_bytes() > kLinkBatchBytes) {
     return grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,

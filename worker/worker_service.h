@@ -70,6 +70,7 @@
 #include <cstdint>
 #include <functional>
 
+#include "common/capability.h"
 #include "triax/v1/worker.grpc.pb.h"
 #include "worker/transfer_client.h"
 #include "worker/worker_core.h"
@@ -93,6 +94,9 @@ struct WorkerServiceOptions {
   // With TLS: the name source workers' certificates are verified against
   // instead of their address (empty: the address).
   std::string peer_server_name;
+  // Capabilities the calls must carry (kvworker --token_file; null: none;
+  // docs/security.md "Capabilities"). Must outlive the service.
+  const CapabilityVerifier* capabilities = nullptr;
 };
 
 class WorkerService final : public v1::Worker::Service {
@@ -156,6 +160,9 @@ class WorkerService final : public v1::Worker::Service {
   const LinkRegistry& links() const { return links_; }
 
  private:
+  // OK without options_.capabilities; else CapabilityVerifier::CheckAll.
+  absl::Status Allowed(const grpc::ServerContext& ctx, absl::string_view method,
+                       const std::vector<CapabilityNeed>& needs) const;
   // The one path of every RPC: `call` (a WorkerCore member) on the domain
   // `request`, then the result written into `reply` (a response message, or
   // ReadKV's stream), then the status mapped.

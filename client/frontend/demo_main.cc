@@ -37,11 +37,15 @@
 #include "client/frontend/service_kv_store.h"
 #include "client/frontend/service_types.h"
 #include "client/kv_client.h"
+#include "common/bearer.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "google/protobuf/text_format.h"
 #include "kernels/layout.h"
 
+ABSL_FLAG(std::string, token_file, "",
+          "bearer token (role tenant or admin) for a kvmanager with "
+          "--auth=token");
 ABSL_FLAG(std::string, manager, "127.0.0.1:7070",
           "kvmanager address host:port");
 ABSL_FLAG(std::string, tenant, "demo", "tenant id (created when missing)");
@@ -779,6 +783,12 @@ int Main() {
   client::ClientOptions opts;
   opts.manager_address = absl::GetFlag(FLAGS_manager);
   opts.tenant_id = absl::GetFlag(FLAGS_tenant);
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    absl::StatusOr<std::string> token =
+        triax::ReadBearerToken("token_file", path);
+    if (!token.ok()) return Fail("read the token", token.status());
+    opts.token = *std::move(token);
+  }
   auto client_or = client::Client::Connect(opts);
   if (!client_or.ok())
     return Fail("connect to the manager", client_or.status());

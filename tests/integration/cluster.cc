@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
 
@@ -37,8 +38,9 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
       absl::StrCat("--worker_down_timeout_ms=", options.worker_down_timeout_ms),
       absl::StrCat("--heartbeat_interval_ms=", options.heartbeat_interval_ms),
       absl::StrCat("--metadata=file:", c->dir(), "/metadata")};
-  manager_args.insert(manager_args.end(), options.manager_flags.begin(),
-                      options.manager_flags.end());
+  for (const std::string& f : options.manager_flags) {
+    manager_args.push_back(absl::StrReplaceAll(f, {{"$DIR", c->dir()}}));
+  }
   c->manager_args_ = manager_args;
   auto manager =
       Process::Start("kvmanager", "kvmanager", manager_args, c->dir());
@@ -54,8 +56,9 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
         absl::StrCat("--worker_id=", WorkerId(i)),
         absl::StrCat("--pool_mb=", options.pool_mb),
         absl::StrCat("--window_tokens=", options.window_tokens)};
-    worker_args.insert(worker_args.end(), options.worker_flags.begin(),
-                       options.worker_flags.end());
+    for (const std::string& f : options.worker_flags) {
+      worker_args.push_back(absl::StrReplaceAll(f, {{"$DIR", c->dir()}}));
+    }
     if (static_cast<size_t>(i) < options.per_worker_flags.size()) {
       const std::vector<std::string>& own = options.per_worker_flags[i];
       worker_args.insert(worker_args.end(), own.begin(), own.end());

@@ -28,6 +28,7 @@ struct ClusterOptions {
   int pool_mb = 64;
   int window_tokens = 32;
   // Extra command-line flags, appended after the defaults (so they win).
+  // "$DIR" in a flag is replaced by the cluster's directory.
   std::vector<std::string> manager_flags;
   std::vector<std::string> worker_flags;
   // Flags of worker i only (when given), after worker_flags.

@@ -190,6 +190,9 @@ class Sequence:
         # prefix_sequence_id (their KV is there: prefill from prefix_tokens).
         self.prefix_sequence_id = info.prefix_sequence_id
         self.prefix_tokens = info.prefix_tokens
+        # With --auth=token: the manager's capabilities for this sequence's
+        # worker calls, renewed with every refresh of the handle.
+        self.capabilities = list(info.capabilities)
 
     def __repr__(self):
         return (f"Sequence({self.sequence_id!r}, worker={self.worker_id!r}, "
@@ -227,6 +230,19 @@ class EventStream:
     def __exit__(self, *exc):
         self.cancel()
         return False
+
+
+_CAPABILITY_KEY = "x-triax-capability-bin"
+
+
+def _caps(*infos):
+    """The capabilities of SequenceInfos / Sequences as call metadata
+    (docs/security.md "Capabilities"); empty without --auth=token."""
+    md = []
+    for info in infos:
+        caps = info.capabilities if hasattr(info, "capabilities") else ()
+        md.extend((_CAPABILITY_KEY, c.SerializeToString()) for c in caps)
+    return tuple(md)
 
 
 _CHANNEL_OPTIONS = [
@@ -272,9 +288,47 @@ def tls_credentials(tls_ca, tls_cert=None, tls_key=None):
         certificate_chain=_read_pem("tls_cert", tls_cert) if tls_cert else None)
 
 
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds "authorization: Bearer <token>" to every call of a channel."""
+
+    def __init__(self, token):
+        self._metadata = ("authorization", "Bearer " + token)
+
+    def _details(self, details):
+        metadata = list(details.metadata or []) + [self._metadata]
+        return _CallDetails(details.method, details.timeout, metadata,
+                            details.credentials, details.wait_for_ready,
+                            getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready,
+                 compression):
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
+
+
 class Client:
     """Client(manager_address, tenant_id="", timeout=30.0, attend_retries=50,
-    tls_ca=None, tls_cert=None, tls_key=None, tls_worker_server_name=None).
+    tls_ca=None, tls_cert=None, tls_key=None, tls_worker_server_name=None,
+    token=None).
 
     manager_address: "host:port". tenant_id: the tenant sequences are opened
     for (created with create_tenant, or by an operator). timeout: the
@@ -286,12 +340,16 @@ class Client:
     client certificate and its key, for servers that require one
     (tls_credentials); tls_worker_server_name: the name workers'
     certificates are verified against instead of their address (workers
-    that advertise pod IPs; kvworker --tls_worker_server_name). Channels
-    connect lazily: an unreachable manager surfaces as Unavailable
+    that advertise pod IPs; kvworker --tls_worker_server_name).
+    token: the bearer token of a manager with --auth=token (a str; issued
+    by an admin with kvctl token-issue), sent with every manager call;
+    None: none.
+    Channels connect lazily: an unreachable manager surfaces as Unavailable
     (or DeadlineExceeded) on the first call that needs it."""
 
     def __init__(self, manager_address, tenant_id="", timeout=30.0, attend_retries=50,
-                 tls_ca=None, tls_cert=None, tls_key=None, tls_worker_server_name=None):
+                 tls_ca=None, tls_cert=None, tls_key=None, tls_worker_server_name=None,
+                 token=None):
         if not isinstance(manager_address, str) or not manager_address:
             raise ValueError(f"manager_address: {manager_address!r}; want host:port")
         if not isinstance(tenant_id, str):
@@ -306,11 +364,16 @@ class Client:
         self.attend_retries = attend_retries
         if tls_ca is None and (tls_cert or tls_key):
             raise ValueError(f"tls_cert={tls_cert!r}: a client certificate needs tls_ca")
+        if token is not None and (not isinstance(token, str) or not token.strip()):
+            raise ValueError("token: want a non-empty str (kvctl token-issue prints one)")
         self._credentials = (tls_credentials(tls_ca, tls_cert, tls_key)
                              if tls_ca is not None else None)
         self._worker_server_name = tls_worker_server_name
         self._manager_channel = _channel(manager_address, self._credentials)
-        self.manager = manager_pb2_grpc.ManagerStub(self._manager_channel)
+        channel = self._manager_channel
+        if token is not None:
+            channel = grpc.intercept_channel(channel, _Bearer(token.strip()))
+        self.manager = manager_pb2_grpc.ManagerStub(channel)
         self._lock = threading.Lock()
         self._workers = {}  # address -> (channel, stub)
         self._request_prefix = "p" + os.urandom(8).hex()
@@ -465,7 +528,10 @@ class Client:
         if window_tokens is not None:
             req.window_tokens = window_tokens
         w = self.worker(info.worker_address)
-        self._call("AllocatePages", w.AllocatePages, req, True)
+        md = _caps(info)
+        self._call("AllocatePages",
+                   lambda r, timeout: w.AllocatePages(r, timeout=timeout, metadata=md),
+                   req, True)
 
     def _close_on_manager_quietly(self, sequence_id):
         req = manager_pb2.CloseSequenceRequest(
@@ -522,7 +588,11 @@ class Client:
                 num_tokens=info.prefix_tokens, blocks=list(info.blocks))
             try:
                 w = self.worker(info.worker_address)
-                self._call("Worker.ForkSequence", w.ForkSequence, wreq, True)
+                md = _caps(info)
+                self._call("Worker.ForkSequence",
+                           lambda r, timeout: w.ForkSequence(r, timeout=timeout,
+                                                             metadata=md),
+                           wreq, True)
             except Exception:
                 # The manager's view of the prefix can be ahead of the
                 # worker's: open again without reuse.
@@ -593,7 +663,10 @@ class Client:
                 child_sequence_id=child.sequence_id, num_tokens=child.num_tokens,
                 blocks=list(child.blocks))
             w = self.worker(parent.worker_address)
-            self._call("Worker.ForkSequence", w.ForkSequence, wreq, True)
+            md = _caps(child, parent)
+            self._call("Worker.ForkSequence",
+                       lambda r, timeout: w.ForkSequence(r, timeout=timeout, metadata=md),
+                       wreq, True)
         except Exception:
             self._close_on_manager_quietly(child.sequence_id)
             raise
@@ -610,7 +683,10 @@ class Client:
             freq = worker_pb2.FreePagesRequest(
                 request_id=self.new_request_id(), tenant_id=self.tenant_id,
                 sequence_id=seq.sequence_id)
-            self._call("FreePages", w.FreePages, freq, True)
+            md = _caps(seq)
+            self._call("FreePages",
+                       lambda r, timeout: w.FreePages(r, timeout=timeout, metadata=md),
+                       freq, True)
         except Exception as e:
             gone = getattr(e, "code", None) in (grpc.StatusCode.UNAVAILABLE,
                                                 grpc.StatusCode.NOT_FOUND)
@@ -709,7 +785,10 @@ class Client:
                                          k=kb[lo:hi], v=vb[lo:hi])))
         msgs[0].request_id = self.new_request_id()
         w = self.worker(seq.worker_address)
-        resp = self._call("WriteKV", lambda it, timeout: w.WriteKV(iter(it), timeout=timeout),
+        md = _caps(seq)
+        resp = self._call("WriteKV",
+                          lambda it, timeout: w.WriteKV(iter(it), timeout=timeout,
+                                                        metadata=md),
                           msgs, True)
         return resp.tokens_written
 
@@ -732,7 +811,7 @@ class Client:
 
         def read(request, timeout):
             ks, vs, nxt = [], [], first_token
-            for c in w.ReadKV(request, timeout=timeout):
+            for c in w.ReadKV(request, timeout=timeout, metadata=_caps(seq)):
                 if c.first_token != nxt or c.dtype != wire:
                     raise from_status(grpc.StatusCode.INTERNAL,
                                       f"chunk at token {c.first_token} dtype {c.dtype}; "
@@ -848,7 +927,10 @@ class Client:
             # A transport-level retry of an appending Attend could land after
             # the first attempt's write, so only read-only ones are retried.
             appends = any(built[i][2] for i in pending)
-            resp = self._call("Attend", w.Attend, req, not appends)
+            md = _caps(*[items[i]["seq"] for i in pending])
+            resp = self._call("Attend",
+                              lambda r, timeout: w.Attend(r, timeout=timeout, metadata=md),
+                              req, not appends)
             if len(resp.results) != len(pending):
                 raise from_status(grpc.StatusCode.INTERNAL,
                                   f"worker returned {len(resp.results)} results for "
