@@ -190,6 +190,10 @@ class ManagerService final : public v1::Manager::CallbackService {
   grpc::ServerWriteReactor<v1::Event>* WatchEvents(
       grpc::CallbackServerContext* ctx,
       const v1::WatchEventsRequest* req) override;
+  // manager_service_capacity.cc (kvmanager/capacity.h); read-only.
+  grpc::ServerUnaryReactor* PlanCapacity(
+      grpc::CallbackServerContext* ctx, const v1::PlanCapacityRequest* req,
+      v1::PlanCapacityResponse* resp) override;
 
  private:
   void CheckLoop(int64_t interval_ms);
