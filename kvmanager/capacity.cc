@@ -112,8 +112,13 @@ absl::StatusOr<ResolvedRow> ResolveRow(
     r.row.kind = "uniform";
     r.row.encoding = EncodingString(e);
     r.row.label = r.row.encoding;
-    if (spec.sink_tokens > 0) absl::StrAppend(&r.row.label, "+sink");
-    if (spec.window_tokens > 0) absl::StrAppend(&r.row.label, "+window");
+    // The --policies syntax of kvctl plan.
+    if (spec.sink_tokens > 0) {
+      absl::StrAppend(&r.row.label, "+sink=", spec.sink_tokens);
+    }
+    if (spec.window_tokens > 0) {
+      absl::StrAppend(&r.row.label, "+window=", spec.window_tokens);
+    }
     if (!spec.label.empty()) r.row.label = spec.label;
     return r;
   }
@@ -612,7 +617,15 @@ absl::StatusOr<Tag> ParseTagLabel(absl::string_view field,
   return tag;
 }
 
-absl::StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& req) {
+absl::StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& given) {
+  // A tag's modality UNSPECIFIED means TEXT (types.h), so the two are one
+  // tag of the mix.
+  CapacityRequest req = given;
+  for (TagTokens& t : req.tag_mix) {
+    if (t.tag.modality == Modality::kUnspecified) {
+      t.tag.modality = Modality::kText;
+    }
+  }
   TRIAX_ASSIGN_OR_RETURN(CapacityPlan plan, PlanOne(req));
   for (size_t i = 0; i < req.what_ifs.size(); ++i) {
     const CapacityWhatIf& w = req.what_ifs[i];

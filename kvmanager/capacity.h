@@ -137,7 +137,8 @@ struct CapacityRequest {
   std::vector<CapacityPolicySpec> policies;  // 1..kMaxCapacityPolicies
   std::vector<int64_t> context_lengths;      // each > 0
   std::vector<CapacityTenant> tenants;
-  std::vector<TagTokens> tag_mix;  // distinct tags, tokens >= 0
+  // Distinct tags (modality UNSPECIFIED is TEXT), tokens >= 0.
+  std::vector<TagTokens> tag_mix;
   std::optional<CalibrationTableInfo> calibration;
   // Operator policies the named rows may refer to (the live manager's).
   std::vector<PolicyInfo> policies_known;

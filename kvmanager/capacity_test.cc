@@ -125,7 +125,7 @@ TEST(CapacityTest, SessionsCountBlocksSinksAndWindowPages) {
   EXPECT_EQ(plan->rows[0].sessions[0].ideal_sessions, 45);
   // 100 tokens: 7 blocks (the last one partial).
   EXPECT_EQ(plan->rows[0].sessions[1].page_session_bytes, 7u * 2 * 1024 * 1024);
-  EXPECT_EQ(plan->rows[3].label, "k=int4,v=int4,g=64+sink+window");
+  EXPECT_EQ(plan->rows[3].label, "k=int4,v=int4,g=64+sink=16+window=32");
   // INT4 with a BF16 sink block and a 32-token window at 100 tokens: block 0
   // is BF16; blocks 4..6 end after token 68 so they also hold a BF16 window
   // page: 1 + 3 BF16 pages and 6 INT4 pages per layer.
