@@ -562,7 +562,7 @@ absl::StatusOr<ModelShape> PresetShape(absl::string_view field,
       m.head_dim = p.head_dim;
       return m;
     }
-    names.push_back(p.name);
+    names.emplace_back(p.name);
   }
   return Invalid(field,
                  absl::StrCat("=", Quote(name), " is no preset; presets: ",
