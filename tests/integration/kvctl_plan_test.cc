@@ -115,6 +115,65 @@ TEST_F(KvctlPlanTest, UsesTheLiveTagMixTenantsAndWritesAChart) {
   EXPECT_THAT(ss.str(), HasSubstr("</svg>"));
 }
 
+TEST_F(KvctlPlanTest, AllocationRowsUseTheManagersStoredCalibration) {
+  // A table on the Llama-3-8B shape for the user tag: BF16, INT4, INT2.
+  triax::v1::PutCalibrationRequest put;
+  put.set_request_id("plan-cal-1");
+  triax::v1::CalibrationTable* t = put.mutable_table();
+  t->set_model("plan-cal");
+  t->mutable_shape()->set_name("llama-3-8b");
+  t->mutable_shape()->set_n_layers(32);
+  t->mutable_shape()->set_n_kv_heads(8);
+  t->mutable_shape()->set_n_q_heads(32);
+  t->mutable_shape()->set_head_dim(128);
+  t->set_block_tokens(16);
+  const triax::v1::Format formats[] = {
+      triax::v1::FORMAT_BF16, triax::v1::FORMAT_INT4, triax::v1::FORMAT_INT2};
+  const double distortion[] = {0, 0.1, 1};
+  for (int i = 0; i < 3; ++i) {
+    triax::v1::CalibrationEntry* e = t->add_entries();
+    e->mutable_tag()->set_temporal(triax::v1::TEMPORAL_CURRENT_TURN);
+    e->mutable_tag()->set_role(triax::v1::ROLE_USER);
+    e->set_format(formats[i]);
+    e->set_distortion(distortion[i]);
+  }
+  auto client = cluster_->NewClient("");
+  ASSERT_THAT(client, IsOk());
+  {
+    grpc::ClientContext ctx;
+    triax::v1::PutCalibrationResponse resp;
+    ASSERT_TRUE((*client)->manager()->PutCalibration(&ctx, put, &resp).ok());
+  }
+  const std::string mix = cluster_->dir() + "/mix.txt";
+  {
+    std::ofstream out(mix);
+    out << "# sink and a user turn\nsink/text/system 16\n"
+           "current_turn/text/user 4080\n";
+  }
+  std::vector<std::string> args = {"plan",
+                                   "--model=llama-3-8b",
+                                   "--gpu_memory=80GiB",
+                                   "--reserve=35GiB",
+                                   "--policies=bf16 triaxial=6",
+                                   "--calibration_model=plan-cal",
+                                   "--tag_mix=" + mix};
+  ASSERT_EQ(Kvctl(args), 0) << err_;
+  EXPECT_THAT(out_, HasSubstr("calibration: plan-cal"));
+  EXPECT_THAT(out_, HasSubstr("tag mix: 2 tags, 4,096 tokens"));
+  // 6 bits: the user turn in INT4 (INT4 at T=16 is 5.5 effective bits; the
+  // 16 sink tokens stay BF16), on the model's own shape.
+  EXPECT_THAT(Row("triaxial@6b"), HasSubstr("allocation"));
+  EXPECT_THAT(out_, HasSubstr("triaxial@6b by tag:\n"));
+  EXPECT_THAT(out_, ContainsRegex("sink/text/system +bf16 +16 tokens"));
+  EXPECT_THAT(out_,
+              ContainsRegex("current_turn/text/user +int4 +4,080 tokens"));
+
+  args[5] = "--calibration_model=nope";
+  EXPECT_EQ(Kvctl(args), 1);
+  EXPECT_THAT(err_, StartsWith("kvctl: NOT_FOUND: "));
+  EXPECT_THAT(err_, HasSubstr("nope"));
+}
+
 TEST_F(KvctlPlanTest, BadInputNamesTheFieldAndTheValue) {
   struct Case {
     std::vector<std::string> flags;
