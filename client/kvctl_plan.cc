@@ -517,36 +517,119 @@ std::string PlanTable(const v1::PlanCapacityResponse& r) {
   return out;
 }
 
+namespace {
+
+std::string SvgEscape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '&') {
+      o += "&amp;";
+    } else if (c == '<') {
+      o += "&lt;";
+    } else if (c == '>') {
+      o += "&gt;";
+    } else {
+      o += c;
+    }
+  }
+  return o;
+}
+
+// Sessions of the first context length against the KV memory per GPU, one
+// line per row: floor(memory x ceiling / session bytes) x GPUs at 64
+// memory points, the pages column's arithmetic at the row's session bytes
+// (frame rounding left out). Drawn from y = top; returns the panel's height.
+int SessionsPanel(const v1::PlanCapacityResponse& r, int top,
+                  std::string* out) {
+  constexpr int kLeft = 200, kWidth = 520, kHeight = 220, kPoints = 64;
+  static constexpr const char* kColors[] = {"#3182bd", "#e6550d", "#31a354",
+                                            "#756bb1", "#636363", "#d6616b",
+                                            "#8c6d31", "#17becf"};
+  const double gpus = static_cast<double>(std::max<int64_t>(1, r.gpu_count()));
+  const double per_gpu = r.kv_bytes() / gpus;
+  const double ceiling = r.kv_bytes() > 0 ? r.usable_bytes() / r.kv_bytes() : 1;
+  auto sessions = [&](const v1::CapacityRow& row, double memory) {
+    const auto bytes =
+        static_cast<double>(row.sessions(0).page_session_bytes());
+    return bytes > 0 ? std::floor(std::floor(memory * ceiling) / bytes) * gpus
+                     : 0.0;
+  };
+  double max_sessions = 1;
+  for (const auto& row : r.rows()) {
+    max_sessions = std::max(max_sessions, sessions(row, per_gpu));
+  }
+  const int y0 = top + 30, y1 = y0 + kHeight;
+  absl::StrAppend(
+      out,
+      absl::StrFormat(
+          "<text x=\"10\" y=\"%d\" font-size=\"14\">Sessions of %d tokens "
+          "(triaxkv pages) against KV memory per GPU (under the ceiling), %d "
+          "GPU%s</text>\n"
+          "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"black\"/>\n"
+          "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"black\"/>\n",
+          top + 14, r.context_lengths(0), r.gpu_count(),
+          r.gpu_count() == 1 ? "" : "s", kLeft, y1, kLeft + kWidth, y1, kLeft,
+          y0, kLeft, y1));
+  for (int t = 0; t <= 4; ++t) {
+    const double x = kLeft + kWidth * t / 4.0;
+    absl::StrAppend(out, absl::StrFormat("<text x=\"%.1f\" y=\"%d\" "
+                                         "text-anchor=\"middle\">%s</text>\n",
+                                         x, y1 + 16, GiB(per_gpu * t / 4.0)));
+  }
+  absl::StrAppend(
+      out, absl::StrFormat(
+               "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">%s</text>\n"
+               "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">0</text>\n",
+               kLeft - 6, y0 + 4, Thousands(static_cast<int64_t>(max_sessions)),
+               kLeft - 6, y1));
+  for (int i = 0; i < r.rows_size(); ++i) {
+    const auto& row = r.rows(i);
+    if (row.sessions_size() == 0) continue;
+    const char* color = kColors[i % 8];
+    std::string points;
+    for (int k = 0; k <= kPoints; ++k) {
+      const double memory = per_gpu * k / kPoints;
+      absl::StrAppend(
+          &points, k == 0 ? "" : " ",
+          absl::StrFormat("%.1f,%.1f",
+                          kLeft + kWidth * k / static_cast<double>(kPoints),
+                          y1 - kHeight * sessions(row, memory) / max_sessions));
+    }
+    absl::StrAppend(
+        out,
+        absl::StrFormat(
+            "<polyline class=\"sessions\" points=\"%s\" fill=\"none\" "
+            "stroke=\"%s\" stroke-width=\"2\"/>\n"
+            "<rect x=\"%d\" y=\"%d\" width=\"12\" height=\"12\" "
+            "fill=\"%s\"/><text x=\"%d\" y=\"%d\">%s</text>\n",
+            points, color, kLeft + kWidth + 12, y0 + 18 * i, color,
+            kLeft + kWidth + 28, y0 + 18 * i + 10, SvgEscape(row.label())));
+  }
+  return kHeight + 60;
+}
+
+}  // namespace
+
 std::string PlanSvg(const v1::PlanCapacityResponse& r) {
   constexpr int kBarH = 14, kGap = 10, kLeft = 200, kWidth = 520, kTop = 40;
   const int n = r.rows_size();
-  const int height = kTop + n * (2 * kBarH + kGap) + 40;
+  const int bars = kTop + n * (2 * kBarH + kGap) + 40;
+  std::string panel;
+  const int height =
+      bars +
+      (r.context_lengths_size() > 0 ? SessionsPanel(r, bars, &panel) : 0);
   double max_tokens = 1;
   for (const auto& row : r.rows()) {
     max_tokens = std::max({max_tokens, static_cast<double>(row.ideal_tokens()),
                            static_cast<double>(row.page_tokens())});
   }
-  auto escape = [](const std::string& s) {
-    std::string o;
-    for (char c : s) {
-      if (c == '&')
-        o += "&amp;";
-      else if (c == '<')
-        o += "&lt;";
-      else if (c == '>')
-        o += "&gt;";
-      else
-        o += c;
-    }
-    return o;
-  };
   std::string out = absl::StrFormat(
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
       "font-family=\"sans-serif\" font-size=\"12\">\n"
       "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
       "<text x=\"10\" y=\"20\" font-size=\"14\">Live tokens per policy: %s, "
       "%s usable</text>\n",
-      kLeft + kWidth + 120, height, escape(r.model().name()),
+      kLeft + kWidth + 200, height, SvgEscape(r.model().name()),
       GiB(r.usable_bytes()));
   for (int i = 0; i < n; ++i) {
     const auto& row = r.rows(i);
@@ -565,9 +648,9 @@ std::string PlanSvg(const v1::PlanCapacityResponse& r) {
             "<rect class=\"pages\" x=\"%d\" y=\"%d\" width=\"%.1f\" "
             "height=\"%d\" fill=\"#3182bd\"/>\n"
             "<text x=\"%.1f\" y=\"%d\">%s</text>\n",
-            kLeft - 6, y + kBarH + 4, escape(row.label()), kLeft, y, wi, kBarH,
-            kLeft + wi + 4, y + kBarH - 3, Thousands(row.ideal_tokens()), kLeft,
-            y + kBarH, wp, kBarH, kLeft + wp + 4, y + 2 * kBarH - 3,
+            kLeft - 6, y + kBarH + 4, SvgEscape(row.label()), kLeft, y, wi,
+            kBarH, kLeft + wi + 4, y + kBarH - 3, Thousands(row.ideal_tokens()),
+            kLeft, y + kBarH, wp, kBarH, kLeft + wp + 4, y + 2 * kBarH - 3,
             Thousands(row.page_tokens())));
   }
   absl::StrAppend(
@@ -577,9 +660,9 @@ std::string PlanSvg(const v1::PlanCapacityResponse& r) {
           "fill=\"#9ecae1\"/><text x=\"%d\" y=\"%d\">idealized (note)</text>\n"
           "<rect x=\"%d\" y=\"%d\" width=\"12\" height=\"12\" "
           "fill=\"#3182bd\"/><text x=\"%d\" y=\"%d\">triaxkv pages</text>\n",
-          kLeft, height - 24, kLeft + 16, height - 14, kLeft + 160, height - 24,
-          kLeft + 176, height - 14),
-      "</svg>\n");
+          kLeft, bars - 24, kLeft + 16, bars - 14, kLeft + 160, bars - 24,
+          kLeft + 176, bars - 14),
+      panel, "</svg>\n");
   return out;
 }
 

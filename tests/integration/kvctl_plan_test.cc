@@ -112,6 +112,10 @@ TEST_F(KvctlPlanTest, UsesTheLiveTagMixTenantsAndWritesAChart) {
   EXPECT_THAT(ss.str(),
               StartsWith("<svg xmlns=\"http://www.w3.org/2000/svg\""));
   EXPECT_THAT(ss.str(), HasSubstr(">triaxial-static</text>"));
+  // --context given: the sessions-against-memory panel, a line per row.
+  EXPECT_THAT(ss.str(), HasSubstr("Sessions of 4096 tokens (triaxkv pages)"));
+  EXPECT_THAT(ss.str(), ContainsRegex("(<polyline class=\"sessions\"[^\n]*\n"
+                                      "[^\n]*\n){2}"));
   EXPECT_THAT(ss.str(), HasSubstr("</svg>"));
 }
 
