@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <utility>
 
@@ -19,6 +20,15 @@ namespace {
 
 absl::Status Invalid(absl::string_view field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, what));
+}
+
+// A count from a double, saturating: a plan of 2^16 GPUs of tiny pages can
+// pass what an int64 holds.
+int64_t Count(double v) {
+  constexpr auto kMax =
+      static_cast<double>(std::numeric_limits<int64_t>::max());
+  return v >= kMax ? std::numeric_limits<int64_t>::max()
+                   : static_cast<int64_t>(v);
 }
 
 absl::Status Prefixed(const absl::Status& s, absl::string_view prefix) {
@@ -304,6 +314,12 @@ absl::Status ValidateTenants(const std::string& field,
     const CapacityTenant& t = tenants[i];
     const std::string f = absl::StrCat(field, "[", i, "]");
     if (t.tenant_id.empty()) return Invalid(f, ".tenant_id is empty");
+    for (size_t j = 0; j < i; ++j) {
+      if (tenants[j].tenant_id == t.tenant_id) {
+        return Invalid(f, absl::StrCat(".tenant_id=", Quote(t.tenant_id),
+                                       " repeats ", field, "[", j, "]"));
+      }
+    }
     if (t.floor_bytes < 0) {
       return Invalid(
           f, absl::StrCat(".floor_bytes=", t.floor_bytes, " is negative"));
@@ -482,13 +498,13 @@ absl::StatusOr<CapacityPlan> PlanOne(const CapacityRequest& req) {
     row.block_bytes = layers * eff;
     row.page_bytes_per_token = row.block_bytes / T;
     row.ideal_bytes_per_token = ideal;
-    row.ideal_tokens = std::llround(plan.usable_bytes / ideal);
-    row.page_tokens = static_cast<int64_t>(
-        std::floor(per_gpu_usable / row.block_bytes) * T * gpus);
+    row.ideal_tokens = Count(std::round(plan.usable_bytes / ideal));
+    row.page_tokens =
+        Count(std::floor(per_gpu_usable / row.block_bytes) * T * gpus);
     const double stored_block = layers * nominal;
-    row.host_tokens = static_cast<int64_t>(
+    row.host_tokens = Count(
         std::floor(static_cast<double>(req.host_bytes) / stored_block) * T);
-    row.disk_tokens = static_cast<int64_t>(
+    row.disk_tokens = Count(
         std::floor(static_cast<double>(req.disk_bytes) / stored_block) * T);
 
     std::vector<double> session_bytes;
@@ -509,27 +525,25 @@ absl::StatusOr<CapacityPlan> PlanOne(const CapacityRequest& req) {
                     static_cast<double>(blocks - sink_blocks) * eff +
                     window_pages * bf16_eff);
       s.page_session_bytes = static_cast<uint64_t>(std::ceil(bytes));
-      s.page_sessions = static_cast<int64_t>(
-          std::floor(per_gpu_usable /
-                     static_cast<double>(s.page_session_bytes)) *
-          gpus);
+      s.page_sessions =
+          Count(std::floor(per_gpu_usable /
+                           static_cast<double>(s.page_session_bytes)) *
+                gpus);
       const int64_t bf16_tokens =
           std::min<int64_t>(L, int64_t{row.sink_tokens} + row.window_tokens);
       s.ideal_session_bytes = static_cast<double>(bf16_tokens) * bf16_ideal +
                               static_cast<double>(L - bf16_tokens) * ideal;
-      s.ideal_sessions = static_cast<int64_t>(
-          std::floor(plan.usable_bytes / s.ideal_session_bytes));
+      s.ideal_sessions =
+          Count(std::floor(plan.usable_bytes / s.ideal_session_bytes));
       session_bytes.push_back(static_cast<double>(s.page_session_bytes));
       row.sessions.push_back(s);
     }
     for (const CapacityTenantShare& t : plan.tenants) {
       CapacityTenantRow tr;
       tr.tenant_id = t.tenant_id;
-      tr.page_tokens =
-          static_cast<int64_t>(std::floor(t.share_bytes / row.block_bytes) * T);
+      tr.page_tokens = Count(std::floor(t.share_bytes / row.block_bytes) * T);
       for (const double b : session_bytes) {
-        tr.page_sessions.push_back(
-            static_cast<int64_t>(std::floor(t.share_bytes / b)));
+        tr.page_sessions.push_back(Count(std::floor(t.share_bytes / b)));
       }
       row.tenants.push_back(std::move(tr));
     }

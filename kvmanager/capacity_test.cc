@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -358,6 +359,10 @@ TEST(CapacityTest, BadInputIsInvalidArgumentNamingFieldAndValue) {
        [](CapacityRequest* r) {
          r->tenants = {{"t", 10, 5}};
        }},
+      {"tenants[1].tenant_id=\"t\" repeats tenants[0]",
+       [](CapacityRequest* r) {
+         r->tenants = {{"t", 0, 0}, {"t", 0, 0}};
+       }},
       {"tenants[0].floor_bytes=-1",
        [](CapacityRequest* r) {
          r->tenants = {{"t", -1, 0}};
@@ -380,6 +385,20 @@ TEST(CapacityTest, BadInputIsInvalidArgumentNamingFieldAndValue) {
     EXPECT_THAT(PlanCapacity(r),
                 StatusIs(C::kInvalidArgument, HasSubstr(c.want)));
   }
+}
+
+TEST(CapacityTest, CountsSaturateInsteadOfOverflowing) {
+  CapacityRequest r;
+  r.model = {"tiny", 1, 1, 1, 2};
+  r.block_tokens = 1;
+  r.gpu_memory_bytes = int64_t{1} << 62;  // 32-byte blocks: 1.4e17 a GPU
+  r.gpu_count = kMaxCapacityGpus;
+  r.policies = {Uniform(Format::kBF16)};
+  auto plan = PlanCapacity(r);
+  ASSERT_THAT(plan, IsOk());
+  EXPECT_EQ(plan->rows[0].block_bytes, 32);
+  EXPECT_EQ(plan->rows[0].page_tokens, std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(plan->rows[0].ideal_tokens, std::numeric_limits<int64_t>::max());
 }
 
 TEST(CapacityTest, ParsesTagLabels) {
