@@ -62,7 +62,8 @@ ABSL_FLAG(std::string, what_if_tenant, "",
 ABSL_FLAG(std::string, what_if_policies, "",
           "plan: what if the rows were these (--policies syntax)");
 ABSL_FLAG(std::string, svg, "",
-          "plan: also write a bar chart of live tokens per policy (SVG)");
+          "plan: also write a chart (SVG): live tokens per policy and, with "
+          "--context, sessions against KV memory per GPU");
 
 namespace triax::kvctl {
 

@@ -30,8 +30,9 @@ absl::StatusOr<v1::PlanCapacityRequest> PlanRequestFromFlags();
 // tenants' shares and the what-ifs against the base plan.
 std::string PlanTable(const v1::PlanCapacityResponse& r);
 
-// A bar chart of live tokens per policy (idealized and pages) as a plain
-// SVG document.
+// A plain SVG document: a bar chart of live tokens per policy (idealized
+// and pages) and, when the plan has context lengths, the sessions of the
+// first one against KV memory per GPU.
 std::string PlanSvg(const v1::PlanCapacityResponse& r);
 
 // Runs the command: exit code 0, 1 (an error, printed "kvctl: CODE: ...")
