@@ -32,6 +32,7 @@
 #include "client/kv_client.h"
 #include "client/kvctl_format.h"
 #include "client/kvctl_live.h"
+#include "client/kvctl_plan.h"
 #include "client/kvctl_trace.h"
 #include "common/bearer.h"
 #include "common/grpc_status.h"
@@ -154,6 +155,9 @@ commands:
                                 snapshot size, applied-action counters and
                                 the N cheapest ranked actions (default 20)
   top [--interval S] [--count N]  live workers, encodings, tenants, rates
+  plan --model M --gpu_memory SIZE [...]
+                                capacity per policy and tenant (`kvctl plan`
+                                alone lists its flags; docs/capacity.md)
   transfer SEQ [--to W] [--policy P] [--timeout_ms N] [--follow_writes]
               [--first_block K --prefix_sequence P] [--tenant T]
                                 move a sequence to worker W (placement when
@@ -735,6 +739,10 @@ int main(int argc, char** argv) {
   if (cmd == "policies" && want_args(0)) return k.Policies();
   if (cmd == "policy-put" && args.size() >= 2) {
     return k.PolicyPut(args[0], {args.begin() + 1, args.end()});
+  }
+  if (cmd == "plan" && want_args(0)) {
+    return triax::kvctl::RunPlan((*client)->manager(),
+                                 absl::GetFlag(FLAGS_timeout_ms));
   }
   if (cmd == "demote" && want_args(3)) {
     uint64_t lineage = 0;

@@ -213,6 +213,10 @@ class ManagerService final : public v1::Manager::CallbackService {
   grpc::ServerUnaryReactor* ListTokens(grpc::CallbackServerContext* ctx,
                                        const v1::ListTokensRequest* req,
                                        v1::ListTokensResponse* resp) override;
+  // manager_service_capacity.cc (kvmanager/capacity.h); read-only.
+  grpc::ServerUnaryReactor* PlanCapacity(
+      grpc::CallbackServerContext* ctx, const v1::PlanCapacityRequest* req,
+      v1::PlanCapacityResponse* resp) override;
 
  private:
   // With capabilities on (RequireTokens): adds the manager's capability for
