@@ -197,7 +197,16 @@ TEST_F(ManagerFailoverTest, TheStandbyTakesOverWhenTheLeaderIsKilled) {
   const int leader = LeaderIndex();
   ASSERT_GE(leader, 0);
   const int standby = 1 - leader;
-  // The standby refuses, naming the leader.
+  // The standby refuses, naming the leader once it has seen the leader's
+  // key (its etcd watch may lag the leader's own start by a few ms; until
+  // then it answers "no leader is known yet").
+  ASSERT_THAT(Cluster::WaitFor(
+                  "the standby names the leader", absl::Seconds(10),
+                  [&]() -> absl::StatusOr<bool> {
+                    const absl::Status s = Probe(addresses_[standby], nullptr);
+                    return absl::StrContains(s.message(), "the leader is at ");
+                  }),
+              IsOk());
   EXPECT_THAT(Probe(addresses_[standby], nullptr),
               StatusIs(absl::StatusCode::kUnavailable,
                        HasSubstr("is a standby; the leader is at " +
