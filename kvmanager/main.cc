@@ -165,6 +165,20 @@ ABSL_FLAG(uint32_t, transfer_timeout_ms, 10000,
           "bound on a TransferSequence whose request gives no timeout_ms: "
           "allocate, pull, verify and commit, else it aborts; "
           "1..3600000");
+// Limits (docs/flags.md "Limits"): each refused RESOURCE_EXHAUSTED naming
+// the limit and its value.
+ABSL_FLAG(uint32_t, max_message_bytes, triax::manager::kMaxRequestBytes,
+          "largest request message the server receives, bytes; "
+          "1048576..2147483647");
+ABSL_FLAG(uint32_t, max_spans_per_request, 65536,
+          "spans of one OpenSequence / ExtendSequence; 0: no limit");
+ABSL_FLAG(uint32_t, max_sequences_per_tenant, 1000000,
+          "open sequences one tenant may hold (Open, Fork); 0: no limit");
+ABSL_FLAG(uint32_t, max_watchers, 1024,
+          "WatchEvents streams open at once; 0: no limit");
+ABSL_FLAG(uint64_t, max_events_per_watch, 0,
+          "events one WatchEvents stream sends before it ends (the client "
+          "resumes with the from_id the message names); 0: no limit");
 
 namespace {
 
@@ -320,6 +334,15 @@ int main(int argc, char** argv) {
     options.resume_reserve = absl::GetFlag(FLAGS_resume_reserve);
   }
   options.transfer_timeout_ms = absl::GetFlag(FLAGS_transfer_timeout_ms);
+  options.max_sequences_per_tenant =
+      absl::GetFlag(FLAGS_max_sequences_per_tenant);
+  const uint32_t max_message = absl::GetFlag(FLAGS_max_message_bytes);
+  if (max_message < (1u << 20) || max_message > INT32_MAX) {
+    Log(LogLevel::kError, "manager", "bad flags",
+        Kv("error", absl::StrCat("--max_message_bytes = ", max_message,
+                                 "; must be 1048576..2147483647")));
+    return 2;
+  }
   auto core =
       triax::manager::ManagerCore::Create(options, triax::RealClock::Get());
   if (!core.ok()) {
@@ -471,6 +494,11 @@ int main(int argc, char** argv) {
   triax::manager::ManagerService service(
       core->get(), check_ms, absl::GetFlag(FLAGS_worker_rpc_timeout_ms),
       absl::GetFlag(FLAGS_pressure_interval_ms));
+  triax::manager::ServiceLimits limits;
+  limits.max_spans_per_request = absl::GetFlag(FLAGS_max_spans_per_request);
+  limits.max_watchers = absl::GetFlag(FLAGS_max_watchers);
+  limits.max_events_per_watch = absl::GetFlag(FLAGS_max_events_per_watch);
+  service.SetLimits(limits);
 
   triax::RpcMetrics rpc_metrics("triaxkv_manager");
   triax::manager::ManagerMetricsOptions metrics_options;
@@ -494,7 +522,7 @@ int main(int argc, char** argv) {
   // gRPC would otherwise bind with SO_REUSEPORT, and a second kvmanager on
   // this port would start and split the connections with this one.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.SetMaxReceiveMessageSize(triax::manager::kMaxRequestBytes);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

@@ -67,8 +67,14 @@ grpc::ServerUnaryReactor* Unary(ManagerCore* core,
 // mu_ -> event log mutex.
 class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
  public:
-  WatchReactor(EventLog* log, const v1::WatchEventsRequest& req)
-      : max_events_(req.max_events()), replay_only_(req.replay_only()) {
+  // `watchers` counts this stream until OnDone; `limit`:
+  // ServiceLimits::max_events_per_watch.
+  WatchReactor(EventLog* log, const v1::WatchEventsRequest& req,
+               std::shared_ptr<std::atomic<uint32_t>> watchers, uint64_t limit)
+      : max_events_(req.max_events()),
+        replay_only_(req.replay_only()),
+        limit_(limit),
+        watchers_(std::move(watchers)) {
     sub_ = log->Subscribe(FromProto(req), req.from_id());
     sub_->SetNotify([this] { Pump(); });
     Pump();
@@ -102,6 +108,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
 
   void OnDone() override {
     sub_->Cancel();
+    watchers_->fetch_sub(1);
     delete this;
   }
 
@@ -122,6 +129,14 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
     absl::Status end;
     switch (sub_->Next(&event, &end)) {
       case EventSubscription::Result::kEvent:
+        if (limit_ != 0 && sent_ >= limit_) {
+          FinishLocked(grpc::Status(
+              grpc::StatusCode::RESOURCE_EXHAUSTED,
+              absl::StrCat("this watch sent ", sent_,
+                           " events, the limit max_events_per_watch = ", limit_,
+                           "; watch again with from_id = ", event.id)));
+          return;
+        }
         out_.Clear();
         ToProto(event, &out_);
         ++sent_;
@@ -147,10 +162,12 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
 
   const uint32_t max_events_;
   const bool replay_only_;
+  const uint64_t limit_;
+  const std::shared_ptr<std::atomic<uint32_t>> watchers_;
   std::shared_ptr<EventSubscription> sub_;
   absl::Mutex mu_;
   v1::Event out_ ABSL_GUARDED_BY(mu_);
-  uint32_t sent_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -504,6 +521,16 @@ grpc::ServerUnaryReactor* ManagerService::ListTenants(
   });
 }
 
+absl::Status ManagerService::CheckSpans(int spans) const {
+  if (limits_.max_spans_per_request == 0 ||
+      static_cast<uint32_t>(spans) <= limits_.max_spans_per_request) {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(
+      absl::StrCat("spans has ", spans, " spans, the limit ",
+                   "max_spans_per_request = ", limits_.max_spans_per_request));
+}
+
 grpc::ServerUnaryReactor* ManagerService::OpenSequence(
     grpc::CallbackServerContext* ctx, const v1::OpenSequenceRequest* req,
     v1::OpenSequenceResponse* resp) {
@@ -511,6 +538,10 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
   if (!req->has_model()) {
     FinishDurable(core_, reactor,
                   ToGrpcStatus(absl::InvalidArgumentError("model is not set")));
+    return reactor;
+  }
+  if (absl::Status s = CheckSpans(req->spans_size()); !s.ok()) {
+    FinishDurable(core_, reactor, ToGrpcStatus(s));
     return reactor;
   }
   OpenSequenceRequest open = FromProto(*req);
@@ -543,6 +574,10 @@ grpc::ServerUnaryReactor* ManagerService::ExtendSequence(
     grpc::CallbackServerContext* ctx, const v1::ExtendSequenceRequest* req,
     v1::ExtendSequenceResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (absl::Status s = CheckSpans(req->spans_size()); !s.ok()) {
+    FinishDurable(core_, reactor, ToGrpcStatus(s));
+    return reactor;
+  }
   ExtendSequenceRequest extend = FromProto(*req);
   AdmissionShortfall shortfall;
   auto r = core_->ExtendSequence(extend, &shortfall);
@@ -927,7 +962,18 @@ grpc::ServerWriteReactor<v1::Event>* ManagerService::WatchEvents(
   if (invalid.ok() && !req->sequence_id().empty()) {
     invalid = ValidateId("sequence_id", req->sequence_id());
   }
+  // Counted from here; a refused stream gives its place back at once.
+  const uint32_t open = watchers_->fetch_add(1);
+  if (invalid.ok() && limits_.max_watchers != 0 &&
+      open >= limits_.max_watchers) {
+    invalid = absl::ResourceExhaustedError(
+        absl::StrCat(open,
+                     " WatchEvents streams are open, the limit "
+                     "max_watchers = ",
+                     limits_.max_watchers));
+  }
   if (!invalid.ok()) {
+    watchers_->fetch_sub(1);
     // Rejected before any write: a reactor that only finishes.
     class Rejected final : public grpc::ServerWriteReactor<v1::Event> {
      public:
@@ -936,7 +982,8 @@ grpc::ServerWriteReactor<v1::Event>* ManagerService::WatchEvents(
     };
     return new Rejected(invalid);
   }
-  return new WatchReactor(&core_->events(), *req);
+  return new WatchReactor(&core_->events(), *req, watchers_,
+                          limits_.max_events_per_watch);
 }
 
 }  // namespace triax::manager

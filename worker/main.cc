@@ -103,6 +103,9 @@ ABSL_FLAG(std::string, link_host, "",
 ABSL_FLAG(std::string, nccl_library, "libnccl.so.2",
           "link transfer path, CUDA workers: the NCCL library to load "
           "(a file name searched on the library path, or a path)");
+ABSL_FLAG(uint32_t, max_message_bytes, 256u << 20,
+          "largest message the server receives and sends, bytes (a WriteKV "
+          "chunk, an ImportSequence page batch); 1048576..2147483647");
 ABSL_FLAG(int32_t, testing_corrupt_export_pages, 0,
           "TEST HOOK: flip one byte of every N-th page this worker exports "
           "(ExportPages), after its CRC32C was taken, so that the importing "
@@ -348,8 +351,13 @@ int main(int argc, char** argv) {
   // this port would start and split the connections with this one.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(256 << 20);
-  builder.SetMaxSendMessageSize(256 << 20);
+  const uint32_t max_message = absl::GetFlag(FLAGS_max_message_bytes);
+  if (max_message < (1u << 20) || max_message > INT32_MAX) {
+    return Fail(2, absl::StrCat("--max_message_bytes = ", max_message,
+                                "; must be 1048576..2147483647"));
+  }
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
+  builder.SetMaxSendMessageSize(static_cast<int>(max_message));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     return Fail(1, absl::StrCat("cannot listen on --listen=", listen,

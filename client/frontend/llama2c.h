@@ -100,7 +100,9 @@ class Tokenizer {
 // score, int32 length, bytes. Encode() is run.c's encode() (dummy-prefix space
 // when the text is non-empty, UTF-8 code points looked up whole, byte
 // fallback to id byte+3, then repeated merge of the best-scoring adjacent pair,
-// leftmost on ties) done with a heap instead of rescans, same result.
+// leftmost on ties) done with a heap instead of rescans, same result. A
+// vocabulary without " " gets no dummy prefix and one too small for a byte's
+// fallback id gets 0 for it, where run.c would index out of bounds.
 class BpeTokenizer : public Tokenizer {
  public:
   // Reads `vocab_size` entries (the model's vocab_size, as run.c does).
