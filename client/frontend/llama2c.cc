@@ -9,6 +9,7 @@
 #include <random>
 #include <sstream>
 
+#include "absl/memory/memory.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -179,9 +180,12 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(
   auto bytes_or = ReadFile(path);
   if (!bytes_or.ok()) return bytes_or.status();
   const std::string& b = *bytes_or;
-  if (vocab_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tokenizer vocab_size = ", vocab_size, "; must be positive"));
+  // Encode() starts with BOS (id 1) and run.c's ids 0..2 are <unk>, <s>,
+  // </s>: a smaller vocabulary would have Encode index past its end.
+  if (vocab_size < 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer vocab_size = ", vocab_size,
+                     "; must be at least 3 (<unk>, <s>, </s>)"));
   }
   size_t off = 0;
   auto read = [&](void* dst, size_t n) {
@@ -202,7 +206,7 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(
     return absl::DataLossError(absl::StrCat(path, ": truncated at token ", fit,
                                             " of vocab_size ", vocab_size));
   }
-  auto t = std::make_unique<BpeTokenizer>();
+  auto t = absl::WrapUnique(new BpeTokenizer());
   t->vocab_.resize(vocab_size);
   t->scores_.resize(vocab_size);
   for (int i = 0; i < vocab_size; ++i) {
