@@ -47,10 +47,11 @@ for t in "${targets[@]}"; do
   crashes="tests/fuzz/regressions/$t"
   mkdir -p "$grown" "$crashes"
   echo "fuzz.sh: fuzz_$t for ${seconds}s"
+  # In-process, one job (-jobs=N would fork and log to ./fuzz-N.log).
   # -rss_limit_mb: a loader that allocates for a size its input cannot hold
   # is a bug (fuzz_util.h); -timeout: one input must not take seconds.
   if ! "$build/bin/fuzz_$t" "$grown" "$seeds" -max_total_time="$seconds" \
-      -jobs=1 -workers=1 -rss_limit_mb=2048 -timeout=10 -max_len=65536 \
+      -rss_limit_mb=2048 -timeout=10 -max_len=65536 \
       -print_final_stats=1 -artifact_prefix="$crashes/" ${FUZZ_ARGS:-}; then
     echo "fuzz.sh: fuzz_$t found a crash; reproducer in $crashes/" >&2
     status=1
