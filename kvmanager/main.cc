@@ -27,6 +27,7 @@
 #include "common/daemon_flags.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/parse_errors.h"
 #include "common/port_file.h"
 #include "kvmanager/dashboard.h"
 #include "kvmanager/etcd_log.h"
@@ -516,6 +517,8 @@ int main(int argc, char** argv) {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
         interceptors;
+    // First, so that the metrics record the status the client gets.
+    interceptors.push_back(triax::ParseErrorInterceptorFactory());
     interceptors.push_back(rpc_metrics.InterceptorFactory());
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }

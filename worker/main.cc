@@ -26,6 +26,7 @@
 #include "common/ids.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/parse_errors.h"
 #include "common/port_file.h"
 #include "worker/device.h"
 #include "worker/health_reporter.h"
@@ -344,6 +345,8 @@ int main(int argc, char** argv) {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
         interceptors;
+    // First, so that the metrics record the status the client gets.
+    interceptors.push_back(triax::ParseErrorInterceptorFactory());
     interceptors.push_back(rpc_metrics.InterceptorFactory());
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
