@@ -60,8 +60,9 @@ std::string TakeInvalidUtf8Field() {
 class ParseErrorInterceptor : public grpc::experimental::Interceptor {
  public:
   explicit ParseErrorInterceptor(ServerRpcInfo* info)
-      : request_type_(
-            RequestType(info->method() != nullptr ? info->method() : "")),
+      // The registered method's name, which outlives the call; looked up
+      // only when a request fails to parse.
+      : method_(info->method() != nullptr ? info->method() : ""),
         // Only these receive their request before the handler runs; a
         // stream's null message is also its end, and only a UTF-8 failure
         // (which names the field) tells the two apart.
@@ -89,13 +90,13 @@ class ParseErrorInterceptor : public grpc::experimental::Interceptor {
                                  InterceptionHookPoints::PRE_SEND_STATUS)) {
       methods->ModifySendStatus(grpc::Status(
           grpc::StatusCode::INVALID_ARGUMENT,
-          absl::StrCat("request ", request_type_, ": ", failure_)));
+          absl::StrCat("request ", RequestType(method_), ": ", failure_)));
     }
     methods->Proceed();
   }
 
  private:
-  const std::string request_type_;
+  const char* const method_;
   const bool request_first_;
   std::string failure_;
 };
