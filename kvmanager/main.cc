@@ -28,6 +28,7 @@
 #include "common/daemon_flags.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/parse_errors.h"
 #include "common/port_file.h"
 #include "common/tls.h"
 #include "kvmanager/dashboard.h"
@@ -201,6 +202,20 @@ ABSL_FLAG(uint32_t, transfer_timeout_ms, 10000,
           "bound on a TransferSequence whose request gives no timeout_ms: "
           "allocate, pull, verify and commit, else it aborts; "
           "1..3600000");
+// Limits (docs/flags.md "Limits"): each refused RESOURCE_EXHAUSTED naming
+// the limit and its value.
+ABSL_FLAG(uint32_t, max_message_bytes, triax::manager::kMaxRequestBytes,
+          "largest request message the server receives, bytes; "
+          "1048576..2147483647");
+ABSL_FLAG(uint32_t, max_spans_per_request, 65536,
+          "spans of one OpenSequence / ExtendSequence; 0: no limit");
+ABSL_FLAG(uint32_t, max_sequences_per_tenant, 1000000,
+          "open sequences one tenant may hold (Open, Fork); 0: no limit");
+ABSL_FLAG(uint32_t, max_watchers, 1024,
+          "WatchEvents streams open at once; 0: no limit");
+ABSL_FLAG(uint64_t, max_events_per_watch, 0,
+          "events one WatchEvents stream sends before it ends (the client "
+          "resumes with the from_id the message names); 0: no limit");
 
 namespace {
 
@@ -384,6 +399,15 @@ int main(int argc, char** argv) {
     Log(LogLevel::kWarn, "manager",
         "TLS without --tls_ca: client certificates are not asked for, so any "
         "client may register and heartbeat as a worker");
+  }
+  options.max_sequences_per_tenant =
+      absl::GetFlag(FLAGS_max_sequences_per_tenant);
+  const uint32_t max_message = absl::GetFlag(FLAGS_max_message_bytes);
+  if (max_message < (1u << 20) || max_message > INT32_MAX) {
+    Log(LogLevel::kError, "manager", "bad flags",
+        Kv("error", absl::StrCat("--max_message_bytes = ", max_message,
+                                 "; must be 1048576..2147483647")));
+    return 2;
   }
   auto core =
       triax::manager::ManagerCore::Create(options, triax::RealClock::Get());
@@ -580,6 +604,11 @@ int main(int argc, char** argv) {
         absl::StrCat("--auth=", auth, " is not one of none, token"));
     return 2;
   }
+  triax::manager::ServiceLimits limits;
+  limits.max_spans_per_request = absl::GetFlag(FLAGS_max_spans_per_request);
+  limits.max_watchers = absl::GetFlag(FLAGS_max_watchers);
+  limits.max_events_per_watch = absl::GetFlag(FLAGS_max_events_per_watch);
+  service.SetLimits(limits);
 
   triax::RpcMetrics rpc_metrics("triaxkv_manager");
   triax::manager::ManagerMetricsOptions metrics_options;
@@ -597,13 +626,15 @@ int main(int argc, char** argv) {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
         interceptors;
+    // First, so that the metrics record the status the client gets.
+    interceptors.push_back(triax::ParseErrorInterceptorFactory());
     interceptors.push_back(rpc_metrics.InterceptorFactory());
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
   // gRPC would otherwise bind with SO_REUSEPORT, and a second kvmanager on
   // this port would start and split the connections with this one.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.SetMaxReceiveMessageSize(triax::manager::kMaxRequestBytes);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

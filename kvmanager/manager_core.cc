@@ -303,6 +303,8 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
                                    "OpenSequence"));
   if (hit) return hit->reply;
   TRIAX_ASSIGN_OR_RETURN(TenantRecord * tenant, tenants_.Find(req.tenant_id));
+  TRIAX_RETURN_IF_ERROR(
+      TenantLedger::AdmitSequence(*tenant, options_.max_sequences_per_tenant));
   const std::string& policy_name =
       req.policy.empty() ? tenant->default_policy : req.policy;
   TRIAX_ASSIGN_OR_RETURN(std::shared_ptr<const Policy> policy,
@@ -636,6 +638,8 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
       SequenceRecord * parent,
       FindOpenSequenceLocked(req.tenant_id, "parent_sequence_id",
                              req.parent_sequence_id));
+  TRIAX_RETURN_IF_ERROR(TenantLedger::AdmitSequence(
+      *parent->tenant, options_.max_sequences_per_tenant));
   TRIAX_ASSIGN_OR_RETURN(const ForkPlan plan,
                          SequencePlanner::PlanFork(*parent, req.num_tokens));
   BlockRecord* cut = plan.cut;

@@ -281,6 +281,10 @@ struct ManagerOptions {
   // Bound on a TransferSequence whose request has timeout_ms 0;
   // 1..kMaxTransferTimeoutMs.
   uint32_t transfer_timeout_ms = 10000;
+  // Open sequences one tenant may hold (Open and Fork past it:
+  // RESOURCE_EXHAUSTED naming the limit); 0: no limit. Closed and lost ones
+  // do not count.
+  uint32_t max_sequences_per_tenant = 1'000'000;
 };
 
 class ManagerCore {

@@ -16,6 +16,7 @@
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "kvmanager/convert.h"
+#include "kvmanager/manager_service_unary.h"
 #include "kvmanager/reclaim_round.h"
 
 namespace triax::manager {
@@ -52,16 +53,6 @@ void ToProto(const ReclaimReport& r, v1::ReclaimSummary* out) {
 // else every this many rounds.
 constexpr int kIdleRankRounds = 10;
 
-// The one helper every simple unary RPC goes through: runs `body` (which
-// fills the response and returns a Status) and finishes with the mapped
-// status (FinishDurable).
-template <typename F>
-grpc::ServerUnaryReactor* Unary(ManagerCore* core,
-                                grpc::CallbackServerContext* ctx, F&& body) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  FinishDurable(core, reactor, ToGrpcStatus(body()));
-  return reactor;
-}
 
 // Streams events of one subscription; deletes itself in OnDone.
 // Thread contract: reactions and the subscription's notify callback may run
@@ -69,8 +60,14 @@ grpc::ServerUnaryReactor* Unary(ManagerCore* core,
 // mu_ -> event log mutex.
 class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
  public:
-  WatchReactor(EventLog* log, const v1::WatchEventsRequest& req)
-      : max_events_(req.max_events()), replay_only_(req.replay_only()) {
+  // `watchers` counts this stream until OnDone; `limit`:
+  // ServiceLimits::max_events_per_watch.
+  WatchReactor(EventLog* log, const v1::WatchEventsRequest& req,
+               std::shared_ptr<std::atomic<uint32_t>> watchers, uint64_t limit)
+      : max_events_(req.max_events()),
+        replay_only_(req.replay_only()),
+        limit_(limit),
+        watchers_(std::move(watchers)) {
     sub_ = log->Subscribe(FromProto(req), req.from_id());
     sub_->SetNotify([this] { Pump(); });
     Pump();
@@ -104,6 +101,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
 
   void OnDone() override {
     sub_->Cancel();
+    watchers_->fetch_sub(1);
     delete this;
   }
 
@@ -124,6 +122,14 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
     absl::Status end;
     switch (sub_->Next(&event, &end)) {
       case EventSubscription::Result::kEvent:
+        if (limit_ != 0 && sent_ >= limit_) {
+          FinishLocked(grpc::Status(
+              grpc::StatusCode::RESOURCE_EXHAUSTED,
+              absl::StrCat("this watch sent ", sent_,
+                           " events, the limit max_events_per_watch = ", limit_,
+                           "; watch again with from_id = ", event.id)));
+          return;
+        }
         out_.Clear();
         ToProto(event, &out_);
         ++sent_;
@@ -149,10 +155,12 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
 
   const uint32_t max_events_;
   const bool replay_only_;
+  const uint64_t limit_;
+  const std::shared_ptr<std::atomic<uint32_t>> watchers_;
   std::shared_ptr<EventSubscription> sub_;
   absl::Mutex mu_;
   v1::Event out_ ABSL_GUARDED_BY(mu_);
-  uint32_t sent_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t sent_ ABSL_GUARDED_BY(mu_) = 0;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -165,54 +173,6 @@ void FinishDurable(ManagerCore* core, grpc::ServerUnaryReactor* reactor,
   core->WhenDurable(
       ManagerCore::TakeDurableTicket(),
       [reactor, status = std::move(status)] { reactor->Finish(status); });
-}
-
-v1::Capability ManagerService::ManagerCapability(
-    const std::string& worker_id, const std::string& tenant_id,
-    const std::string& sequence_id) const {
-  v1::Capability cap;
-  cap.set_tenant_id(tenant_id);
-  cap.set_sequence_id(sequence_id);
-  cap.set_worker_id(worker_id);
-  // Long enough for the slowest worker call the manager makes.
-  cap.set_expires_unix_ms(core_->NowMs() +
-                          std::max<int64_t>(worker_rpc_timeout_ms_, 60000));
-  cap.set_scope(v1::Capability::SCOPE_MANAGER);
-  SignCapability(capability_key_, &cap);
-  return cap;
-}
-
-void ManagerService::SignWorkerCall(grpc::ClientContext* ctx,
-                                    const std::string& worker_id,
-                                    const std::string& tenant_id,
-                                    const std::string& sequence_id) const {
-  if (capability_key_.empty()) return;
-  AddCapability(ctx, ManagerCapability(worker_id, tenant_id, sequence_id));
-}
-
-void ManagerService::SignSequence(v1::SequenceInfo* info) const {
-  info->clear_capabilities();
-  if (capability_key_.empty() || info->worker_id().empty()) return;
-  const int64_t expires = core_->NowMs() + capability_ttl_ms_;
-  v1::Capability* own = info->add_capabilities();
-  own->set_tenant_id(info->tenant_id());
-  own->set_sequence_id(info->sequence_id());
-  own->set_worker_id(info->worker_id());
-  own->set_expires_unix_ms(expires);
-  own->set_scope(v1::Capability::SCOPE_CLIENT);
-  own->set_max_tokens(info->num_tokens());
-  SignCapability(capability_key_, own);
-  if (info->prefix_blocks() > 0 && !info->prefix_sequence_id().empty()) {
-    v1::Capability* fork = info->add_capabilities();
-    fork->set_tenant_id(info->prefix_tenant_id().empty()
-                            ? info->tenant_id()
-                            : info->prefix_tenant_id());
-    fork->set_sequence_id(info->prefix_sequence_id());
-    fork->set_worker_id(info->worker_id());
-    fork->set_expires_unix_ms(expires);
-    fork->set_scope(v1::Capability::SCOPE_FORK);
-    SignCapability(capability_key_, fork);
-  }
 }
 
 ManagerService::ManagerService(ManagerCore* core, int64_t check_interval_ms,
@@ -513,19 +473,6 @@ grpc::ServerUnaryReactor* ManagerService::Heartbeat(
   });
 }
 
-grpc::ServerUnaryReactor* ManagerService::ListWorkers(
-    grpc::CallbackServerContext* ctx, const v1::ListWorkersRequest* req,
-    v1::ListWorkersResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "ListWorkers"));
-    auto r = core_->ListWorkers(PageOf(*req));
-    if (!r.ok()) return r.status();
-    for (const WorkerInfo& w : r->items) ToProto(w, resp->add_workers());
-    resp->set_next_page_token(r->next_page_token);
-    return absl::OkStatus();
-  });
-}
-
 grpc::ServerUnaryReactor* ManagerService::CreateTenant(
     grpc::CallbackServerContext* ctx, const v1::CreateTenantRequest* req,
     v1::CreateTenantResponse* resp) {
@@ -552,25 +499,14 @@ grpc::ServerUnaryReactor* ManagerService::SetBudget(
   });
 }
 
-grpc::ServerUnaryReactor* ManagerService::ListTenants(
-    grpc::CallbackServerContext* ctx, const v1::ListTenantsRequest* req,
-    v1::ListTenantsResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_ASSIGN_OR_RETURN(const std::string scope,
-                           auth_.TenantScope(*ctx, "ListTenants", ""));
-    if (!scope.empty()) {
-      // A tenant sees itself only (no paging: one item).
-      auto own = core_->GetTenant(scope);
-      if (!own.ok()) return own.status();
-      ToProto(*own, resp->add_tenants());
-      return absl::OkStatus();
-    }
-    auto r = core_->ListTenants(PageOf(*req));
-    if (!r.ok()) return r.status();
-    for (const TenantInfo& t : r->items) ToProto(t, resp->add_tenants());
-    resp->set_next_page_token(r->next_page_token);
+absl::Status ManagerService::CheckSpans(int spans) const {
+  if (limits_.max_spans_per_request == 0 ||
+      static_cast<uint32_t>(spans) <= limits_.max_spans_per_request) {
     return absl::OkStatus();
-  });
+  }
+  return absl::ResourceExhaustedError(
+      absl::StrCat("spans has ", spans, " spans, the limit ",
+                   "max_spans_per_request = ", limits_.max_spans_per_request));
 }
 
 grpc::ServerUnaryReactor* ManagerService::OpenSequence(
@@ -586,6 +522,10 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
   if (!req->has_model()) {
     FinishDurable(core_, reactor,
                   ToGrpcStatus(absl::InvalidArgumentError("model is not set")));
+    return reactor;
+  }
+  if (absl::Status s = CheckSpans(req->spans_size()); !s.ok()) {
+    FinishDurable(core_, reactor, ToGrpcStatus(s));
     return reactor;
   }
   OpenSequenceRequest open = FromProto(*req);
@@ -626,6 +566,10 @@ grpc::ServerUnaryReactor* ManagerService::ExtendSequence(
           auth_.Tenant(*ctx, "ExtendSequence", req->tenant_id());
       !denied.ok()) {
     reactor->Finish(ToGrpcStatus(denied));
+    return reactor;
+  }
+  if (absl::Status s = CheckSpans(req->spans_size()); !s.ok()) {
+    FinishDurable(core_, reactor, ToGrpcStatus(s));
     return reactor;
   }
   ExtendSequenceRequest extend = FromProto(*req);
@@ -829,67 +773,6 @@ grpc::ServerUnaryReactor* ManagerService::TruncateSequence(
   });
 }
 
-grpc::ServerUnaryReactor* ManagerService::GetSequence(
-    grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* req,
-    v1::GetSequenceResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(
-        req->tenant_id().empty()
-            ? auth_.Admin(*ctx, "GetSequence (no tenant_id: any tenant's)")
-            : auth_.Tenant(*ctx, "GetSequence", req->tenant_id()));
-    auto r = core_->GetSequence(req->tenant_id(), req->sequence_id());
-    if (!r.ok()) return r.status();
-    ToProto(*r, resp->mutable_sequence());
-    SignSequence(resp->mutable_sequence());
-    return absl::OkStatus();
-  });
-}
-
-grpc::ServerUnaryReactor* ManagerService::ListSequences(
-    grpc::CallbackServerContext* ctx, const v1::ListSequencesRequest* req,
-    v1::ListSequencesResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_ASSIGN_OR_RETURN(
-        const std::string tenant,
-        auth_.TenantScope(*ctx, "ListSequences", req->tenant_id()));
-    auto r = core_->ListSequences(tenant, req->include_closed(), PageOf(*req));
-    if (!r.ok()) return r.status();
-    for (const SequenceInfo& s : r->items) ToProto(s, resp->add_sequences());
-    resp->set_next_page_token(r->next_page_token);
-    return absl::OkStatus();
-  });
-}
-
-grpc::ServerUnaryReactor* ManagerService::QueryTrace(
-    grpc::CallbackServerContext* ctx, const v1::QueryTraceRequest* req,
-    v1::QueryTraceResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_ASSIGN_OR_RETURN(const std::string scope,
-                           auth_.TenantScope(*ctx, "QueryTrace", ""));
-    auto r = core_->QueryTrace(req->lineage_id(), PageOf(*req));
-    if (!r.ok()) return r.status();
-    if (!scope.empty()) {
-      // A tenant traces only blocks its own sequences made, and sees only
-      // its own events of them (a block shared by prefix reuse is not
-      // another tenant's window into it).
-      if (!core_->GetSequence(scope, r->sequence_id).ok()) {
-        return absl::PermissionDeniedError(absl::StrCat(
-            "QueryTrace: lineage_id=", req->lineage_id(),
-            " was made by a sequence that is not tenant ", Quote(scope), "'s"));
-      }
-      std::vector<Event> own;
-      for (Event& e : r->events) {
-        if (e.tenant_id.empty() || e.tenant_id == scope) {
-          own.push_back(std::move(e));
-        }
-      }
-      r->events = std::move(own);
-    }
-    ToProto(*r, resp);
-    return absl::OkStatus();
-  });
-}
-
 grpc::ServerUnaryReactor* ManagerService::PutPolicy(
     grpc::CallbackServerContext* ctx, const v1::PutPolicyRequest* req,
     v1::PutPolicyResponse* resp) {
@@ -902,19 +785,6 @@ grpc::ServerUnaryReactor* ManagerService::PutPolicy(
     ToProto(*r, resp->mutable_policy());
     Log(LogLevel::kInfo, "manager", "policy stored",
         absl::StrCat(Kv("name", r->name), " ", Kv("rules", r->rules.size())));
-    return absl::OkStatus();
-  });
-}
-
-grpc::ServerUnaryReactor* ManagerService::ListPolicies(
-    grpc::CallbackServerContext* ctx, const v1::ListPoliciesRequest* req,
-    v1::ListPoliciesResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(auth_.User(*ctx, "ListPolicies"));
-    auto r = core_->ListPolicies(PageOf(*req));
-    if (!r.ok()) return r.status();
-    for (const PolicyInfo& p : r->items) ToProto(p, resp->add_policies());
-    resp->set_next_page_token(r->next_page_token);
     return absl::OkStatus();
   });
 }
@@ -1061,18 +931,6 @@ grpc::ServerUnaryReactor* ManagerService::PutCalibration(
   });
 }
 
-grpc::ServerUnaryReactor* ManagerService::GetCalibration(
-    grpc::CallbackServerContext* ctx, const v1::GetCalibrationRequest* req,
-    v1::GetCalibrationResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(auth_.User(*ctx, "GetCalibration"));
-    auto r = core_->GetCalibration(req->model());
-    if (!r.ok()) return r.status();
-    ToProto(*r, resp->mutable_table());
-    return absl::OkStatus();
-  });
-}
-
 grpc::ServerWriteReactor<v1::Event>* ManagerService::WatchEvents(
     grpc::CallbackServerContext* ctx, const v1::WatchEventsRequest* req) {
   absl::Status invalid;
@@ -1084,7 +942,18 @@ grpc::ServerWriteReactor<v1::Event>* ManagerService::WatchEvents(
   if (invalid.ok() && !req->sequence_id().empty()) {
     invalid = ValidateId("sequence_id", req->sequence_id());
   }
+  // Counted from here; a refused stream gives its place back at once.
+  const uint32_t open = watchers_->fetch_add(1);
+  if (invalid.ok() && limits_.max_watchers != 0 &&
+      open >= limits_.max_watchers) {
+    invalid = absl::ResourceExhaustedError(
+        absl::StrCat(open,
+                     " WatchEvents streams are open, the limit "
+                     "max_watchers = ",
+                     limits_.max_watchers));
+  }
   if (!invalid.ok()) {
+    watchers_->fetch_sub(1);
     // Rejected before any write: a reactor that only finishes.
     class Rejected final : public grpc::ServerWriteReactor<v1::Event> {
      public:
@@ -1093,55 +962,10 @@ grpc::ServerWriteReactor<v1::Event>* ManagerService::WatchEvents(
     };
     return new Rejected(invalid);
   }
-  if (*scope == req->tenant_id()) {
-    return new WatchReactor(&core_->events(), *req);
-  }
   v1::WatchEventsRequest scoped = *req;  // a tenant watches its own events
   scoped.set_tenant_id(*scope);
-  return new WatchReactor(&core_->events(), scoped);
-}
-
-grpc::ServerUnaryReactor* ManagerService::IssueToken(
-    grpc::CallbackServerContext* ctx, const v1::IssueTokenRequest* req,
-    v1::IssueTokenResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "IssueToken"));
-    auto r = core_->IssueToken(req->role(), req->tenant_id(),
-                               req->ttl_seconds(), req->description());
-    if (!r.ok()) return r.status();
-    ToProto(r->record, resp->mutable_info());
-    resp->set_token(r->token);
-    Log(LogLevel::kInfo, "manager", "token issued",
-        absl::StrCat(Kv("token_id", r->record.id), " ",
-                     Kv("role", RoleName(r->record.role)), " ",
-                     Kv("tenant_id", r->record.tenant_id), " ",
-                     Kv("expires_unix_ms", r->record.expires_ms)));
-    return absl::OkStatus();
-  });
-}
-
-grpc::ServerUnaryReactor* ManagerService::RevokeToken(
-    grpc::CallbackServerContext* ctx, const v1::RevokeTokenRequest* req,
-    v1::RevokeTokenResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "RevokeToken"));
-    TRIAX_RETURN_IF_ERROR(core_->RevokeToken(req->token_id()));
-    Log(LogLevel::kInfo, "manager", "token revoked",
-        Kv("token_id", req->token_id()));
-    return absl::OkStatus();
-  });
-}
-
-grpc::ServerUnaryReactor* ManagerService::ListTokens(
-    grpc::CallbackServerContext* ctx, const v1::ListTokensRequest* req,
-    v1::ListTokensResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(auth_.Admin(*ctx, "ListTokens"));
-    for (const TokenRecord& t : core_->ListTokens()) {
-      ToProto(t, resp->add_tokens());
-    }
-    return absl::OkStatus();
-  });
+  return new WatchReactor(&core_->events(), scoped, watchers_,
+                          limits_.max_events_per_watch);
 }
 
 }  // namespace triax::manager

@@ -67,6 +67,7 @@
 
 #include <grpcpp/security/credentials.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -94,6 +95,22 @@ namespace triax::manager {
 // by gRPC before it reaches the service.
 inline constexpr int kMaxRequestBytes = 64 << 20;
 
+// Caps on what one client may ask of the service (kvmanager flags, docs/
+// flags.md "Limits"); each is refused RESOURCE_EXHAUSTED with a message
+// naming the limit and its value. (Message size is the server's
+// --max_message_bytes, enforced by gRPC; open sequences per tenant is
+// ManagerOptions::max_sequences_per_tenant, in the core.)
+struct ServiceLimits {
+  // `spans` of one OpenSequence / ExtendSequence (rendered text is bounded
+  // by the tagger's kMaxRenderedBytes instead); 0: no limit.
+  uint32_t max_spans_per_request = 65'536;
+  // WatchEvents streams open at once; 0: no limit.
+  uint32_t max_watchers = 1'024;
+  // Events one WatchEvents stream sends before it is finished (the message
+  // names the from_id to resume with); 0: no limit.
+  uint64_t max_events_per_watch = 0;
+};
+
 // Finishes `reactor` with `status` once what this thread's core calls
 // changed is durable (ManagerCore::WhenDurable; at once without a journal),
 // so that no reply acknowledges a change a crash could lose, and no thread
@@ -114,6 +131,8 @@ class ManagerService final : public v1::Manager::CallbackService {
   // Stops the failure detector and waits for in-flight worker calls;
   // idempotent.
   void Stop();
+  // Call before the server starts (not synchronized with RPCs).
+  void SetLimits(const ServiceLimits& limits) { limits_ = limits; }
 
   // Credentials of the channels to workers (TLS, common/tls.h); insecure
   // until set. `server_name`: with TLS, the name workers' certificates are
@@ -232,6 +251,8 @@ class ManagerService final : public v1::Manager::CallbackService {
   // worker (and a fork capability for its shared prefix) into
   // info->capabilities; off, or no worker: nothing.
   void SignSequence(v1::SequenceInfo* info) const;
+  // RESOURCE_EXHAUSTED past ServiceLimits::max_spans_per_request.
+  absl::Status CheckSpans(int spans) const;
   void CheckLoop(int64_t interval_ms);
   // The pressure executor: runs posted tasks in order and, every
   // interval_ms > 0 without tasks, one background pressure round.
@@ -306,6 +327,11 @@ class ManagerService final : public v1::Manager::CallbackService {
   Authorizer auth_;             // off unless RequireTokens
   std::string capability_key_;  // empty: capabilities off
   int64_t capability_ttl_ms_ = 0;
+  ServiceLimits limits_;
+  // WatchEvents streams open now (ServiceLimits::max_watchers); shared with
+  // the reactors, which may finish after a call returns.
+  std::shared_ptr<std::atomic<uint32_t>> watchers_ =
+      std::make_shared<std::atomic<uint32_t>>(0);
   const int64_t worker_rpc_timeout_ms_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_

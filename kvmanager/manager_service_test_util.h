@@ -23,12 +23,16 @@ using ::testing::HasSubstr;
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto core = ManagerCore::Create(ManagerOptions{}, &clock_);
+    auto core = ManagerCore::Create(Options(), &clock_);
     ASSERT_TRUE(core.ok()) << core.status();
     core_ = std::move(*core);
     service_ =
         std::make_unique<ManagerService>(core_.get(), /*check_interval_ms=*/0);
+    service_->SetLimits(Limits());
     grpc::ServerBuilder builder;
+    if (MaxMessageBytes() > 0) {
+      builder.SetMaxReceiveMessageSize(MaxMessageBytes());
+    }
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
                              &port);
@@ -57,6 +61,12 @@ class ServiceTest : public ::testing::Test {
       ASSERT_TRUE(Call(&v1::Manager::Stub::CreateTenant, ct, &ct_resp).ok());
     }
   }
+
+  // What a fixture may change (limits tests): the core's options, the
+  // service's limits, the server's largest request (0: gRPC's default).
+  virtual ManagerOptions Options() const { return {}; }
+  virtual ServiceLimits Limits() const { return {}; }
+  virtual int MaxMessageBytes() const { return 0; }
 
   void TearDown() override {
     if (server_) server_->Shutdown();

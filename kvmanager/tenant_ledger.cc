@@ -132,4 +132,13 @@ Page<TenantInfo> TenantLedger::ListPage(const PageCursor& cursor) const {
   return page;
 }
 
+absl::Status TenantLedger::AdmitSequence(const TenantRecord& t,
+                                         uint32_t max_open) {
+  if (max_open == 0 || t.open_sequences < max_open) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "tenant ", t.id, " has ", t.open_sequences,
+      " open sequences, the limit max_sequences_per_tenant = ", max_open,
+      " (close some first)"));
+}
+
 }  // namespace triax::manager

@@ -59,6 +59,10 @@ class TenantLedger {
 
   // See "Admission" above.
   static absl::Status Admit(const TenantRecord& t, uint64_t bytes);
+  // RESOURCE_EXHAUSTED naming the limit and the tenant when one more open
+  // sequence would pass `max_open` (ManagerOptions::
+  // max_sequences_per_tenant; 0: no limit).
+  static absl::Status AdmitSequence(const TenantRecord& t, uint32_t max_open);
   // Above the device ceiling (after a lowered budget): by how many bytes;
   // 0 when within it or without a device budget.
   static uint64_t DeviceOverage(const TenantRecord& t);

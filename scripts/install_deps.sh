@@ -16,6 +16,9 @@ pkgs=(
   libssl-dev openssl curl
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-yaml
   python3-zmq python3-msgpack
+  # clang with libFuzzer and the sanitizer runtimes: scripts/fuzz.sh (the
+  # normal build uses g++).
+  clang libclang-rt-14-dev
   # Headless browser for dashboard_test (label browser): ~100 MB download,
   # ~360 MB installed with chromium-common; the test skips without it.
   chromium

@@ -30,6 +30,7 @@
 #include "common/ids.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/parse_errors.h"
 #include "common/port_file.h"
 #include "common/tls.h"
 #include "worker/device.h"
@@ -138,6 +139,9 @@ ABSL_FLAG(std::string, tls_worker_names, "kvworker",
 ABSL_FLAG(bool, tls_require_client_cert, false,
           "refuse clients without a certificate signed by --tls_ca (mutual "
           "TLS on every call)");
+ABSL_FLAG(uint32_t, max_message_bytes, 256u << 20,
+          "largest message the server receives and sends, bytes (a WriteKV "
+          "chunk, an ImportSequence page batch); 1048576..2147483647");
 ABSL_FLAG(int32_t, testing_corrupt_export_pages, 0,
           "TEST HOOK: flip one byte of every N-th page this worker exports "
           "(ExportPages), after its CRC32C was taken, so that the importing "
@@ -442,6 +446,8 @@ int main(int argc, char** argv) {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
         interceptors;
+    // First, so that the metrics record the status the client gets.
+    interceptors.push_back(triax::ParseErrorInterceptorFactory());
     interceptors.push_back(rpc_metrics.InterceptorFactory());
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
@@ -449,8 +455,13 @@ int main(int argc, char** argv) {
   // this port would start and split the connections with this one.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(256 << 20);
-  builder.SetMaxSendMessageSize(256 << 20);
+  const uint32_t max_message = absl::GetFlag(FLAGS_max_message_bytes);
+  if (max_message < (1u << 20) || max_message > INT32_MAX) {
+    return Fail(2, absl::StrCat("--max_message_bytes = ", max_message,
+                                "; must be 1048576..2147483647"));
+  }
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_message));
+  builder.SetMaxSendMessageSize(static_cast<int>(max_message));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     return Fail(1, absl::StrCat("cannot listen on --listen=", listen,

@@ -9,6 +9,7 @@
 #include <random>
 #include <sstream>
 
+#include "absl/memory/memory.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -16,13 +17,17 @@
 namespace triax::frontend {
 
 uint64_t ModelConfig::NumWeights() const {
-  const uint64_t d = dim, h = hidden_dim, l = n_layers, v = vocab_size;
-  const uint64_t kv = static_cast<uint64_t>(kv_dim());
-  uint64_t n = l * d * 2 + d + v * d;     // norms, final norm, embeddings
+  // In 128 bits: a hostile header's dimensions (each < 2^31) must not wrap
+  // around to a count that matches the file's size. Saturates at 2^64 - 1,
+  // which no file matches.
+  using U = unsigned __int128;
+  const U d = dim, h = hidden_dim, l = n_layers, v = vocab_size;
+  const U kv = static_cast<U>(n_kv_heads) * (n_heads > 0 ? dim / n_heads : 0);
+  U n = l * d * 2 + d + v * d;            // norms, final norm, embeddings
   n += l * (d * d + kv * d * 2 + d * d);  // wq, wk, wv, wo
   n += l * h * d * 3;                     // w1, w2, w3
   if (!shared_classifier) n += v * d;
-  return n;
+  return n > UINT64_MAX / 4 ? UINT64_MAX : static_cast<uint64_t>(n);
 }
 
 absl::Status ValidateConfig(const ModelConfig& c) {
@@ -128,7 +133,9 @@ absl::StatusOr<std::unique_ptr<Model>> ParseModel(absl::string_view bytes,
   if (absl::Status s = ValidateConfig(c); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": ", s.message()));
   }
-  const uint64_t want = kLlama2cHeaderBytes + c.NumWeights() * 4;
+  const uint64_t weights = c.NumWeights();
+  const uint64_t want =
+      weights == UINT64_MAX ? UINT64_MAX : kLlama2cHeaderBytes + weights * 4;
   if (bytes.size() != want) {
     return absl::InvalidArgumentError(absl::StrCat(
         name, ": file size = ", bytes.size(),
@@ -173,9 +180,12 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(
   auto bytes_or = ReadFile(path);
   if (!bytes_or.ok()) return bytes_or.status();
   const std::string& b = *bytes_or;
-  if (vocab_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tokenizer vocab_size = ", vocab_size, "; must be positive"));
+  // Encode() starts with BOS (id 1) and run.c's ids 0..2 are <unk>, <s>,
+  // </s>: a smaller vocabulary would have Encode index past its end.
+  if (vocab_size < 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer vocab_size = ", vocab_size,
+                     "; must be at least 3 (<unk>, <s>, </s>)"));
   }
   size_t off = 0;
   auto read = [&](void* dst, size_t n) {
@@ -188,7 +198,15 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(
   if (!read(&max_len, 4)) {
     return absl::DataLossError(absl::StrCat(path, ": truncated header"));
   }
-  auto t = std::make_unique<BpeTokenizer>();
+  // Every entry takes at least 8 bytes (score, length): a vocab_size the file
+  // cannot hold is refused before anything is allocated for it.
+  // (The message names the first token that cannot fit, as the loop would.)
+  if (const size_t fit = (b.size() - off) / 8;
+      fit < static_cast<size_t>(vocab_size)) {
+    return absl::DataLossError(absl::StrCat(path, ": truncated at token ", fit,
+                                            " of vocab_size ", vocab_size));
+  }
+  auto t = absl::WrapUnique(new BpeTokenizer());
   t->vocab_.resize(vocab_size);
   t->scores_.resize(vocab_size);
   for (int i = 0; i < vocab_size; ++i) {
@@ -225,9 +243,13 @@ std::vector<int> BpeTokenizer::Encode(absl::string_view text, bool bos) const {
   text = text.substr(0, std::min(text.size(), text.find('\0')));
   std::vector<int> tokens;
   if (bos) tokens.push_back(1);
+  // run.c would push -1 for a missing " " and byte + 3 past the vocabulary,
+  // then index its vocabulary with them; here the prefix is left out and such
+  // a byte becomes 0 (<unk>), so every id is in range (a hostile or truncated
+  // tokenizer.bin; same result as run.c for every well-formed one).
   if (!text.empty()) {
     const int dummy = Lookup(" ");
-    tokens.push_back(dummy);
+    if (dummy != -1) tokens.push_back(dummy);
   }
   // Code points (at most 4 bytes, as run.c groups continuation bytes).
   std::string buf;
@@ -243,7 +265,9 @@ std::vector<int> BpeTokenizer::Encode(absl::string_view text, bool bos) const {
     if (id != -1) {
       tokens.push_back(id);
     } else {
-      for (unsigned char byte : buf) tokens.push_back(byte + 3);
+      for (unsigned char byte : buf) {
+        tokens.push_back(byte + 3 < vocab_size() ? byte + 3 : 0);
+      }
     }
     buf.clear();
   }

@@ -100,11 +100,16 @@ class Tokenizer {
 // score, int32 length, bytes. Encode() is run.c's encode() (dummy-prefix space
 // when the text is non-empty, UTF-8 code points looked up whole, byte
 // fallback to id byte+3, then repeated merge of the best-scoring adjacent pair,
-// leftmost on ties) done with a heap instead of rescans, same result.
+// leftmost on ties) done with a heap instead of rescans, same result. A
+// vocabulary without " " gets no dummy prefix and one too small for a byte's
+// fallback id gets 0 for it, where run.c would index out of bounds.
+// Only Load() makes one, so every tokenizer holds <unk>, <s>, </s> (ids 0..2)
+// and BOS is always a valid id.
 class BpeTokenizer : public Tokenizer {
  public:
   // Reads `vocab_size` entries (the model's vocab_size, as run.c does).
-  // NOT_FOUND, DATA_LOSS (truncated), INVALID_ARGUMENT (negative length).
+  // NOT_FOUND, DATA_LOSS (truncated), INVALID_ARGUMENT (vocab_size below 3,
+  // negative length).
   static absl::StatusOr<std::unique_ptr<BpeTokenizer>> Load(
       const std::string& path, int vocab_size);
 
@@ -119,6 +124,7 @@ class BpeTokenizer : public Tokenizer {
   float score(int id) const { return scores_[id]; }
 
  private:
+  BpeTokenizer() = default;
   int Lookup(absl::string_view s) const;  // -1 when absent
 
   std::vector<std::string> vocab_;

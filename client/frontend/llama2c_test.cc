@@ -6,6 +6,7 @@
 #include <cstring>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "client/frontend/test_data.h"
 #include "common/status_matchers.h"
 
@@ -141,16 +142,44 @@ TEST(BpeTokenizerErrors, MissingAndTruncatedFiles) {
     const float score = 0;
     const int32_t len = 1;
     std::fwrite(&max_len, 4, 1, f);
-    std::fwrite(&score, 4, 1, f);
-    std::fwrite(&len, 4, 1, f);
-    std::fwrite("a", 1, 1, f);
+    for (const char* piece : {"a", "b", "c"}) {
+      std::fwrite(&score, 4, 1, f);
+      std::fwrite(&len, 4, 1, f);
+      std::fwrite(piece, 1, 1, f);
+    }
     std::fclose(f);
   }
-  EXPECT_THAT(BpeTokenizer::Load(path, 2),
-              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("token 1")));
-  auto one = BpeTokenizer::Load(path, 1);
-  ASSERT_TRUE(one.ok()) << one.status();
-  EXPECT_EQ((*one)->piece(0), "a");
+  EXPECT_THAT(BpeTokenizer::Load(path, 4),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("token 3")));
+  auto three = BpeTokenizer::Load(path, 3);
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_EQ((*three)->piece(0), "a");
+  // No " ", and 'x' + 3 is past the vocabulary: BOS, then <unk>.
+  EXPECT_EQ((*three)->Encode("x", true), (std::vector<int>{1, 0}));
+}
+
+// BOS is id 1 and Encode() merges pieces by id: fewer than <unk>, <s>, </s>
+// is refused (the fuzzer's vocab_size 1 read past the vocabulary).
+TEST(BpeTokenizerErrors, VocabularyTooSmallForSpecialTokens) {
+  const std::string path = ::testing::TempDir() + "/tiny_tokenizer.bin";
+  {
+    FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    const int32_t max_len = 4;
+    const float score = 0;
+    const int32_t len = 0;
+    std::fwrite(&max_len, 4, 1, f);
+    for (int i = 0; i < 2; ++i) {
+      std::fwrite(&score, 4, 1, f);
+      std::fwrite(&len, 4, 1, f);
+    }
+    std::fclose(f);
+  }
+  for (int vocab_size : {-1, 0, 1, 2}) {
+    EXPECT_THAT(BpeTokenizer::Load(path, vocab_size),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrCat("vocab_size = ", vocab_size))));
+  }
 }
 
 TEST(ByteTokenizerTest, BytesAndSpecials) {

@@ -2,10 +2,12 @@
 // each gets its canonical code and a message naming the field, and leaves
 // the cluster as it was.
 #include <gmock/gmock.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <future>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -415,6 +417,109 @@ TEST_F(BadInputTest, RenderedPromptsUpToTheDocumentedSize) {
   EXPECT_THAT(
       open(size_t{65} << 20, 4096, &unused),
       StatusIs(StatusCode::kResourceExhausted, HasSubstr("larger than max")));
+}
+
+// A string field's bytes on the wire: tag (wire type 2), length, bytes.
+std::string WireString(int field, absl::string_view bytes) {
+  std::string out;
+  for (uint64_t v : {uint64_t(field) << 3 | 2, uint64_t{bytes.size()}}) {
+    while (v >= 0x80) {
+      out.push_back(static_cast<char>(v | 0x80));
+      v >>= 7;
+    }
+    out.push_back(static_cast<char>(v));
+  }
+  absl::StrAppend(&out, bytes);
+  return out;
+}
+
+// `wire` sent as the request of the unary `method` with no client-side
+// serialization, as a client in another language could send it.
+absl::Status RawUnary(const std::string& address, const std::string& method,
+                      const std::string& wire) {
+  grpc::GenericStub stub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::Slice slice(wire);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
+                 [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  return FromGrpcStatus(done.get_future().get());
+}
+
+// proto3 string fields must hold UTF-8: protobuf refuses the request while
+// parsing it, before any handler runs. The daemons answer INVALID_ARGUMENT
+// naming the field (common/parse_errors.h), not gRPC's bare UNIMPLEMENTED
+// (callback services) or INTERNAL (sync services).
+TEST_F(BadInputTest, InvalidUtf8InStringFieldNamesTheField) {
+  triax::v1::OpenSequenceRequest open;
+  *open.mutable_model() = SmallModel();
+  *open.add_spans() = MakeSpan(ROLE_USER, 4);
+  open.set_policy("bf16");
+  // tenant_id is field 2 of OpenSequenceRequest and of AllocatePagesRequest.
+  const std::string bad_tenant = WireString(2, "alpha\xff\xfe");
+  EXPECT_THAT(
+      RawUnary(cluster_->manager_address(), "/triax.v1.Manager/OpenSequence",
+               open.SerializeAsString() + bad_tenant),
+      StatusIs(StatusCode::kInvalidArgument,
+               HasSubstr("request triax.v1.OpenSequenceRequest: string field "
+                         "triax.v1.OpenSequenceRequest.tenant_id is not "
+                         "valid UTF-8")));
+  // A nested message's field: model (field 3) .name (field 1); the model
+  // fields are merged into the model already there.
+  EXPECT_THAT(
+      RawUnary(cluster_->manager_address(), "/triax.v1.Manager/OpenSequence",
+               open.SerializeAsString() + WireString(3, WireString(1, "\xc3"))),
+      StatusIs(StatusCode::kInvalidArgument,
+               HasSubstr("triax.v1.ModelShape.name")));
+
+  triax::v1::AllocatePagesRequest alloc;
+  alloc.set_sequence_id("s-utf8");
+  *alloc.mutable_model() = SmallModel();
+  EXPECT_THAT(
+      RawUnary(seq_->worker_address, "/triax.v1.Worker/AllocatePages",
+               alloc.SerializeAsString() + bad_tenant),
+      StatusIs(StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("triax.v1.AllocatePagesRequest.tenant_id"),
+                     HasSubstr("UTF-8"))));
+}
+
+// A client stream: the worker's WriteKV handler sees its first Read fail,
+// and the status says why.
+TEST_F(BadInputTest, InvalidUtf8InStreamedMessageNamesTheField) {
+  auto w = alpha_->worker(seq_->worker_address);
+  ASSERT_THAT(w, IsOk());
+  triax::v1::WriteKVRequest req;
+  // The C++ client only logs a string that is not UTF-8 and sends it.
+  req.set_tenant_id("alpha\xff");
+  req.set_sequence_id(seq_->sequence_id);
+  triax::v1::WriteKVResponse resp;
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  auto writer = (*w)->WriteKV(&ctx, &resp);
+  writer->Write(req);
+  writer->WritesDone();
+  EXPECT_THAT(FromGrpcStatus(writer->Finish()),
+              StatusIs(StatusCode::kInvalidArgument,
+                       HasSubstr("triax.v1.WriteKVRequest.tenant_id")));
+}
+
+// Bytes that are not a protobuf message at all (a length past the end).
+TEST_F(BadInputTest, MalformedRequestBytesAreInvalidArgument) {
+  // tenant_id (field 2) of 64 bytes, 5 sent.
+  const std::string truncated = std::string("\x12\x40") + "alpha";
+  EXPECT_THAT(RawUnary(cluster_->manager_address(),
+                       "/triax.v1.Manager/OpenSequence", truncated),
+              StatusIs(StatusCode::kInvalidArgument,
+                       HasSubstr("request triax.v1.OpenSequenceRequest: the "
+                                 "bytes are not a valid protobuf message")));
+  EXPECT_THAT(RawUnary(seq_->worker_address, "/triax.v1.Worker/AllocatePages",
+                       truncated),
+              StatusIs(StatusCode::kInvalidArgument,
+                       HasSubstr("triax.v1.AllocatePagesRequest")));
 }
 
 }  // namespace
