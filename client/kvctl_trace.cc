@@ -56,6 +56,7 @@ bool IsBlockEvent(triax::v1::EventKind kind) {
     case triax::v1::EVENT_BLOCK_RESTORED:
     case triax::v1::EVENT_BLOCK_EVICTED:
     case triax::v1::EVENT_BLOCK_TRANSFERRED:
+    case triax::v1::EVENT_BLOCK_SEALED:
       return true;
     default:
       return false;
@@ -302,6 +303,16 @@ class TraceBuilder {
                               {"pid", dpid},
                               {"tid", dtid},
                               {"bp", "e"}});
+        return;
+      }
+      case triax::v1::EVENT_BLOCK_SEALED: {
+        // Written and encoded: the span of its writing ends, the block's
+        // sealed span (same tier) begins.
+        std::optional<Residence> was = CloseAt(e);
+        std::string encoding = DetailValue(e.detail(), "encoding");
+        if (encoding.empty() && was) encoding = was->encoding;
+        Open(e, was ? was->worker : e.worker_id(), was ? was->tier : 0,
+             encoding);
         return;
       }
       case triax::v1::EVENT_BLOCK_EVICTED:

@@ -72,6 +72,9 @@ Inventory FromProto(const v1::Inventory& p) {
   d.evictions = p.evictions();
   d.restored_lineage_ids.assign(p.restored_lineage_ids().begin(),
                                 p.restored_lineage_ids().end());
+  for (const v1::SealedBlock& b : p.sealed_blocks()) {
+    d.sealed_blocks.emplace_back(b.lineage_id(), b.unix_ms());
+  }
   d.device_error = p.device_error();
   d.frame_bytes = p.frame_bytes();
   d.frames = p.frames();

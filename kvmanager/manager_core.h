@@ -655,6 +655,12 @@ class ManagerCore {
   // A recovered worker's first report (manager_core_durable.cc): its open
   // sequences `inventory` does not list are LOST.
   // Returns its open sequences that were in doubt (WorkerRecord::verify).
+  // EVENT_BLOCK_SEALED for each block of `sealed` (lineage id, the
+  // worker's unix ms) still live on `w`.
+  void SealedEventsLocked(
+      const WorkerRecord& w,
+      const std::vector<std::pair<uint64_t, int64_t>>& sealed,
+      std::vector<Event>* ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::string> ReconcileRecoveredLocked(
       WorkerRecord* w, const Inventory& inventory, std::vector<Event>* ev,
       std::vector<EventLog::LastPlan>* forgotten)

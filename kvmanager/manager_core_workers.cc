@@ -87,6 +87,7 @@ absl::StatusOr<RegisterWorkerResult> ManagerCore::RegisterWorker(
   if (!req.inventory.restored_lineage_ids.empty()) {
     pressure_.ApplyWorkerRestores(w, req.inventory.restored_lineage_ids, &ev);
   }
+  SealedEventsLocked(*w, req.inventory.sealed_blocks, &ev);
   Event e;
   e.unix_ms = clock_->NowMs();
   e.kind = EventKind::kWorkerUp;
@@ -149,6 +150,8 @@ absl::StatusOr<HeartbeatResult> ManagerCore::Heartbeat(
     pressure_.ApplyWorkerRestores(w, inventory.restored_lineage_ids, &ev);
     w->info.inventory.restored_lineage_ids.clear();
   }
+  SealedEventsLocked(*w, inventory.sealed_blocks, &ev);
+  w->info.inventory.sealed_blocks.clear();
   if (!ev.empty()) events_.Append(&ev, &forgotten);
   HeartbeatResult result;
   result.release_sequence_ids = ReleaseListLocked(*w, inventory);
@@ -342,6 +345,26 @@ std::vector<std::string> ManagerCore::ReleaseListLocked(
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
+}
+
+void ManagerCore::SealedEventsLocked(
+    const WorkerRecord& w,
+    const std::vector<std::pair<uint64_t, int64_t>>& sealed,
+    std::vector<Event>* ev) {
+  const int64_t now = clock_->NowMs();
+  for (const auto& [id, unix_ms] : sealed) {
+    BlockRecord* b = sequences_.FindBlock(id);
+    // A block freed, moved or unknown since: its seal is no news.
+    if (b == nullptr || b->worker != &w) continue;
+    Event e = MakeEvent(*clock_, EventKind::kBlockSealed,
+                        SequenceTable::Owner(*b), b);
+    // The worker's clock, never ahead of the manager's (the event log's
+    // times stay ordered with its ids).
+    e.unix_ms = std::min(unix_ms, now);
+    e.detail = absl::StrCat("encoding=", EncodingString(b->encoding),
+                            " num_tokens=", b->num_tokens, " by=worker");
+    ev->push_back(std::move(e));
+  }
 }
 
 }  // namespace triax::manager

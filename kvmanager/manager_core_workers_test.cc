@@ -139,6 +139,42 @@ TEST_F(WorkersTest, ASilentWorkerIsSuspectThenUpAgainWithNothingLost) {
   EXPECT_EQ(CountKind(EventKind::kWorkerRecovered), 1u);
 }
 
+// Inventory.sealed_blocks: one EVENT_BLOCK_SEALED per live block of the
+// reporting worker, at the worker's time (never ahead of the manager's).
+TEST_F(WorkersTest, SealedBlocksTheWorkerReportsBecomeEvents) {
+  auto seq = Open({S(Role::kUser, 40)});
+  ASSERT_THAT(seq, IsOk());
+  ASSERT_GE(seq->blocks.size(), 2u);
+  const int64_t now = clock_.NowMs();
+  Inventory inv = Holding({seq->sequence_id});
+  inv.sealed_blocks = {{seq->blocks[0].lineage_id, now - 50},
+                       {999999, now - 40},  // not a block: skipped
+                       {seq->blocks[1].lineage_id, now + 1000}};
+  ASSERT_THAT(core_->Heartbeat("w1", inv, kBoot), IsOk());
+  std::vector<Event> sealed;
+  for (const Event& e : AllEvents()) {
+    if (e.kind == EventKind::kBlockSealed) sealed.push_back(e);
+  }
+  ASSERT_EQ(sealed.size(), 2u);
+  EXPECT_EQ(sealed[0].lineage_id, seq->blocks[0].lineage_id);
+  EXPECT_EQ(sealed[0].unix_ms, now - 50);
+  EXPECT_EQ(sealed[0].worker_id, "w1");
+  EXPECT_EQ(sealed[0].sequence_id, seq->sequence_id);
+  EXPECT_EQ(sealed[0].tenant_id, "acme");
+  EXPECT_THAT(sealed[0].detail, HasSubstr("encoding="));
+  EXPECT_EQ(sealed[1].lineage_id, seq->blocks[1].lineage_id);
+  EXPECT_EQ(sealed[1].unix_ms, now);  // clamped to the manager's clock
+  // Reported once: the next heartbeat carries nothing new.
+  ASSERT_THAT(core_->Heartbeat("w1", Holding({seq->sequence_id}), kBoot),
+              IsOk());
+  EXPECT_EQ(CountKind(EventKind::kBlockSealed), 2u);
+  // Another worker's report of w1's block is not news.
+  RegisterWorkerRequest w2{"", "w2", "127.0.0.1:9002", "cpu", 1ull << 40};
+  w2.inventory.sealed_blocks = {{seq->blocks[0].lineage_id, now}};
+  ASSERT_THAT(core_->RegisterWorker(w2), IsOk());
+  EXPECT_EQ(CountKind(EventKind::kBlockSealed), 2u);
+}
+
 TEST_F(WorkersTest, SuspectPastTheDownTimeoutLosesItsSequences) {
   auto seq = Open({S(Role::kUser, 40)});
   ASSERT_THAT(seq, IsOk());

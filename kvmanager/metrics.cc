@@ -375,7 +375,7 @@ void ManagerMetrics::CollectEvents(std::vector<MetricFamily>* out) const {
   {
     absl::MutexLock lock(&mu_);
     for (int k = static_cast<int>(EventKind::kBlockCreated);
-         k <= static_cast<int>(EventKind::kSequenceTransferred); ++k) {
+         k <= static_cast<int>(EventKind::kLastEventKind); ++k) {
       auto it = events_.find(k);
       AddSample(&events, {{"kind", KindLabel(static_cast<EventKind>(k))}},
                 it == events_.end() ? 0.0 : static_cast<double>(it->second));

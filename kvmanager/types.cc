@@ -29,21 +29,34 @@ std::string WorkerStateName(WorkerState s) {
 }
 
 std::string EventKindName(EventKind k) {
-  static const char* const kNames[] = {
-      "EVENT_KIND_UNSPECIFIED",    "EVENT_BLOCK_CREATED",
-      "EVENT_BLOCK_RETAGGED",      "EVENT_BLOCK_SHARED",
-      "EVENT_BLOCK_RELEASED",      "EVENT_BLOCK_FREED",
-      "EVENT_BLOCK_LOST",          "EVENT_SEQUENCE_OPENED",
-      "EVENT_SEQUENCE_EXTENDED",   "EVENT_SEQUENCE_FORKED",
-      "EVENT_SEQUENCE_CLOSED",     "EVENT_SEQUENCE_LOST",
-      "EVENT_WORKER_UP",           "EVENT_WORKER_DOWN",
-      "EVENT_TENANT_CHANGED",      "EVENT_BLOCK_DEMOTED",
-      "EVENT_BLOCK_SPILLED",       "EVENT_BLOCK_RESTORED",
-      "EVENT_BLOCK_EVICTED",       "EVENT_WORKER_SUSPECT",
-      "EVENT_WORKER_RECOVERED",    "EVENT_SEQUENCE_RECOVERED",
-      "EVENT_SEQUENCE_TRUNCATED",  "EVENT_TRANSFER_STARTED",
-      "EVENT_BLOCK_TRANSFERRED",   "EVENT_TRANSFER_FAILED",
-      "EVENT_SEQUENCE_TRANSFERRED"};
+  static const char* const kNames[] = {"EVENT_KIND_UNSPECIFIED",
+                                       "EVENT_BLOCK_CREATED",
+                                       "EVENT_BLOCK_RETAGGED",
+                                       "EVENT_BLOCK_SHARED",
+                                       "EVENT_BLOCK_RELEASED",
+                                       "EVENT_BLOCK_FREED",
+                                       "EVENT_BLOCK_LOST",
+                                       "EVENT_SEQUENCE_OPENED",
+                                       "EVENT_SEQUENCE_EXTENDED",
+                                       "EVENT_SEQUENCE_FORKED",
+                                       "EVENT_SEQUENCE_CLOSED",
+                                       "EVENT_SEQUENCE_LOST",
+                                       "EVENT_WORKER_UP",
+                                       "EVENT_WORKER_DOWN",
+                                       "EVENT_TENANT_CHANGED",
+                                       "EVENT_BLOCK_DEMOTED",
+                                       "EVENT_BLOCK_SPILLED",
+                                       "EVENT_BLOCK_RESTORED",
+                                       "EVENT_BLOCK_EVICTED",
+                                       "EVENT_WORKER_SUSPECT",
+                                       "EVENT_WORKER_RECOVERED",
+                                       "EVENT_SEQUENCE_RECOVERED",
+                                       "EVENT_SEQUENCE_TRUNCATED",
+                                       "EVENT_TRANSFER_STARTED",
+                                       "EVENT_BLOCK_TRANSFERRED",
+                                       "EVENT_TRANSFER_FAILED",
+                                       "EVENT_SEQUENCE_TRANSFERRED",
+                                       "EVENT_BLOCK_SEALED"};
   return NameOf("EVENT_KIND", static_cast<int>(k), kNames);
 }
 

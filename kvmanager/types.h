@@ -66,6 +66,10 @@ enum class EventKind : int {
   kBlockTransferred = 24,
   kTransferFailed = 25,
   kSequenceTransferred = 26,
+  // Reported by the worker (Inventory.sealed_blocks): every layer of the
+  // block written and encoded into its format.
+  kBlockSealed = 27,
+  kLastEventKind = kBlockSealed,
 };
 
 // "EVENT_BLOCK_CREATED", ...; "EVENT_KIND(<int>)" when out of range.
@@ -242,6 +246,9 @@ struct Inventory {
   // Restored by the worker itself (restore on Attend) since its previous
   // heartbeat.
   std::vector<uint64_t> restored_lineage_ids;
+  // Sealed on the worker since its previous heartbeat: (lineage id, the
+  // worker's unix ms of the seal).
+  std::vector<std::pair<uint64_t, int64_t>> sealed_blocks;
   std::string device_error;  // empty: the device serves
   // The page arena in frames (triax.v1.Inventory fields 20..31);
   // frame_bytes 0: the worker reported none (room is then counted in bytes).

@@ -101,6 +101,7 @@ WorkerRecord* WorkerRegistry::Register(const RegisterWorkerRequest& req,
   w->info.last_heartbeat_unix_ms = now_ms;
   w->info.inventory = req.inventory;
   w->info.inventory.restored_lineage_ids.clear();
+  w->info.inventory.sealed_blocks.clear();
   w->info.incarnation = req.incarnation;
   w->incarnation = req.incarnation;
   w->planned_at_report = w->planned_total;

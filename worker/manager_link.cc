@@ -232,6 +232,11 @@ std::unique_ptr<ManagerLink> NewManagerLink(ManagerLinkOptions options,
         for (uint64_t id : core->TakeSelfRestored()) {
           inv.add_restored_lineage_ids(id);
         }
+        for (const auto& [id, unix_ms] : core->TakeSealed()) {
+          v1::SealedBlock* s = inv.add_sealed_blocks();
+          s->set_lineage_id(id);
+          s->set_unix_ms(unix_ms);
+        }
         return inv;
       },
       [core](const std::vector<std::string>& lost) { core->DropLost(lost); },
@@ -239,6 +244,11 @@ std::unique_ptr<ManagerLink> NewManagerLink(ManagerLinkOptions options,
         core->ReturnSelfRestored(
             std::vector<uint64_t>(unsent.restored_lineage_ids().begin(),
                                   unsent.restored_lineage_ids().end()));
+        std::vector<std::pair<uint64_t, int64_t>> sealed;
+        for (const v1::SealedBlock& s : unsent.sealed_blocks()) {
+          sealed.emplace_back(s.lineage_id(), s.unix_ms());
+        }
+        core->ReturnSealed(sealed);
       });
 }
 

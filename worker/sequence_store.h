@@ -406,6 +406,17 @@ class SequenceStore {
   std::vector<uint64_t> TakeSelfRestored();
   void ReturnSelfRestored(const std::vector<uint64_t>& lineage_ids);
 
+  // Blocks sealed since the previous call (every layer written and encoded
+  // into the block's format), with the unix ms of the seal of their last
+  // layer, for the manager's EVENT_BLOCK_SEALED (Inventory.sealed_blocks).
+  // At most kMaxSealReports wait; past that the newest are dropped and
+  // counted (SealReportsDropped). ReturnSealed puts back what a failed
+  // heartbeat did not deliver.
+  static constexpr size_t kMaxSealReports = 1 << 20;
+  std::vector<std::pair<uint64_t, int64_t>> TakeSealed();
+  void ReturnSealed(const std::vector<std::pair<uint64_t, int64_t>>& sealed);
+  uint64_t SealReportsDropped() const;
+
   // Spill tiers (see "Spill tiers" above). `lineage_ids` name blocks of the
   // sequence; Restore with an empty list takes every spilled block.
   absl::StatusOr<SpillResult> Spill(absl::string_view tenant_id,
@@ -662,6 +673,10 @@ class SequenceStore {
   mutable std::optional<std::string> shared_arena_handle_
       ABSL_GUARDED_BY(shared_arena_mu_);
 
+  mutable absl::Mutex sealed_mu_;
+  std::vector<std::pair<uint64_t, int64_t>> sealed_ ABSL_GUARDED_BY(sealed_mu_);
+  uint64_t sealed_dropped_ ABSL_GUARDED_BY(sealed_mu_) = 0;
+  void ReportSealed(uint64_t lineage_id);
   absl::Mutex self_restored_mu_;
   std::vector<uint64_t> self_restored_ ABSL_GUARDED_BY(self_restored_mu_);
   std::atomic<uint64_t> spills_{0}, restores_{0}, checksum_failures_{0},

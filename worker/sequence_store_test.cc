@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "worker/store_test_util.h"
 
 namespace triax::worker {
@@ -94,6 +95,46 @@ TEST_F(StoreTest, SealingFollowsTheWindow) {
     EXPECT_EQ(inv.window_bytes, (window == 32 ? 3 : 0) * bf16_page);
     EXPECT_EQ(inv.formats.at(Format::kINT4).pages, 5u);
   }
+}
+
+// The manager's EVENT_BLOCK_SEALED: a block is reported once, when the
+// last of its layers seals, with the time of that seal.
+TEST_F(StoreTest, ABlockIsReportedSealedWhenItsLastLayerSeals) {
+  const ModelShape m = Shape(2, 1, 1, 32);
+  Make(0);
+  const std::vector<BlockSpec> plan = UniformPlan(40, 16, kInt4);
+  ASSERT_THAT(store_->AllocatePages(kTenant, "s", m, 16, plan).status(),
+              IsOk());
+  auto kv = RandomLayers(m, 40, 3);
+  const size_t per = size_t{m.n_kv_heads} * m.head_dim;
+  std::string kb, vb;
+  ASSERT_THAT(store_->Write(kTenant, "s", Chunk(0, 0, 40, kv[0], per, &kb, &vb))
+                  .status(),
+              IsOk());
+  EXPECT_TRUE(store_->TakeSealed().empty());  // layer 1 is not written
+  const int64_t before = absl::ToUnixMillis(absl::Now());
+  ASSERT_THAT(store_->Write(kTenant, "s", Chunk(1, 0, 20, kv[1], per, &kb, &vb))
+                  .status(),
+              IsOk());
+  // Layer 1 seals block 0 (full), not block 1 (4 of 16 tokens).
+  std::vector<std::pair<uint64_t, int64_t>> sealed = store_->TakeSealed();
+  ASSERT_EQ(sealed.size(), 1u);
+  EXPECT_EQ(sealed[0].first, plan[0].lineage_id);
+  EXPECT_GE(sealed[0].second, before);
+  EXPECT_LE(sealed[0].second, absl::ToUnixMillis(absl::Now()));
+  EXPECT_TRUE(store_->TakeSealed().empty());  // taken once
+  ASSERT_THAT(
+      store_->Write(kTenant, "s", Chunk(1, 20, 20, kv[1], per, &kb, &vb))
+          .status(),
+      IsOk());
+  sealed = store_->TakeSealed();
+  ASSERT_EQ(sealed.size(), 2u);  // block 1, and the 8-token last block
+  EXPECT_EQ(sealed[0].first, plan[1].lineage_id);
+  EXPECT_EQ(sealed[1].first, plan[2].lineage_id);
+  // A heartbeat that failed gives them back.
+  store_->ReturnSealed(sealed);
+  EXPECT_EQ(store_->TakeSealed(), sealed);
+  EXPECT_EQ(store_->SealReportsDropped(), 0u);
 }
 
 TEST_F(StoreTest, WindowKeepsRecentTokensInBf16) {

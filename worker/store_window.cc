@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
 #include "kernels/numeric.h"
@@ -183,8 +184,48 @@ absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
       b.window[layer] = nullptr;
     }
     seq.sealed[layer] += 1;
+    // The last layer to seal this block seals the block.
+    const uint32_t index = seq.sealed[layer] - 1;
+    if (std::all_of(seq.sealed.begin(), seq.sealed.end(),
+                    [index](uint32_t s) { return s > index; })) {
+      ReportSealed(b.spec.lineage_id);
+    }
   }
   return absl::OkStatus();
+}
+
+void SequenceStore::ReportSealed(uint64_t lineage_id) {
+  const int64_t now = absl::ToUnixMillis(absl::Now());
+  absl::MutexLock lock(&sealed_mu_);
+  if (sealed_.size() >= kMaxSealReports) {
+    ++sealed_dropped_;
+    return;
+  }
+  sealed_.emplace_back(lineage_id, now);
+}
+
+std::vector<std::pair<uint64_t, int64_t>> SequenceStore::TakeSealed() {
+  absl::MutexLock lock(&sealed_mu_);
+  std::vector<std::pair<uint64_t, int64_t>> out;
+  out.swap(sealed_);
+  return out;
+}
+
+void SequenceStore::ReturnSealed(
+    const std::vector<std::pair<uint64_t, int64_t>>& sealed) {
+  absl::MutexLock lock(&sealed_mu_);
+  for (const auto& s : sealed) {
+    if (sealed_.size() >= kMaxSealReports) {
+      ++sealed_dropped_;
+      continue;
+    }
+    sealed_.push_back(s);
+  }
+}
+
+uint64_t SequenceStore::SealReportsDropped() const {
+  absl::MutexLock lock(&sealed_mu_);
+  return sealed_dropped_;
 }
 
 absl::StatusOr<uint64_t> SequenceStore::WriteOnce(absl::string_view tenant_id,

@@ -272,6 +272,15 @@ std::vector<uint64_t> WorkerCore::TakeSelfRestored() {
   return store_->TakeSelfRestored();
 }
 
+std::vector<std::pair<uint64_t, int64_t>> WorkerCore::TakeSealed() {
+  return store_->TakeSealed();
+}
+
+void WorkerCore::ReturnSealed(
+    const std::vector<std::pair<uint64_t, int64_t>>& sealed) {
+  store_->ReturnSealed(sealed);
+}
+
 void WorkerCore::ReturnSelfRestored(const std::vector<uint64_t>& lineage_ids) {
   store_->ReturnSelfRestored(lineage_ids);
 }

@@ -316,6 +316,9 @@ class WorkerCore {
   // SequenceStore::TakeSelfRestored / ReturnSelfRestored.
   std::vector<uint64_t> TakeSelfRestored();
   void ReturnSelfRestored(const std::vector<uint64_t>& lineage_ids);
+  // SequenceStore::TakeSealed / ReturnSealed.
+  std::vector<std::pair<uint64_t, int64_t>> TakeSealed();
+  void ReturnSealed(const std::vector<std::pair<uint64_t, int64_t>>& sealed);
   // Drops sequences the manager declared lost, whatever their tenant; ids
   // this worker does not hold are skipped.
   void DropLost(const std::vector<std::string>& sequence_ids);

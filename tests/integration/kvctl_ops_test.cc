@@ -112,6 +112,28 @@ TEST_F(KvctlViewsTest, ChromeTraceShowsABlockDemotedTransferredAndFreed) {
   client::SequenceHandle h = OpenWritten(48);
   ASSERT_FALSE(h.sequence_id.empty());
   const uint64_t lineage = h.blocks[1].lineage_id();
+  // Block 0 is sealed (48 tokens written, a 32-token window): its worker
+  // reports the seal with its next heartbeat (every 100 ms here).
+  const uint64_t sealed = h.blocks[0].lineage_id();
+  ASSERT_THAT(
+      Cluster::WaitFor(
+          "block 0 sealed", absl::Seconds(10),
+          [&]() -> absl::StatusOr<bool> {
+            v1::QueryTraceRequest req;
+            req.set_lineage_id(sealed);
+            v1::QueryTraceResponse resp;
+            grpc::ClientContext ctx;
+            ctx.set_deadline(std::chrono::system_clock::now() +
+                             std::chrono::seconds(5));
+            if (!cluster_->manager()->QueryTrace(&ctx, req, &resp).ok()) {
+              return false;
+            }
+            for (const auto& e : resp.events()) {
+              if (e.kind() == v1::EVENT_BLOCK_SEALED) return true;
+            }
+            return false;
+          }),
+      IsOk());
   auto info = client_->GetSequence(h.sequence_id);
   ASSERT_THAT(info, IsOk());
   const std::string src = info->worker_id();
@@ -189,6 +211,20 @@ TEST_F(KvctlViewsTest, ChromeTraceShowsABlockDemotedTransferredAndFreed) {
     if (x["args"]["lineage_id"] == lineage) ++lineage_spans;
   }
   EXPECT_EQ(lineage_spans, 3u);
+  // Block 0's path starts with its seal: the span of its writing closes at
+  // BLOCK_SEALED on the source, the next opens there.
+  std::vector<std::string> sealed_spans;
+  for (const json& x : Phase(s, "X")) {
+    if (x["args"]["lineage_id"] != sealed) continue;
+    sealed_spans.push_back(x["args"]["opened_by"].get<std::string>() + ">" +
+                           x["args"]["closed_by"].get<std::string>());
+  }
+  EXPECT_THAT(sealed_spans,
+              ::testing::ElementsAre("BLOCK_CREATED>BLOCK_SEALED",
+                                     "BLOCK_SEALED>BLOCK_TRANSFERRED",
+                                     "BLOCK_TRANSFERRED>BLOCK_FREED"))
+      << s.dump();
+  EXPECT_TRUE(names.count("sealed"));
 
   // A window after everything: no events, an empty trace.
   const std::string later =
