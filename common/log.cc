@@ -80,16 +80,8 @@ std::string JsonRecord(absl::string_view ts, const char* level,
 
 }  // namespace
 
-std::string Kv(absl::string_view key, absl::string_view value) {
-  bool quote = value.empty();
-  for (char c : value) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u <= 0x20 || u == 0x7f || c == '"' || c == '=' || c == '\\') {
-      quote = true;
-    }
-  }
-  if (!quote) return absl::StrCat(key, "=", value);
-  std::string out = absl::StrCat(key, "=\"");
+std::string Quoted(absl::string_view value) {
+  std::string out = "\"";
   for (char c : value) {
     const auto u = static_cast<unsigned char>(c);
     switch (c) {
@@ -118,6 +110,18 @@ std::string Kv(absl::string_view key, absl::string_view value) {
   }
   out.push_back('"');
   return out;
+}
+
+std::string Kv(absl::string_view key, absl::string_view value) {
+  bool quote = value.empty();
+  for (char c : value) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u <= 0x20 || u == 0x7f || c == '"' || c == '=' || c == '\\') {
+      quote = true;
+    }
+  }
+  if (!quote) return absl::StrCat(key, "=", value);
+  return absl::StrCat(key, "=", Quoted(value));
 }
 
 void SetLogFormat(LogFormat format) {

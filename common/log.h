@@ -28,12 +28,18 @@ void SetLogFormat(LogFormat format);
 void Log(LogLevel level, absl::string_view component, absl::string_view msg,
          absl::string_view kvs = {});
 
+// `value` in double quotes with ", \, \n, \r, \t escaped and other control
+// bytes as \u00XX: a logfmt quoted value and a JSON string alike (bytes
+// >= 0x80 pass through, so valid UTF-8 stays valid).
+std::string Quoted(absl::string_view value);
+
 // Formats one logfmt key=value pair. A value that is empty or holds a space,
 // '"', '=', '\\' or a control character is quoted, with '"' and '\\' escaped
 // as \" and \\, newline, return and tab as \n, \r, \t and other control
 // bytes as \u00XX (the JSON escapes, which logfmt readers decode); other
 // bytes, UTF-8 included, pass through. `key` is a constant identifier.
 std::string Kv(absl::string_view key, absl::string_view value);
+
 // Strings of every kind take the quoting overload above: a template taking
 // them by value would be the better match and print them bare.
 inline std::string Kv(absl::string_view key, const std::string& value) {
