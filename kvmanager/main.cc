@@ -194,7 +194,7 @@ ABSL_FLAG(std::string, auth, "none",
 ABSL_FLAG(uint32_t, capability_ttl_seconds, 86400,
           "--auth=token: how long the capability a sequence's reply carries "
           "lets its tenant call the worker (every Open, Extend, Fork and "
-          "GetSequence reply signs a fresh one); 60..2592000");
+          "GetSequence reply signs a fresh one); 1..2592000");
 ABSL_FLAG(std::string, admin_token_file, "",
           "--auth=token: the bootstrap admin token (created, mode 0600, "
           "when the file does not exist; refused when others may read it)");
@@ -565,10 +565,10 @@ int main(int argc, char** argv) {
   if (const std::string auth = absl::GetFlag(FLAGS_auth); auth == "token") {
     const std::string path = absl::GetFlag(FLAGS_admin_token_file);
     if (const uint32_t ttl = absl::GetFlag(FLAGS_capability_ttl_seconds);
-        ttl < 60 || ttl > 2592000) {
+        ttl < 1 || ttl > 2592000) {
       Log(LogLevel::kError, "manager",
           absl::StrCat("--capability_ttl_seconds=", ttl,
-                       " is not in [60, 2592000]"));
+                       " is not in [1, 2592000]"));
       return 2;
     }
     if (path.empty()) {

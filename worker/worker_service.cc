@@ -291,6 +291,11 @@ grpc::Status WorkerService::SharePages(
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "SharePages: the first message has no request");
   }
+  // Before anything that shares the arena.
+  TRIAX_ALLOWED(
+      ctx, "SharePages",
+      CapabilityNeed{first.request().tenant_id(), first.request().sequence_id(),
+                     v1::Capability::SCOPE_MANAGER});
   if (options_.transfer_path == TransferPath::kStream) {
     return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
                         "this worker runs with --transfer_path=stream and "
@@ -316,9 +321,6 @@ grpc::Status WorkerService::SharePages(
                         std::string(arena.status().message()));
   }
   const v1::ExportPagesRequest& req = first.request();
-  TRIAX_ALLOWED(ctx, "SharePages",
-                CapabilityNeed{req.tenant_id(), req.sequence_id(),
-                               v1::Capability::SCOPE_MANAGER});
   const uint64_t max_batch = req.max_batch_bytes() == 0
                                  ? kDefaultMaxSharedBatchBytes
                                  : req.max_batch_bytes();
