@@ -40,9 +40,19 @@
 #include "common/bearer.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 #include "google/protobuf/text_format.h"
 #include "kernels/layout.h"
 
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificates: talk TLS to the manager and workers, "
+          "verified by them; empty: plaintext (docs/security.md)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "with --tls_ca: PEM client certificate for servers that ask for one");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_worker_server_name, "",
+          "with --tls_ca: verify workers' certificates against this DNS name "
+          "instead of their address");
 ABSL_FLAG(std::string, token_file, "",
           "bearer token (role tenant or admin) for a kvmanager with "
           "--auth=token");
@@ -788,6 +798,18 @@ int Main() {
         triax::ReadBearerToken("token_file", path);
     if (!token.ok()) return Fail("read the token", token.status());
     opts.token = *std::move(token);
+  }
+  {
+    auto tls = triax::LoadTls({absl::GetFlag(FLAGS_tls_cert),
+                               absl::GetFlag(FLAGS_tls_key),
+                               absl::GetFlag(FLAGS_tls_ca), false});
+    if (!tls.ok()) return Fail("TLS flags", tls.status());
+    if (!tls->cert_pem.empty() && !tls->client_enabled()) {
+      return Fail("TLS flags",
+                  absl::InvalidArgumentError("--tls_cert needs --tls_ca"));
+    }
+    opts.credentials = triax::ChannelCredentials(*tls);
+    opts.tls_worker_server_name = absl::GetFlag(FLAGS_tls_worker_server_name);
   }
   auto client_or = client::Client::Connect(opts);
   if (!client_or.ok())
