@@ -64,60 +64,62 @@ Cert FirstCert(const std::string& pem) {
 }  // namespace
 
 absl::StatusOr<TlsConfig> LoadTls(const TlsOptions& options) {
+  const std::string f = options.flag_prefix + "_";
   TlsConfig config;
   config.require_client_cert = options.require_client_cert;
   if (options.cert_file.empty() != options.key_file.empty()) {
     return absl::InvalidArgumentError(
         options.cert_file.empty()
-            ? absl::StrCat("--tls_key=", options.key_file,
-                           " needs --tls_cert (empty)")
-            : absl::StrCat("--tls_cert=", options.cert_file,
-                           " needs --tls_key (empty)"));
+            ? absl::StrCat("--", f, "key=", options.key_file, " needs --", f,
+                           "cert (empty)")
+            : absl::StrCat("--", f, "cert=", options.cert_file, " needs --", f,
+                           "key (empty)"));
   }
   if (options.require_client_cert && options.ca_file.empty()) {
     return absl::InvalidArgumentError(
-        "--tls_require_client_cert needs --tls_ca (empty) to verify the "
-        "client certificates with");
+        absl::StrCat("--", f, "require_client_cert needs --", f,
+                     "ca (empty) to verify the client certificates with"));
   }
   if (!options.cert_file.empty()) {
-    auto cert = ReadFile("tls_cert", options.cert_file);
+    auto cert = ReadFile(f + "cert", options.cert_file);
     if (!cert.ok()) return cert.status();
-    auto key = ReadFile("tls_key", options.key_file);
+    auto key = ReadFile(f + "key", options.key_file);
     if (!key.ok()) return key.status();
     Cert x509 = FirstCert(*cert);
     if (x509 == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--tls_cert=", options.cert_file, ": holds no PEM certificate"));
+          "--", f, "cert=", options.cert_file, ": holds no PEM certificate"));
     }
     Bio bio = MemBio(*key);
     Key pkey(PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr));
     if (pkey == nullptr) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--tls_key=", options.key_file,
+          absl::StrCat("--", f, "key=", options.key_file,
                        ": holds no PEM private key (or it is encrypted)"));
     }
     if (X509_check_private_key(x509.get(), pkey.get()) != 1) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--tls_key=", options.key_file,
-                       " is not the key of --tls_cert=", options.cert_file));
+          absl::StrCat("--", f, "key=", options.key_file,
+                       " is not the key of --", f, "cert=", options.cert_file));
     }
     config.cert_pem = *std::move(cert);
     config.key_pem = *std::move(key);
   }
   if (!options.ca_file.empty()) {
-    auto ca = ReadFile("tls_ca", options.ca_file);
+    auto ca = ReadFile(f + "ca", options.ca_file);
     if (!ca.ok()) return ca.status();
     if (FirstCert(*ca) == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--tls_ca=", options.ca_file, ": holds no PEM certificate"));
+          "--", f, "ca=", options.ca_file, ": holds no PEM certificate"));
     }
     config.ca_pem = *std::move(ca);
   }
   if (!config.ca_pem.empty() && config.cert_pem.empty() &&
       options.require_client_cert) {
-    return absl::InvalidArgumentError(
-        "--tls_require_client_cert needs --tls_cert and --tls_key (empty): "
-        "client certificates are only asked for over TLS");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", f, "require_client_cert needs --", f, "cert and --", f,
+        "key (empty): client certificates are only asked for "
+        "over TLS"));
   }
   return config;
 }

@@ -40,6 +40,8 @@ struct TlsOptions {
   std::string ca_file;    // PEM roots that verify peers
   // Listener: refuse clients without a certificate signed by ca_file.
   bool require_client_cert = false;
+  // The flags' names in messages: --<prefix>_cert, --<prefix>_key, ...
+  std::string flag_prefix = "tls";
 };
 
 // TlsOptions with the files read and checked.

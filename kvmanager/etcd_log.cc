@@ -90,15 +90,25 @@ std::string PrefixEnd(const std::string& prefix) {
 // ----------------------------------------------------------------
 
 EtcdClient::EtcdClient(const std::vector<std::string>& endpoints,
-                       absl::Duration rpc_timeout)
+                       absl::Duration rpc_timeout,
+                       std::shared_ptr<grpc::ChannelCredentials> credentials)
     : endpoints_(absl::StrJoin(endpoints, ",")), rpc_timeout_(rpc_timeout) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(8 << 20);
   // Reconnect fast: a member that comes back should be used again soon.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  auto channel = grpc::CreateCustomChannel(
-      "ipv4:" + endpoints_, grpc::InsecureChannelCredentials(), args);
+  if (credentials == nullptr) {
+    credentials = grpc::InsecureChannelCredentials();
+  } else {
+    // An "ipv4:" target has no host name: members' certificates are
+    // checked against the first endpoint's host (an IP SAN, or a name).
+    args.SetSslTargetNameOverride(
+        std::string(absl::string_view(endpoints.front())
+                        .substr(0, endpoints.front().rfind(':'))));
+  }
+  auto channel =
+      grpc::CreateCustomChannel("ipv4:" + endpoints_, credentials, args);
   kv_ = pb::KV::NewStub(channel);
   lease_ = pb::Lease::NewStub(channel);
 }

@@ -31,6 +31,8 @@
 // GroupCommitLog.
 #pragma once
 
+#include <grpcpp/security/credentials.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -57,8 +59,11 @@ absl::StatusOr<std::vector<std::string>> ParseEtcdEndpoints(
 // to every endpoint (pick_first: the next member when one is down).
 class EtcdClient {
  public:
+  // `credentials`: TLS to the members (common/tls.h ChannelCredentials of
+  // --etcd_tls_*); null: plaintext.
   EtcdClient(const std::vector<std::string>& endpoints,
-             absl::Duration rpc_timeout);
+             absl::Duration rpc_timeout,
+             std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
 
   absl::StatusOr<etcdserverpb::RangeResponse> Range(
       const std::string& key, const std::string& range_end = "",

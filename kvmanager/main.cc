@@ -144,6 +144,13 @@ ABSL_FLAG(std::string, advertise, "",
 ABSL_FLAG(std::string, etcd_prefix, "/triaxkv/default",
           "with --metadata=etcd://...: the key prefix of this cluster's "
           "leader key and log (managers of one cluster share it)");
+ABSL_FLAG(std::string, etcd_tls_ca, "",
+          "with etcd: PEM CA certificates that verify the members (TLS to "
+          "etcd; empty: plaintext)");
+ABSL_FLAG(std::string, etcd_tls_cert, "",
+          "with --etcd_tls_ca: PEM client certificate for members that "
+          "require one (etcd --client-cert-auth)");
+ABSL_FLAG(std::string, etcd_tls_key, "", "PEM private key of --etcd_tls_cert");
 ABSL_FLAG(int64_t, etcd_lease_seconds, 2,
           "with --metadata=etcd://...: the leader lease's TTL; a standby "
           "takes over about this long after the leader dies; >= 1");
@@ -446,8 +453,22 @@ int main(int argc, char** argv) {
                    : endpoints.status().ToString()));
         return 2;
       }
+      auto etcd_tls =
+          triax::LoadTls({absl::GetFlag(FLAGS_etcd_tls_cert),
+                          absl::GetFlag(FLAGS_etcd_tls_key),
+                          absl::GetFlag(FLAGS_etcd_tls_ca), false, "etcd_tls"});
+      if (!etcd_tls.ok() ||
+          (!etcd_tls->cert_pem.empty() && !etcd_tls->client_enabled())) {
+        Log(LogLevel::kError, "manager", "bad flags",
+            Kv("error", etcd_tls.ok()
+                            ? std::string("--etcd_tls_cert needs --etcd_tls_ca")
+                            : etcd_tls.status().ToString()));
+        return 2;
+      }
       etcd_client = std::make_unique<triax::manager::EtcdClient>(
-          *endpoints, absl::Seconds(5));
+          *endpoints, absl::Seconds(5),
+          etcd_tls->client_enabled() ? triax::ChannelCredentials(*etcd_tls)
+                                     : nullptr);
     }
     if (snapshot_mb == 0) {
       Log(LogLevel::kError, "manager", "bad flags",

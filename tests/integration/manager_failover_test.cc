@@ -323,5 +323,102 @@ TEST_F(ManagerFailoverTest, BadEtcdFlagsAreRefused) {
   EXPECT_THAT(err, HasSubstr("--etcd_lease_seconds=0"));
 }
 
+// The manager's etcd client over TLS (--etcd_tls_*): one etcd member that
+// serves only TLS and requires client certificates; a manager with the
+// flags leads and keeps its metadata there across a restart, one without
+// them never leads.
+TEST(EtcdTlsTest, TheManagerTalksTlsToEtcd) {
+  if (access(kEtcd, X_OK) != 0) GTEST_SKIP() << kEtcd << " not installed";
+  auto dir = TempDir::Create("triax-etcd-tls");
+  ASSERT_THAT(dir, IsOk());
+  const std::string d = (*dir)->path();
+  std::string out, err;
+  auto made = RunToCompletion("/bin/bash", {TRIAX_MAKE_CERTS, d + "/tls"}, d,
+                              &out, &err, absl::Seconds(60));
+  ASSERT_THAT(made, IsOk());
+  ASSERT_EQ(*made, 0) << out << err;
+  const std::string tls = d + "/tls/";
+  const int client = FreePort();
+  const std::string url = absl::StrCat("https://127.0.0.1:", client);
+  auto etcd = Process::Start(
+      "etcd", kEtcd,
+      {"--name=e0", "--data-dir=" + d + "/etcd", "--listen-client-urls=" + url,
+       "--advertise-client-urls=" + url,
+       absl::StrCat("--listen-peer-urls=http://127.0.0.1:", FreePort()),
+       "--cert-file=" + tls + "manager.crt",
+       "--key-file=" + tls + "manager.key",
+       "--trusted-ca-file=" + tls + "ca.crt", "--client-cert-auth"},
+      d, /*with_port_file=*/false);
+  ASSERT_THAT(etcd, IsOk());
+  const std::string metadata =
+      absl::StrCat("--metadata=etcd://127.0.0.1:", client);
+  const std::vector<std::string> etcd_tls = {
+      "--etcd_tls_ca=" + tls + "ca.crt",
+      "--etcd_tls_cert=" + tls + "manager.crt",
+      "--etcd_tls_key=" + tls + "manager.key"};
+  auto start = [&](const std::string& name, int port, bool with_tls) {
+    std::vector<std::string> args = {metadata,
+                                     absl::StrCat("--listen=127.0.0.1:", port),
+                                     "--etcd_lease_seconds=2"};
+    if (with_tls) args.insert(args.end(), etcd_tls.begin(), etcd_tls.end());
+    return Process::Start(name, "kvmanager", args, d);
+  };
+  const int port = FreePort();
+  const std::string address = absl::StrCat("127.0.0.1:", port);
+  {
+    auto m = start("m-tls", port, true);
+    ASSERT_THAT(m, IsOk());
+    ASSERT_THAT(
+        Cluster::WaitFor("the manager leads over TLS", absl::Seconds(20),
+                         [&]() -> absl::StatusOr<bool> {
+                           return Probe(address, nullptr).ok();
+                         }),
+        IsOk())
+        << (*m)->Log() << (*etcd)->Log();
+    auto stub = v1::Manager::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    v1::CreateTenantRequest req;
+    req.set_tenant_id("acme");
+    v1::CreateTenantResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(5));
+    ASSERT_TRUE(stub->CreateTenant(&ctx, req, &resp).ok());
+  }  // stopped: its lease lapses
+  // Without the TLS flags: the member refuses the plaintext client, and the
+  // manager never leads.
+  const int plain_port = FreePort();
+  auto plain = start("m-plain", plain_port, false);
+  ASSERT_THAT(plain, IsOk());
+  absl::SleepFor(absl::Seconds(4));
+  EXPECT_FALSE(Probe(absl::StrCat("127.0.0.1:", plain_port), nullptr).ok());
+  (*plain)->Stop();
+  // With them again: the tenant stored over TLS is back.
+  auto again = start("m-tls-2", port, true);
+  ASSERT_THAT(again, IsOk());
+  v1::ListWorkersResponse unused;
+  ASSERT_THAT(Cluster::WaitFor("the manager leads again", absl::Seconds(20),
+                               [&]() -> absl::StatusOr<bool> {
+                                 return Probe(address, &unused).ok();
+                               }),
+              IsOk())
+      << (*again)->Log();
+  auto stub = v1::Manager::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  v1::ListTenantsResponse tenants;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  ASSERT_TRUE(stub->ListTenants(&ctx, {}, &tenants).ok());
+  ASSERT_EQ(tenants.tenants_size(), 1);
+  EXPECT_EQ(tenants.tenants(0).tenant_id(), "acme");
+  // A bad file is refused before anything starts, naming the etcd flag.
+  auto rc = RunToCompletion("kvmanager",
+                            {metadata, "--etcd_tls_ca=" + d + "/nope.crt"}, d,
+                            &out, &err);
+  ASSERT_THAT(rc, IsOk());
+  EXPECT_EQ(*rc, 2);
+  EXPECT_THAT(err, HasSubstr("--etcd_tls_ca="));
+}
+
 }  // namespace
 }  // namespace triax::testing
