@@ -157,10 +157,13 @@ absl::StatusOr<std::string> ReadOrCreateAdminToken(const std::string& path,
         "--admin_token_file=", path, ": cannot open: ", std::strerror(errno)));
   }
   struct stat st;
-  if (::fstat(fd, &st) != 0 || (st.st_mode & 077) != 0) {
+  // Others may not read it, nor the group write it (a Kubernetes Secret
+  // mounted 0440 for the pod's fsGroup is fine).
+  if (::fstat(fd, &st) != 0 || (st.st_mode & 027) != 0) {
     ::close(fd);
     return absl::FailedPreconditionError(absl::StrCat(
-        "--admin_token_file=", path, ": group or others may read it (mode ",
+        "--admin_token_file=", path,
+        ": others may read it or the group write it (mode ",
         absl::StrFormat("%04o", st.st_mode & 07777), "); chmod 600 it"));
   }
   std::string text(512, '\0');

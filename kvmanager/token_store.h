@@ -77,8 +77,9 @@ absl::Status ParseToken(absl::string_view token, std::string* id,
 // kvmanager --admin_token_file: the admin token in `path` (surrounding
 // whitespace ignored); when the file does not exist, a new admin token is
 // written to it (mode 0600, created exclusively) and *created set. A file
-// that group or others may read is refused (FAILED_PRECONDITION), as ssh
-// refuses such keys; errors name the path.
+// that others may read or the group write is refused (FAILED_PRECONDITION),
+// as ssh refuses such keys (0440 for a group, a Kubernetes Secret mounted
+// for the pod's fsGroup, is fine); errors name the path.
 absl::StatusOr<std::string> ReadOrCreateAdminToken(const std::string& path,
                                                    int64_t now_ms,
                                                    bool* created);

@@ -123,10 +123,15 @@ TEST(TokenStoreTest, AdminTokenFileIsCreatedPrivateAndReadBack) {
   ASSERT_THAT(again, IsOk());
   EXPECT_FALSE(created);
   EXPECT_EQ(*again, *first);
-  chmod(path.c_str(), 0640);
-  EXPECT_THAT(
-      ReadOrCreateAdminToken(path, 0, &created),
-      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("chmod 600")));
+  chmod(path.c_str(), 0440);  // a Secret mounted for the pod's fsGroup
+  EXPECT_THAT(ReadOrCreateAdminToken(path, 0, &created), IsOk());
+  for (mode_t bad : {0644, 0604, 0660}) {
+    chmod(path.c_str(), bad);
+    EXPECT_THAT(ReadOrCreateAdminToken(path, 0, &created),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("chmod 600")))
+        << bad;
+  }
   chmod(path.c_str(), 0600);
   std::ofstream(path) << "not a token\n";
   EXPECT_THAT(ReadOrCreateAdminToken(path, 0, &created),

@@ -204,7 +204,8 @@ class ChartTest(unittest.TestCase):
                 ("manager.replicas=2", ["manager.replicas=2", "mode=file"]),
                 ("manager.metadata.mode=etcd",
                  ["manager.metadata.etcd.endpoints"]),
-                ("tls.enabled=true", ["tls.enabled", "Secret"])):
+                ("tls.enabled=true", ["tls.enabled", "Secret"]),
+                ("auth.enabled=true", ["auth.enabled", "TokenSecret"])):
             with self.subTest(value=value):
                 rc, out = helm("template", RELEASE, CHART,
                                "--skip-schema-validation", "--set", value)
@@ -310,6 +311,40 @@ class ChartTest(unittest.TestCase):
         for w in wpod["containers"]:
             self.assertEqual(flag(w["args"], "tls_manager_names"), "kvmanager")
             self.assertEqual(flag(w["args"], "tls_worker_names"), "kvworker")
+
+    def test_auth_mounts_the_tokens_and_requires_them(self):
+        objects = render("--set", "auth.enabled=true,"
+                         "auth.adminTokenSecret=admin-tok,"
+                         "auth.workerTokenSecret=worker-tok,"
+                         "auth.capabilityTtlSeconds=3600,worker.gpusPerNode=2")
+        mpod = self.manager(objects)["spec"]["template"]["spec"]
+        (m,) = mpod["containers"]
+        self.assertEqual(flag(m["args"], "auth"), "token")
+        self.assertEqual(flag(m["args"], "admin_token_file"),
+                         "/etc/triaxkv/auth/admin.token")
+        self.assertEqual(flag(m["args"], "capability_ttl_seconds"), "3600")
+        self.assertIsNone(flag(m["args"], "token_file"))
+        wpod = self.worker(objects)["spec"]["template"]["spec"]
+        self.assertEqual(len(wpod["containers"]), 2)
+        for w in wpod["containers"]:
+            self.assertEqual(flag(w["args"], "token_file"),
+                             "/etc/triaxkv/auth/worker.token")
+            self.assertIsNone(flag(w["args"], "auth"))
+        for pod, c, secret in ([mpod, m, "admin-tok"],
+                               *[[wpod, w, "worker-tok"]
+                                 for w in wpod["containers"]]):
+            mounts = {v["name"]: v for v in c["volumeMounts"]}
+            self.assertEqual(mounts["auth"]["mountPath"], "/etc/triaxkv/auth")
+            self.assertIs(mounts["auth"]["readOnly"], True)
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            self.assertEqual(volumes["auth"]["secret"]["secretName"], secret)
+            # 0440: the pod's fsGroup reads it, others do not (the manager
+            # refuses a token file others may read).
+            self.assertEqual(volumes["auth"]["secret"]["defaultMode"], 0o440)
+        # Off by default: no --auth, no token mounted.
+        (plain,) = self.manager(render())["spec"]["template"]["spec"][
+            "containers"]
+        self.assertIsNone(flag(plain["args"], "auth"))
 
     def test_large_integers_render_as_integers(self):
         objects = render("--set", "manager.eventRetention=100000000,"
@@ -456,7 +491,9 @@ class ChartTest(unittest.TestCase):
         for args in ([], ["-f", HA_VALUES],
                      ["--set", "worker.diskTier.enabled=true"],
                      ["--set", "tls.enabled=true,tls.managerSecret=m,"
-                               "tls.workerSecret=w"]):
+                               "tls.workerSecret=w"],
+                     ["--set", "auth.enabled=true,auth.adminTokenSecret=a,"
+                               "auth.workerTokenSecret=w"]):
             objects = render(*args)
             for kind in ("StatefulSet", "DaemonSet"):
                 for obj in of_kind(objects, kind):

@@ -112,3 +112,30 @@ httpGet: {path: {{ .path }}, port: {{ .httpPort }}, scheme: HTTPS}
 grpc: {port: {{ .port }}, service: {{ .service | quote }}}
 {{- end -}}
 {{- end -}}
+
+{{/* The --auth flags of a manager or a worker (auth.enabled), their Secret
+     mounted at auth.mountPath (triaxkv.authVolume). */}}
+{{- define "triaxkv.authArgs" -}}
+{{- $a := .root.Values.auth -}}
+{{- if $a.enabled -}}
+{{- $secret := ternary $a.adminTokenSecret $a.workerTokenSecret (eq .role "manager") -}}
+{{- if not $secret -}}
+{{- fail (printf "auth.enabled needs auth.%s (a Secret with %s)" (ternary "adminTokenSecret" "workerTokenSecret" (eq .role "manager")) (ternary "admin.token" "worker.token" (eq .role "manager"))) -}}
+{{- end -}}
+{{- if eq .role "manager" }}
+- --auth=token
+- --admin_token_file={{ $a.mountPath }}/admin.token
+- --capability_ttl_seconds={{ int64 $a.capabilityTtlSeconds }}
+{{- else }}
+- --token_file={{ $a.mountPath }}/worker.token
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "triaxkv.authVolume" -}}
+{{- $a := .root.Values.auth -}}
+- name: auth
+  secret:
+    secretName: {{ ternary $a.adminTokenSecret $a.workerTokenSecret (eq .role "manager") | quote }}
+    defaultMode: 288  # 0440: readable by the pod's fsGroup, no one else
+{{- end -}}
