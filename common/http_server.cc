@@ -154,7 +154,8 @@ class HttpServer::Impl {
                             " is not allowed on ", target, "; use GET\n");
       allow = "GET";
     } else {
-      r = it->second(HttpRequest{std::string(target), std::string(query)});
+      r = it->second(HttpRequest{std::string(target), std::string(query),
+                                 std::string(req[http::field::authorization])});
     }
     http::response<http::string_body> res(static_cast<http::status>(r.status),
                                           req.version());

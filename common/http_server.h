@@ -46,6 +46,7 @@ using HttpHandler = std::function<HttpResponse()>;
 struct HttpRequest {
   std::string path;   // the target before any '?'
   std::string query;  // after the '?', as sent (not decoded); "" when none
+  std::string authorization;  // the Authorization header; "" when none
 };
 using HttpRequestHandler = std::function<HttpResponse(const HttpRequest&)>;
 

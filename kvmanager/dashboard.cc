@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -42,6 +43,12 @@ HttpResponse ErrorResponse(const absl::Status& s) {
       break;
     case absl::StatusCode::kUnavailable:
       status = 503;
+      break;
+    case absl::StatusCode::kUnauthenticated:
+      status = 401;
+      break;
+    case absl::StatusCode::kPermissionDenied:
+      status = 403;
       break;
     default:
       break;
@@ -290,9 +297,39 @@ json EventJson(const Event& e) {
 
 }  // namespace
 
+std::optional<HttpResponse> Dashboard::Refused(const HttpRequest& req) const {
+  if (!require_tokens_) return std::nullopt;
+  constexpr absl::string_view kBearer = "Bearer ";
+  if (!absl::StartsWith(req.authorization, kBearer)) {
+    return ErrorResponse(absl::UnauthenticatedError(absl::StrCat(
+        req.path,
+        ": this manager requires \"Authorization: Bearer <admin token>\" "
+        "(--auth=token)")));
+  }
+  absl::StatusOr<Principal> who = core_->tokens().Verify(
+      absl::string_view(req.authorization).substr(kBearer.size()),
+      core_->NowMs());
+  if (!who.ok()) {
+    return ErrorResponse(absl::UnauthenticatedError(
+        absl::StrCat(req.path, ": ", who.status().message())));
+  }
+  if (who->role != TokenRole::kAdmin) {
+    return ErrorResponse(absl::PermissionDeniedError(absl::StrCat(
+        req.path, ": token ", who->token_id, " is not an admin token")));
+  }
+  return std::nullopt;
+}
+
 std::map<std::string, HttpRequestHandler> Dashboard::Routes() const {
   auto bind = [this](HttpResponse (Dashboard::*f)(const HttpRequest&) const) {
-    return [this, f](const HttpRequest& req) { return (this->*f)(req); };
+    return [this, f](const HttpRequest& req) {
+      if (f != &Dashboard::Page) {
+        if (std::optional<HttpResponse> refused = Refused(req)) {
+          return *std::move(refused);
+        }
+      }
+      return (this->*f)(req);
+    };
   };
   return {{"/", bind(&Dashboard::Page)},
           {"/dashboard", bind(&Dashboard::Page)},

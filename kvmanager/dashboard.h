@@ -32,6 +32,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 
 #include "common/http_server.h"
@@ -49,6 +50,13 @@ class Dashboard {
  public:
   explicit Dashboard(ManagerCore* core) : core_(core) {}
 
+  // kvmanager --auth=token: the JSON routes (/api/...) answer only requests
+  // with "Authorization: Bearer <an admin token>" (401 without one or with
+  // an invalid one, 403 for another role); the page itself stays open and
+  // sends the token it is given in its URL fragment (#token=...). Call
+  // before Routes.
+  void RequireAdminTokens() { require_tokens_ = true; }
+
   // Path -> handler for every route above.
   std::map<std::string, HttpRequestHandler> Routes() const;
 
@@ -61,7 +69,11 @@ class Dashboard {
   HttpResponse Sequence(const HttpRequest& req) const;
 
  private:
+  // The refusal of a JSON request without an admin token; nullopt: go on.
+  std::optional<HttpResponse> Refused(const HttpRequest& req) const;
+
   ManagerCore* const core_;
+  bool require_tokens_ = false;
 };
 
 // The page itself (dashboard_page.cc): HTML with inline CSS and JS.

@@ -160,8 +160,14 @@ function legend(colors, extra) {
   return Object.entries(colors).map(([k, c]) => h("span", {}, h("i", { style: `background:${c}` }), k))
     .concat(extra || []);
 }
+// With kvmanager --auth=token the JSON needs an admin token: open the page
+// as .../#token=<admin token> (a fragment never reaches the server's logs).
+const token = new URLSearchParams(location.hash.slice(1)).get("token");
 async function getJson(path) {
-  const r = await fetch(path, { cache: "no-store" });
+  const r = await fetch(path, {
+    cache: "no-store",
+    headers: token ? { Authorization: "Bearer " + token } : {},
+  });
   const body = await r.json();
   if (!r.ok) throw new Error(body.error ? body.error.message : r.statusText);
   return body;

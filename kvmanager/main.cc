@@ -637,7 +637,8 @@ int main(int argc, char** argv) {
   triax::manager::ManagerMetrics metrics(core->get(), &rpc_metrics,
                                          metrics_options);
   triax::manager::ManagerReadiness readiness;
-  const triax::manager::Dashboard dashboard(core->get());
+  triax::manager::Dashboard dashboard(core->get());
+  if (absl::GetFlag(FLAGS_auth) == "token") dashboard.RequireAdminTokens();
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

@@ -15,6 +15,7 @@
 //     the working directory, or $TRIAX_DASHBOARD_SCREENSHOT).
 // Without chromium on PATH the browser part skips, saying so.
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -40,6 +41,7 @@
 #include "common/status_matchers.h"
 #include "tests/integration/cluster.h"
 #include "tests/integration/reference.h"
+#include "triax/v1/manager.grpc.pb.h"
 
 namespace triax::testing {
 namespace {
@@ -57,7 +59,8 @@ struct HttpReply {
   std::string body;
 };
 
-absl::StatusOr<HttpReply> Get(int port, const std::string& target) {
+absl::StatusOr<HttpReply> Get(int port, const std::string& target,
+                              const std::string& authorization = "") {
   asio::io_context ctx;
   beast::tcp_stream stream(ctx);
   beast::error_code ec;
@@ -67,6 +70,9 @@ absl::StatusOr<HttpReply> Get(int port, const std::string& target) {
   if (ec) return absl::UnavailableError(ec.message());
   http::request<http::empty_body> req(http::verb::get, target, 11);
   req.set(http::field::host, "127.0.0.1");
+  if (!authorization.empty()) {
+    req.set(http::field::authorization, authorization);
+  }
   http::write(stream, req, ec);
   if (ec) return absl::UnavailableError(ec.message());
   beast::flat_buffer buffer;
@@ -373,6 +379,74 @@ TEST_F(DashboardTest, PageShowsTheClustersNumbersInChromium) {
   ASSERT_GT(png.size(), 1000u);
   EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
   std::printf("screenshot: %s (%zu bytes)\n", shot.c_str(), png.size());
+}
+
+// With --auth=token the JSON routes answer only an admin bearer token; the
+// page itself (which sends the token of its URL fragment) stays open.
+TEST(DashboardAuthTest, TheJsonNeedsAnAdminToken) {
+  ClusterOptions o;
+  o.num_workers = 0;
+  o.manager_flags = {"--auth=token", "--admin_token_file=$DIR/admin.token",
+                     "--http_listen=127.0.0.1:0",
+                     "--http_port_file=$DIR/m.http"};
+  auto c = Cluster::Start(o);
+  ASSERT_THAT(c, IsOk());
+  const std::string dir = (*c)->dir();
+  int port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(
+      absl::StripAsciiWhitespace(ReadAll(dir + "/m.http")), &port));
+  const std::string admin(
+      absl::StripAsciiWhitespace(ReadAll(dir + "/admin.token")));
+  // A tenant and its token, through the manager's RPCs as admin.
+  auto stub = v1::Manager::NewStub(grpc::CreateChannel(
+      (*c)->manager_address(), grpc::InsecureChannelCredentials()));
+  std::string tenant_token;
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + admin);
+    v1::CreateTenantRequest req;
+    req.set_tenant_id("acme");
+    v1::CreateTenantResponse resp;
+    ASSERT_TRUE(stub->CreateTenant(&ctx, req, &resp).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + admin);
+    v1::IssueTokenRequest req;
+    req.set_role("tenant");
+    req.set_tenant_id("acme");
+    v1::IssueTokenResponse resp;
+    ASSERT_TRUE(stub->IssueToken(&ctx, req, &resp).ok());
+    tenant_token = resp.token();
+  }
+  for (const char* path : {"/api/workers", "/api/tenants", "/api/pressure",
+                           "/api/events", "/api/sequences"}) {
+    SCOPED_TRACE(path);
+    auto none = Get(port, path);
+    ASSERT_THAT(none, IsOk());
+    EXPECT_EQ(none->status, 401);
+    EXPECT_THAT(none->body, HasSubstr("Authorization: Bearer"));
+    auto forged = Get(port, path,
+                      "Bearer " + admin.substr(0, admin.size() - 1) +
+                          (admin.back() == 'A' ? "B" : "A"));
+    ASSERT_THAT(forged, IsOk());
+    EXPECT_EQ(forged->status, 401);
+    auto tenant = Get(port, path, "Bearer " + tenant_token);
+    ASSERT_THAT(tenant, IsOk());
+    EXPECT_EQ(tenant->status, 403);
+    EXPECT_THAT(tenant->body, HasSubstr("is not an admin token"));
+    auto ok = Get(port, path, "Bearer " + admin);
+    ASSERT_THAT(ok, IsOk());
+    EXPECT_EQ(ok->status, 200) << ok->body;
+    EXPECT_NO_THROW(json::parse(ok->body));
+  }
+  auto tenants = Get(port, "/api/tenants", "Bearer " + admin);
+  ASSERT_THAT(tenants, IsOk());
+  EXPECT_THAT(tenants->body, HasSubstr("acme"));
+  auto page = Get(port, "/");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_EQ(page->status, 200);
+  EXPECT_THAT(page->body, HasSubstr("#token="));
 }
 
 }  // namespace
