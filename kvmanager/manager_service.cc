@@ -53,7 +53,6 @@ void ToProto(const ReclaimReport& r, v1::ReclaimSummary* out) {
 // else every this many rounds.
 constexpr int kIdleRankRounds = 10;
 
-
 // Streams events of one subscription; deletes itself in OnDone.
 // Thread contract: reactions and the subscription's notify callback may run
 // concurrently; mu_ serializes them. Lock order: subscription notify mutex ->

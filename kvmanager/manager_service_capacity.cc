@@ -235,8 +235,7 @@ grpc::ServerUnaryReactor* ManagerService::PlanCapacity(
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   absl::Status status = [&]() -> absl::Status {
     // An operator's tool: it reads every tenant's budgets and blocks.
-    if (absl::Status denied = auth_.Admin(*ctx, "PlanCapacity");
-        !denied.ok()) {
+    if (absl::Status denied = auth_.Admin(*ctx, "PlanCapacity"); !denied.ok()) {
       return denied;
     }
     absl::StatusOr<CapacityRequest> d = FromWire(*req, *core_);

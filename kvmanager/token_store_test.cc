@@ -127,9 +127,9 @@ TEST(TokenStoreTest, AdminTokenFileIsCreatedPrivateAndReadBack) {
   EXPECT_THAT(ReadOrCreateAdminToken(path, 0, &created), IsOk());
   for (mode_t bad : {0644, 0604, 0660}) {
     chmod(path.c_str(), bad);
-    EXPECT_THAT(ReadOrCreateAdminToken(path, 0, &created),
-                StatusIs(absl::StatusCode::kFailedPrecondition,
-                         HasSubstr("chmod 600")))
+    EXPECT_THAT(
+        ReadOrCreateAdminToken(path, 0, &created),
+        StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("chmod 600")))
         << bad;
   }
   chmod(path.c_str(), 0600);

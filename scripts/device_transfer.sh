@@ -7,14 +7,18 @@
 # "link": the transfer tests and a bench over NCCL links between the two
 # workers (each its own NCCL_HOSTID: on one GPU, NCCL's socket transport).
 #
-#   scripts/device_transfer.sh BUNDLE DATA_DIR OUT [tests|link|bench|all]
+#   scripts/device_transfer.sh BUNDLE DATA_DIR OUT [tests|link|probe|bench|all]
 #
 # BUNDLE: a ../shared/device/bundle.sh directory holding kvmanager,
 # kvworker, kvdemo, transfer_bench, device_copy_probe and the test
 # binaries named below. Each step's output goes to OUT/<step>.log and its
 # exit status to OUT/summary.txt. BENCH_SIZES / BENCH_STREAM_SIZES /
 # BENCH_REPEATS override the bench's sizes (ipc path / stream path) and
-# repeats.
+# repeats; BENCH_ENCODINGS / BENCH_OVERLAP_SIZES the ipc bench's encodings
+# and layer-by-layer sizes; BENCH_BLOCK_TOKENS a list of block sizes for
+# it (default 16); BENCH_STREAM_SIZES=none skips the stream bench.
+# "probe": page_copy_probe (the device work alone: copy, copy + CRC32C and
+# CRC32C by every checksum kernel) at 64 KiB, 17 KiB and 4 KiB pages.
 set -uo pipefail
 b=${1:?usage: BUNDLE DATA_DIR OUT [tests|bench|all]}
 data=${2:?DATA_DIR}
@@ -64,16 +68,26 @@ if [[ $what == link || $what == all ]]; then
     --cpus_src=0-3 --cpus_dst=4-7 --cpus_bench=8-15 \
     --tsv="$out/bench_link.tsv"
 fi
+if [[ $what == probe || $what == bench || $what == all ]]; then
+  for page in 65536 17408 4096; do
+    step "probe_$page" "$b/bin/page_copy_probe" 1073741824 "$page" 20
+  done
+fi
 if [[ $what == bench || $what == all ]]; then
   sizes=${BENCH_SIZES:-1M,16M,256M,1G,4G}
   stream_sizes=${BENCH_STREAM_SIZES:-1M,16M,256M,1G}
   repeats=${BENCH_REPEATS:-3}
-  step bench_ipc "$b/bin/transfer_bench" --backend=cuda \
-    --worker_flags=--transfer_path=ipc --sizes="$sizes" \
-    --overlap_sizes=16M,256M,1G --repeats="$repeats" \
-    --cpus_src=0-3 --cpus_dst=4-7 --cpus_bench=8-15 \
-    --tsv="$out/bench_ipc.tsv"
-  step bench_stream "$b/bin/transfer_bench" --backend=cuda \
+  for bt in ${BENCH_BLOCK_TOKENS:-16}; do
+    name=bench_ipc
+    [[ $bt == 16 ]] || name=bench_ipc_b$bt
+    step $name "$b/bin/transfer_bench" --backend=cuda --block_tokens="$bt" \
+      --worker_flags=--transfer_path=ipc --sizes="$sizes" \
+      --encodings="${BENCH_ENCODINGS:-bf16,int4,bf16->int4,tri-3.5,bf16->tri-3.5}" \
+      --overlap_sizes="${BENCH_OVERLAP_SIZES:-16M,256M,1G}" --repeats="$repeats" \
+      --cpus_src=0-3 --cpus_dst=4-7 --cpus_bench=8-15 \
+      --tsv="$out/$name.tsv"
+  done
+  [[ $stream_sizes == none ]] || step bench_stream "$b/bin/transfer_bench" --backend=cuda \
     --worker_flags=--transfer_path=stream --sizes="$stream_sizes" \
     --overlap_sizes=256M --repeats="$repeats" \
     --cpus_src=0-3 --cpus_dst=4-7 --cpus_bench=8-15 \

@@ -95,6 +95,15 @@ struct Page {
   // the flag and skip the encode.
   absl::Mutex seal_mu;
   bool encoded ABSL_GUARDED_BY(seal_mu) = false;
+  // The CRC32C of the encoded page's bytes, when known: taken when the
+  // page seals (in one pass per write), verified on import, carried over by
+  // a fork's copy. A transfer's source sends it instead of checksumming on
+  // the device while the peer copies (on one GPU the two processes'
+  // kernels time-slice). Cleared whenever `encoded` is; pages whose bytes
+  // are re-encoded (Demote) start without one and are checksummed when
+  // they are exported.
+  bool crc_known ABSL_GUARDED_BY(seal_mu) = false;
+  uint32_t crc32c ABSL_GUARDED_BY(seal_mu) = 0;
 
  private:
   friend class PageAllocator;

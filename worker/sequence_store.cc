@@ -427,6 +427,7 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
       {
         absl::MutexLock seal_lock(&t->seal_mu);
         t->encoded = false;
+        t->crc_known = false;
       }
       seq.sealed[l] -= 1;
     }

@@ -599,7 +599,13 @@ class SequenceStore {
   // The BF16 window and sealing (store_window.cc).
   absl::Status WriteLocked(Sequence& seq, const KvWrite& chunk,
                            absl::string_view prefix);
+  // Seals every block of `layer` the window has moved past, then takes
+  // the CRC32Cs of the target pages it sealed in one Device::Checksum
+  // (Page::crc32c). SealReadyPages is the sealing alone; it lists the pages
+  // sealed without a known CRC32C in *unsummed.
   absl::Status SealReady(Sequence& seq, uint32_t layer);
+  absl::Status SealReadyPages(Sequence& seq, uint32_t layer,
+                              std::vector<Page*>* unsummed);
   // BF16 copies of the first `tokens` tokens of a page.
   absl::Status PageToBf16(const kernels::Encoding& encoding,
                           const kernels::PageShape& shape, const uint8_t* page,

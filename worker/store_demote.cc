@@ -231,6 +231,7 @@ DemoteResult SwapIn(PageAllocator& allocator, Sequence& seq,
       {
         absl::MutexLock seal_lock(&st.target->seal_mu);
         st.target->encoded = st.sealed;
+        st.target->crc_known = false;  // re-encoded: checksummed on export
       }
       Page* old_target = b.target[l];
       b.target[l] = st.target;

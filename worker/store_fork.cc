@@ -207,8 +207,18 @@ absl::Status SequenceStore::FillForkLayer(
           tokens == cb.spec.num_tokens && tokens == pb.spec.num_tokens) {
         TRIAX_RETURN_IF_ERROR(
             device_->CopyPage(t->data, pb.target[l]->data, t->bytes));
+        bool crc_known = false;
+        uint32_t crc = 0;
+        {
+          Page* from = pb.target[l];
+          absl::MutexLock parent_lock(&from->seal_mu);
+          crc_known = from->encoded && from->crc_known;
+          crc = from->crc32c;
+        }
         absl::MutexLock seal_lock(&t->seal_mu);
         t->encoded = encoded = true;
+        t->crc_known = crc_known;
+        t->crc32c = crc;
       }
     }
     if (encoded && prefix) {

@@ -257,6 +257,9 @@ absl::StatusOr<RestoreResult> SequenceStore::RestoreLocked(
       {
         absl::MutexLock seal_lock(&p->seal_mu);
         p->encoded = true;
+        // Restore verified the bytes against the spill's CRC32C.
+        p->crc_known = true;
+        p->crc32c = blk.spilled.pages[l].crc;
       }
       blk.target[l] = p;
     }

@@ -151,7 +151,16 @@ absl::Status CheckPrefix(const Sequence& prefix, const ImportPlan& plan)
 
 void Checksum(std::vector<TransferPage>* pages) {
   for (TransferPage& p : *pages) {
-    p.crc32c = Crc32c(p.data.data(), p.data.size());
+    if (!p.crc_known) p.crc32c = Crc32c(p.data.data(), p.data.size());
+  }
+}
+
+// The CRC32C `page` keeps from when it sealed into *out, if it has one.
+void StoredCrc(Page* page, TransferPage* out) {
+  absl::MutexLock seal_lock(&page->seal_mu);
+  if (page->encoded && page->crc_known) {
+    out->crc32c = page->crc32c;
+    out->crc_known = true;
   }
 }
 
@@ -238,9 +247,11 @@ absl::Status SequenceStore::Export(
     }
   }
   // On a device that time-slices processes, a shared export of written
-  // layers whose pages all go as stored takes its CRC32Cs in passes over
-  // groups of layers (1 GiB of pages) before each group goes to the sink,
-  // rather than one launch per layer between the peer's copies.
+  // layers whose pages all go as stored takes the CRC32Cs its pages do not
+  // keep from sealing in passes over groups of layers (1 GiB of pages)
+  // before each group goes to the sink, rather than one launch per layer
+  // between the peer's copies; layers whose pages all keep theirs go at
+  // once.
   // Re-encoded or spilled pages would sit in scratch pages a group at a
   // time that way; those exports go layer by layer.
   if (options.pins != nullptr && options.shared_checksums &&
@@ -292,33 +303,42 @@ absl::Status SequenceStore::ExportSharedAtOnce(
   const uint8_t* base = allocator_->arena_base();
   std::vector<std::vector<TransferPage>> group;  // layers [first, first + n)
   uint64_t group_bytes = 0;
+  uint64_t unsummed_bytes = 0;  // of the group's pages without a CRC32C
   uint32_t first = 0;
   // Checksums the group's pages in one pass and hands its layers on. The
   // pages are pinned: their bytes stay where they are without the data
   // lock.
   auto flush = [&]() -> absl::Status {
     std::vector<DeviceBytes> ranges;
-    for (const std::vector<TransferPage>& layer : group) {
-      for (const TransferPage& p : layer) {
+    std::vector<TransferPage*> unsummed;  // the page of each range
+    for (std::vector<TransferPage>& layer : group) {
+      for (TransferPage& p : layer) {
+        if (p.crc_known) continue;
         ranges.push_back(DeviceBytes{base + p.arena_offset,
                                      static_cast<size_t>(p.shared_bytes)});
+        unsummed.push_back(&p);
       }
     }
-    std::vector<uint32_t> crcs(ranges.size());
-    if (absl::Status s = device_->Checksum(ranges, absl::MakeSpan(crcs));
-        !s.ok()) {
-      return absl::Status(s.code(),
-                          absl::StrCat("export of sequence_id=", Quote(seq->id),
-                                       " checksums: ", s.message()));
+    if (!ranges.empty()) {
+      std::vector<uint32_t> crcs(ranges.size());
+      if (absl::Status s = device_->Checksum(ranges, absl::MakeSpan(crcs));
+          !s.ok()) {
+        return absl::Status(
+            s.code(), absl::StrCat("export of sequence_id=", Quote(seq->id),
+                                   " checksums: ", s.message()));
+      }
+      for (size_t j = 0; j < unsummed.size(); ++j) {
+        unsummed[j]->crc32c = crcs[j];
+        unsummed[j]->crc_known = true;
+      }
     }
-    size_t at = 0;
     for (size_t i = 0; i < group.size(); ++i) {
-      for (TransferPage& p : group[i]) p.crc32c = crcs[at++];
       TRIAX_RETURN_IF_ERROR(sink(first + static_cast<uint32_t>(i), &group[i]));
     }
     first += static_cast<uint32_t>(group.size());
     group.clear();
     group_bytes = 0;
+    unsummed_bytes = 0;
     return absl::OkStatus();
   };
   for (uint32_t l = 0; l < layers; ++l) {
@@ -328,9 +348,15 @@ absl::Status SequenceStore::ExportSharedAtOnce(
                                  /*shared_checksums=*/false);
         });
     TRIAX_RETURN_IF_ERROR(pages.status());
-    for (const TransferPage& p : *pages) group_bytes += p.shared_bytes;
+    for (const TransferPage& p : *pages) {
+      group_bytes += p.shared_bytes;
+      if (!p.crc_known) unsummed_bytes += p.shared_bytes;
+    }
     group.push_back(*std::move(pages));
-    if (group_bytes >= options_.shared_checksum_group_bytes) {
+    // Layers whose pages all keep their CRC32C from sealing need no device
+    // pass: they go at once.
+    if (unsummed_bytes == 0 ||
+        group_bytes >= options_.shared_checksum_group_bytes) {
       TRIAX_RETURN_IF_ERROR(flush());
     }
   }
@@ -400,6 +426,7 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
     if (b.resident()) {
       stored = b.target[layer]->data;
       if (b.spec.encoding == want.encoding) {
+        StoredCrc(b.target[layer], &p);
         if (shared) {
           share(i, b.target[layer]);
           continue;
@@ -452,29 +479,36 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
     }
   }
   if (shared) {
-    // Offsets in the arena and CRC32Cs taken on the device, then the pins
-    // go to the caller.
+    // Offsets in the arena, and CRC32Cs taken on the device for the pages
+    // that do not keep one from sealing; then the pins go to the caller.
     const uint8_t* base = allocator_->arena_base();
-    std::vector<DeviceBytes> ranges(pages.size());
+    std::vector<DeviceBytes> ranges;
+    std::vector<size_t> unsummed;  // pages[] index of each range
     for (size_t i = 0; i < pages.size(); ++i) {
       const Page* src = shared_src[i];
       const size_t bytes = kernels::PageBytes(pages[i].encoding, shape);
       pages[i].shared = true;
       pages[i].arena_offset = static_cast<uint64_t>(src->data - base);
       pages[i].shared_bytes = bytes;
-      ranges[i] = DeviceBytes{src->data, bytes};
+      if (shared_checksums && !pages[i].crc_known) {
+        ranges.push_back(DeviceBytes{src->data, bytes});
+        unsummed.push_back(i);
+      }
     }
-    std::vector<uint32_t> crcs(pages.size());
-    if (absl::Status s = shared_checksums
-                             ? device_->Checksum(ranges, absl::MakeSpan(crcs))
-                             : absl::OkStatus();
-        !s.ok()) {
-      return absl::Status(
-          s.code(),
-          absl::StrCat("export of sequence_id=", Quote(seq.id), " layer ",
-                       layer, " checksums: ", s.message()));
+    if (!ranges.empty()) {
+      std::vector<uint32_t> crcs(ranges.size());
+      if (absl::Status s = device_->Checksum(ranges, absl::MakeSpan(crcs));
+          !s.ok()) {
+        return absl::Status(
+            s.code(),
+            absl::StrCat("export of sequence_id=", Quote(seq.id), " layer ",
+                         layer, " checksums: ", s.message()));
+      }
+      for (size_t j = 0; j < unsummed.size(); ++j) {
+        pages[unsummed[j]].crc32c = crcs[j];
+        pages[unsummed[j]].crc_known = true;
+      }
     }
-    for (size_t i = 0; i < pages.size(); ++i) pages[i].crc32c = crcs[i];
     allocator_->PinAll(shared_src);
     pins->Adopt(&shared_src);
   }
@@ -780,6 +814,9 @@ void ImportSession::Installed(const TransferPage& page) {
     Page* t = b.target[page.layer];
     absl::MutexLock seal_lock(&t->seal_mu);
     t->encoded = true;
+    // Install and InstallShared verified the bytes against it.
+    t->crc_known = true;
+    t->crc32c = page.crc32c;
   }
   st.have[page.block_index][page.layer] = page.sealed ? 1 : 2;
   st.result.pages += 1;

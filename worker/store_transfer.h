@@ -17,7 +17,9 @@
 //   - a block spilled to the host or disk tier: read from the tier with its
 //     checksum verified (DATA_LOSS on a mismatch), re-encoded through
 //     scratch pages when the wanted encoding differs.
-// Every page carries the CRC32C of its bytes (worker/checksum.h). A layer's
+// Every page carries the CRC32C of its bytes (worker/checksum.h): a stored
+// page's from when it sealed (Page::crc32c), which also catches bytes that
+// changed at rest since; others' taken by the export. A layer's
 // pages are copied out under the sequence's mutex and handed to the sink
 // after it is released: the sink (the network) never runs under a store lock.
 // Without follow_writes every named block must be written on every layer
@@ -125,6 +127,9 @@ struct TransferPage {
   bool sealed = false;         // false: a BF16 window page
   std::string data;            // PageBytes(encoding, shape) bytes
   uint32_t crc32c = 0;         // CRC32C of the page's bytes
+  // Export: crc32c is the stored page's, kept from when it sealed
+  // (Page::crc32c), so the export need not checksum it.
+  bool crc_known = false;
   // The ipc path: no `data`; the bytes lie at `arena_offset` of the
   // source's shared arena, `shared_bytes` long.
   bool shared = false;
@@ -165,7 +170,8 @@ struct ExportOptions {
   std::function<bool()> cancelled;
   // Set: a shared export (the ipc path). No bytes are copied out: each page
   // is shared = true with its offset and length in this worker's arena
-  // (SequenceStore::SharedArena), its CRC32C computed on the device, and
+  // (SequenceStore::SharedArena), its CRC32C the one the page keeps from
+  // sealing (Page::crc32c) or else computed on the device, and
   // stays pinned in *pins — so compaction, frees and demotions leave its
   // bytes in place — until the caller releases it. Stored pages are pinned
   // where they are; re-encoded and spilled ones in scratch pages of the

@@ -151,6 +151,40 @@ absl::Status SequenceStore::WriteLocked(Sequence& seq, const KvWrite& c,
 }
 
 absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
+  // Target pages sealed here whose CRC32C is not known yet: checksummed
+  // together once the loop is done (one device pass per write).
+  std::vector<Page*> unsummed;
+  absl::Status sealing = SealReadyPages(seq, layer, &unsummed);
+  if (unsummed.empty()) return sealing;
+  std::vector<DeviceBytes> ranges;
+  ranges.reserve(unsummed.size());
+  for (const Page* t : unsummed)
+    ranges.push_back(DeviceBytes{t->data, t->bytes});
+  std::vector<uint32_t> crcs(ranges.size());
+  if (absl::Status s = device_->Checksum(ranges, absl::MakeSpan(crcs));
+      !s.ok()) {
+    // The pages are sealed; without their checksums an export takes them.
+    return sealing.ok()
+               ? absl::Status(
+                     s.code(),
+                     absl::StrCat("sequence_id=", Quote(seq.id), " layer ",
+                                  layer, " checksums of ", ranges.size(),
+                                  " sealed pages: ", s.message()))
+               : sealing;
+  }
+  for (size_t i = 0; i < unsummed.size(); ++i) {
+    Page* t = unsummed[i];
+    absl::MutexLock seal_lock(&t->seal_mu);
+    if (t->encoded && !t->crc_known) {
+      t->crc_known = true;
+      t->crc32c = crcs[i];
+    }
+  }
+  return sealing;
+}
+
+absl::Status SequenceStore::SealReadyPages(Sequence& seq, uint32_t layer,
+                                           std::vector<Page*>* unsummed) {
   while (seq.sealed[layer] < seq.blocks.size()) {
     Block& b = seq.blocks[seq.sealed[layer]];
     if (seq.written[layer] < b.end() + seq.window_tokens) break;
@@ -178,6 +212,7 @@ absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
             device_->DemotePages(seq.shape, absl::MakeConstSpan(&job, 1)));
       }
       t->encoded = true;
+      if (!t->crc_known) unsummed->push_back(t);
     }
     if (b.window[layer] != nullptr) {
       allocator_->Unref(b.window[layer]);

@@ -3,7 +3,12 @@
 //   copy      cudaMemcpyAsync of the whole buffer (device to device);
 //   copy_crc  CopyCrc32cCuda over the buffer cut into pages (what the
 //             destination runs on each batch: copy + CRC32C in one pass);
-//   crc       Crc32cCuda over the pages (what the source runs per layer).
+//   crc       Crc32cCuda over the pages (what a source runs for pages
+//             without a CRC32C kept from sealing, and a seal per write).
+// Each checksum line is printed for every kernel (crc32c.h Crc32cKernel:
+// striped with 8, 4 or 1 table copies, one CTA per range), on random bytes
+// (table lookups of constant bytes never collide in shared memory); every
+// kernel's CRC32Cs must agree or the probe exits 1.
 // Without a second process on the GPU this leaves out the time slicing of
 // two worker contexts and the per-page control of the transfer protocol.
 //
@@ -62,6 +67,26 @@ double Time(int repeats, const std::function<bool()>& launch) {
   return s[s.size() / 2];
 }
 
+// Random bytes (xorshift64) into the device buffer, 64 MiB at a time.
+bool Fill(uint8_t* dev, size_t bytes) {
+  std::vector<uint64_t> host((size_t{64} << 20) / 8);
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (size_t at = 0; at < bytes; at += host.size() * 8) {
+    for (uint64_t& w : host) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      w = x;
+    }
+    const size_t n = std::min(bytes - at, host.size() * 8);
+    if (!Check(cudaMemcpy(dev + at, host.data(), n, cudaMemcpyHostToDevice),
+               "fill")) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,8 +107,7 @@ int main(int argc, char** argv) {
   uint32_t* out = nullptr;
   if (!Check(cudaSetDevice(static_cast<int>(device)), "cudaSetDevice") ||
       !Check(cudaMalloc(&src, bytes), "cudaMalloc") ||
-      !Check(cudaMalloc(&dst, bytes), "cudaMalloc") ||
-      !Check(cudaMemset(src, 0x5a, bytes), "cudaMemset") ||
+      !Check(cudaMalloc(&dst, bytes), "cudaMalloc") || !Fill(src, bytes) ||
       !Check(cudaMalloc(&out, pages * 4), "cudaMalloc") ||
       !Check(cudaMalloc(&table, pages * sizeof(kc::CopyRange)), "cudaMalloc")) {
     return 1;
@@ -114,32 +138,65 @@ int main(int argc, char** argv) {
     return Check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice),
                  "cudaMemcpyAsync");
   });
-  const double copy_crc = Time(n, [&] {
-    kc::CopyCrc32cParams p;
-    p.ranges = static_cast<const kc::CopyRange*>(table);
-    p.num_ranges = static_cast<int>(pages);
-    p.out = out;
-    return kc::CopyCrc32cCuda(p).ok();
-  });
-  const double crc = Time(n, [&] {
-    kc::Crc32cParams p;
-    p.ranges = static_cast<const kc::ByteRange*>(range_table);
-    p.num_ranges = static_cast<int>(pages);
-    p.out = out;
-    return kc::Crc32cCuda(p).ok();
-  });
+  struct Kernel {
+    kc::Crc32cKernel kernel;
+    const char* name;
+  };
+  const Kernel kernels[] = {{kc::Crc32cKernel::kStriped8, "striped8"},
+                            {kc::Crc32cKernel::kStriped4, "striped4"},
+                            {kc::Crc32cKernel::kStriped1, "striped1"},
+                            {kc::Crc32cKernel::kPerCta, "percta"}};
+  struct Line {
+    std::string name;
+    double seconds;
+  };
+  std::vector<Line> lines = {{"copy", copy}};
+  std::vector<uint32_t> first, got(pages);
+  bool agree = true;
+  for (const Kernel& k : kernels) {
+    for (bool with_copy : {true, false}) {
+      const double s = Time(n, [&] {
+        if (with_copy) {
+          kc::CopyCrc32cParams p;
+          p.ranges = static_cast<const kc::CopyRange*>(table);
+          p.num_ranges = static_cast<int>(pages);
+          p.out = out;
+          p.kernel = k.kernel;
+          return kc::CopyCrc32cCuda(p).ok();
+        }
+        kc::Crc32cParams p;
+        p.ranges = static_cast<const kc::ByteRange*>(range_table);
+        p.num_ranges = static_cast<int>(pages);
+        p.out = out;
+        p.kernel = k.kernel;
+        return kc::Crc32cCuda(p).ok();
+      });
+      lines.push_back(
+          {std::string(with_copy ? "copy_crc/" : "crc/") + k.name, s});
+      if (!Check(cudaMemcpy(got.data(), out, pages * 4, cudaMemcpyDeviceToHost),
+                 "download")) {
+        return 1;
+      }
+      if (first.empty()) {
+        first = got;
+      } else if (got != first) {
+        std::fprintf(stderr, "page_copy_probe: %s gives other CRC32Cs\n",
+                     lines.back().name.c_str());
+        agree = false;
+      }
+    }
+  }
   cudaFree(src);
   cudaFree(dst);
   cudaFree(out);
   cudaFree(table);
   cudaFree(range_table);
-  if (copy <= 0 || copy_crc <= 0 || crc <= 0) return 1;
-  for (auto [name, s] : {std::pair<const char*, double>{"copy", copy},
-                         {"copy_crc", copy_crc},
-                         {"crc", crc}}) {
+  for (const Line& l : lines) {
+    if (l.seconds <= 0) return 1;
     std::printf(
-        "%-9s bytes=%zu page=%llu seconds=%.6g gbps=%.1f of_copy=%.3f\n", name,
-        bytes, page, s, bytes / s / 1e9, copy / s);
+        "%-18s bytes=%zu page=%llu seconds=%.6g gbps=%.1f of_copy=%.3f\n",
+        l.name.c_str(), bytes, page, l.seconds, bytes / l.seconds / 1e9,
+        copy / l.seconds);
   }
-  return 0;
+  return agree ? 0 : 1;
 }

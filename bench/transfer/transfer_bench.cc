@@ -90,6 +90,10 @@ ABSL_FLAG(int, import_timeout_ms, 600000, "ImportSequence timeout_ms");
 ABSL_FLAG(int, probe_message_bytes, 4 << 20,
           "probe message size (ExportPages batches up to 4 MiB)");
 ABSL_FLAG(int, write_chunk_tokens, 256, "tokens per WriteKV message");
+ABSL_FLAG(int, block_tokens, 16,
+          "tokens per block (1..256; a power of two): a page is one layer of "
+          "a block, so larger blocks mean fewer, larger pages (a BF16 page "
+          "of 64 tokens is 256 KiB: give the workers --frame_kb to hold it)");
 ABSL_FLAG(std::string, device_copy, "auto",
           "auto: also time device_copy_probe (a CUDA build's device-to-device "
           "copy of the same bytes) when it is in --bin_dir and runs; off");
@@ -590,8 +594,25 @@ absl::Status Fail(const std::string& flag, const std::string& value,
       absl::StrCat(flag, ": \"", value, "\" ", why));
 }
 
+BenchShape ShapeFromFlags(absl::Status* bad) {
+  BenchShape shape;
+  const int t = absl::GetFlag(FLAGS_block_tokens);
+  if (t < 1 || t > 256 || (t & (t - 1)) != 0) {
+    *bad = Fail("--block_tokens", std::to_string(t),
+                "must be a power of two in 1..256");
+    return shape;
+  }
+  shape.block_tokens = static_cast<uint32_t>(t);
+  return shape;
+}
+
 int Run() {
-  const BenchShape shape;
+  absl::Status bad_shape;
+  const BenchShape shape = ShapeFromFlags(&bad_shape);
+  if (!bad_shape.ok()) {
+    std::cerr << "transfer_bench: " << bad_shape.message() << "\n";
+    return 1;
+  }
   auto sizes = ParseSizes(absl::GetFlag(FLAGS_sizes), shape, "--sizes");
   auto encodings =
       ParseEncodingCases(absl::GetFlag(FLAGS_encodings), shape, "--encodings");

@@ -66,6 +66,8 @@ expect '--layer_compute_ms: "-1"' --layer_compute_ms=-1
 expect '--cpus_src: "a-b"' --cpus_src=a-b
 expect '--cpus_dst: "3-1"' --cpus_dst=3-1
 expect '--device_copy: "on"' --device_copy=on
+expect '--block_tokens: "24"' --block_tokens=24
+expect '--block_tokens: "0"' --block_tokens=0
 
 if [[ $failures -ne 0 ]]; then
   echo "$failures failure(s)"

@@ -1,13 +1,34 @@
-// Crc32cKernel: each of the CTA's threads takes an equal, contiguous slice
-// of the range (16-byte loads when the slice is aligned), computes the
-// slice's CRC32C with a byte table in shared memory, and the slices are
-// joined in a tree of log2(threads) levels: for CRCs of A and B,
-// CRC(A || B) = CRC(A) * x^(8|B|) xor CRC(B) in GF(2)[x] mod P (the
-// combination zlib's crc32_combine uses), which holds for the conditioned
-// CRC (initial and final xor 0xFFFFFFFF). The shift operators x^(8|B|) are
-// computed once per CTA, in parallel, before the tree.
+// Two kinds of kernels (crc32c.h, Crc32cKernel):
+//
+// Striped (the default): a warp per range. Lane l takes the 16-byte chunks
+// l, l + 32, l + 64, ... of its range, so each load instruction of the warp
+// reads one coalesced 512-byte row and a copy reads and writes every byte
+// exactly once, checksumming it from registers. A lane's state is the raw
+// CRC (initial value 0, no final xor) of its chunks with zeros in between:
+// before each chunk after its first it is carried over the 496 bytes of
+// the other lanes' chunks (gap tables: the state is linear in its four
+// bytes, so that is four lookups), then updated with the chunk's four words
+// by slicing-by-4 tables. At the end each lane's state is carried to the
+// end of the range's whole chunks (x^(8 * 16 m) for the m chunks after its
+// last), the 32 states xor together into the raw CRC of those chunks, lane
+// 0 adds the last bytes % 16 bytes, and the conditioned CRC32C is
+// raw ^ (0xFFFFFFFF * x^(8 bytes)) ^ 0xFFFFFFFF (the initial value's
+// contribution, then the final xor). Table lookups are the inner loop's
+// cost; random bytes make 32 lanes' lookups collide in shared-memory banks,
+// so the tables are kept in R interleaved copies (lane l reads copy l % R).
+// Ranges that are not 16-byte aligned (at either end of a copy) load and
+// store their chunks byte by byte, same arithmetic.
+//
+// PerCta (the first version, kept for comparison in page_copy_probe): one
+// CTA per range; each thread takes an equal, contiguous slice (16-byte
+// loads when aligned), computes its CRC32C with slicing-by-4 tables built
+// in shared memory, and the slices are joined in a tree of log2(threads)
+// levels: CRC(A || B) = CRC(A) * x^(8|B|) xor CRC(B) in GF(2)[x] mod P (the
+// combination zlib's crc32_combine uses). A copy copies coalesced first,
+// then checksums the destination (re-read from L2 or memory).
 #include <mutex>
 #include <set>
+#include <utility>
 
 #include "kernels/cuda/crc32c.h"
 
@@ -15,6 +36,16 @@ namespace triax::kernels::cuda {
 namespace {
 
 constexpr uint32_t kPoly = 0x82F63B78u;  // reflected Castagnoli
+
+// Striped kernels.
+constexpr int kWarp = 32;
+constexpr int kChunk = 16;                     // bytes a lane takes at a time
+constexpr int kGap = kWarp * kChunk - kChunk;  // between a lane's chunks
+constexpr int kWarpsPerCta = 8;
+constexpr int kStripedThreads = kWarp * kWarpsPerCta;
+constexpr int kUnroll = 4;  // chunks a lane loads before checksumming them
+
+// PerCta kernels.
 constexpr int kThreads = 256;
 constexpr int kLevels = 8;  // log2(kThreads): the combining tree's depth
 static_assert((1 << kLevels) == kThreads, "one slice per thread");
@@ -30,20 +61,63 @@ __host__ __device__ uint32_t MultModP(uint32_t a, uint32_t b) {
   return p;
 }
 
-// g_x8_pow2[j] = x^(8 2^j) mod P, uploaded once per device (EnsurePowers).
-__device__ uint32_t g_x8_pow2[64];
+// Computed on the host once, uploaded once per device (EnsureTables).
+struct Tables {
+  // byte[k][n]: the CRC state update of byte n followed by k zero bytes
+  // (slicing by 4), flat [k * 256 + n].
+  uint32_t byte[4 * 256];
+  // gap[k][n]: the state (n << 8k) carried over kGap zero bytes.
+  uint32_t gap[4 * 256];
+  // carry[m] = x^(8 * kChunk * m) mod P: a lane's state carried over the m
+  // chunks after its last one.
+  uint32_t carry[kWarp];
+  // pow2[j] = x^(8 2^j) mod P.
+  uint32_t pow2[64];
+};
+__device__ Tables g_tables;
 
-// x^(8 n) mod P: one multiplication per set bit of n.
-__device__ uint32_t X8nModP(uint64_t n) {
+// x^(8 n) mod P from pow2: one multiplication per set bit of n.
+__host__ __device__ uint32_t X8nModP(const uint32_t* pow2, uint64_t n) {
   uint32_t p = 0x80000000u;  // x^0
   for (int j = 0; n != 0; ++j, n >>= 1) {
-    if (n & 1u) p = MultModP(g_x8_pow2[j], p);
+    if (n & 1u) p = MultModP(pow2[j], p);
   }
   return p;
 }
 
-// Uploads g_x8_pow2 (computed on the host) once per current device.
-LaunchResult EnsurePowers() {
+Tables MakeTables() {
+  Tables t;
+  for (uint32_t n = 0; n < 256; ++n) {
+    uint32_t c = n;
+    for (int k = 0; k < 8; ++k) c = (c & 1u) ? (c >> 1) ^ kPoly : c >> 1;
+    t.byte[n] = c;
+  }
+  for (int k = 1; k < 4; ++k) {
+    for (uint32_t n = 0; n < 256; ++n) {
+      const uint32_t prev = t.byte[(k - 1) * 256 + n];
+      t.byte[k * 256 + n] = (prev >> 8) ^ t.byte[prev & 0xFFu];
+    }
+  }
+  for (int k = 0; k < 4; ++k) {
+    for (uint32_t n = 0; n < 256; ++n) {
+      uint32_t c = n << (8 * k);
+      for (int z = 0; z < kGap; ++z) c = t.byte[c & 0xFFu] ^ (c >> 8);
+      t.gap[k * 256 + n] = c;
+    }
+  }
+  uint32_t sq = 1u << 23;  // x^8
+  for (int j = 0; j < 64; ++j) {
+    t.pow2[j] = sq;
+    sq = MultModP(sq, sq);
+  }
+  for (int m = 0; m < kWarp; ++m) {
+    t.carry[m] = X8nModP(t.pow2, uint64_t{kChunk} * m);
+  }
+  return t;
+}
+
+// Uploads g_tables once per current device.
+LaunchResult EnsureTables() {
   static std::mutex* mu = new std::mutex();
   static std::set<int>* done = new std::set<int>();
   LaunchResult r;
@@ -54,24 +128,275 @@ LaunchResult EnsurePowers() {
   }
   std::lock_guard<std::mutex> lock(*mu);
   if (done->count(dev) > 0) return r;
-  uint32_t pow2[64];
-  uint32_t sq = 1u << 23;  // x^8
-  for (int j = 0; j < 64; ++j) {
-    pow2[j] = sq;
-    sq = MultModP(sq, sq);
-  }
+  static const Tables* host = new Tables(MakeTables());
   // From pageable memory: the copy is complete when this returns, so every
-  // later launch, on any stream, sees the table.
-  const cudaError_t e = cudaMemcpyToSymbol(g_x8_pow2, pow2, sizeof(pow2));
+  // later launch, on any stream, sees the tables.
+  const cudaError_t e = cudaMemcpyToSymbol(g_tables, host, sizeof(Tables));
   if (e != cudaSuccess) {
     r.kind = LaunchResult::Kind::kLaunch;
     r.error = e;
-    r.what = "uploading the CRC32C shift table";
+    r.what = "uploading the CRC32C tables";
     return r;
   }
   done->insert(dev);
   return r;
 }
+
+// ---------------------------------------------------------------------------
+// Striped
+
+// The byte and gap tables in shared memory, R interleaved copies of each
+// entry: entry n of a table's copy c is at [n * R + c], so lanes reading
+// different copies never share a bank for the same entry and 32 random
+// lookups collide at most 32 / R ways.
+template <int R>
+struct StripedShared {
+  uint32_t byte[4 * 256 * R];
+  uint32_t gap[4 * 256 * R];
+};
+
+template <int R>
+__device__ __forceinline__ uint32_t Look(const uint32_t* t, int k, uint32_t n,
+                                         int copy) {
+  return t[(k * 256 + n) * R + copy];
+}
+
+// The state after the four bytes of `w` (little-endian).
+template <int R>
+__device__ __forceinline__ uint32_t UpdateWord(const StripedShared<R>& s,
+                                               uint32_t c, uint32_t w,
+                                               int copy) {
+  const uint32_t x = c ^ w;
+  return Look<R>(s.byte, 3, x & 0xFFu, copy) ^
+         Look<R>(s.byte, 2, (x >> 8) & 0xFFu, copy) ^
+         Look<R>(s.byte, 1, (x >> 16) & 0xFFu, copy) ^
+         Look<R>(s.byte, 0, x >> 24, copy);
+}
+
+// The state carried over kGap zero bytes.
+template <int R>
+__device__ __forceinline__ uint32_t CarryGap(const StripedShared<R>& s,
+                                             uint32_t c, int copy) {
+  return Look<R>(s.gap, 0, c & 0xFFu, copy) ^
+         Look<R>(s.gap, 1, (c >> 8) & 0xFFu, copy) ^
+         Look<R>(s.gap, 2, (c >> 16) & 0xFFu, copy) ^
+         Look<R>(s.gap, 3, c >> 24, copy);
+}
+
+template <int R>
+__device__ __forceinline__ uint32_t UpdateChunk(const StripedShared<R>& s,
+                                                uint32_t c, const uint4& v,
+                                                bool first, int copy) {
+  if (!first) c = CarryGap<R>(s, c, copy);
+  c = UpdateWord<R>(s, c, v.x, copy);
+  c = UpdateWord<R>(s, c, v.y, copy);
+  c = UpdateWord<R>(s, c, v.z, copy);
+  return UpdateWord<R>(s, c, v.w, copy);
+}
+
+__device__ __forceinline__ uint4 LoadBytes(const uint8_t* p) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = uint32_t{p[4 * i]} | uint32_t{p[4 * i + 1]} << 8 |
+           uint32_t{p[4 * i + 2]} << 16 | uint32_t{p[4 * i + 3]} << 24;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ void StoreBytes(uint8_t* p, const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+      p[4 * i + b] = static_cast<uint8_t>(w[i] >> (8 * b));
+  }
+}
+
+// One range by one warp: its CRC32C (every lane returns it), copying it to
+// dst on the way when kCopy.
+template <int R, bool kCopy, bool kVector>
+__device__ uint32_t StripedRange(const StripedShared<R>& s, const uint8_t* src,
+                                 uint8_t* dst, uint64_t bytes, int lane) {
+  const int copy = lane % R;
+  const uint64_t chunks = bytes / kChunk;
+  uint32_t c = 0;
+  for (uint64_t j = lane; j < chunks; j += kUnroll * kWarp) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t at = j + uint64_t{u} * kWarp;
+      if (at < chunks) {
+        if (kVector) {
+          v[u] = reinterpret_cast<const uint4*>(src)[at];
+          if (kCopy) reinterpret_cast<uint4*>(dst)[at] = v[u];
+        } else {
+          v[u] = LoadBytes(src + at * kChunk);
+          if (kCopy) StoreBytes(dst + at * kChunk, v[u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t at = j + uint64_t{u} * kWarp;
+      if (at < chunks) {
+        c = UpdateChunk<R>(s, c, v[u], at == static_cast<uint64_t>(lane), copy);
+      }
+    }
+  }
+  uint32_t raw =
+      static_cast<uint64_t>(lane) < chunks
+          ? MultModP(g_tables.carry[(chunks - 1 - lane) & (kWarp - 1)], c)
+          : 0u;
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) {
+    raw ^= __shfl_xor_sync(0xFFFFFFFFu, raw, o);
+  }
+  uint32_t crc = 0;
+  if (lane == 0) {
+    for (uint64_t i = chunks * kChunk; i < bytes; ++i) {
+      const uint8_t b = src[i];
+      if (kCopy) dst[i] = b;
+      raw = Look<R>(s.byte, 0, (raw ^ b) & 0xFFu, 0) ^ (raw >> 8);
+    }
+    crc = bytes == 0
+              ? 0u
+              : raw ^ MultModP(X8nModP(g_tables.pow2, bytes), 0xFFFFFFFFu) ^
+                    0xFFFFFFFFu;
+  }
+  return __shfl_sync(0xFFFFFFFFu, crc, 0);
+}
+
+template <int R>
+__device__ void LoadStripedShared(StripedShared<R>* s) {
+  for (int i = threadIdx.x; i < 4 * 256 * R; i += blockDim.x) {
+    s->byte[i] = g_tables.byte[i / R];
+    s->gap[i] = g_tables.gap[i / R];
+  }
+  __syncthreads();
+}
+
+// Warp w of CTA b takes ranges b * kWarpsPerCta + w, then a grid's worth
+// later, ... (the grid is sized to stay resident, so each CTA loads its
+// tables once).
+template <int R>
+__global__ void StripedCrc32cKernel(const ByteRange* ranges, int num_ranges,
+                                    uint32_t* out) {
+  extern __shared__ uint4 smem[];
+  auto& s = *reinterpret_cast<StripedShared<R>*>(smem);
+  LoadStripedShared<R>(&s);
+  const int lane = threadIdx.x % kWarp;
+  for (int i = blockIdx.x * kWarpsPerCta + threadIdx.x / kWarp; i < num_ranges;
+       i += gridDim.x * kWarpsPerCta) {
+    const ByteRange r = ranges[i];
+    const bool vec = (reinterpret_cast<uintptr_t>(r.data) & 15u) == 0;
+    const uint32_t crc =
+        vec ? StripedRange<R, false, true>(s, r.data, nullptr, r.bytes, lane)
+            : StripedRange<R, false, false>(s, r.data, nullptr, r.bytes, lane);
+    if (lane == 0) out[i] = crc;
+  }
+}
+
+template <int R>
+__global__ void StripedCopyCrc32cKernel(const CopyRange* ranges, int num_ranges,
+                                        uint32_t* out) {
+  extern __shared__ uint4 smem[];
+  auto& s = *reinterpret_cast<StripedShared<R>*>(smem);
+  LoadStripedShared<R>(&s);
+  const int lane = threadIdx.x % kWarp;
+  for (int i = blockIdx.x * kWarpsPerCta + threadIdx.x / kWarp; i < num_ranges;
+       i += gridDim.x * kWarpsPerCta) {
+    const CopyRange r = ranges[i];
+    const bool vec = ((reinterpret_cast<uintptr_t>(r.src) |
+                       reinterpret_cast<uintptr_t>(r.dst)) &
+                      15u) == 0;
+    const uint32_t crc =
+        vec ? StripedRange<R, true, true>(s, r.src, r.dst, r.bytes, lane)
+            : StripedRange<R, true, false>(s, r.src, r.dst, r.bytes, lane);
+    if (lane == 0) out[i] = crc;
+  }
+}
+
+// A resident grid for `kernel` with `smem` bytes of dynamic shared memory
+// (set once per kernel and device), at most enough CTAs for the ranges.
+template <typename Kernel>
+LaunchResult StripedGrid(Kernel kernel, size_t smem, int num_ranges,
+                         int* grid) {
+  static std::mutex* mu = new std::mutex();
+  static std::set<std::pair<int, const void*>>* done =
+      new std::set<std::pair<int, const void*>>();
+  LaunchResult r;
+  int dev = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    r.kind = LaunchResult::Kind::kNoDevice;
+    return r;
+  }
+  {
+    std::lock_guard<std::mutex> lock(*mu);
+    const auto key = std::make_pair(dev, reinterpret_cast<const void*>(kernel));
+    if (done->count(key) == 0) {
+      const cudaError_t e = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          static_cast<int>(smem));
+      if (e != cudaSuccess) {
+        r.kind = LaunchResult::Kind::kSharedMemory;
+        r.error = e;
+        r.smem_bytes = smem;
+        return r;
+      }
+      done->insert(key);
+    }
+  }
+  cudaError_t e =
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                      kStripedThreads, smem);
+  }
+  if (e != cudaSuccess || per_sm < 1) {
+    r.kind = LaunchResult::Kind::kSharedMemory;
+    r.error = e;
+    r.smem_bytes = smem;
+    return r;
+  }
+  const int needed = (num_ranges + kWarpsPerCta - 1) / kWarpsPerCta;
+  *grid = needed < sms * per_sm ? needed : sms * per_sm;
+  return r;
+}
+
+template <int R>
+LaunchResult LaunchStriped(const ByteRange* ranges, int num_ranges,
+                           uint32_t* out, cudaStream_t stream) {
+  const size_t smem = sizeof(StripedShared<R>);
+  int grid = 0;
+  if (LaunchResult r =
+          StripedGrid(StripedCrc32cKernel<R>, smem, num_ranges, &grid);
+      !r.ok()) {
+    return r;
+  }
+  StripedCrc32cKernel<R>
+      <<<grid, kStripedThreads, smem, stream>>>(ranges, num_ranges, out);
+  return LastLaunch("StripedCrc32cKernel");
+}
+
+template <int R>
+LaunchResult LaunchStripedCopy(const CopyRange* ranges, int num_ranges,
+                               uint32_t* out, cudaStream_t stream) {
+  const size_t smem = sizeof(StripedShared<R>);
+  int grid = 0;
+  if (LaunchResult r =
+          StripedGrid(StripedCopyCrc32cKernel<R>, smem, num_ranges, &grid);
+      !r.ok()) {
+    return r;
+  }
+  StripedCopyCrc32cKernel<R>
+      <<<grid, kStripedThreads, smem, stream>>>(ranges, num_ranges, out);
+  return LastLaunch("StripedCopyCrc32cKernel");
+}
+
+// ---------------------------------------------------------------------------
+// PerCta
 
 __device__ uint32_t Update(const uint32_t* table, uint32_t c, uint32_t byte) {
   return table[(c ^ byte) & 0xFFu] ^ (c >> 8);
@@ -79,23 +404,11 @@ __device__ uint32_t Update(const uint32_t* table, uint32_t c, uint32_t byte) {
 
 // One range: its CRC32C into *out (all of the CTA's threads take part).
 __device__ void RangeCrc(const uint8_t* data, uint64_t bytes, uint32_t* out) {
-  // Slicing-by-4 tables: table[0] is the byte table, table[k][n] the CRC
-  // of byte n followed by k zero bytes, so a 4-byte word takes four
-  // independent lookups instead of four dependent ones.
   __shared__ uint32_t table[4][256];
   __shared__ uint32_t slice_crc[kThreads];
   const int t = threadIdx.x;
-  for (int i = t; i < 256; i += kThreads) {
-    uint32_t c = static_cast<uint32_t>(i);
-    for (int k = 0; k < 8; ++k) c = (c & 1u) ? (c >> 1) ^ kPoly : c >> 1;
-    table[0][i] = c;
-  }
-  __syncthreads();
-  for (int i = t; i < 256; i += kThreads) {
-    for (int k = 1; k < 4; ++k) {
-      const uint32_t prev = k == 1 ? table[0][i] : table[k - 1][i];
-      table[k][i] = (prev >> 8) ^ table[0][prev & 0xFFu];
-    }
+  for (int i = t; i < 4 * 256; i += kThreads) {
+    table[i / 256][i % 256] = g_tables.byte[i];
   }
   __syncthreads();
   // Slices of `len` bytes, a multiple of 16 so that aligned ranges load
@@ -128,13 +441,13 @@ __device__ void RangeCrc(const uint8_t* data, uint64_t bytes, uint32_t* out) {
   __shared__ uint32_t tail[kLevels];
   // (Operators in warp 0, tails in warp 1: the two do not diverge.)
   if (t < kLevels) {
-    ops[t] = X8nModP(len << t);
+    ops[t] = X8nModP(g_tables.pow2, len << t);
   } else if (t >= 32 && t < 32 + kLevels && bytes > 0) {
     const int k = t - 32;
     const uint64_t last = (bytes - 1) / len;  // slice of the last byte
     const uint64_t right = ((last >> (k + 1)) << (k + 1)) + (uint64_t{1} << k);
     const uint64_t r = last >= right ? bytes - len * right : 0;
-    tail[k] = (r > 0 && r < (len << k)) ? X8nModP(r) : 0u;
+    tail[k] = (r > 0 && r < (len << k)) ? X8nModP(g_tables.pow2, r) : 0u;
   }
   __syncthreads();
   // A tree over the slices: at level k, slice t (t a multiple of 2^(k+1))
@@ -154,16 +467,15 @@ __device__ void RangeCrc(const uint8_t* data, uint64_t bytes, uint32_t* out) {
   if (t == 0) *out = slice_crc[0];
 }
 
-__global__ void Crc32cKernel(const ByteRange* ranges, uint32_t* out) {
+__global__ void PerCtaCrc32cKernel(const ByteRange* ranges, uint32_t* out) {
   const ByteRange r = ranges[blockIdx.x];
   RangeCrc(r.data, r.bytes, out + blockIdx.x);
 }
 
 // The copy first, coalesced (thread t moves 16-byte words t, t + 256, ...;
 // bytes where either end is unaligned), then the CRC32C of the bytes as
-// they landed in dst: the checksum verifies what was installed, and the
-// strided reads of the CRC mostly hit L2 right after the copy.
-__global__ void CopyCrc32cKernel(const CopyRange* ranges, uint32_t* out) {
+// they landed in dst.
+__global__ void PerCtaCopyCrc32cKernel(const CopyRange* ranges, uint32_t* out) {
   const CopyRange r = ranges[blockIdx.x];
   const int t = threadIdx.x;
   const uintptr_t misaligned = (reinterpret_cast<uintptr_t>(r.src) |
@@ -185,19 +497,41 @@ __global__ void CopyCrc32cKernel(const CopyRange* ranges, uint32_t* out) {
 }  // namespace
 
 LaunchResult LaunchCrc32c(const ByteRange* ranges, int num_ranges,
-                          uint32_t* out, cudaStream_t stream) {
+                          uint32_t* out, cudaStream_t stream,
+                          Crc32cKernel kernel) {
   if (num_ranges <= 0) return LaunchResult{};
-  if (LaunchResult r = EnsurePowers(); !r.ok()) return r;
-  Crc32cKernel<<<num_ranges, kThreads, 0, stream>>>(ranges, out);
-  return LastLaunch("Crc32cKernel");
+  if (LaunchResult r = EnsureTables(); !r.ok()) return r;
+  switch (kernel) {
+    case Crc32cKernel::kPerCta:
+      PerCtaCrc32cKernel<<<num_ranges, kThreads, 0, stream>>>(ranges, out);
+      return LastLaunch("PerCtaCrc32cKernel");
+    case Crc32cKernel::kStriped1:
+      return LaunchStriped<1>(ranges, num_ranges, out, stream);
+    case Crc32cKernel::kStriped4:
+      return LaunchStriped<4>(ranges, num_ranges, out, stream);
+    case Crc32cKernel::kStriped8:
+      return LaunchStriped<8>(ranges, num_ranges, out, stream);
+  }
+  return LaunchStriped<8>(ranges, num_ranges, out, stream);
 }
 
 LaunchResult LaunchCopyCrc32c(const CopyRange* ranges, int num_ranges,
-                              uint32_t* out, cudaStream_t stream) {
+                              uint32_t* out, cudaStream_t stream,
+                              Crc32cKernel kernel) {
   if (num_ranges <= 0) return LaunchResult{};
-  if (LaunchResult r = EnsurePowers(); !r.ok()) return r;
-  CopyCrc32cKernel<<<num_ranges, kThreads, 0, stream>>>(ranges, out);
-  return LastLaunch("CopyCrc32cKernel");
+  if (LaunchResult r = EnsureTables(); !r.ok()) return r;
+  switch (kernel) {
+    case Crc32cKernel::kPerCta:
+      PerCtaCopyCrc32cKernel<<<num_ranges, kThreads, 0, stream>>>(ranges, out);
+      return LastLaunch("PerCtaCopyCrc32cKernel");
+    case Crc32cKernel::kStriped1:
+      return LaunchStripedCopy<1>(ranges, num_ranges, out, stream);
+    case Crc32cKernel::kStriped4:
+      return LaunchStripedCopy<4>(ranges, num_ranges, out, stream);
+    case Crc32cKernel::kStriped8:
+      return LaunchStripedCopy<8>(ranges, num_ranges, out, stream);
+  }
+  return LaunchStripedCopy<8>(ranges, num_ranges, out, stream);
 }
 
 }  // namespace triax::kernels::cuda

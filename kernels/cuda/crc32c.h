@@ -22,10 +22,16 @@ struct ByteRange {
 };
 static_assert(sizeof(ByteRange) == 16, "ByteRange is copied as raw bytes");
 
-// Crc32cKernel: one CTA per range; out[i] = CRC32C of range i (0 for an
-// empty range). `ranges` and `out` are device arrays of num_ranges.
+// Which kernel computes the checksums (crc32c.cu explains both): the
+// striped kernels with R copies of their tables (the default), or the first
+// version with one CTA per range (kept for page_copy_probe's comparison).
+enum class Crc32cKernel { kStriped8, kStriped4, kStriped1, kPerCta };
+
+// out[i] = CRC32C of range i (0 for an empty range). `ranges` and `out` are
+// device arrays of num_ranges.
 LaunchResult LaunchCrc32c(const ByteRange* ranges, int num_ranges,
-                          uint32_t* out, cudaStream_t stream);
+                          uint32_t* out, cudaStream_t stream,
+                          Crc32cKernel kernel = Crc32cKernel::kStriped8);
 
 // One device-to-device copy whose CRC32C is taken right after (transfers:
 // the destination copies a page out of the source's mapped arena and
@@ -39,11 +45,11 @@ struct CopyRange {
 };
 static_assert(sizeof(CopyRange) == 32, "CopyRange is copied as raw bytes");
 
-// CopyCrc32cKernel: one CTA per range copies it (coalesced 16-byte words
-// where both ends are 16-byte aligned, bytes otherwise), then computes the
-// CRC32C of dst as Crc32cKernel does: out[i] = CRC32C of the bytes that
-// landed in dst.
+// Copies every range and sets out[i] to the CRC32C of the bytes copied
+// (the striped kernels checksum what they read, from registers, as they
+// store it; the per-CTA one re-reads what landed in dst).
 LaunchResult LaunchCopyCrc32c(const CopyRange* ranges, int num_ranges,
-                              uint32_t* out, cudaStream_t stream);
+                              uint32_t* out, cudaStream_t stream,
+                              Crc32cKernel kernel = Crc32cKernel::kStriped8);
 
 }  // namespace triax::kernels::cuda

@@ -35,7 +35,8 @@ absl::Status Crc32cCuda(const Crc32cParams& p) {
       !s.ok() || !launch) {
     return s;
   }
-  return ToStatus(LaunchCrc32c(p.ranges, p.num_ranges, p.out, p.stream));
+  return ToStatus(
+      LaunchCrc32c(p.ranges, p.num_ranges, p.out, p.stream, p.kernel));
 }
 
 absl::Status CopyCrc32cCuda(const CopyCrc32cParams& p) {
@@ -44,7 +45,8 @@ absl::Status CopyCrc32cCuda(const CopyCrc32cParams& p) {
       !s.ok() || !launch) {
     return s;
   }
-  return ToStatus(LaunchCopyCrc32c(p.ranges, p.num_ranges, p.out, p.stream));
+  return ToStatus(
+      LaunchCopyCrc32c(p.ranges, p.num_ranges, p.out, p.stream, p.kernel));
 }
 
 }  // namespace triax::kernels::cuda

@@ -27,6 +27,24 @@ uint32_t HostCrc32c(const uint8_t* p, size_t n) {
   return ~c;
 }
 
+constexpr Crc32cKernel kKernels[] = {
+    Crc32cKernel::kStriped8, Crc32cKernel::kStriped4, Crc32cKernel::kStriped1,
+    Crc32cKernel::kPerCta};
+
+const char* KernelName(Crc32cKernel k) {
+  switch (k) {
+    case Crc32cKernel::kStriped8:
+      return "striped, 8 table copies";
+    case Crc32cKernel::kStriped4:
+      return "striped, 4 table copies";
+    case Crc32cKernel::kStriped1:
+      return "striped, 1 table copy";
+    case Crc32cKernel::kPerCta:
+      return "one CTA per range";
+  }
+  return "?";
+}
+
 class Crc32cCudaTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -52,7 +70,8 @@ class Crc32cCudaTest : public ::testing::Test {
   }
   // CRCs of ranges [offset, offset + len) of `host` (uploaded once).
   std::vector<uint32_t> Run(const std::vector<uint8_t>& host,
-                            const std::vector<std::pair<size_t, size_t>>& rs) {
+                            const std::vector<std::pair<size_t, size_t>>& rs,
+                            Crc32cKernel kernel = Crc32cKernel::kStriped8) {
     const uint8_t* base = Upload(host);
     std::vector<ByteRange> ranges;
     for (auto [off, len] : rs) ranges.push_back({base + off, len});
@@ -62,6 +81,7 @@ class Crc32cCudaTest : public ::testing::Test {
     p.ranges = d_ranges;
     p.num_ranges = static_cast<int>(rs.size());
     p.out = d_out;
+    p.kernel = kernel;
     EXPECT_TRUE(Crc32cCuda(p).ok());
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<uint32_t> out(rs.size());
@@ -95,18 +115,29 @@ TEST_F(Crc32cCudaTest, EveryLengthAndOffsetAgreesWithTheHost) {
                      262143, 262144, 262145}) {
     for (size_t off : {0, 1, 3, 8, 15}) rs.push_back({off, len});
   }
-  const std::vector<uint32_t> out = Run(host, rs);
-  for (size_t i = 0; i < rs.size(); ++i) {
-    EXPECT_EQ(out[i], HostCrc32c(host.data() + rs[i].first, rs[i].second))
-        << "offset " << rs[i].first << " length " << rs[i].second;
+  // Many small ranges too: more than a resident grid's warps take at once.
+  std::mt19937 pick(3);
+  for (int i = 0; i < 20000; ++i) rs.push_back({pick() % 1000, pick() % 700});
+  for (Crc32cKernel kernel : kKernels) {
+    SCOPED_TRACE(KernelName(kernel));
+    const std::vector<uint32_t> out = Run(host, rs, kernel);
+    for (size_t i = 0; i < rs.size(); ++i) {
+      ASSERT_EQ(out[i], HostCrc32c(host.data() + rs[i].first, rs[i].second))
+          << "offset " << rs[i].first << " length " << rs[i].second;
+    }
   }
 }
 
 TEST_F(Crc32cCudaTest, OneFlippedBitChangesTheChecksum) {
   std::vector<uint8_t> host(262144, 0x5A);
-  const uint32_t before = Run(host, {{0, host.size()}})[0];
-  host[131071] ^= 0x10;
-  EXPECT_NE(Run(host, {{0, host.size()}})[0], before);
+  for (Crc32cKernel kernel : kKernels) {
+    SCOPED_TRACE(KernelName(kernel));
+    std::vector<uint8_t> flipped = host;
+    const uint32_t before = Run(host, {{0, host.size()}}, kernel)[0];
+    EXPECT_EQ(before, HostCrc32c(host.data(), host.size()));
+    flipped[131071] ^= 0x10;
+    EXPECT_NE(Run(flipped, {{0, flipped.size()}}, kernel)[0], before);
+  }
 }
 
 // CopyCrc32cCuda copies every byte (aligned and unaligned ends, dst offset
@@ -117,7 +148,6 @@ TEST_F(Crc32cCudaTest, CopyCopiesExactlyAndChecksumsTheCopy) {
   std::vector<uint8_t> host(1 << 20);
   for (uint8_t& b : host) b = static_cast<uint8_t>(rng());
   const uint8_t* src = Upload(host);
-  uint8_t* dst = Upload(std::vector<uint8_t>(host.size(), 0xEE));
   struct Job {
     size_t src_off, dst_off, len;
   };
@@ -131,37 +161,42 @@ TEST_F(Crc32cCudaTest, CopyCopiesExactlyAndChecksumsTheCopy) {
     }
   }
   ASSERT_LE(at, host.size());
-  std::vector<CopyRange> ranges;
-  for (const Job& j : jobs) {
-    CopyRange r;
-    r.src = src + j.src_off;
-    r.dst = dst + j.dst_off;
-    r.bytes = j.len;
-    ranges.push_back(r);
+  for (Crc32cKernel kernel : kKernels) {
+    SCOPED_TRACE(KernelName(kernel));
+    uint8_t* dst = Upload(std::vector<uint8_t>(host.size(), 0xEE));
+    std::vector<CopyRange> ranges;
+    for (const Job& j : jobs) {
+      CopyRange r;
+      r.src = src + j.src_off;
+      r.dst = dst + j.dst_off;
+      r.bytes = j.len;
+      ranges.push_back(r);
+    }
+    CopyCrc32cParams p;
+    p.ranges = Upload(ranges);
+    p.num_ranges = static_cast<int>(ranges.size());
+    p.out = Upload(std::vector<uint32_t>(ranges.size(), 0xDEADBEEFu));
+    p.kernel = kernel;
+    ASSERT_TRUE(CopyCrc32cCuda(p).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint32_t> out(ranges.size());
+    ASSERT_EQ(
+        cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    std::vector<uint8_t> copied(host.size());
+    ASSERT_EQ(
+        cudaMemcpy(copied.data(), dst, copied.size(), cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    std::vector<uint8_t> want(host.size(), 0xEE);
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const Job& j = jobs[i];
+      std::copy(host.begin() + j.src_off, host.begin() + j.src_off + j.len,
+                want.begin() + j.dst_off);
+      EXPECT_EQ(out[i], HostCrc32c(host.data() + j.src_off, j.len))
+          << "job " << i << " length " << j.len;
+    }
+    EXPECT_TRUE(copied == want);
   }
-  CopyCrc32cParams p;
-  p.ranges = Upload(ranges);
-  p.num_ranges = static_cast<int>(ranges.size());
-  p.out = Upload(std::vector<uint32_t>(ranges.size(), 0xDEADBEEFu));
-  ASSERT_TRUE(CopyCrc32cCuda(p).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<uint32_t> out(ranges.size());
-  ASSERT_EQ(
-      cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost),
-      cudaSuccess);
-  std::vector<uint8_t> copied(host.size());
-  ASSERT_EQ(
-      cudaMemcpy(copied.data(), dst, copied.size(), cudaMemcpyDeviceToHost),
-      cudaSuccess);
-  std::vector<uint8_t> want(host.size(), 0xEE);
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    const Job& j = jobs[i];
-    std::copy(host.begin() + j.src_off, host.begin() + j.src_off + j.len,
-              want.begin() + j.dst_off);
-    EXPECT_EQ(out[i], HostCrc32c(host.data() + j.src_off, j.len))
-        << "job " << i << " length " << j.len;
-  }
-  EXPECT_TRUE(copied == want);
 }
 
 TEST_F(Crc32cCudaTest, BadArguments) {

@@ -120,16 +120,18 @@ struct Crc32cParams {
   int num_ranges = 0;
   uint32_t* out = nullptr;  // [num_ranges], device
   cudaStream_t stream = nullptr;
+  Crc32cKernel kernel = Crc32cKernel::kStriped8;  // the default is the best
 };
 absl::Status Crc32cCuda(const Crc32cParams& p);
 
 // Copies each range (src -> dst, no overlap) and sets out[i] to the CRC32C
-// of the bytes that landed in dst, in one launch. Errors as Crc32cCuda.
+// of the bytes copied, in one launch. Errors as Crc32cCuda.
 struct CopyCrc32cParams {
   const CopyRange* ranges = nullptr;  // [num_ranges], device
   int num_ranges = 0;
   uint32_t* out = nullptr;  // [num_ranges], device
   cudaStream_t stream = nullptr;
+  Crc32cKernel kernel = Crc32cKernel::kStriped8;
 };
 absl::Status CopyCrc32cCuda(const CopyCrc32cParams& p);
 
