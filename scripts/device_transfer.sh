@@ -18,7 +18,7 @@
 # and layer-by-layer sizes; BENCH_BLOCK_TOKENS a list of block sizes for
 # it (default 16); BENCH_STREAM_SIZES=none skips the stream bench.
 # "probe": page_copy_probe (the device work alone: copy, copy + CRC32C and
-# CRC32C by every checksum kernel) at 64 KiB, 17 KiB and 4 KiB pages.
+# CRC32C by every checksum kernel) at 256, 64, 17 and 4 KiB pages.
 set -uo pipefail
 b=${1:?usage: BUNDLE DATA_DIR OUT [tests|bench|all]}
 data=${2:?DATA_DIR}
@@ -69,7 +69,7 @@ if [[ $what == link || $what == all ]]; then
     --tsv="$out/bench_link.tsv"
 fi
 if [[ $what == probe || $what == bench || $what == all ]]; then
-  for page in 65536 17408 4096; do
+  for page in 262144 65536 17408 4096; do
     step "probe_$page" "$b/bin/page_copy_probe" 1073741824 "$page" 20
   done
 fi

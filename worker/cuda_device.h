@@ -33,8 +33,8 @@
 //   DemotePages      -> DemotePagesCuda over all jobs (src/dst tables up in
 //                       one copy; chunks bounded by kMaxDemoteScratchBytes)
 //   Checksum         -> Crc32cCuda over all ranges (table up, CRCs down)
-//   CopyPagesChecked -> CopyCrc32cCuda: copy, then the CRC of the copy, one
-//   launch
+//   CopyPagesChecked -> CopyCrc32cCuda: copy and the CRC of the bytes copied,
+//   one launch
 //                       per kMaxRangesPerLaunch jobs
 //   ShareArena / OpenPeerArena -> cudaIpcGetMemHandle / cudaIpcOpenMemHandle
 //                       (lazy peer access); ShareDomain is cuda:<boot id>

@@ -40,9 +40,11 @@ absl::Status CudaDevice::Checksum(absl::Span<const DeviceBytes> ranges,
     const size_t out = AlignUp(n * sizeof(uint32_t));
     TRIAX_RETURN_IF_ERROR(Reserve(*lane, table + out, table + out));
     auto* host = reinterpret_cast<kc::ByteRange*>(lane->host);
+    uint64_t longest = 0;
     for (size_t i = 0; i < n; ++i) {
       host[i].data = ranges[at + i].data;
       host[i].bytes = ranges[at + i].bytes;
+      longest = std::max<uint64_t>(longest, host[i].bytes);
     }
     TRIAX_RETURN_IF_ERROR(
         Check(cudaMemcpyAsync(lane->scratch, lane->host, table,
@@ -53,6 +55,7 @@ absl::Status CudaDevice::Checksum(absl::Span<const DeviceBytes> ranges,
     p.num_ranges = static_cast<int>(n);
     p.out = reinterpret_cast<uint32_t*>(lane->scratch + table);
     p.stream = lane->stream;
+    p.max_range_bytes = longest;
     TRIAX_RETURN_IF_ERROR(Launched(kc::Crc32cCuda(p)));
     TRIAX_RETURN_IF_ERROR(
         Check(cudaMemcpyAsync(lane->host + table, p.out, n * sizeof(uint32_t),
@@ -79,11 +82,13 @@ absl::Status CudaDevice::CopyPagesChecked(absl::Span<const PageCopy> jobs,
     const size_t out = AlignUp(n * sizeof(uint32_t));
     TRIAX_RETURN_IF_ERROR(Reserve(*lane, table + out, table + out));
     auto* host = reinterpret_cast<kc::CopyRange*>(lane->host);
+    uint64_t longest = 0;
     for (size_t i = 0; i < n; ++i) {
       host[i] = kc::CopyRange{};
       host[i].src = jobs[at + i].src;
       host[i].dst = jobs[at + i].dst;
       host[i].bytes = jobs[at + i].bytes;
+      longest = std::max<uint64_t>(longest, host[i].bytes);
     }
     TRIAX_RETURN_IF_ERROR(
         Check(cudaMemcpyAsync(lane->scratch, lane->host, table,
@@ -94,6 +99,7 @@ absl::Status CudaDevice::CopyPagesChecked(absl::Span<const PageCopy> jobs,
     p.num_ranges = static_cast<int>(n);
     p.out = reinterpret_cast<uint32_t*>(lane->scratch + table);
     p.stream = lane->stream;
+    p.max_range_bytes = longest;
     TRIAX_RETURN_IF_ERROR(Launched(kc::CopyCrc32cCuda(p)));
     TRIAX_RETURN_IF_ERROR(
         Check(cudaMemcpyAsync(lane->host + table, p.out, n * sizeof(uint32_t),

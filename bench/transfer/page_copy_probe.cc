@@ -6,7 +6,7 @@
 //   crc       Crc32cCuda over the pages (what a source runs for pages
 //             without a CRC32C kept from sealing, and a seal per write).
 // Each checksum line is printed for every kernel (crc32c.h Crc32cKernel:
-// striped with 8, 4 or 1 table copies, one CTA per range), on random bytes
+// striped, told the page size or not, and one CTA per range), on random bytes
 // (table lookups of constant bytes never collide in shared memory); every
 // kernel's CRC32Cs must agree or the probe exits 1.
 // Without a second process on the GPU this leaves out the time slicing of
@@ -140,12 +140,12 @@ int main(int argc, char** argv) {
   });
   struct Kernel {
     kc::Crc32cKernel kernel;
+    uint64_t max_range_bytes;
     const char* name;
   };
-  const Kernel kernels[] = {{kc::Crc32cKernel::kStriped8, "striped8"},
-                            {kc::Crc32cKernel::kStriped4, "striped4"},
-                            {kc::Crc32cKernel::kStriped1, "striped1"},
-                            {kc::Crc32cKernel::kPerCta, "percta"}};
+  const Kernel kernels[] = {{kc::Crc32cKernel::kStriped, page, "striped"},
+                            {kc::Crc32cKernel::kStriped, 0, "striped_nobound"},
+                            {kc::Crc32cKernel::kPerCta, 0, "percta"}};
   struct Line {
     std::string name;
     double seconds;
@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
           p.num_ranges = static_cast<int>(pages);
           p.out = out;
           p.kernel = k.kernel;
+          p.max_range_bytes = k.max_range_bytes;
           return kc::CopyCrc32cCuda(p).ok();
         }
         kc::Crc32cParams p;
@@ -169,6 +170,7 @@ int main(int argc, char** argv) {
         p.num_ranges = static_cast<int>(pages);
         p.out = out;
         p.kernel = k.kernel;
+        p.max_range_bytes = k.max_range_bytes;
         return kc::Crc32cCuda(p).ok();
       });
       lines.push_back(

@@ -1,23 +1,30 @@
 // Two kinds of kernels (crc32c.h, Crc32cKernel):
 //
-// Striped (the default): a warp per range. Lane l takes the 16-byte chunks
-// l, l + 32, l + 64, ... of its range, so each load instruction of the warp
-// reads one coalesced 512-byte row and a copy reads and writes every byte
-// exactly once, checksumming it from registers. A lane's state is the raw
-// CRC (initial value 0, no final xor) of its chunks with zeros in between:
-// before each chunk after its first it is carried over the 496 bytes of
-// the other lanes' chunks (gap tables: the state is linear in its four
-// bytes, so that is four lookups), then updated with the chunk's four words
-// by slicing-by-4 tables. At the end each lane's state is carried to the
-// end of the range's whole chunks (x^(8 * 16 m) for the m chunks after its
-// last), the 32 states xor together into the raw CRC of those chunks, lane
-// 0 adds the last bytes % 16 bytes, and the conditioned CRC32C is
-// raw ^ (0xFFFFFFFF * x^(8 bytes)) ^ 0xFFFFFFFF (the initial value's
-// contribution, then the final xor). Table lookups are the inner loop's
-// cost; random bytes make 32 lanes' lookups collide in shared-memory banks,
-// so the tables are kept in R interleaved copies (lane l reads copy l % R).
-// Ranges that are not 16-byte aligned (at either end of a copy) load and
-// store their chunks byte by byte, same arithmetic.
+// Striped (the default): a warp per segment of at most kSegment bytes of a
+// range (grid.y strides over a range's segments). Lane l takes the 16-byte
+// chunks l, l + 32, l + 64, ... of its segment, so each load instruction of
+// the warp reads one coalesced 512-byte row and a copy reads and writes
+// every byte exactly once, checksumming it from registers. A lane's state
+// is the raw CRC (initial value 0, no final xor) of its chunks with zeros
+// in between: before each chunk after its first it is carried over the 496
+// bytes of the other lanes' chunks (gap tables: the state is linear in its
+// four bytes, so that is four lookups), then updated with the chunk's four
+// words by slicing-by-4 tables. At the end each lane's state is carried to
+// the end of the segment's whole chunks (x^(8 * 16 m) for the m chunks
+// after its last), the 32 states xor together into the raw CRC of those
+// chunks, and the range's last bytes % 16 bytes go to its last segment.
+// The raw CRC is linear in the bytes, so the range's is the xor of its
+// segments' raws each carried over the bytes after the segment
+// (x^(8 n)), which every warp adds into out[i] with atomicXor (out is
+// zeroed first); the first segment's warp also adds the conditioning,
+// 0xFFFFFFFF * x^(8 bytes) ^ 0xFFFFFFFF (the initial value's contribution,
+// then the final xor). Ranges that are not 16-byte aligned (at either end
+// of a copy) load and store their chunks byte by byte, same arithmetic.
+// One copy of the tables in shared memory: 8 interleaved copies (so that
+// random bytes' lookups of a warp collide in fewer banks) measured slower
+// on the H100 (page_copy_probe, 1 GiB in 64 KiB pages of random bytes:
+// copy + CRC32C 0.754 of the device's copy with 8 copies, 0.873 with 4,
+// 0.887 with 1; the tables cost occupancy, the collisions little).
 //
 // PerCta (the first version, kept for comparison in page_copy_probe): one
 // CTA per range; each thread takes an equal, contiguous slice (16-byte
@@ -44,6 +51,12 @@ constexpr int kGap = kWarp * kChunk - kChunk;  // between a lane's chunks
 constexpr int kWarpsPerCta = 8;
 constexpr int kStripedThreads = kWarp * kWarpsPerCta;
 constexpr int kUnroll = 4;  // chunks a lane loads before checksumming them
+// Bytes a warp takes of one range: large pages are split so that a batch of
+// few of them still fills the GPU (a 64 MiB batch of 256 KiB pages is 256
+// ranges: one warp each left most SMs idle, 0.112 of the device's copy).
+constexpr uint64_t kSegment = 16 << 10;
+constexpr uint64_t kMaxSegmentsPerLaunch = 65535;  // grid.y
+static_assert(kSegment % kChunk == 0, "segments are whole chunks");
 
 // PerCta kernels.
 constexpr int kThreads = 256;
@@ -145,53 +158,34 @@ LaunchResult EnsureTables() {
 // ---------------------------------------------------------------------------
 // Striped
 
-// The byte and gap tables in shared memory, R interleaved copies of each
-// entry: entry n of a table's copy c is at [n * R + c], so lanes reading
-// different copies never share a bank for the same entry and 32 random
-// lookups collide at most 32 / R ways.
-template <int R>
 struct StripedShared {
-  uint32_t byte[4 * 256 * R];
-  uint32_t gap[4 * 256 * R];
+  uint32_t byte[4 * 256];
+  uint32_t gap[4 * 256];
 };
 
-template <int R>
-__device__ __forceinline__ uint32_t Look(const uint32_t* t, int k, uint32_t n,
-                                         int copy) {
-  return t[(k * 256 + n) * R + copy];
-}
-
 // The state after the four bytes of `w` (little-endian).
-template <int R>
-__device__ __forceinline__ uint32_t UpdateWord(const StripedShared<R>& s,
-                                               uint32_t c, uint32_t w,
-                                               int copy) {
+__device__ __forceinline__ uint32_t UpdateWord(const StripedShared& s,
+                                               uint32_t c, uint32_t w) {
   const uint32_t x = c ^ w;
-  return Look<R>(s.byte, 3, x & 0xFFu, copy) ^
-         Look<R>(s.byte, 2, (x >> 8) & 0xFFu, copy) ^
-         Look<R>(s.byte, 1, (x >> 16) & 0xFFu, copy) ^
-         Look<R>(s.byte, 0, x >> 24, copy);
+  return s.byte[3 * 256 + (x & 0xFFu)] ^ s.byte[2 * 256 + ((x >> 8) & 0xFFu)] ^
+         s.byte[256 + ((x >> 16) & 0xFFu)] ^ s.byte[x >> 24];
 }
 
 // The state carried over kGap zero bytes.
-template <int R>
-__device__ __forceinline__ uint32_t CarryGap(const StripedShared<R>& s,
-                                             uint32_t c, int copy) {
-  return Look<R>(s.gap, 0, c & 0xFFu, copy) ^
-         Look<R>(s.gap, 1, (c >> 8) & 0xFFu, copy) ^
-         Look<R>(s.gap, 2, (c >> 16) & 0xFFu, copy) ^
-         Look<R>(s.gap, 3, c >> 24, copy);
+__device__ __forceinline__ uint32_t CarryGap(const StripedShared& s,
+                                             uint32_t c) {
+  return s.gap[c & 0xFFu] ^ s.gap[256 + ((c >> 8) & 0xFFu)] ^
+         s.gap[2 * 256 + ((c >> 16) & 0xFFu)] ^ s.gap[3 * 256 + (c >> 24)];
 }
 
-template <int R>
-__device__ __forceinline__ uint32_t UpdateChunk(const StripedShared<R>& s,
+__device__ __forceinline__ uint32_t UpdateChunk(const StripedShared& s,
                                                 uint32_t c, const uint4& v,
-                                                bool first, int copy) {
-  if (!first) c = CarryGap<R>(s, c, copy);
-  c = UpdateWord<R>(s, c, v.x, copy);
-  c = UpdateWord<R>(s, c, v.y, copy);
-  c = UpdateWord<R>(s, c, v.z, copy);
-  return UpdateWord<R>(s, c, v.w, copy);
+                                                bool first) {
+  if (!first) c = CarryGap(s, c);
+  c = UpdateWord(s, c, v.x);
+  c = UpdateWord(s, c, v.y);
+  c = UpdateWord(s, c, v.z);
+  return UpdateWord(s, c, v.w);
 }
 
 __device__ __forceinline__ uint4 LoadBytes(const uint8_t* p) {
@@ -209,24 +203,24 @@ __device__ __forceinline__ void StoreBytes(uint8_t* p, const uint4& v) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
-    for (int b = 0; b < 4; ++b)
+    for (int b = 0; b < 4; ++b) {
       p[4 * i + b] = static_cast<uint8_t>(w[i] >> (8 * b));
+    }
   }
 }
 
-// One range by one warp: its CRC32C (every lane returns it), copying it to
-// dst on the way when kCopy.
-template <int R, bool kCopy, bool kVector>
-__device__ uint32_t StripedRange(const StripedShared<R>& s, const uint8_t* src,
-                                 uint8_t* dst, uint64_t bytes, int lane) {
-  const int copy = lane % R;
+// The raw CRC of the `bytes` bytes at src (every lane returns it), copied
+// to dst on the way when kCopy. `bytes` is a multiple of kChunk.
+template <bool kCopy, bool kVector>
+__device__ uint32_t StripedRaw(const StripedShared& s, const uint8_t* src,
+                               uint8_t* dst, uint64_t bytes, int lane) {
   const uint64_t chunks = bytes / kChunk;
   uint32_t c = 0;
   for (uint64_t j = lane; j < chunks; j += kUnroll * kWarp) {
     uint4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const uint64_t at = j + uint64_t{u} * kWarp;
+      const uint64_t at = j + static_cast<uint64_t>(u) * kWarp;
       if (at < chunks) {
         if (kVector) {
           v[u] = reinterpret_cast<const uint4*>(src)[at];
@@ -239,9 +233,9 @@ __device__ uint32_t StripedRange(const StripedShared<R>& s, const uint8_t* src,
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const uint64_t at = j + uint64_t{u} * kWarp;
+      const uint64_t at = j + static_cast<uint64_t>(u) * kWarp;
       if (at < chunks) {
-        c = UpdateChunk<R>(s, c, v[u], at == static_cast<uint64_t>(lane), copy);
+        c = UpdateChunk(s, c, v[u], at == static_cast<uint64_t>(lane));
       }
     }
   }
@@ -253,146 +247,104 @@ __device__ uint32_t StripedRange(const StripedShared<R>& s, const uint8_t* src,
   for (int o = kWarp / 2; o > 0; o >>= 1) {
     raw ^= __shfl_xor_sync(0xFFFFFFFFu, raw, o);
   }
-  uint32_t crc = 0;
-  if (lane == 0) {
-    for (uint64_t i = chunks * kChunk; i < bytes; ++i) {
-      const uint8_t b = src[i];
-      if (kCopy) dst[i] = b;
-      raw = Look<R>(s.byte, 0, (raw ^ b) & 0xFFu, 0) ^ (raw >> 8);
-    }
-    crc = bytes == 0
-              ? 0u
-              : raw ^ MultModP(X8nModP(g_tables.pow2, bytes), 0xFFFFFFFFu) ^
-                    0xFFFFFFFFu;
-  }
-  return __shfl_sync(0xFFFFFFFFu, crc, 0);
+  return raw;
 }
 
-template <int R>
-__device__ void LoadStripedShared(StripedShared<R>* s) {
-  for (int i = threadIdx.x; i < 4 * 256 * R; i += blockDim.x) {
-    s->byte[i] = g_tables.byte[i / R];
-    s->gap[i] = g_tables.gap[i / R];
+// Segment `seg` of a range by one warp: adds its share of the range's
+// CRC32C into *out (see the top of the file).
+template <bool kCopy, bool kVector>
+__device__ void StripedSegment(const StripedShared& s, const uint8_t* src,
+                               uint8_t* dst, uint64_t bytes, uint64_t seg,
+                               int lane, uint32_t* out) {
+  const uint64_t begin = seg * kSegment;
+  const uint64_t whole = bytes / kChunk * kChunk;
+  const uint64_t end = begin + kSegment < whole ? begin + kSegment : whole;
+  uint32_t raw = begin < end
+                     ? StripedRaw<kCopy, kVector>(s, src + begin,
+                                                  kCopy ? dst + begin : nullptr,
+                                                  end - begin, lane)
+                     : 0u;
+  if (lane != 0) return;
+  uint64_t carried_end = end;
+  if (begin + kSegment >= bytes) {  // the last segment takes the last bytes
+    for (uint64_t i = whole; i < bytes; ++i) {
+      const uint8_t b = src[i];
+      if (kCopy) dst[i] = b;
+      raw = s.byte[(raw ^ b) & 0xFFu] ^ (raw >> 8);
+    }
+    carried_end = bytes;
+  }
+  uint32_t share =
+      bytes - carried_end == 0
+          ? raw
+          : MultModP(X8nModP(g_tables.pow2, bytes - carried_end), raw);
+  if (seg == 0) {
+    share ^= MultModP(X8nModP(g_tables.pow2, bytes), 0xFFFFFFFFu) ^ 0xFFFFFFFFu;
+  }
+  atomicXor(out, share);
+}
+
+__device__ void LoadStripedShared(StripedShared* s) {
+  for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) {
+    s->byte[i] = g_tables.byte[i];
+    s->gap[i] = g_tables.gap[i];
   }
   __syncthreads();
 }
 
-// Warp w of CTA b takes ranges b * kWarpsPerCta + w, then a grid's worth
-// later, ... (the grid is sized to stay resident, so each CTA loads its
-// tables once).
-template <int R>
+// Warp w of CTA (x, y) takes range x * kWarpsPerCta + w, its segments y,
+// y + gridDim.y, ...
 __global__ void StripedCrc32cKernel(const ByteRange* ranges, int num_ranges,
                                     uint32_t* out) {
-  extern __shared__ uint4 smem[];
-  auto& s = *reinterpret_cast<StripedShared<R>*>(smem);
-  LoadStripedShared<R>(&s);
+  __shared__ StripedShared s;
+  LoadStripedShared(&s);
   const int lane = threadIdx.x % kWarp;
-  for (int i = blockIdx.x * kWarpsPerCta + threadIdx.x / kWarp; i < num_ranges;
-       i += gridDim.x * kWarpsPerCta) {
-    const ByteRange r = ranges[i];
-    const bool vec = (reinterpret_cast<uintptr_t>(r.data) & 15u) == 0;
-    const uint32_t crc =
-        vec ? StripedRange<R, false, true>(s, r.data, nullptr, r.bytes, lane)
-            : StripedRange<R, false, false>(s, r.data, nullptr, r.bytes, lane);
-    if (lane == 0) out[i] = crc;
-  }
-}
-
-template <int R>
-__global__ void StripedCopyCrc32cKernel(const CopyRange* ranges, int num_ranges,
-                                        uint32_t* out) {
-  extern __shared__ uint4 smem[];
-  auto& s = *reinterpret_cast<StripedShared<R>*>(smem);
-  LoadStripedShared<R>(&s);
-  const int lane = threadIdx.x % kWarp;
-  for (int i = blockIdx.x * kWarpsPerCta + threadIdx.x / kWarp; i < num_ranges;
-       i += gridDim.x * kWarpsPerCta) {
-    const CopyRange r = ranges[i];
-    const bool vec = ((reinterpret_cast<uintptr_t>(r.src) |
-                       reinterpret_cast<uintptr_t>(r.dst)) &
-                      15u) == 0;
-    const uint32_t crc =
-        vec ? StripedRange<R, true, true>(s, r.src, r.dst, r.bytes, lane)
-            : StripedRange<R, true, false>(s, r.src, r.dst, r.bytes, lane);
-    if (lane == 0) out[i] = crc;
-  }
-}
-
-// A resident grid for `kernel` with `smem` bytes of dynamic shared memory
-// (set once per kernel and device), at most enough CTAs for the ranges.
-template <typename Kernel>
-LaunchResult StripedGrid(Kernel kernel, size_t smem, int num_ranges,
-                         int* grid) {
-  static std::mutex* mu = new std::mutex();
-  static std::set<std::pair<int, const void*>>* done =
-      new std::set<std::pair<int, const void*>>();
-  LaunchResult r;
-  int dev = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    r.kind = LaunchResult::Kind::kNoDevice;
-    return r;
-  }
-  {
-    std::lock_guard<std::mutex> lock(*mu);
-    const auto key = std::make_pair(dev, reinterpret_cast<const void*>(kernel));
-    if (done->count(key) == 0) {
-      const cudaError_t e = cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-          static_cast<int>(smem));
-      if (e != cudaSuccess) {
-        r.kind = LaunchResult::Kind::kSharedMemory;
-        r.error = e;
-        r.smem_bytes = smem;
-        return r;
-      }
-      done->insert(key);
+  const int i = blockIdx.x * kWarpsPerCta + threadIdx.x / kWarp;
+  if (i >= num_ranges) return;
+  const ByteRange r = ranges[i];
+  const bool vec = (reinterpret_cast<uintptr_t>(r.data) & 15u) == 0;
+  const uint64_t segs = r.bytes == 0 ? 0 : (r.bytes - 1) / kSegment + 1;
+  for (uint64_t seg = blockIdx.y; seg < segs; seg += gridDim.y) {
+    if (vec) {
+      StripedSegment<false, true>(s, r.data, nullptr, r.bytes, seg, lane,
+                                  out + i);
+    } else {
+      StripedSegment<false, false>(s, r.data, nullptr, r.bytes, seg, lane,
+                                   out + i);
     }
   }
-  cudaError_t e =
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e == cudaSuccess) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                      kStripedThreads, smem);
-  }
-  if (e != cudaSuccess || per_sm < 1) {
-    r.kind = LaunchResult::Kind::kSharedMemory;
-    r.error = e;
-    r.smem_bytes = smem;
-    return r;
-  }
-  const int needed = (num_ranges + kWarpsPerCta - 1) / kWarpsPerCta;
-  *grid = needed < sms * per_sm ? needed : sms * per_sm;
-  return r;
 }
 
-template <int R>
-LaunchResult LaunchStriped(const ByteRange* ranges, int num_ranges,
-                           uint32_t* out, cudaStream_t stream) {
-  const size_t smem = sizeof(StripedShared<R>);
-  int grid = 0;
-  if (LaunchResult r =
-          StripedGrid(StripedCrc32cKernel<R>, smem, num_ranges, &grid);
-      !r.ok()) {
-    return r;
+__global__ void StripedCopyCrc32cKernel(const CopyRange* ranges, int num_ranges,
+                                        uint32_t* out) {
+  __shared__ StripedShared s;
+  LoadStripedShared(&s);
+  const int lane = threadIdx.x % kWarp;
+  const int i = blockIdx.x * kWarpsPerCta + threadIdx.x / kWarp;
+  if (i >= num_ranges) return;
+  const CopyRange r = ranges[i];
+  const bool vec = ((reinterpret_cast<uintptr_t>(r.src) |
+                     reinterpret_cast<uintptr_t>(r.dst)) &
+                    15u) == 0;
+  const uint64_t segs = r.bytes == 0 ? 0 : (r.bytes - 1) / kSegment + 1;
+  for (uint64_t seg = blockIdx.y; seg < segs; seg += gridDim.y) {
+    if (vec) {
+      StripedSegment<true, true>(s, r.src, r.dst, r.bytes, seg, lane, out + i);
+    } else {
+      StripedSegment<true, false>(s, r.src, r.dst, r.bytes, seg, lane, out + i);
+    }
   }
-  StripedCrc32cKernel<R>
-      <<<grid, kStripedThreads, smem, stream>>>(ranges, num_ranges, out);
-  return LastLaunch("StripedCrc32cKernel");
 }
 
-template <int R>
-LaunchResult LaunchStripedCopy(const CopyRange* ranges, int num_ranges,
-                               uint32_t* out, cudaStream_t stream) {
-  const size_t smem = sizeof(StripedShared<R>);
-  int grid = 0;
-  if (LaunchResult r =
-          StripedGrid(StripedCopyCrc32cKernel<R>, smem, num_ranges, &grid);
-      !r.ok()) {
-    return r;
-  }
-  StripedCopyCrc32cKernel<R>
-      <<<grid, kStripedThreads, smem, stream>>>(ranges, num_ranges, out);
-  return LastLaunch("StripedCopyCrc32cKernel");
+// out zeroed (the warps xor into it), then a grid of ceil(n / 8) x the
+// segments of the largest range (at most kMaxSegmentsPerLaunch; warps loop
+// over the rest).
+dim3 StripedGrid(int num_ranges, uint64_t max_range_bytes) {
+  uint64_t segs =
+      max_range_bytes == 0 ? 1 : (max_range_bytes - 1) / kSegment + 1;
+  if (segs > kMaxSegmentsPerLaunch) segs = kMaxSegmentsPerLaunch;
+  return dim3((num_ranges + kWarpsPerCta - 1) / kWarpsPerCta,
+              static_cast<unsigned>(segs));
 }
 
 // ---------------------------------------------------------------------------
@@ -498,40 +450,49 @@ __global__ void PerCtaCopyCrc32cKernel(const CopyRange* ranges, uint32_t* out) {
 
 LaunchResult LaunchCrc32c(const ByteRange* ranges, int num_ranges,
                           uint32_t* out, cudaStream_t stream,
-                          Crc32cKernel kernel) {
+                          Crc32cKernel kernel, uint64_t max_range_bytes) {
   if (num_ranges <= 0) return LaunchResult{};
   if (LaunchResult r = EnsureTables(); !r.ok()) return r;
-  switch (kernel) {
-    case Crc32cKernel::kPerCta:
-      PerCtaCrc32cKernel<<<num_ranges, kThreads, 0, stream>>>(ranges, out);
-      return LastLaunch("PerCtaCrc32cKernel");
-    case Crc32cKernel::kStriped1:
-      return LaunchStriped<1>(ranges, num_ranges, out, stream);
-    case Crc32cKernel::kStriped4:
-      return LaunchStriped<4>(ranges, num_ranges, out, stream);
-    case Crc32cKernel::kStriped8:
-      return LaunchStriped<8>(ranges, num_ranges, out, stream);
+  if (kernel == Crc32cKernel::kPerCta) {
+    PerCtaCrc32cKernel<<<num_ranges, kThreads, 0, stream>>>(ranges, out);
+    return LastLaunch("PerCtaCrc32cKernel");
   }
-  return LaunchStriped<8>(ranges, num_ranges, out, stream);
+  if (cudaError_t e =
+          cudaMemsetAsync(out, 0, sizeof(uint32_t) * num_ranges, stream);
+      e != cudaSuccess) {
+    LaunchResult r;
+    r.kind = LaunchResult::Kind::kLaunch;
+    r.error = e;
+    r.what = "zeroing the CRC32C outputs";
+    return r;
+  }
+  StripedCrc32cKernel<<<StripedGrid(num_ranges, max_range_bytes),
+                        kStripedThreads, 0, stream>>>(ranges, num_ranges, out);
+  return LastLaunch("StripedCrc32cKernel");
 }
 
 LaunchResult LaunchCopyCrc32c(const CopyRange* ranges, int num_ranges,
                               uint32_t* out, cudaStream_t stream,
-                              Crc32cKernel kernel) {
+                              Crc32cKernel kernel, uint64_t max_range_bytes) {
   if (num_ranges <= 0) return LaunchResult{};
   if (LaunchResult r = EnsureTables(); !r.ok()) return r;
-  switch (kernel) {
-    case Crc32cKernel::kPerCta:
-      PerCtaCopyCrc32cKernel<<<num_ranges, kThreads, 0, stream>>>(ranges, out);
-      return LastLaunch("PerCtaCopyCrc32cKernel");
-    case Crc32cKernel::kStriped1:
-      return LaunchStripedCopy<1>(ranges, num_ranges, out, stream);
-    case Crc32cKernel::kStriped4:
-      return LaunchStripedCopy<4>(ranges, num_ranges, out, stream);
-    case Crc32cKernel::kStriped8:
-      return LaunchStripedCopy<8>(ranges, num_ranges, out, stream);
+  if (kernel == Crc32cKernel::kPerCta) {
+    PerCtaCopyCrc32cKernel<<<num_ranges, kThreads, 0, stream>>>(ranges, out);
+    return LastLaunch("PerCtaCopyCrc32cKernel");
   }
-  return LaunchStripedCopy<8>(ranges, num_ranges, out, stream);
+  if (cudaError_t e =
+          cudaMemsetAsync(out, 0, sizeof(uint32_t) * num_ranges, stream);
+      e != cudaSuccess) {
+    LaunchResult r;
+    r.kind = LaunchResult::Kind::kLaunch;
+    r.error = e;
+    r.what = "zeroing the CRC32C outputs";
+    return r;
+  }
+  StripedCopyCrc32cKernel<<<StripedGrid(num_ranges, max_range_bytes),
+                            kStripedThreads, 0, stream>>>(ranges, num_ranges,
+                                                          out);
+  return LastLaunch("StripedCopyCrc32cKernel");
 }
 
 }  // namespace triax::kernels::cuda

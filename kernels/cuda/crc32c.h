@@ -23,15 +23,18 @@ struct ByteRange {
 static_assert(sizeof(ByteRange) == 16, "ByteRange is copied as raw bytes");
 
 // Which kernel computes the checksums (crc32c.cu explains both): the
-// striped kernels with R copies of their tables (the default), or the first
-// version with one CTA per range (kept for page_copy_probe's comparison).
-enum class Crc32cKernel { kStriped8, kStriped4, kStriped1, kPerCta };
+// striped one (the default), or the first version with one CTA per range
+// (kept for page_copy_probe's comparison).
+enum class Crc32cKernel { kStriped, kPerCta };
 
 // out[i] = CRC32C of range i (0 for an empty range). `ranges` and `out` are
-// device arrays of num_ranges.
+// device arrays of num_ranges. max_range_bytes, an upper bound on the
+// ranges' lengths (0: not known), lets the striped kernel give a large
+// range several warps; any value gives the same CRC32Cs.
 LaunchResult LaunchCrc32c(const ByteRange* ranges, int num_ranges,
                           uint32_t* out, cudaStream_t stream,
-                          Crc32cKernel kernel = Crc32cKernel::kStriped8);
+                          Crc32cKernel kernel = Crc32cKernel::kStriped,
+                          uint64_t max_range_bytes = 0);
 
 // One device-to-device copy whose CRC32C is taken right after (transfers:
 // the destination copies a page out of the source's mapped arena and
@@ -50,6 +53,7 @@ static_assert(sizeof(CopyRange) == 32, "CopyRange is copied as raw bytes");
 // store it; the per-CTA one re-reads what landed in dst).
 LaunchResult LaunchCopyCrc32c(const CopyRange* ranges, int num_ranges,
                               uint32_t* out, cudaStream_t stream,
-                              Crc32cKernel kernel = Crc32cKernel::kStriped8);
+                              Crc32cKernel kernel = Crc32cKernel::kStriped,
+                              uint64_t max_range_bytes = 0);
 
 }  // namespace triax::kernels::cuda

@@ -35,8 +35,8 @@ absl::Status Crc32cCuda(const Crc32cParams& p) {
       !s.ok() || !launch) {
     return s;
   }
-  return ToStatus(
-      LaunchCrc32c(p.ranges, p.num_ranges, p.out, p.stream, p.kernel));
+  return ToStatus(LaunchCrc32c(p.ranges, p.num_ranges, p.out, p.stream,
+                               p.kernel, p.max_range_bytes));
 }
 
 absl::Status CopyCrc32cCuda(const CopyCrc32cParams& p) {
@@ -45,8 +45,8 @@ absl::Status CopyCrc32cCuda(const CopyCrc32cParams& p) {
       !s.ok() || !launch) {
     return s;
   }
-  return ToStatus(
-      LaunchCopyCrc32c(p.ranges, p.num_ranges, p.out, p.stream, p.kernel));
+  return ToStatus(LaunchCopyCrc32c(p.ranges, p.num_ranges, p.out, p.stream,
+                                   p.kernel, p.max_range_bytes));
 }
 
 }  // namespace triax::kernels::cuda

@@ -27,23 +27,19 @@ uint32_t HostCrc32c(const uint8_t* p, size_t n) {
   return ~c;
 }
 
-constexpr Crc32cKernel kKernels[] = {
-    Crc32cKernel::kStriped8, Crc32cKernel::kStriped4, Crc32cKernel::kStriped1,
-    Crc32cKernel::kPerCta};
-
-const char* KernelName(Crc32cKernel k) {
-  switch (k) {
-    case Crc32cKernel::kStriped8:
-      return "striped, 8 table copies";
-    case Crc32cKernel::kStriped4:
-      return "striped, 4 table copies";
-    case Crc32cKernel::kStriped1:
-      return "striped, 1 table copy";
-    case Crc32cKernel::kPerCta:
-      return "one CTA per range";
-  }
-  return "?";
-}
+// The kernels, and for the striped one the bound on the ranges' bytes it
+// is given: none (one warp per range), a bound (several warps per large
+// range), and one smaller than some ranges (warps loop over the rest).
+struct Config {
+  Crc32cKernel kernel;
+  uint64_t max_range_bytes;
+  const char* name;
+};
+constexpr Config kKernels[] = {
+    {Crc32cKernel::kStriped, 0, "striped, no bound"},
+    {Crc32cKernel::kStriped, 1 << 20, "striped, 1 MiB bound"},
+    {Crc32cKernel::kStriped, 20000, "striped, a bound below some ranges"},
+    {Crc32cKernel::kPerCta, 0, "one CTA per range"}};
 
 class Crc32cCudaTest : public ::testing::Test {
  protected:
@@ -71,7 +67,7 @@ class Crc32cCudaTest : public ::testing::Test {
   // CRCs of ranges [offset, offset + len) of `host` (uploaded once).
   std::vector<uint32_t> Run(const std::vector<uint8_t>& host,
                             const std::vector<std::pair<size_t, size_t>>& rs,
-                            Crc32cKernel kernel = Crc32cKernel::kStriped8) {
+                            const Config& config = kKernels[0]) {
     const uint8_t* base = Upload(host);
     std::vector<ByteRange> ranges;
     for (auto [off, len] : rs) ranges.push_back({base + off, len});
@@ -81,7 +77,8 @@ class Crc32cCudaTest : public ::testing::Test {
     p.ranges = d_ranges;
     p.num_ranges = static_cast<int>(rs.size());
     p.out = d_out;
-    p.kernel = kernel;
+    p.kernel = config.kernel;
+    p.max_range_bytes = config.max_range_bytes;
     EXPECT_TRUE(Crc32cCuda(p).ok());
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<uint32_t> out(rs.size());
@@ -108,19 +105,21 @@ TEST_F(Crc32cCudaTest, EveryLengthAndOffsetAgreesWithTheHost) {
   std::vector<uint8_t> host(300000);
   for (uint8_t& b : host) b = static_cast<uint8_t>(rng());
   std::vector<std::pair<size_t, size_t>> rs;
-  // Short lengths, lengths around 256 slices of 16 bytes, page sizes, and
-  // starts that are not 16-byte aligned.
+  // Short lengths, lengths around 256 slices of 16 bytes and the striped
+  // kernel's 16 KiB segments, page sizes, and starts that are not 16-byte
+  // aligned.
   for (size_t len = 0; len < 70; ++len) rs.push_back({len % 16, len});
-  for (size_t len : {4095, 4096, 4097, 4111, 4112, 4113, 8191, 65536, 65537,
-                     262143, 262144, 262145}) {
+  for (size_t len :
+       {4095, 4096, 4097, 4111, 4112, 4113, 8191, 16383, 16384, 16385, 16389,
+        32773, 65536, 65537, 262143, 262144, 262145}) {
     for (size_t off : {0, 1, 3, 8, 15}) rs.push_back({off, len});
   }
   // Many small ranges too: more than a resident grid's warps take at once.
   std::mt19937 pick(3);
   for (int i = 0; i < 20000; ++i) rs.push_back({pick() % 1000, pick() % 700});
-  for (Crc32cKernel kernel : kKernels) {
-    SCOPED_TRACE(KernelName(kernel));
-    const std::vector<uint32_t> out = Run(host, rs, kernel);
+  for (const Config& config : kKernels) {
+    SCOPED_TRACE(config.name);
+    const std::vector<uint32_t> out = Run(host, rs, config);
     for (size_t i = 0; i < rs.size(); ++i) {
       ASSERT_EQ(out[i], HostCrc32c(host.data() + rs[i].first, rs[i].second))
           << "offset " << rs[i].first << " length " << rs[i].second;
@@ -130,13 +129,13 @@ TEST_F(Crc32cCudaTest, EveryLengthAndOffsetAgreesWithTheHost) {
 
 TEST_F(Crc32cCudaTest, OneFlippedBitChangesTheChecksum) {
   std::vector<uint8_t> host(262144, 0x5A);
-  for (Crc32cKernel kernel : kKernels) {
-    SCOPED_TRACE(KernelName(kernel));
+  for (const Config& config : kKernels) {
+    SCOPED_TRACE(config.name);
     std::vector<uint8_t> flipped = host;
-    const uint32_t before = Run(host, {{0, host.size()}}, kernel)[0];
+    const uint32_t before = Run(host, {{0, host.size()}}, config)[0];
     EXPECT_EQ(before, HostCrc32c(host.data(), host.size()));
     flipped[131071] ^= 0x10;
-    EXPECT_NE(Run(flipped, {{0, flipped.size()}}, kernel)[0], before);
+    EXPECT_NE(Run(flipped, {{0, flipped.size()}}, config)[0], before);
   }
 }
 
@@ -161,8 +160,8 @@ TEST_F(Crc32cCudaTest, CopyCopiesExactlyAndChecksumsTheCopy) {
     }
   }
   ASSERT_LE(at, host.size());
-  for (Crc32cKernel kernel : kKernels) {
-    SCOPED_TRACE(KernelName(kernel));
+  for (const Config& config : kKernels) {
+    SCOPED_TRACE(config.name);
     uint8_t* dst = Upload(std::vector<uint8_t>(host.size(), 0xEE));
     std::vector<CopyRange> ranges;
     for (const Job& j : jobs) {
@@ -176,7 +175,8 @@ TEST_F(Crc32cCudaTest, CopyCopiesExactlyAndChecksumsTheCopy) {
     p.ranges = Upload(ranges);
     p.num_ranges = static_cast<int>(ranges.size());
     p.out = Upload(std::vector<uint32_t>(ranges.size(), 0xDEADBEEFu));
-    p.kernel = kernel;
+    p.kernel = config.kernel;
+    p.max_range_bytes = config.max_range_bytes;
     ASSERT_TRUE(CopyCrc32cCuda(p).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<uint32_t> out(ranges.size());

@@ -120,7 +120,10 @@ struct Crc32cParams {
   int num_ranges = 0;
   uint32_t* out = nullptr;  // [num_ranges], device
   cudaStream_t stream = nullptr;
-  Crc32cKernel kernel = Crc32cKernel::kStriped8;  // the default is the best
+  Crc32cKernel kernel = Crc32cKernel::kStriped;  // the default is the best
+  // An upper bound on the ranges' bytes (0: not known): a large range then
+  // gets several warps. Any value gives the same checksums.
+  uint64_t max_range_bytes = 0;
 };
 absl::Status Crc32cCuda(const Crc32cParams& p);
 
@@ -131,7 +134,8 @@ struct CopyCrc32cParams {
   int num_ranges = 0;
   uint32_t* out = nullptr;  // [num_ranges], device
   cudaStream_t stream = nullptr;
-  Crc32cKernel kernel = Crc32cKernel::kStriped8;
+  Crc32cKernel kernel = Crc32cKernel::kStriped;
+  uint64_t max_range_bytes = 0;  // as Crc32cParams
 };
 absl::Status CopyCrc32cCuda(const CopyCrc32cParams& p);
 
