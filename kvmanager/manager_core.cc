@@ -1,6 +1,7 @@
 #include "kvmanager/manager_core.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <optional>
 #include <utility>
@@ -101,6 +102,27 @@ absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
 
 // --- Block lifecycle ---------------------------------------------------------
 
+namespace {
+
+// TemporalName of `t` without building a string for each call (a new turn
+// retags every block and names two temporals each): the in-range names are
+// made once; an out-of-range one is written to *scratch.
+absl::string_view CachedTemporalName(Temporal t, std::string* scratch) {
+  static const auto* const kNames = [] {
+    auto* names = new std::array<std::string, 5>;
+    for (size_t i = 0; i < names->size(); ++i) {
+      (*names)[i] = TemporalName(static_cast<Temporal>(i));
+    }
+    return names;
+  }();
+  const auto i = static_cast<size_t>(t);
+  if (i < kNames->size()) return (*kNames)[i];
+  *scratch = TemporalName(t);
+  return *scratch;
+}
+
+}  // namespace
+
 absl::StatusOr<SequenceRecord*> ManagerCore::FindOpenSequenceLocked(
     const std::string& tenant_id, const std::string& field,
     const std::string& sequence_id, bool needs_worker, bool mutates) const {
@@ -120,7 +142,7 @@ absl::StatusOr<SequenceRecord*> ManagerCore::FindOpenSequenceLocked(
 
 BlockRecord* ManagerCore::NewBlockLocked(SequenceRecord* s,
                                          const PlannedBlock& pb, uint32_t turn,
-                                         std::vector<Event>* ev) {
+                                         int64_t now, std::vector<Event>* ev) {
   const Tag tag{TemporalFor(static_cast<uint32_t>(s->blocks.size()), turn,
                             s->current_turn, options_.recent_turns),
                 pb.modality, pb.role};
@@ -129,26 +151,27 @@ BlockRecord* ManagerCore::NewBlockLocked(SequenceRecord* s,
       sequences_.NewBlock(s, pb.first_token, pb.num_tokens, tag, encoding, turn,
                           BlockBytes(s->model, s->block_tokens, encoding));
   pressure_.BlockCreated(s, *b);
-  Event e = MakeEvent(*clock_, EventKind::kBlockCreated, s, b);
-  e.detail = absl::StrCat("index=", b->index, " first_token=", b->first_token,
-                          " num_tokens=", b->num_tokens, " bytes=", b->bytes,
-                          " encoding=", EncodingString(b->encoding));
-  ev->push_back(std::move(e));
+  char encoding_name[96];
+  absl::StrAppend(
+      &AddEvent(ev, now, EventKind::kBlockCreated, s, b).detail,
+      "index=", b->index, " first_token=", b->first_token,
+      " num_tokens=", b->num_tokens, " bytes=", b->bytes, " encoding=",
+      kernels::EncodingName(b->encoding, encoding_name, sizeof(encoding_name)));
   return b;
 }
 
 void ManagerCore::ReleaseBlockLocked(
     SequenceRecord* s, BlockRecord* b, bool lost, std::vector<uint64_t>* freed,
-    std::vector<Event>* ev, std::vector<EventLog::LastPlan>* forgotten) {
-  ev->push_back(MakeEvent(
-      *clock_, lost ? EventKind::kBlockLost : EventKind::kBlockReleased, s, b));
+    int64_t now, std::vector<Event>* ev,
+    std::vector<EventLog::LastPlan>* forgotten) {
+  AddEvent(ev, now, lost ? EventKind::kBlockLost : EventKind::kBlockReleased, s,
+           b);
   if (!SequenceTable::Unref(s, b)) return;
   pressure_.BlockFreed(b->lineage_id);
   prefix_.Remove(b);
   if (!lost) {
-    Event e = MakeEvent(*clock_, EventKind::kBlockFreed, s, b);
-    e.detail = absl::StrCat("bytes=", b->bytes);
-    ev->push_back(std::move(e));
+    absl::StrAppend(&AddEvent(ev, now, EventKind::kBlockFreed, s, b).detail,
+                    "bytes=", b->bytes);
   }
   if (freed != nullptr) freed->push_back(b->lineage_id);
   forgotten->push_back(EventLog::LastPlan{PlanOf(*b), b->creator});
@@ -159,9 +182,10 @@ void ManagerCore::MarkLostLocked(SequenceRecord* s, const std::string& reason,
                                  std::vector<Event>* ev,
                                  std::vector<EventLog::LastPlan>* forgotten) {
   s->lost_lineage_ids.reserve(s->blocks.size());
+  const int64_t now = clock_->NowMs();
   for (BlockRecord* b : s->blocks) {
     s->lost_lineage_ids.push_back(b->lineage_id);
-    ReleaseBlockLocked(s, b, /*lost=*/true, nullptr, ev, forgotten);
+    ReleaseBlockLocked(s, b, /*lost=*/true, nullptr, now, ev, forgotten);
   }
   s->state = SequenceState::kLost;
   Touch(s);
@@ -416,6 +440,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   s->blocks.reserve(plan.blocks.size());
   std::vector<Event> ev;
   ev.reserve(plan.blocks.size() + 1);
+  const int64_t now = s->last_access_ms;
   for (const PlannedBlock& pb : plan.blocks) {
     while (s->turn_start.size() <= pb.turn) {
       s->turn_start.push_back(static_cast<uint32_t>(s->blocks.size()));
@@ -424,13 +449,12 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
       // A reused block keeps its tag and format, like a fork's.
       BlockRecord* b = prefix.donor->blocks[s->blocks.size()];
       SequenceTable::Share(s, b);
-      Event e = MakeEvent(*clock_, EventKind::kBlockShared, s, b);
-      e.detail = absl::StrCat("prefix_of=", prefix.donor->id,
-                              " refcount=", b->refcount);
-      ev.push_back(std::move(e));
+      absl::StrAppend(&AddEvent(&ev, now, EventKind::kBlockShared, s, b).detail,
+                      "prefix_of=", prefix.donor->id,
+                      " refcount=", b->refcount);
       continue;
     }
-    NewBlockLocked(s, pb, pb.turn, &ev);
+    NewBlockLocked(s, pb, pb.turn, now, &ev);
   }
   s->num_tokens = total;
   if (prefix.donor != nullptr) {
@@ -560,17 +584,18 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   if (allocating) s->allocation = std::move(allocation);
   ExtendSequenceResult result;
   std::vector<Event> ev;
-  ev.reserve(plan.blocks.size() + 8);
+  ev.reserve(s->blocks.size() + plan.blocks.size() + 2);
+  const int64_t now = s->last_access_ms;
+  std::string from_name, to_name;  // TemporalNames, reused
   planner_.AdvanceTurns(s, plan);
   planner_.ForEachRetag(
       *s, plan.prev_turn, plan.turn, [&](BlockRecord* b, Temporal next) {
-        Event e = MakeEvent(*clock_, EventKind::kBlockRetagged, s, b);
-        e.detail =
-            absl::StrCat("from=", TemporalName(b->tag.temporal),
-                         " to=", TemporalName(next), " turn=", plan.turn);
+        Event& e = AddEvent(&ev, now, EventKind::kBlockRetagged, s, b);
+        absl::StrAppend(
+            &e.detail, "from=", CachedTemporalName(b->tag.temporal, &from_name),
+            " to=", CachedTemporalName(next, &to_name), " turn=", plan.turn);
         b->tag.temporal = next;
         e.tag = b->tag;
-        ev.push_back(std::move(e));
         result.retagged_blocks.push_back(PlanOf(*b));
       });
   if (plan.fill > 0) {
@@ -590,7 +615,8 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   }
   result.new_blocks.reserve(plan.blocks.size());
   for (const PlannedBlock& pb : plan.blocks) {
-    result.new_blocks.push_back(PlanOf(*NewBlockLocked(s, pb, pb.turn, &ev)));
+    result.new_blocks.push_back(
+        PlanOf(*NewBlockLocked(s, pb, pb.turn, now, &ev)));
   }
   s->num_tokens += total;
   AdvanceChainLocked(s, req.token_ids);
@@ -687,7 +713,7 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
         PlannedBlock{cut->first_token,
                      static_cast<uint32_t>(plan.num_tokens - cut->first_token),
                      cut->tag.role, cut->tag.modality},
-        cut->turn, &ev);
+        cut->turn, clock_->NowMs(), &ev);
     ev.back().detail += absl::StrCat(" copied_from=", cut->lineage_id);
   }
   s->num_tokens = plan.num_tokens;
@@ -726,9 +752,10 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
   ev.reserve(2 * s->blocks.size() + 1);
   std::vector<EventLog::LastPlan> forgotten;
   forgotten.reserve(s->blocks.size());
+  const int64_t now = clock_->NowMs();
   for (BlockRecord* b : s->blocks) {
-    ReleaseBlockLocked(s, b, /*lost=*/false, &result.freed_lineage_ids, &ev,
-                       &forgotten);
+    ReleaseBlockLocked(s, b, /*lost=*/false, &result.freed_lineage_ids, now,
+                       &ev, &forgotten);
   }
   s->state = SequenceState::kClosed;
   Touch(s);

@@ -741,13 +741,16 @@ class ManagerCore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Creates block `pb` of `s` (tag by turn, encoding by policy), tells the
   // pressure graph and records BLOCK_CREATED.
+  // `now`: the events' time.
   BlockRecord* NewBlockLocked(SequenceRecord* s, const PlannedBlock& pb,
-                              uint32_t turn, std::vector<Event>* ev)
+                              uint32_t turn, int64_t now,
+                              std::vector<Event>* ev)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops one reference of `b` held by `s` (BLOCK_RELEASED or BLOCK_LOST);
   // the last one frees it (BLOCK_FREED unless lost).
   void ReleaseBlockLocked(SequenceRecord* s, BlockRecord* b, bool lost,
-                          std::vector<uint64_t>* freed, std::vector<Event>* ev,
+                          std::vector<uint64_t>* freed, int64_t now,
+                          std::vector<Event>* ev,
                           std::vector<EventLog::LastPlan>* forgotten)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkLostLocked(SequenceRecord* s, const std::string& reason,
