@@ -31,6 +31,7 @@ constexpr uint64_t kIndexBytes = 16;
 // the lineage ids as native uint64s.
 
 size_t VarintSize(uint64_t v) {
+  if (v < 0x80) return 1;  // ids, names and most details
   size_t n = 1;
   while (v >= 0x80) {
     v >>= 7;
@@ -75,6 +76,7 @@ void Pack(const Event& e, char* p) {
   for (const std::string* s : strings) p = PutVarint(s->size(), p);
   p = PutVarint(e.lineage_ids.size(), p);
   for (const std::string* s : strings) {
+    if (s->empty()) continue;
     std::memcpy(p, s->data(), s->size());
     p += s->size();
   }
@@ -226,8 +228,12 @@ EventLog::EventLog(Options options) : options_(options) {}
 
 EventLog::~EventLog() = default;
 
+uint64_t EventLog::StoredBytes(size_t packed_size, uint64_t lineage_id) {
+  return sizeof(Record) + packed_size + (lineage_id != 0 ? kIndexBytes : 0);
+}
+
 uint64_t EventLog::EventBytes(const Event& e) {
-  return sizeof(Record) + PackedSize(e) + (e.lineage_id != 0 ? kIndexBytes : 0);
+  return StoredBytes(PackedSize(e), e.lineage_id);
 }
 
 void EventLog::Append(std::vector<Event>* events,
@@ -296,7 +302,7 @@ void EventLog::StoreLocked(const Event& e) {
   r.role = Byte(static_cast<int>(e.tag.role));
   r.format = static_cast<uint8_t>(e.format);
   ++appended_[r.kind];
-  bytes_ += EventBytes(e);
+  bytes_ += StoredBytes(size, e.lineage_id);
   if (e.lineage_id != 0) {
     auto [it, inserted] = lineages_.try_emplace(e.lineage_id);
     if (inserted) {
@@ -343,8 +349,7 @@ void EventLog::EvictOneLocked() {
       }
     }
   }
-  bytes_ -=
-      sizeof(Record) + r.packed_size + (r.lineage_id != 0 ? kIndexBytes : 0);
+  bytes_ -= StoredBytes(r.packed_size, r.lineage_id);
   ++first_id_;
 }
 

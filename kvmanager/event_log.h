@@ -170,6 +170,8 @@ class EventLog {
     uint8_t temporal, modality, role;  // Tag
     uint8_t format;
   };
+  // EventBytes of a record.
+  static uint64_t StoredBytes(size_t packed_size, uint64_t lineage_id);
   // A record's packed fields, read in place.
   struct View {
     absl::string_view sequence_id, tenant_id, worker_id, detail,
