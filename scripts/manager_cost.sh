@@ -1,46 +1,57 @@
 #!/usr/bin/env bash
-# Instructions per RPC of kvmanager builds on manager_bench's session
-# workload (Open 41 blocks, Extend 7, Close), counted by callgrind: a
-# figure that does not depend on what else runs on the machine.
+# The cost of one RPC of kvmanager builds on manager_bench's session
+# workload (Open 41 blocks, Extend 7, Close), as figures that depend little
+# on what else runs on the machine:
+#   --tool callgrind  instructions per RPC (user space), counted by callgrind
+#   --tool cpu        CPU microseconds per RPC of the kvmanager process, user
+#                     and kernel (/proc/PID/stat, 10 ms ticks: use a few
+#                     thousand sessions): what a pinned manager's cores
+#                     spend, syscalls and page faults included
 #
-#   scripts/manager_callgrind.sh [options] KVMANAGER [KVMANAGER...]
+#   scripts/manager_cost.sh [options] KVMANAGER [KVMANAGER...]
 #
 # For each binary, in turns (--rounds), manager_bench runs --sessions and
 # then 2 x --sessions sessions at --clients clients with the kvmanager under
-# `valgrind --tool=callgrind`; the difference of the two totals over the
-# difference in RPCs (3 x --sessions) is the steady cost of an RPC, without
-# start-up, the start snapshot and shut-down. Prints one line per binary and
-# round, then the mean per binary and its ratio to the first binary.
+# the tool; the difference of the two totals over the difference in RPCs
+# (3 x --sessions) is the steady cost of an RPC, without start-up, the start
+# snapshot and shut-down. Prints one line per binary and round, then the
+# mean per binary and its ratio to the first binary.
 #
 # Options:
+#   --tool T             callgrind (default) or cpu
 #   --bench PATH         manager_bench (default: build/bin/manager_bench)
 #   --sessions N         sessions of the smaller run (default 1000)
 #   --clients C          concurrent clients (default 16)
 #   --rounds R           turns over the binaries (default 1)
 #   --manager_flags F    passed to manager_bench --manager_flags
 #   --metadata M         file (default) or memory
-#   --keep DIR           keep the callgrind files of the larger runs in DIR
+#   --pin CPUS           run the kvmanager under taskset -c CPUS
+#   --keep DIR           keep the tool's files of the larger runs in DIR
 #                        (callgrind_annotate DIR/<n>.<round>.out)
 set -euo pipefail
 
 bench=build/bin/manager_bench
+tool=callgrind
 sessions=1000
 clients=16
 rounds=1
 manager_flags=""
 metadata=file
+pin=""
 keep=""
 binaries=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    --tool) tool="$2"; shift 2 ;;
     --bench) bench="$2"; shift 2 ;;
     --sessions) sessions="$2"; shift 2 ;;
     --clients) clients="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --manager_flags) manager_flags="$2"; shift 2 ;;
     --metadata) metadata="$2"; shift 2 ;;
+    --pin) pin="$2"; shift 2 ;;
     --keep) keep="$2"; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) binaries+=("$1"); shift ;;
   esac
@@ -49,19 +60,39 @@ if [[ ${#binaries[@]} -eq 0 ]]; then
   echo "usage: $0 [options] KVMANAGER [KVMANAGER...] (--help)" >&2
   exit 2
 fi
-command -v valgrind >/dev/null || { echo "valgrind is not installed" >&2; exit 2; }
+case "$tool" in
+  callgrind)
+    command -v valgrind >/dev/null || { echo "valgrind is not installed" >&2; exit 2; }
+    unit="instructions per RPC" ;;
+  cpu)
+    unit="CPU us per RPC" ;;
+  *) echo "--tool: $tool; want callgrind or cpu" >&2; exit 2 ;;
+esac
 
-work=$(mktemp -d /tmp/manager_callgrind.XXXXXX)
+work=$(mktemp -d /tmp/manager_cost.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 [[ -n "$keep" ]] && mkdir -p "$keep"
 
-# Total instructions (Ir) of one bench run of `sessions` sessions.
+# The tool's total for one bench run of `n` sessions: instructions
+# (callgrind) or CPU nanoseconds (cpu).
 run() {
-  local binary="$1" n="$2" out="$3"
-  cat >"$work/wrapper.sh" <<EOF
-#!/bin/sh
-exec valgrind --tool=callgrind --callgrind-out-file=$out "$binary" "\$@"
-EOF
+  local binary="$1" n="$2" out="$3" taskset=""
+  [[ -n "$pin" ]] && taskset="taskset -c $pin"
+  if [[ "$tool" == callgrind ]]; then
+    printf '#!/bin/sh\nexec valgrind --tool=callgrind --callgrind-out-file=%s %s "%s" "$@"\n' \
+      "$out" "$taskset" "$binary" >"$work/wrapper.sh"
+  else
+    # The manager's user and system time (all threads) when the bench
+    # stops it, before its shut-down: /proc/PID/stat fields 14 and 15.
+    cat >"$work/wrapper.sh" <<WRAPPER
+#!/bin/bash
+$taskset "$binary" "\$@" &
+child=\$!
+trap 'cat /proc/\$child/stat >"$out"; kill -TERM \$child' TERM
+wait \$child
+wait \$child
+WRAPPER
+  fi
   chmod +x "$work/wrapper.sh"
   rm -f "$out"
   if ! "$bench" --kvmanager="$work/wrapper.sh" --clients="$clients" \
@@ -70,12 +101,19 @@ EOF
     cat "$work/bench.log" >&2
     return 1
   fi
-  # The manager is SIGTERM'ed by the bench; callgrind writes on exit.
-  for _ in $(seq 100); do
-    grep -q '^totals:' "$out" 2>/dev/null && break
-    sleep 0.2
-  done
-  awk '/^totals:/ {print $2}' "$out"
+  if [[ "$tool" == callgrind ]]; then
+    # The manager is SIGTERM'ed by the bench; callgrind writes as it exits.
+    for _ in $(seq 100); do
+      grep -q '^totals:' "$out" 2>/dev/null && break
+      sleep 0.2
+    done
+    awk '/^totals:/ {print $2}' "$out"
+  else
+    local hz
+    hz=$(getconf CLK_TCK)
+    # Fields after the parenthesized command name: state is field 3.
+    sed 's/.*) //' "$out" | awk -v hz="$hz" '{printf "%d\n", ($12 + $13) * 1e9 / hz}'
+  fi
 }
 
 declare -A sum
@@ -86,13 +124,14 @@ for ((r = 1; r <= rounds; r++)); do
     large=$(run "$b" "$((2 * sessions))" "$work/large.out")
     [[ -n "$keep" ]] && cp "$work/large.out" "$keep/$i.$r.out"
     per=$(( (large - small) / (3 * sessions) ))
+    [[ "$tool" == cpu ]] && per=$(( per / 1000 ))  # ns -> us
     sum[$i]=$(( ${sum[$i]:-0} + per ))
-    printf 'round %d  %s  %d instructions per RPC\n' "$r" "$b" "$per"
+    printf 'round %d  %s  %d %s\n' "$r" "$b" "$per" "$unit"
   done
 done
 base=$(( sum[0] / rounds ))
 for i in "${!binaries[@]}"; do
   mean=$(( sum[$i] / rounds ))
-  printf 'mean  %s  %d instructions per RPC  (%.3f of the first)\n' \
-    "${binaries[$i]}" "$mean" "$(echo "$mean / $base" | bc -l)"
+  printf 'mean  %s  %d %s  (%.3f of the first)\n' \
+    "${binaries[$i]}" "$mean" "$unit" "$(echo "$mean / $base" | bc -l)"
 done
