@@ -60,30 +60,27 @@ const char* GetVarint(const char* p, uint64_t* v) {
   return p;
 }
 
-size_t PackedSize(const Event& e) {
-  const size_t strings[] = {e.sequence_id.size(), e.tenant_id.size(),
-                            e.worker_id.size(), e.detail.size(),
-                            e.source_worker_id.size()};
-  size_t n = VarintSize(e.lineage_ids.size()) +
-             e.lineage_ids.size() * sizeof(uint64_t);
-  for (size_t s : strings) n += VarintSize(s) + s;
+// The five strings are sequence_id, tenant_id, worker_id, detail,
+// source_worker_id; `ids` the lineage ids (null: none).
+size_t PackedSize(const absl::string_view (&strings)[5],
+                  const std::vector<uint64_t>* ids) {
+  const size_t n_ids = ids != nullptr ? ids->size() : 0;
+  size_t n = VarintSize(n_ids) + n_ids * sizeof(uint64_t);
+  for (absl::string_view s : strings) n += VarintSize(s.size()) + s.size();
   return n;
 }
 
-void Pack(const Event& e, char* p) {
-  const std::string* strings[] = {&e.sequence_id, &e.tenant_id, &e.worker_id,
-                                  &e.detail, &e.source_worker_id};
-  for (const std::string* s : strings) p = PutVarint(s->size(), p);
-  p = PutVarint(e.lineage_ids.size(), p);
-  for (const std::string* s : strings) {
-    if (s->empty()) continue;
-    std::memcpy(p, s->data(), s->size());
-    p += s->size();
+void Pack(const absl::string_view (&strings)[5],
+          const std::vector<uint64_t>* ids, char* p) {
+  const size_t n_ids = ids != nullptr ? ids->size() : 0;
+  for (absl::string_view s : strings) p = PutVarint(s.size(), p);
+  p = PutVarint(n_ids, p);
+  for (absl::string_view s : strings) {
+    if (s.empty()) continue;
+    std::memcpy(p, s.data(), s.size());
+    p += s.size();
   }
-  if (!e.lineage_ids.empty()) {
-    std::memcpy(p, e.lineage_ids.data(),
-                e.lineage_ids.size() * sizeof(uint64_t));
-  }
+  if (n_ids > 0) std::memcpy(p, ids->data(), n_ids * sizeof(uint64_t));
 }
 
 uint8_t Byte(int v) { return static_cast<uint8_t>(v); }
@@ -135,6 +132,44 @@ void EventLog::ByteRing::ReleaseBefore(uint64_t pos) {
     }
     chunks_.pop_front();
   }
+}
+
+// --- EventBatch
+// ---------------------------------------------------------------
+
+void EventBatch::Begin(int64_t unix_ms, EventKind kind,
+                       const std::string& sequence_id,
+                       const std::string& tenant_id,
+                       const std::string& worker_id, uint64_t lineage_id,
+                       Tag tag, Format format) {
+  Entry& e = entries_.emplace_back();
+  e.unix_ms = unix_ms;
+  e.lineage_id = lineage_id;
+  e.kind = kind;
+  e.tag = tag;
+  e.format = format;
+  e.sequence_id = Name(0, sequence_id);
+  e.tenant_id = Name(1, tenant_id);
+  e.worker_id = Name(2, worker_id);
+  e.detail = Slice{static_cast<uint32_t>(chars_.size()), 0};
+}
+
+EventBatch::Slice EventBatch::Name(int field, const std::string& name) {
+  if (last_[field] == &name && last_slice_[field].size == name.size()) {
+    return last_slice_[field];
+  }
+  const Slice s{static_cast<uint32_t>(chars_.size()),
+                static_cast<uint32_t>(name.size())};
+  chars_.append(name);
+  last_[field] = &name;
+  last_slice_[field] = s;
+  return s;
+}
+
+void EventBatch::Clear() {
+  entries_.clear();
+  chars_.clear();
+  for (const std::string*& p : last_) p = nullptr;
 }
 
 // --- EventSubscription -------------------------------------------------------
@@ -232,8 +267,20 @@ uint64_t EventLog::StoredBytes(size_t packed_size, uint64_t lineage_id) {
   return sizeof(Record) + packed_size + (lineage_id != 0 ? kIndexBytes : 0);
 }
 
+EventLog::Fields EventLog::FieldsOf(const Event& e) {
+  return Fields{
+      e.unix_ms,
+      e.lineage_id,
+      e.kind,
+      e.tag,
+      e.format,
+      {e.sequence_id, e.tenant_id, e.worker_id, e.detail, e.source_worker_id},
+      e.lineage_ids.empty() ? nullptr : &e.lineage_ids};
+}
+
 uint64_t EventLog::EventBytes(const Event& e) {
-  return StoredBytes(PackedSize(e), e.lineage_id);
+  const Fields f = FieldsOf(e);
+  return StoredBytes(PackedSize(f.strings, f.lineage_ids), e.lineage_id);
 }
 
 void EventLog::Append(std::vector<Event>* events,
@@ -243,38 +290,72 @@ void EventLog::Append(std::vector<Event>* events,
     absl::MutexLock lock(&mu_);
     for (Event& e : *events) {
       e.id = next_id_;
-      StoreLocked(e);
-      for (const auto& sub : subs_) {
-        if (sub->ended_ || e.id < sub->replay_end_ ||
-            !sub->filter_.Matches(e)) {
-          continue;
-        }
-        if (sub->pending_ >= options_.watcher_queue_limit) {
-          sub->ended_ = true;
-          sub->evicted_.clear();
-          sub->pending_ = 0;
-          sub->end_status_ = absl::ResourceExhaustedError(absl::StrCat(
-              "watcher fell behind by more than ", options_.watcher_queue_limit,
-              " events (at event ", e.id, "); reconnect with from_id"));
-        } else {
-          ++sub->pending_;
-        }
-        if (sub->waiting_) {
-          sub->waiting_ = false;
-          to_notify.push_back(sub);
-        }
-      }
+      StoreLocked(FieldsOf(e));
+      if (!subs_.empty()) OfferLocked(e.id, &to_notify);
     }
-    if (forgotten != nullptr) {
-      for (const LastPlan& lp : *forgotten)
-        RecordLastPlanLocked(lp.plan, lp.creator);
-    }
-    EvictLocked();
+    FinishAppendLocked(forgotten);
   }
   for (const auto& sub : to_notify) sub->Notify();
 }
 
-void EventLog::StoreLocked(const Event& e) {
+void EventLog::Append(EventBatch* batch,
+                      const std::vector<LastPlan>* forgotten) {
+  std::vector<std::shared_ptr<EventSubscription>> to_notify;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const EventBatch::Entry& b : batch->entries_) {
+      const uint64_t id = next_id_;
+      StoreLocked(Fields{b.unix_ms,
+                         b.lineage_id,
+                         b.kind,
+                         b.tag,
+                         b.format,
+                         {batch->View(b.sequence_id), batch->View(b.tenant_id),
+                          batch->View(b.worker_id), batch->View(b.detail),
+                          absl::string_view()},
+                         nullptr});
+      if (!subs_.empty()) OfferLocked(id, &to_notify);
+    }
+    FinishAppendLocked(forgotten);
+  }
+  batch->Clear();
+  for (const auto& sub : to_notify) sub->Notify();
+}
+
+void EventLog::OfferLocked(
+    uint64_t id, std::vector<std::shared_ptr<EventSubscription>>* to_notify) {
+  const Record& r = RecordLocked(id);
+  for (const auto& sub : subs_) {
+    if (sub->ended_ || id < sub->replay_end_ ||
+        !MatchesLocked(sub->filter_, r)) {
+      continue;
+    }
+    if (sub->pending_ >= options_.watcher_queue_limit) {
+      sub->ended_ = true;
+      sub->evicted_.clear();
+      sub->pending_ = 0;
+      sub->end_status_ = absl::ResourceExhaustedError(absl::StrCat(
+          "watcher fell behind by more than ", options_.watcher_queue_limit,
+          " events (at event ", id, "); reconnect with from_id"));
+    } else {
+      ++sub->pending_;
+    }
+    if (sub->waiting_) {
+      sub->waiting_ = false;
+      to_notify->push_back(sub);
+    }
+  }
+}
+
+void EventLog::FinishAppendLocked(const std::vector<LastPlan>* forgotten) {
+  if (forgotten != nullptr) {
+    for (const LastPlan& lp : *forgotten)
+      RecordLastPlanLocked(lp.plan, lp.creator);
+  }
+  EvictLocked();
+}
+
+void EventLog::StoreLocked(const Fields& f) {
   // The count bound is kept while storing, so the ring never grows past it.
   while (next_id_ - first_id_ >= std::max<size_t>(options_.retention, 1)) {
     EvictOneLocked();
@@ -289,22 +370,22 @@ void EventLog::StoreLocked(const Event& e) {
   }
   const uint64_t id = next_id_++;
   Record& r = RecordLocked(id);
-  r.lineage_id = e.lineage_id;
-  r.unix_ms = e.unix_ms;
+  r.lineage_id = f.lineage_id;
+  r.unix_ms = f.unix_ms;
   r.next_in_lineage = 0;
-  const size_t size = PackedSize(e);
-  Pack(e, packed_.Take(size, &r.packed));
+  const size_t size = PackedSize(f.strings, f.lineage_ids);
+  Pack(f.strings, f.lineage_ids, packed_.Take(size, &r.packed));
   r.packed_size = static_cast<uint32_t>(size);
-  const int kind = static_cast<int>(e.kind);
+  const int kind = static_cast<int>(f.kind);
   r.kind = kind >= 0 && kind < static_cast<int>(kKinds) ? Byte(kind) : 0;
-  r.temporal = Byte(static_cast<int>(e.tag.temporal));
-  r.modality = Byte(static_cast<int>(e.tag.modality));
-  r.role = Byte(static_cast<int>(e.tag.role));
-  r.format = static_cast<uint8_t>(e.format);
+  r.temporal = Byte(static_cast<int>(f.tag.temporal));
+  r.modality = Byte(static_cast<int>(f.tag.modality));
+  r.role = Byte(static_cast<int>(f.tag.role));
+  r.format = static_cast<uint8_t>(f.format);
   ++appended_[r.kind];
-  bytes_ += StoredBytes(size, e.lineage_id);
-  if (e.lineage_id != 0) {
-    auto [it, inserted] = lineages_.try_emplace(e.lineage_id);
+  bytes_ += StoredBytes(size, f.lineage_id);
+  if (f.lineage_id != 0) {
+    auto [it, inserted] = lineages_.try_emplace(f.lineage_id);
     if (inserted) {
       it->second.first = id;
     } else {

@@ -47,6 +47,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "kvmanager/types.h"
@@ -101,6 +102,55 @@ class EventSubscription {
   absl::Status end_status_;
 };
 
+// Events made in place for EventLog::Append, without Event structs or heap
+// strings: the core's block events (created, released, freed, retagged:
+// ~60 per RPC of a session). Begin starts an event, Detail appends to its
+// detail; the sequence, tenant and worker names are kept once while
+// consecutive events name the same strings. Reused after Clear without
+// allocating. Thread contract: one thread at a time.
+class EventBatch {
+ public:
+  void Begin(int64_t unix_ms, EventKind kind, const std::string& sequence_id,
+             const std::string& tenant_id, const std::string& worker_id,
+             uint64_t lineage_id = 0, Tag tag = Tag{},
+             Format format = static_cast<Format>(0));
+  // Appends to the current event's detail (absl::StrAppend's arguments).
+  template <typename... Pieces>
+  void Detail(const Pieces&... pieces) {
+    const size_t before = chars_.size();
+    absl::StrAppend(&chars_, pieces...);
+    entries_.back().detail.size += chars_.size() - before;
+  }
+  size_t size() const { return entries_.size(); }
+  bool empty() const { return entries_.empty(); }
+  void Clear();
+
+ private:
+  friend class EventLog;
+  struct Slice {
+    uint32_t offset = 0;
+    uint32_t size = 0;
+  };
+  struct Entry {
+    int64_t unix_ms;
+    uint64_t lineage_id;
+    EventKind kind;
+    Tag tag;
+    Format format;
+    Slice sequence_id, tenant_id, worker_id, detail;
+  };
+  absl::string_view View(Slice s) const {
+    return absl::string_view(chars_.data() + s.offset, s.size);
+  }
+  // Copies `name` into chars_ unless it is the string the last event named.
+  Slice Name(int field, const std::string& name);
+
+  std::vector<Entry> entries_;
+  std::string chars_;
+  const std::string* last_[3] = {nullptr, nullptr, nullptr};
+  Slice last_slice_[3];
+};
+
 class EventLog {
  public:
   struct Options {
@@ -123,6 +173,9 @@ class EventLog {
   // matching subscribers. `forgotten` are the last plans of blocks the core
   // just forgot (freed or lost), recorded as by RecordLastPlan.
   void Append(std::vector<Event>* events,
+              const std::vector<LastPlan>* forgotten = nullptr);
+  // The same for a batch (ids are those from next_id() on); clears it.
+  void Append(EventBatch* batch,
               const std::vector<LastPlan>* forgotten = nullptr);
 
   // The id the next appended event gets (1 for an empty log).
@@ -219,7 +272,24 @@ class EventLog {
   Event LoadLocked(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool MatchesLocked(const EventFilter& filter, const Record& r) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void StoreLocked(const Event& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An event's fields for StoreLocked, from an Event or a batch entry.
+  struct Fields {
+    int64_t unix_ms;
+    uint64_t lineage_id;
+    EventKind kind;
+    Tag tag;
+    Format format;
+    absl::string_view strings[5];  // sequence, tenant, worker, detail, source
+    const std::vector<uint64_t>* lineage_ids;  // null: none
+  };
+  static Fields FieldsOf(const Event& e);
+  void StoreLocked(const Fields& f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts f against the subscribers it matches (after StoreLocked).
+  void OfferLocked(uint64_t id,
+                   std::vector<std::shared_ptr<EventSubscription>>* to_notify)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishAppendLocked(const std::vector<LastPlan>* forgotten)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts down to the byte bound; gives back packed bytes.
   void EvictLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EvictOneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

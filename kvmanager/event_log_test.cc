@@ -354,3 +354,60 @@ TEST(EventLogTest, LineagePagesFromAnyCursor) {
 
 }  // namespace
 }  // namespace triax::manager
+
+namespace triax::manager {
+namespace {
+
+// A batch's events come back as the same events made as structs would.
+TEST(EventLogTest, BatchEventsEqualEventStructs) {
+  EventLog log({100, 100});
+  const std::string seq1 = "seq-1", seq2 = "seq-22", tenant = "t", worker = "w";
+  EventBatch batch;
+  batch.Begin(5, EventKind::kBlockCreated, seq1, tenant, worker, 7,
+              Tag{Temporal::kSink, Modality::kText, Role::kSystem},
+              Format::kBF16);
+  batch.Detail("index=", 0, " bytes=", uint64_t{4096});
+  batch.Detail(" copied_from=", 3);  // appends to the same event
+  batch.Begin(6, EventKind::kBlockFreed, seq2, tenant, worker, 8);
+  batch.Begin(6, EventKind::kSequenceOpened, seq1, tenant, worker);
+  batch.Detail("blocks=1");
+  EXPECT_EQ(batch.size(), 3u);
+  log.Append(&batch);
+  EXPECT_TRUE(batch.empty());  // cleared for reuse
+  const std::vector<Event> got = log.Retained(1, EventFilter{});
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got[0].id, 1u);
+  EXPECT_EQ(got[0].unix_ms, 5);
+  EXPECT_EQ(got[0].kind, EventKind::kBlockCreated);
+  EXPECT_EQ(got[0].sequence_id, "seq-1");
+  EXPECT_EQ(got[0].tenant_id, "t");
+  EXPECT_EQ(got[0].worker_id, "w");
+  EXPECT_EQ(got[0].lineage_id, 7u);
+  EXPECT_EQ(got[0].tag.role, Role::kSystem);
+  EXPECT_EQ(got[0].format, Format::kBF16);
+  EXPECT_EQ(got[0].detail, "index=0 bytes=4096 copied_from=3");
+  EXPECT_EQ(got[1].sequence_id, "seq-22");  // another name, not the last one
+  EXPECT_EQ(got[1].detail, "");
+  EXPECT_EQ(got[2].sequence_id, "seq-1");
+  EXPECT_EQ(got[2].lineage_id, 0u);
+  EXPECT_EQ(got[2].detail, "blocks=1");
+  EXPECT_EQ(EventLog::EventBytes(got[0]) + EventLog::EventBytes(got[1]) +
+                EventLog::EventBytes(got[2]),
+            log.retained_bytes());
+  // The lineage index and subscriptions see batch events as any others.
+  EXPECT_EQ(log.EventsForLineage(8).size(), 1u);
+  auto sub = log.Subscribe(EventFilter{"", "seq-1", 0}, 0);
+  batch.Begin(9, EventKind::kBlockReleased, seq2, tenant, worker, 8);
+  batch.Begin(9, EventKind::kSequenceClosed, seq1, tenant, worker);
+  log.Append(&batch);
+  Event e;
+  absl::Status end;
+  ASSERT_EQ(sub->Next(&e, &end), EventSubscription::Result::kEvent);
+  EXPECT_EQ(e.id, 5u);
+  EXPECT_EQ(e.kind, EventKind::kSequenceClosed);
+  EXPECT_EQ(sub->Next(&e, &end), EventSubscription::Result::kEmpty);
+  sub->Cancel();
+}
+
+}  // namespace
+}  // namespace triax::manager

@@ -121,6 +121,30 @@ absl::string_view CachedTemporalName(Temporal t, std::string* scratch) {
   return *scratch;
 }
 
+// A block event of `s` with its detail pieces (absl::StrAppend's), into
+// an event vector or a batch.
+template <typename... Pieces>
+void AddBlockEvent(std::vector<Event>* ev, int64_t now, EventKind kind,
+                   const SequenceRecord* s, const BlockRecord* b,
+                   const Pieces&... detail) {
+  Event& e = AddEvent(ev, now, kind, s, b);
+  if constexpr (sizeof...(detail) > 0) absl::StrAppend(&e.detail, detail...);
+}
+template <typename... Pieces>
+void AddBlockEvent(EventBatch* ev, int64_t now, EventKind kind,
+                   const SequenceRecord* s, const BlockRecord* b,
+                   const Pieces&... detail) {
+  ev->Begin(now, kind, s->id, s->tenant->id, s->worker->info.worker_id,
+            b->lineage_id, b->tag, b->encoding.k);
+  if constexpr (sizeof...(detail) > 0) ev->Detail(detail...);
+}
+
+// Starts a sequence event of `s` in the batch.
+void BeginSequenceEvent(EventBatch* ev, int64_t now, EventKind kind,
+                        const SequenceRecord* s) {
+  ev->Begin(now, kind, s->id, s->tenant->id, s->worker->info.worker_id);
+}
+
 }  // namespace
 
 absl::StatusOr<SequenceRecord*> ManagerCore::FindOpenSequenceLocked(
@@ -142,7 +166,7 @@ absl::StatusOr<SequenceRecord*> ManagerCore::FindOpenSequenceLocked(
 
 BlockRecord* ManagerCore::NewBlockLocked(SequenceRecord* s,
                                          const PlannedBlock& pb, uint32_t turn,
-                                         int64_t now, std::vector<Event>* ev) {
+                                         int64_t now, EventBatch* ev) {
   const Tag tag{TemporalFor(static_cast<uint32_t>(s->blocks.size()), turn,
                             s->current_turn, options_.recent_turns),
                 pb.modality, pb.role};
@@ -152,31 +176,38 @@ BlockRecord* ManagerCore::NewBlockLocked(SequenceRecord* s,
                           BlockBytes(s->model, s->block_tokens, encoding));
   pressure_.BlockCreated(s, *b);
   char encoding_name[96];
-  absl::StrAppend(
-      &AddEvent(ev, now, EventKind::kBlockCreated, s, b).detail,
-      "index=", b->index, " first_token=", b->first_token,
-      " num_tokens=", b->num_tokens, " bytes=", b->bytes, " encoding=",
+  AddBlockEvent(
+      ev, now, EventKind::kBlockCreated, s, b, "index=", b->index,
+      " first_token=", b->first_token, " num_tokens=", b->num_tokens,
+      " bytes=", b->bytes, " encoding=",
       kernels::EncodingName(b->encoding, encoding_name, sizeof(encoding_name)));
   return b;
 }
 
+template <typename Events>
 void ManagerCore::ReleaseBlockLocked(
     SequenceRecord* s, BlockRecord* b, bool lost, std::vector<uint64_t>* freed,
-    int64_t now, std::vector<Event>* ev,
-    std::vector<EventLog::LastPlan>* forgotten) {
-  AddEvent(ev, now, lost ? EventKind::kBlockLost : EventKind::kBlockReleased, s,
-           b);
+    int64_t now, Events* ev, std::vector<EventLog::LastPlan>* forgotten) {
+  AddBlockEvent(ev, now,
+                lost ? EventKind::kBlockLost : EventKind::kBlockReleased, s, b);
   if (!SequenceTable::Unref(s, b)) return;
   pressure_.BlockFreed(b->lineage_id);
   prefix_.Remove(b);
   if (!lost) {
-    absl::StrAppend(&AddEvent(ev, now, EventKind::kBlockFreed, s, b).detail,
-                    "bytes=", b->bytes);
+    AddBlockEvent(ev, now, EventKind::kBlockFreed, s, b, "bytes=", b->bytes);
   }
   if (freed != nullptr) freed->push_back(b->lineage_id);
   forgotten->push_back(EventLog::LastPlan{PlanOf(*b), b->creator});
   sequences_.EraseBlock(b->lineage_id);
 }
+
+template void ManagerCore::ReleaseBlockLocked(
+    SequenceRecord* s, BlockRecord* b, bool lost, std::vector<uint64_t>* freed,
+    int64_t now, std::vector<Event>* ev,
+    std::vector<EventLog::LastPlan>* forgotten);
+template void ManagerCore::ReleaseBlockLocked(
+    SequenceRecord* s, BlockRecord* b, bool lost, std::vector<uint64_t>* freed,
+    int64_t now, EventBatch* ev, std::vector<EventLog::LastPlan>* forgotten);
 
 void ManagerCore::MarkLostLocked(SequenceRecord* s, const std::string& reason,
                                  std::vector<Event>* ev,
@@ -438,8 +469,8 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   s->current_turn = plan.last_turn;
   s->turn_start.push_back(0);
   s->blocks.reserve(plan.blocks.size());
-  std::vector<Event> ev;
-  ev.reserve(plan.blocks.size() + 1);
+  EventBatch& ev = batch_;
+  ev.Clear();
   const int64_t now = s->last_access_ms;
   for (const PlannedBlock& pb : plan.blocks) {
     while (s->turn_start.size() <= pb.turn) {
@@ -449,9 +480,8 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
       // A reused block keeps its tag and format, like a fork's.
       BlockRecord* b = prefix.donor->blocks[s->blocks.size()];
       SequenceTable::Share(s, b);
-      absl::StrAppend(&AddEvent(&ev, now, EventKind::kBlockShared, s, b).detail,
-                      "prefix_of=", prefix.donor->id,
-                      " refcount=", b->refcount);
+      AddBlockEvent(&ev, now, EventKind::kBlockShared, s, b,
+                    "prefix_of=", prefix.donor->id, " refcount=", b->refcount);
       continue;
     }
     NewBlockLocked(s, pb, pb.turn, now, &ev);
@@ -482,15 +512,13 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   }
   tenant->open_sequences++;
   worker->open.insert(s);
-  Event e = MakeEvent(*clock_, EventKind::kSequenceOpened, s, nullptr);
-  e.detail = absl::StrCat("blocks=", s->blocks.size(), " tokens=", total,
-                          " bytes=", s->bytes, " policy=", policy->name,
-                          " block_tokens=", T);
+  BeginSequenceEvent(&ev, now, EventKind::kSequenceOpened, s);
+  ev.Detail("blocks=", s->blocks.size(), " tokens=", total, " bytes=", s->bytes,
+            " policy=", policy->name, " block_tokens=", T);
   if (prefix.donor != nullptr) {
-    absl::StrAppend(&e.detail, " prefix_of=", prefix.donor->id,
-                    " prefix_blocks=", prefix.blocks);
+    ev.Detail(" prefix_of=", prefix.donor->id,
+              " prefix_blocks=", prefix.blocks);
   }
-  ev.push_back(std::move(e));
   SequenceInfo info = SequenceTable::Info(*s, /*with_blocks=*/true);
   sequences_.Insert(std::move(seq));
   events_.Append(&ev);
@@ -583,32 +611,31 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   if (plan.fill > 0) UnsealLastLocked(s);
   if (allocating) s->allocation = std::move(allocation);
   ExtendSequenceResult result;
-  std::vector<Event> ev;
-  ev.reserve(s->blocks.size() + plan.blocks.size() + 2);
+  EventBatch& ev = batch_;
+  ev.Clear();
   const int64_t now = s->last_access_ms;
   std::string from_name, to_name;  // TemporalNames, reused
   planner_.AdvanceTurns(s, plan);
   planner_.ForEachRetag(
       *s, plan.prev_turn, plan.turn, [&](BlockRecord* b, Temporal next) {
-        Event& e = AddEvent(&ev, now, EventKind::kBlockRetagged, s, b);
-        absl::StrAppend(
-            &e.detail, "from=", CachedTemporalName(b->tag.temporal, &from_name),
-            " to=", CachedTemporalName(next, &to_name), " turn=", plan.turn);
-        b->tag.temporal = next;
-        e.tag = b->tag;
+        const Temporal from = b->tag.temporal;
+        b->tag.temporal = next;  // the event carries the new tag
+        AddBlockEvent(&ev, now, EventKind::kBlockRetagged, s, b,
+                      "from=", CachedTemporalName(from, &from_name),
+                      " to=", CachedTemporalName(next, &to_name),
+                      " turn=", plan.turn);
         result.retagged_blocks.push_back(PlanOf(*b));
       });
   if (plan.fill > 0) {
     BlockRecord* last = s->blocks[old_blocks - 1];
     const Temporal next = planner_.TemporalOf(*last, plan.turn);
     if (next != last->tag.temporal) {
-      Event e = MakeEvent(*clock_, EventKind::kBlockRetagged, s, last);
-      e.detail = absl::StrCat("from=", TemporalName(last->tag.temporal),
-                              " to=", TemporalName(next), " turn=", plan.turn,
-                              " grown=true");
+      const Temporal from = last->tag.temporal;
       last->tag.temporal = next;
-      e.tag = last->tag;
-      ev.push_back(std::move(e));
+      AddBlockEvent(&ev, now, EventKind::kBlockRetagged, s, last,
+                    "from=", CachedTemporalName(from, &from_name),
+                    " to=", CachedTemporalName(next, &to_name),
+                    " turn=", plan.turn, " grown=true");
       result.retagged_blocks.push_back(PlanOf(*last));
     }
     result.grown_blocks.push_back(PlanOf(*last));
@@ -620,13 +647,11 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   }
   s->num_tokens += total;
   AdvanceChainLocked(s, req.token_ids);
-  Event e = MakeEvent(*clock_, EventKind::kSequenceExtended, s, nullptr);
-  e.detail =
-      absl::StrCat("new_blocks=", plan.blocks.size(),
-                   " filled_tokens=", plan.fill, " tokens=", total,
-                   " new_turn=", plan.turn > plan.prev_turn ? "true" : "false",
-                   " turn=", s->current_turn);
-  ev.push_back(std::move(e));
+  BeginSequenceEvent(&ev, now, EventKind::kSequenceExtended, s);
+  ev.Detail("new_blocks=", plan.blocks.size(), " filled_tokens=", plan.fill,
+            " tokens=", total,
+            " new_turn=", plan.turn > plan.prev_turn ? "true" : "false",
+            " turn=", s->current_turn);
   result.sequence = SequenceTable::Info(*s, /*with_blocks=*/true);
   events_.Append(&ev);
   if (infeasible) {
@@ -695,15 +720,15 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   const uint32_t kept = plan.kept();
   for (uint32_t start : parent->turn_start)
     s->turn_start.push_back(std::min(start, kept));
-  std::vector<Event> ev;
-  ev.reserve(kept + 2);
+  EventBatch& ev = batch_;
+  ev.Clear();
+  const int64_t now = clock_->NowMs();
   s->blocks.reserve(kept);
   for (size_t i = 0; i < plan.shared; ++i) {
     BlockRecord* b = parent->blocks[i];
     SequenceTable::Share(s, b);
-    Event e = MakeEvent(*clock_, EventKind::kBlockShared, s, b);
-    e.detail = absl::StrCat("parent=", parent->id, " refcount=", b->refcount);
-    ev.push_back(std::move(e));
+    AddBlockEvent(&ev, now, EventKind::kBlockShared, s, b,
+                  "parent=", parent->id, " refcount=", b->refcount);
   }
   if (cut != nullptr) {
     // The copy has the cut block's turn, role and modality, hence its tag and
@@ -713,18 +738,17 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
         PlannedBlock{cut->first_token,
                      static_cast<uint32_t>(plan.num_tokens - cut->first_token),
                      cut->tag.role, cut->tag.modality},
-        cut->turn, clock_->NowMs(), &ev);
-    ev.back().detail += absl::StrCat(" copied_from=", cut->lineage_id);
+        cut->turn, now, &ev);
+    ev.Detail(" copied_from=", cut->lineage_id);
   }
   s->num_tokens = plan.num_tokens;
   ForkChainLocked(*parent, plan, s);
   s->tenant->open_sequences++;
   s->worker->open.insert(s);
-  Event e = MakeEvent(*clock_, EventKind::kSequenceForked, s, nullptr);
-  e.detail = absl::StrCat("parent=", parent->id, " tokens=", plan.num_tokens,
-                          " shared_blocks=", plan.shared,
-                          " copied_blocks=", cut != nullptr ? 1 : 0);
-  ev.push_back(std::move(e));
+  BeginSequenceEvent(&ev, now, EventKind::kSequenceForked, s);
+  ev.Detail("parent=", parent->id, " tokens=", plan.num_tokens,
+            " shared_blocks=", plan.shared,
+            " copied_blocks=", cut != nullptr ? 1 : 0);
   SequenceInfo info = SequenceTable::Info(*s, /*with_blocks=*/true);
   sequences_.Insert(std::move(seq));
   events_.Append(&ev);
@@ -748,8 +772,8 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
       FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id,
                              /*needs_worker=*/false));
   CloseSequenceResult result;
-  std::vector<Event> ev;
-  ev.reserve(2 * s->blocks.size() + 1);
+  EventBatch& ev = batch_;
+  ev.Clear();
   std::vector<EventLog::LastPlan> forgotten;
   forgotten.reserve(s->blocks.size());
   const int64_t now = clock_->NowMs();
@@ -759,10 +783,9 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
   }
   s->state = SequenceState::kClosed;
   Touch(s);
-  Event e = MakeEvent(*clock_, EventKind::kSequenceClosed, s, nullptr);
-  e.detail = absl::StrCat("blocks=", s->blocks.size(),
-                          " freed=", result.freed_lineage_ids.size());
-  ev.push_back(std::move(e));
+  BeginSequenceEvent(&ev, now, EventKind::kSequenceClosed, s);
+  ev.Detail("blocks=", s->blocks.size(),
+            " freed=", result.freed_lineage_ids.size());
   sequences_.Retire(s);
   events_.Append(&ev, &forgotten);
   close_cache_.Put(cache_key, req.request_id, req.fingerprint, absl::OkStatus(),
