@@ -6,15 +6,17 @@
 #   --tool cpu        CPU microseconds per RPC of the kvmanager process, user
 #                     and kernel (/proc/PID/stat, 10 ms ticks: use a few
 #                     thousand sessions): what a pinned manager's cores
-#                     spend, syscalls and page faults included
+#                     spend, syscalls and page faults included; one run of
+#                     2 x --sessions, start-up included (a difference of two
+#                     runs is swamped by the start-up's variation here)
 #
 #   scripts/manager_cost.sh [options] KVMANAGER [KVMANAGER...]
 #
 # For each binary, in turns (--rounds), manager_bench runs --sessions and
 # then 2 x --sessions sessions at --clients clients with the kvmanager under
-# the tool; the difference of the two totals over the difference in RPCs
-# (3 x --sessions) is the steady cost of an RPC, without start-up, the start
-# snapshot and shut-down. Prints one line per binary and round, then the
+# the tool; for callgrind, the difference of the two totals over the
+# difference in RPCs (3 x --sessions) is the steady cost of an RPC, without
+# start-up, the start snapshot and shut-down. Prints one line per binary and round, then the
 # mean per binary and its ratio to the first binary.
 #
 # Options:
@@ -120,11 +122,15 @@ declare -A sum
 for ((r = 1; r <= rounds; r++)); do
   for i in "${!binaries[@]}"; do
     b="${binaries[$i]}"
-    small=$(run "$b" "$sessions" "$work/small.out")
+    small=0
+    [[ "$tool" == callgrind ]] && small=$(run "$b" "$sessions" "$work/small.out")
     large=$(run "$b" "$((2 * sessions))" "$work/large.out")
     [[ -n "$keep" ]] && cp "$work/large.out" "$keep/$i.$r.out"
-    per=$(( (large - small) / (3 * sessions) ))
-    [[ "$tool" == cpu ]] && per=$(( per / 1000 ))  # ns -> us
+    if [[ "$tool" == callgrind ]]; then
+      per=$(( (large - small) / (3 * sessions) ))
+    else
+      per=$(( large / (6 * sessions) / 1000 ))  # ns -> us
+    fi
     sum[$i]=$(( ${sum[$i]:-0} + per ))
     printf 'round %d  %s  %d %s\n' "$r" "$b" "$per" "$unit"
   done
