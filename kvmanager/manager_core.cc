@@ -1,6 +1,7 @@
 #include "kvmanager/manager_core.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <optional>
 #include <utility>
@@ -101,6 +102,51 @@ absl::StatusOr<std::unique_ptr<ManagerCore>> ManagerCore::Create(
 
 // --- Block lifecycle ---------------------------------------------------------
 
+namespace {
+
+// TemporalName of `t` without building a string for each call (a new turn
+// retags every block and names two temporals each): the in-range names are
+// made once; an out-of-range one is written to *scratch.
+absl::string_view CachedTemporalName(Temporal t, std::string* scratch) {
+  static const auto* const kNames = [] {
+    auto* names = new std::array<std::string, 5>;
+    for (size_t i = 0; i < names->size(); ++i) {
+      (*names)[i] = TemporalName(static_cast<Temporal>(i));
+    }
+    return names;
+  }();
+  const auto i = static_cast<size_t>(t);
+  if (i < kNames->size()) return (*kNames)[i];
+  *scratch = TemporalName(t);
+  return *scratch;
+}
+
+// A block event of `s` with its detail pieces (absl::StrAppend's), into
+// an event vector or a batch.
+template <typename... Pieces>
+void AddBlockEvent(std::vector<Event>* ev, int64_t now, EventKind kind,
+                   const SequenceRecord* s, const BlockRecord* b,
+                   const Pieces&... detail) {
+  Event& e = AddEvent(ev, now, kind, s, b);
+  if constexpr (sizeof...(detail) > 0) absl::StrAppend(&e.detail, detail...);
+}
+template <typename... Pieces>
+void AddBlockEvent(EventBatch* ev, int64_t now, EventKind kind,
+                   const SequenceRecord* s, const BlockRecord* b,
+                   const Pieces&... detail) {
+  ev->Begin(now, kind, s->id, s->tenant->id, s->worker->info.worker_id,
+            b->lineage_id, b->tag, b->encoding.k);
+  if constexpr (sizeof...(detail) > 0) ev->Detail(detail...);
+}
+
+// Starts a sequence event of `s` in the batch.
+void BeginSequenceEvent(EventBatch* ev, int64_t now, EventKind kind,
+                        const SequenceRecord* s) {
+  ev->Begin(now, kind, s->id, s->tenant->id, s->worker->info.worker_id);
+}
+
+}  // namespace
+
 absl::StatusOr<SequenceRecord*> ManagerCore::FindOpenSequenceLocked(
     const std::string& tenant_id, const std::string& field,
     const std::string& sequence_id, bool needs_worker, bool mutates) const {
@@ -120,7 +166,7 @@ absl::StatusOr<SequenceRecord*> ManagerCore::FindOpenSequenceLocked(
 
 BlockRecord* ManagerCore::NewBlockLocked(SequenceRecord* s,
                                          const PlannedBlock& pb, uint32_t turn,
-                                         std::vector<Event>* ev) {
+                                         int64_t now, EventBatch* ev) {
   const Tag tag{TemporalFor(static_cast<uint32_t>(s->blocks.size()), turn,
                             s->current_turn, options_.recent_turns),
                 pb.modality, pb.role};
@@ -129,39 +175,48 @@ BlockRecord* ManagerCore::NewBlockLocked(SequenceRecord* s,
       sequences_.NewBlock(s, pb.first_token, pb.num_tokens, tag, encoding, turn,
                           BlockBytes(s->model, s->block_tokens, encoding));
   pressure_.BlockCreated(s, *b);
-  Event e = MakeEvent(*clock_, EventKind::kBlockCreated, s, b);
-  e.detail = absl::StrCat("index=", b->index, " first_token=", b->first_token,
-                          " num_tokens=", b->num_tokens, " bytes=", b->bytes,
-                          " encoding=", EncodingString(b->encoding));
-  ev->push_back(std::move(e));
+  char encoding_name[96];
+  AddBlockEvent(
+      ev, now, EventKind::kBlockCreated, s, b, "index=", b->index,
+      " first_token=", b->first_token, " num_tokens=", b->num_tokens,
+      " bytes=", b->bytes, " encoding=",
+      kernels::EncodingName(b->encoding, encoding_name, sizeof(encoding_name)));
   return b;
 }
 
+template <typename Events>
 void ManagerCore::ReleaseBlockLocked(
     SequenceRecord* s, BlockRecord* b, bool lost, std::vector<uint64_t>* freed,
-    std::vector<Event>* ev, std::vector<EventLog::LastPlan>* forgotten) {
-  ev->push_back(MakeEvent(
-      *clock_, lost ? EventKind::kBlockLost : EventKind::kBlockReleased, s, b));
+    int64_t now, Events* ev, std::vector<EventLog::LastPlan>* forgotten) {
+  AddBlockEvent(ev, now,
+                lost ? EventKind::kBlockLost : EventKind::kBlockReleased, s, b);
   if (!SequenceTable::Unref(s, b)) return;
   pressure_.BlockFreed(b->lineage_id);
   prefix_.Remove(b);
   if (!lost) {
-    Event e = MakeEvent(*clock_, EventKind::kBlockFreed, s, b);
-    e.detail = absl::StrCat("bytes=", b->bytes);
-    ev->push_back(std::move(e));
+    AddBlockEvent(ev, now, EventKind::kBlockFreed, s, b, "bytes=", b->bytes);
   }
   if (freed != nullptr) freed->push_back(b->lineage_id);
   forgotten->push_back(EventLog::LastPlan{PlanOf(*b), b->creator});
   sequences_.EraseBlock(b->lineage_id);
 }
 
+template void ManagerCore::ReleaseBlockLocked(
+    SequenceRecord* s, BlockRecord* b, bool lost, std::vector<uint64_t>* freed,
+    int64_t now, std::vector<Event>* ev,
+    std::vector<EventLog::LastPlan>* forgotten);
+template void ManagerCore::ReleaseBlockLocked(
+    SequenceRecord* s, BlockRecord* b, bool lost, std::vector<uint64_t>* freed,
+    int64_t now, EventBatch* ev, std::vector<EventLog::LastPlan>* forgotten);
+
 void ManagerCore::MarkLostLocked(SequenceRecord* s, const std::string& reason,
                                  std::vector<Event>* ev,
                                  std::vector<EventLog::LastPlan>* forgotten) {
   s->lost_lineage_ids.reserve(s->blocks.size());
+  const int64_t now = clock_->NowMs();
   for (BlockRecord* b : s->blocks) {
     s->lost_lineage_ids.push_back(b->lineage_id);
-    ReleaseBlockLocked(s, b, /*lost=*/true, nullptr, ev, forgotten);
+    ReleaseBlockLocked(s, b, /*lost=*/true, nullptr, now, ev, forgotten);
   }
   s->state = SequenceState::kLost;
   Touch(s);
@@ -414,8 +469,9 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   s->current_turn = plan.last_turn;
   s->turn_start.push_back(0);
   s->blocks.reserve(plan.blocks.size());
-  std::vector<Event> ev;
-  ev.reserve(plan.blocks.size() + 1);
+  EventBatch& ev = batch_;
+  ev.Clear();
+  const int64_t now = s->last_access_ms;
   for (const PlannedBlock& pb : plan.blocks) {
     while (s->turn_start.size() <= pb.turn) {
       s->turn_start.push_back(static_cast<uint32_t>(s->blocks.size()));
@@ -424,13 +480,11 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
       // A reused block keeps its tag and format, like a fork's.
       BlockRecord* b = prefix.donor->blocks[s->blocks.size()];
       SequenceTable::Share(s, b);
-      Event e = MakeEvent(*clock_, EventKind::kBlockShared, s, b);
-      e.detail = absl::StrCat("prefix_of=", prefix.donor->id,
-                              " refcount=", b->refcount);
-      ev.push_back(std::move(e));
+      AddBlockEvent(&ev, now, EventKind::kBlockShared, s, b,
+                    "prefix_of=", prefix.donor->id, " refcount=", b->refcount);
       continue;
     }
-    NewBlockLocked(s, pb, pb.turn, &ev);
+    NewBlockLocked(s, pb, pb.turn, now, &ev);
   }
   s->num_tokens = total;
   if (prefix.donor != nullptr) {
@@ -458,15 +512,13 @@ absl::StatusOr<SequenceInfo> ManagerCore::OpenSequence(
   }
   tenant->open_sequences++;
   worker->open.insert(s);
-  Event e = MakeEvent(*clock_, EventKind::kSequenceOpened, s, nullptr);
-  e.detail = absl::StrCat("blocks=", s->blocks.size(), " tokens=", total,
-                          " bytes=", s->bytes, " policy=", policy->name,
-                          " block_tokens=", T);
+  BeginSequenceEvent(&ev, now, EventKind::kSequenceOpened, s);
+  ev.Detail("blocks=", s->blocks.size(), " tokens=", total, " bytes=", s->bytes,
+            " policy=", policy->name, " block_tokens=", T);
   if (prefix.donor != nullptr) {
-    absl::StrAppend(&e.detail, " prefix_of=", prefix.donor->id,
-                    " prefix_blocks=", prefix.blocks);
+    ev.Detail(" prefix_of=", prefix.donor->id,
+              " prefix_blocks=", prefix.blocks);
   }
-  ev.push_back(std::move(e));
   SequenceInfo info = SequenceTable::Info(*s, /*with_blocks=*/true);
   sequences_.Insert(std::move(seq));
   events_.Append(&ev);
@@ -559,48 +611,47 @@ absl::StatusOr<ExtendSequenceResult> ManagerCore::ExtendSequence(
   if (plan.fill > 0) UnsealLastLocked(s);
   if (allocating) s->allocation = std::move(allocation);
   ExtendSequenceResult result;
-  std::vector<Event> ev;
-  ev.reserve(plan.blocks.size() + 8);
+  EventBatch& ev = batch_;
+  ev.Clear();
+  const int64_t now = s->last_access_ms;
+  std::string from_name, to_name;  // TemporalNames, reused
   planner_.AdvanceTurns(s, plan);
   planner_.ForEachRetag(
       *s, plan.prev_turn, plan.turn, [&](BlockRecord* b, Temporal next) {
-        Event e = MakeEvent(*clock_, EventKind::kBlockRetagged, s, b);
-        e.detail =
-            absl::StrCat("from=", TemporalName(b->tag.temporal),
-                         " to=", TemporalName(next), " turn=", plan.turn);
-        b->tag.temporal = next;
-        e.tag = b->tag;
-        ev.push_back(std::move(e));
+        const Temporal from = b->tag.temporal;
+        b->tag.temporal = next;  // the event carries the new tag
+        AddBlockEvent(&ev, now, EventKind::kBlockRetagged, s, b,
+                      "from=", CachedTemporalName(from, &from_name),
+                      " to=", CachedTemporalName(next, &to_name),
+                      " turn=", plan.turn);
         result.retagged_blocks.push_back(PlanOf(*b));
       });
   if (plan.fill > 0) {
     BlockRecord* last = s->blocks[old_blocks - 1];
     const Temporal next = planner_.TemporalOf(*last, plan.turn);
     if (next != last->tag.temporal) {
-      Event e = MakeEvent(*clock_, EventKind::kBlockRetagged, s, last);
-      e.detail = absl::StrCat("from=", TemporalName(last->tag.temporal),
-                              " to=", TemporalName(next), " turn=", plan.turn,
-                              " grown=true");
+      const Temporal from = last->tag.temporal;
       last->tag.temporal = next;
-      e.tag = last->tag;
-      ev.push_back(std::move(e));
+      AddBlockEvent(&ev, now, EventKind::kBlockRetagged, s, last,
+                    "from=", CachedTemporalName(from, &from_name),
+                    " to=", CachedTemporalName(next, &to_name),
+                    " turn=", plan.turn, " grown=true");
       result.retagged_blocks.push_back(PlanOf(*last));
     }
     result.grown_blocks.push_back(PlanOf(*last));
   }
   result.new_blocks.reserve(plan.blocks.size());
   for (const PlannedBlock& pb : plan.blocks) {
-    result.new_blocks.push_back(PlanOf(*NewBlockLocked(s, pb, pb.turn, &ev)));
+    result.new_blocks.push_back(
+        PlanOf(*NewBlockLocked(s, pb, pb.turn, now, &ev)));
   }
   s->num_tokens += total;
   AdvanceChainLocked(s, req.token_ids);
-  Event e = MakeEvent(*clock_, EventKind::kSequenceExtended, s, nullptr);
-  e.detail =
-      absl::StrCat("new_blocks=", plan.blocks.size(),
-                   " filled_tokens=", plan.fill, " tokens=", total,
-                   " new_turn=", plan.turn > plan.prev_turn ? "true" : "false",
-                   " turn=", s->current_turn);
-  ev.push_back(std::move(e));
+  BeginSequenceEvent(&ev, now, EventKind::kSequenceExtended, s);
+  ev.Detail("new_blocks=", plan.blocks.size(), " filled_tokens=", plan.fill,
+            " tokens=", total,
+            " new_turn=", plan.turn > plan.prev_turn ? "true" : "false",
+            " turn=", s->current_turn);
   result.sequence = SequenceTable::Info(*s, /*with_blocks=*/true);
   events_.Append(&ev);
   if (infeasible) {
@@ -669,15 +720,15 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
   const uint32_t kept = plan.kept();
   for (uint32_t start : parent->turn_start)
     s->turn_start.push_back(std::min(start, kept));
-  std::vector<Event> ev;
-  ev.reserve(kept + 2);
+  EventBatch& ev = batch_;
+  ev.Clear();
+  const int64_t now = clock_->NowMs();
   s->blocks.reserve(kept);
   for (size_t i = 0; i < plan.shared; ++i) {
     BlockRecord* b = parent->blocks[i];
     SequenceTable::Share(s, b);
-    Event e = MakeEvent(*clock_, EventKind::kBlockShared, s, b);
-    e.detail = absl::StrCat("parent=", parent->id, " refcount=", b->refcount);
-    ev.push_back(std::move(e));
+    AddBlockEvent(&ev, now, EventKind::kBlockShared, s, b,
+                  "parent=", parent->id, " refcount=", b->refcount);
   }
   if (cut != nullptr) {
     // The copy has the cut block's turn, role and modality, hence its tag and
@@ -687,18 +738,17 @@ absl::StatusOr<SequenceInfo> ManagerCore::ForkSequence(
         PlannedBlock{cut->first_token,
                      static_cast<uint32_t>(plan.num_tokens - cut->first_token),
                      cut->tag.role, cut->tag.modality},
-        cut->turn, &ev);
-    ev.back().detail += absl::StrCat(" copied_from=", cut->lineage_id);
+        cut->turn, now, &ev);
+    ev.Detail(" copied_from=", cut->lineage_id);
   }
   s->num_tokens = plan.num_tokens;
   ForkChainLocked(*parent, plan, s);
   s->tenant->open_sequences++;
   s->worker->open.insert(s);
-  Event e = MakeEvent(*clock_, EventKind::kSequenceForked, s, nullptr);
-  e.detail = absl::StrCat("parent=", parent->id, " tokens=", plan.num_tokens,
-                          " shared_blocks=", plan.shared,
-                          " copied_blocks=", cut != nullptr ? 1 : 0);
-  ev.push_back(std::move(e));
+  BeginSequenceEvent(&ev, now, EventKind::kSequenceForked, s);
+  ev.Detail("parent=", parent->id, " tokens=", plan.num_tokens,
+            " shared_blocks=", plan.shared,
+            " copied_blocks=", cut != nullptr ? 1 : 0);
   SequenceInfo info = SequenceTable::Info(*s, /*with_blocks=*/true);
   sequences_.Insert(std::move(seq));
   events_.Append(&ev);
@@ -722,20 +772,20 @@ absl::StatusOr<CloseSequenceResult> ManagerCore::CloseSequence(
       FindOpenSequenceLocked(req.tenant_id, "sequence_id", req.sequence_id,
                              /*needs_worker=*/false));
   CloseSequenceResult result;
-  std::vector<Event> ev;
-  ev.reserve(2 * s->blocks.size() + 1);
+  EventBatch& ev = batch_;
+  ev.Clear();
   std::vector<EventLog::LastPlan> forgotten;
   forgotten.reserve(s->blocks.size());
+  const int64_t now = clock_->NowMs();
   for (BlockRecord* b : s->blocks) {
-    ReleaseBlockLocked(s, b, /*lost=*/false, &result.freed_lineage_ids, &ev,
-                       &forgotten);
+    ReleaseBlockLocked(s, b, /*lost=*/false, &result.freed_lineage_ids, now,
+                       &ev, &forgotten);
   }
   s->state = SequenceState::kClosed;
   Touch(s);
-  Event e = MakeEvent(*clock_, EventKind::kSequenceClosed, s, nullptr);
-  e.detail = absl::StrCat("blocks=", s->blocks.size(),
-                          " freed=", result.freed_lineage_ids.size());
-  ev.push_back(std::move(e));
+  BeginSequenceEvent(&ev, now, EventKind::kSequenceClosed, s);
+  ev.Detail("blocks=", s->blocks.size(),
+            " freed=", result.freed_lineage_ids.size());
   sequences_.Retire(s);
   events_.Append(&ev, &forgotten);
   close_cache_.Put(cache_key, req.request_id, req.fingerprint, absl::OkStatus(),

@@ -741,13 +741,16 @@ class ManagerCore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Creates block `pb` of `s` (tag by turn, encoding by policy), tells the
   // pressure graph and records BLOCK_CREATED.
+  // `now`: the events' time.
   BlockRecord* NewBlockLocked(SequenceRecord* s, const PlannedBlock& pb,
-                              uint32_t turn, std::vector<Event>* ev)
+                              uint32_t turn, int64_t now, EventBatch* ev)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops one reference of `b` held by `s` (BLOCK_RELEASED or BLOCK_LOST);
   // the last one frees it (BLOCK_FREED unless lost).
+  // `Events`: std::vector<Event> or EventBatch.
+  template <typename Events>
   void ReleaseBlockLocked(SequenceRecord* s, BlockRecord* b, bool lost,
-                          std::vector<uint64_t>* freed, std::vector<Event>* ev,
+                          std::vector<uint64_t>* freed, int64_t now, Events* ev,
                           std::vector<EventLog::LastPlan>* forgotten)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkLostLocked(SequenceRecord* s, const std::string& reason,
@@ -806,6 +809,9 @@ class ManagerCore {
   const Clock* const clock_;
   const SequencePlanner planner_;  // immutable: used with or without mu_
   EventLog events_;
+  // The events of Open, Extend, Fork and Close, reused (EventLog::Append
+  // clears it).
+  EventBatch batch_ ABSL_GUARDED_BY(mu_);
 
   IdempotencyCache<RegisterWorkerResult> register_cache_;
   IdempotencyCache<TenantInfo> tenant_cache_;  // CreateTenant and SetBudget

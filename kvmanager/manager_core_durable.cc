@@ -1,6 +1,8 @@
 // ManagerCore's durable metadata (manager_core.h "Durable metadata",
 // metadata_journal.h): the journaled lock, Restore, and the reconciliation
 // of a recovered worker's first report.
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <thread>
@@ -18,6 +20,17 @@ namespace {
 
 // The newest ticket of this thread's calls (DeferDurableWaits).
 thread_local uint64_t t_durable_ticket = 0;
+
+// The cores this process may run on: its affinity mask (a manager pinned
+// with taskset to 2 of 16 cores has 2), else hardware_concurrency.
+int UsableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+    return CPU_COUNT(&set);
+  }
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
 
 }  // namespace
 
@@ -56,8 +69,7 @@ void ManagerCore::WhenDurable(uint64_t ticket, std::function<void()> fn) {
   // gRPC's few callback threads never all block on the disk (measured:
   // bench/results/manager.md "Durable metadata").
   static std::atomic<int> waiting{0};
-  static const int limit =
-      std::max(1, static_cast<int>(std::thread::hardware_concurrency() / 2));
+  static const int limit = std::max(1, UsableCores() / 2);
   if (waiting.fetch_add(1) < limit) {
     journal->Wait(ticket);
     waiting.fetch_sub(1);

@@ -90,8 +90,8 @@ absl::StatusOr<TruncateSequenceResult> ManagerCore::TruncateSequence(
       }
     }
     if (s->last_tool_call == b->lineage_id) s->last_tool_call = 0;
-    ReleaseBlockLocked(s, b, /*lost=*/false, &result.freed_lineage_ids, &ev,
-                       &forgotten);
+    ReleaseBlockLocked(s, b, /*lost=*/false, &result.freed_lineage_ids,
+                       s->last_access_ms, &ev, &forgotten);
   }
   s->blocks.resize(kept);
   if (cut)

@@ -178,6 +178,12 @@ ManagerService::ManagerService(ManagerCore* core, int64_t check_interval_ms,
                                int64_t worker_rpc_timeout_ms,
                                int64_t pressure_interval_ms)
     : core_(core), worker_rpc_timeout_ms_(worker_rpc_timeout_ms) {
+  SetMessageAllocatorFor_OpenSequence(&open_messages_);
+  SetMessageAllocatorFor_ExtendSequence(&extend_messages_);
+  SetMessageAllocatorFor_ForkSequence(&fork_messages_);
+  SetMessageAllocatorFor_CloseSequence(&close_messages_);
+  SetMessageAllocatorFor_TruncateSequence(&truncate_messages_);
+  SetMessageAllocatorFor_GetSequence(&get_messages_);
   if (check_interval_ms > 0) {
     checker_ = std::thread(
         [this, check_interval_ms] { CheckLoop(check_interval_ms); });

@@ -79,6 +79,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "kvmanager/arena_messages.h"
 #include "kvmanager/auth.h"
 #include "kvmanager/manager_core.h"
 #include "kvmanager/reclaim_round.h"
@@ -328,6 +329,20 @@ class ManagerService final : public v1::Manager::CallbackService {
   std::string capability_key_;  // empty: capabilities off
   int64_t capability_ttl_ms_ = 0;
   ServiceLimits limits_;
+  // Arenas of the calls whose replies carry block plans (arena_messages.h).
+  ArenaMessageAllocator<v1::OpenSequenceRequest, v1::OpenSequenceResponse>
+      open_messages_;
+  ArenaMessageAllocator<v1::ExtendSequenceRequest, v1::ExtendSequenceResponse>
+      extend_messages_;
+  ArenaMessageAllocator<v1::ForkSequenceRequest, v1::ForkSequenceResponse>
+      fork_messages_;
+  ArenaMessageAllocator<v1::CloseSequenceRequest, v1::CloseSequenceResponse>
+      close_messages_;
+  ArenaMessageAllocator<v1::TruncateSequenceRequest,
+                        v1::TruncateSequenceResponse>
+      truncate_messages_;
+  ArenaMessageAllocator<v1::GetSequenceRequest, v1::GetSequenceResponse>
+      get_messages_;
   // WatchEvents streams open now (ServiceLimits::max_watchers); shared with
   // the reactors, which may finish after a call returns.
   std::shared_ptr<std::atomic<uint32_t>> watchers_ =

@@ -266,7 +266,11 @@ MetadataStore::MetadataStore(const MetadataStoreOptions& options,
 
 uint64_t MetadataStore::Write(const ChangeSet& changes, const StateView& view) {
   MetadataEncoder enc(this);
-  meta::MetadataRecord rec;
+  // Reused: Clear keeps the sub-messages and arrays of the last records, so
+  // an Open's record is built without allocating (Write runs under the
+  // core's mutex, never twice at once).
+  meta::MetadataRecord& rec = record_;
+  rec.Clear();
   if (changes.counters) enc.Counters(view, &rec);
   for (const std::string& id : changes.tenants) {
     if (const TenantRecord* t = view.tenants.FindOrNull(id)) {
@@ -315,6 +319,8 @@ uint64_t MetadataStore::Write(const ChangeSet& changes, const StateView& view) {
     rec.add_dropped_sequence_ids(id);
   }
   const uint64_t ticket = log_->Append(rec.SerializeAsString());
+  // What a large record (every sequence of a lost worker) held is not kept.
+  if (rec.sequences_size() > kReusedSequences) rec = meta::MetadataRecord();
   if (log_->stats().bytes_since_snapshot >= options_.snapshot_bytes) {
     return Snapshot(view);  // a later ticket: covers this record too
   }

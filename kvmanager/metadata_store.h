@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "kvmanager/metadata_journal.h"
 #include "kvmanager/metadata_log.h"
+#include "triax/v1/metadata.pb.h"
 
 namespace triax::manager {
 
@@ -78,6 +79,10 @@ class MetadataStore : public MetadataJournal {
   // last snapshot (by address; the shared_ptr keeps the address unique).
   absl::flat_hash_map<const void*, Interned> interned_;
   uint64_t next_ref_ = 1;
+  // Write's record, cleared and reused; a record of more sequences than
+  // kReusedSequences is dropped after use.
+  static constexpr int kReusedSequences = 64;
+  triax::v1::meta::MetadataRecord record_;
 
   friend class MetadataEncoder;
 };

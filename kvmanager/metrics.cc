@@ -58,8 +58,13 @@ constexpr const char* kAdmittingMethods[] = {"OpenSequence", "ExtendSequence",
 
 ManagerMetrics::ManagerMetrics(ManagerCore* core, const RpcMetrics* rpc,
                                ManagerMetricsOptions options)
-    : core_(core), rpc_(rpc), options_(options) {
-  sub_ = core_->events().Subscribe(EventFilter{}, /*from_id=*/0);
+    : core_(core),
+      rpc_(rpc),
+      options_(options),
+      events_before_(core->events().AppendedByKind()) {
+  EventFilter transfers;
+  transfers.kind = EventKind::kSequenceTransferred;
+  sub_ = core_->events().Subscribe(transfers, /*from_id=*/0);
   sub_->SetNotify([this] { Drain(); });
   Drain();  // arms the notification
 }
@@ -75,17 +80,14 @@ void ManagerMetrics::Drain() {
     absl::MutexLock lock(&mu_);
     if (r == EventSubscription::Result::kEnded) {
       if (!stream_ended_ && end.code() != absl::StatusCode::kCancelled) {
-        Log(LogLevel::kWarn, "metrics", "event counting stopped",
+        Log(LogLevel::kWarn, "metrics", "transfer byte counting stopped",
             Kv("error", end.ToString()));
       }
       stream_ended_ = true;
       return;
     }
-    ++events_[static_cast<int>(e.kind)];
-    if (e.kind == EventKind::kSequenceTransferred) {
-      transfer_wire_bytes_ += DetailValue(e.detail, "wire_bytes");
-      transfer_bytes_ += DetailValue(e.detail, "bytes");
-    }
+    transfer_wire_bytes_ += DetailValue(e.detail, "wire_bytes");
+    transfer_bytes_ += DetailValue(e.detail, "bytes");
   }
 }
 
@@ -372,14 +374,15 @@ void ManagerMetrics::CollectEvents(std::vector<MetricFamily>* out) const {
       Name("transfer_bytes_total"),
       "Device bytes of the sequences committed transfers placed on their "
       "destinations.");
+  const std::array<uint64_t, EventLog::kKinds> appended =
+      core_->events().AppendedByKind();
+  for (int k = static_cast<int>(EventKind::kBlockCreated);
+       k <= static_cast<int>(EventKind::kLastEventKind); ++k) {
+    AddSample(&events, {{"kind", KindLabel(static_cast<EventKind>(k))}},
+              static_cast<double>(appended[k] - events_before_[k]));
+  }
   {
     absl::MutexLock lock(&mu_);
-    for (int k = static_cast<int>(EventKind::kBlockCreated);
-         k <= static_cast<int>(EventKind::kLastEventKind); ++k) {
-      auto it = events_.find(k);
-      AddSample(&events, {{"kind", KindLabel(static_cast<EventKind>(k))}},
-                it == events_.end() ? 0.0 : static_cast<double>(it->second));
-    }
     AddSample(&wire, {}, static_cast<double>(transfer_wire_bytes_));
     AddSample(&moved, {}, static_cast<double>(transfer_bytes_));
   }

@@ -2,8 +2,10 @@
 // every series).
 //
 // ManagerMetrics is a prometheus::Collectable. Counters of events (blocks
-// created, spilled, restored, evicted, demoted, transfers, ...) come from a
-// live subscription to the core's EventLog, counted as they are appended;
+// created, spilled, restored, evicted, demoted, transfers, ...) are the
+// core's EventLog's counts by kind (EventLog::AppendedByKind) less those at
+// construction, and the transfer byte sums come from a live subscription to
+// the log's SEQUENCE_TRANSFERRED events;
 // everything that mirrors state (workers and their pools, watermarks,
 // tenants' bytes and budgets, blocks and bytes by tier, encoding and tenant,
 // the pressure manager's counters) is read from the core at scrape time
@@ -20,8 +22,8 @@
 // into tenant="_other"), tiers, formats and encodings (bounded by the
 // policies), event kinds. Never sequence or lineage ids.
 //
-// Thread contract: thread-safe. Collect may run on any thread; the event
-// counts are updated on the threads that append events (under the core's
+// Thread contract: thread-safe. Collect may run on any thread; the transfer
+// sums are updated on the threads that append events (under the core's
 // mutex, so Collect never calls back into the core while holding its own
 // lock).
 #pragma once
@@ -52,7 +54,7 @@ struct ManagerMetricsOptions {
 class ManagerMetrics : public prometheus::Collectable {
  public:
   // `core` must outlive this; `rpc` (may be null: no refusal series) too.
-  // Subscribes to the core's events from now on.
+  // Counts the core's events from now on.
   ManagerMetrics(ManagerCore* core, const RpcMetrics* rpc,
                  ManagerMetricsOptions options = {});
   ~ManagerMetrics() override;  // cancels the subscription
@@ -72,9 +74,10 @@ class ManagerMetrics : public prometheus::Collectable {
   ManagerCore* const core_;
   const RpcMetrics* const rpc_;
   const ManagerMetricsOptions options_;
-  std::shared_ptr<EventSubscription> sub_;
+  std::shared_ptr<EventSubscription> sub_;  // SEQUENCE_TRANSFERRED events
+  // The log's counts at construction.
+  const std::array<uint64_t, EventLog::kKinds> events_before_;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<int, uint64_t> events_ ABSL_GUARDED_BY(mu_);
   uint64_t transfer_wire_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t transfer_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;

@@ -61,6 +61,7 @@ std::string EventKindName(EventKind k) {
 }
 
 bool EventFilter::Matches(const Event& e) const {
+  if (kind != EventKind::kUnspecified && e.kind != kind) return false;
   if (!tenant_id.empty() && e.tenant_id != tenant_id) return false;
   if (!sequence_id.empty() && e.sequence_id != sequence_id) return false;
   if (lineage_id != 0 && e.lineage_id != lineage_id &&

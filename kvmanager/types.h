@@ -527,6 +527,7 @@ struct EventFilter {
   std::string tenant_id;
   std::string sequence_id;
   uint64_t lineage_id = 0;  // matches lineage_id or any of lineage_ids
+  EventKind kind = EventKind::kUnspecified;  // unspecified: any kind
   bool Matches(const Event& e) const;
 };
 

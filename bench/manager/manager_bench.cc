@@ -59,6 +59,10 @@ ABSL_FLAG(std::string, kvmanager, "",
           "path of the kvmanager binary; default: next to this binary");
 ABSL_FLAG(std::string, clients, "1,16,64", "comma-separated client counts");
 ABSL_FLAG(int, seconds, 5, "seconds per client count");
+ABSL_FLAG(int, level_sessions, 0,
+          "throughput: sessions per client count in all, spread over the "
+          "clients, instead of --seconds (a fixed amount of work, for "
+          "instruction counts under callgrind); 0: --seconds");
 ABSL_FLAG(int, tenants, 4, "tenants the clients spread over");
 ABSL_FLAG(std::string, mode, "throughput",
           "throughput (RPCs/s and latency) or memory (the manager's RSS as "
@@ -213,8 +217,9 @@ void AddSpan(google::protobuf::RepeatedPtrField<v1::Span>* spans, v1::Role role,
   s->set_num_tokens(n);
 }
 
+// Runs sessions until `deadline`, or `sessions` of them when >= 0.
 void RunClient(const std::string& target, int index, const std::string& tenant,
-               Clock::time_point deadline, ClientStats* stats) {
+               Clock::time_point deadline, int sessions, ClientStats* stats) {
   auto stub = v1::Manager::NewStub(NewChannel(target, index));
   v1::OpenSequenceRequest open;
   open.set_tenant_id(tenant);
@@ -239,7 +244,8 @@ void RunClient(const std::string& target, int index, const std::string& tenant,
     }
   };
   uint64_t n = 0;
-  while (Clock::now() < deadline) {
+  while (sessions >= 0 ? n < static_cast<uint64_t>(sessions)
+                       : Clock::now() < deadline) {
     const std::string rid = absl::StrCat("c", index, "-", n++);
     open.set_request_id("o" + rid);
     v1::OpenSequenceResponse open_resp;
@@ -644,10 +650,18 @@ int main(int argc, char** argv) {
   }
 
   const unsigned cores = std::thread::hardware_concurrency();
-  std::printf(
-      "kvmanager at %s, %u cores (nproc), %d s per level, one channel per "
-      "client\n\n",
-      target.c_str(), cores, seconds);
+  const int level_sessions = absl::GetFlag(FLAGS_level_sessions);
+  if (level_sessions > 0) {
+    std::printf(
+        "kvmanager at %s, %u cores (nproc), %d sessions per level, one "
+        "channel per client\n\n",
+        target.c_str(), cores, level_sessions);
+  } else {
+    std::printf(
+        "kvmanager at %s, %u cores (nproc), %d s per level, one channel per "
+        "client\n\n",
+        target.c_str(), cores, seconds);
+  }
   std::printf(
       "| clients | RPCs/s | sessions/s | blocks planned/s | open p50/p99 ms | "
       "extend p50/p99 ms | close p50/p99 ms | errors |\n");
@@ -660,9 +674,13 @@ int main(int argc, char** argv) {
     const auto start = Clock::now();
     const auto deadline = start + std::chrono::seconds(seconds);
     for (int i = 0; i < n; ++i) {
+      // Client i's share of --level_sessions (-1: timed).
+      const int share = level_sessions > 0
+                            ? level_sessions / n + (i < level_sessions % n)
+                            : -1;
       threads.emplace_back(RunClient, target, i,
                            absl::StrCat("bench-t", i % tenants), deadline,
-                           &stats[i]);
+                           share, &stats[i]);
     }
     for (auto& t : threads) t.join();
     const double elapsed =
