@@ -1,6 +1,7 @@
 #include "bench/common/process.h"
 
 #include <sched.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -90,6 +91,22 @@ absl::Status PinProcess(pid_t pid, absl::string_view cpus,
     if (!fresh) return absl::OkStatus();
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<double> ProcessCpuSeconds(pid_t pid) {
+  clockid_t clock = CLOCK_PROCESS_CPUTIME_ID;
+  if (pid != 0) {
+    if (const int rc = clock_getcpuclockid(pid, &clock); rc != 0) {
+      return absl::InternalError(
+          absl::StrCat("clock_getcpuclockid(", pid, "): ", std::strerror(rc)));
+    }
+  }
+  timespec ts{};
+  if (clock_gettime(clock, &ts) != 0) {
+    return absl::InternalError(absl::StrCat("clock_gettime of process ", pid,
+                                            ": ", std::strerror(errno)));
+  }
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
 }
 
 }  // namespace triax::bench

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace triax::bench {
@@ -25,5 +26,11 @@ absl::Status PinProcess(pid_t pid, absl::string_view cpus,
                         absl::string_view flag);
 // The parse alone (for flag checks before anything starts).
 absl::Status CheckCpuList(absl::string_view cpus, absl::string_view flag);
+
+// CPU seconds (user and system, every thread) that process `pid` has used
+// so far, from its CPU-time clock (clock_getcpuclockid; 0 for this
+// process); INTERNAL with the errno text when the clock cannot be read.
+// On a shared machine the CPU a call costs is steadier than its wall time.
+absl::StatusOr<double> ProcessCpuSeconds(pid_t pid);
 
 }  // namespace triax::bench

@@ -5,7 +5,7 @@
 // registers one fake worker with a huge capacity (heartbeating every 500 ms),
 // creates --tenants tenants, then for each N in --clients runs N client
 // threads for --seconds. Each client has its OWN channel (a separate TCP
-// connection) and loops over one session:
+// connection, made before the clock starts) and loops over one session:
 //   OpenSequence   5 spans, 600 tokens (system 200, tool_schema 150, user 100,
 //                  assistant 100, user 50) -> 41 blocks at T = 16
 //   ExtendSequence new turn, 2 spans (assistant 60, user 40) -> 7 blocks
@@ -29,8 +29,10 @@
 // (bench/security/security_setup.h; bench/results/manager.md "Security on
 // and off"): one kvmanager per configuration, started together; for each
 // client count, --repeats rounds of every configuration one after the
-// other, then a table of each one's RPCs/s and latency against the first
-// (plain, for a ratio of the cost). Under tls/mtls the clients dial with
+// other, then a table of each one's RPCs/s, latency and CPU per RPC (the
+// manager's, and this process's) against the first (plain, for a ratio of
+// the cost). The clients' connections, TLS handshakes included, are made
+// before the clock starts. Under tls/mtls the clients dial with
 // the CA (and client.crt under mtls) and the fake worker presents
 // worker.crt; under token the clients carry tenant tokens and the fake
 // worker a worker token, all issued through the manager with its admin
@@ -253,13 +255,15 @@ void AddSpan(google::protobuf::RepeatedPtrField<v1::Span>* spans, v1::Role role,
   s->set_num_tokens(n);
 }
 
-void RunClient(const std::string& target, int index, const Access& access,
-               int tenants, Clock::time_point deadline, ClientStats* stats) {
+// One client on its own `channel` (connected already, so that the
+// handshakes stay out of the timed window).
+void RunClient(std::shared_ptr<grpc::Channel> channel, int index,
+               const Access& access, int tenants, Clock::time_point deadline,
+               ClientStats* stats) {
   const std::string tenant = absl::StrCat("bench-t", index % tenants);
   const std::string token =
       access.tenant_tokens.empty() ? "" : access.tenant_tokens[index % tenants];
-  auto stub =
-      v1::Manager::NewStub(NewChannel(target, index, access.credentials));
+  auto stub = v1::Manager::NewStub(channel);
   v1::OpenSequenceRequest open;
   open.set_tenant_id(tenant);
   SetBenchModel(open.mutable_model());
@@ -709,21 +713,41 @@ std::unique_ptr<Secured> StartSecured(const std::string& binary,
 
 // `clients` client threads against `m` for `seconds`: prints the row of the
 // throughput table (with the configuration's name when `named`) and
-// returns the run for the comparison.
+// returns the run for the comparison (an empty one when a client cannot
+// connect).
 bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
                             int seconds, bool named, int* failures) {
   std::vector<ClientStats> stats(clients);
+  // Every client's connection (TCP, and the TLS handshake) is made before
+  // the clock starts: frontends keep their channels.
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < clients; ++i) {
+    channels.push_back(NewChannel(m.target, i, m.access.credentials));
+    if (!channels.back()->WaitForConnected(std::chrono::system_clock::now() +
+                                           std::chrono::seconds(10))) {
+      std::fprintf(stderr, "client %d of %s: not connected after 10 s\n", i,
+                   m.config.name.c_str());
+      ++*failures;
+      return {};
+    }
+  }
   std::vector<std::thread> threads;
   threads.reserve(clients);
+  const absl::StatusOr<double> server_cpu0 =
+      bench::ProcessCpuSeconds(m.manager.pid());
+  const absl::StatusOr<double> client_cpu0 = bench::ProcessCpuSeconds(0);
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::seconds(seconds);
   for (int i = 0; i < clients; ++i) {
-    threads.emplace_back(RunClient, m.target, i, std::cref(m.access), tenants,
-                         deadline, &stats[i]);
+    threads.emplace_back(RunClient, channels[i], i, std::cref(m.access),
+                         tenants, deadline, &stats[i]);
   }
   for (auto& t : threads) t.join();
   const double elapsed =
       std::chrono::duration<double>(Clock::now() - start).count();
+  const absl::StatusOr<double> server_cpu1 =
+      bench::ProcessCpuSeconds(m.manager.pid());
+  const absl::StatusOr<double> client_cpu1 = bench::ProcessCpuSeconds(0);
   ClientStats all;
   for (auto& s : stats) {
     all.open_ms.insert(all.open_ms.end(), s.open_ms.begin(), s.open_ms.end());
@@ -742,6 +766,12 @@ bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
     run.latency_ms.insert(run.latency_ms.end(), v->begin(), v->end());
   }
   run.ops = run.latency_ms.size();
+  if (server_cpu0.ok() && server_cpu1.ok()) {
+    run.server_cpu_s = *server_cpu1 - *server_cpu0;
+  }
+  if (client_cpu0.ok() && client_cpu1.ok()) {
+    run.client_cpu_s = *client_cpu1 - *client_cpu0;
+  }
   std::printf(
       "| %s%d | %.0f | %.0f | %.0f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f "
       "| %llu |\n",
@@ -899,7 +929,7 @@ int main(int argc, char** argv) {
   if (compare) {
     std::printf("\nRPCs (Open, Extend, Close) against %s, %d repeat(s):\n\n%s",
                 first.name.c_str(), repeats,
-                report.Markdown("clients", "RPCs").c_str());
+                report.Markdown("clients", "RPCs", "manager").c_str());
   }
   if (const std::string tsv = absl::GetFlag(FLAGS_tsv); !tsv.empty()) {
     if (absl::Status s = report.WriteTsv(tsv, "manager"); !s.ok()) {

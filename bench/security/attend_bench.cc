@@ -16,8 +16,10 @@
 // (--queries queries at the last position, layers round robin, read-only,
 // so the sequence stays as written), timing every call. The sequences are
 // closed before the next level. Prints the row of every run, then per
-// level each configuration's Attends/s and latency against the first
-// configuration's (its cost is 1 - the ratio).
+// level each configuration's Attends/s, latency and CPU per Attend (the
+// worker's, and this process's: the clients and their gRPC threads)
+// against the first configuration's; the cost is 1 - the throughput ratio,
+// or the CPU ratio - 1.
 //
 // The model: --layers layers, --kv_heads KV heads, --q_heads query heads,
 // --head_dim (Llama-3-8B's heads by default). The worker's pool is sized
@@ -367,6 +369,9 @@ bench::Measurement TimeAttends(const Node& node,
     threads.emplace_back(AttendLoop, (*sessions)[i].get(), &go, &deadline_ns,
                          &runs[i]);
   }
+  const absl::StatusOr<double> server_cpu0 =
+      bench::ProcessCpuSeconds(node.worker->pid());
+  const absl::StatusOr<double> client_cpu0 = bench::ProcessCpuSeconds(0);
   const auto start = Clock::now();
   deadline_ns =
       (start + std::chrono::seconds(seconds)).time_since_epoch().count();
@@ -374,6 +379,15 @@ bench::Measurement TimeAttends(const Node& node,
   for (auto& t : threads) t.join();
   bench::Measurement m;
   m.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const absl::StatusOr<double> server_cpu1 =
+      bench::ProcessCpuSeconds(node.worker->pid());
+  const absl::StatusOr<double> client_cpu1 = bench::ProcessCpuSeconds(0);
+  if (server_cpu0.ok() && server_cpu1.ok()) {
+    m.server_cpu_s = *server_cpu1 - *server_cpu0;
+  }
+  if (client_cpu0.ok() && client_cpu1.ok()) {
+    m.client_cpu_s = *client_cpu1 - *client_cpu0;
+  }
   std::string first_error;
   for (ClientRun& r : runs) {
     m.latency_ms.insert(m.latency_ms.end(), r.latency_ms.begin(),
@@ -513,7 +527,8 @@ int main(int argc, char** argv) {
       static_cast<long long>(pool_mb));
   std::printf(
       "| tokens | clients | security | repeat | Attends/s | p50 ms | p99 ms | "
-      "errors |\n|---:|---:|---|---:|---:|---:|---:|---:|\n");
+      "worker CPU us/Attend | errors |\n|---:|---:|---|---:|---:|---:|---:|"
+      "---:|---:|\n");
   std::vector<std::string> labels;
   std::vector<std::pair<uint32_t, int>> levels;
   for (int t : *token_levels) {
@@ -540,10 +555,11 @@ int main(int argc, char** argv) {
         bench::Measurement m = TimeAttends(*nodes[c], &sessions[c], seconds);
         std::vector<double> latency = m.latency_ms;
         std::printf(
-            "| %u | %d | %s | %d | %.0f | %.3f | %.3f | %llu |\n",
+            "| %u | %d | %s | %d | %.0f | %.3f | %.3f | %.1f | %llu |\n",
             levels[l].first, levels[l].second, (*configs)[c].name.c_str(),
             r + 1, m.seconds > 0 ? m.ops / m.seconds : 0,
             bench::Quantile(&latency, 0.5), bench::Quantile(&latency, 0.99),
+            m.ops > 0 ? m.server_cpu_s * 1e6 / m.ops : 0,
             static_cast<unsigned long long>(m.errors));
         std::fflush(stdout);
         report.Add(l, c, std::move(m));
@@ -559,7 +575,7 @@ int main(int argc, char** argv) {
   }
   std::printf("\nAttend against %s (level: tokens x clients):\n\n%s",
               configs->front().name.c_str(),
-              report.Markdown("tokens x clients", "Attends").c_str());
+              report.Markdown("tokens x clients", "Attends", "worker").c_str());
   if (const std::string tsv = absl::GetFlag(FLAGS_tsv); !tsv.empty()) {
     if (absl::Status s = report.WriteTsv(tsv, "attend"); !s.ok()) {
       std::cerr << "attend_bench: " << s.message() << "\n";

@@ -216,6 +216,8 @@ CostReport::Pooled CostReport::Pool(size_t level, size_t config) const {
     p.ops += m.ops;
     p.errors += m.errors;
     p.seconds += m.seconds;
+    p.server_cpu_s += m.server_cpu_s;
+    p.client_cpu_s += m.client_cpu_s;
     latency.insert(latency.end(), m.latency_ms.begin(), m.latency_ms.end());
   }
   p.p50 = Quantile(&latency, 0.5);
@@ -238,36 +240,46 @@ namespace {
 double Rate(const Measurement& m) {
   return m.seconds > 0 ? m.ops / m.seconds : 0;
 }
+// CPU microseconds per call.
+double PerOp(double cpu_s, uint64_t ops) {
+  return ops > 0 ? cpu_s * 1e6 / ops : 0;
+}
+double Ratio(double a, double b) { return b > 0 ? a / b : 0; }
 
 }  // namespace
 
 std::string CostReport::Markdown(absl::string_view level_header,
-                                 absl::string_view ops) const {
+                                 absl::string_view ops,
+                                 absl::string_view server) const {
   const std::string& base = configs_.front().name;
   std::string out = absl::StrFormat(
-      "| %s | security | %s/s | vs %s | repeats | p50 ms | p99 ms | p50 vs "
-      "%s | errors |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n",
-      level_header, ops, base, base);
+      "| %s | security | %s/s | vs %s | median (range) | p50 ms | p99 ms | "
+      "p50 vs %s | %s CPU us/op | vs %s | client CPU us/op | vs %s | errors "
+      "|\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+      level_header, ops, base, base, server, base, base);
   for (size_t l = 0; l < levels_.size(); ++l) {
     const Pooled first = Pool(l, 0);
     for (size_t c = 0; c < configs_.size(); ++c) {
       const Pooled p = Pool(l, c);
-      double lo = 0, hi = 0;
+      std::vector<double> ratios;
       const auto& runs = runs_[l][c];
       const auto& base_runs = runs_[l][0];
       for (size_t r = 0; r < runs.size() && r < base_runs.size(); ++r) {
-        const double b = Rate(base_runs[r]);
-        const double ratio = b > 0 ? Rate(runs[r]) / b : 0;
-        lo = r == 0 ? ratio : std::min(lo, ratio);
-        hi = r == 0 ? ratio : std::max(hi, ratio);
+        ratios.push_back(Ratio(Rate(runs[r]), Rate(base_runs[r])));
       }
+      const double median = Quantile(&ratios, 0.5);
+      const double lo = ratios.empty() ? 0 : ratios.front();
+      const double hi = ratios.empty() ? 0 : ratios.back();
+      const double server_cpu = PerOp(p.server_cpu_s, p.ops);
+      const double client_cpu = PerOp(p.client_cpu_s, p.ops);
       absl::StrAppendFormat(
           &out,
-          "| %s | %s | %.0f | %.3f | %.3f-%.3f | %.3f | %.3f | %.3f | "
-          "%llu |\n",
-          levels_[l], configs_[c].name, p.rate(),
-          first.rate() > 0 ? p.rate() / first.rate() : 0, lo, hi, p.p50, p.p99,
-          first.p50 > 0 ? p.p50 / first.p50 : 0,
+          "| %s | %s | %.0f | %.3f | %.3f (%.3f-%.3f) | %.3f | %.3f | %.3f | "
+          "%.1f | %.3f | %.1f | %.3f | %llu |\n",
+          levels_[l], configs_[c].name, p.rate(), Ratio(p.rate(), first.rate()),
+          median, lo, hi, p.p50, p.p99, Ratio(p.p50, first.p50), server_cpu,
+          Ratio(server_cpu, PerOp(first.server_cpu_s, first.ops)), client_cpu,
+          Ratio(client_cpu, PerOp(first.client_cpu_s, first.ops)),
           static_cast<unsigned long long>(p.errors));
     }
   }
@@ -278,29 +290,43 @@ absl::Status CostReport::WriteTsv(const std::string& path,
                                   absl::string_view bench) const {
   std::ofstream out(path, std::ios::trunc);
   out << "bench\tlevel\tsecurity\trepeat\tops\tseconds\tops_per_s\tp50_ms\t"
-         "p99_ms\terrors\tratio\n";
+         "p99_ms\terrors\tratio\tserver_cpu_us\tclient_cpu_us\t"
+         "server_cpu_ratio\n";
+  auto row = [&](size_t l, size_t c, const std::string& repeat, uint64_t ops,
+                 double seconds, double p50, double p99, uint64_t errors,
+                 double ratio, double server_cpu_s, double client_cpu_s,
+                 double server_cpu_ratio) {
+    out << absl::StrFormat(
+        "%s\t%s\t%s\t%s\t%llu\t%.3f\t%.1f\t%.4f\t%.4f\t%llu\t%.4f\t%.2f\t"
+        "%.2f\t%.4f\n",
+        bench, levels_[l], configs_[c].name, repeat,
+        static_cast<unsigned long long>(ops), seconds,
+        seconds > 0 ? ops / seconds : 0, p50, p99,
+        static_cast<unsigned long long>(errors), ratio,
+        PerOp(server_cpu_s, ops), PerOp(client_cpu_s, ops), server_cpu_ratio);
+  };
   for (size_t l = 0; l < levels_.size(); ++l) {
+    const Pooled first = Pool(l, 0);
     for (size_t c = 0; c < configs_.size(); ++c) {
       const auto& runs = runs_[l][c];
       for (size_t r = 0; r < runs.size(); ++r) {
-        std::vector<double> latency = runs[r].latency_ms;
-        const double b = r < runs_[l][0].size() ? Rate(runs_[l][0][r]) : 0;
-        out << absl::StrFormat(
-            "%s\t%s\t%s\t%d\t%llu\t%.3f\t%.1f\t%.4f\t%.4f\t%llu\t%.4f\n", bench,
-            levels_[l], configs_[c].name, r + 1,
-            static_cast<unsigned long long>(runs[r].ops), runs[r].seconds,
-            Rate(runs[r]), Quantile(&latency, 0.5), Quantile(&latency, 0.99),
-            static_cast<unsigned long long>(runs[r].errors),
-            b > 0 ? Rate(runs[r]) / b : 0);
+        const Measurement& m = runs[r];
+        const Measurement* b =
+            r < runs_[l][0].size() ? &runs_[l][0][r] : nullptr;
+        std::vector<double> latency = m.latency_ms;
+        row(l, c, absl::StrCat(r + 1), m.ops, m.seconds,
+            Quantile(&latency, 0.5), Quantile(&latency, 0.99), m.errors,
+            b != nullptr ? Ratio(Rate(m), Rate(*b)) : 0, m.server_cpu_s,
+            m.client_cpu_s,
+            b != nullptr ? Ratio(PerOp(m.server_cpu_s, m.ops),
+                                 PerOp(b->server_cpu_s, b->ops))
+                         : 0);
       }
       const Pooled p = Pool(l, c);
-      const Pooled first = Pool(l, 0);
-      out << absl::StrFormat(
-          "%s\t%s\t%s\tall\t%llu\t%.3f\t%.1f\t%.4f\t%.4f\t%llu\t%.4f\n", bench,
-          levels_[l], configs_[c].name, static_cast<unsigned long long>(p.ops),
-          p.seconds, p.rate(), p.p50, p.p99,
-          static_cast<unsigned long long>(p.errors),
-          first.rate() > 0 ? p.rate() / first.rate() : 0);
+      row(l, c, "all", p.ops, p.seconds, p.p50, p.p99, p.errors,
+          Ratio(p.rate(), first.rate()), p.server_cpu_s, p.client_cpu_s,
+          Ratio(PerOp(p.server_cpu_s, p.ops),
+                PerOp(first.server_cpu_s, first.ops)));
     }
   }
   out.close();

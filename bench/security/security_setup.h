@@ -102,6 +102,12 @@ struct Measurement {
   double seconds = 0;
   std::vector<double> latency_ms;  // one per call that succeeded
   uint64_t errors = 0;
+  // CPU seconds used during the run by the server process that answers the
+  // calls (the manager, the worker) and by the bench process (the clients
+  // and their gRPC threads): on a shared machine the CPU a call costs is
+  // steadier than its wall time.
+  double server_cpu_s = 0;
+  double client_cpu_s = 0;
 };
 
 // Measurements of every configuration at every level, run `repeats` times
@@ -116,19 +122,23 @@ class CostReport {
   void Add(size_t level, size_t config, Measurement m);
 
   // One row per level and configuration:
-  //   | <level_header> | security | <ops>/s | vs <first> | repeats |
-  //   p50 ms | p99 ms | p50 vs <first> | errors |
-  // "vs": pooled throughput (every repeat's calls over their seconds)
-  // over the first configuration's; "repeats": the lowest and highest of
-  // the ratios of one repeat (against the first configuration's run of the
-  // same repeat); p50 and p99 over every call of every repeat.
-  std::string Markdown(absl::string_view level_header,
-                       absl::string_view ops) const;
+  //   | <level_header> | security | <ops>/s | vs <first> | median (range) |
+  //   p50 ms | p99 ms | p50 vs <first> | <server> CPU us/op | vs <first> |
+  //   client CPU us/op | vs <first> | errors |
+  // "vs" of <ops>/s: pooled throughput (every repeat's calls over their
+  // seconds) over the first configuration's; "median (range)": the median,
+  // lowest and highest of the ratios of one repeat (against the first
+  // configuration's run of the same repeat); p50 and p99 over every call of
+  // every repeat; CPU per call pooled over the repeats.
+  std::string Markdown(absl::string_view level_header, absl::string_view ops,
+                       absl::string_view server) const;
 
   // Every run as a row, and one pooled row per level and configuration
   // (repeat "all"): bench, level, security, repeat, ops, seconds,
   // ops_per_s, p50_ms, p99_ms, errors, ratio (ops/s over the first
-  // configuration's in the same repeat, or pooled).
+  // configuration's in the same repeat, or pooled), server_cpu_us and
+  // client_cpu_us (per call), server_cpu_ratio (over the first
+  // configuration's, same repeat or pooled).
   absl::Status WriteTsv(const std::string& path, absl::string_view bench) const;
 
   uint64_t errors() const;
@@ -136,7 +146,7 @@ class CostReport {
  private:
   struct Pooled {
     uint64_t ops = 0, errors = 0;
-    double seconds = 0, p50 = 0, p99 = 0;
+    double seconds = 0, p50 = 0, p99 = 0, server_cpu_s = 0, client_cpu_s = 0;
     double rate() const { return seconds > 0 ? ops / seconds : 0; }
   };
   Pooled Pool(size_t level, size_t config) const;

@@ -90,11 +90,14 @@ TEST(PrepareCertsTest, MissingScriptIsNamed) {
                                  "cannot be read")));
 }
 
-Measurement Timed(uint64_t ops, double seconds, double latency) {
+Measurement Timed(uint64_t ops, double seconds, double latency,
+                  double server_cpu_s) {
   Measurement m;
   m.ops = ops;
   m.seconds = seconds;
   m.latency_ms.assign(ops, latency);
+  m.server_cpu_s = server_cpu_s;
+  m.client_cpu_s = 2 * server_cpu_s;
   return m;
 }
 
@@ -102,17 +105,27 @@ TEST(CostReportTest, RatiosAgainstTheFirstConfiguration) {
   auto configs = ParseSecurityList("plain,mtls+token", "--s");
   ASSERT_THAT(configs, IsOk());
   CostReport report(*configs, {"1"});
-  // Two repeats: plain 100/s then 200/s; mtls+token 90/s then 150/s.
-  report.Add(0, 0, Timed(100, 1.0, 2.0));
-  report.Add(0, 1, Timed(90, 1.0, 2.5));
-  report.Add(0, 0, Timed(200, 1.0, 2.0));
-  report.Add(0, 1, Timed(150, 1.0, 2.5));
-  const std::string md = report.Markdown("clients", "RPCs");
-  // Pooled: 240 / 300 = 0.8; per repeat 0.9 and 0.75; p50 2.5 / 2.0.
-  EXPECT_THAT(md, HasSubstr("| 1 | plain | 150 | 1.000 | 1.000-1.000 | 2.000 "
-                            "| 2.000 | 1.000 | 0 |"));
-  EXPECT_THAT(md, HasSubstr("| 1 | mtls+token | 120 | 0.800 | 0.750-0.900 | "
-                            "2.500 | 2.500 | 1.250 | 0 |"));
+  // Three repeats: plain 100/s, 200/s, 100/s; mtls+token 90/s, 150/s,
+  // 110/s. CPU: plain 10 us per call, mtls+token 11 us.
+  report.Add(0, 0, Timed(100, 1.0, 2.0, 0.001));
+  report.Add(0, 1, Timed(90, 1.0, 2.5, 0.00099));
+  report.Add(0, 0, Timed(200, 1.0, 2.0, 0.002));
+  report.Add(0, 1, Timed(150, 1.0, 2.5, 0.00165));
+  report.Add(0, 0, Timed(100, 1.0, 2.0, 0.001));
+  report.Add(0, 1, Timed(110, 1.0, 2.5, 0.00121));
+  const std::string md = report.Markdown("clients", "RPCs", "manager");
+  EXPECT_THAT(md, HasSubstr("| clients | security | RPCs/s | vs plain | "
+                            "median (range) | p50 ms | p99 ms | p50 vs plain "
+                            "| manager CPU us/op | vs plain | client CPU "
+                            "us/op | vs plain | errors |"));
+  EXPECT_THAT(md, HasSubstr("| 1 | plain | 133 | 1.000 | 1.000 (1.000-1.000) "
+                            "| 2.000 | 2.000 | 1.000 | 10.0 | 1.000 | 20.0 | "
+                            "1.000 | 0 |"));
+  // Pooled 350 / 400 calls; per repeat 0.9, 0.75, 1.1 (median 0.9); p50
+  // 2.5 / 2.0; CPU 11 / 10 us.
+  EXPECT_THAT(md, HasSubstr("| 1 | mtls+token | 117 | 0.875 | 0.900 "
+                            "(0.750-1.100) | 2.500 | 2.500 | 1.250 | 11.0 | "
+                            "1.100 | 22.0 | 1.100 | 0 |"));
   EXPECT_EQ(report.errors(), 0u);
 
   const std::string path = ::testing::TempDir() + "/cost.tsv";
@@ -122,22 +135,23 @@ TEST(CostReportTest, RatiosAgainstTheFirstConfiguration) {
   text << in.rdbuf();
   const std::vector<std::string> lines =
       absl::StrSplit(text.str(), '\n', absl::SkipEmpty());
-  ASSERT_EQ(lines.size(), 1u + 6u);  // header, 2 x (2 repeats + pooled)
+  ASSERT_EQ(lines.size(), 1u + 8u);  // header, 2 x (3 repeats + pooled)
   EXPECT_EQ(lines[0],
             "bench\tlevel\tsecurity\trepeat\tops\tseconds\tops_per_s\tp50_ms\t"
-            "p99_ms\terrors\tratio");
-  EXPECT_EQ(lines[5],
-            "manager\t1\tmtls+token\t2\t150\t1.000\t150.0\t2.5000\t2.5000\t0\t"
-            "0.7500");
+            "p99_ms\terrors\tratio\tserver_cpu_us\tclient_cpu_us\t"
+            "server_cpu_ratio");
   EXPECT_EQ(lines[6],
-            "manager\t1\tmtls+token\tall\t240\t2.000\t120.0\t2.5000\t2.5000\t"
-            "0\t0.8000");
+            "manager\t1\tmtls+token\t2\t150\t1.000\t150.0\t2.5000\t2.5000\t0\t"
+            "0.7500\t11.00\t22.00\t1.1000");
+  EXPECT_EQ(lines[8],
+            "manager\t1\tmtls+token\tall\t350\t3.000\t116.7\t2.5000\t2.5000\t"
+            "0\t0.8750\t11.00\t22.00\t1.1000");
   unlink(path.c_str());
 }
 
 TEST(CostReportTest, CountsErrors) {
   CostReport report(*ParseSecurityList("plain", "--s"), {"1"});
-  Measurement m = Timed(3, 1.0, 1.0);
+  Measurement m = Timed(3, 1.0, 1.0, 0.0);
   m.errors = 2;
   report.Add(0, 0, m);
   EXPECT_EQ(report.errors(), 2u);
