@@ -82,4 +82,3 @@ for backend in "${backends[@]}"; do
     --tls_dir="$out/certs" --make_certs="$root/tests/tls/make_certs.sh" \
     --tsv="$out/attend_$backend.tsv"
 done
-cat "$out/summary.txt"
