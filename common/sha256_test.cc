@@ -66,6 +66,7 @@ TEST(HmacSha256Test, ReusedAcrossCallsAndThreads) {
   const std::string want =
       "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843";
   std::vector<std::thread> threads;
+  threads.reserve(4);
   std::vector<int> wrong(4, 0);
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {

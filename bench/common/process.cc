@@ -1,11 +1,11 @@
 #include "bench/common/process.h"
 
 #include <sched.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <set>
 #include <string>

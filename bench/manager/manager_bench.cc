@@ -214,7 +214,7 @@ class Manager {
 
 std::shared_ptr<grpc::Channel> NewChannel(
     const std::string& target, int index,
-    std::shared_ptr<grpc::ChannelCredentials> credentials =
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials =
         grpc::InsecureChannelCredentials()) {
   grpc::ChannelArguments args;
   // A distinct argument per client keeps channels from sharing a connection.
@@ -257,7 +257,7 @@ void AddSpan(google::protobuf::RepeatedPtrField<v1::Span>* spans, v1::Role role,
 
 // One client on its own `channel` (connected already, so that the
 // handshakes stay out of the timed window).
-void RunClient(std::shared_ptr<grpc::Channel> channel, int index,
+void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
                const Access& access, int tenants, Clock::time_point deadline,
                ClientStats* stats) {
   const std::string tenant = absl::StrCat("bench-t", index % tenants);
@@ -431,6 +431,7 @@ int RunMemory(const std::string& target, const Manager& manager,
   for (int quarter = 1; quarter <= 4; ++quarter) {
     const int end = static_cast<int>(int64_t{sessions} * quarter / 4);
     std::vector<std::thread> threads;
+    threads.reserve(clients);
     for (int i = 0; i < clients; ++i) {
       threads.emplace_back(RunSessions, target, i,
                            absl::StrCat("bench-t", i % tenants), &next, end,
@@ -564,6 +565,7 @@ int RunRecovery(const std::string& binary, const std::vector<int64_t>& sizes) {
     std::atomic<int64_t> errors{0};
     const auto fill_start = Clock::now();
     std::vector<std::thread> threads;
+    threads.reserve(threads_n);
     for (int i = 0; i < threads_n; ++i) {
       threads.emplace_back([&, i] {
         auto stub = v1::Manager::NewStub(NewChannel(target, i));
@@ -613,7 +615,7 @@ int RunRecovery(const std::string& binary, const std::vector<int64_t>& sizes) {
       records = field("records");
     }
     std::printf("| %lld | %lld | %.1f | %.1f | %.2f | %s | %s | %s |\n",
-                static_cast<long long>(sequences * 125),
+                static_cast<long long>(sequences) * 125,
                 static_cast<long long>(sequences), store_bytes / 1048576.0,
                 fill_s, serving_s, read_s.c_str(), restore_s.c_str(),
                 records.c_str());
@@ -914,6 +916,7 @@ int main(int argc, char** argv) {
   std::printf("|%s---:|---:|---:|---:|---:|---:|---:|---:|\n",
               compare ? "---|" : "");
   std::vector<std::string> labels;
+  labels.reserve(levels.size());
   for (int n : levels) labels.push_back(absl::StrCat(n));
   bench::CostReport report(*configs, labels);
   int failures = 0;

@@ -302,6 +302,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Session>>> OpenSessions(
     const Node& node, uint32_t tokens, int clients) {
   std::vector<absl::StatusOr<std::unique_ptr<Session>>> opened(clients);
   std::vector<std::thread> threads;
+  threads.reserve(clients);
   for (int i = 0; i < clients; ++i) {
     threads.emplace_back([&, i] { opened[i] = OpenSession(node, tokens, i); });
   }

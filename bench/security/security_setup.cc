@@ -115,11 +115,11 @@ std::vector<std::string> ManagerSecurityFlags(
     flags = {"--tls_cert=" + certs.cert("manager"),
              "--tls_key=" + certs.key("manager"), "--tls_ca=" + certs.ca()};
     if (config.tls == TlsMode::kMutual) {
-      flags.push_back("--tls_require_client_cert");
+      flags.emplace_back("--tls_require_client_cert");
     }
   }
   if (config.tokens) {
-    flags.push_back("--auth=token");
+    flags.emplace_back("--auth=token");
     flags.push_back("--admin_token_file=" + admin_token_file);
   }
   return flags;
@@ -133,7 +133,7 @@ std::vector<std::string> WorkerSecurityFlags(const SecurityConfig& config,
     flags = {"--tls_cert=" + certs.cert("worker"),
              "--tls_key=" + certs.key("worker"), "--tls_ca=" + certs.ca()};
     if (config.tls == TlsMode::kMutual) {
-      flags.push_back("--tls_require_client_cert");
+      flags.emplace_back("--tls_require_client_cert");
     }
   }
   if (config.tokens) flags.push_back("--token_file=" + token_file);

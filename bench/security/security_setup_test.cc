@@ -8,6 +8,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
@@ -50,10 +51,12 @@ TEST(ParseSecurityListTest, RefusesNamingTheFlagAndEntry) {
            {"tls+mtls", "\"tls+mtls\"", "names tls twice"},
            {"token+token", "\"token+token\"", "names \"token\" twice"},
            {"tls+token,token+tls", "\"token+tls\"", "listed twice"}}) {
-    EXPECT_THAT(ParseSecurityList(list, "--security"),
-                StatusIs(absl::StatusCode::kInvalidArgument,
-                         AllOf(HasSubstr("--security=" + list + ": " + entry),
-                               HasSubstr(why))))
+    EXPECT_THAT(
+        ParseSecurityList(list, "--security"),
+        StatusIs(
+            absl::StatusCode::kInvalidArgument,
+            AllOf(HasSubstr(absl::StrCat("--security=", list, ": ", entry)),
+                  HasSubstr(why))))
         << list;
   }
 }
