@@ -2,12 +2,14 @@
 
 #include <grpcpp/grpcpp.h>
 #include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <openssl/rand.h>
+
+#include <memory>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/ids.h"
+#include "common/sha256.h"
 
 namespace triax {
 namespace {
@@ -30,12 +32,16 @@ std::string Mac(absl::string_view key, const v1::Capability& cap) {
   Put(&msg, static_cast<uint64_t>(cap.expires_unix_ms()));
   Put(&msg, static_cast<uint64_t>(cap.scope()));
   Put(&msg, cap.max_tokens());
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
-       reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), md,
-       &len);
-  return std::string(reinterpret_cast<const char*>(md), len);
+  // The key's HMAC state, kept per thread for the last key it used (the
+  // manager signs with one key; a worker verifies with its current key and,
+  // for a while after a change, the previous one).
+  thread_local std::string cached_key;
+  thread_local std::unique_ptr<HmacSha256> hmac;
+  if (hmac == nullptr || cached_key != key) {
+    hmac = std::make_unique<HmacSha256>(key);
+    cached_key = std::string(key);
+  }
+  return hmac->Mac(msg);
 }
 
 bool MacMatches(absl::string_view key, const v1::Capability& cap) {

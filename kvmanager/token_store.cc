@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <openssl/crypto.h>
-#include <openssl/evp.h>
 #include <openssl/rand.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -17,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/ids.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 
 namespace triax::manager {
@@ -26,13 +26,6 @@ constexpr absl::string_view kPrefix = "tkv1";
 constexpr size_t kIdBytes = 8;       // 16 hex digits
 constexpr size_t kSecretBytes = 32;  // 43 base64url characters
 constexpr size_t kSecretChars = 43;
-
-std::string Sha256(absl::string_view in) {
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  EVP_Digest(in.data(), in.size(), md, &len, EVP_sha256(), nullptr);
-  return std::string(reinterpret_cast<const char*>(md), len);
-}
 
 bool IsLowerHex(absl::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char c) {

@@ -5,7 +5,7 @@
 // registers one fake worker with a huge capacity (heartbeating every 500 ms),
 // creates --tenants tenants, then for each N in --clients runs N client
 // threads for --seconds. Each client has its OWN channel (a separate TCP
-// connection) and loops over one session:
+// connection, made before the clock starts) and loops over one session:
 //   OpenSequence   5 spans, 600 tokens (system 200, tool_schema 150, user 100,
 //                  assistant 100, user 50) -> 41 blocks at T = 16
 //   ExtendSequence new turn, 2 spans (assistant 60, user 40) -> 7 blocks
@@ -24,6 +24,19 @@
 // ListSequences walk of every retained sequence (include_closed, pages of
 // 1000), with the sequences that walk saw. --manager_flags passes
 // retention flags (e.g. "--event_retention=100000 --closed_retention=1000").
+//
+// --security compares configurations of TLS and tokens in one run
+// (bench/security/security_setup.h; bench/results/manager.md "Security on
+// and off"): one kvmanager per configuration, started together; for each
+// client count, --repeats rounds of every configuration one after the
+// other, then a table of each one's RPCs/s, latency and CPU per RPC (the
+// manager's, and this process's) against the first (plain, for a ratio of
+// the cost). The clients' connections, TLS handshakes included, are made
+// before the clock starts. Under tls/mtls the clients dial with
+// the CA (and client.crt under mtls) and the fake worker presents
+// worker.crt; under token the clients carry tenant tokens and the fake
+// worker a worker token, all issued through the manager with its admin
+// token. --cpus_manager pins the managers, --cpus_bench this process.
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <spawn.h>
@@ -51,6 +64,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
+#include "bench/common/process.h"
+#include "bench/security/security_setup.h"
+#include "common/bearer.h"
 #include "triax/v1/manager.grpc.pb.h"
 
 extern char** environ;
@@ -80,19 +96,35 @@ ABSL_FLAG(std::string, recovery_blocks, "",
 ABSL_FLAG(std::string, metadata, "file",
           "the kvmanager's durable metadata: file (its embedded store in a "
           "fresh directory, fsync'ed group commits) or memory (none)");
+ABSL_FLAG(std::string, security, "plain",
+          "throughput: comma-separated configurations compared in one run, "
+          "each plain or tls / mtls and token joined with '+' (e.g. "
+          "plain,tls,mtls,token,mtls+token); the first is the baseline of "
+          "the ratios");
+ABSL_FLAG(int, repeats, 1,
+          "throughput: rounds of every configuration per client count, "
+          "alternating");
+ABSL_FLAG(std::string, tls_dir, "",
+          "tests/tls/make_certs.sh's certificates; made there (with "
+          "--make_certs) when it has no ca.crt; empty: a fresh directory");
+ABSL_FLAG(std::string, make_certs, "tests/tls/make_certs.sh",
+          "the script that makes the certificates of --tls_dir");
+ABSL_FLAG(std::string, cpus_manager, "",
+          "CPU list the kvmanager processes are pinned to (\"0-1\"); empty: "
+          "not pinned");
+ABSL_FLAG(std::string, cpus_bench, "",
+          "CPU list this process (its client threads) is pinned to");
+ABSL_FLAG(std::string, tsv, "",
+          "throughput: also write every run as TSV (bench/security's "
+          "columns) to this file");
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 namespace v1 = triax::v1;
-
-std::string SelfDir() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return ".";
-  std::string path(buf, n);
-  return path.substr(0, path.rfind('/'));
-}
+namespace bench = triax::bench;
+using triax::AddBearer;
+using triax::ReadBearerToken;
 
 // The kvmanager subprocess; terminated by the destructor.
 class Manager {
@@ -152,6 +184,7 @@ class Manager {
   }
 
   int port() const { return port_; }
+  pid_t pid() const { return pid_; }
   const std::string& log_file() const { return log_file_; }
 
   // SIGKILL, reaped; the port file goes, so that a Start on the same
@@ -183,15 +216,24 @@ class Manager {
   std::string port_file_, log_file_;
 };
 
-std::shared_ptr<grpc::Channel> NewChannel(const std::string& target,
-                                          int index) {
+std::shared_ptr<grpc::Channel> NewChannel(
+    const std::string& target, int index,
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials =
+        grpc::InsecureChannelCredentials()) {
   grpc::ChannelArguments args;
   // A distinct argument per client keeps channels from sharing a connection.
   args.SetInt("triax.bench.client", index);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(),
-                                   args);
+  return grpc::CreateCustomChannel(target, credentials, args);
 }
+
+// How one manager is reached: the credentials of the clients' channels and
+// the tenants' tokens ("bench-t<i>"; empty without --auth=token).
+struct Access {
+  std::shared_ptr<grpc::ChannelCredentials> credentials =
+      grpc::InsecureChannelCredentials();
+  std::vector<std::string> tenant_tokens;
+};
 
 struct ClientStats {
   std::vector<double> open_ms, extend_ms, close_ms;
@@ -217,10 +259,16 @@ void AddSpan(google::protobuf::RepeatedPtrField<v1::Span>* spans, v1::Role role,
   s->set_num_tokens(n);
 }
 
-// Runs sessions until `deadline`, or `sessions` of them when >= 0.
-void RunClient(const std::string& target, int index, const std::string& tenant,
-               Clock::time_point deadline, int sessions, ClientStats* stats) {
-  auto stub = v1::Manager::NewStub(NewChannel(target, index));
+// One client on its own `channel` (connected already, so that the
+// handshakes stay out of the timed window). Runs sessions until `deadline`,
+// or `sessions` of them when >= 0.
+void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
+               const Access& access, int tenants, Clock::time_point deadline,
+               int sessions, ClientStats* stats) {
+  const std::string tenant = absl::StrCat("bench-t", index % tenants);
+  const std::string token =
+      access.tenant_tokens.empty() ? "" : access.tenant_tokens[index % tenants];
+  auto stub = v1::Manager::NewStub(channel);
   v1::OpenSequenceRequest open;
   open.set_tenant_id(tenant);
   SetBenchModel(open.mutable_model());
@@ -253,6 +301,7 @@ void RunClient(const std::string& target, int index, const std::string& tenant,
     grpc::Status s;
     {
       grpc::ClientContext ctx;
+      AddBearer(&ctx, token);
       s = stub->OpenSequence(&ctx, open, &open_resp);
     }
     auto t1 = Clock::now();
@@ -271,6 +320,7 @@ void RunClient(const std::string& target, int index, const std::string& tenant,
     t0 = Clock::now();
     {
       grpc::ClientContext ctx;
+      AddBearer(&ctx, token);
       s = stub->ExtendSequence(&ctx, extend, &ext_resp);
     }
     t1 = Clock::now();
@@ -288,6 +338,7 @@ void RunClient(const std::string& target, int index, const std::string& tenant,
     t0 = Clock::now();
     {
       grpc::ClientContext ctx;
+      AddBearer(&ctx, token);
       s = stub->CloseSequence(&ctx, close, &close_resp);
     }
     t1 = Clock::now();
@@ -386,6 +437,7 @@ int RunMemory(const std::string& target, const Manager& manager,
   for (int quarter = 1; quarter <= 4; ++quarter) {
     const int end = static_cast<int>(int64_t{sessions} * quarter / 4);
     std::vector<std::thread> threads;
+    threads.reserve(clients);
     for (int i = 0; i < clients; ++i) {
       threads.emplace_back(RunSessions, target, i,
                            absl::StrCat("bench-t", i % tenants), &next, end,
@@ -457,8 +509,12 @@ int RunMemory(const std::string& target, const Manager& manager,
   return 0;
 }
 
-// The bench worker and `tenants` tenants ("bench-t<i>") on a fresh manager.
-bool Setup(v1::Manager::Stub* admin, int tenants) {
+// The bench worker (registered on `worker`, under `worker_token`) and
+// `tenants` tenants ("bench-t<i>", created under `admin_token`) on a fresh
+// manager.
+bool Setup(v1::Manager::Stub* admin, v1::Manager::Stub* worker,
+           const std::string& admin_token, const std::string& worker_token,
+           int tenants) {
   v1::RegisterWorkerRequest req;
   req.set_request_id("bench-register");
   req.set_worker_id("bench-worker");
@@ -469,7 +525,8 @@ bool Setup(v1::Manager::Stub* admin, int tenants) {
   v1::RegisterWorkerResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Status s = admin->RegisterWorker(&ctx, req, &resp);
+  AddBearer(&ctx, worker_token);
+  grpc::Status s = worker->RegisterWorker(&ctx, req, &resp);
   if (!s.ok()) {
     std::cerr << "RegisterWorker: " << s.error_message() << "\n";
     return false;
@@ -479,6 +536,7 @@ bool Setup(v1::Manager::Stub* admin, int tenants) {
     treq.set_tenant_id(absl::StrCat("bench-t", t));
     v1::CreateTenantResponse tresp;
     grpc::ClientContext tctx;
+    AddBearer(&tctx, admin_token);
     s = admin->CreateTenant(&tctx, treq, &tresp);
     if (!s.ok()) {
       std::cerr << "CreateTenant: " << s.error_message() << "\n";
@@ -506,13 +564,14 @@ int RunRecovery(const std::string& binary, const std::vector<int64_t>& sizes) {
     if (!manager.Start(binary, dir, {})) return 1;
     const std::string target = absl::StrCat("127.0.0.1:", manager.port());
     auto admin = v1::Manager::NewStub(NewChannel(target, -1));
-    if (!Setup(admin.get(), 1)) return 1;
+    if (!Setup(admin.get(), admin.get(), "", "", 1)) return 1;
     const int64_t sequences = (blocks + 124) / 125;
     const int threads_n = 16;
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> errors{0};
     const auto fill_start = Clock::now();
     std::vector<std::thread> threads;
+    threads.reserve(threads_n);
     for (int i = 0; i < threads_n; ++i) {
       threads.emplace_back([&, i] {
         auto stub = v1::Manager::NewStub(NewChannel(target, i));
@@ -562,7 +621,7 @@ int RunRecovery(const std::string& binary, const std::vector<int64_t>& sizes) {
       records = field("records");
     }
     std::printf("| %lld | %lld | %.1f | %.1f | %.2f | %s | %s | %s |\n",
-                static_cast<long long>(sequences * 125),
+                static_cast<long long>(sequences) * 125,
                 static_cast<long long>(sequences), store_bytes / 1048576.0,
                 fill_s, serving_s, read_s.c_str(), restore_s.c_str(),
                 records.c_str());
@@ -571,11 +630,178 @@ int RunRecovery(const std::string& binary, const std::vector<int64_t>& sizes) {
   return 0;
 }
 
-double Percentile(std::vector<double>* v, double p) {
-  if (v->empty()) return 0;
-  std::sort(v->begin(), v->end());
-  const size_t i = std::min(v->size() - 1, static_cast<size_t>(p * v->size()));
-  return (*v)[i];
+// One kvmanager under one security configuration, with the fake worker
+// registered and heartbeating every 500 ms until destroyed.
+struct Secured {
+  bench::SecurityConfig config;
+  Manager manager;
+  std::string target;
+  Access access;
+  std::unique_ptr<v1::Manager::Stub> admin;   // client credentials
+  std::unique_ptr<v1::Manager::Stub> worker;  // the fake worker's channel
+  std::string admin_token, worker_token;
+  absl::Notification stop;
+  std::thread heartbeat;
+
+  ~Secured() {
+    stop.Notify();
+    if (heartbeat.joinable()) heartbeat.join();
+  }
+};
+
+// Starts the manager of `config` in `dir` (its flags after `extra`), pins it
+// to --cpus_manager, issues the worker's and the tenants' tokens through it
+// (token configurations) and sets it up; null, with the reason on stderr,
+// when any step fails.
+std::unique_ptr<Secured> StartSecured(const std::string& binary,
+                                      const std::string& dir,
+                                      std::vector<std::string> extra,
+                                      const bench::SecurityConfig& config,
+                                      const bench::CertFiles& certs,
+                                      int tenants) {
+  auto m = std::make_unique<Secured>();
+  m->config = config;
+  const std::string admin_file = dir + "/admin.token";
+  for (std::string& f : bench::ManagerSecurityFlags(config, certs, admin_file))
+    extra.push_back(std::move(f));
+  auto fail = [&](const absl::Status& s) {
+    std::cerr << "manager_bench: " << config.name << ": " << s.message()
+              << "\n";
+    return nullptr;
+  };
+  if (!m->manager.Start(binary, dir, extra)) return nullptr;
+  if (const std::string cpus = absl::GetFlag(FLAGS_cpus_manager);
+      !cpus.empty()) {
+    absl::Status s =
+        bench::PinProcess(m->manager.pid(), cpus, "--cpus_manager");
+    if (!s.ok()) return fail(s);
+  }
+  m->target = absl::StrCat("127.0.0.1:", m->manager.port());
+  auto client = bench::CredentialsFor(config, certs, bench::Peer::kClient);
+  if (!client.ok()) return fail(client.status());
+  auto worker = bench::CredentialsFor(config, certs, bench::Peer::kWorker);
+  if (!worker.ok()) return fail(worker.status());
+  m->access.credentials = *client;
+  m->admin = v1::Manager::NewStub(NewChannel(m->target, -1, *client));
+  m->worker = v1::Manager::NewStub(NewChannel(m->target, -2, *worker));
+  if (config.tokens) {
+    absl::StatusOr<std::string> admin =
+        ReadBearerToken("admin_token_file", admin_file);
+    if (!admin.ok()) return fail(admin.status());
+    m->admin_token = *admin;
+    absl::StatusOr<std::string> token =
+        bench::IssueToken(m->admin.get(), m->admin_token, "worker", "");
+    if (!token.ok()) return fail(token.status());
+    m->worker_token = *token;
+  }
+  if (!Setup(m->admin.get(), m->worker.get(), m->admin_token, m->worker_token,
+             tenants)) {
+    return nullptr;
+  }
+  for (int t = 0; config.tokens && t < tenants; ++t) {
+    absl::StatusOr<std::string> token = bench::IssueToken(
+        m->admin.get(), m->admin_token, "tenant", absl::StrCat("bench-t", t));
+    if (!token.ok()) return fail(token.status());
+    m->access.tenant_tokens.push_back(*token);
+  }
+  Secured* raw = m.get();
+  m->heartbeat = std::thread([raw] {
+    while (!raw->stop.WaitForNotificationWithTimeout(absl::Milliseconds(500))) {
+      v1::HeartbeatRequest req;
+      req.set_worker_id("bench-worker");
+      req.set_incarnation("bench-incarnation");
+      v1::HeartbeatResponse resp;
+      grpc::ClientContext ctx;
+      AddBearer(&ctx, raw->worker_token);
+      raw->worker->Heartbeat(&ctx, req, &resp);
+    }
+  });
+  return m;
+}
+
+// `clients` client threads against `m` for `seconds`: prints the row of the
+// throughput table (with the configuration's name when `named`) and
+// returns the run for the comparison (an empty one when a client cannot
+// connect).
+bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
+                            int seconds, int level_sessions, bool named,
+                            int* failures) {
+  std::vector<ClientStats> stats(clients);
+  // Every client's connection (TCP, and the TLS handshake) is made before
+  // the clock starts: frontends keep their channels.
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < clients; ++i) {
+    channels.push_back(NewChannel(m.target, i, m.access.credentials));
+    if (!channels.back()->WaitForConnected(std::chrono::system_clock::now() +
+                                           std::chrono::seconds(10))) {
+      std::fprintf(stderr, "client %d of %s: not connected after 10 s\n", i,
+                   m.config.name.c_str());
+      ++*failures;
+      return {};
+    }
+  }
+  std::vector<std::thread> threads;
+  threads.reserve(clients);
+  const absl::StatusOr<double> server_cpu0 =
+      bench::ProcessCpuSeconds(m.manager.pid());
+  const absl::StatusOr<double> client_cpu0 = bench::ProcessCpuSeconds(0);
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::seconds(seconds);
+  for (int i = 0; i < clients; ++i) {
+    // Client i's share of --level_sessions (-1: timed).
+    const int share = level_sessions > 0 ? level_sessions / clients +
+                                               (i < level_sessions % clients)
+                                         : -1;
+    threads.emplace_back(RunClient, channels[i], i, std::cref(m.access),
+                         tenants, deadline, share, &stats[i]);
+  }
+  for (auto& t : threads) t.join();
+  const double elapsed =
+      std::chrono::duration<double>(Clock::now() - start).count();
+  const absl::StatusOr<double> server_cpu1 =
+      bench::ProcessCpuSeconds(m.manager.pid());
+  const absl::StatusOr<double> client_cpu1 = bench::ProcessCpuSeconds(0);
+  ClientStats all;
+  for (auto& s : stats) {
+    all.open_ms.insert(all.open_ms.end(), s.open_ms.begin(), s.open_ms.end());
+    all.extend_ms.insert(all.extend_ms.end(), s.extend_ms.begin(),
+                         s.extend_ms.end());
+    all.close_ms.insert(all.close_ms.end(), s.close_ms.begin(),
+                        s.close_ms.end());
+    all.blocks += s.blocks;
+    all.errors += s.errors;
+    if (all.first_error.empty()) all.first_error = s.first_error;
+  }
+  bench::Measurement run;
+  run.seconds = elapsed;
+  run.errors = all.errors;
+  for (const auto* v : {&all.open_ms, &all.extend_ms, &all.close_ms}) {
+    run.latency_ms.insert(run.latency_ms.end(), v->begin(), v->end());
+  }
+  run.ops = run.latency_ms.size();
+  if (server_cpu0.ok() && server_cpu1.ok()) {
+    run.server_cpu_s = *server_cpu1 - *server_cpu0;
+  }
+  if (client_cpu0.ok() && client_cpu1.ok()) {
+    run.client_cpu_s = *client_cpu1 - *client_cpu0;
+  }
+  std::printf(
+      "| %s%d | %.0f | %.0f | %.0f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f "
+      "| %llu |\n",
+      named ? absl::StrCat(m.config.name, " | ").c_str() : "", clients,
+      run.ops / elapsed, all.close_ms.size() / elapsed, all.blocks / elapsed,
+      bench::Quantile(&all.open_ms, 0.5), bench::Quantile(&all.open_ms, 0.99),
+      bench::Quantile(&all.extend_ms, 0.5),
+      bench::Quantile(&all.extend_ms, 0.99),
+      bench::Quantile(&all.close_ms, 0.5), bench::Quantile(&all.close_ms, 0.99),
+      static_cast<unsigned long long>(all.errors));
+  std::fflush(stdout);
+  if (all.errors > 0) {
+    std::fprintf(stderr, "first error at %d clients (%s): %s\n", clients,
+                 m.config.name.c_str(), all.first_error.c_str());
+    ++*failures;
+  }
+  return run;
 }
 
 }  // namespace
@@ -583,7 +809,7 @@ double Percentile(std::vector<double>* v, double p) {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   std::string binary = absl::GetFlag(FLAGS_kvmanager);
-  if (binary.empty()) binary = SelfDir() + "/kvmanager";
+  if (binary.empty()) binary = bench::SelfDir() + "/kvmanager";
   std::vector<int> levels;
   for (absl::string_view part :
        absl::StrSplit(absl::GetFlag(FLAGS_clients), ',')) {
@@ -609,6 +835,46 @@ int main(int argc, char** argv) {
   }
   const int seconds = absl::GetFlag(FLAGS_seconds);
   const int tenants = std::max(1, absl::GetFlag(FLAGS_tenants));
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode != "throughput" && mode != "memory") {
+    std::cerr << "--mode: \"" << mode << "\"; want throughput or memory\n";
+    return 2;
+  }
+  auto configs =
+      bench::ParseSecurityList(absl::GetFlag(FLAGS_security), "--security");
+  if (!configs.ok()) {
+    std::cerr << "manager_bench: " << configs.status().message() << "\n";
+    return 2;
+  }
+  const bench::SecurityConfig& first = configs->front();
+  if (mode == "memory" && (configs->size() > 1 || first.tokens ||
+                           first.tls != bench::TlsMode::kOff)) {
+    std::cerr << "manager_bench: --security=" << absl::GetFlag(FLAGS_security)
+              << " applies to --mode=throughput only; --mode=memory runs "
+                 "plain\n";
+    return 2;
+  }
+  const int repeats = absl::GetFlag(FLAGS_repeats);
+  if (repeats < 1) {
+    std::cerr << "manager_bench: --repeats=" << repeats << "; want >= 1\n";
+    return 2;
+  }
+  for (const auto& [flag, value] :
+       {std::pair{"--cpus_manager", absl::GetFlag(FLAGS_cpus_manager)},
+        std::pair{"--cpus_bench", absl::GetFlag(FLAGS_cpus_bench)}}) {
+    if (absl::Status s = bench::CheckCpuList(value, flag);
+        !value.empty() && !s.ok()) {
+      std::cerr << "manager_bench: " << s.message() << "\n";
+      return 2;
+    }
+  }
+  if (const std::string cpus = absl::GetFlag(FLAGS_cpus_bench); !cpus.empty()) {
+    if (absl::Status s = bench::PinProcess(getpid(), cpus, "--cpus_bench");
+        !s.ok()) {
+      std::cerr << "manager_bench: " << s.message() << "\n";
+      return 1;
+    }
+  }
 
   char dir_template[] = "/tmp/manager_bench.XXXXXX";
   const char* dir = mkdtemp(dir_template);
@@ -616,104 +882,82 @@ int main(int argc, char** argv) {
     std::cerr << "mkdtemp failed\n";
     return 1;
   }
-  const std::string mode = absl::GetFlag(FLAGS_mode);
-  if (mode != "throughput" && mode != "memory") {
-    std::cerr << "--mode: \"" << mode << "\"; want throughput or memory\n";
-    return 2;
+  bench::CertFiles certs;
+  if (bench::AnyTls(*configs)) {
+    std::string tls_dir = absl::GetFlag(FLAGS_tls_dir);
+    if (tls_dir.empty()) tls_dir = std::string(dir) + "/certs";
+    auto made = bench::PrepareCerts(tls_dir, absl::GetFlag(FLAGS_make_certs),
+                                    "--make_certs");
+    if (!made.ok()) {
+      std::cerr << "manager_bench: " << made.status().message() << "\n";
+      return 2;
+    }
+    certs = *made;
   }
   const std::vector<std::string> extra = absl::StrSplit(
       absl::GetFlag(FLAGS_manager_flags), ' ', absl::SkipEmpty());
-  Manager manager;
-  if (!manager.Start(binary, dir, extra)) return 1;
-  const std::string target = absl::StrCat("127.0.0.1:", manager.port());
-
-  auto admin = v1::Manager::NewStub(NewChannel(target, -1));
-  if (!Setup(admin.get(), tenants)) return 1;
-  absl::Notification stop_heartbeat;
-  std::thread heartbeat([&] {
-    while (!stop_heartbeat.WaitForNotificationWithTimeout(
-        absl::Milliseconds(500))) {
-      v1::HeartbeatRequest req;
-      req.set_worker_id("bench-worker");
-      req.set_incarnation("bench-incarnation");
-      v1::HeartbeatResponse resp;
-      grpc::ClientContext ctx;
-      admin->Heartbeat(&ctx, req, &resp);
-    }
-  });
-
-  if (mode == "memory") {
-    const int rc = RunMemory(target, manager, admin.get(), tenants);
-    stop_heartbeat.Notify();
-    heartbeat.join();
-    return rc;
+  std::vector<std::unique_ptr<Secured>> managers;
+  for (size_t c = 0; c < configs->size(); ++c) {
+    const std::string sub = absl::StrCat(dir, "/config", c);
+    std::filesystem::create_directories(sub);
+    managers.push_back(
+        StartSecured(binary, sub, extra, (*configs)[c], certs, tenants));
+    if (managers.back() == nullptr) return 1;
   }
 
+  if (mode == "memory") {
+    const Secured& m = *managers.front();
+    return RunMemory(m.target, m.manager, m.admin.get(), tenants);
+  }
+
+  const bool compare = configs->size() > 1 || repeats > 1;
   const unsigned cores = std::thread::hardware_concurrency();
   const int level_sessions = absl::GetFlag(FLAGS_level_sessions);
+  const std::string where =
+      compare ? absl::StrCat(managers.front()->target, " and ",
+                             managers.size() - 1, " more")
+              : managers.front()->target;
   if (level_sessions > 0) {
     std::printf(
         "kvmanager at %s, %u cores (nproc), %d sessions per level, one "
         "channel per client\n\n",
-        target.c_str(), cores, level_sessions);
+        where.c_str(), cores, level_sessions);
   } else {
     std::printf(
         "kvmanager at %s, %u cores (nproc), %d s per level, one channel per "
         "client\n\n",
-        target.c_str(), cores, seconds);
+        where.c_str(), cores, seconds);
   }
   std::printf(
-      "| clients | RPCs/s | sessions/s | blocks planned/s | open p50/p99 ms | "
-      "extend p50/p99 ms | close p50/p99 ms | errors |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "| %sclients | RPCs/s | sessions/s | blocks planned/s | open p50/p99 ms "
+      "| extend p50/p99 ms | close p50/p99 ms | errors |\n",
+      compare ? "security | " : "");
+  std::printf("|%s---:|---:|---:|---:|---:|---:|---:|---:|\n",
+              compare ? "---|" : "");
+  std::vector<std::string> labels;
+  labels.reserve(levels.size());
+  for (int n : levels) labels.push_back(absl::StrCat(n));
+  bench::CostReport report(*configs, labels);
   int failures = 0;
-  for (int n : levels) {
-    std::vector<ClientStats> stats(n);
-    std::vector<std::thread> threads;
-    threads.reserve(n);
-    const auto start = Clock::now();
-    const auto deadline = start + std::chrono::seconds(seconds);
-    for (int i = 0; i < n; ++i) {
-      // Client i's share of --level_sessions (-1: timed).
-      const int share = level_sessions > 0
-                            ? level_sessions / n + (i < level_sessions % n)
-                            : -1;
-      threads.emplace_back(RunClient, target, i,
-                           absl::StrCat("bench-t", i % tenants), deadline,
-                           share, &stats[i]);
-    }
-    for (auto& t : threads) t.join();
-    const double elapsed =
-        std::chrono::duration<double>(Clock::now() - start).count();
-    ClientStats all;
-    for (auto& s : stats) {
-      all.open_ms.insert(all.open_ms.end(), s.open_ms.begin(), s.open_ms.end());
-      all.extend_ms.insert(all.extend_ms.end(), s.extend_ms.begin(),
-                           s.extend_ms.end());
-      all.close_ms.insert(all.close_ms.end(), s.close_ms.begin(),
-                          s.close_ms.end());
-      all.blocks += s.blocks;
-      all.errors += s.errors;
-      if (all.first_error.empty()) all.first_error = s.first_error;
-    }
-    const double rpcs =
-        all.open_ms.size() + all.extend_ms.size() + all.close_ms.size();
-    std::printf(
-        "| %d | %.0f | %.0f | %.0f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f | "
-        "%llu |\n",
-        n, rpcs / elapsed, all.close_ms.size() / elapsed, all.blocks / elapsed,
-        Percentile(&all.open_ms, 0.5), Percentile(&all.open_ms, 0.99),
-        Percentile(&all.extend_ms, 0.5), Percentile(&all.extend_ms, 0.99),
-        Percentile(&all.close_ms, 0.5), Percentile(&all.close_ms, 0.99),
-        static_cast<unsigned long long>(all.errors));
-    std::fflush(stdout);
-    if (all.errors > 0) {
-      std::fprintf(stderr, "first error at %d clients: %s\n", n,
-                   all.first_error.c_str());
-      ++failures;
+  for (size_t l = 0; l < levels.size(); ++l) {
+    for (int r = 0; r < repeats; ++r) {
+      for (size_t c = 0; c < managers.size(); ++c) {
+        report.Add(l, c,
+                   RunLevel(*managers[c], levels[l], tenants, seconds,
+                            level_sessions, compare, &failures));
+      }
     }
   }
-  stop_heartbeat.Notify();
-  heartbeat.join();
+  if (compare) {
+    std::printf("\nRPCs (Open, Extend, Close) against %s, %d repeat(s):\n\n%s",
+                first.name.c_str(), repeats,
+                report.Markdown("clients", "RPCs", "manager").c_str());
+  }
+  if (const std::string tsv = absl::GetFlag(FLAGS_tsv); !tsv.empty()) {
+    if (absl::Status s = report.WriteTsv(tsv, "manager"); !s.ok()) {
+      std::cerr << "manager_bench: " << s.message() << "\n";
+      return 1;
+    }
+  }
   return failures == 0 ? 0 : 1;
 }

@@ -1,22 +1,16 @@
 #include "bench/transfer/bench_worker.h"
 
 #include <grpcpp/grpcpp.h>
-#include <sched.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <filesystem>
 #include <random>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "common/grpc_status.h"
 #include "kernels/numeric.h"
 
@@ -25,74 +19,11 @@ namespace {
 
 namespace v1 = triax::v1;
 
-absl::StatusOr<cpu_set_t> ParseCpuList(absl::string_view cpus,
-                                       absl::string_view flag) {
-  auto bad = [&] {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": \"", cpus,
-                     "\" is not a CPU list (e.g. \"1\", \"0-3\", \"0,2-3\")"));
-  };
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (cpus.empty()) return bad();
-  for (absl::string_view part : absl::StrSplit(cpus, ',')) {
-    std::pair<absl::string_view, absl::string_view> range =
-        absl::StrSplit(part, absl::MaxSplits('-', 1));
-    int lo = 0, hi = 0;
-    if (!absl::SimpleAtoi(range.first, &lo)) return bad();
-    hi = lo;
-    if (!range.second.empty() && !absl::SimpleAtoi(range.second, &hi)) {
-      return bad();
-    }
-    if (lo < 0 || hi < lo || hi >= CPU_SETSIZE) return bad();
-    for (int c = lo; c <= hi; ++c) CPU_SET(c, &set);
-  }
-  return set;
-}
-
 std::chrono::system_clock::time_point In(absl::Duration d) {
   return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
 }
 
 }  // namespace
-
-absl::Status CheckCpuList(absl::string_view cpus, absl::string_view flag) {
-  return ParseCpuList(cpus, flag).status();
-}
-
-absl::Status PinProcess(pid_t pid, absl::string_view cpus,
-                        absl::string_view flag) {
-  auto set = ParseCpuList(cpus, flag);
-  if (!set.ok()) return set.status();
-  // Threads may start while the list is read; a second pass that pins
-  // nothing new ends it (new threads inherit from pinned ones).
-  std::set<pid_t> pinned;
-  for (int pass = 0; pass < 10; ++pass) {
-    bool fresh = false;
-    std::error_code ec;
-    const std::string dir = absl::StrCat("/proc/", pid, "/task");
-    for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-      pid_t tid = 0;
-      if (!absl::SimpleAtoi(entry.path().filename().string(), &tid) ||
-          pinned.count(tid) > 0) {
-        continue;
-      }
-      if (sched_setaffinity(tid, sizeof(*set), &*set) != 0 && errno != ESRCH) {
-        return absl::InternalError(absl::StrCat(flag, "=", cpus,
-                                                ": sched_setaffinity(", tid,
-                                                "): ", std::strerror(errno)));
-      }
-      pinned.insert(tid);
-      fresh = true;
-    }
-    if (ec) {
-      return absl::InternalError(
-          absl::StrCat(flag, ": cannot list ", dir, ": ", ec.message()));
-    }
-    if (!fresh) return absl::OkStatus();
-  }
-  return absl::OkStatus();
-}
 
 KvPattern KvPattern::Make(const BenchShape& shape, uint32_t chunk_tokens,
                           uint32_t seed) {

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "bench/common/process.h"
 #include "bench/transfer/transfer_cases.h"
 #include "tests/integration/process.h"
 #include "triax/v1/worker.grpc.pb.h"
@@ -25,15 +26,6 @@
 namespace triax::bench {
 
 inline constexpr char kTenant[] = "bench";
-
-// Pins every thread of process `pid` to the CPUs of `cpus` ("1", "0-3",
-// "0,2-3"), as `taskset -a -p` does; threads started later inherit it.
-// INVALID_ARGUMENT naming `flag` and the list when it does not parse,
-// INTERNAL with the errno text when the kernel refuses.
-absl::Status PinProcess(pid_t pid, absl::string_view cpus,
-                        absl::string_view flag);
-// The parse alone (for flag checks before anything starts).
-absl::Status CheckCpuList(absl::string_view cpus, absl::string_view flag);
 
 struct WorkerLaunch {
   std::string backend = "cpu";           // --backend

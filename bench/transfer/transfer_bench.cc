@@ -124,14 +124,6 @@ double GBps(uint64_t bytes, double seconds) {
   return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0;
 }
 
-std::string SelfDir() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return ".";
-  const std::string path(buf, n);
-  return path.substr(0, path.rfind('/'));
-}
-
 // One measured value, as a TSV line: what was measured and its unit.
 struct Value {
   std::string table, size, encoding, mode;

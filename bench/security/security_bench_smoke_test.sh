@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# manager_bench --security and attend_bench at their smallest: every
+# configuration (plain, tls, mtls, token, mtls+token) with certificates
+# made by make_certs.sh and tokens issued through the managers, one repeat
+# of one second; each must exit 0, print one comparison row per
+# configuration with no errors, and write its TSV. No timing is asserted.
+# Then bad flags: exit 2 before starting anything, naming the flag and the
+# value.
+#
+#   security_bench_smoke_test.sh MANAGER_BENCH ATTEND_BENCH MAKE_CERTS
+set -u
+MANAGER_BENCH="$1"
+ATTEND_BENCH="$2"
+MAKE_CERTS="$3"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+failures=0
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+configs=(plain tls mtls token mtls+token)
+all=$(
+  IFS=,
+  echo "${configs[*]}"
+)
+
+# check NAME OUT TSV LEVEL: one comparison row per configuration at LEVEL,
+# each with 0 errors, and the TSV's pooled rows.
+check() {
+  local name=$1 out=$2 tsv=$3 level=$4
+  for c in "${configs[@]}"; do
+    local row
+    row=$(grep -F "| $level | $c |" "$out" | tail -n 1)
+    if [[ -z $row ]]; then
+      fail "$name: no comparison row for $c"
+    elif [[ $(awk -F'|' '{v = $(NF - 1); gsub(/ /, "", v); print v}' <<<"$row") != 0 ]]; then
+      fail "$name: $c row has errors: $row"
+    fi
+    awk -F'\t' -v c="$c" '$3 == c && $4 == "all" { found = 1 } END { exit !found }' \
+      "$tsv" || fail "$name: TSV lacks the pooled row of $c"
+  done
+  head -1 "$tsv" | grep -q $'^bench\tlevel\tsecurity\trepeat' || fail "$name: TSV header"
+}
+
+"$MANAGER_BENCH" --security="$all" --clients=2 --seconds=1 \
+  --make_certs="$MAKE_CERTS" --tsv="$TMP/manager.tsv" >"$TMP/manager.out" \
+  2>"$TMP/manager.err"
+rc=$?
+cat "$TMP/manager.out"
+if [[ $rc -ne 0 ]]; then
+  fail "manager_bench exited $rc"
+  cat "$TMP/manager.err"
+fi
+check manager_bench "$TMP/manager.out" "$TMP/manager.tsv" 2
+
+"$ATTEND_BENCH" --security="$all" --tokens=64 --clients=1 --seconds=1 \
+  --repeats=1 --layers=2 --make_certs="$MAKE_CERTS" --tsv="$TMP/attend.tsv" \
+  >"$TMP/attend.out" 2>"$TMP/attend.err"
+rc=$?
+cat "$TMP/attend.out"
+if [[ $rc -ne 0 ]]; then
+  fail "attend_bench exited $rc"
+  cat "$TMP/attend.err"
+fi
+check attend_bench "$TMP/attend.out" "$TMP/attend.tsv" "64 x 1"
+
+# expect BIN <substring> <args...>: exit code 2 and <substring> on stderr.
+expect() {
+  local bin="$1" want="$2"
+  shift 2
+  "$bin" "$@" >"$TMP/bad.out" 2>"$TMP/bad.err"
+  local rc=$?
+  if [[ $rc -ne 2 ]]; then
+    fail "$(basename "$bin") $* exited $rc, expected 2"
+  elif ! grep -qF -- "$want" "$TMP/bad.err"; then
+    fail "$(basename "$bin") $*: stderr lacks '$want':"
+    cat "$TMP/bad.err"
+  else
+    echo "ok: $(basename "$bin") $*"
+  fi
+}
+expect "$MANAGER_BENCH" '--security=plain,tsl: "tsl" has the unknown part' --security=plain,tsl
+expect "$MANAGER_BENCH" '"plain+tls" joins plain' --security=plain+tls
+expect "$MANAGER_BENCH" '--security=tls applies to --mode=throughput' --mode=memory --security=tls
+expect "$MANAGER_BENCH" '--repeats=0' --repeats=0
+expect "$MANAGER_BENCH" '--cpus_manager: "0-x"' --cpus_manager=0-x
+expect "$MANAGER_BENCH" '--make_certs=/nonexistent/make_certs.sh: cannot be read' \
+  --security=tls --make_certs=/nonexistent/make_certs.sh
+expect "$ATTEND_BENCH" '"mtls+tls" names tls twice' --security=plain,mtls+tls
+expect "$ATTEND_BENCH" '--tokens=0: "0" is not a count' --tokens=0
+expect "$ATTEND_BENCH" '--clients=1,x: "x" is not a count' --clients=1,x
+expect "$ATTEND_BENCH" '--q_heads=12: must be a multiple of --kv_heads=8' --q_heads=12
+expect "$ATTEND_BENCH" '--seconds=0: must be in 1..3600' --seconds=0
+expect "$ATTEND_BENCH" '--cpus_worker: "9-1"' --cpus_worker=9-1
+expect "$ATTEND_BENCH" '--pool_mb=-1: must be >= 0' --pool_mb=-1
+
+if [[ $failures -ne 0 ]]; then
+  echo "$failures failure(s)"
+  exit 1
+fi
+echo "all passed"
