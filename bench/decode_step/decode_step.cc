@@ -1,10 +1,13 @@
 #include "bench/decode_step/decode_step.h"
 
 #include <grpcpp/grpcpp.h>
+#include <time.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <random>
 #include <thread>
@@ -23,6 +26,22 @@ namespace v1 = triax::v1;
 using Clock = std::chrono::steady_clock;
 
 int WireIndex(client::AttendWire w) { return static_cast<int>(w); }
+
+// CPU seconds every thread of process `pid` (0: this one) has used.
+absl::StatusOr<double> CpuSeconds(pid_t pid) {
+  clockid_t clock = CLOCK_PROCESS_CPUTIME_ID;
+  if (pid != 0 && clock_getcpuclockid(pid, &clock) != 0) {
+    return absl::InternalError(
+        absl::StrCat("no CPU-time clock for process ", pid));
+  }
+  timespec ts{};
+  if (clock_gettime(clock, &ts) != 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot read the CPU-time clock of process ", pid, ": ",
+                     std::strerror(errno)));
+  }
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+}
 
 }  // namespace
 
@@ -243,6 +262,9 @@ absl::StatusOr<StepTimes> DecodeBench::Step(Path path, client::AttendWire wire,
   }
   auto before = Scrape();
   if (!before.ok()) return before.status();
+  auto worker_before = CpuSeconds(worker_->pid());
+  if (!worker_before.ok()) return worker_before.status();
+  const double client_before = *CpuSeconds(0);
   const auto start = Clock::now();
   for (uint32_t l = 0; l < shape_.model.n_layers; ++l) {
     if (absl::Status s = Layer(path, wire, l, append); !s.ok()) {
@@ -253,6 +275,10 @@ absl::StatusOr<StepTimes> DecodeBench::Step(Path path, client::AttendWire wire,
   }
   StepTimes t;
   t.wall = std::chrono::duration<double>(Clock::now() - start).count();
+  t.client_cpu = *CpuSeconds(0) - client_before;
+  auto worker_after = CpuSeconds(worker_->pid());
+  if (!worker_after.ok()) return worker_after.status();
+  t.worker_cpu = *worker_after - *worker_before;
   if (append) ++written_;
   auto after = Scrape();
   if (!after.ok()) return after.status();

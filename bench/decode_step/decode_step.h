@@ -24,6 +24,8 @@
 //   server  triaxkv_worker_rpc_duration_seconds_sum{method="Attend"}: the
 //           worker's time in the Attend calls (unary only: a stream is one
 //           call, recorded when it ends).
+//   cpu     the bench's and the worker's CPU time over the step (their
+//           CPU-time clocks), read around the timed span.
 //   overhead = wall - device: everything a step costs beyond the device
 //           batches (the client's and the worker's conversions and copies,
 //           gRPC, the appends' writes and seals, the batch's preparation).
@@ -65,6 +67,11 @@ struct StepTimes {
   double device = 0;     // worker's device attention batches
   double server = 0;     // worker's Attend calls (unary), else 0
   uint64_t batches = 0;  // device batches the step ran
+  // CPU seconds (every thread) during the step: this process (the
+  // frontend's requests, conversions and gRPC), and the worker (on the CPU
+  // backend its kernel too; on CUDA also time spent waiting for the GPU
+  // where the driver spins). Steadier than wall time on a shared machine.
+  double client_cpu = 0, worker_cpu = 0;
 };
 
 class DecodeBench {

@@ -15,9 +15,10 @@
 // rounds of the step's wall time, the worker's device attention time, its
 // time in Attend calls (unary only), overhead = wall - device, and
 // overhead / device (with its range over the rounds); request and response
-// KiB of one layer's Attend; device batches per step (one per layer
-// expected). Exit 0 when every step ran; 1 with a message naming the flag
-// for bad flags, or the failing call.
+// KiB of one layer's Attend; the CPU milliseconds of this process (the
+// client) and of the worker over the step; device batches per step (one
+// per layer expected). Exit 0 when every step ran; 1 with a message naming the
+// flag for bad flags, or the failing call.
 #include <unistd.h>
 
 #include <algorithm>
@@ -221,11 +222,12 @@ struct Row {
 
 void Print(const std::vector<Row>& rows, std::ofstream* tsv) {
   std::cout << absl::StrFormat(
-      "%-9s %-6s %-4s %-6s %7s %7s %9s %9s %9s %9s %8s %13s %7s\n", "case",
-      "path", "wire", "append", "req_KiB", "resp_KiB", "step_ms", "device_ms",
-      "server_ms", "overhd_ms", "ovh/dev", "ovh/dev range", "batches");
+      "%-9s %-6s %-4s %-6s %7s %7s %9s %9s %9s %9s %8s %13s %8s %8s %7s\n",
+      "case", "path", "wire", "append", "req_KiB", "resp_KiB", "step_ms",
+      "device_ms", "server_ms", "overhd_ms", "ovh/dev", "ovh/dev range",
+      "cli_cpu", "wrk_cpu", "batches");
   for (const Row& r : rows) {
-    std::vector<double> wall, device, server, over, ratio, batches;
+    std::vector<double> wall, device, server, over, ratio, batches, cli, wrk;
     for (const StepTimes& t : r.steps) {
       wall.push_back(t.wall * 1e3);
       device.push_back(t.device * 1e3);
@@ -233,17 +235,20 @@ void Print(const std::vector<Row>& rows, std::ofstream* tsv) {
       over.push_back((t.wall - t.device) * 1e3);
       ratio.push_back(t.device > 0 ? (t.wall - t.device) / t.device : 0);
       batches.push_back(static_cast<double>(t.batches));
+      cli.push_back(t.client_cpu * 1e3);
+      wrk.push_back(t.worker_cpu * 1e3);
     }
     const bool unary = r.config.path == Path::kUnary;
     const auto [lo, hi] = std::minmax_element(ratio.begin(), ratio.end());
     std::cout << absl::StrFormat(
         "%-9s %-6s %-4s %-6s %7.1f %7.1f %9.3f %9.3f %9s %9.3f %8.3f "
-        "%6.3f-%-6.3f %7.0f\n",
+        "%6.3f-%-6.3f %8.2f %8.2f %7.0f\n",
         r.encoding, PathName(r.config.path), WireName(r.config.wire),
         r.config.append ? "yes" : "no", r.layer_bytes.first / 1024.0,
         r.layer_bytes.second / 1024.0, Median(wall), Median(device),
         unary ? absl::StrFormat("%.3f", Median(server)) : std::string("-"),
-        Median(over), Median(ratio), *lo, *hi, Median(batches));
+        Median(over), Median(ratio), *lo, *hi, Median(cli), Median(wrk),
+        Median(batches));
     if (tsv != nullptr) {
       auto put = [&](const char* metric, double value, const char* unit) {
         *tsv << r.encoding << '\t' << PathName(r.config.path) << '\t'
@@ -259,6 +264,8 @@ void Print(const std::vector<Row>& rows, std::ofstream* tsv) {
       put("overhead_over_device_min", *lo, "ratio");
       put("overhead_over_device_max", *hi, "ratio");
       put("device_batches", Median(batches), "count");
+      put("client_cpu_ms", Median(cli), "ms");
+      put("worker_cpu_ms", Median(wrk), "ms");
       put("layer_request_bytes", static_cast<double>(r.layer_bytes.first), "B");
       put("layer_response_bytes", static_cast<double>(r.layer_bytes.second),
           "B");
