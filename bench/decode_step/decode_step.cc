@@ -1,13 +1,14 @@
 #include "bench/decode_step/decode_step.h"
 
 #include <grpcpp/grpcpp.h>
-#include <time.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <random>
 #include <thread>
@@ -120,6 +121,7 @@ absl::Status DecodeBench::Install(const Mix& mix, uint32_t steps) {
   absl::Mutex mu;
   absl::Status failed;
   std::vector<std::thread> threads;
+  threads.reserve(install_threads_);
   for (int t = 0; t < install_threads_; ++t) {
     threads.emplace_back([&] {
       for (uint64_t j = next++; j < jobs; j = next++) {
@@ -284,7 +286,8 @@ absl::StatusOr<StepTimes> DecodeBench::Step(Path path, client::AttendWire wire,
   if (!after.ok()) return after.status();
   t.device = after->device - before->device;
   t.server = path == Path::kUnary ? after->server - before->server : 0;
-  t.batches = static_cast<uint64_t>(after->batches - before->batches + 0.5);
+  t.batches =
+      static_cast<uint64_t>(std::llround(after->batches - before->batches));
   return t;
 }
 

@@ -182,7 +182,7 @@ absl::StatusOr<std::vector<Config>> ParseConfigs() {
 }
 
 absl::StatusOr<DecodeShape> ShapeFromFlags() {
-  for (absl::Status s :
+  for (const absl::Status& s :
        {InRange("--batch", absl::GetFlag(FLAGS_batch), 1, 4096),
         InRange("--context", absl::GetFlag(FLAGS_context), 1, 1 << 22),
         InRange("--layers", absl::GetFlag(FLAGS_layers), 1, 1024),
@@ -294,7 +294,7 @@ int Run() {
   }
   auto configs = ParseConfigs();
   if (bad.ok()) bad = configs.status();
-  for (absl::Status s :
+  for (const absl::Status& s :
        {InRange("--steps", absl::GetFlag(FLAGS_steps), 1, 100000),
         InRange("--warmup", absl::GetFlag(FLAGS_warmup), 0, 100000),
         InRange("--pool_mb", absl::GetFlag(FLAGS_pool_mb), 0, 16777216),

@@ -137,6 +137,7 @@ TEST_F(AttendStreamTest, AnswersEqualUnaryAttendsByteForByte) {
     streamed.push_back(OpenWritten(policies[i], 100 + i));
   }
   std::vector<const client::SequenceHandle*> streamed_ptrs;
+  streamed_ptrs.reserve(streamed.size());
   for (const auto& h : streamed) streamed_ptrs.push_back(&h);
   std::mt19937 rng(7);
   uint64_t written = kWritten;
