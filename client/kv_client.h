@@ -161,6 +161,12 @@ triax::v1::BlockEncoding MakeBlockEncoding(
     uint32_t group_size = 0,
     triax::v1::ScaleDtype scale_dtype = triax::v1::SCALE_DTYPE_UNSPECIFIED);
 
+// How Attend's queries and outputs travel (AttendItem.dtype): float32, or
+// BF16 (half the bytes: the client rounds the queries to BF16, the worker
+// attends in float32 and rounds its output to BF16; both roundings to
+// nearest even).
+enum class AttendWire { kF32, kBF16 };
+
 class Client {
  public:
   static absl::StatusOr<std::unique_ptr<Client>> Connect(
@@ -244,6 +250,29 @@ class Client {
     uint32_t append_tokens = 0;
   };
   absl::Status Attend(const SequenceHandle& seq, const AttendArgs& args);
+  // A decode step's layer for a batch: one Attend RPC carrying every item
+  // (each a sequence's queries of one layer, with its append), which the
+  // worker runs as one device batch (docs/worker.md "Semantics"). Every
+  // item's sequence must be on the same worker, and their capabilities go
+  // with the call. `wire`: queries and outputs as float32 or BF16 on the
+  // wire (q and out stay float32 here). Returns one status per item (OK:
+  // its out filled; else the worker's code and "AttendBatch: items[<i>]:
+  // ...");
+  // the call's own status for what fails them all: INVALID_ARGUMENT
+  // checked locally naming the item (no items, a null seq, q or out, a
+  // bad append, sequences on several workers), transport errors and the
+  // worker's refusals of the whole call (tenant, capabilities). Unlike
+  // Attend, items answered UNAVAILABLE for spilled blocks are not
+  // retried: their message says "retry after <N> ms". Retried once on a
+  // transport UNAVAILABLE only when no item appends. For the layers of a
+  // step one after another, AttendStream (client/attend_stream.h) keeps
+  // them on one stream.
+  struct BatchItem {
+    const SequenceHandle* seq = nullptr;
+    AttendArgs args;
+  };
+  absl::StatusOr<std::vector<absl::Status>> AttendBatch(
+      const std::vector<BatchItem>& items, AttendWire wire = AttendWire::kF32);
   // Reads back K/V as float32 [num_tokens][n_kv_heads][head_dim].
   absl::Status ReadKV(const SequenceHandle& seq, uint32_t layer,
                       uint64_t first_token, uint32_t num_tokens,

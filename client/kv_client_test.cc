@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "client/attend_stream.h"
 #include "common/status_matchers.h"
 
 namespace triax::client {
@@ -154,6 +155,101 @@ TEST(Client, WorkerStubsAreCached) {
 
 namespace triax::client {
 namespace {
+
+// Batched Attends: items checked before anything is sent, each error
+// naming the item; responses checked against the items.
+TEST(Client, AttendBatchAndStreamCheckItemsLocally) {
+  auto c = Client::Connect(Unreachable());
+  ASSERT_THAT(c, IsOk());
+  SequenceHandle h = Handle();
+  SequenceHandle elsewhere = Handle();
+  elsewhere.worker_address = "127.0.0.1:2";
+  std::vector<float> q(4 * 8, 1.f), out(4 * 8), kv(2 * 8, 1.f);
+  std::vector<Client::BatchItem> items;
+  EXPECT_THAT((*c)->AttendBatch(items),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("AttendBatch: no items")));
+  items.resize(2);
+  for (Client::BatchItem& it : items) {
+    it.seq = &h;
+    it.args.q = q.data();
+    it.args.out = out.data();
+  }
+  items[1].seq = &elsewhere;
+  EXPECT_THAT((*c)->AttendBatch(items),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("AttendBatch: items[1]: sequence s1 is on "
+                                 "worker 127.0.0.1:2, items[0]'s on "
+                                 "127.0.0.1:1")));
+  items[1].seq = nullptr;
+  EXPECT_THAT((*c)->AttendBatch(items),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("items[1]: seq is null")));
+  items.resize(1);
+  items[0].args.num_queries = 0;
+  EXPECT_THAT((*c)->AttendBatch(items),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("items[0]: num_queries=0")));
+  items[0].args.num_queries = 1;
+  items[0].args.out = nullptr;
+  EXPECT_THAT((*c)->AttendBatch(items),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("items[0]: q and out must be non-null")));
+  items[0].args.out = out.data();
+  items[0].args.append_k = kv.data();
+  EXPECT_THAT((*c)->AttendBatch(items),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("items[0]: an append needs append_k, "
+                                 "append_v and append_tokens >= 1")));
+  items[0].args.append_k = nullptr;
+
+  AttendStreamOptions bad;
+  bad.timeout_ms = -1;
+  EXPECT_THAT(
+      AttendStream::Open(static_cast<triax::v1::Worker::Stub*>(nullptr), "acme",
+                         {}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stub is null")));
+  EXPECT_THAT(
+      AttendStream::Open(c->get(), h.worker_address, {&h}, bad),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("timeout_ms=-1")));
+  EXPECT_THAT(AttendStream::Open(c->get(), "", {&h}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
+  // Nothing listens on the handle's worker: the first Attend says so, and
+  // the stream stays ended.
+  auto stream = AttendStream::Open(c->get(), h.worker_address, {&h});
+  ASSERT_THAT(stream, IsOk());
+  EXPECT_THAT((*stream)->Attend(items), StatusIs(absl::StatusCode::kUnavailable,
+                                                 StartsWith("AttendStream: ")));
+  EXPECT_THAT((*stream)->Finish(),
+              StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  // Items on another worker than the stream's.
+  auto other = AttendStream::Open(c->get(), "127.0.0.1:2", {&h});
+  ASSERT_THAT(other, IsOk());
+  EXPECT_THAT((*other)->Attend(items),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("the stream goes to 127.0.0.1:2")));
+
+  // Responses: the item count, the output size, an item's error with its
+  // retry delay.
+  triax::v1::AttendResponse resp;
+  EXPECT_THAT(TakeAttendResponse("X", items, AttendWire::kF32, resp),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstr("X: worker returned 0 results for 1 items")));
+  resp.add_results()->set_output(std::string(12, '\0'));
+  EXPECT_THAT(TakeAttendResponse("X", items, AttendWire::kBF16, resp),
+              StatusIs(absl::StatusCode::kInternal,
+                       HasSubstr("items[0]: output has 12 bytes; want 64")));
+  triax::v1::AttendResult* r = resp.mutable_results(0);
+  r->mutable_status()->set_code(14);
+  r->mutable_status()->set_message("items[0]: blocks spilled");
+  r->set_retry_after_ms(20);
+  auto taken = TakeAttendResponse("X", items, AttendWire::kF32, resp);
+  ASSERT_THAT(taken, IsOk());
+  EXPECT_THAT((*taken)[0],
+              StatusIs(absl::StatusCode::kUnavailable,
+                       ::testing::Eq(
+                           "X: items[0]: blocks spilled (retry after 20 ms)")));
+}
 
 TEST(EncodingLabel, NamesUniformAndMixedEncodings) {
   EXPECT_EQ(EncodingLabel(kernels::Encoding(kernels::Format::kINT4)), "int4");

@@ -1,6 +1,8 @@
 #include "worker/convert.h"
 
 #include <algorithm>
+#include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -148,6 +150,7 @@ AttendRequest FromProto(const v1::AttendRequest& p) {
     out.spec.positions =
         absl::MakeConstSpan(item.positions().data(), item.positions_size());
     out.spec.queries = item.queries();
+    out.spec.dtype = static_cast<KvDtype>(item.dtype());
     out.spec.scale = item.scale();
     if (item.has_append()) out.append = FromProto(item.append());
   }
@@ -215,8 +218,18 @@ void ToProto(const AttendResult& d, v1::AttendResponse* p) {
       continue;
     }
     result->mutable_status()->set_code(0);
-    result->set_output(reinterpret_cast<const char*>(out->data()),
-                       out->size() * sizeof(float));
+    if (i < d.dtypes.size() && d.dtypes[i] == KvDtype::kBF16) {
+      std::string* bytes = result->mutable_output();
+      bytes->resize(out->size() * 2);
+      char* dst = bytes->data();
+      for (size_t j = 0; j < out->size(); ++j) {
+        const uint16_t h = kernels::FloatToBf16((*out)[j]);
+        std::memcpy(dst + 2 * j, &h, 2);
+      }
+    } else {
+      result->set_output(reinterpret_cast<const char*>(out->data()),
+                         out->size() * sizeof(float));
+    }
   }
 }
 

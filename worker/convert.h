@@ -66,7 +66,9 @@ void ToProto(const SpillResult& d, v1::SpillResponse* p);
 void ToProto(const RestoreResult& d, v1::RestoreResponse* p);
 void ToProto(const EvictResult& d, v1::EvictResponse* p);
 // One AttendResult per item; a failed item's message is prefixed
-// "items[<i>]: " and carries the status's retry_after_ms.
+// "items[<i>]: " and carries the status's retry_after_ms; an output goes
+// in the item's dtype (BF16: rounded to nearest even). Results are added
+// to *p: clear it first to reuse its buffers (AttendStream).
 void ToProto(const AttendResult& d, v1::AttendResponse* p);
 // Tokens [offset, offset + n) of a read as one chunk of `layer`, values in
 // `dtype` (F32 as read; BF16 rounded to nearest even).

@@ -218,9 +218,12 @@ struct AttendSpec {
   uint32_t layer = 0;
   uint32_t num_queries = 0;              // >= 1
   absl::Span<const uint64_t> positions;  // empty, or one per query
-  absl::string_view queries;             // float32 [nq][n_q_heads][head_dim]
-  float scale = 0.f;                     // 0: 1/sqrt(head_dim)
-  const KvWrite* append = nullptr;       // written first when set
+  absl::string_view queries;             // [nq][n_q_heads][head_dim], dtype
+  // Of `queries`: F32 or BF16 (kUnspecified: F32); any other value is
+  // INVALID_ARGUMENT. The output is float32 whatever it is.
+  KvDtype dtype = KvDtype::kF32;
+  float scale = 0.f;                // 0: 1/sqrt(head_dim)
+  const KvWrite* append = nullptr;  // written first when set
 };
 
 // One item of SequenceStore::AttendBatch.

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
+#include "kernels/numeric.h"
 #include "worker/sequence_store.h"
 #include "worker/sequence_store_internal.h"
 
@@ -53,13 +54,21 @@ absl::Status SequenceStore::PrepareAttend(
   if (spec.num_queries == 0) {
     return absl::InvalidArgumentError("num_queries=0; must be >= 1");
   }
+  if (spec.dtype != KvDtype::kUnspecified && spec.dtype != KvDtype::kF32 &&
+      spec.dtype != KvDtype::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dtype=", static_cast<int>(spec.dtype), " is not F32 (1) or BF16 (2)"));
+  }
+  const bool bf16 = spec.dtype == KvDtype::kBF16;
   const size_t qvalues =
       static_cast<size_t>(spec.num_queries) * m.n_q_heads * m.head_dim;
-  if (spec.queries.size() != qvalues * 4) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "queries has ", spec.queries.size(), " bytes; expected ", qvalues * 4,
-        " (num_queries=", spec.num_queries, " x n_q_heads=", m.n_q_heads,
-        " x head_dim=", m.head_dim, " x 4 bytes float32)"));
+  const size_t value_bytes = bf16 ? 2 : 4;
+  if (spec.queries.size() != qvalues * value_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries has ", spec.queries.size(), " bytes; expected ",
+                     qvalues * value_bytes, " (num_queries=", spec.num_queries,
+                     " x n_q_heads=", m.n_q_heads, " x head_dim=", m.head_dim,
+                     bf16 ? " x 2 bytes bf16)" : " x 4 bytes float32)"));
   }
   if (!spec.positions.empty() && spec.positions.size() != spec.num_queries) {
     return absl::InvalidArgumentError(
@@ -147,7 +156,16 @@ absl::Status SequenceStore::PrepareAttend(
                     ? spec.scale
                     : 1.f / std::sqrt(static_cast<float>(m.head_dim));
   prep->q.resize(qvalues);
-  std::memcpy(prep->q.data(), spec.queries.data(), qvalues * 4);
+  if (bf16) {
+    const char* src = spec.queries.data();
+    for (size_t i = 0; i < qvalues; ++i) {
+      uint16_t h;
+      std::memcpy(&h, src + 2 * i, 2);
+      prep->q[i] = kernels::Bf16ToFloat(h);
+    }
+  } else {
+    std::memcpy(prep->q.data(), spec.queries.data(), qvalues * 4);
+  }
   prep->out.assign(qvalues, 0.f);
   return absl::OkStatus();
 }

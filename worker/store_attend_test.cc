@@ -7,11 +7,13 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "kernels/numeric.h"
 #include "kernels/ref/kv_ref.h"
 #include "worker/sequence_store.h"
 #include "worker/store_test_util.h"
@@ -179,6 +181,47 @@ TEST_F(StoreTest, AttendAppendWritesFirstAndIsAtomic) {
   EXPECT_THAT(store_->Describe("s")->sealed, ElementsAre(1u));
   auto want = RefAttention(m, q, kv[0].kr, kv[0].vr, 9, 0.25);
   EXPECT_LT(RelError(*out, want), 0.1);
+}
+
+// Queries in BF16 are the same queries widened: the output equals that of
+// the float32 queries rounded to BF16, bit for bit. Other dtypes and sizes
+// that do not fit the dtype are refused naming them.
+TEST_F(StoreTest, Bf16QueriesAttendAsTheirFloat32Values) {
+  Make(4);
+  const ModelShape m = Shape(1, 2, 4, 32);
+  ASSERT_THAT(
+      store_->AllocatePages(kTenant, "s", m, 4, UniformPlan(12, 4, kInt4))
+          .status(),
+      IsOk());
+  auto kv = RandomLayers(m, 12, 5);
+  WriteAll("s", m, kv, 12, 12);
+  const auto q = RandomQueries(m, 2, 6);
+  std::vector<float> rounded(q.size());
+  std::string bf16(q.size() * 2, '\0');
+  for (size_t i = 0; i < q.size(); ++i) {
+    const uint16_t h = kernels::FloatToBf16(q[i]);
+    rounded[i] = kernels::Bf16ToFloat(h);
+    std::memcpy(bf16.data() + 2 * i, &h, 2);
+  }
+  const std::string f32 = Bytes(rounded.data(), rounded.size());
+  AttendSpec spec;
+  spec.num_queries = 2;
+  spec.queries = f32;
+  auto want = store_->Attend(kTenant, "s", spec);
+  ASSERT_THAT(want.status(), IsOk());
+  spec.dtype = KvDtype::kBF16;
+  spec.queries = bf16;
+  auto got = store_->Attend(kTenant, "s", spec);
+  ASSERT_THAT(got.status(), IsOk());
+  EXPECT_EQ(*got, *want);
+  spec.queries = f32;  // float32 bytes, BF16 said
+  EXPECT_THAT(store_->Attend(kTenant, "s", spec).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("queries has 1024 bytes; expected 512")));
+  spec.dtype = static_cast<KvDtype>(7);
+  EXPECT_THAT(store_->Attend(kTenant, "s", spec).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("dtype=7 is not F32 (1) or BF16 (2)")));
 }
 
 // Threads batching the same sequences in opposite orders neither deadlock

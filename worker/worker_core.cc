@@ -241,6 +241,10 @@ absl::StatusOr<AttendResult> WorkerCore::Attend(const AttendRequest& req) {
   }
   AttendResult result;
   result.items = store_->AttendBatch(req.tenant_id, batch);
+  result.dtypes.reserve(req.items.size());
+  for (const AttendItem& item : req.items) {
+    result.dtypes.push_back(item.spec.dtype);
+  }
   return result;
 }
 

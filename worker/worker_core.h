@@ -184,9 +184,11 @@ struct AttendRequest {
 };
 
 // One result per item, in order: the store's status (the adapter names the
-// item) or float32 [num_queries][n_q_heads][head_dim].
+// item) or float32 [num_queries][n_q_heads][head_dim], which the adapter
+// sends in the item's dtype (its queries' dtype: F32 or BF16).
 struct AttendResult {
   std::vector<absl::StatusOr<std::vector<float>>> items;
+  std::vector<KvDtype> dtypes;  // one per item
 };
 
 struct InventoryRequest {

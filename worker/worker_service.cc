@@ -151,20 +151,65 @@ grpc::Status WorkerService::ReadKV(grpc::ServerContext* ctx,
   return Serve(&WorkerCore::Read, request, &out);
 }
 
-grpc::Status WorkerService::Attend(grpc::ServerContext* ctx,
-                                   const v1::AttendRequest* req,
-                                   v1::AttendResponse* resp) {
+grpc::Status WorkerService::AttendOnce(const grpc::ServerContext& ctx,
+                                       absl::string_view method,
+                                       const v1::AttendRequest& req,
+                                       v1::AttendResponse* resp) {
   if (options_.capabilities != nullptr) {
     std::vector<CapabilityNeed> needs;
-    for (const v1::AttendItem& item : req->items()) {
-      needs.push_back(CapabilityNeed{req->tenant_id(), item.sequence_id(),
+    needs.reserve(req.items_size());
+    for (const v1::AttendItem& item : req.items()) {
+      needs.push_back(CapabilityNeed{req.tenant_id(), item.sequence_id(),
                                      v1::Capability::SCOPE_CLIENT});
     }
-    if (absl::Status a = Allowed(*ctx, "Attend", needs); !a.ok()) {
+    if (absl::Status a = Allowed(ctx, method, needs); !a.ok()) {
       return ToGrpcStatus(a);
     }
   }
-  return Serve(&WorkerCore::Attend, FromProto(*req), resp);
+  return Serve(&WorkerCore::Attend, FromProto(req), resp);
+}
+
+grpc::Status WorkerService::Attend(grpc::ServerContext* ctx,
+                                   const v1::AttendRequest* req,
+                                   v1::AttendResponse* resp) {
+  return AttendOnce(*ctx, "Attend", *req, resp);
+}
+
+grpc::Status WorkerService::AttendStream(
+    grpc::ServerContext* ctx,
+    grpc::ServerReaderWriter<v1::AttendResponse, v1::AttendRequest>* stream) {
+  // One request and one response for the whole stream: parsing into them
+  // and clearing them keeps their buffers (queries, outputs) from message
+  // to message.
+  v1::AttendRequest req;
+  v1::AttendResponse resp;
+  for (uint64_t n = 0;; ++n) {
+    if (!stream->Read(&req)) {
+      // Read fails at the end of the stream, when the client cancels, and
+      // for a message that does not parse (the parse-error interceptor
+      // then answers INVALID_ARGUMENT naming it).
+      if (ctx->IsCancelled()) {
+        return grpc::Status(
+            grpc::StatusCode::CANCELLED,
+            absl::StrCat("AttendStream cancelled after ", n, " messages"));
+      }
+      return grpc::Status::OK;
+    }
+    resp.Clear();
+    if (grpc::Status s = AttendOnce(*ctx, "AttendStream", req, &resp);
+        !s.ok()) {
+      return grpc::Status(
+          s.error_code(),
+          absl::StrCat("messages[", n, "]: ", s.error_message()));
+    }
+    if (!stream->Write(resp)) {
+      return grpc::Status(
+          grpc::StatusCode::CANCELLED,
+          absl::StrCat("AttendStream: the client went away before the "
+                       "answer to messages[",
+                       n, "]"));
+    }
+  }
 }
 
 grpc::Status WorkerService::FreePages(grpc::ServerContext* ctx,

@@ -20,8 +20,15 @@
 //
 // Attend answers one ItemStatus per item ("items[<i>]: <message>", with
 // retry_after_ms when the item was refused because its blocks are spilled);
-// the RPC itself fails only for a malformed tenant_id. Inventories carry
-// device_error (Device::Health's message; empty while healthy).
+// the RPC itself fails only for a malformed tenant_id (or, with
+// capabilities required, one the call lacks). AttendStream serves each
+// message of its stream as Attend (the same helper, AttendOnce) on the
+// handler's sync-pool thread, one message at a time, answering each before
+// it reads the next; what would fail an Attend ends the stream with that
+// status prefixed "messages[<n>]: ". A client that cancels or goes away
+// ends it CANCELLED (appends of the messages already read stay written, as
+// for an Attend whose client went away). Inventories carry device_error
+// (Device::Health's message; empty while healthy).
 //
 // Transfers. ImportSequence runs the whole import on its handler thread
 // (a sync-pool thread, so waiting on the source blocks no callback thread):
@@ -124,6 +131,10 @@ class WorkerService final : public v1::Worker::Service {
                       grpc::ServerWriter<v1::KvChunk>* writer) override;
   grpc::Status Attend(grpc::ServerContext* ctx, const v1::AttendRequest* req,
                       v1::AttendResponse* resp) override;
+  grpc::Status AttendStream(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::AttendResponse, v1::AttendRequest>* stream)
+      override;
   grpc::Status FreePages(grpc::ServerContext* ctx,
                          const v1::FreePagesRequest* req,
                          v1::FreePagesResponse* resp) override;
@@ -163,6 +174,13 @@ class WorkerService final : public v1::Worker::Service {
   // OK without options_.capabilities; else CapabilityVerifier::CheckAll.
   absl::Status Allowed(const grpc::ServerContext& ctx, absl::string_view method,
                        const std::vector<CapabilityNeed>& needs) const;
+  // One Attend (of the Attend RPC or one message of AttendStream): every
+  // item's sequence checked against the call's capabilities (`method`
+  // names the RPC in refusals), then WorkerCore::Attend into *resp.
+  grpc::Status AttendOnce(const grpc::ServerContext& ctx,
+                          absl::string_view method,
+                          const v1::AttendRequest& req,
+                          v1::AttendResponse* resp);
   // The one path of every RPC: `call` (a WorkerCore member) on the domain
   // `request`, then the result written into `reply` (a response message, or
   // ReadKV's stream), then the status mapped.

@@ -595,7 +595,8 @@ TEST_F(ServiceTest, BatchedAttendMatchesItemByItem) {
 
 // A device that reports itself unhealthy (as a poisoned CUDA context does):
 // the inventory carries its message, attention answers UNAVAILABLE for
-// every item of the batch, and healing clears device_error.
+// every item of the batch (Attend and AttendStream alike), and healing
+// clears device_error.
 TEST_F(ServiceTest, DeviceErrorReachesInventoryAndAttend) {
   std::vector<float> k, v;
   MakeWritten(5, &k, &v);
@@ -635,6 +636,19 @@ TEST_F(ServiceTest, DeviceErrorReachesInventoryAndAttend) {
     EXPECT_EQ(res.status().code(), grpc::StatusCode::UNAVAILABLE);
     EXPECT_THAT(res.status().message(), HasSubstr("unhealthy"));
     EXPECT_TRUE(res.output().empty());
+  }
+  {
+    // AttendStream answers the same message the same way, and goes on.
+    grpc::ClientContext ctx;
+    auto stream = stub_->AttendStream(&ctx);
+    v1::AttendResponse streamed;
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(stream->Write(r));
+      ASSERT_TRUE(stream->Read(&streamed));
+      EXPECT_EQ(streamed.SerializeAsString(), resp.SerializeAsString());
+    }
+    ASSERT_TRUE(stream->WritesDone());
+    EXPECT_TRUE(stream->Finish().ok());
   }
   device_.SetUnhealthy("");
   v1::Inventory inv;

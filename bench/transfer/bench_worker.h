@@ -78,6 +78,9 @@ class BenchWorker {
   absl::StatusOr<triax::v1::ImportSequenceResponse> Import(
       const triax::v1::ImportSequenceRequest& request);
   absl::Status Free(const std::string& sequence_id);
+  // The worker's stub (thread-safe), for calls the bench makes itself.
+  triax::v1::Worker::Stub* stub() const { return stub_.get(); }
+  pid_t pid() const { return process_->pid(); }
 
  private:
   BenchWorker() = default;

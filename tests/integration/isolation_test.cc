@@ -12,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
+#include "client/attend_stream.h"
 #include "common/capability.h"
 #include "tests/integration/auth_fixture.h"
 #include "tests/integration/reference.h"
@@ -21,6 +23,7 @@
 namespace triax::testing {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using RpcCall = std::function<grpc::Status(grpc::ClientContext*)>;
 
@@ -318,6 +321,18 @@ class IsolationTest : public AuthTest {
         v1::AttendResponse p;
         return w->Attend(c, q, &p);
       });
+      add("AttendStream", [w, s](grpc::ClientContext* c) {
+        auto stream = w->AttendStream(c);
+        v1::AttendRequest q;
+        q.set_tenant_id("acme");
+        q.add_items()->set_sequence_id(s);
+        stream->Write(q);
+        stream->WritesDone();
+        v1::AttendResponse p;
+        while (stream->Read(&p)) {
+        }
+        return stream->Finish();
+      });
       add("FreePages", [w, s](grpc::ClientContext* c) {
         v1::FreePagesRequest q;
         q.set_tenant_id("acme");
@@ -498,6 +513,44 @@ TEST_F(ExpiryTest, AnExpiredCapabilityIsRefusedAndARefreshedOneServes) {
   }
   // GetSequence signs a fresh one (RefreshPlan), which serves.
   ExpectAcmeIntact();
+}
+
+// AttendStream carries its capabilities once, in the stream's metadata,
+// and checks them against every message: one that expires while the
+// stream is open refuses the next message and ends the stream; a stream
+// opened with the refreshed handle serves.
+TEST_F(ExpiryTest, AStreamsCapabilityThatExpiresRefusesItsNextMessage) {
+  ASSERT_THAT(acme_->RefreshPlan(&seq_), IsOk());  // a fresh capability
+  auto stream =
+      client::AttendStream::Open(acme_.get(), seq_.worker_address, {&seq_});
+  ASSERT_THAT(stream, IsOk());
+  const v1::ModelShape m = SmallModel();
+  std::vector<float> q(m.n_q_heads() * m.head_dim(), 0.25f), out(q.size());
+  std::vector<client::Client::BatchItem> items(1);
+  items[0].seq = &seq_;
+  items[0].args.q = q.data();
+  items[0].args.out = out.data();
+  auto first = (*stream)->Attend(items);
+  if (!first.ok() && absl::StrContains(first.status().message(), "expired")) {
+    GTEST_SKIP() << "the first message came after the 1 s capability "
+                    "expired (a slow machine): "
+                 << first.status();
+  }
+  ASSERT_THAT(first, IsOk());
+  EXPECT_THAT((*first)[0], IsOk());
+  absl::SleepFor(absl::Milliseconds(1100));  // --capability_ttl_seconds=1
+  EXPECT_THAT((*stream)->Attend(items),
+              StatusIs(absl::StatusCode::kUnauthenticated,
+                       AllOf(HasSubstr("messages[1]: AttendStream"),
+                             HasSubstr("expired"))));
+  ASSERT_THAT(acme_->RefreshPlan(&seq_), IsOk());
+  auto again =
+      client::AttendStream::Open(acme_.get(), seq_.worker_address, {&seq_});
+  ASSERT_THAT(again, IsOk());
+  auto r = (*again)->Attend(items);
+  ASSERT_THAT(r, IsOk());
+  EXPECT_THAT((*r)[0], IsOk());
+  EXPECT_THAT((*again)->Finish(), IsOk());
 }
 
 }  // namespace

@@ -29,6 +29,7 @@
 #include "common/status_matchers.h"
 #include "kernels/layout.h"
 #include "tests/integration/cluster.h"
+#include "tests/integration/http_scrape.h"
 #include "tests/integration/reference.h"
 
 namespace triax::testing {
@@ -41,84 +42,6 @@ using tcp = asio::ip::tcp;
 using ::testing::HasSubstr;
 using triax::v1::ROLE_SYSTEM;
 using triax::v1::ROLE_USER;
-
-struct HttpReply {
-  int status = 0;
-  std::string body;
-  std::string allow;
-};
-
-// Sends `raw` on a fresh connection and parses one response.
-absl::StatusOr<HttpReply> Exchange(int port, const std::string& raw) {
-  asio::io_context ctx;
-  beast::tcp_stream stream(ctx);
-  beast::error_code ec;
-  stream.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"),
-                               static_cast<uint16_t>(port)),
-                 ec);
-  if (ec) return absl::UnavailableError(ec.message());
-  asio::write(stream, asio::buffer(raw), ec);
-  if (ec) return absl::UnavailableError(ec.message());
-  beast::flat_buffer buffer;
-  http::response<http::string_body> res;
-  http::read(stream, buffer, res, ec);
-  if (ec) return absl::UnavailableError(ec.message());
-  return HttpReply{static_cast<int>(res.result_int()), res.body(),
-                   std::string(res[http::field::allow])};
-}
-
-absl::StatusOr<HttpReply> Get(int port, const std::string& path) {
-  return Exchange(port, absl::StrCat("GET ", path,
-                                     " HTTP/1.1\r\nHost: t\r\n"
-                                     "Connection: close\r\n\r\n"));
-}
-
-// series (name{labels} as printed) -> value.
-using Scrape = std::map<std::string, double>;
-
-Scrape Parse(const std::string& text) {
-  Scrape out;
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (line.empty() || line[0] == '#') continue;
-    const size_t space = line.rfind(' ');
-    double v = 0;
-    if (space == absl::string_view::npos ||
-        !absl::SimpleAtod(line.substr(space + 1), &v)) {
-      continue;
-    }
-    out[std::string(line.substr(0, space))] = v;
-  }
-  return out;
-}
-
-// Sum of the series of `name` whose labels contain every one of `has`
-// (each as printed: tenant="acme").
-double Sum(const Scrape& s, const std::string& name,
-           const std::vector<std::string>& has = {}) {
-  double total = 0;
-  for (const auto& [series, v] : s) {
-    if (series != name && !absl::StartsWith(series, name + "{")) continue;
-    bool ok = true;
-    for (const std::string& h : has) ok &= absl::StrContains(series, h);
-    if (ok) total += v;
-  }
-  return total;
-}
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream f(path);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
-// The port a daemon wrote to its --http_port_file (it is written before
-// the gRPC port file the cluster waited on).
-int PortFrom(const std::string& path) {
-  int port = 0;
-  if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(ReadAll(path)), &port)) {
-    return 0;
-  }
-  return port;
-}
 
 bool OnPath(const std::string& binary) {
   const char* path = std::getenv("PATH");
@@ -146,19 +69,19 @@ class MetricsTest : public ::testing::Test {
     auto c = Cluster::Start(o);
     ASSERT_THAT(c, IsOk());
     cluster_ = std::move(*c);
-    manager_http_ = PortFrom(dir_->path() + "/m.http");
-    worker_http_ = PortFrom(dir_->path() + "/w0.http");
+    manager_http_ = PortFromFile(dir_->path() + "/m.http");
+    worker_http_ = PortFromFile(dir_->path() + "/w0.http");
     ASSERT_GT(manager_http_, 0);
     ASSERT_GT(worker_http_, 0);
   }
 
   Scrape ScrapeOf(int port, std::string* text = nullptr) {
-    auto r = Get(port, "/metrics");
+    auto r = HttpGet(port, "/metrics");
     EXPECT_THAT(r, IsOk());
     if (!r.ok()) return {};
     EXPECT_EQ(r->status, 200);
     if (text != nullptr) *text = r->body;
-    return Parse(r->body);
+    return ParseScrape(r->body);
   }
 
   // Opens a sequence of `tokens` (system 16 + user) and writes every layer.
@@ -201,10 +124,10 @@ TEST_F(MetricsTest, SeriesFollowTrafficAndPromtoolAcceptsTheScrapes) {
 
   const Scrape m0 = ScrapeOf(manager_http_);
   const Scrape w0 = ScrapeOf(worker_http_);
-  EXPECT_EQ(Sum(m0, "triaxkv_manager_workers", {"state=\"up\""}), 1);
-  EXPECT_EQ(Sum(m0, "triaxkv_manager_blocks"), 0);
-  EXPECT_EQ(Sum(w0, "triaxkv_worker_pool_used_bytes"), 0);
-  EXPECT_EQ(Sum(w0, "triaxkv_worker_pool_capacity_bytes"), 1 << 20);
+  EXPECT_EQ(SumSeries(m0, "triaxkv_manager_workers", {"state=\"up\""}), 1);
+  EXPECT_EQ(SumSeries(m0, "triaxkv_manager_blocks"), 0);
+  EXPECT_EQ(SumSeries(w0, "triaxkv_worker_pool_used_bytes"), 0);
+  EXPECT_EQ(SumSeries(w0, "triaxkv_worker_pool_capacity_bytes"), 1 << 20);
 
   // One session: open, write, attend twice, keep it open.
   auto first = OpenAndWrite(acme->get(), 192);
@@ -226,37 +149,41 @@ TEST_F(MetricsTest, SeriesFollowTrafficAndPromtoolAcceptsTheScrapes) {
   const std::string open_ok =
       "triaxkv_manager_rpc_requests_total{code=\"OK\",method="
       "\"OpenSequence\",service=\"triax.v1.Manager\"}";
-  EXPECT_EQ(Sum(m1, open_ok), 1);
-  EXPECT_EQ(Sum(m1, "triaxkv_manager_blocks", {"tenant=\"acme\""}), 12);
-  EXPECT_EQ(Sum(m1, "triaxkv_manager_block_bytes",
+  EXPECT_EQ(SumSeries(m1, open_ok), 1);
+  EXPECT_EQ(SumSeries(m1, "triaxkv_manager_blocks", {"tenant=\"acme\""}), 12);
+  EXPECT_EQ(
+      SumSeries(m1, "triaxkv_manager_block_bytes",
                 {"tenant=\"acme\"", "tier=\"device\"", "encoding=\"bf16\""}),
-            12 * block);
+      12 * block);
   auto tenant = cluster_->GetTenant("acme");
   ASSERT_THAT(tenant, IsOk());
-  EXPECT_EQ(Sum(m1, "triaxkv_manager_tenant_used_bytes",
-                {"tenant=\"acme\"", "tier=\"device\""}),
+  EXPECT_EQ(SumSeries(m1, "triaxkv_manager_tenant_used_bytes",
+                      {"tenant=\"acme\"", "tier=\"device\""}),
             tenant->usage(0).used_bytes());
-  EXPECT_EQ(Sum(m1, "triaxkv_manager_events_total", {"kind=\"block_created\""}),
-            12);
-  EXPECT_EQ(Sum(w1, "triaxkv_worker_rpc_requests_total",
-                {"method=\"Attend\"", "code=\"OK\""}),
+  EXPECT_EQ(
+      SumSeries(m1, "triaxkv_manager_events_total", {"kind=\"block_created\""}),
+      12);
+  EXPECT_EQ(SumSeries(w1, "triaxkv_worker_rpc_requests_total",
+                      {"method=\"Attend\"", "code=\"OK\""}),
             2);
-  EXPECT_GT(Sum(w1, "triaxkv_worker_rpc_requests_total",
-                {"method=\"WriteKV\"", "code=\"OK\""}),
+  EXPECT_GT(SumSeries(w1, "triaxkv_worker_rpc_requests_total",
+                      {"method=\"WriteKV\"", "code=\"OK\""}),
             0);
-  EXPECT_EQ(Sum(w1, "triaxkv_worker_rpc_duration_seconds_count",
-                {"method=\"Attend\"", "code=\"OK\""}),
+  EXPECT_EQ(SumSeries(w1, "triaxkv_worker_rpc_duration_seconds_count",
+                      {"method=\"Attend\"", "code=\"OK\""}),
             2);
   // Each Attend ran one device batch over BF16 pages only.
+  EXPECT_EQ(SumSeries(w1, "triaxkv_worker_attention_seconds_count",
+                      {"formats=\"bf16\""}),
+            2);
+  EXPECT_GT(SumSeries(w1, "triaxkv_worker_attention_pages_total",
+                      {"format=\"bf16\""}),
+            0);
   EXPECT_EQ(
-      Sum(w1, "triaxkv_worker_attention_seconds_count", {"formats=\"bf16\""}),
-      2);
-  EXPECT_GT(
-      Sum(w1, "triaxkv_worker_attention_pages_total", {"format=\"bf16\""}), 0);
-  EXPECT_EQ(Sum(w1, "triaxkv_worker_encoding_pages", {"encoding=\"bf16\""}),
-            24);  // 12 blocks on 2 layers
-  EXPECT_EQ(Sum(w1, "triaxkv_worker_sequences"), 1);
-  EXPECT_GT(Sum(w1, "triaxkv_worker_pool_used_bytes"), 0);
+      SumSeries(w1, "triaxkv_worker_encoding_pages", {"encoding=\"bf16\""}),
+      24);  // 12 blocks on 2 layers
+  EXPECT_EQ(SumSeries(w1, "triaxkv_worker_sequences"), 1);
+  EXPECT_GT(SumSeries(w1, "triaxkv_worker_pool_used_bytes"), 0);
 
   // An Open over the tiny tenant's ceiling is refused (nothing of its own
   // to reclaim).
@@ -268,28 +195,31 @@ TEST_F(MetricsTest, SeriesFollowTrafficAndPromtoolAcceptsTheScrapes) {
     ASSERT_THAT(OpenAndWrite(acme->get(), 192), IsOk()) << i;
   }
   const Scrape m2 = ScrapeOf(manager_http_);
-  EXPECT_EQ(Sum(m2, "triaxkv_manager_admission_refusals_total",
-                {"method=\"OpenSequence\""}),
+  EXPECT_EQ(SumSeries(m2, "triaxkv_manager_admission_refusals_total",
+                      {"method=\"OpenSequence\""}),
             1);
-  EXPECT_EQ(Sum(m2, "triaxkv_manager_rpc_requests_total",
-                {"method=\"OpenSequence\"", "code=\"RESOURCE_EXHAUSTED\""}),
-            1);
-  EXPECT_EQ(Sum(m2, open_ok), 6);
-  const double actions =
-      Sum(m2, "triaxkv_manager_pressure_actions_total", {"action=\"demote\""}) +
-      Sum(m2, "triaxkv_manager_pressure_actions_total", {"action=\"evict\""});
-  EXPECT_GT(actions, 0);
   EXPECT_EQ(
-      Sum(m2, "triaxkv_manager_events_total", {"kind=\"block_demoted\""}) +
-          Sum(m2, "triaxkv_manager_events_total", {"kind=\"block_evicted\""}),
-      actions);
+      SumSeries(m2, "triaxkv_manager_rpc_requests_total",
+                {"method=\"OpenSequence\"", "code=\"RESOURCE_EXHAUSTED\""}),
+      1);
+  EXPECT_EQ(SumSeries(m2, open_ok), 6);
+  const double actions = SumSeries(m2, "triaxkv_manager_pressure_actions_total",
+                                   {"action=\"demote\""}) +
+                         SumSeries(m2, "triaxkv_manager_pressure_actions_total",
+                                   {"action=\"evict\""});
+  EXPECT_GT(actions, 0);
+  EXPECT_EQ(SumSeries(m2, "triaxkv_manager_events_total",
+                      {"kind=\"block_demoted\""}) +
+                SumSeries(m2, "triaxkv_manager_events_total",
+                          {"kind=\"block_evicted\""}),
+            actions);
   tenant = cluster_->GetTenant("acme");
   ASSERT_THAT(tenant, IsOk());
-  EXPECT_EQ(Sum(m2, "triaxkv_manager_block_bytes", {"tenant=\"acme\""}),
+  EXPECT_EQ(SumSeries(m2, "triaxkv_manager_block_bytes", {"tenant=\"acme\""}),
             tenant->usage(0).used_bytes());
   EXPECT_LE(tenant->usage(0).used_bytes(), 40 * block);
-  EXPECT_EQ(Sum(m2, "triaxkv_manager_tenant_ceiling_bytes",
-                {"tenant=\"acme\"", "tier=\"device\""}),
+  EXPECT_EQ(SumSeries(m2, "triaxkv_manager_tenant_ceiling_bytes",
+                      {"tenant=\"acme\"", "tier=\"device\""}),
             40 * block);
 
   // promtool's linter on both live scrapes.
@@ -326,46 +256,47 @@ TEST_F(MetricsTest, ClosingFreesTheWorkersPages) {
   ASSERT_THAT(acme, IsOk());
   auto h = OpenAndWrite(acme->get(), 64);
   ASSERT_THAT(h, IsOk());
-  EXPECT_EQ(Sum(ScrapeOf(worker_http_), "triaxkv_worker_sequences"), 1);
+  EXPECT_EQ(SumSeries(ScrapeOf(worker_http_), "triaxkv_worker_sequences"), 1);
   ASSERT_THAT((*acme)->Close(*h), IsOk());
   const Scrape m = ScrapeOf(manager_http_);
-  EXPECT_EQ(Sum(m, "triaxkv_manager_blocks"), 0);
-  EXPECT_EQ(Sum(m, "triaxkv_manager_events_total", {"kind=\"block_freed\""}),
-            4);
-  EXPECT_EQ(Sum(m, "triaxkv_manager_rpc_requests_total",
-                {"method=\"CloseSequence\"", "code=\"OK\""}),
+  EXPECT_EQ(SumSeries(m, "triaxkv_manager_blocks"), 0);
+  EXPECT_EQ(
+      SumSeries(m, "triaxkv_manager_events_total", {"kind=\"block_freed\""}),
+      4);
+  EXPECT_EQ(SumSeries(m, "triaxkv_manager_rpc_requests_total",
+                      {"method=\"CloseSequence\"", "code=\"OK\""}),
             1);
   // The worker frees on the client's FreePages.
   const Scrape w = ScrapeOf(worker_http_);
-  EXPECT_EQ(Sum(w, "triaxkv_worker_sequences"), 0);
-  EXPECT_EQ(Sum(w, "triaxkv_worker_pool_used_bytes"), 0);
+  EXPECT_EQ(SumSeries(w, "triaxkv_worker_sequences"), 0);
+  EXPECT_EQ(SumSeries(w, "triaxkv_worker_pool_used_bytes"), 0);
 }
 
 TEST_F(MetricsTest, ProbesAndBadRequests) {
   for (int port : {manager_http_, worker_http_}) {
-    auto health = Get(port, "/healthz");
+    auto health = HttpGet(port, "/healthz");
     ASSERT_THAT(health, IsOk());
     EXPECT_EQ(health->status, 200);
     EXPECT_EQ(health->body, "ok\n");
-    auto ready = Get(port, "/readyz");
+    auto ready = HttpGet(port, "/readyz");
     ASSERT_THAT(ready, IsOk());
     EXPECT_EQ(ready->status, 200) << ready->body;
 
-    auto missing = Get(port, "/metricz");
+    auto missing = HttpGet(port, "/metricz");
     ASSERT_THAT(missing, IsOk());
     EXPECT_EQ(missing->status, 404);
-    auto post = Exchange(port,
-                         "POST /metrics HTTP/1.1\r\nHost: t\r\n"
-                         "Content-Length: 0\r\nConnection: close\r\n\r\n");
+    auto post = HttpExchange(port,
+                             "POST /metrics HTTP/1.1\r\nHost: t\r\n"
+                             "Content-Length: 0\r\nConnection: close\r\n\r\n");
     ASSERT_THAT(post, IsOk());
     EXPECT_EQ(post->status, 405);
     EXPECT_EQ(post->allow, "GET");
-    auto garbage = Exchange(port, "NOT HTTP AT ALL\r\n\r\n");
+    auto garbage = HttpExchange(port, "NOT HTTP AT ALL\r\n\r\n");
     ASSERT_THAT(garbage, IsOk());
     EXPECT_EQ(garbage->status, 400);
     auto oversized =
-        Exchange(port, absl::StrCat("GET /", std::string(20000, 'x'),
-                                    " HTTP/1.1\r\nHost: t\r\n\r\n"));
+        HttpExchange(port, absl::StrCat("GET /", std::string(20000, 'x'),
+                                        " HTTP/1.1\r\nHost: t\r\n\r\n"));
     ASSERT_THAT(oversized, IsOk());
     EXPECT_EQ(oversized->status, 400);
     EXPECT_THAT(oversized->body, HasSubstr("header limit"));
@@ -376,7 +307,7 @@ TEST_F(MetricsTest, ProbesAndBadRequests) {
     slow.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"),
                                static_cast<uint16_t>(port)));
     asio::write(slow, asio::buffer(std::string("GET /metr")));
-    auto scrape = Get(port, "/metrics");
+    auto scrape = HttpGet(port, "/metrics");
     ASSERT_THAT(scrape, IsOk());
     EXPECT_EQ(scrape->status, 200);
     EXPECT_THAT(scrape->body, HasSubstr("# TYPE triaxkv_"));
@@ -405,7 +336,7 @@ TEST_F(MetricsTest, AnHttpPortInUseFailsStartUp) {
   EXPECT_THAT(
       err, HasSubstr(absl::StrCat("--http_listen=127.0.0.1:", worker_http_)));
   // The running daemons still answer.
-  auto r = Get(manager_http_, "/healthz");
+  auto r = HttpGet(manager_http_, "/healthz");
   ASSERT_THAT(r, IsOk());
   EXPECT_EQ(r->status, 200);
 }
