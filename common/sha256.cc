@@ -1,9 +1,13 @@
 #include "common/sha256.h"
 
+// OpenSSL's SHA256_Init/Update/Final (deprecated in 3.0, kept in 3.x): the
+// same assembly as the EVP path (SHA-NI where the CPU has it) without the
+// provider dispatch and context allocation per call; a SHA256_CTX is a
+// plain struct, so a key's HMAC states are copied by value.
+#define OPENSSL_SUPPRESS_DEPRECATED 1
 #include <openssl/crypto.h>
-#include <openssl/evp.h>
+#include <openssl/sha.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -13,59 +17,30 @@ namespace {
 constexpr size_t kBlockBytes = 64;
 constexpr size_t kDigestBytes = 32;
 
-// SHA-256 fetched from the default provider once per process (freed at
-// exit by OpenSSL's own cleanup).
-const EVP_MD* Sha256Md() {
-  static const EVP_MD* md = [] {
-    EVP_MD* fetched = EVP_MD_fetch(nullptr, "SHA256", nullptr);
-    // No SHA-256 in the default provider: nothing here can work.
-    if (fetched == nullptr) std::abort();
-    return fetched;
-  }();
-  return md;
-}
-
-struct CtxDeleter {
-  void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
-};
-using Ctx = std::unique_ptr<EVP_MD_CTX, CtxDeleter>;
-
-Ctx NewCtx() {
-  Ctx c(EVP_MD_CTX_new());
-  if (c == nullptr) std::abort();  // out of memory
-  return c;
-}
-
-// Digest of what `from` has absorbed followed by `data`, leaving `from`
-// unchanged.
-void FinishFrom(const EVP_MD_CTX* from, absl::string_view data,
+// Digest of what `from` has absorbed followed by `data`; `from` unchanged.
+void FinishFrom(const SHA256_CTX& from, absl::string_view data,
                 unsigned char* md) {
-  Ctx c = NewCtx();
-  unsigned int len = 0;
-  if (EVP_MD_CTX_copy_ex(c.get(), from) != 1 ||
-      EVP_DigestUpdate(c.get(), data.data(), data.size()) != 1 ||
-      EVP_DigestFinal_ex(c.get(), md, &len) != 1 || len != kDigestBytes) {
-    std::abort();  // SHA-256 on memory does not fail
-  }
+  SHA256_CTX c = from;
+  SHA256_Update(&c, data.data(), data.size());
+  SHA256_Final(md, &c);
+  OPENSSL_cleanse(&c, sizeof(c));
 }
 
 }  // namespace
 
 std::string Sha256(absl::string_view in) {
   unsigned char md[kDigestBytes];
-  Ctx c = NewCtx();
-  unsigned int len = 0;
-  if (EVP_DigestInit_ex(c.get(), Sha256Md(), nullptr) != 1 ||
-      EVP_DigestUpdate(c.get(), in.data(), in.size()) != 1 ||
-      EVP_DigestFinal_ex(c.get(), md, &len) != 1 || len != kDigestBytes) {
-    std::abort();
-  }
+  // Not the one-shot SHA256(), which goes through EVP in OpenSSL 3.
+  SHA256_CTX c;
+  SHA256_Init(&c);
+  SHA256_Update(&c, in.data(), in.size());
+  SHA256_Final(md, &c);
   return std::string(reinterpret_cast<const char*>(md), kDigestBytes);
 }
 
 struct HmacSha256::State {
-  Ctx inner = NewCtx();  // after absorbing key ^ ipad
-  Ctx outer = NewCtx();  // after absorbing key ^ opad
+  SHA256_CTX inner;  // after absorbing key ^ ipad
+  SHA256_CTX outer;  // after absorbing key ^ opad
 };
 
 HmacSha256::HmacSha256(absl::string_view key) : state_(new State) {
@@ -77,26 +52,25 @@ HmacSha256::HmacSha256(absl::string_view key) : state_(new State) {
   }
   std::memcpy(block, key.data(), key.size());
   unsigned char pad[kBlockBytes];
-  for (auto [ctx, byte] : {std::pair{state_->inner.get(), 0x36},
-                           std::pair{state_->outer.get(), 0x5c}}) {
+  for (auto [ctx, byte] :
+       {std::pair{&state_->inner, 0x36}, std::pair{&state_->outer, 0x5c}}) {
     for (size_t i = 0; i < kBlockBytes; ++i) pad[i] = block[i] ^ byte;
-    if (EVP_DigestInit_ex(ctx, Sha256Md(), nullptr) != 1 ||
-        EVP_DigestUpdate(ctx, pad, kBlockBytes) != 1) {
-      std::abort();
-    }
+    SHA256_Init(ctx);
+    SHA256_Update(ctx, pad, kBlockBytes);
   }
   OPENSSL_cleanse(block, sizeof(block));
   OPENSSL_cleanse(pad, sizeof(pad));
+  if (!hashed.empty()) OPENSSL_cleanse(hashed.data(), hashed.size());
 }
 
-HmacSha256::~HmacSha256() = default;
+HmacSha256::~HmacSha256() { OPENSSL_cleanse(state_.get(), sizeof(State)); }
 
 std::string HmacSha256::Mac(absl::string_view message) const {
   unsigned char inner[kDigestBytes];
-  FinishFrom(state_->inner.get(), message, inner);
+  FinishFrom(state_->inner, message, inner);
   unsigned char mac[kDigestBytes];
   FinishFrom(
-      state_->outer.get(),
+      state_->outer,
       absl::string_view(reinterpret_cast<const char*>(inner), kDigestBytes),
       mac);
   return std::string(reinterpret_cast<const char*>(mac), kDigestBytes);

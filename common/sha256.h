@@ -2,13 +2,16 @@
 // manager hashes each call's token secret (TokenStore) and signs the
 // capabilities of each SequenceInfo, workers verify a capability per call.
 //
-// OpenSSL 3's one-shot EVP_Digest(EVP_sha256()) and HMAC() look the
-// algorithm up by name on every call (an implicit fetch); here it is
-// fetched once per process, and an HmacSha256 keeps the key's inner and
-// outer SHA-256 states, so a MAC costs three compression rounds and two
-// context copies (callgrind, in kvmanager: about 25,000 instructions a
-// capability signed before, 10,600 now; bench/results/manager.md "Security
-// on and off").
+// OpenSSL 3's one-shot EVP_Digest(EVP_sha256()), SHA256() and HMAC() go
+// through the provider layer on every call (an implicit fetch, a context
+// allocated and freed). Here the low-level SHA256_CTX functions run the
+// same assembly without it, and an HmacSha256 keeps the key's inner and
+// outer states by value, so a MAC is two state copies and the compression
+// rounds of the message. callgrind, in kvmanager with --auth=token
+// (valgrind hides SHA-NI, so these are the portable code's counts): a
+// capability signed, fields included, 25,000 instructions with HMAC(),
+// about 8,600 now; a token's hash 5,900 with SHA256(), 2,400 now
+// (bench/results/manager.md "Security on and off").
 #pragma once
 
 #include <memory>

@@ -19,7 +19,9 @@
 # against plain), OUT/<step>.tsv (every run and the pooled rows, with the
 # ratio), OUT/<step>.err and OUT/summary.txt (exit status and seconds per
 # step). SECURITY, SECONDS_PER_RUN, REPEATS, MANAGER_CLIENTS,
-# ATTEND_TOKENS and ATTEND_CLIENTS override the defaults below.
+# ATTEND_TOKENS and ATTEND_CLIENTS override the defaults below. CERTS=DIR
+# copies make_certs.sh's files from DIR instead of making them (for a
+# machine without the openssl command: make them here, carry them along).
 set -uo pipefail
 b=$(cd "${1:?usage: scripts/device_security.sh BUNDLE OUT [manager|attend_cpu|attend_cuda|all]}" && pwd)
 out=${2:?OUT}
@@ -40,7 +42,12 @@ cpus_manager=${CPUS_MANAGER:-0-1}
 cpus_worker=${CPUS_WORKER:-2-5}
 cpus_clients=${CPUS_CLIENTS:-6-15}
 
-bash "$root/tests/tls/make_certs.sh" "$out/certs" || exit 1
+if [[ -n ${CERTS:-} ]]; then
+  [[ -f $CERTS/ca.crt ]] || { echo "device_security.sh: CERTS=$CERTS has no ca.crt" >&2; exit 2; }
+  mkdir -p "$out/certs" && cp "$CERTS"/* "$out/certs/" || exit 1
+else
+  bash "$root/tests/tls/make_certs.sh" "$out/certs" || exit 1
+fi
 {
   nproc
   lscpu | grep -E '^Model name' || true
