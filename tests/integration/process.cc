@@ -37,8 +37,12 @@ int ExitCode(int wstatus) {
 
 // fork/exec with stdout and stderr to the given files. -1 with errno on
 // failure of fork itself; exec failures show as exit code 127.
+// `cwd` (empty: the caller's) is the child's working directory, so that
+// what a daemon writes by default relative to it (kvmanager's
+// file:kvmanager-metadata) stays in the test's own directory.
 pid_t Spawn(const std::string& path, const std::vector<std::string>& args,
-            const std::string& out_path, const std::string& err_path) {
+            const std::string& out_path, const std::string& err_path,
+            const std::string& cwd = "") {
   std::vector<std::string> argv_s;
   argv_s.push_back(path);
   argv_s.insert(argv_s.end(), args.begin(), args.end());
@@ -56,6 +60,7 @@ pid_t Spawn(const std::string& path, const std::vector<std::string>& args,
           : open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   const int in = open("/dev/null", O_RDONLY);
   if (out < 0 || err < 0 || in < 0) _exit(126);
+  if (!cwd.empty() && chdir(cwd.c_str()) != 0) _exit(125);
   dup2(in, 0);
   dup2(out, 1);
   dup2(err, 2);
@@ -131,7 +136,9 @@ absl::StatusOr<std::unique_ptr<Process>> Process::Start(
     unlink(port_path.c_str());
     args.push_back(absl::StrCat("--port_file=", port_path));
   }
-  p->pid_ = Spawn(path, args, p->log_path_, p->log_path_);
+  // Relative paths among `args` would move with a relative `dir`.
+  p->pid_ = Spawn(path, args, p->log_path_, p->log_path_,
+                  !dir.empty() && dir[0] == '/' ? dir : "");
   if (p->pid_ < 0) {
     return absl::InternalError(
         absl::StrCat("fork for ", name, ": ", std::strerror(errno)));
