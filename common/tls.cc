@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/grpc_status.h"
 
 namespace triax {
 
@@ -180,6 +181,24 @@ bool IdentityMatches(absl::string_view identity,
   return false;
 }
 
+absl::Status CheckPeerIdentity(const grpc::AuthContext& context,
+                               absl::string_view method,
+                               const std::vector<std::string>& names) {
+  const std::string identity = PeerIdentity(context);
+  if (identity.empty()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat(method,
+                     " needs a client certificate signed by the server's "
+                     "--tls_ca; the call came without one"));
+  }
+  if (!IdentityMatches(identity, names)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(method, " is refused to client certificate \"", identity,
+                     "\": only ", absl::StrJoin(names, ", "), " may call it"));
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 class IdentityGuard : public grpc::AuthMetadataProcessor {
@@ -198,22 +217,7 @@ class IdentityGuard : public grpc::AuthMetadataProcessor {
     const std::string method(path->second.data(), path->second.size());
     const auto names = allowed_.find(method);
     if (names == allowed_.end()) return grpc::Status::OK;
-    const std::string identity = PeerIdentity(*context);
-    if (identity.empty()) {
-      return grpc::Status(
-          grpc::StatusCode::UNAUTHENTICATED,
-          absl::StrCat(method,
-                       " needs a client certificate signed by the server's "
-                       "--tls_ca; the call came without one"));
-    }
-    if (!IdentityMatches(identity, names->second)) {
-      return grpc::Status(
-          grpc::StatusCode::PERMISSION_DENIED,
-          absl::StrCat(method, " is refused to client certificate \"", identity,
-                       "\": only ", absl::StrJoin(names->second, ", "),
-                       " may call it"));
-    }
-    return grpc::Status::OK;
+    return ToGrpcStatus(CheckPeerIdentity(*context, method, names->second));
   }
 
  private:

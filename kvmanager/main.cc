@@ -392,16 +392,13 @@ int main(int argc, char** argv) {
   }
   std::shared_ptr<grpc::ServerCredentials> credentials =
       triax::ServerCredentials(*tls);
+  std::vector<std::string> worker_certificate_names;
   if (tls->server_enabled() && tls->client_enabled()) {
     // Only real workers register and heartbeat: their client certificates
     // carry a worker name; a frontend's (or none) is refused at the call.
     std::vector<std::string> names = absl::StrSplit(
         absl::GetFlag(FLAGS_tls_worker_names), ',', absl::SkipWhitespace());
-    if (!names.empty()) {
-      credentials->SetAuthMetadataProcessor(triax::MethodIdentityGuard(
-          {{"/triax.v1.Manager/RegisterWorker", names},
-           {"/triax.v1.Manager/Heartbeat", names}}));
-    }
+    worker_certificate_names = std::move(names);
   } else if (tls->server_enabled()) {
     Log(LogLevel::kWarn, "manager",
         "TLS without --tls_ca: client certificates are not asked for, so any "
@@ -583,6 +580,9 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_pressure_interval_ms));
   service.SetWorkerCredentials(triax::ChannelCredentials(*tls),
                                absl::GetFlag(FLAGS_tls_worker_server_name));
+  if (!worker_certificate_names.empty()) {
+    service.RequireWorkerCertificates(std::move(worker_certificate_names));
+  }
   if (const std::string auth = absl::GetFlag(FLAGS_auth); auth == "token") {
     const std::string path = absl::GetFlag(FLAGS_admin_token_file);
     if (const uint32_t ttl = absl::GetFlag(FLAGS_capability_ttl_seconds);

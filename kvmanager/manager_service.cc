@@ -15,6 +15,7 @@
 #include "common/ids.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 #include "kvmanager/convert.h"
 #include "kvmanager/manager_service_unary.h"
 #include "kvmanager/reclaim_round.h"
@@ -431,11 +432,26 @@ absl::Time ManagerService::ReclaimDeadline(
   return deadline;
 }
 
+absl::Status ManagerService::CheckWorkerCertificate(
+    const grpc::ServerContextBase& ctx, absl::string_view method) const {
+  if (worker_certificate_names_.empty()) return absl::OkStatus();
+  const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
+  if (auth == nullptr) {
+    return absl::UnauthenticatedError(
+        absl::StrCat(method,
+                     " needs a client certificate; the call has no "
+                     "authentication context"));
+  }
+  return CheckPeerIdentity(*auth, absl::StrCat("/triax.v1.Manager/", method),
+                           worker_certificate_names_);
+}
+
 grpc::ServerUnaryReactor* ManagerService::RegisterWorker(
     grpc::CallbackServerContext* ctx, const v1::RegisterWorkerRequest* req,
     v1::RegisterWorkerResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
     TRIAX_RETURN_IF_ERROR(auth_.Worker(*ctx, "RegisterWorker"));
+    TRIAX_RETURN_IF_ERROR(CheckWorkerCertificate(*ctx, "RegisterWorker"));
     auto r = core_->RegisterWorker(FromProto(*req));
     if (!r.ok()) return r.status();
     ToProto(*r, resp);
@@ -463,6 +479,7 @@ grpc::ServerUnaryReactor* ManagerService::Heartbeat(
     v1::HeartbeatResponse* resp) {
   return Unary(core_, ctx, [&]() -> absl::Status {
     TRIAX_RETURN_IF_ERROR(auth_.Worker(*ctx, "Heartbeat"));
+    TRIAX_RETURN_IF_ERROR(CheckWorkerCertificate(*ctx, "Heartbeat"));
     auto r = core_->Heartbeat(req->worker_id(), FromProto(req->inventory()),
                               req->incarnation());
     if (!r.ok()) return r.status();

@@ -155,6 +155,14 @@ class ManagerService final : public v1::Manager::CallbackService {
     capability_ttl_ms_ = capability_ttl_ms;
   }
 
+  // With mutual TLS: RegisterWorker and Heartbeat only from client
+  // certificates named in `names` (common/tls.h CheckPeerIdentity; "*"
+  // suffixes match prefixes); other calls are not checked. Call before the
+  // server starts.
+  void RequireWorkerCertificates(std::vector<std::string> names) {
+    worker_certificate_names_ = std::move(names);
+  }
+
   grpc::ServerUnaryReactor* RegisterWorker(
       grpc::CallbackServerContext* ctx, const v1::RegisterWorkerRequest* req,
       v1::RegisterWorkerResponse* resp) override;
@@ -325,7 +333,13 @@ class ManagerService final : public v1::Manager::CallbackService {
                            const std::string& why);
 
   ManagerCore* const core_;
-  Authorizer auth_;             // off unless RequireTokens
+  // RequireWorkerCertificates' check of RegisterWorker and Heartbeat.
+  absl::Status CheckWorkerCertificate(const grpc::ServerContextBase& ctx,
+                                      absl::string_view method) const;
+
+  Authorizer auth_;  // off unless RequireTokens
+  // Empty: RegisterWorker and Heartbeat take any (or no) certificate.
+  std::vector<std::string> worker_certificate_names_;
   std::string capability_key_;  // empty: capabilities off
   int64_t capability_ttl_ms_ = 0;
   ServiceLimits limits_;
