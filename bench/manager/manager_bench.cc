@@ -264,7 +264,7 @@ void AddSpan(google::protobuf::RepeatedPtrField<v1::Span>* spans, v1::Role role,
 // or `sessions` of them when >= 0.
 void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
                const Access& access, int tenants, Clock::time_point deadline,
-               int sessions, ClientStats* stats) {
+               int sessions, int run, ClientStats* stats) {
   const std::string tenant = absl::StrCat("bench-t", index % tenants);
   const std::string token =
       access.tenant_tokens.empty() ? "" : access.tenant_tokens[index % tenants];
@@ -294,7 +294,9 @@ void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
   uint64_t n = 0;
   while (sessions >= 0 ? n < static_cast<uint64_t>(sessions)
                        : Clock::now() < deadline) {
-    const std::string rid = absl::StrCat("c", index, "-", n++);
+    // Unique across runs: a manager keeps answered request ids, and one
+    // reused for another request is FAILED_PRECONDITION.
+    const std::string rid = absl::StrCat("r", run, "c", index, "-", n++);
     open.set_request_id("o" + rid);
     v1::OpenSequenceResponse open_resp;
     auto t0 = Clock::now();
@@ -745,6 +747,8 @@ bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
   const absl::StatusOr<double> server_cpu0 =
       bench::ProcessCpuSeconds(m.manager.pid());
   const absl::StatusOr<double> client_cpu0 = bench::ProcessCpuSeconds(0);
+  static int runs = 0;
+  const int run_id = runs++;
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::seconds(seconds);
   for (int i = 0; i < clients; ++i) {
@@ -753,7 +757,7 @@ bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
                                                (i < level_sessions % clients)
                                          : -1;
     threads.emplace_back(RunClient, channels[i], i, std::cref(m.access),
-                         tenants, deadline, share, &stats[i]);
+                         tenants, deadline, share, run_id, &stats[i]);
   }
   for (auto& t : threads) t.join();
   const double elapsed =
