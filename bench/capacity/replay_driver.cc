@@ -147,6 +147,7 @@ class Replayer {
   uint64_t release_gen_ = 0;  // device bytes released so far (count)
   size_t done_ = 0;
   int64_t next_sample_ = 0;
+  int64_t last_arrival_ = 0;
   bool changed_ = true;  // state changed since the last idle round
   absl::Status fatal_;
 };
@@ -249,9 +250,13 @@ void Replayer::AdvanceTo(int64_t t) {
   // The state of [now, t) is the state of the samples in it.
   for (; next_sample_ < t; next_sample_ += config_.sample_ms) Sample();
   const auto dt = static_cast<double>(t - now);
+  const auto arriving = static_cast<double>(
+      std::max<int64_t>(0, std::min(t, last_arrival_) - now));
   result_.total.open_ms += dt * open_total_;
+  result_.total.open_ms_arriving += arriving * open_total_;
   for (size_t k = 0; k < open_now_.size(); ++k) {
     result_.by_tenant[k].open_ms += dt * open_now_[k];
+    result_.by_tenant[k].open_ms_arriving += arriving * open_now_[k];
   }
   clock_.AdvanceMs(t - now);
 }
@@ -638,6 +643,8 @@ absl::Status Replayer::Run() {
   const auto wall0 = std::chrono::steady_clock::now();
   // Samples and the span start at the first arrival.
   const int64_t start = trace_.sessions.front().arrive_ms;
+  last_arrival_ = trace_.sessions.back().arrive_ms;
+  result_.arrival_span_ms = last_arrival_ - start;
   next_sample_ = start;
   AdvanceTo(start);
   Push(start, Kind::kTick);

@@ -46,7 +46,7 @@
 // at Extend (re-allocation as turns age) are policy_demotions, not pressure
 // demotions. Concurrency is the number of open sessions (admitted, not yet
 // closed); its mean is over the replay's span (first arrival to the last
-// event).
+// event) and over the arrivals' span (first to last arrival).
 //
 // Errors: INVALID_ARGUMENT naming the config field (workers, device_bytes,
 // tick_ms, patience_ms, retry_ms, sample_ms, max_background_stages not
@@ -121,6 +121,7 @@ struct ReplayCounts {
   uint64_t policy_demotions = 0;  // re-allocation at Extend
   uint32_t peak_open = 0;         // open sessions at once
   double open_ms = 0;             // integral of open sessions over time
+  double open_ms_arriving = 0;    // ... until the last arrival
   uint64_t peak_device_bytes = 0;
 };
 
@@ -138,6 +139,7 @@ struct ReplayResult {
   std::vector<ReplaySample> samples;  // every sample_ms from 0
   uint64_t device_capacity = 0;       // every worker
   int64_t span_ms = 0;                // first arrival to the last event
+  int64_t arrival_span_ms = 0;        // first arrival to the last
   uint64_t reclaim_rounds = 0;        // admission / restore rounds run
   uint64_t background_rounds = 0;     // ticks that ranked
   uint64_t plans = 0;                 // tier plans applied
@@ -149,6 +151,13 @@ struct ReplayResult {
   // Mean open sessions over the span.
   double MeanOpen() const {
     return span_ms > 0 ? total.open_ms / static_cast<double>(span_ms) : 0;
+  }
+  // Mean open sessions while sessions arrive (the load is steady there,
+  // not draining): the concurrency a saturated pool sustains.
+  double MeanOpenArriving() const {
+    return arrival_span_ms > 0
+               ? total.open_ms_arriving / static_cast<double>(arrival_span_ms)
+               : 0;
   }
 };
 

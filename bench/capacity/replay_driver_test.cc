@@ -91,6 +91,10 @@ TEST(ReplayDriverTest, CountsAdmissionWaitsRefusalsAndConcurrency) {
   EXPECT_DOUBLE_EQ(all.open_ms, 1400.0);
   EXPECT_EQ(r->span_ms, 1200);
   EXPECT_DOUBLE_EQ(r->MeanOpen(), 1400.0 / 1200.0);
+  // Until the last arrival (30): s0 30 ms, s1 20 ms.
+  EXPECT_EQ(r->arrival_span_ms, 30);
+  EXPECT_DOUBLE_EQ(all.open_ms_arriving, 50.0);
+  EXPECT_DOUBLE_EQ(r->MeanOpenArriving(), 50.0 / 30.0);
   EXPECT_EQ(all.demotions + all.spills + all.restores + all.evictions, 0u);
 
   const ReplayCounts& a = r->by_tenant[0];
