@@ -260,7 +260,8 @@ struct Row {
 
 absl::StatusOr<std::vector<Row>> RowsFromFlags(
     const ModelShape& model, uint32_t block_tokens,
-    const std::optional<manager::CalibrationTableInfo>& table) {
+    const std::optional<manager::CalibrationTableInfo>& table,
+    const std::string& table_name) {
   const std::string text = absl::GetFlag(FLAGS_policies);
   TRIAX_ASSIGN_OR_RETURN(auto rows, kvctl::ParseCapacityRows("policies", text));
   if (rows.empty()) return Bad("policies", text, "no rows");
@@ -364,6 +365,7 @@ int Main() {
   }
   ModelShape model;
   std::string model_note;
+  const std::string table_name = table ? table->model : "";
   if (const std::string name = absl::GetFlag(FLAGS_model); name == "table") {
     if (!table) {
       std::cerr << "capacity_replay: --model=table needs --calibration\n";
@@ -384,11 +386,14 @@ int Main() {
       // distortions stand in for this model's (as kvctl plan says).
       model_note = absl::StrCat(model.name, " (", table->model,
                                 "'s calibration table standing in)");
+      // Stored under the model's name, so that the ranker reads it for
+      // rule-policy sessions too.
       table->shape = model;
+      table->model = model.name;
     }
   }
   const uint32_t block_tokens = absl::GetFlag(FLAGS_block_tokens);
-  auto rows = RowsFromFlags(model, block_tokens, table);
+  auto rows = RowsFromFlags(model, block_tokens, table, table_name);
   if (!rows.ok()) {
     std::cerr << "capacity_replay: " << rows.status().message() << "\n";
     return 2;
