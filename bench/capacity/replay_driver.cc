@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <queue>
+#include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -551,27 +552,35 @@ absl::Status Replayer::GiveUp(uint32_t i) {
 }
 
 absl::Status Replayer::Pass() {
-  for (size_t t = 0; t < wait_opens_.size(); ++t) {
-    if (!Eligible(t)) continue;
-    bool failed = false;
-    for (auto* q : {&wait_steps_[t], &wait_opens_[t]}) {
-      while (!failed && !q->empty()) {
-        const uint32_t i = q->front();
-        if (!Waiting(i)) {
-          q->pop_front();  // gave up
-          continue;
-        }
-        const absl::Status st = Attempt(i, /*waiting=*/true);
-        if (absl::IsResourceExhausted(st)) {
-          failed = true;
-        } else {
-          TRIAX_RETURN_IF_ERROR(st);
-          q->pop_front();
-        }
+  while (true) {
+    // The oldest waiting call of the tenants that may retry (in-flight
+    // steps before Opens), so that no tenant is served first by rule.
+    std::deque<uint32_t>* best = nullptr;
+    std::tuple<bool, int64_t, uint32_t> best_key;
+    for (size_t t = 0; t < wait_opens_.size(); ++t) {
+      if (!Eligible(t)) continue;
+      PurgeFront(&wait_steps_[t]);
+      PurgeFront(&wait_opens_[t]);
+      std::deque<uint32_t>* q = !wait_steps_[t].empty()   ? &wait_steps_[t]
+                                : !wait_opens_[t].empty() ? &wait_opens_[t]
+                                                          : nullptr;
+      if (q == nullptr) continue;
+      const uint32_t i = q->front();
+      const auto key =
+          std::make_tuple(q == &wait_opens_[t], live_[i].wait_since, i);
+      if (best == nullptr || key < best_key) {
+        best = q;
+        best_key = key;
       }
     }
+    if (best == nullptr) return absl::OkStatus();
+    const absl::Status st = Attempt(best->front(), /*waiting=*/true);
+    // Refused: Attempt marked the tenant, which waits for the next release
+    // or retry_ms.
+    if (absl::IsResourceExhausted(st)) continue;
+    TRIAX_RETURN_IF_ERROR(st);
+    best->pop_front();
   }
-  return absl::OkStatus();
 }
 
 absl::Status Replayer::BackgroundRound() {

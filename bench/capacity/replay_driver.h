@@ -22,11 +22,13 @@
 // turn, and a Close after the last response. A turn that starts after
 // idleness first reports the session active and, with spill tiers, brings
 // its spilled blocks back (RestoreRound). A call refused RESOURCE_EXHAUSTED
-// (after reclaiming, with `reclaim`) waits: the tenant's queue of in-flight
-// steps before its queue of Opens, each FIFO; a tenant's head is retried
-// after any release of device bytes (a Close, a session given up, a
-// background round that freed bytes) and otherwise every retry_ms. A newly
-// arrived session queues behind its tenant's waiting Opens. A wait longer
+// (after reclaiming, with `reclaim`) waits in its tenant's queue of
+// in-flight steps or of Opens, each FIFO. Waiting calls are retried after
+// any release of device bytes (a Close, a session given up, a background
+// round that freed bytes) and otherwise every retry_ms: the oldest head of
+// the tenants' queues first (in-flight steps before Opens), until each
+// tenant's head was refused once. A newly arrived session queues behind its
+// tenant's waiting Opens. A wait longer
 // than patience_ms gives up: a waiting Open is refused; a waiting turn
 // drops the session (it is closed, incomplete). Other errors end the
 // replay with that error and the session named.

@@ -141,6 +141,23 @@ TEST(ReplayDriverTest, AWaitingTurnPastPatienceDropsTheSession) {
   EXPECT_EQ(r->total.turns, 1u);
 }
 
+TEST(ReplayDriverTest, TheOldestWaiterGoesFirstWhateverItsTenant) {
+  // s0 (a) holds 8 blocks until 1000. s1 (b, from 10) and s2 (a, from 20)
+  // each need 5: when s0 closes only one fits, and it is s1, the older,
+  // though tenant a comes first in the trace; s2 follows when s1 closes.
+  ReplayConfig c = Config();
+  c.patience_ms = 2000;
+  Trace t;
+  t.sessions = {Session("s0", "a", 0, {Turn(0, 1000, 112, 16)}),
+                Session("s1", "b", 10, {Turn(0, 500, 80, 16)}),
+                Session("s2", "a", 20, {Turn(0, 500, 80, 16)})};
+  auto r = RunReplay(t, c);
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->total.completed, 3u);
+  EXPECT_EQ(r->by_tenant[1].open_wait_ms, 1000 - 10);
+  EXPECT_EQ(r->by_tenant[0].open_wait_ms, 1500 - 20);
+}
+
 TEST(ReplayDriverTest, ReclaimCountsEveryActionOnTheTenantItTouched) {
   // s0 (a) holds 6 blocks until its response at 1000; s1 (b) needs 4 at
   // 100: admitted after the reclaim demotes a's blocks. The per-tenant
