@@ -51,7 +51,8 @@ ABSL_FLAG(std::string, trace_out, "", "also write the trace played here");
 ABSL_FLAG(int, sessions, 10000, "sessions to generate (synthetic, bfcl)");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the generated trace");
 ABSL_FLAG(std::string, tenants, "a:3,b:1",
-          "generated sessions' tenants, ID:WEIGHT,...");
+          "generated sessions' tenants, ID:WEIGHT[:FROM_S-TO_S],... (the "
+          "tenant's share of --arrival_rate, arriving only in that window)");
 ABSL_FLAG(std::string, budgets, "",
           "device budgets, ID:FLOOR_MIB:CEILING_MIB,... (ceiling 0: the "
           "pool); tenants not listed have none");
@@ -154,9 +155,23 @@ absl::StatusOr<std::vector<TenantWeight>> TenantsFromFlags() {
   for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
     const std::vector<std::string> f = absl::StrSplit(part, ':');
     TenantWeight t;
-    if (f.size() != 2 || f[0].empty() || !absl::SimpleAtod(f[1], &t.weight)) {
+    if (f.size() < 2 || f.size() > 3 || f[0].empty() ||
+        !absl::SimpleAtod(f[1], &t.weight)) {
       return Bad("tenants", text,
-                 absl::StrCat("\"", part, "\" is not ID:WEIGHT"));
+                 absl::StrCat("\"", part, "\" is not ID:WEIGHT[:FROM_S-TO_S]"));
+    }
+    if (f.size() == 3) {
+      const std::vector<std::string> w = absl::StrSplit(f[2], '-');
+      double from = 0, to = 0;
+      if (w.size() != 2 || !absl::SimpleAtod(w[0], &from) ||
+          !absl::SimpleAtod(w[1], &to) || from < 0 || to <= from) {
+        return Bad("tenants", text,
+                   absl::StrCat("\"", f[2],
+                                "\" is not a window FROM_S-TO_S (seconds, "
+                                "FROM_S < TO_S)"));
+      }
+      t.from_ms = static_cast<int64_t>(from * 1000);
+      t.to_ms = static_cast<int64_t>(to * 1000);
     }
     t.tenant = f[0];
     out.push_back(t);
@@ -413,6 +428,14 @@ int Main() {
   if (!mode.ok()) {
     std::cerr << "capacity_replay: --pressure_mode: " << mode.status().message()
               << "\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_gpus) < 1 || absl::GetFlag(FLAGS_device_mib) < 1 ||
+      !(absl::GetFlag(FLAGS_patience_s) > 0)) {
+    std::cerr << "capacity_replay: --gpus=" << absl::GetFlag(FLAGS_gpus)
+              << ", --device_mib=" << absl::GetFlag(FLAGS_device_mib)
+              << " and --patience_s=" << absl::GetFlag(FLAGS_patience_s)
+              << " must all be positive\n";
     return 2;
   }
   ReplayConfig config;

@@ -255,13 +255,25 @@ absl::StatusOr<Trace> MakeTrace(
   }
   if (tenants.empty()) return absl::InvalidArgumentError("no tenants");
   double total_weight = 0;
+  bool endless = false;
   for (const TenantWeight& t : tenants) {
     TRIAX_RETURN_IF_ERROR(ValidateId("tenant", t.tenant));
     if (!(t.weight > 0) || !std::isfinite(t.weight)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tenant ", t.tenant, ": weight=", t.weight, " is not > 0"));
     }
+    if (t.from_ms < 0 || t.from_ms >= t.to_ms) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tenant ", t.tenant, ": window from_ms=", t.from_ms,
+                       " to_ms=", t.to_ms, " is empty or negative"));
+    }
+    endless = endless || t.to_ms == INT64_MAX;
     total_weight += t.weight;
+  }
+  if (!endless) {
+    return absl::InvalidArgumentError(
+        "every tenant's window ends: give one tenant no end, or the trace "
+        "could run out of arrivals");
   }
   if (!(timing.arrival_rate > 0) || !std::isfinite(timing.arrival_rate)) {
     return absl::InvalidArgumentError(
@@ -280,20 +292,23 @@ absl::StatusOr<Trace> MakeTrace(
   Trace trace;
   trace.sessions.reserve(static_cast<size_t>(sessions));
   double t_ms = 0;
-  for (int i = 0; i < sessions; ++i) {
+  for (int i = 0; i < sessions;) {
     t_ms += rng.Exponential(1000.0 / timing.arrival_rate);
-    TraceSession s;
-    s.id = absl::StrFormat("s%06d", i);
     double pick = rng.Uniform() * total_weight;
-    s.tenant = tenants.back().tenant;
+    const TenantWeight* tenant = &tenants.back();
     for (const TenantWeight& t : tenants) {
       if (pick < t.weight) {
-        s.tenant = t.tenant;
+        tenant = &t;
         break;
       }
       pick -= t.weight;
     }
-    s.arrive_ms = static_cast<int64_t>(t_ms);
+    const auto at = static_cast<int64_t>(t_ms);
+    if (at < tenant->from_ms || at >= tenant->to_ms) continue;
+    TraceSession s;
+    s.id = absl::StrFormat("s%06d", i++);
+    s.tenant = tenant->tenant;
+    s.arrive_ms = at;
     SessionShape shape = next_shape(rng);
     s.shape = shape.name;
     for (size_t k = 0; k < shape.turns.size(); ++k) {

@@ -91,13 +91,19 @@ struct SyntheticShape {
 
 struct TenantWeight {
   std::string tenant;
-  double weight = 1;  // > 0; a session's tenant is drawn by weight
+  double weight = 1;  // > 0
+  // Sessions of this tenant arrive in [from_ms, to_ms) only.
+  int64_t from_ms = 0;
+  int64_t to_ms = INT64_MAX;
 };
 
 // How sessions arrive and pace their turns.
 struct Timing {
-  double arrival_rate = 1;  // sessions per second (Poisson arrivals), > 0
-  double think_ms = 5000;   // mean idle before turns k > 0 (exponential)
+  // Sessions per second (Poisson arrivals), > 0, when every tenant is in
+  // its window: tenant k's sessions arrive at arrival_rate x weight_k /
+  // (sum of the weights), within its window.
+  double arrival_rate = 1;
+  double think_ms = 5000;  // mean idle before turns k > 0 (exponential)
   // decode_ms = response tokens x decode_ms_per_token + tool_ms (0 without
   // a response).
   double decode_ms_per_token = 20;
@@ -122,10 +128,13 @@ class TraceRng {
 // per session, in arrival order), a tenant by weight, arrivals and think
 // times from `timing`, all drawn from one pseudo-random stream of `seed`
 // (splitmix64; the same seed gives the same trace on every platform).
-// Session ids are "s" and the index, zero-padded to 6 digits.
-// INVALID_ARGUMENT naming the field for sessions < 1, no tenants, a weight
-// that is not > 0, arrival_rate not > 0, think_ms, decode_ms_per_token or
-// tool_ms negative.
+// Arrivals are drawn at the full rate with a tenant by weight, and dropped
+// when that tenant is outside its window (thinning: each tenant's sessions
+// are a Poisson stream of its own rate in its window). Session ids are "s"
+// and the index, zero-padded to 6 digits. INVALID_ARGUMENT naming the
+// field for sessions < 1, no tenants, a weight that is not > 0, a window
+// with from_ms >= to_ms or from_ms < 0, every tenant's window ending,
+// arrival_rate not > 0, think_ms, decode_ms_per_token or tool_ms negative.
 absl::StatusOr<Trace> MakeTrace(
     int sessions, const std::vector<TenantWeight>& tenants,
     const Timing& timing, uint64_t seed,

@@ -58,6 +58,42 @@ TEST(ReplayTraceTest, SyntheticTracesAreDeterministicAndFollowTheShape) {
   EXPECT_EQ(t1->Tenants().size(), 2u);
 }
 
+TEST(ReplayTraceTest, ATenantWindowThinsItsArrivals) {
+  // b (weight 1 of 2) arrives only in [20 s, 40 s): outside it every
+  // session is a's; inside, about half are b's.
+  SyntheticShape shape;
+  Timing timing;
+  timing.arrival_rate = 10;
+  auto t =
+      MakeTrace(600, {{"a", 1}, {"b", 1, 20'000, 40'000}}, timing, 5,
+                [&](TraceRng& rng) { return DrawSyntheticShape(shape, rng); });
+  ASSERT_THAT(t, IsOk());
+  int b = 0, inside = 0;
+  for (const TraceSession& s : t->sessions) {
+    const bool in = s.arrive_ms >= 20'000 && s.arrive_ms < 40'000;
+    inside += in;
+    if (s.tenant == "b") {
+      ++b;
+      EXPECT_TRUE(in) << s.id << " at " << s.arrive_ms;
+    }
+  }
+  // a's rate is 5/s throughout, b's 5/s inside: ~200 in the window, ~100
+  // of them b's.
+  EXPECT_GT(inside, 150);
+  EXPECT_GT(b, inside / 4);
+  EXPECT_LT(b, 3 * inside / 4);
+  EXPECT_THAT(
+      MakeTrace(5, {{"a", 1, 0, 10}}, timing, 1,
+                [&](TraceRng& rng) { return DrawSyntheticShape(shape, rng); }),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("every tenant's window ends")));
+  EXPECT_THAT(
+      MakeTrace(5, {{"a", 1}, {"b", 1, 10, 10}}, timing, 1,
+                [&](TraceRng& rng) { return DrawSyntheticShape(shape, rng); }),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("tenant b: window from_ms=10 to_ms=10")));
+}
+
 TEST(ReplayTraceTest, TextRoundTrips) {
   auto t = Synthetic(3, 20);
   ASSERT_THAT(t, IsOk());
