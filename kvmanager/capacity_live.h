@@ -1,5 +1,5 @@
 // The capacity planner's inputs read from a live manager (docs/capacity.md
-// "Against a live manager"): the tag mix of the open sequences' blocks,
+// "The live plan on the dashboard"): the tag mix of the open sequences' blocks,
 // the tenants with their device budgets, and, for the dashboard's live
 // plan (GET /api/plan; docs/dashboard.md), a whole CapacityRequest for the
 // fleet as it stands.

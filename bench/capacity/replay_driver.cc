@@ -112,6 +112,14 @@ class Replayer {
   }
   absl::Status BackgroundRound();
   TierPlanOutcome RunPlan(const TierPlan& plan);
+  // Runs `call` (an Open or Extend) and, refused for room with `reclaim`,
+  // one reclaim round retrying it after each stage (as the service's
+  // AdmitAfterReclaim). Its result; RESOURCE_EXHAUSTED with a shortfall
+  // (wait); any other error named for session i.
+  template <typename T>
+  absl::StatusOr<T> Admit(
+      uint32_t i,
+      const std::function<absl::StatusOr<T>(AdmissionShortfall*)>& call);
   // An admission after reclaiming, retrying `call` after each stage.
   absl::Status Reclaim(
       const absl::Status& refused, AdmissionShortfall* sf,
@@ -341,6 +349,29 @@ absl::Status Replayer::Reclaim(
   return st;
 }
 
+template <typename T>
+absl::StatusOr<T> Replayer::Admit(
+    uint32_t i,
+    const std::function<absl::StatusOr<T>(AdmissionShortfall*)>& call) {
+  AdmissionShortfall sf;
+  absl::StatusOr<T> r = call(&sf);
+  if (!r.ok() && absl::IsResourceExhausted(r.status()) &&
+      sf.request_bytes > 0 && config_.reclaim) {
+    const absl::Status st =
+        Reclaim(r.status(), &sf, [&](AdmissionShortfall* again) {
+          r = call(again);
+          return r.status();
+        });
+    if (!fatal_.ok()) return fatal_;
+    if (!st.ok() && r.ok()) return Fatal(i, st);
+  }
+  if (r.ok()) return r;
+  if (absl::IsResourceExhausted(r.status()) && sf.request_bytes > 0) {
+    return r.status();  // refused for room: the caller waits
+  }
+  return Fatal(i, r.status());
+}
+
 absl::Status Replayer::TryOpen(uint32_t i) {
   const TraceSession& s = trace_.sessions[i];
   manager::OpenSequenceRequest req;
@@ -349,24 +380,9 @@ absl::Status Replayer::TryOpen(uint32_t i) {
   req.spans = s.turns[0].prompt;
   req.block_tokens = config_.block_tokens;
   req.policy = config_.policy;
-  AdmissionShortfall sf;
-  absl::StatusOr<manager::SequenceInfo> r = core_->OpenSequence(req, &sf);
-  if (!r.ok() && absl::IsResourceExhausted(r.status()) &&
-      sf.request_bytes > 0 && config_.reclaim) {
-    const absl::Status st =
-        Reclaim(r.status(), &sf, [&](AdmissionShortfall* again) {
-          r = core_->OpenSequence(req, again);
-          return r.status();
-        });
-    if (!fatal_.ok()) return fatal_;
-    if (!st.ok() && r.ok()) return Fatal(i, st);
-  }
-  if (!r.ok()) {
-    if (absl::IsResourceExhausted(r.status()) && sf.request_bytes > 0) {
-      return r.status();
-    }
-    return Fatal(i, r.status());
-  }
+  absl::StatusOr<manager::SequenceInfo> r = Admit<manager::SequenceInfo>(
+      i, [&](AdmissionShortfall* sf) { return core_->OpenSequence(req, sf); });
+  if (!r.ok()) return r.status();
   Live& l = live_[i];
   l.sequence_id = r->sequence_id;
   ReplayCounts& c = result_.by_tenant[l.tenant];
@@ -406,25 +422,11 @@ absl::Status Replayer::TryStep(uint32_t i) {
   req.sequence_id = l.sequence_id;
   req.spans = l.response ? turn.response : turn.prompt;
   req.new_turn = !l.response || turn.prompt.empty();
-  AdmissionShortfall sf;
   absl::StatusOr<manager::ExtendSequenceResult> r =
-      core_->ExtendSequence(req, &sf);
-  if (!r.ok() && absl::IsResourceExhausted(r.status()) &&
-      sf.request_bytes > 0 && config_.reclaim) {
-    const absl::Status st =
-        Reclaim(r.status(), &sf, [&](AdmissionShortfall* again) {
-          r = core_->ExtendSequence(req, again);
-          return r.status();
-        });
-    if (!fatal_.ok()) return fatal_;
-    if (!st.ok() && r.ok()) return Fatal(i, st);
-  }
-  if (!r.ok()) {
-    if (absl::IsResourceExhausted(r.status()) && sf.request_bytes > 0) {
-      return r.status();
-    }
-    return Fatal(i, r.status());
-  }
+      Admit<manager::ExtendSequenceResult>(i, [&](AdmissionShortfall* sf) {
+        return core_->ExtendSequence(req, sf);
+      });
+  if (!r.ok()) return r.status();
   ReplayCounts& c = result_.by_tenant[l.tenant];
   if (r->demotion) {
     // The worker's Demote of the blocks the re-allocation shrank: done.
