@@ -51,6 +51,7 @@ struct Live {
   bool response = false;  // the step to play is the turn's response
   int64_t wait_since = 0;
   uint64_t wait_id = 0;
+  uint64_t tokens = 0;  // admitted so far
 };
 
 uint64_t Tokens(const std::vector<Span>& spans) {
@@ -152,6 +153,7 @@ class Replayer {
   std::vector<uint64_t> failed_gen_;
   std::vector<int64_t> failed_at_;
   std::vector<uint32_t> open_now_;
+  std::vector<uint64_t> tokens_now_;  // the open sessions' tokens
   uint32_t open_total_ = 0;
   uint64_t release_gen_ = 0;  // device bytes released so far (count)
   size_t done_ = 0;
@@ -194,6 +196,8 @@ absl::Status Replayer::Setup() {
     TRIAX_RETURN_IF_ERROR(core_->RegisterWorker(reg).status());
   }
   result_.device_capacity = c.device_bytes * static_cast<uint64_t>(c.workers);
+  result_.values_per_token =
+      2ull * c.model.n_layers * c.model.n_kv_heads * c.model.head_dim;
   if (c.calibration) {
     manager::PutCalibrationRequest put;
     put.table = *c.calibration;
@@ -242,6 +246,7 @@ absl::Status Replayer::Setup() {
   failed_gen_.assign(n, 0);
   failed_at_.assign(n, 0);
   open_now_.assign(n, 0);
+  tokens_now_.assign(n, 0);
   live_.assign(trace_.sessions.size(), Live{});
   for (size_t i = 0; i < trace_.sessions.size(); ++i) {
     const TraceSession& s = trace_.sessions[i];
@@ -282,6 +287,7 @@ void Replayer::Sample() {
     }
   }
   s.open = open_now_;
+  s.tokens = tokens_now_;
   result_.samples.push_back(std::move(s));
 }
 
@@ -390,6 +396,8 @@ absl::Status Replayer::TryOpen(uint32_t i) {
     ++x->admitted;
     x->tokens += Tokens(req.spans);
   }
+  l.tokens = Tokens(req.spans);
+  tokens_now_[l.tenant] += l.tokens;
   ++open_now_[l.tenant];
   ++open_total_;
   c.peak_open = std::max(c.peak_open, open_now_[l.tenant]);
@@ -438,6 +446,8 @@ absl::Status Replayer::TryStep(uint32_t i) {
   }
   c.tokens += Tokens(req.spans);
   result_.total.tokens += Tokens(req.spans);
+  l.tokens += Tokens(req.spans);
+  tokens_now_[l.tenant] += Tokens(req.spans);
   changed_ = true;
   Observe();
   return absl::OkStatus();
@@ -478,6 +488,7 @@ absl::Status Replayer::Close(uint32_t i) {
   if (auto r = core_->CloseSequence(req); !r.ok()) return Fatal(i, r.status());
   --open_now_[l.tenant];
   --open_total_;
+  tokens_now_[l.tenant] -= l.tokens;
   l.phase = Phase::kDone;
   ++done_;
   ++release_gen_;
@@ -682,6 +693,17 @@ absl::Status Replayer::Run() {
 }
 
 }  // namespace
+
+double ReplayResult::HeldBitsPerValue() const {
+  double bytes = 0, tokens = 0;
+  for (const ReplaySample& s : samples) {
+    if (s.t_ms > arrival_span_ms) break;
+    for (uint64_t b : s.device_bytes) bytes += static_cast<double>(b);
+    for (uint64_t t : s.tokens) tokens += static_cast<double>(t);
+  }
+  if (tokens <= 0 || values_per_token == 0) return 0;
+  return bytes * 8.0 / (tokens * static_cast<double>(values_per_token));
+}
 
 absl::StatusOr<ReplayResult> RunReplay(const Trace& trace,
                                        const ReplayConfig& config) {

@@ -127,11 +127,13 @@ struct ReplayCounts {
   uint64_t peak_device_bytes = 0;
 };
 
-// The tenants' device bytes and open sessions at one time.
+// The tenants' device bytes, open sessions and their tokens at one time.
 struct ReplaySample {
   int64_t t_ms = 0;                    // since the first arrival
   std::vector<uint64_t> device_bytes;  // by tenant (ReplayResult::tenants)
   std::vector<uint32_t> open;
+  // Tokens admitted to the open sessions (spilled or evicted ones too).
+  std::vector<uint64_t> tokens;
 };
 
 struct ReplayResult {
@@ -140,12 +142,14 @@ struct ReplayResult {
   std::vector<ReplayCounts> by_tenant;
   std::vector<ReplaySample> samples;  // every sample_ms from 0
   uint64_t device_capacity = 0;       // every worker
-  int64_t span_ms = 0;                // first arrival to the last event
-  int64_t arrival_span_ms = 0;        // first arrival to the last
-  uint64_t reclaim_rounds = 0;        // admission / restore rounds run
-  uint64_t background_rounds = 0;     // ticks that ranked
-  uint64_t plans = 0;                 // tier plans applied
-  uint64_t unapplied = 0;             // planned blocks not applied
+  // K and V values of one token: 2 x layers x KV heads x head_dim.
+  uint64_t values_per_token = 0;
+  int64_t span_ms = 0;             // first arrival to the last event
+  int64_t arrival_span_ms = 0;     // first arrival to the last
+  uint64_t reclaim_rounds = 0;     // admission / restore rounds run
+  uint64_t background_rounds = 0;  // ticks that ranked
+  uint64_t plans = 0;              // tier plans applied
+  uint64_t unapplied = 0;          // planned blocks not applied
   // GetPressure's counters at the end.
   uint64_t core_demotions = 0, core_spills = 0, core_restores = 0,
            core_evictions = 0;
@@ -161,6 +165,14 @@ struct ReplayResult {
                ? total.open_ms_arriving / static_cast<double>(arrival_span_ms)
                : 0;
   }
+  // Device bits per K/V value of the open sessions' tokens, over the
+  // samples while sessions arrive (t_ms <= arrival_span_ms): the device
+  // bytes summed over those samples x 8 / (their tokens summed x
+  // values_per_token). Every byte the pool holds counts (scales, zeros,
+  // padding, the free slots of each span's last block: a block never mixes
+  // spans); tokens spilled or evicted count without their bytes. 0 without
+  // tokens.
+  double HeldBitsPerValue() const;
 };
 
 absl::StatusOr<ReplayResult> RunReplay(const Trace& trace,

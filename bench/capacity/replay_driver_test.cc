@@ -121,7 +121,31 @@ TEST(ReplayDriverTest, CountsAdmissionWaitsRefusalsAndConcurrency) {
   EXPECT_EQ(r->samples[2].device_bytes,
             (std::vector<uint64_t>{3 * kBf16, 3 * kBf16}));
   EXPECT_EQ(r->samples[2].open, (std::vector<uint32_t>{1, 1}));
+  EXPECT_EQ(r->samples[2].tokens, (std::vector<uint64_t>{48, 48}));
   EXPECT_EQ(r->samples[12].device_bytes, (std::vector<uint64_t>{0, 0}));
+  EXPECT_EQ(r->samples[12].tokens, (std::vector<uint64_t>{0, 0}));
+  // While arriving (the sample at 0): s0's 64 tokens in 4 full BF16 blocks.
+  EXPECT_EQ(r->values_per_token, 2u * 2 * 2 * 64);
+  EXPECT_DOUBLE_EQ(r->HeldBitsPerValue(), 16.0);
+}
+
+TEST(ReplayDriverTest, HeldBitsCountTheFreeSlotsOfEachSpansLastBlock) {
+  // s0's prompt of 8 tokens takes a whole block until its response at
+  // 1000; s1's of 16 (8 + 8, two spans) takes two from 100, the last
+  // arrival. Samples at 0 and 100: 1 + 3 blocks for 8 + 24 tokens,
+  // 4 x 16,384 bytes x 8 / (32 tokens x 512 values) = 32 bits a value.
+  TraceTurn two_spans = Turn(0, 1000, 8, 8);
+  two_spans.prompt.push_back({Role::kUser, Modality::kText, 8});
+  Trace t;
+  t.sessions = {Session("s0", "a", 0, {Turn(0, 1000, 8, 8)}),
+                Session("s1", "a", 100, {two_spans})};
+  auto r = RunReplay(t, Config());
+  ASSERT_THAT(r, IsOk());
+  ASSERT_GE(r->samples.size(), 2u);
+  EXPECT_EQ(r->samples[1].t_ms, 100);
+  EXPECT_EQ(r->samples[1].device_bytes, (std::vector<uint64_t>{3 * kBf16}));
+  EXPECT_EQ(r->samples[1].tokens, (std::vector<uint64_t>{24}));
+  EXPECT_DOUBLE_EQ(r->HeldBitsPerValue(), 32.0);
 }
 
 TEST(ReplayDriverTest, AWaitingTurnPastPatienceDropsTheSession) {

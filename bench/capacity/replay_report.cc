@@ -69,12 +69,11 @@ std::string TraceSummary(const Trace& trace) {
 std::string ResultsTable(const std::vector<ReplayRow>& rows) {
   std::string out =
       "| policy | admitted (after wait) | completed | refused | dropped | "
-      "mean / max Open wait s | turn waits | demotions | spills | evictions "
-      "| policy demotions | peak open | mean open while arriving | peak gain | "
-      "mean gain | "
-      "admitted gain |\n"
+      "mean / max Open wait s | turn waits (mean s) | demotions | spills | "
+      "evictions | policy demotions | held bits/value | peak open | mean open "
+      "while arriving | peak gain | mean gain | admitted gain |\n"
       "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-      "---:|---:|\n";
+      "---:|---:|---:|\n";
   if (rows.empty()) return out;
   const ReplayResult& base = rows.front().result;
   for (const ReplayRow& row : rows) {
@@ -83,15 +82,18 @@ std::string ResultsTable(const std::vector<ReplayRow>& rows) {
     absl::StrAppend(
         &out,
         absl::StrFormat(
-            "| %s | %s (%s) | %s | %s | %s | %s / %s | %s | %s | %s | %s | %s "
-            "| %d | %.1f | %s | %s | %s |\n",
+            "| %s | %s (%s) | %s | %s | %s | %s / %s | %s (%s) | %s | %s | "
+            "%s | %s | %.2f | %d | %.1f | %s | %s | %s |\n",
             row.label, Thousands(c.admitted), Thousands(c.admitted_after_wait),
             Thousands(c.completed), Thousands(c.refused), Thousands(c.dropped),
             MeanWait(c), Seconds(static_cast<double>(c.open_wait_max_ms)),
-            Thousands(c.turn_waits), Thousands(c.demotions),
-            Thousands(c.spills), Thousands(c.evictions),
-            Thousands(c.policy_demotions), c.peak_open, r.MeanOpenArriving(),
-            Ratio(c.peak_open, base.total.peak_open),
+            Thousands(c.turn_waits),
+            c.turn_waits > 0 ? Seconds(static_cast<double>(c.turn_wait_ms) /
+                                       static_cast<double>(c.turn_waits))
+                             : "0.0",
+            Thousands(c.demotions), Thousands(c.spills), Thousands(c.evictions),
+            Thousands(c.policy_demotions), r.HeldBitsPerValue(), c.peak_open,
+            r.MeanOpenArriving(), Ratio(c.peak_open, base.total.peak_open),
             Ratio(r.MeanOpenArriving(), base.MeanOpenArriving()),
             Ratio(static_cast<double>(c.admitted),
                   static_cast<double>(base.total.admitted))));

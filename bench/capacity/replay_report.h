@@ -26,10 +26,11 @@ struct ReplayRow {
 std::string TraceSummary(const Trace& trace);
 
 // One row per policy: sessions admitted (after waiting), completed,
-// refused, dropped, mean and max wait for the Open, turn waits, pressure
-// demotions / spills / evictions, policy demotions, peak open sessions and
-// their mean while sessions arrive, and the gains: those two and the
-// sessions admitted, over the first row's.
+// refused, dropped, mean and max wait for the Open, turn waits (and their
+// mean wait), pressure demotions / spills / evictions, policy demotions,
+// the device bits per value held (ReplayResult::HeldBitsPerValue), peak
+// open sessions and their mean while sessions arrive, and the gains: those
+// two and the sessions admitted, over the first row's.
 std::string ResultsTable(const std::vector<ReplayRow>& rows);
 
 // One row per policy and tenant: admitted, completed, refused, dropped,
