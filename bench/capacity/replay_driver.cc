@@ -566,10 +566,13 @@ absl::Status Replayer::GiveUp(uint32_t i) {
 
 absl::Status Replayer::Pass() {
   while (true) {
-    // The oldest waiting call of the tenants that may retry (in-flight
-    // steps before Opens), so that no tenant is served first by rule.
+    // The oldest head of the tenants that may retry (a tenant's head: its
+    // oldest in-flight step, else its oldest Open), so that no tenant is
+    // served first by rule: ordering every in-flight step before every
+    // Open across tenants starved a tenant that arrives when another's
+    // sessions fill the pool (none of its Opens ever went first).
     std::deque<uint32_t>* best = nullptr;
-    std::tuple<bool, int64_t, uint32_t> best_key;
+    std::tuple<int64_t, bool, uint32_t> best_key;
     for (size_t t = 0; t < wait_opens_.size(); ++t) {
       if (!Eligible(t)) continue;
       PurgeFront(&wait_steps_[t]);
@@ -580,7 +583,7 @@ absl::Status Replayer::Pass() {
       if (q == nullptr) continue;
       const uint32_t i = q->front();
       const auto key =
-          std::make_tuple(q == &wait_opens_[t], live_[i].wait_since, i);
+          std::make_tuple(live_[i].wait_since, q == &wait_opens_[t], i);
       if (best == nullptr || key < best_key) {
         best = q;
         best_key = key;

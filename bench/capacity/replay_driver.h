@@ -25,12 +25,15 @@
 // (after reclaiming, with `reclaim`) waits in its tenant's queue of
 // in-flight steps or of Opens, each FIFO. Waiting calls are retried after
 // any release of device bytes (a Close, a session given up, a background
-// round that freed bytes) and otherwise every retry_ms: the oldest head of
-// the tenants' queues first (in-flight steps before Opens), until each
-// tenant's head was refused once. A newly arrived session queues behind its
-// tenant's waiting Opens. A wait longer
-// than patience_ms gives up: a waiting Open is refused; a waiting turn
-// drops the session (it is closed, incomplete). Other errors end the
+// round that freed bytes) and otherwise every retry_ms. A tenant's head is
+// its oldest waiting in-flight step, else its oldest waiting Open; the
+// oldest head across tenants goes first (by the time it started waiting,
+// a step before an Open of the same time), whatever its kind, so that a
+// tenant whose sessions are all waiting for their Open is not held behind
+// another's in-flight steps; until each tenant's head was refused once. A
+// newly arrived session queues behind its tenant's waiting Opens. A wait
+// longer than patience_ms gives up: a waiting Open is refused; a waiting
+// turn drops the session (it is closed, incomplete). Other errors end the
 // replay with that error and the session named.
 //
 // Background round (every tick_ms, as the service's pressure loop): when

@@ -182,6 +182,29 @@ TEST(ReplayDriverTest, TheOldestWaiterGoesFirstWhateverItsTenant) {
   EXPECT_EQ(r->by_tenant[0].open_wait_ms, 1500 - 20);
 }
 
+TEST(ReplayDriverTest, AnOlderOpenGoesBeforeAnotherTenantsNewerStep) {
+  // s0 (a) holds 4 blocks and s1 (a) 3. s2 (b) waits from 10 for an Open
+  // of 4 blocks; s1's response needs 2 more and waits from 500. At 3000 s0
+  // takes its response's block and closes: 5 blocks free, room for one of
+  // the two. s2 waited longer: it goes first (and closes at 3100 with its
+  // response), then s1's response. Ordering in-flight steps before Opens
+  // across tenants would admit s1's step first and keep s2 waiting until
+  // s1 closed at 4100.
+  ReplayConfig c = Config();
+  c.patience_ms = 5000;
+  Trace t;
+  t.sessions = {
+      Session("s0", "a", 0, {Turn(0, 3000, 64, 16)}),
+      Session("s1", "a", 0, {Turn(0, 500, 48, 32), Turn(1000, 100, 16, 16)}),
+      Session("s2", "b", 10, {Turn(0, 100, 64, 16)})};
+  auto r = RunReplay(t, c);
+  ASSERT_THAT(r, IsOk());
+  EXPECT_EQ(r->total.completed, 3u);
+  EXPECT_EQ(r->by_tenant[1].open_wait_ms, 3000 - 10);
+  EXPECT_EQ(r->by_tenant[0].turn_waits, 1u);
+  EXPECT_EQ(r->by_tenant[0].turn_wait_ms, 3100 - 500);
+}
+
 TEST(ReplayDriverTest, ReclaimCountsEveryActionOnTheTenantItTouched) {
   // s0 (a) holds 6 blocks until its response at 1000; s1 (b) needs 4 at
   // 100: admitted after the reclaim demotes a's blocks. The per-tenant
