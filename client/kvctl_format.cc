@@ -172,6 +172,72 @@ absl::Status ParseEncoding(absl::string_view text,
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::Status BadRow(absl::string_view flag, absl::string_view text,
+                    absl::string_view why) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, "=\"", text, "\": ", why));
+}
+
+}  // namespace
+
+absl::StatusOr<v1::CapacityPolicy> ParseCapacityRow(absl::string_view flag,
+                                                    absl::string_view text) {
+  v1::CapacityPolicy p;
+  const std::vector<std::string> parts = absl::StrSplit(text, '+');
+  const std::string& base = parts[0];
+  if (absl::StartsWith(base, "policy=")) {
+    p.set_policy(base.substr(7));
+  } else if (absl::StartsWith(base, "triaxial=")) {
+    double bits = 0;
+    if (!absl::SimpleAtod(base.substr(9), &bits)) {
+      return BadRow(flag, text, "triaxial=BITS needs a number");
+    }
+    p.set_budget_bits(bits);
+  } else {
+    v1::BlockEncoding e;
+    absl::Status s = ParseEncoding(base, &e);
+    if (!s.ok()) return BadRow(flag, text, s.message());
+    p.set_format(e.format());
+    p.set_format_v(e.format_v());
+    p.set_group_size(e.group_size());
+    p.set_scale_dtype(e.scale_dtype());
+  }
+  for (size_t i = 1; i < parts.size(); ++i) {
+    absl::string_view opt = parts[i];
+    uint32_t n = 0;
+    if (opt == "dnll") {
+      p.set_objective(v1::OBJECTIVE_DNLL);
+    } else if (absl::ConsumePrefix(&opt, "sink=") &&
+               absl::SimpleAtoi(opt, &n)) {
+      p.set_sink_tokens(n);
+    } else if (absl::ConsumePrefix(&opt, "window=") &&
+               absl::SimpleAtoi(opt, &n)) {
+      p.set_window_tokens(n);
+    } else if (absl::ConsumePrefix(&opt, "label=") && !opt.empty()) {
+      p.set_label(std::string(opt));
+    } else {
+      return BadRow(flag, text,
+                    absl::StrCat("unknown option \"", parts[i],
+                                 "\" (sink=N, window=N, dnll or label=NAME)"));
+    }
+  }
+  return p;
+}
+
+absl::StatusOr<std::vector<v1::CapacityPolicy>> ParseCapacityRows(
+    absl::string_view flag, absl::string_view text) {
+  std::vector<v1::CapacityPolicy> rows;
+  for (absl::string_view row :
+       absl::StrSplit(text, ' ', absl::SkipWhitespace())) {
+    auto p = ParseCapacityRow(flag, row);
+    if (!p.ok()) return p.status();
+    rows.push_back(*std::move(p));
+  }
+  return rows;
+}
+
 std::string EncodingString(triax::v1::Format k, triax::v1::Format v,
                            uint32_t group_size, triax::v1::ScaleDtype scale) {
   if (v == triax::v1::FORMAT_UNSPECIFIED) v = k;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "triax/v1/manager.pb.h"
 #include "triax/v1/types.pb.h"
@@ -40,6 +41,15 @@ std::string ScaleDtypeName(triax::v1::ScaleDtype v);
 // PolicyRule). INVALID_ARGUMENT naming the bad part.
 absl::Status ParseEncoding(absl::string_view text,
                            triax::v1::BlockEncoding* out);
+// A capacity row (docs/capacity.md), as `kvctl plan --policies` and
+// capacity_replay --policies take it: ENCODING (the compact syntax above),
+// policy=NAME or triaxial=BITS, then options +sink=N, +window=N, +dnll and
+// +label=NAME (the row's name). INVALID_ARGUMENT `--FLAG="TEXT": why`.
+absl::StatusOr<triax::v1::CapacityPolicy> ParseCapacityRow(
+    absl::string_view flag, absl::string_view text);
+// Rows separated by spaces.
+absl::StatusOr<std::vector<triax::v1::CapacityPolicy>> ParseCapacityRows(
+    absl::string_view flag, absl::string_view text);
 // The compact form of an encoding: "int4" when V is unspecified or equal to
 // K and group/scale are default; else "k=fp8,v=int4,g=64,scale=fp8" with
 // only the non-default parts after k and v.

@@ -187,6 +187,33 @@ TEST(Encoding, ParsesShortAndKeyedForms) {
               HasSubstr("bad value in \"scale=fp4\""));
 }
 
+TEST(CapacityRow, ParsesEachKindAndItsOptions) {
+  auto rows = ParseCapacityRows(
+      "policies",
+      "bf16 k=int2,v=int2,g=32+label=kivi-2 policy=triaxial-static "
+      "triaxial=3.5+dnll int4+sink=16+window=32");
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 5u);
+  EXPECT_EQ((*rows)[0].format(), triax::v1::FORMAT_BF16);
+  EXPECT_EQ((*rows)[1].format(), triax::v1::FORMAT_INT2);
+  EXPECT_EQ((*rows)[1].group_size(), 32u);
+  EXPECT_EQ((*rows)[1].label(), "kivi-2");
+  EXPECT_EQ((*rows)[2].policy(), "triaxial-static");
+  EXPECT_DOUBLE_EQ((*rows)[3].budget_bits(), 3.5);
+  EXPECT_EQ((*rows)[3].objective(), triax::v1::OBJECTIVE_DNLL);
+  EXPECT_EQ((*rows)[4].sink_tokens(), 16u);
+  EXPECT_EQ((*rows)[4].window_tokens(), 32u);
+  EXPECT_EQ(
+      std::string(
+          ParseCapacityRow("policies", "triaxial=lots").status().message()),
+      "--policies=\"triaxial=lots\": triaxial=BITS needs a number");
+  EXPECT_THAT(
+      std::string(ParseCapacityRow("p", "int4+label=").status().message()),
+      HasSubstr("unknown option \"label=\""));
+  EXPECT_THAT(std::string(ParseCapacityRow("p", "int3").status().message()),
+              HasSubstr("--p=\"int3\""));
+}
+
 TEST(PolicyRule, ParsesSelectorsAndRoundTrips) {
   triax::v1::PolicyRule r;
   ASSERT_TRUE(ParsePolicyRule("temporal=sink:bf16", &r).ok());

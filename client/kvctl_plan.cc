@@ -23,6 +23,7 @@
 #include "absl/strings/strip.h"
 #include "client/kvctl_format.h"
 #include "common/grpc_status.h"
+#include "common/svg.h"
 
 ABSL_FLAG(std::string, model, "",
           "plan: a model preset (llama-3-8b, llama-3-70b, qwen2.5-7b, "
@@ -79,7 +80,8 @@ const char kPlanUsage[] =
                                 and triaxkv pages), live tokens, sessions
                                 per context length and per tenant
                                 (docs/capacity.md); ROW: ENCODING[+sink=N]
-                                [+window=N], policy=NAME or triaxial=BITS
+                                [+window=N], policy=NAME or
+                                triaxial=BITS[+dnll]; any with +label=NAME
 )";
 
 namespace {
@@ -88,60 +90,6 @@ absl::Status Bad(absl::string_view flag, absl::string_view text,
                  absl::string_view why) {
   return absl::InvalidArgumentError(
       absl::StrCat("--", flag, "=\"", text, "\": ", why));
-}
-
-absl::StatusOr<v1::CapacityPolicy> ParseRow(absl::string_view flag,
-                                            absl::string_view text) {
-  v1::CapacityPolicy p;
-  const std::vector<std::string> parts = absl::StrSplit(text, '+');
-  const std::string& base = parts[0];
-  if (absl::StartsWith(base, "policy=")) {
-    p.set_policy(base.substr(7));
-  } else if (absl::StartsWith(base, "triaxial=")) {
-    double bits = 0;
-    if (!absl::SimpleAtod(base.substr(9), &bits)) {
-      return Bad(flag, text, "triaxial=BITS needs a number");
-    }
-    p.set_budget_bits(bits);
-  } else {
-    v1::BlockEncoding e;
-    absl::Status s = ParseEncoding(base, &e);
-    if (!s.ok()) return Bad(flag, text, s.message());
-    p.set_format(e.format());
-    p.set_format_v(e.format_v());
-    p.set_group_size(e.group_size());
-    p.set_scale_dtype(e.scale_dtype());
-  }
-  for (size_t i = 1; i < parts.size(); ++i) {
-    absl::string_view opt = parts[i];
-    uint32_t n = 0;
-    if (opt == "dnll") {
-      p.set_objective(v1::OBJECTIVE_DNLL);
-    } else if (absl::ConsumePrefix(&opt, "sink=") &&
-               absl::SimpleAtoi(opt, &n)) {
-      p.set_sink_tokens(n);
-    } else if (absl::ConsumePrefix(&opt, "window=") &&
-               absl::SimpleAtoi(opt, &n)) {
-      p.set_window_tokens(n);
-    } else {
-      return Bad(flag, text,
-                 absl::StrCat("unknown option \"", parts[i],
-                              "\" (sink=N, window=N or dnll)"));
-    }
-  }
-  return p;
-}
-
-absl::StatusOr<std::vector<v1::CapacityPolicy>> ParseRows(
-    absl::string_view flag, absl::string_view text) {
-  std::vector<v1::CapacityPolicy> rows;
-  for (absl::string_view row :
-       absl::StrSplit(text, ' ', absl::SkipWhitespace())) {
-    auto p = ParseRow(flag, row);
-    if (!p.ok()) return p.status();
-    rows.push_back(*std::move(p));
-  }
-  return rows;
 }
 
 absl::StatusOr<v1::CapacityTenant> ParseTenant(absl::string_view flag,
@@ -370,7 +318,7 @@ absl::StatusOr<v1::PlanCapacityRequest> PlanRequestFromFlags() {
   req.set_gpu_count(absl::GetFlag(FLAGS_gpus));
   req.set_ceiling(absl::GetFlag(FLAGS_ceiling));
   req.set_block_tokens(absl::GetFlag(FLAGS_block_tokens));
-  auto rows = ParseRows("policies", absl::GetFlag(FLAGS_policies));
+  auto rows = ParseCapacityRows("policies", absl::GetFlag(FLAGS_policies));
   if (!rows.ok()) return rows.status();
   for (auto& row : *rows) *req.add_policies() = std::move(row);
   const std::string context = absl::GetFlag(FLAGS_context);
@@ -414,7 +362,7 @@ absl::StatusOr<v1::PlanCapacityRequest> PlanRequestFromFlags() {
     *w->add_add_tenants() = *std::move(tenant);
   }
   if (const std::string p = absl::GetFlag(FLAGS_what_if_policies); !p.empty()) {
-    auto alt = ParseRows("what_if_policies", p);
+    auto alt = ParseCapacityRows("what_if_policies", p);
     if (!alt.ok()) return alt.status();
     v1::CapacityWhatIf* w = req.add_what_ifs();
     w->set_label(absl::StrCat("policies: ", p));
@@ -520,32 +468,13 @@ std::string PlanTable(const v1::PlanCapacityResponse& r) {
 
 namespace {
 
-std::string SvgEscape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '&') {
-      o += "&amp;";
-    } else if (c == '<') {
-      o += "&lt;";
-    } else if (c == '>') {
-      o += "&gt;";
-    } else {
-      o += c;
-    }
-  }
-  return o;
-}
-
 // Sessions of the first context length against the KV memory per GPU, one
 // line per row: floor(memory x ceiling / session bytes) x GPUs at 64
 // memory points, the pages column's arithmetic at the row's session bytes
 // (frame rounding left out). Drawn from y = top; returns the panel's height.
 int SessionsPanel(const v1::PlanCapacityResponse& r, int top,
                   std::string* out) {
-  constexpr int kLeft = 200, kWidth = 520, kHeight = 220, kPoints = 64;
-  static constexpr const char* kColors[] = {"#3182bd", "#e6550d", "#31a354",
-                                            "#756bb1", "#636363", "#d6616b",
-                                            "#8c6d31", "#17becf"};
+  constexpr int kPoints = 64;
   const double gpus = static_cast<double>(std::max<int64_t>(1, r.gpu_count()));
   const double per_gpu = r.kv_bytes() / gpus;
   const double ceiling = r.kv_bytes() > 0 ? r.usable_bytes() / r.kv_bytes() : 1;
@@ -555,58 +484,29 @@ int SessionsPanel(const v1::PlanCapacityResponse& r, int top,
     return bytes > 0 ? std::floor(std::floor(memory * ceiling) / bytes) * gpus
                      : 0.0;
   };
-  double max_sessions = 1;
+  svg::LinePanel panel;
+  panel.title = absl::StrFormat(
+      "Sessions of %d tokens (triaxkv pages) against KV memory per GPU "
+      "(under the ceiling), %d GPU%s",
+      r.context_lengths(0), r.gpu_count(), r.gpu_count() == 1 ? "" : "s");
+  panel.top = top;
+  panel.x_max = per_gpu > 0 ? per_gpu : 1;
+  panel.y_max = 1;
+  panel.css_class = "sessions";
+  for (int t = 0; t <= 4; ++t) panel.x_ticks.push_back(GiB(per_gpu * t / 4.0));
+  std::vector<svg::Series> lines;
   for (const auto& row : r.rows()) {
-    max_sessions = std::max(max_sessions, sessions(row, per_gpu));
-  }
-  const int y0 = top + 30, y1 = y0 + kHeight;
-  absl::StrAppend(
-      out,
-      absl::StrFormat(
-          "<text x=\"10\" y=\"%d\" font-size=\"14\">Sessions of %d tokens "
-          "(triaxkv pages) against KV memory per GPU (under the ceiling), %d "
-          "GPU%s</text>\n"
-          "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"black\"/>\n"
-          "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"black\"/>\n",
-          top + 14, r.context_lengths(0), r.gpu_count(),
-          r.gpu_count() == 1 ? "" : "s", kLeft, y1, kLeft + kWidth, y1, kLeft,
-          y0, kLeft, y1));
-  for (int t = 0; t <= 4; ++t) {
-    const double x = kLeft + kWidth * t / 4.0;
-    absl::StrAppend(out, absl::StrFormat("<text x=\"%.1f\" y=\"%d\" "
-                                         "text-anchor=\"middle\">%s</text>\n",
-                                         x, y1 + 16, GiB(per_gpu * t / 4.0)));
-  }
-  absl::StrAppend(
-      out, absl::StrFormat(
-               "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">%s</text>\n"
-               "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">0</text>\n",
-               kLeft - 6, y0 + 4, Thousands(static_cast<int64_t>(max_sessions)),
-               kLeft - 6, y1));
-  for (int i = 0; i < r.rows_size(); ++i) {
-    const auto& row = r.rows(i);
     if (row.sessions_size() == 0) continue;
-    const char* color = kColors[i % 8];
-    std::string points;
+    svg::Series line{row.label(), {}};
     for (int k = 0; k <= kPoints; ++k) {
       const double memory = per_gpu * k / kPoints;
-      absl::StrAppend(
-          &points, k == 0 ? "" : " ",
-          absl::StrFormat("%.1f,%.1f",
-                          kLeft + kWidth * k / static_cast<double>(kPoints),
-                          y1 - kHeight * sessions(row, memory) / max_sessions));
+      line.points.emplace_back(memory, sessions(row, memory));
+      panel.y_max = std::max(panel.y_max, line.points.back().second);
     }
-    absl::StrAppend(
-        out,
-        absl::StrFormat(
-            "<polyline class=\"sessions\" points=\"%s\" fill=\"none\" "
-            "stroke=\"%s\" stroke-width=\"2\"/>\n"
-            "<rect x=\"%d\" y=\"%d\" width=\"12\" height=\"12\" "
-            "fill=\"%s\"/><text x=\"%d\" y=\"%d\">%s</text>\n",
-            points, color, kLeft + kWidth + 12, y0 + 18 * i, color,
-            kLeft + kWidth + 28, y0 + 18 * i + 10, SvgEscape(row.label())));
+    lines.push_back(std::move(line));
   }
-  return kHeight + 60;
+  panel.y_max_label = Thousands(static_cast<int64_t>(panel.y_max));
+  return svg::AppendLinePanel(panel, lines, out);
 }
 
 }  // namespace
@@ -624,14 +524,11 @@ std::string PlanSvg(const v1::PlanCapacityResponse& r) {
     max_tokens = std::max({max_tokens, static_cast<double>(row.ideal_tokens()),
                            static_cast<double>(row.page_tokens())});
   }
-  std::string out = absl::StrFormat(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
-      "font-family=\"sans-serif\" font-size=\"12\">\n"
-      "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
-      "<text x=\"10\" y=\"20\" font-size=\"14\">Live tokens per policy: %s, "
-      "%s usable</text>\n",
-      kLeft + kWidth + 200, height, SvgEscape(r.model().name()),
-      GiB(r.usable_bytes()));
+  std::string out = absl::StrCat(
+      svg::Open(kLeft + kWidth + 200, height),
+      absl::StrFormat("<text x=\"10\" y=\"20\" font-size=\"14\">Live "
+                      "tokens per policy: %s, %s usable</text>\n",
+                      svg::Escape(r.model().name()), GiB(r.usable_bytes())));
   for (int i = 0; i < n; ++i) {
     const auto& row = r.rows(i);
     const int y = kTop + i * (2 * kBarH + kGap);
@@ -649,7 +546,7 @@ std::string PlanSvg(const v1::PlanCapacityResponse& r) {
             "<rect class=\"pages\" x=\"%d\" y=\"%d\" width=\"%.1f\" "
             "height=\"%d\" fill=\"#3182bd\"/>\n"
             "<text x=\"%.1f\" y=\"%d\">%s</text>\n",
-            kLeft - 6, y + kBarH + 4, SvgEscape(row.label()), kLeft, y, wi,
+            kLeft - 6, y + kBarH + 4, svg::Escape(row.label()), kLeft, y, wi,
             kBarH, kLeft + wi + 4, y + kBarH - 3, Thousands(row.ideal_tokens()),
             kLeft, y + kBarH, wp, kBarH, kLeft + wp + 4, y + 2 * kBarH - 3,
             Thousands(row.page_tokens())));

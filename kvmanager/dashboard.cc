@@ -15,6 +15,7 @@
 #include "absl/strings/strip.h"
 #include "common/ids.h"
 #include "kernels/layout.h"
+#include "kvmanager/capacity_live.h"
 
 namespace triax::manager {
 namespace {
@@ -338,7 +339,8 @@ std::map<std::string, HttpRequestHandler> Dashboard::Routes() const {
           {"/api/pressure", bind(&Dashboard::Pressure)},
           {"/api/events", bind(&Dashboard::Events)},
           {"/api/sequences", bind(&Dashboard::Sequences)},
-          {"/api/sequence", bind(&Dashboard::Sequence)}};
+          {"/api/sequence", bind(&Dashboard::Sequence)},
+          {"/api/plan", bind(&Dashboard::Plan)}};
 }
 
 HttpResponse Dashboard::Page(const HttpRequest& req) const {
@@ -488,6 +490,76 @@ HttpResponse Dashboard::Sequence(const HttpRequest& req) const {
   for (const BlockPlan& b : s->blocks) blocks.push_back(BlockJson(b));
   out["blocks"] = std::move(blocks);
   return JsonResponse(200, out);
+}
+
+HttpResponse Dashboard::Plan(const HttpRequest& req) const {
+  auto params = Params(req, {});
+  if (!params.ok()) return ErrorResponse(params.status());
+  auto input = LivePlanRequest(*core_);
+  if (!input.ok()) {
+    if (!absl::IsFailedPrecondition(input.status())) {
+      return ErrorResponse(input.status());
+    }
+    // Nothing to plan from (no worker up, no sequence open): not an error.
+    return JsonResponse(200,
+                        {{"rows", json::array()},
+                         {"reason", std::string(input.status().message())}});
+  }
+  auto plan = PlanCapacity(input->request);
+  if (!plan.ok()) return ErrorResponse(plan.status());
+  const ModelShape& m = plan->model;
+  json rows = json::array();
+  for (const CapacityRow& r : plan->rows) {
+    rows.push_back(
+        {{"label", r.label},
+         {"kind", r.kind},
+         {"page_bits", r.page_bits},
+         {"page_bytes_per_token", r.page_bytes_per_token},
+         {"page_tokens", r.page_tokens},
+         {"ideal_tokens", r.ideal_tokens},
+         {"sessions", r.sessions.empty() ? json(nullptr)
+                                         : json(r.sessions[0].page_sessions)},
+         {"calibration_shape_matches", r.calibration_shape_matches}});
+  }
+  json tenants = json::array();
+  for (const CapacityTenantShare& t : plan->tenants) {
+    json per_row = json::array();
+    for (const CapacityRow& r : plan->rows) {
+      for (const CapacityTenantRow& x : r.tenants) {
+        if (x.tenant_id != t.tenant_id) continue;
+        per_row.push_back(
+            {{"label", r.label},
+             {"page_tokens", x.page_tokens},
+             {"sessions", x.page_sessions.empty() ? json(nullptr)
+                                                  : json(x.page_sessions[0])}});
+      }
+    }
+    tenants.push_back({{"tenant_id", t.tenant_id},
+                       {"floor_bytes", t.floor_bytes},
+                       {"ceiling_bytes", t.ceiling_bytes},
+                       {"share_bytes", t.share_bytes},
+                       {"rows", std::move(per_row)}});
+  }
+  int64_t mix_tokens = 0;
+  for (const TagTokens& t : input->request.tag_mix) mix_tokens += t.tokens;
+  return JsonResponse(200,
+                      {{"model",
+                        {{"name", m.name},
+                         {"n_layers", m.n_layers},
+                         {"n_kv_heads", m.n_kv_heads},
+                         {"head_dim", m.head_dim}}},
+                       {"block_tokens", plan->block_tokens},
+                       {"gpus", plan->gpu_count},
+                       {"gpu_memory_bytes", input->request.gpu_memory_bytes},
+                       {"usable_bytes", plan->usable_bytes},
+                       {"open_sequences", input->open_sequences},
+                       {"open_tokens", input->open_tokens},
+                       {"context_tokens", input->request.context_lengths[0]},
+                       {"tag_mix_tokens", mix_tokens},
+                       {"floors_exceed_memory", plan->floors_exceed_memory},
+                       {"rows", std::move(rows)},
+                       {"tenants", std::move(tenants)},
+                       {"notes", input->notes}});
 }
 
 }  // namespace triax::manager

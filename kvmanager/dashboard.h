@@ -15,6 +15,11 @@
 //                          include_closed, page_size, page_token)
 //   /api/sequence          one sequence's block map (id): every block's
 //                          tokens, tag, encoding, tier, eviction
+//   /api/plan              the live capacity plan (capacity_live.h
+//                          LivePlanRequest, PlanCapacity): tokens and
+//                          sessions per policy and per tenant for the
+//                          fleet as it stands; {"rows": [], "reason"}
+//                          when no worker is up or no sequence open
 //
 // Every answer is JSON built from the core's public calls (nothing is kept
 // here). Errors are JSON too, {"error": {"code": ..., "message": ...}}:
@@ -25,7 +30,9 @@
 // Cost of an answer: /api/workers O(workers), /api/pressure O(pools + top),
 // /api/events O(limit), the paged lists O(log n + page), /api/sequence
 // O(blocks of that sequence); each takes the core's mutex once (the
-// events: the event log's). The page polls them every 2 s.
+// events: the event log's). The page polls them every 2 s, except
+// /api/plan: O(blocks of every open sequence) (its tag mix; the core's
+// mutex once per sequence), polled every 10 s.
 //
 // Thread contract: thread-safe (the handlers only call the core's
 // thread-safe calls); the core must outlive the Dashboard and its routes.
@@ -67,6 +74,7 @@ class Dashboard {
   HttpResponse Events(const HttpRequest& req) const;
   HttpResponse Sequences(const HttpRequest& req) const;
   HttpResponse Sequence(const HttpRequest& req) const;
+  HttpResponse Plan(const HttpRequest& req) const;
 
  private:
   // The refusal of a JSON request without an admin token; nullopt: go on.

@@ -1,8 +1,8 @@
 // The dashboard page (dashboard.h): one HTML document with inline CSS and
-// plain JS, polling the /api/ endpoints every 2 s. Nothing is fetched from
-// anywhere else: a cluster without internet access shows the same page.
-// Kept as a raw string so the binary carries it and no build step runs;
-// docs/dashboard.md describes the panels.
+// plain JS, polling the /api/ endpoints every 2 s (/api/plan every 10 s).
+// Nothing is fetched from anywhere else: a cluster without internet access
+// shows the same page. Kept as a raw string so the binary carries it and no
+// build step runs; docs/dashboard.md describes the panels.
 #include "kvmanager/dashboard.h"
 
 namespace triax::manager {
@@ -103,6 +103,12 @@ select { font:inherit; }
       <th>tenant</th><th class="num">lineage</th><th class="num">frees</th><th class="num">cost</th></tr></thead>
       <tbody></tbody></table></section>
   </div>
+  <section id="plan-panel" class="wide"><h2>Capacity plan (live) <span class="right mute" id="plan-sum"></span></h2>
+    <table id="plan"><thead><tr><th>policy</th><th>kind</th><th class="num">bits</th>
+      <th class="num">KiB / token</th><th class="num">live tokens</th><th class="num">idealized tokens</th>
+      <th class="num" id="plan-sessions-head">sessions</th></tr></thead><tbody></tbody></table>
+    <div id="plan-tenants"></div>
+    <div id="plan-notes" class="mute"></div></section>
   <section id="sequence-panel" class="wide"><h2>Sequence block map
     <span class="right">
       <select id="seq-pick"></select>
@@ -382,6 +388,54 @@ async function refreshSequence() {
   }
 }
 
+// --- Capacity plan -------------------------------------------------------------
+// What the fleet as it stands holds per policy (PlanCapacity over the live
+// tag mix and tenants; docs/capacity.md); heavier than the rest, so polled
+// every PLAN_MS.
+const PLAN_MS = 10000;
+function num(n) { return n === null || n === undefined ? "–" : Number(n).toLocaleString("en-US"); }
+function renderPlan(p) {
+  const body = document.querySelector("#plan tbody");
+  const sum = document.getElementById("plan-sum");
+  if (!p.rows.length) {
+    sum.textContent = "";
+    body.replaceChildren(h("tr", {}, h("td", { colspan: 7, class: "mute" }, "nothing to plan: " + p.reason)));
+    document.getElementById("plan-tenants").replaceChildren();
+    document.getElementById("plan-notes").replaceChildren();
+    return;
+  }
+  sum.textContent = `${p.model.name} · ${p.gpus} GPU${p.gpus === 1 ? "" : "s"} of ${bytes(p.gpu_memory_bytes)} · ` +
+    `${p.open_sequences} open sequences, ${num(p.open_tokens)} tokens · tag mix ${num(p.tag_mix_tokens)} tokens`;
+  document.getElementById("plan-sessions-head").textContent = `sessions of ${num(p.context_tokens)} tokens`;
+  body.replaceChildren(...p.rows.map(r => h("tr", { "data-plan-row": r.label, "data-page-tokens": r.page_tokens,
+                                                    "data-sessions": r.sessions },
+    h("td", {}, r.label), h("td", {}, r.kind), h("td", { class: "num" }, r.page_bits.toFixed(2)),
+    h("td", { class: "num" }, (r.page_bytes_per_token / 1024).toFixed(2)),
+    h("td", { class: "num" }, num(r.page_tokens)), h("td", { class: "num" }, num(r.ideal_tokens)),
+    h("td", { class: "num" }, num(r.sessions)))));
+  const labels = p.rows.map(r => r.label);
+  document.getElementById("plan-tenants").replaceChildren(p.tenants.length === 0 ? h("span") :
+    h("table", { style: "margin-top:8px" },
+      h("thead", {}, h("tr", {}, h("th", {}, "tenant"), h("th", { class: "num" }, "share"),
+        labels.map(l => h("th", { class: "num" }, `sessions · ${l}`)))),
+      h("tbody", {}, p.tenants.map(t => h("tr", { "data-plan-tenant": t.tenant_id },
+        h("td", {}, t.tenant_id), h("td", { class: "num" }, bytes(t.share_bytes)),
+        labels.map(l => { const x = t.rows.find(y => y.label === l);
+                          return h("td", { class: "num" }, x ? num(x.sessions) : "–"); }))))));
+  const notes = p.notes.map(n => h("div", {}, n));
+  if (p.floors_exceed_memory) notes.push(h("div", { class: "err" }, "the tenants' floors exceed the memory"));
+  document.getElementById("plan-notes").replaceChildren(...notes);
+}
+async function refreshPlan() {
+  try {
+    renderPlan(await getJson("/api/plan"));
+  } catch (err) {
+    document.getElementById("plan-sum").textContent = "";
+    document.querySelector("#plan tbody").replaceChildren(
+      h("tr", {}, h("td", { colspan: 7, class: "err" }, "plan: " + err.message)));
+  }
+}
+
 // --- Polling -----------------------------------------------------------------
 document.getElementById("format-legend").replaceChildren(...legend(FORMAT_COLORS,
   [h("span", {}, h("i", { class: "hatch", style: `background-color:${WINDOW_COLOR}` }), "BF16 window")]));
@@ -402,6 +456,8 @@ async function refresh() {
 }
 refresh();
 setInterval(refresh, POLL_MS);
+refreshPlan();
+setInterval(refreshPlan, PLAN_MS);
 </script>
 </body>
 </html>

@@ -55,7 +55,7 @@ TEST_F(DashboardTest, RoutesServeEveryPath) {
   EXPECT_EQ(paths, (std::set<std::string>{"/", "/dashboard", "/api/workers",
                                           "/api/tenants", "/api/pressure",
                                           "/api/events", "/api/sequences",
-                                          "/api/sequence"}));
+                                          "/api/sequence", "/api/plan"}));
   const HttpResponse r =
       routes.at("/api/workers")(HttpRequest{"/api/workers", ""});
   EXPECT_EQ(r.status, 200);
@@ -67,8 +67,9 @@ TEST_F(DashboardTest, PageIsSelfContained) {
   EXPECT_EQ(r.status, 200);
   EXPECT_EQ(r.content_type, "text/html; charset=utf-8");
   EXPECT_THAT(r.body, HasSubstr("<!doctype html>"));
-  for (const char* api : {"/api/workers", "/api/tenants", "/api/pressure",
-                          "/api/events", "/api/sequences", "/api/sequence?"}) {
+  for (const char* api :
+       {"/api/workers", "/api/tenants", "/api/pressure", "/api/events",
+        "/api/sequences", "/api/sequence?", "/api/plan"}) {
     EXPECT_THAT(r.body, HasSubstr(api));
   }
   // Nothing from another host: the cluster may have no internet.
@@ -376,6 +377,52 @@ TEST_F(DashboardTest, EventsFeedTheNewestThenWhatFollows) {
   EXPECT_THAT(Error(&Dashboard::Events, "/api/events", "since=3", 400,
                     "INVALID_ARGUMENT"),
               HasSubstr("\"since\""));
+}
+
+TEST_F(DashboardTest, PlanIsTheLiveFleetPlanned) {
+  // Nothing open: nothing to plan from, said plainly.
+  json j = Call(&Dashboard::Plan, "/api/plan", "");
+  EXPECT_TRUE(j["rows"].empty());
+  EXPECT_THAT(j["reason"].get<std::string>(), HasSubstr("no sequence is open"));
+
+  // 64 tokens under bf16 and 32 under the tenant's default policy
+  // (triaxial-static): the context is their mean, 48 tokens, 3 blocks.
+  ASSERT_THAT(Open({S(Role::kSystem, 16), S(Role::kUser, 48)}, "acme", "bf16"),
+              ::triax::testing::IsOk());
+  ASSERT_THAT(Open({S(Role::kSystem, 16), S(Role::kUser, 16)}),
+              ::triax::testing::IsOk());
+  j = Call(&Dashboard::Plan, "/api/plan", "");
+  EXPECT_EQ(j["model"]["name"], "test");
+  EXPECT_EQ(j["block_tokens"], 16);
+  EXPECT_EQ(j["gpus"], 1);
+  EXPECT_EQ(j["gpu_memory_bytes"], 1ull << 40);  // the worker's pool
+  EXPECT_EQ(j["open_sequences"], 2);
+  EXPECT_EQ(j["open_tokens"], 96);
+  EXPECT_EQ(j["context_tokens"], 48);
+  EXPECT_EQ(j["tag_mix_tokens"], 96);
+  ASSERT_EQ(j["rows"].size(), 4u);
+  std::vector<std::string> labels;
+  for (const json& r : j["rows"]) labels.push_back(r["label"]);
+  EXPECT_EQ(labels, (std::vector<std::string>{"bf16", "fp8", "int4",
+                                              "triaxial-static"}));
+  const json& bf16 = j["rows"][0];
+  EXPECT_EQ(bf16["kind"], "uniform");
+  EXPECT_EQ(bf16["page_tokens"], (1ull << 40) / kBf16 * 16);
+  EXPECT_EQ(bf16["sessions"], (1ull << 40) / (3 * kBf16));
+  EXPECT_EQ(j["rows"][3]["kind"], "rules");
+  // More tokens fit at fewer bits.
+  EXPECT_GT(j["rows"][2]["page_tokens"].get<int64_t>(),
+            j["rows"][1]["page_tokens"].get<int64_t>());
+  ASSERT_EQ(j["tenants"].size(), 1u);
+  EXPECT_EQ(j["tenants"][0]["tenant_id"], "acme");
+  EXPECT_DOUBLE_EQ(j["tenants"][0]["share_bytes"].get<double>(),
+                   static_cast<double>(1ull << 40));
+  ASSERT_EQ(j["tenants"][0]["rows"].size(), 4u);
+  EXPECT_EQ(j["tenants"][0]["rows"][0]["page_tokens"], bf16["page_tokens"]);
+
+  EXPECT_THAT(
+      Error(&Dashboard::Plan, "/api/plan", "gpus=2", 400, "INVALID_ARGUMENT"),
+      HasSubstr("unknown query parameter \"gpus\""));
 }
 
 }  // namespace

@@ -5,9 +5,7 @@
 // Read-only: nothing in the core changes.
 #include <grpcpp/grpcpp.h>
 
-#include <map>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -15,6 +13,7 @@
 #include "common/grpc_status.h"
 #include "common/ids.h"
 #include "kvmanager/capacity.h"
+#include "kvmanager/capacity_live.h"
 #include "kvmanager/convert.h"
 #include "kvmanager/manager_service.h"
 
@@ -48,35 +47,6 @@ CapacityTenant FromWire(const v1::CapacityTenant& p) {
   return CapacityTenant{p.tenant_id(), p.floor_bytes(), p.ceiling_bytes()};
 }
 
-// Tokens per tag of the blocks of every open sequence (evicted blocks hold
-// nothing); tags in the order of their values.
-std::vector<TagTokens> LiveTagMix(const ManagerCore& core) {
-  std::map<std::tuple<int, int, int>, TagTokens> by_tag;
-  auto sequences = core.ListSequences("", /*include_closed=*/false);
-  if (!sequences.ok()) return {};
-  for (const SequenceInfo& listed : *sequences) {
-    if (listed.state != SequenceState::kOpen) continue;
-    // A sequence closed since the listing is skipped.
-    auto s = core.GetSequence("", listed.sequence_id);
-    if (!s.ok()) continue;
-    for (const BlockPlan& b : s->blocks) {
-      if (b.evicted) continue;
-      Tag tag = b.tag;
-      if (tag.modality == Modality::kUnspecified)
-        tag.modality = Modality::kText;
-      const auto key = std::make_tuple(static_cast<int>(tag.temporal),
-                                       static_cast<int>(tag.modality),
-                                       static_cast<int>(tag.role));
-      TagTokens& t = by_tag.try_emplace(key, TagTokens{tag, 0}).first->second;
-      t.tokens += b.num_tokens;
-    }
-  }
-  std::vector<TagTokens> out;
-  out.reserve(by_tag.size());
-  for (auto& [key, t] : by_tag) out.push_back(t);
-  return out;
-}
-
 absl::StatusOr<CapacityRequest> FromWire(const v1::PlanCapacityRequest& p,
                                          const ManagerCore& core) {
   CapacityRequest d;
@@ -95,15 +65,7 @@ absl::StatusOr<CapacityRequest> FromWire(const v1::PlanCapacityRequest& p,
                            p.context_lengths().end());
   for (const auto& t : p.tenants()) d.tenants.push_back(FromWire(t));
   if (p.live_tenants()) {
-    for (const TenantInfo& t : core.ListTenants()) {
-      CapacityTenant c{t.tenant_id, 0, 0};
-      for (const Budget& b : t.budgets) {
-        if (b.tier != Tier::kDevice) continue;
-        c.floor_bytes = static_cast<int64_t>(b.floor_bytes);
-        c.ceiling_bytes = static_cast<int64_t>(b.ceiling_bytes);
-      }
-      d.tenants.push_back(std::move(c));
-    }
+    for (CapacityTenant& t : LiveTenants(core)) d.tenants.push_back(t);
   }
   if (p.live_tag_mix()) {
     if (p.tag_mix_size() > 0) {

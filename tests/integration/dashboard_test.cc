@@ -11,7 +11,8 @@
 //     (--virtual-time-budget) and dumps the DOM, which must hold the
 //     cluster's real numbers: both worker ids, the tenant's used bytes as
 //     the API reports them, the sequence id and its block count, the newest
-//     event and the ranking head; a screenshot is saved (dashboard.png in
+//     event and the ranking head, the live capacity plan's rows (/api/plan);
+//     a screenshot is saved (dashboard.png in
 //     the working directory, or $TRIAX_DASHBOARD_SCREENSHOT).
 // Without chromium on PATH the browser part skips, saying so.
 #include <gmock/gmock.h>
@@ -298,6 +299,27 @@ TEST_F(DashboardTest, PageShowsTheClustersNumbersInChromium) {
   EXPECT_EQ((*workers)["workers"][0]["worker_id"], "w0");
   EXPECT_EQ((*workers)["workers"][1]["worker_id"], "w1");
 
+  // The live plan: the fleet as it stands (two workers, the three open
+  // sequences' model, tag mix and policy), per policy and tenant.
+  auto plan = GetJson("/api/plan");
+  ASSERT_THAT(plan, IsOk());
+  const uint64_t pool = (*workers)["workers"][0]["capacity_bytes"];
+  EXPECT_EQ((*plan)["gpus"], 2);
+  EXPECT_EQ((*plan)["gpu_memory_bytes"], pool);
+  EXPECT_EQ((*plan)["open_sequences"], 3);
+  EXPECT_EQ((*plan)["model"]["name"], model_.name());
+  std::vector<std::string> plan_rows;
+  for (const json& r : (*plan)["rows"]) plan_rows.push_back(r["label"]);
+  EXPECT_EQ(plan_rows, (std::vector<std::string>{"bf16", "fp8", "int4",
+                                                 "triaxial-static"}));
+  // BF16: 2 bytes a value, K and V, every layer; whole 16-token blocks.
+  const uint64_t bf16_block = 16ull * model_.n_layers() * 2 *
+                              model_.n_kv_heads() * model_.head_dim() * 2;
+  const uint64_t bf16_tokens = pool / bf16_block * 16 * 2;
+  EXPECT_EQ((*plan)["rows"][0]["page_tokens"], bf16_tokens);
+  ASSERT_EQ((*plan)["tenants"].size(), 2u);
+  EXPECT_EQ((*plan)["tenants"][0]["tenant_id"], "acme");
+
   auto events = GetJson("/api/events?limit=1");
   ASSERT_THAT(events, IsOk());
   ASSERT_EQ((*events)["events"].size(), 1u);
@@ -357,6 +379,13 @@ TEST_F(DashboardTest, PageShowsTheClustersNumbersInChromium) {
                                           blocks, "</span>")));
   EXPECT_THAT(dom, HasSubstr(absl::StrCat("data-event-id=\"", newest, "\"")));
   EXPECT_THAT(dom, HasSubstr("data-lane=\"temporal\""));
+  EXPECT_THAT(
+      dom, HasSubstr(absl::StrCat("data-plan-row=\"bf16\" data-page-tokens=\"",
+                                  bf16_tokens, "\"")));
+  EXPECT_THAT(dom, HasSubstr("data-plan-row=\"triaxial-static\""));
+  EXPECT_THAT(dom, HasSubstr("data-plan-tenant=\"globex\""));
+  // One model, one table, few tenants: nothing was left out of the plan.
+  EXPECT_THAT(dom, HasSubstr("<div id=\"plan-notes\" class=\"mute\"></div>"));
   EXPECT_THAT(dom, HasSubstr("live · updated"));
   EXPECT_THAT(dom, ::testing::Not(HasSubstr("no ranking yet")));
   EXPECT_THAT(dom, ::testing::Not(HasSubstr("cannot reach the manager")));
@@ -420,7 +449,7 @@ TEST(DashboardAuthTest, TheJsonNeedsAnAdminToken) {
     tenant_token = resp.token();
   }
   for (const char* path : {"/api/workers", "/api/tenants", "/api/pressure",
-                           "/api/events", "/api/sequences"}) {
+                           "/api/events", "/api/sequences", "/api/plan"}) {
     SCOPED_TRACE(path);
     auto none = Get(port, path);
     ASSERT_THAT(none, IsOk());
