@@ -239,7 +239,9 @@ struct ImportResult {
   // installed (0 for a layer without pages).
   std::vector<double> layer_done_seconds;
   // The ipc and link paths: seconds spent in Device::CopyPagesChecked (the
-  // device copies and their CRC32Cs, host synchronization included).
+  // device copies and their CRC32Cs, host synchronization included); in
+  // the ipc path's pipeline (StartSharedRuns) the host's time launching
+  // the copies and waiting for them, which leaves out what they overlap.
   double copy_seconds = 0;
   // Seconds in BeginImport (reserving the plan's pages), waiting for the
   // source (ImportSession::CountWait, by the data path), and in Commit.
