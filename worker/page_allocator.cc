@@ -424,6 +424,20 @@ bool PageAllocator::Unref(Page* page) {
   return UnrefLocked(page);
 }
 
+uint64_t PageAllocator::UnrefAll(absl::Span<Page* const> pages,
+                                 uint64_t* bytes_freed) {
+  uint64_t freed = 0;
+  absl::MutexLock lock(&mu_);
+  for (Page* p : pages) {
+    const size_t bytes = p->bytes;
+    if (UnrefLocked(p)) {
+      freed += 1;
+      *bytes_freed += bytes;
+    }
+  }
+  return freed;
+}
+
 bool PageAllocator::UnrefLocked(Page* page) {
   if (--page->refs > 0) return false;
   used_bytes_ -= page->bytes;
@@ -439,10 +453,11 @@ bool PageAllocator::UnrefLocked(Page* page) {
   const size_t index = page->frame;
   Frame& f = frames_[index];
   f.slots[page->slot] = nullptr;
+  // A held frame is in with_free exactly when it has a free slot.
+  if (f.free.empty()) f.pool->with_free.insert(index);
   f.free.push_back(page->slot);
   f.used -= 1;
   f.pool->pages_used -= 1;
-  f.pool->with_free.insert(index);
   DeletePageLocked(page);
   // Every page of the frame is free: any pool may take it now.
   if (f.used == 0) ReleaseFrame(index);

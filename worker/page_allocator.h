@@ -275,6 +275,9 @@ class PageAllocator {
   void Ref(Page* page);
   // Drops one reference; returns true when it was the last (page freed).
   bool Unref(Page* page);
+  // Unref of every page under one lock (a page may appear twice); returns
+  // the pages freed and adds their bytes to *bytes_freed.
+  uint64_t UnrefAll(absl::Span<Page* const> pages, uint64_t* bytes_freed);
   int RefCount(Page* page) const;
 
   // Pinning (transfers on the ipc path, where a peer process copies a page

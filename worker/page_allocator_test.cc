@@ -447,6 +447,31 @@ TEST_F(PageAllocatorTest, AllocateManyTakesTheSlotsAllocateWould) {
   alloc_->Unref(*p);
 }
 
+// UnrefAll drops one reference per entry under one lock: a page named
+// twice loses two, shared pages survive, and the freed ones are counted.
+TEST_F(PageAllocatorTest, UnrefAllCountsWhatItFrees) {
+  Make(size_t{4} * (16 << 10));
+  std::vector<Page*> pages;
+  ASSERT_THAT(
+      alloc_->AllocateMany(Format::kINT4, 4096, PageUse::kTarget, 5, &pages),
+      IsOk());
+  alloc_->Ref(pages[0]);
+  alloc_->Ref(pages[1]);
+  alloc_->Ref(pages[1]);
+  uint64_t bytes = 7;
+  // pages[1] named twice: 3 references less 2; pages[0]: 2 less 1.
+  const std::vector<Page*> drop = {pages[0], pages[1], pages[1],
+                                   pages[2], pages[3], pages[4]};
+  EXPECT_EQ(alloc_->UnrefAll(drop, &bytes), 3u);
+  EXPECT_EQ(bytes, 7u + 3 * 4096);
+  EXPECT_EQ(alloc_->RefCount(pages[0]), 1);
+  EXPECT_EQ(alloc_->RefCount(pages[1]), 1);
+  EXPECT_EQ(alloc_->Stats().used_bytes, 2u * 4096);
+  EXPECT_EQ(alloc_->UnrefAll({pages[0], pages[1]}, &bytes), 2u);
+  EXPECT_EQ(alloc_->Stats().used_bytes, 0u);
+  EXPECT_EQ(alloc_->Stats().free_frames, 4u);
+}
+
 TEST_F(PageAllocatorTest, RejectsBadPageAndFrameSizes) {
   Make(1 << 16);
   EXPECT_THAT(

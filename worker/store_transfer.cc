@@ -470,6 +470,7 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
         StoredCrc(b.target[layer], &p);
         if (shared) {
           share(i, b.target[layer]);
+          p.shared_bytes = bytes;
           continue;
         }
         TRIAX_RETURN_IF_ERROR(
@@ -527,7 +528,10 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
     std::vector<size_t> unsummed;  // pages[] index of each range
     for (size_t i = 0; i < pages.size(); ++i) {
       const Page* src = shared_src[i];
-      const size_t bytes = page_bytes(pages[i].encoding);
+      // (Set above for stored pages, the most.)
+      const size_t bytes = pages[i].shared_bytes != 0
+                               ? pages[i].shared_bytes
+                               : page_bytes(pages[i].encoding);
       pages[i].shared = true;
       pages[i].arena_offset = static_cast<uint64_t>(src->data - base);
       pages[i].shared_bytes = bytes;
@@ -691,6 +695,7 @@ absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
     ReleaseAll(*seq);  // a second run starts from nothing
     state->result.page_bytes = 0;
     state->result.pages_shared = 0;
+    seq->blocks.reserve(plan.blocks.size());
     for (const BlockSpec& spec : plan.blocks) {
       Block b;
       b.spec = spec;
@@ -1056,18 +1061,23 @@ absl::Status ImportSession::CheckShared(absl::Span<const SharedRun> runs,
     // pages that do not pass (and window pages of non-BF16 blocks, whose
     // window page it allocates).
     const bool window_bf16 = !run.sealed && IsBf16(run.encoding);
+    // The length of the run's pages in the encoding of the first block
+    // that holds it (a block's encoding is valid; the run's may not be).
+    size_t want_bytes = window_bf16 ? st.bf16_bytes : 0;
     for (uint32_t k = 0; k < run.count; ++k) {
       const uint32_t bi = run.first_block + k;
       Block& b = seq.blocks[bi];
       uint8_t* mark = &st.Have(bi, run.layer);
       Page* dst = nullptr;
-      // (The length is compared with the block's encoding's, valid.)
-      if (*mark == 0 && run.lineage_ids[k] == b.spec.lineage_id &&
-          !b.spec.evicted && bi >= st.prefix_blocks &&
-          b.spec.num_tokens == run.num_tokens &&
-          (run.sealed ? b.spec.encoding == run.encoding
-                      : window_bf16 && IsBf16(b.spec.encoding)) &&
-          run.bytes == st.BytesOf(b.spec.encoding, seq.shape)) {
+      const bool fast = *mark == 0 && run.lineage_ids[k] == b.spec.lineage_id &&
+                        !b.spec.evicted && bi >= st.prefix_blocks &&
+                        b.spec.num_tokens == run.num_tokens &&
+                        (run.sealed ? b.spec.encoding == run.encoding
+                                    : window_bf16 && IsBf16(b.spec.encoding));
+      if (fast && want_bytes == 0) {
+        want_bytes = kernels::PageBytes(b.spec.encoding, seq.shape);
+      }
+      if (fast && run.bytes == want_bytes) {
         dst = b.target[run.layer];
       } else {
         ref.block_index = bi;
