@@ -958,6 +958,7 @@ TEST_F(CudaDeviceTest, CheckedCopiesPipelineMatchesCopyPagesChecked) {
   };
   auto want = [&](const std::vector<PageCopy>& jobs) {
     std::vector<uint32_t> crcs;
+    crcs.reserve(jobs.size());
     for (const PageCopy& j : jobs) {
       crcs.push_back(Crc32c(bytes.data() + (j.src - gpu_arena_), j.bytes));
     }

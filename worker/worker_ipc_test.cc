@@ -391,6 +391,7 @@ TEST(PageRunsTest, RoundTripAndMalformedBatches) {
   std::vector<SharedRun> runs;
   ASSERT_TRUE(SharedRunsOf(batch, &runs).ok());
   std::vector<uint32_t> counts;
+  counts.reserve(runs.size());
   for (const SharedRun& r : runs) counts.push_back(r.count);
   EXPECT_EQ(counts, (std::vector<uint32_t>{4, 2, 1, 1, 1, 1, 1, 1}));
   EXPECT_EQ(runs[0].stride, 8192u);
