@@ -493,6 +493,136 @@ absl::Status PagesWithoutBytes(v1::PageBatch* batch,
   return absl::OkStatus();
 }
 
+void RunWriter::Add(const TransferPage& page) {
+  if (open_ && page.layer == layer_ &&
+      page.block_index == first_block_ + count_ && page.sealed == sealed_ &&
+      page.num_tokens == num_tokens_ && page.shared_bytes == bytes_ &&
+      page.encoding == encoding_) {
+    bool next = false;
+    if (count_ == 1) {
+      next = page.arena_offset >= offset_ + bytes_;
+      if (next) stride_ = page.arena_offset - offset_;
+    } else {
+      next = page.arena_offset == offset_ + stride_ * count_;
+    }
+    if (next) {
+      count_ += 1;
+      v1::PageRuns* r = batch_->mutable_runs();
+      r->add_lineage_id(page.lineage_id);
+      r->add_crc32c(page.crc32c);
+      pages_ += 1;
+      return;
+    }
+  }
+  Finish();
+  if (known_.empty() || !(known_[encoding_index_] == page.encoding)) {
+    encoding_index_ = static_cast<uint32_t>(
+        std::find(known_.begin(), known_.end(), page.encoding) -
+        known_.begin());
+    if (encoding_index_ == known_.size()) {
+      known_.push_back(page.encoding);
+      EncodingToProto(page.encoding, batch_->add_encodings());
+    }
+  }
+  open_ = true;
+  encoding_ = page.encoding;
+  layer_ = page.layer;
+  first_block_ = page.block_index;
+  count_ = 1;
+  num_tokens_ = page.num_tokens;
+  sealed_ = page.sealed;
+  offset_ = page.arena_offset;
+  bytes_ = page.shared_bytes;
+  stride_ = bytes_;
+  v1::PageRuns* r = batch_->mutable_runs();
+  r->add_lineage_id(page.lineage_id);
+  r->add_crc32c(page.crc32c);
+  pages_ += 1;
+}
+
+void RunWriter::Finish() {
+  if (!open_) return;
+  open_ = false;
+  v1::PageRuns* r = batch_->mutable_runs();
+  r->add_layer(layer_);
+  r->add_first_block(first_block_);
+  r->add_count(count_);
+  r->add_encoding(encoding_index_);
+  r->add_num_tokens(num_tokens_);
+  r->add_sealed(sealed_);
+  r->add_offset(offset_);
+  r->add_stride(stride_);
+  r->add_bytes(bytes_);
+}
+
+void RunWriter::Reset() {
+  known_.clear();
+  encoding_index_ = 0;
+  pages_ = 0;
+  open_ = false;
+}
+
+absl::Status SharedRunsOf(const v1::PageBatch& batch,
+                          std::vector<SharedRun>* out) {
+  if (!batch.has_runs()) return absl::OkStatus();
+  const v1::PageRuns& r = batch.runs();
+  const int n = r.layer_size();
+  const std::pair<const char*, int> sizes[] = {
+      {"first_block", r.first_block_size()},
+      {"count", r.count_size()},
+      {"encoding", r.encoding_size()},
+      {"num_tokens", r.num_tokens_size()},
+      {"sealed", r.sealed_size()},
+      {"offset", r.offset_size()},
+      {"stride", r.stride_size()},
+      {"bytes", r.bytes_size()}};
+  for (const auto& [field, size] : sizes) {
+    if (size != n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "runs.", field, " has ", size, " entries; runs.layer has ", n));
+    }
+  }
+  uint64_t pages = 0;
+  for (int i = 0; i < n; ++i) pages += r.count(i);
+  if (pages != static_cast<uint64_t>(r.lineage_id_size()) ||
+      pages != static_cast<uint64_t>(r.crc32c_size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "runs.lineage_id has ", r.lineage_id_size(), " and runs.crc32c ",
+        r.crc32c_size(), " entries; the runs' counts sum to ", pages));
+  }
+  std::vector<Encoding> encodings;
+  encodings.reserve(batch.encodings_size());
+  for (const v1::PageEncoding& e : batch.encodings()) {
+    encodings.push_back(EncodingFromProto(e));
+  }
+  out->reserve(out->size() + n);
+  const uint64_t* lineage = r.lineage_id().data();
+  const uint32_t* crc = r.crc32c().data();
+  for (int i = 0; i < n; ++i) {
+    const uint32_t e = r.encoding(i);
+    if (e >= encodings.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("runs.encoding[", i, "]=", e, " is not an index into ",
+                       encodings.size(), " encodings"));
+    }
+    SharedRun& run = out->emplace_back();
+    run.layer = r.layer(i);
+    run.first_block = r.first_block(i);
+    run.count = r.count(i);
+    run.encoding = encodings[e];
+    run.num_tokens = r.num_tokens(i);
+    run.sealed = r.sealed(i);
+    run.offset = r.offset(i);
+    run.stride = r.stride(i);
+    run.bytes = r.bytes(i);
+    run.lineage_ids = lineage;
+    run.crc32cs = crc;
+    lineage += run.count;
+    crc += run.count;
+  }
+  return absl::OkStatus();
+}
+
 void ToProto(const ImportReply& d, v1::ImportSequenceResponse* p) {
   p->set_pages(d.result.pages);
   p->set_wire_bytes(d.result.wire_bytes);

@@ -56,6 +56,47 @@ void AppendRefs(absl::Span<const TransferPage> pages, v1::PageBatch* batch);
 absl::Status PagesWithoutBytes(v1::PageBatch* batch,
                                std::vector<TransferPage>* out);
 
+// Builds batch->runs (PageRuns) from shared pages added in order: a page
+// extends the open run when it is the next block of the same layer with
+// the same encoding, sealed flag, num_tokens and length, and lies `stride`
+// bytes after the run's previous page (the run's second page sets the
+// stride, at least the pages' length). Encodings go to batch->encodings.
+class RunWriter {
+ public:
+  explicit RunWriter(v1::PageBatch* batch) : batch_(batch) {}
+  void Add(const TransferPage& page);
+  // Writes the open run: call before the batch is sent, then Reset once it
+  // is cleared for the next.
+  void Finish();
+  void Reset();
+  size_t pages() const { return pages_; }
+
+ private:
+  v1::PageBatch* const batch_;
+  std::vector<kernels::Encoding> known_;  // batch_->encodings
+  size_t pages_ = 0;
+  bool open_ = false;
+  // The open run.
+  kernels::Encoding encoding_;
+  uint32_t encoding_index_ = 0;
+  uint32_t layer_ = 0;
+  uint32_t first_block_ = 0;
+  uint32_t count_ = 0;
+  uint32_t num_tokens_ = 0;
+  bool sealed_ = false;
+  uint64_t offset_ = 0;
+  uint64_t stride_ = 0;
+  uint64_t bytes_ = 0;
+};
+
+// The batch's runs (PageRuns) appended to *out, their lineage ids and
+// CRC32Cs read in place (the batch must outlive them). INVALID_ARGUMENT
+// naming the field when the per-run fields differ in length, an encoding
+// index is outside encodings, or the per-page fields' length is not the
+// counts' sum.
+absl::Status SharedRunsOf(const v1::PageBatch& batch,
+                          std::vector<SharedRun>* out);
+
 // Replies.
 void ToProto(const AllocateResult& d, v1::AllocatePagesResponse* p);
 void ToProto(const ForkResult& d, v1::WorkerForkResponse* p);

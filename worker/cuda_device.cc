@@ -94,6 +94,15 @@ CudaDevice::~CudaDevice() {
     if (l->workspace != nullptr) cudaFree(l->workspace);
     cudaStreamDestroy(l->stream);
   }
+  absl::MutexLock lock(&lanes_mu_);
+  for (const auto& c : copy_lanes_) {
+    for (size_t i = 0; i < CheckedCopies::kMaxInFlight; ++i) {
+      if (c->slots[i].host != nullptr) cudaFreeHost(c->slots[i].host);
+      if (c->slots[i].scratch != nullptr) cudaFree(c->slots[i].scratch);
+      if (c->done[i] != nullptr) cudaEventDestroy(c->done[i]);
+    }
+    if (c->stream != nullptr) cudaStreamDestroy(c->stream);
+  }
 }
 
 CudaDevice::Lease::~Lease() {

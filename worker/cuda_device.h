@@ -36,10 +36,16 @@
 //   CopyPagesChecked -> CopyCrc32cCuda: copy and the CRC of the bytes copied,
 //   one launch
 //                       per kMaxRangesPerLaunch jobs
+//   NewCheckedCopies -> a pipeline with a stream of its own (a CopyLane,
+//                       kept for the next pipeline) and per batch in flight
+//                       a staging pair and an event: Start uploads the table,
+//                       launches and queues the CRCs' download, Finish waits
+//                       for the batch's event (the one exception below)
 //   ShareArena / OpenPeerArena -> cudaIpcGetMemHandle / cudaIpcOpenMemHandle
 //                       (lazy peer access); ShareDomain is cuda:<boot id>
 // Every call waits for its stream before returning, so host buffers are free
-// to reuse and errors surface in the call that caused them.
+// to reuse and errors surface in the call that caused them; a CheckedCopies
+// pipeline's Start does not (its batch's buffers wait for its Finish).
 //
 // Batch invariance: every attention launch passes pages_per_share =
 // PagesPerShare(shape) (one split-K share per ~128 tokens of a sequence's
@@ -138,6 +144,7 @@ class CudaDevice final : public Device {
                         absl::Span<uint32_t> crcs) override;
   absl::Status CopyPagesChecked(absl::Span<const PageCopy> jobs,
                                 absl::Span<uint32_t> crcs) override;
+  absl::StatusOr<std::unique_ptr<CheckedCopies>> NewCheckedCopies() override;
   std::string ShareDomain() const override;
   bool TimeSlicesProcesses() const override { return true; }
   absl::StatusOr<std::string> ShareArena(const uint8_t* base,
@@ -182,6 +189,18 @@ class CudaDevice final : public Device {
     uint8_t* workspace = nullptr;  // device: attention partials
     size_t workspace_bytes = 0;
   };
+  // A CheckedCopies pipeline's stream and, per batch in flight, buffers
+  // (a Lane's host / scratch; its stream unused) and a completion event.
+  struct CopyLane {
+    cudaStream_t stream = nullptr;
+    Lane slots[CheckedCopies::kMaxInFlight];
+    cudaEvent_t done[CheckedCopies::kMaxInFlight] = {};
+  };
+  class PipelinedCopies;
+  // A free CopyLane, made on first use (RESOURCE_EXHAUSTED / INTERNAL when
+  // CUDA cannot make its stream or events).
+  absl::StatusOr<CopyLane*> TakeCopyLane();
+  void GiveCopyLane(CopyLane* lane);
   // A checked-out lane, returned to the free list on destruction.
   class Lease {
    public:
@@ -232,6 +251,9 @@ class CudaDevice final : public Device {
 
   absl::Mutex lanes_mu_;
   std::vector<Lane*> free_lanes_ ABSL_GUARDED_BY(lanes_mu_);
+  // Every CopyLane made (one per pipeline running at once), and the free.
+  std::vector<std::unique_ptr<CopyLane>> copy_lanes_ ABSL_GUARDED_BY(lanes_mu_);
+  std::vector<CopyLane*> free_copy_lanes_ ABSL_GUARDED_BY(lanes_mu_);
 
   mutable absl::Mutex health_mu_;
   std::string poisoned_ ABSL_GUARDED_BY(health_mu_);  // empty while healthy

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/ids.h"
+#include "common/status_macros.h"
 #include "kernels/numeric.h"
 #include "worker/checksum.h"
 #include "worker/link_tcp.h"
@@ -115,6 +117,57 @@ absl::Status Device::CopyPagesChecked(absl::Span<const PageCopy> jobs,
     copied[i] = DeviceBytes{jobs[i].dst, jobs[i].bytes};
   }
   return Checksum(copied, crcs);
+}
+
+namespace {
+
+// Device::NewCheckedCopies's default: each batch copied and checksummed by
+// CopyPagesChecked when it starts.
+class SyncCheckedCopies final : public CheckedCopies {
+ public:
+  explicit SyncCheckedCopies(Device* device) : device_(device) {}
+  absl::Status Start(absl::Span<const PageCopy> jobs) override {
+    if (in_flight_ == kMaxInFlight) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("CheckedCopies: ", kMaxInFlight,
+                       " batches are in flight; finish one first"));
+    }
+    std::vector<uint32_t>& crcs = crcs_[(first_ + in_flight_) % kMaxInFlight];
+    crcs.resize(jobs.size());
+    TRIAX_RETURN_IF_ERROR(
+        device_->CopyPagesChecked(jobs, absl::MakeSpan(crcs)));
+    in_flight_ += 1;
+    return absl::OkStatus();
+  }
+  absl::Status Finish(absl::Span<uint32_t> crcs) override {
+    if (in_flight_ == 0) {
+      return absl::FailedPreconditionError(
+          "CheckedCopies: no batch is in flight");
+    }
+    const std::vector<uint32_t>& done = crcs_[first_];
+    if (crcs.size() != done.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CheckedCopies: ", crcs.size(), " outputs for ",
+                       done.size(), " jobs"));
+    }
+    std::copy(done.begin(), done.end(), crcs.begin());
+    first_ = (first_ + 1) % kMaxInFlight;
+    in_flight_ -= 1;
+    return absl::OkStatus();
+  }
+  size_t in_flight() const override { return in_flight_; }
+
+ private:
+  Device* const device_;
+  std::vector<uint32_t> crcs_[kMaxInFlight];
+  size_t first_ = 0;
+  size_t in_flight_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CheckedCopies>> Device::NewCheckedCopies() {
+  return std::make_unique<SyncCheckedCopies>(this);
 }
 
 absl::StatusOr<std::string> Device::ShareArena(const uint8_t*, size_t) {

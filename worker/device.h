@@ -50,6 +50,25 @@ struct PageCopy {
   size_t bytes = 0;
 };
 
+// Checked copies in a pipeline (Device::NewCheckedCopies): Start submits a
+// batch of copies as CopyPagesChecked does and returns without waiting for
+// them; Finish waits for the oldest batch started and not yet finished and
+// writes its CRC32Cs (one per job, crcs.size() the batch's job count).
+// Batches complete in the order started; at most kMaxInFlight are in
+// flight (Start refuses another with FAILED_PRECONDITION, as Finish with
+// none in flight). The caller keeps every batch's destinations from moving
+// or being freed until it is finished; the destructor waits for the
+// batches still in flight, so nothing is written after it returns. Used by
+// one thread at a time.
+class CheckedCopies {
+ public:
+  static constexpr size_t kMaxInFlight = 2;
+  virtual ~CheckedCopies() = default;
+  virtual absl::Status Start(absl::Span<const PageCopy> jobs) = 0;
+  virtual absl::Status Finish(absl::Span<uint32_t> crcs) = 0;
+  virtual size_t in_flight() const = 0;
+};
+
 // A byte range in device memory (Device::Checksum).
 struct DeviceBytes {
   const uint8_t* data = nullptr;
@@ -180,6 +199,12 @@ class Device {
   // checksums what landed in one launch for all jobs.
   virtual absl::Status CopyPagesChecked(absl::Span<const PageCopy> jobs,
                                         absl::Span<uint32_t> crcs);
+  // A pipeline of CopyPagesChecked batches (CheckedCopies). The default
+  // runs each batch by CopyPagesChecked in Start (Finish hands its CRC32Cs
+  // over); the CUDA backend launches a batch on a stream of the pipeline's
+  // own and returns, so the host checks the next batch while the device
+  // copies this one.
+  virtual absl::StatusOr<std::unique_ptr<CheckedCopies>> NewCheckedCopies();
 
   // Shared arenas: the "ipc" transfer path between two worker processes on
   // one host, where the destination maps the source's arena and copies

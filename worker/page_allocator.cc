@@ -152,14 +152,52 @@ PageAllocator::PageAllocator(Device* device, uint8_t* base, size_t capacity,
       capacity_(capacity),
       frame_bytes_(frame_bytes),
       frames_(capacity / frame_bytes) {
-  for (size_t i = 0; i < frames_.size(); ++i) free_frames_.insert(i);
+  free_bits_.assign((frames_.size() + 63) / 64, ~uint64_t{0});
+  if (frames_.size() % 64 != 0) {
+    free_bits_.back() = (uint64_t{1} << (frames_.size() % 64)) - 1;
+  }
+  free_frames_ = frames_.size();
 }
 
-PageAllocator::~PageAllocator() {
-  for (Frame& f : frames_) {
-    for (Page* p : f.slots) delete p;
+// Page objects live in page_slabs_ (freed with the allocator).
+PageAllocator::~PageAllocator() { device_->FreeArena(base_, capacity_); }
+
+void PageAllocator::ReserveSparePagesLocked(size_t n) {
+  constexpr size_t kSlab = 256;
+  while (spare_pages_.size() < n) {
+    page_slabs_.push_back(std::make_unique<Page[]>(kSlab));
+    Page* slab = page_slabs_.back().get();
+    spare_pages_.reserve(spare_pages_.size() + kSlab);
+    for (size_t i = kSlab; i-- > 0;) spare_pages_.push_back(&slab[i]);
   }
-  device_->FreeArena(base_, capacity_);
+}
+
+// A page goes back to the list as a fresh one (its seal_mu is not held:
+// nobody holds a reference).
+void PageAllocator::DeletePageLocked(Page* page)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  page->data = nullptr;
+  page->bytes = 0;
+  page->encoding = kernels::Encoding();
+  page->use = PageUse::kTarget;
+  page->encoded = false;
+  page->crc_known = false;
+  page->crc32c = 0;
+  page->refs = 0;
+  page->pins = 0;
+  page->frame = 0;
+  page->slot = 0;
+  spare_pages_.push_back(page);
+}
+
+size_t PageAllocator::TakeFreeFrameLocked() {
+  size_t w = free_hint_;
+  while (free_bits_[w] == 0) ++w;
+  free_hint_ = w;
+  const int bit = __builtin_ctzll(free_bits_[w]);
+  free_bits_[w] &= free_bits_[w] - 1;
+  free_frames_ -= 1;
+  return w * 64 + static_cast<size_t>(bit);
 }
 
 bool EncodingLess::operator()(const kernels::Encoding& a,
@@ -198,7 +236,14 @@ absl::StatusOr<Page*> PageAllocator::Allocate(const kernels::Encoding& encoding,
   TRIAX_RETURN_IF_ERROR(CheckPageBytes(encoding, page_bytes));
   absl::MutexLock lock(&mu_);
   Pool* pool = nullptr;
-  return AllocateLocked(encoding, page_bytes, use, &pool);
+  std::vector<Page*> one;
+  one.reserve(1);
+  TRIAX_RETURN_IF_ERROR(
+      AllocateRunLocked(encoding, page_bytes, use, 1, &pool, &one));
+  FormatUsage& usage = UsageLocked(encoding, use);
+  usage.pages += 1;
+  usage.bytes += page_bytes;
+  return one[0];
 }
 
 absl::Status PageAllocator::AllocateMany(const kernels::Encoding& encoding,
@@ -209,22 +254,28 @@ absl::Status PageAllocator::AllocateMany(const kernels::Encoding& encoding,
   out->reserve(before + n);
   absl::MutexLock lock(&mu_);
   Pool* pool = nullptr;
-  for (size_t i = 0; i < n; ++i) {
-    absl::StatusOr<Page*> page =
-        AllocateLocked(encoding, page_bytes, use, &pool);
-    if (!page.ok()) {
+  FormatUsage* usage = nullptr;
+  while (out->size() - before < n) {
+    const size_t had = out->size();
+    absl::Status s = AllocateRunLocked(encoding, page_bytes, use,
+                                       n - (had - before), &pool, out);
+    if (!s.ok()) {
       for (size_t j = before; j < out->size(); ++j) UnrefLocked((*out)[j]);
       out->resize(before);
-      return page.status();
+      return s;
     }
-    out->push_back(*page);
+    // Counted per run (one lookup), before anything could be given back.
+    if (usage == nullptr) usage = &UsageLocked(encoding, use);
+    usage->pages += out->size() - had;
+    usage->bytes += (out->size() - had) * page_bytes;
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<Page*> PageAllocator::AllocateLocked(
-    const kernels::Encoding& encoding, size_t page_bytes, PageUse use,
-    Pool** pool_cache) {
+absl::Status PageAllocator::AllocateRunLocked(const kernels::Encoding& encoding,
+                                              size_t page_bytes, PageUse use,
+                                              size_t max, Pool** pool_cache,
+                                              std::vector<Page*>* out) {
   const PoolKey key{encoding, page_bytes};
   Pool* pool = *pool_cache;
   if (pool == nullptr) {
@@ -236,7 +287,7 @@ absl::StatusOr<Page*> PageAllocator::AllocateLocked(
   if (pool != nullptr && !pool->with_free.empty()) {
     frame_index = *pool->with_free.begin();
   } else {
-    if (free_frames_.empty()) {
+    if (free_frames_ == 0) {
       absl::Status s = absl::ResourceExhaustedError(
           absl::StrCat("pool ", PoolName(encoding, page_bytes), " (",
                        use == PageUse::kWindow ? "window" : "target",
@@ -256,44 +307,58 @@ absl::StatusOr<Page*> PageAllocator::AllocateLocked(
       pool = fresh.get();
       pools_.emplace(key, std::move(fresh));
     }
-    frame_index = *free_frames_.begin();
-    free_frames_.erase(free_frames_.begin());
+    frame_index = TakeFreeFrameLocked();
     Frame& f = frames_[frame_index];
     f.pool = pool;
     f.used = 0;
     f.slots.assign(pool->pages_per_frame, nullptr);
     f.free.clear();
-    // Hand out low addresses first.
-    for (size_t i = pool->pages_per_frame; i-- > 0;) {
-      f.free.push_back(static_cast<uint32_t>(i));
+    // Hand out low addresses first. A run that takes the whole frame needs
+    // no list.
+    if (max < pool->pages_per_frame) {
+      f.free.reserve(pool->pages_per_frame);
+      for (size_t i = pool->pages_per_frame; i-- > 0;) {
+        f.free.push_back(static_cast<uint32_t>(i));
+      }
     }
     pool->frames += 1;
-    pool->with_free.insert(frame_index);
+    // Joins with_free below unless this run fills it.
   }
 
   *pool_cache = pool;
   Frame& f = frames_[frame_index];
-  const uint32_t slot = f.free.back();
-  f.free.pop_back();
-  f.used += 1;
-  if (f.free.empty()) pool->with_free.erase(frame_index);
-  pool->pages_used += 1;
-
-  auto* page = new Page();
-  page->data = SlotData(frame_index, slot, page_bytes);
-  page->bytes = page_bytes;
-  page->encoding = encoding;
-  page->use = use;
-  page->refs = 1;
-  page->frame = frame_index;
-  page->slot = slot;
-  f.slots[slot] = page;
-
-  used_bytes_ += page_bytes;
-  FormatUsage& usage = use == PageUse::kWindow ? window_ : target_[encoding];
-  usage.pages += 1;
-  usage.bytes += page_bytes;
-  return page;
+  const bool listed = f.used > 0;  // a held frame with a free slot
+  // A fresh frame without a list: every slot, lowest first.
+  const bool whole = f.used == 0 && f.free.empty();
+  const size_t take = whole ? f.slots.size() : std::min(max, f.free.size());
+  ReserveSparePagesLocked(take);
+  for (size_t i = 0; i < take; ++i) {
+    uint32_t slot = static_cast<uint32_t>(i);
+    if (!whole) {
+      slot = f.free.back();
+      f.free.pop_back();
+    }
+    Page* page = spare_pages_.back();
+    spare_pages_.pop_back();
+    page->data = SlotData(frame_index, slot, page_bytes);
+    page->bytes = page_bytes;
+    page->encoding = encoding;
+    page->use = use;
+    page->refs = 1;
+    page->frame = frame_index;
+    page->slot = slot;
+    f.slots[slot] = page;
+    out->push_back(page);
+  }
+  f.used += static_cast<uint32_t>(take);
+  if (listed && f.free.empty()) {
+    pool->with_free.erase(frame_index);
+  } else if (!listed && !f.free.empty()) {
+    pool->with_free.insert(frame_index);
+  }
+  pool->pages_used += take;
+  used_bytes_ += take * page_bytes;
+  return absl::OkStatus();
 }
 
 void PageAllocator::Ref(Page* page) {
@@ -332,7 +397,9 @@ void PageAllocator::ReleaseFrame(size_t index) {
   f.slots.clear();
   f.free.clear();
   f.used = 0;
-  free_frames_.insert(index);
+  free_bits_[index / 64] |= uint64_t{1} << (index % 64);
+  free_frames_ += 1;
+  free_hint_ = std::min(free_hint_, index / 64);
   if (pool->frames == 0) pools_.erase(pool->key);
 }
 
@@ -357,6 +424,20 @@ bool PageAllocator::Unref(Page* page) {
   return UnrefLocked(page);
 }
 
+uint64_t PageAllocator::UnrefAll(absl::Span<Page* const> pages,
+                                 uint64_t* bytes_freed) {
+  uint64_t freed = 0;
+  absl::MutexLock lock(&mu_);
+  for (Page* p : pages) {
+    const size_t bytes = p->bytes;
+    if (UnrefLocked(p)) {
+      freed += 1;
+      *bytes_freed += bytes;
+    }
+  }
+  return freed;
+}
+
 bool PageAllocator::UnrefLocked(Page* page) {
   if (--page->refs > 0) return false;
   used_bytes_ -= page->bytes;
@@ -372,11 +453,12 @@ bool PageAllocator::UnrefLocked(Page* page) {
   const size_t index = page->frame;
   Frame& f = frames_[index];
   f.slots[page->slot] = nullptr;
+  // A held frame is in with_free exactly when it has a free slot.
+  if (f.free.empty()) f.pool->with_free.insert(index);
   f.free.push_back(page->slot);
   f.used -= 1;
   f.pool->pages_used -= 1;
-  f.pool->with_free.insert(index);
-  delete page;
+  DeletePageLocked(page);
   // Every page of the frame is free: any pool may take it now.
   if (f.used == 0) ReleaseFrame(index);
   return true;
@@ -479,7 +561,7 @@ AllocatorStats PageAllocator::Stats() const {
   s.window = window_;
   s.frame_bytes = frame_bytes_;
   s.frames = frames_.size();
-  s.free_frames = free_frames_.size();
+  s.free_frames = free_frames_;
   s.free_bytes = capacity_ - used_bytes_;
   s.tail_bytes = capacity_ - frames_.size() * frame_bytes_;
   for (const auto& [key, pool] : pools_) {

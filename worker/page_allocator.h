@@ -15,6 +15,10 @@
 //           (the most recently freed slot; a fresh frame hands out low
 //           slots first), else the lowest free frame.
 //   page    refcounted: forks share pages; the last Unref returns its slot.
+//           Page objects come from slabs of the allocator's and are reused
+//           once freed; AllocateMany takes its pages run by run (a frame's
+//           free slots, then whole fresh frames) under one lock, the same
+//           slots in the same order as as many Allocate calls.
 //           Page objects never move; Compact moves their bytes and changes
 //           Page::data (see Compaction). Pages are either target pages (a
 //           block's storage in its encoding) or window pages (BF16
@@ -271,6 +275,9 @@ class PageAllocator {
   void Ref(Page* page);
   // Drops one reference; returns true when it was the last (page freed).
   bool Unref(Page* page);
+  // Unref of every page under one lock (a page may appear twice); returns
+  // the pages freed and adds their bytes to *bytes_freed.
+  uint64_t UnrefAll(absl::Span<Page* const> pages, uint64_t* bytes_freed);
   int RefCount(Page* page) const;
 
   // Pinning (transfers on the ipc path, where a peer process copies a page
@@ -330,12 +337,28 @@ class PageAllocator {
   // Allocate's checks of page_bytes (no lock needed).
   absl::Status CheckPageBytes(const kernels::Encoding& encoding,
                               size_t page_bytes) const;
-  // One page from `*pool` (looked up or made on first use, then reused by
-  // the caller's next call).
-  absl::StatusOr<Page*> AllocateLocked(const kernels::Encoding& encoding,
-                                       size_t page_bytes, PageUse use,
-                                       Pool** pool)
+  // Up to `max` (>= 1) pages from `*pool` (looked up or made on first use,
+  // then reused by the caller's next call), appended to *out: the free
+  // slots of one frame with some, else up to a whole fresh frame. Counts
+  // them in used_bytes_ but not in target_ / window_ (the caller adds the
+  // pages to `*usage`). RESOURCE_EXHAUSTED when the pool has no free slot
+  // and no frame is free.
+  absl::Status AllocateRunLocked(const kernels::Encoding& encoding,
+                                 size_t page_bytes, PageUse use, size_t max,
+                                 Pool** pool, std::vector<Page*>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The usage figure a page of `encoding` and `use` counts in.
+  FormatUsage& UsageLocked(const kernels::Encoding& encoding, PageUse use)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return use == PageUse::kWindow ? window_ : target_[encoding];
+  }
+  // Page objects come from slabs and go back to a free list
+  // (spare_pages_; the import of a long sequence makes tens of thousands at
+  // once). Reserve adds slabs until the list holds `n`.
+  void ReserveSparePagesLocked(size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DeletePageLocked(Page* page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The lowest free frame, taken off the free set (the set is not empty).
+  size_t TakeFreeFrameLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Device* const device_;
   uint8_t* const base_;
@@ -345,7 +368,13 @@ class PageAllocator {
   std::atomic<uint64_t> shortfalls_{0};
   mutable absl::Mutex mu_;
   std::vector<Frame> frames_ ABSL_GUARDED_BY(mu_);
-  std::set<size_t> free_frames_ ABSL_GUARDED_BY(mu_);
+  // Free frames: a bit per frame (set: free), their count, and a word index
+  // below which no bit is set (the lowest free frame is found from there).
+  std::vector<uint64_t> free_bits_ ABSL_GUARDED_BY(mu_);
+  size_t free_frames_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t free_hint_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::unique_ptr<Page[]>> page_slabs_ ABSL_GUARDED_BY(mu_);
+  std::vector<Page*> spare_pages_ ABSL_GUARDED_BY(mu_);
   std::map<PoolKey, std::unique_ptr<Pool>> pools_ ABSL_GUARDED_BY(mu_);
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   EncodingUsage target_ ABSL_GUARDED_BY(mu_);

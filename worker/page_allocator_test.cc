@@ -378,6 +378,100 @@ TEST_F(PageAllocatorTest, AllocateManyIsAllOrNothing) {
   EXPECT_EQ(alloc_->Stats().held_bytes, 0u);
 }
 
+// AllocateMany takes slots run by run (the free slots of a frame with some,
+// then whole fresh frames), yet hands out the very slots, in the same
+// order, that as many Allocate calls would, over a history of frees that
+// leaves partly used frames; freed Page objects are reused.
+TEST_F(PageAllocatorTest, AllocateManyTakesTheSlotsAllocateWould) {
+  CpuDevice other_device;
+  auto other =
+      PageAllocator::Create(&other_device, size_t{64} * (16 << 10), 16 << 10);
+  ASSERT_THAT(other.status(), IsOk());
+  Make(size_t{64} * (16 << 10));  // 64 frames of 16 KiB: 4 pages of 4 KiB
+  PageAllocator* both[] = {alloc_.get(), other->get()};
+  std::vector<Page*> held[2];
+  std::mt19937 rng(7);
+  for (int round = 0; round < 40; ++round) {
+    const size_t n = 1 + rng() % 23;
+    const bool window = rng() % 3 == 0;
+    const PageUse use = window ? PageUse::kWindow : PageUse::kTarget;
+    const Format f = window ? Format::kBF16 : Format::kINT4;
+    // One AllocateMany here, n Allocate calls there.
+    const size_t before = held[0].size();
+    ASSERT_THAT(alloc_->AllocateMany(f, 4096, use, n, &held[0]), IsOk());
+    for (size_t i = 0; i < n; ++i) {
+      auto p = both[1]->Allocate(f, 4096, use);
+      ASSERT_THAT(p.status(), IsOk());
+      held[1].push_back(*p);
+    }
+    ASSERT_EQ(held[0].size(), held[1].size());
+    for (size_t i = before; i < held[0].size(); ++i) {
+      ASSERT_EQ(held[0][i]->data - alloc_->arena_base(),
+                held[1][i]->data - both[1]->arena_base())
+          << "round " << round << " page " << i;
+      EXPECT_EQ(held[0][i]->use, use);
+      EXPECT_EQ(alloc_->RefCount(held[0][i]), 1);
+    }
+    // Free a random third of what is held, the same pages on both.
+    for (size_t i = 0; i < held[0].size();) {
+      if (rng() % 3 == 0) {
+        for (int a = 0; a < 2; ++a) {
+          EXPECT_TRUE(both[a]->Unref(held[a][i]));
+          held[a].erase(held[a].begin() + static_cast<std::ptrdiff_t>(i));
+        }
+      } else {
+        ++i;
+      }
+    }
+    const AllocatorStats s0 = alloc_->Stats(), s1 = both[1]->Stats();
+    EXPECT_EQ(s0.used_bytes, s1.used_bytes);
+    EXPECT_EQ(s0.free_frames, s1.free_frames);
+    EXPECT_EQ(s0.free_slots, s1.free_slots);
+    EXPECT_EQ(s0.window.pages, s1.window.pages);
+  }
+  // A reused Page object starts as a fresh one.
+  for (int a = 0; a < 2; ++a) {
+    for (Page* p : held[a]) both[a]->Unref(p);
+  }
+  EXPECT_EQ(alloc_->Stats().used_bytes, 0u);
+  EXPECT_EQ(alloc_->Stats().free_frames, 64u);
+  auto p = alloc_->Allocate(Format::kINT4, 4096, PageUse::kTarget);
+  ASSERT_THAT(p.status(), IsOk());
+  EXPECT_EQ((*p)->data, alloc_->arena_base());  // the lowest frame, slot 0
+  EXPECT_EQ(alloc_->PinCount(*p), 0);
+  {
+    absl::MutexLock lock(&(*p)->seal_mu);
+    EXPECT_FALSE((*p)->encoded);
+    EXPECT_FALSE((*p)->crc_known);
+  }
+  alloc_->Unref(*p);
+}
+
+// UnrefAll drops one reference per entry under one lock: a page named
+// twice loses two, shared pages survive, and the freed ones are counted.
+TEST_F(PageAllocatorTest, UnrefAllCountsWhatItFrees) {
+  Make(size_t{4} * (16 << 10));
+  std::vector<Page*> pages;
+  ASSERT_THAT(
+      alloc_->AllocateMany(Format::kINT4, 4096, PageUse::kTarget, 5, &pages),
+      IsOk());
+  alloc_->Ref(pages[0]);
+  alloc_->Ref(pages[1]);
+  alloc_->Ref(pages[1]);
+  uint64_t bytes = 7;
+  // pages[1] named twice: 3 references less 2; pages[0]: 2 less 1.
+  const std::vector<Page*> drop = {pages[0], pages[1], pages[1],
+                                   pages[2], pages[3], pages[4]};
+  EXPECT_EQ(alloc_->UnrefAll(drop, &bytes), 3u);
+  EXPECT_EQ(bytes, 7u + 3 * 4096);
+  EXPECT_EQ(alloc_->RefCount(pages[0]), 1);
+  EXPECT_EQ(alloc_->RefCount(pages[1]), 1);
+  EXPECT_EQ(alloc_->Stats().used_bytes, 2u * 4096);
+  EXPECT_EQ(alloc_->UnrefAll({pages[0], pages[1]}, &bytes), 2u);
+  EXPECT_EQ(alloc_->Stats().used_bytes, 0u);
+  EXPECT_EQ(alloc_->Stats().free_frames, 4u);
+}
+
 TEST_F(PageAllocatorTest, RejectsBadPageAndFrameSizes) {
   Make(1 << 16);
   EXPECT_THAT(

@@ -452,22 +452,21 @@ absl::StatusOr<AllocateResult> SequenceStore::Extend(
 FreeResult SequenceStore::ReleaseAll(Sequence& seq)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   FreeResult r;
+  // Every page's reference dropped under one allocator lock.
+  std::vector<Page*> pages;
   for (Block& b : seq.blocks) {
     if (b.spec.tier == Tier::kHost || b.spec.tier == Tier::kDisk) {
       options_.tiers->Release(&b.spilled);
     }
-    for (std::vector<Page*>* pages : {&b.target, &b.window}) {
-      for (Page*& p : *pages) {
+    for (std::vector<Page*>* held : {&b.target, &b.window}) {
+      for (Page*& p : *held) {
         if (p == nullptr) continue;
-        const size_t bytes = p->bytes;
-        if (allocator_->Unref(p)) {
-          r.pages_freed += 1;
-          r.bytes_freed += bytes;
-        }
+        pages.push_back(p);
         p = nullptr;
       }
     }
   }
+  r.pages_freed = allocator_->UnrefAll(pages, &r.bytes_freed);
   seq.blocks.clear();
   return r;
 }

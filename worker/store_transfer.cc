@@ -2,6 +2,7 @@
 #include "worker/store_transfer.h"
 
 #include <algorithm>
+#include <deque>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -148,6 +149,40 @@ absl::Status CheckPrefix(const Sequence& prefix, const ImportPlan& plan)
   }
   return absl::OkStatus();
 }
+
+// The checks of CheckExportBlocks that can change between an export's
+// layers (the blocks still there with their lineage ids, not evicted), in
+// one lean pass; false when one fails (CheckExportBlocks then names it).
+bool ExportBlocksStillThere(const Sequence& seq,
+                            absl::Span<const ExportBlock> blocks)
+    ABSL_SHARED_LOCKS_REQUIRED(seq.mu) {
+  const size_t n = seq.blocks.size();
+  for (const ExportBlock& want : blocks) {
+    if (want.index >= n) return false;
+    const BlockSpec& spec = seq.blocks[want.index].spec;
+    if (spec.lineage_id != want.lineage_id || spec.evicted) return false;
+  }
+  return true;
+}
+
+// PageBytes of the last encoding asked for (an export's pages come in runs
+// of one encoding).
+class PageBytesCache {
+ public:
+  explicit PageBytesCache(const PageShape& shape) : shape_(shape) {}
+  size_t operator()(const Encoding& e) {
+    if (bytes_ == 0 || !(e == encoding_)) {
+      encoding_ = e;
+      bytes_ = kernels::PageBytes(e, shape_);
+    }
+    return bytes_;
+  }
+
+ private:
+  const PageShape& shape_;
+  Encoding encoding_;
+  size_t bytes_ = 0;
+};
 
 void Checksum(std::vector<TransferPage>* pages) {
   for (TransferPage& p : *pages) {
@@ -369,7 +404,12 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
     PagePins* pins, bool shared_checksums) {
   TRIAX_ASSIGN_OR_RETURN(LockedSequence locked, LockOwned(seq_ptr, tenant_id));
   Sequence& seq = *locked;
-  TRIAX_RETURN_IF_ERROR(CheckExportBlocks(*device_, seq, blocks).status());
+  // Export checked the list as a whole (encodings, no block named twice);
+  // what may have changed since is checked again, the full check naming
+  // the fault.
+  if (!ExportBlocksStillThere(seq, blocks)) {
+    TRIAX_RETURN_IF_ERROR(CheckExportBlocks(*device_, seq, blocks).status());
+  }
   if (seq.written[layer] < end) {
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence_id=", Quote(seq.id), " layer ", layer, " has ",
@@ -377,6 +417,7 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
         end, " (follow_writes waits for them)"));
   }
   const PageShape& shape = seq.shape;
+  PageBytesCache page_bytes(shape);
   Scratch scratch(allocator_);
   std::vector<TransferPage> pages(blocks.size());
   std::vector<DemoteJob> jobs;
@@ -420,7 +461,7 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
     }
     p.encoding = want.encoding;
     p.sealed = true;
-    const size_t bytes = kernels::PageBytes(want.encoding, shape);
+    const size_t bytes = page_bytes(want.encoding);
     if (!shared) p.data.resize(bytes);
     const uint8_t* stored = nullptr;  // device bytes in b.spec.encoding
     if (b.resident()) {
@@ -429,6 +470,7 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
         StoredCrc(b.target[layer], &p);
         if (shared) {
           share(i, b.target[layer]);
+          p.shared_bytes = bytes;
           continue;
         }
         TRIAX_RETURN_IF_ERROR(
@@ -486,7 +528,10 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
     std::vector<size_t> unsummed;  // pages[] index of each range
     for (size_t i = 0; i < pages.size(); ++i) {
       const Page* src = shared_src[i];
-      const size_t bytes = kernels::PageBytes(pages[i].encoding, shape);
+      // (Set above for stored pages, the most.)
+      const size_t bytes = pages[i].shared_bytes != 0
+                               ? pages[i].shared_bytes
+                               : page_bytes(pages[i].encoding);
       pages[i].shared = true;
       pages[i].arena_offset = static_cast<uint64_t>(src->data - base);
       pages[i].shared_bytes = bytes;
@@ -520,10 +565,30 @@ absl::StatusOr<std::vector<TransferPage>> SequenceStore::ExportLayerOnce(
 
 struct ImportSession::State {
   std::shared_ptr<Sequence> seq;
-  // [block][layer]: 0 not yet, 1 sealed page, 2 window page, kPending in
-  // the batch being installed.
+  // [block * layers + layer]: 0 not yet, 1 sealed page, 2 window page,
+  // kPending in the batch being installed.
   static constexpr uint8_t kPending = 3;
-  std::vector<std::vector<uint8_t>> have;
+  std::vector<uint8_t> have;
+  uint32_t layers = 0;
+  uint8_t& Have(uint32_t block, uint32_t layer) {
+    return have[size_t{block} * layers + layer];
+  }
+  // CheckShared's output (the batch's copies, the `have` entries it marked
+  // kPending, the pages the copies write) and the CRC32Cs of a batch's
+  // copies: buffers kept from batch to batch.
+  std::vector<PageCopy> jobs;
+  std::vector<uint8_t*> marked;
+  std::vector<Page*> dst;
+  std::vector<uint32_t> crcs;
+  // StartSharedRuns: the pipeline and its batches in flight, oldest first.
+  struct Batch {
+    std::vector<SharedRun> runs;  // crc32cs point into `want`
+    std::vector<uint32_t> want;   // the source's CRC32Cs
+    std::vector<uint8_t*> marked;
+    std::vector<Page*> pinned;  // the pages the copies write
+  };
+  std::unique_ptr<CheckedCopies> copier;
+  std::deque<Batch> in_flight;
   std::vector<uint32_t> layer_pages;  // installed per layer
   uint32_t prefix_blocks = 0;         // blocks shared with the prefix
   uint32_t pages_per_layer = 0;       // non-evicted blocks
@@ -630,6 +695,7 @@ absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
     ReleaseAll(*seq);  // a second run starts from nothing
     state->result.page_bytes = 0;
     state->result.pages_shared = 0;
+    seq->blocks.reserve(plan.blocks.size());
     for (const BlockSpec& spec : plan.blocks) {
       Block b;
       b.spec = spec;
@@ -675,12 +741,14 @@ absl::StatusOr<std::unique_ptr<ImportSession>> SequenceStore::BeginImport(
     return reserved.status();
   }
   state->seq = std::move(seq);
-  state->have.assign(plan.blocks.size(), std::vector<uint8_t>(layers, 0));
+  state->layers = layers;
+  state->have.assign(plan.blocks.size() * layers, 0);
   state->layer_pages.assign(layers, 0);
   state->prefix_blocks = plan.prefix_blocks;
   for (size_t i = 0; i < plan.blocks.size(); ++i) {
     if (i < plan.prefix_blocks) {
-      state->have[i].assign(layers, 1);  // shared, sealed
+      // Shared, sealed.
+      std::fill_n(state->have.begin() + i * layers, layers, uint8_t{1});
     } else if (!plan.blocks[i].evicted) {
       state->pages_per_layer += 1;
     }
@@ -699,6 +767,13 @@ ImportSession::ImportSession(SequenceStore* store, ImportPlan plan,
 
 ImportSession::~ImportSession() {
   if (state_->committed) return;
+  // The device is done with every batch in flight before their pages are
+  // unpinned and freed.
+  state_->copier.reset();
+  for (State::Batch& b : state_->in_flight) {
+    store_->allocator_->UnpinAll(b.pinned);
+  }
+  state_->in_flight.clear();
   {
     absl::MutexLock lock(&store_->mu_);
     store_->importing_.erase(plan_.sequence_id);
@@ -713,20 +788,31 @@ void ImportSession::CountWait(absl::Duration waited) {
   state_->result.wait_seconds += absl::ToDoubleSeconds(waited);
 }
 
-std::string ImportSession::Where(const TransferPage& page) const {
-  std::string block =
-      page.block_index < plan_.blocks.size()
-          ? store_internal::BlockName(plan_.blocks[page.block_index])
-          : absl::StrCat("block ", page.block_index);
+std::string ImportSession::Where(uint32_t block_index, uint32_t layer) const {
+  std::string block = block_index < plan_.blocks.size()
+                          ? store_internal::BlockName(plan_.blocks[block_index])
+                          : absl::StrCat("block ", block_index);
   return absl::StrCat("import of sequence_id=", Quote(plan_.sequence_id), " ",
-                      block, " layer ", page.layer, " from ", plan_.source,
-                      ": ");
+                      block, " layer ", layer, " from ", plan_.source, ": ");
+}
+
+ImportSession::PageRef ImportSession::RefOf(const TransferPage& page) {
+  PageRef r;
+  r.layer = page.layer;
+  r.block_index = page.block_index;
+  r.lineage_id = page.lineage_id;
+  r.encoding = page.encoding;
+  r.num_tokens = page.num_tokens;
+  r.sealed = page.sealed;
+  r.crc32c = page.crc32c;
+  return r;
 }
 
 absl::Status ImportSession::Install(const TransferPage& page) {
   if (state_->committed) {
     return absl::FailedPreconditionError(
-        absl::StrCat(Where(page), "the import is already committed"));
+        absl::StrCat(Where(page.block_index, page.layer),
+                     "the import is already committed"));
   }
   return store_
       ->WithRoom<bool>([&]() -> absl::StatusOr<bool> {
@@ -737,8 +823,7 @@ absl::Status ImportSession::Install(const TransferPage& page) {
 }
 
 absl::StatusOr<Page*> ImportSession::Destination(
-    const TransferPage& page, size_t bytes,
-    absl::FunctionRef<std::string()> where) {
+    const PageRef& page, size_t bytes, absl::FunctionRef<std::string()> where) {
   // `where` (the message prefix) is built only for an error.
   State& st = *state_;
   Sequence& seq = *st.seq;
@@ -767,7 +852,7 @@ absl::StatusOr<Page*> ImportSession::Destination(
         where(), "the block shares the prefix sequence's pages (prefix_blocks=",
         st.prefix_blocks, "); no page was expected"));
   }
-  if (const uint8_t have = st.have[page.block_index][page.layer]; have != 0) {
+  if (const uint8_t have = st.Have(page.block_index, page.layer); have != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(where(), have == State::kPending
                                   ? "duplicate page (twice in one batch)"
@@ -806,40 +891,50 @@ absl::StatusOr<Page*> ImportSession::Destination(
   return b.window[page.layer];
 }
 
-void ImportSession::Installed(const TransferPage& page) {
+void ImportSession::Installed(const PageRef& page) {
   State& st = *state_;
   Sequence& seq = *st.seq;
   Block& b = seq.blocks[page.block_index];
-  if (page.sealed) {
-    Page* t = b.target[page.layer];
-    absl::MutexLock seal_lock(&t->seal_mu);
-    t->encoded = true;
-    // Install and InstallShared verified the bytes against it.
-    t->crc_known = true;
-    t->crc32c = page.crc32c;
-  }
-  st.have[page.block_index][page.layer] = page.sealed ? 1 : 2;
-  st.result.pages += 1;
-  st.result.wire_bytes += st.BytesOf(page.encoding, seq.shape);
-  st.result.bf16_bytes += st.bf16_bytes;
-  if (++st.layer_pages[page.layer] == st.pages_per_layer) {
-    st.result.layer_done_seconds[page.layer] =
+  if (page.sealed) MarkSealed(b.target[page.layer], page.crc32c);
+  st.Have(page.block_index, page.layer) = page.sealed ? 1 : 2;
+  Counted(page.layer, page.encoding, 1);
+}
+
+void ImportSession::Counted(uint32_t layer, const Encoding& encoding,
+                            uint32_t n) {
+  State& st = *state_;
+  st.result.pages += n;
+  st.result.wire_bytes += uint64_t{n} * st.BytesOf(encoding, st.seq->shape);
+  st.result.bf16_bytes += uint64_t{n} * st.bf16_bytes;
+  st.layer_pages[layer] += n;
+  if (st.layer_pages[layer] == st.pages_per_layer) {
+    st.result.layer_done_seconds[layer] =
         absl::ToDoubleSeconds(absl::Now() - st.start);
   }
+}
+
+// Install and InstallShared verified the bytes against `crc32c`. The
+// import's own pages are reached by no other thread until Commit publishes
+// the sequence (under the store's mutex), so seal_mu is not taken.
+void ImportSession::MarkSealed(Page* page,
+                               uint32_t crc32c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  page->encoded = true;
+  page->crc_known = true;
+  page->crc32c = crc32c;
 }
 
 absl::Status ImportSession::InstallOnce(const TransferPage& page) {
   Sequence& seq = *state_->seq;
   absl::MutexLock lock(&seq.mu);
-  auto where = [&] { return Where(page); };
+  auto where = [&] { return Where(page.block_index, page.layer); };
   if (page.shared) {
     return absl::InvalidArgumentError(absl::StrCat(
         where(), "a shared page (arena_offset) on the stream path"));
   }
   // Plan checks, then the CRC32C before anything is copied.
   const uint32_t crc = Crc32c(page.data.data(), page.data.size());
-  TRIAX_ASSIGN_OR_RETURN(Page * dst,
-                         Destination(page, page.data.size(), where));
+  const PageRef ref = RefOf(page);
+  TRIAX_ASSIGN_OR_RETURN(Page * dst, Destination(ref, page.data.size(), where));
   if (crc != page.crc32c) {
     return absl::DataLossError(absl::StrCat(
         where(),
@@ -849,85 +944,317 @@ absl::Status ImportSession::InstallOnce(const TransferPage& page) {
   }
   TRIAX_RETURN_IF_ERROR(store_->device_->CopyFromHost(
       dst->data, page.data.data(), page.data.size()));
-  Installed(page);
+  Installed(ref);
   return absl::OkStatus();
 }
 
 absl::Status ImportSession::InstallShared(absl::Span<const TransferPage> pages,
                                           const uint8_t* peer_base,
                                           uint64_t peer_bytes) {
+  // Each page a run of one, reading its lineage id and CRC32C in place.
+  std::vector<SharedRun> runs(pages.size());
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const TransferPage& page = pages[i];
+    if (!page.shared) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(page.block_index, page.layer),
+                       "a page with bytes on the ipc path"));
+    }
+    SharedRun& r = runs[i];
+    r.layer = page.layer;
+    r.first_block = page.block_index;
+    r.count = 1;
+    r.encoding = page.encoding;
+    r.num_tokens = page.num_tokens;
+    r.sealed = page.sealed;
+    r.offset = page.arena_offset;
+    r.bytes = page.shared_bytes;
+    r.lineage_ids = &page.lineage_id;
+    r.crc32cs = &page.crc32c;
+  }
+  return InstallSharedRuns(runs, peer_base, peer_bytes);
+}
+
+absl::Status ImportSession::InstallSharedRuns(absl::Span<const SharedRun> runs,
+                                              const uint8_t* peer_base,
+                                              uint64_t peer_bytes) {
   if (state_->committed) {
     return absl::FailedPreconditionError(
         absl::StrCat("import of sequence_id=", Quote(plan_.sequence_id),
                      " from ", plan_.source, ": already committed"));
   }
+  TRIAX_RETURN_IF_ERROR(FinishShared());  // in order after StartSharedRuns
   return store_
       ->WithRoom<bool>([&]() -> absl::StatusOr<bool> {
-        TRIAX_RETURN_IF_ERROR(InstallSharedOnce(pages, peer_base, peer_bytes));
+        TRIAX_RETURN_IF_ERROR(InstallSharedOnce(runs, peer_base, peer_bytes));
         return true;
       })
       .status();
 }
 
-absl::Status ImportSession::InstallSharedOnce(
-    absl::Span<const TransferPage> pages, const uint8_t* peer_base,
-    uint64_t peer_bytes) {
+absl::Status ImportSession::CheckShared(absl::Span<const SharedRun> runs,
+                                        const uint8_t* peer_base,
+                                        uint64_t peer_bytes) {
   Sequence& seq = *state_->seq;
-  absl::MutexLock lock(&seq.mu);
   State& st = *state_;
-  std::vector<PageCopy> jobs(pages.size());
+  const uint32_t layers = seq.model.n_layers;
+  const size_t n_blocks = seq.blocks.size();
+  size_t total = 0;
+  for (const SharedRun& run : runs) total += run.count;
+  std::vector<PageCopy>& jobs = st.jobs;
+  jobs.clear();
+  jobs.reserve(total);
+  st.dst.clear();
+  st.dst.reserve(total);
+  st.marked.reserve(total);
   // Pages of this batch checked so far are marked kPending in `have`, so a
   // page twice in one batch is a duplicate; the marks are undone unless
   // the whole batch installs.
-  size_t marked = 0;
+  st.marked.clear();
   auto unmark = absl::MakeCleanup([&] {
-    for (size_t i = 0; i < marked; ++i) {
-      st.have[pages[i].block_index][pages[i].layer] = 0;
-    }
+    for (uint8_t* m : st.marked) *m = 0;
   });
-  for (size_t i = 0; i < pages.size(); ++i) {
-    const TransferPage& page = pages[i];
-    auto where = [&] { return Where(page); };
-    if (!page.shared) {
+  for (const SharedRun& run : runs) {
+    // What the run's pages share, checked once: the layer, the blocks in
+    // the plan, the bytes inside the peer's arena.
+    if (run.count == 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where(), "a page with bytes on the ipc path"));
+          absl::StrCat(Where(run.first_block, run.layer),
+                       "a run of 0 pages on the ipc path"));
     }
-    if (page.shared_bytes > peer_bytes ||
-        page.arena_offset > peer_bytes - page.shared_bytes) {
+    if (run.layer >= layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(run.first_block, run.layer), "layer=", run.layer,
+                       " is >= model.n_layers=", layers));
+    }
+    if (run.first_block >= n_blocks || run.count > n_blocks - run.first_block) {
+      const uint64_t block = std::max<uint64_t>(run.first_block, n_blocks);
       return absl::InvalidArgumentError(absl::StrCat(
-          where(), "arena_offset=", page.arena_offset,
-          " shared_bytes=", page.shared_bytes,
-          " lie outside the source's arena of ", peer_bytes, " bytes"));
+          Where(static_cast<uint32_t>(block), run.layer), "block_index=", block,
+          " is not in the plan of ", n_blocks, " blocks"));
     }
-    TRIAX_ASSIGN_OR_RETURN(Page * dst,
-                           Destination(page, page.shared_bytes, where));
-    st.have[page.block_index][page.layer] = State::kPending;
-    marked = i + 1;
-    jobs[i] = PageCopy{dst->data, peer_base + page.arena_offset,
-                       static_cast<size_t>(page.shared_bytes)};
-  }
-  std::vector<uint32_t> crcs(pages.size());
-  const absl::Time copy_start = absl::Now();
-  TRIAX_RETURN_IF_ERROR(
-      store_->device_->CopyPagesChecked(jobs, absl::MakeSpan(crcs)));
-  st.result.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
-  for (size_t i = 0; i < pages.size(); ++i) {
-    if (crcs[i] != pages[i].crc32c) {
-      return absl::DataLossError(absl::StrCat(
-          Where(pages[i]),
-          absl::StrFormat("CRC32C of the copied page is 0x%08x, the source "
-                          "sent 0x%08x; the page is not installed",
-                          crcs[i], pages[i].crc32c)));
+    using U128 = unsigned __int128;
+    const U128 last_end =
+        U128{run.offset} + U128{run.stride} * (run.count - 1) + U128{run.bytes};
+    if (last_end > U128{peer_bytes}) {
+      // The first page outside (offsets grow with k).
+      uint32_t k = 0;
+      while (U128{run.offset} + U128{run.stride} * k + U128{run.bytes} <=
+             U128{peer_bytes}) {
+        ++k;
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          Where(run.first_block + k, run.layer),
+          "arena_offset=", static_cast<uint64_t>(run.offset + run.stride * k),
+          " shared_bytes=", run.bytes, " lie outside the source's arena of ",
+          peer_bytes, " bytes"));
+    }
+    PageRef ref;
+    ref.layer = run.layer;
+    ref.encoding = run.encoding;
+    ref.num_tokens = run.num_tokens;
+    ref.sealed = run.sealed;
+    // A page passes the checks as a run's other pages do when its block
+    // holds the run's encoding (sealed pages) and the run's length is that
+    // encoding's (BF16 for window pages): then only its own fields are
+    // compared here, and Destination, which names what fails, sees the
+    // pages that do not pass (and window pages of non-BF16 blocks, whose
+    // window page it allocates).
+    const bool window_bf16 = !run.sealed && IsBf16(run.encoding);
+    // The length of the run's pages in the encoding of the first block
+    // that holds it (a block's encoding is valid; the run's may not be).
+    size_t want_bytes = window_bf16 ? st.bf16_bytes : 0;
+    for (uint32_t k = 0; k < run.count; ++k) {
+      const uint32_t bi = run.first_block + k;
+      Block& b = seq.blocks[bi];
+      uint8_t* mark = &st.Have(bi, run.layer);
+      Page* dst = nullptr;
+      const bool fast = *mark == 0 && run.lineage_ids[k] == b.spec.lineage_id &&
+                        !b.spec.evicted && bi >= st.prefix_blocks &&
+                        b.spec.num_tokens == run.num_tokens &&
+                        (run.sealed ? b.spec.encoding == run.encoding
+                                    : window_bf16 && IsBf16(b.spec.encoding));
+      if (fast && want_bytes == 0) {
+        want_bytes = kernels::PageBytes(b.spec.encoding, seq.shape);
+      }
+      if (fast && run.bytes == want_bytes) {
+        dst = b.target[run.layer];
+      } else {
+        ref.block_index = bi;
+        ref.lineage_id = run.lineage_ids[k];
+        auto where = [&] { return Where(ref.block_index, ref.layer); };
+        TRIAX_ASSIGN_OR_RETURN(dst, Destination(ref, run.bytes, where));
+      }
+      *mark = State::kPending;
+      st.marked.push_back(mark);
+      st.dst.push_back(dst);
+      jobs.push_back(PageCopy{dst->data,
+                              peer_base + run.offset + run.stride * k,
+                              static_cast<size_t>(run.bytes)});
     }
   }
   std::move(unmark).Cancel();
-  for (const TransferPage& page : pages) Installed(page);
   return absl::OkStatus();
+}
+
+void ImportSession::InstallRuns(absl::Span<const SharedRun> runs) {
+  Sequence& seq = *state_->seq;
+  State& st = *state_;
+  for (const SharedRun& run : runs) {
+    for (uint32_t k = 0; k < run.count; ++k) {
+      const uint32_t bi = run.first_block + k;
+      if (run.sealed) {
+        MarkSealed(seq.blocks[bi].target[run.layer], run.crc32cs[k]);
+      }
+      st.Have(bi, run.layer) = run.sealed ? 1 : 2;
+    }
+    Counted(run.layer, run.encoding, run.count);
+  }
+}
+
+absl::Status ImportSession::CompareCrcs(absl::Span<const SharedRun> runs,
+                                        absl::Span<const uint32_t> crcs) const {
+  size_t j = 0;
+  for (const SharedRun& run : runs) {
+    for (uint32_t k = 0; k < run.count; ++k, ++j) {
+      if (crcs[j] != run.crc32cs[k]) {
+        return absl::DataLossError(absl::StrCat(
+            Where(run.first_block + k, run.layer),
+            absl::StrFormat("CRC32C of the copied page is 0x%08x, the source "
+                            "sent 0x%08x; the page is not installed",
+                            crcs[j], run.crc32cs[k])));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ImportSession::InstallSharedOnce(absl::Span<const SharedRun> runs,
+                                              const uint8_t* peer_base,
+                                              uint64_t peer_bytes) {
+  Sequence& seq = *state_->seq;
+  absl::MutexLock lock(&seq.mu);
+  State& st = *state_;
+  TRIAX_RETURN_IF_ERROR(CheckShared(runs, peer_base, peer_bytes));
+  // The marks are undone unless the whole batch installs.
+  auto unmark = absl::MakeCleanup([&] {
+    for (uint8_t* m : st.marked) *m = 0;
+  });
+  st.crcs.resize(st.jobs.size());
+  const absl::Time copy_start = absl::Now();
+  TRIAX_RETURN_IF_ERROR(
+      store_->device_->CopyPagesChecked(st.jobs, absl::MakeSpan(st.crcs)));
+  st.result.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
+  TRIAX_RETURN_IF_ERROR(CompareCrcs(runs, st.crcs));
+  std::move(unmark).Cancel();
+  InstallRuns(runs);
+  return absl::OkStatus();
+}
+
+absl::Status ImportSession::StartSharedRuns(absl::Span<const SharedRun> runs,
+                                            const uint8_t* peer_base,
+                                            uint64_t peer_bytes) {
+  State& st = *state_;
+  if (st.committed) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("import of sequence_id=", Quote(plan_.sequence_id),
+                     " from ", plan_.source, ": already committed"));
+  }
+  if (st.copier == nullptr) {
+    TRIAX_ASSIGN_OR_RETURN(st.copier, store_->device_->NewCheckedCopies());
+  }
+  if (st.in_flight.size() == CheckedCopies::kMaxInFlight) {
+    TRIAX_RETURN_IF_ERROR(FinishOldest());
+  }
+  TRIAX_RETURN_IF_ERROR(store_
+                            ->WithRoom<bool>([&]() -> absl::StatusOr<bool> {
+                              TRIAX_RETURN_IF_ERROR(
+                                  StartSharedOnce(runs, peer_base, peer_bytes));
+                              return true;
+                            })
+                            .status());
+  // The device copies this batch while the one before is checked.
+  if (st.in_flight.size() > 1) TRIAX_RETURN_IF_ERROR(FinishOldest());
+  return absl::OkStatus();
+}
+
+absl::Status ImportSession::StartSharedOnce(absl::Span<const SharedRun> runs,
+                                            const uint8_t* peer_base,
+                                            uint64_t peer_bytes) {
+  Sequence& seq = *state_->seq;
+  absl::MutexLock lock(&seq.mu);
+  State& st = *state_;
+  TRIAX_RETURN_IF_ERROR(CheckShared(runs, peer_base, peer_bytes));
+  auto unmark = absl::MakeCleanup([&] {
+    for (uint8_t* m : st.marked) *m = 0;
+  });
+  // What installing the batch needs once its copies are done, the
+  // caller's arrays copied (the caller reuses them).
+  State::Batch b;
+  b.runs.assign(runs.begin(), runs.end());
+  b.want.reserve(st.jobs.size());
+  for (const SharedRun& run : runs) {
+    b.want.insert(b.want.end(), run.crc32cs, run.crc32cs + run.count);
+  }
+  size_t at = 0;
+  for (SharedRun& run : b.runs) {
+    run.lineage_ids = nullptr;  // checked
+    run.crc32cs = b.want.data() + at;
+    at += run.count;
+  }
+  b.marked = st.marked;
+  // Compaction leaves pinned pages where they are while the device writes
+  // them.
+  b.pinned = st.dst;
+  store_->allocator_->PinAll(b.pinned);
+  const absl::Time copy_start = absl::Now();
+  if (absl::Status s = st.copier->Start(st.jobs); !s.ok()) {
+    store_->allocator_->UnpinAll(b.pinned);
+    return s;
+  }
+  st.result.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
+  std::move(unmark).Cancel();
+  st.in_flight.push_back(std::move(b));
+  return absl::OkStatus();
+}
+
+absl::Status ImportSession::FinishOldest() {
+  State& st = *state_;
+  State::Batch& b = st.in_flight.front();
+  st.crcs.resize(b.want.size());
+  const absl::Time copy_start = absl::Now();
+  absl::Status s = st.copier->Finish(absl::MakeSpan(st.crcs));
+  st.result.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
+  // A failed wait leaves the batch pinned: the destructor waits for the
+  // device before it unpins and frees.
+  if (!s.ok()) return s;
+  Sequence& seq = *st.seq;
+  absl::MutexLock lock(&seq.mu);
+  s = CompareCrcs(b.runs, st.crcs);
+  if (s.ok()) {
+    InstallRuns(b.runs);
+  } else {
+    for (uint8_t* m : b.marked) *m = 0;
+  }
+  // Nothing writes these pages any more.
+  store_->allocator_->UnpinAll(b.pinned);
+  st.in_flight.pop_front();
+  return s;
+}
+
+absl::Status ImportSession::FinishShared() {
+  while (!state_->in_flight.empty()) TRIAX_RETURN_IF_ERROR(FinishOldest());
+  return absl::OkStatus();
+}
+
+size_t ImportSession::SharedInFlight() const {
+  return state_->in_flight.size();
 }
 
 absl::StatusOr<ImportResult> ImportSession::Commit() {
   State& st = *state_;
   if (st.committed) return st.result;
+  TRIAX_RETURN_IF_ERROR(FinishShared());
   const absl::Time commit_start = absl::Now();
   Sequence& seq = *st.seq;
   const std::string what =
@@ -941,7 +1268,7 @@ absl::StatusOr<ImportResult> ImportSession::Commit() {
       bool window_seen = false;
       for (size_t i = 0; i < seq.blocks.size(); ++i) {
         const Block& b = seq.blocks[i];
-        const uint8_t have = st.have[i][l];
+        const uint8_t have = st.Have(static_cast<uint32_t>(i), l);
         if (!b.spec.evicted && have == 0) {
           return absl::DataLossError(
               absl::StrCat(what, store_internal::BlockName(b.spec), " layer ",

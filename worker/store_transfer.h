@@ -137,6 +137,26 @@ struct TransferPage {
   uint64_t shared_bytes = 0;
 };
 
+// A run of shared pages (the ipc path): `count` (> 0) pages of `layer`, of
+// blocks first_block, first_block + 1, ..., all of one encoding, sealed
+// flag, num_tokens and length `bytes`, page k's bytes at offset + k * stride
+// of the peer's arena; lineage_ids[k] and crc32cs[k] are page k's (arrays
+// of `count` entries the caller keeps alive during the install). A page
+// is a run of one.
+struct SharedRun {
+  uint32_t layer = 0;
+  uint32_t first_block = 0;
+  uint32_t count = 0;
+  kernels::Encoding encoding;
+  uint32_t num_tokens = 0;
+  bool sealed = false;
+  uint64_t offset = 0;
+  uint64_t stride = 0;
+  uint64_t bytes = 0;
+  const uint64_t* lineage_ids = nullptr;
+  const uint32_t* crc32cs = nullptr;
+};
+
 // Pages a shared export pinned (PageAllocator::Pin) for a peer that copies
 // them by arena offset; each is unpinned by ReleaseFirst or when the set is
 // destroyed. Thread-safe: an exporter adds while the peer's acknowledgements
@@ -219,7 +239,9 @@ struct ImportResult {
   // installed (0 for a layer without pages).
   std::vector<double> layer_done_seconds;
   // The ipc and link paths: seconds spent in Device::CopyPagesChecked (the
-  // device copies and their CRC32Cs, host synchronization included).
+  // device copies and their CRC32Cs, host synchronization included); in
+  // the ipc path's pipeline (StartSharedRuns) the host's time launching
+  // the copies and waiting for them, which leaves out what they overlap.
   double copy_seconds = 0;
   // Seconds in BeginImport (reserving the plan's pages), waiting for the
   // source (ImportSession::CountWait, by the data path), and in Commit.
@@ -244,6 +266,25 @@ class ImportSession {
   // of this batch counts as installed then).
   absl::Status InstallShared(absl::Span<const TransferPage> pages,
                              const uint8_t* peer_base, uint64_t peer_bytes);
+  // The same for runs of pages (SharedRun), each page checked as Install
+  // does; the checks of what a run's pages share are made once per run.
+  absl::Status InstallSharedRuns(absl::Span<const SharedRun> runs,
+                                 const uint8_t* peer_base, uint64_t peer_bytes);
+  // The ipc path in a pipeline: checks `runs` as InstallSharedRuns does and
+  // starts their copies (Device::NewCheckedCopies), their pages pinned
+  // until the batch is finished; then, while the device copies them,
+  // finishes the batch started before, if any: its CRC32Cs compared
+  // (DATA_LOSS naming the first mismatch) and its pages installed. So when
+  // it returns OK every batch but the last one started is installed;
+  // FinishShared (and Commit) installs that one. What the batch needs
+  // later (the CRC32Cs) is copied: the caller may reuse `runs`' arrays.
+  // After an error the session is to be destroyed, which waits for the
+  // device before it frees the pages.
+  absl::Status StartSharedRuns(absl::Span<const SharedRun> runs,
+                               const uint8_t* peer_base, uint64_t peer_bytes);
+  absl::Status FinishShared();
+  // Batches started and not yet installed (0, 1 or 2).
+  size_t SharedInFlight() const;
   // The data path's time blocked on the source (the next batch, a link's
   // receive), added to ImportResult::wait_seconds.
   void CountWait(absl::Duration waited);
@@ -258,19 +299,48 @@ class ImportSession {
   struct State;
   ImportSession(SequenceStore* store, ImportPlan plan,
                 std::unique_ptr<State> state);
+  // What the checks read of one page.
+  struct PageRef {
+    uint32_t layer = 0;
+    uint32_t block_index = 0;
+    uint64_t lineage_id = 0;
+    kernels::Encoding encoding;
+    uint32_t num_tokens = 0;
+    bool sealed = false;
+    uint32_t crc32c = 0;
+  };
+  static PageRef RefOf(const TransferPage& page);
   absl::Status InstallOnce(const TransferPage& page);
-  absl::Status InstallSharedOnce(absl::Span<const TransferPage> pages,
+  absl::Status InstallSharedOnce(absl::Span<const SharedRun> runs,
                                  const uint8_t* peer_base, uint64_t peer_bytes);
+  absl::Status StartSharedOnce(absl::Span<const SharedRun> runs,
+                               const uint8_t* peer_base, uint64_t peer_bytes);
+  // With the mutex held: checks every page of `runs` (Destination), marks
+  // them pending and lists their copies and pages in the state; on an
+  // error nothing stays marked.
+  absl::Status CheckShared(absl::Span<const SharedRun> runs,
+                           const uint8_t* peer_base, uint64_t peer_bytes);
+  // With the mutex held: DATA_LOSS for the first page whose copy's CRC32C
+  // (crcs, in page order) differs from the source's.
+  absl::Status CompareCrcs(absl::Span<const SharedRun> runs,
+                           absl::Span<const uint32_t> crcs) const;
+  // With the mutex held: records the pages of `runs` as installed.
+  void InstallRuns(absl::Span<const SharedRun> runs);
+  // Waits for the oldest batch in flight, then compares and installs it.
+  absl::Status FinishOldest();
   // With the imported sequence's mutex held: checks `page` against the
   // plan (its bytes `bytes` long; CRC32C not yet) and returns the page its
   // bytes go to, allocating the block's window page for a window page of a
   // non-BF16 block (kept on the block, so a retry reuses it).
-  absl::StatusOr<Page*> Destination(const TransferPage& page, size_t bytes,
+  absl::StatusOr<Page*> Destination(const PageRef& page, size_t bytes,
                                     absl::FunctionRef<std::string()> where);
   // With the mutex held: records an installed page (figures, per-layer
   // completion).
-  void Installed(const TransferPage& page);
-  std::string Where(const TransferPage& page) const;
+  void Installed(const PageRef& page);
+  // Adds n installed pages of `layer` to the figures (per-layer completion).
+  void Counted(uint32_t layer, const kernels::Encoding& encoding, uint32_t n);
+  static void MarkSealed(Page* page, uint32_t crc32c);
+  std::string Where(uint32_t block_index, uint32_t layer) const;
 
   SequenceStore* const store_;
   const ImportPlan plan_;

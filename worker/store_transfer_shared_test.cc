@@ -4,11 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_matchers.h"
 #include "worker/checksum.h"
@@ -18,6 +21,7 @@
 namespace triax::worker::transfer_testing {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using triax::testing::IsOk;
 using triax::testing::StatusIs;
@@ -424,6 +428,226 @@ TEST_F(SharedTransferTest, InstallSharedRefusesBadPages) {
   EXPECT_THAT(
       (*session)->Install((*shared)[0]),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shared page")));
+}
+
+// Runs of shared pages as RunWriter (worker/convert.h) groups them:
+// consecutive blocks of a layer with one encoding, sealed flag, num_tokens
+// and length whose offsets step by one stride. The source lays a sequence
+// out block by block, so a run's pages are not adjacent in its arena.
+struct Runs {
+  std::vector<uint64_t> lineage;
+  std::vector<uint32_t> crc;
+  std::vector<SharedRun> runs;
+};
+Runs RunsOf(const std::vector<TransferPage>& pages) {
+  Runs r;
+  r.lineage.reserve(pages.size());
+  r.crc.reserve(pages.size());
+  for (const TransferPage& p : pages) {
+    r.lineage.push_back(p.lineage_id);
+    r.crc.push_back(p.crc32c);
+    if (!r.runs.empty()) {
+      SharedRun& run = r.runs.back();
+      const bool joins =
+          p.layer == run.layer &&
+          p.block_index == run.first_block + run.count &&
+          p.encoding == run.encoding && p.sealed == run.sealed &&
+          p.num_tokens == run.num_tokens && p.shared_bytes == run.bytes &&
+          (run.count == 1
+               ? p.arena_offset >= run.offset + run.bytes
+               : p.arena_offset == run.offset + run.stride * run.count);
+      if (joins) {
+        if (run.count == 1) run.stride = p.arena_offset - run.offset;
+        run.count += 1;
+        continue;
+      }
+    }
+    SharedRun& run = r.runs.emplace_back();
+    run.layer = p.layer;
+    run.first_block = p.block_index;
+    run.count = 1;
+    run.encoding = p.encoding;
+    run.num_tokens = p.num_tokens;
+    run.sealed = p.sealed;
+    run.offset = p.arena_offset;
+    run.stride = p.shared_bytes;
+    run.bytes = p.shared_bytes;
+  }
+  size_t at = 0;
+  for (SharedRun& run : r.runs) {
+    run.lineage_ids = r.lineage.data() + at;
+    run.crc32cs = r.crc.data() + at;
+    at += run.count;
+  }
+  return r;
+}
+
+constexpr uint32_t kLongTokens = 8 * kBlock + 7;
+
+// Runs install what their pages install, at once (InstallSharedRuns) or in
+// a pipeline of one run a batch (StartSharedRuns: a batch installed while
+// the next one's copies run; Commit installs the last).
+TEST_F(SharedTransferTest, RunsInstallWhatTheirPagesInstall) {
+  const std::vector<BlockSpec> plan =
+      Plan(kLongTokens, Encoding(Format::kINT4));
+  Install(src_.get(), "s", plan, kLongTokens, 5);
+  PagePins pins(src_alloc_.get());
+  auto shared = ExportShared("s", ExportList(plan), &pins);
+  ASSERT_THAT(shared.status(), IsOk());
+  const Runs r = RunsOf(*shared);
+  uint32_t longest = 0;
+  for (const SharedRun& run : r.runs) {
+    longest = std::max(longest, run.count);
+    if (run.count > 1) EXPECT_GT(run.stride, run.bytes);  // not adjacent
+  }
+  ASSERT_GE(longest, 4u);
+  ASSERT_LT(r.runs.size(), shared->size());
+  {
+    auto session = dst_->BeginImport(DstPlan("d", plan));
+    ASSERT_THAT(session.status(), IsOk());
+    ASSERT_THAT((*session)->InstallSharedRuns(r.runs, src_alloc_->arena_base(),
+                                              src_alloc_->arena_bytes()),
+                IsOk());
+    auto done = (*session)->Commit();
+    ASSERT_THAT(done.status(), IsOk());
+    EXPECT_EQ(done->pages, shared->size());
+  }
+  ExpectSameReads(src_.get(), "s", dst_.get(), "d");
+  ExpectSameAttention(src_.get(), "s", dst_.get(), "d");
+  {
+    auto session = dst_->BeginImport(DstPlan("p", plan));
+    ASSERT_THAT(session.status(), IsOk());
+    for (const SharedRun& run : r.runs) {
+      ASSERT_THAT(
+          (*session)->StartSharedRuns({&run, 1}, src_alloc_->arena_base(),
+                                      src_alloc_->arena_bytes()),
+          IsOk());
+      EXPECT_EQ((*session)->SharedInFlight(), 1u);
+    }
+    auto done = (*session)->Commit();  // installs the last batch
+    ASSERT_THAT(done.status(), IsOk());
+    EXPECT_EQ(done->pages, shared->size());
+    EXPECT_EQ((*session)->SharedInFlight(), 0u);
+  }
+  ExpectSameReads(src_.get(), "s", dst_.get(), "p");
+  // The destination's pages were pinned only while their copies ran.
+  ASSERT_THAT(dst_->Free(kTenant, "d").status(), IsOk());
+  ASSERT_THAT(dst_->Free(kTenant, "p").status(), IsOk());
+  EXPECT_EQ(dst_alloc_->Stats().used_bytes, 0u);
+}
+
+// A page in the middle of a run whose copy does not match the source's
+// CRC32C (a wrong CRC32C sent, or bytes changed in the source's arena) is
+// DATA_LOSS naming its block and layer, nothing of the batch installs, and
+// the aborted import leaves the destination empty; in the pipeline the
+// mismatch surfaces when the next batch starts (or at FinishShared).
+TEST_F(SharedTransferTest, ACorruptPageInTheMiddleOfARunIsDataLoss) {
+  const std::vector<BlockSpec> plan =
+      Plan(kLongTokens, Encoding(Format::kINT4));
+  Install(src_.get(), "s", plan, kLongTokens, 6);
+  PagePins pins(src_alloc_.get());
+  auto shared = ExportShared("s", ExportList(plan), &pins);
+  ASSERT_THAT(shared.status(), IsOk());
+  Runs r = RunsOf(*shared);
+  size_t j = 0;  // the first run of 3 or more pages
+  while (j < r.runs.size() && r.runs[j].count < 3) ++j;
+  ASSERT_LT(j, r.runs.size());
+  ASSERT_LT(j + 1, r.runs.size());
+  const SharedRun run = r.runs[j];
+  const uint32_t k = run.count / 2;
+  const uint32_t block = run.first_block + k;
+  const std::string names =
+      absl::StrCat("block ", block, " (lineage_id=", plan[block].lineage_id,
+                   ") layer ", run.layer);
+  uint32_t* crc = const_cast<uint32_t*>(run.crc32cs) + k;
+  uint8_t* byte = src_alloc_->arena_base() + run.offset + run.stride * k + 5;
+  const std::function<void()> corrupt[] = {[&] { *crc ^= 0x100; },
+                                           [&] { *byte ^= 0x21; }};
+  for (const auto& flip : corrupt) {
+    flip();
+    {
+      auto session = dst_->BeginImport(DstPlan("d", plan));
+      ASSERT_THAT(session.status(), IsOk());
+      EXPECT_THAT(
+          (*session)->InstallSharedRuns(r.runs, src_alloc_->arena_base(),
+                                        src_alloc_->arena_bytes()),
+          StatusIs(
+              absl::StatusCode::kDataLoss,
+              AllOf(HasSubstr(names), HasSubstr("CRC32C of the copied page"))));
+      EXPECT_THAT(
+          (*session)->Commit().status(),
+          StatusIs(absl::StatusCode::kDataLoss, HasSubstr("never arrived")));
+    }
+    EXPECT_EQ(dst_alloc_->Stats().used_bytes, 0u);
+    {
+      auto session = dst_->BeginImport(DstPlan("d", plan));
+      ASSERT_THAT(session.status(), IsOk());
+      absl::Status s;
+      size_t i = 0;
+      for (; i < r.runs.size() && s.ok(); ++i) {
+        s = (*session)->StartSharedRuns({&r.runs[i], 1},
+                                        src_alloc_->arena_base(),
+                                        src_alloc_->arena_bytes());
+      }
+      EXPECT_EQ(i, j + 2);  // run j was finished as run j + 1 started
+      EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss, HasSubstr(names)));
+      // The session goes with run j + 1 in flight: its pages are freed
+      // once the device is done with them.
+    }
+    EXPECT_EQ(dst_alloc_->Stats().used_bytes, 0u);
+    EXPECT_THAT(dst_->Inventory().sequence_ids, ::testing::IsEmpty());
+    flip();  // mended
+  }
+  // Mended, both ways go through.
+  auto session = dst_->BeginImport(DstPlan("d", plan));
+  ASSERT_THAT(session.status(), IsOk());
+  for (const SharedRun& each : r.runs) {
+    ASSERT_THAT(
+        (*session)->StartSharedRuns({&each, 1}, src_alloc_->arena_base(),
+                                    src_alloc_->arena_bytes()),
+        IsOk());
+  }
+  ASSERT_THAT((*session)->FinishShared(), IsOk());
+  ASSERT_THAT((*session)->Commit().status(), IsOk());
+  ExpectSameReads(src_.get(), "s", dst_.get(), "d");
+}
+
+// A run that names blocks past the plan, or whose last page lies outside
+// the source's arena, is refused naming the first such page; a run of no
+// pages is refused.
+TEST_F(SharedTransferTest, InstallSharedRunsRefusesBadRuns) {
+  const std::vector<BlockSpec> plan = Plan(kTokens, Encoding(Format::kINT4));
+  Install(src_.get(), "s", plan, kTokens);
+  PagePins pins(src_alloc_.get());
+  auto shared = ExportShared("s", ExportList(plan), &pins);
+  ASSERT_THAT(shared.status(), IsOk());
+  const Runs good = RunsOf(*shared);
+  const uint64_t arena = src_alloc_->arena_bytes();
+  struct Case {
+    std::function<void(SharedRun*)> mutate;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](SharedRun* r) { r->count = 0; }, "a run of 0 pages"},
+      {[&](SharedRun* r) { r->count = static_cast<uint32_t>(plan.size()) + 1; },
+       absl::StrCat("block_index=", plan.size(), " is not in the plan")},
+      {[&](SharedRun* r) { r->stride = arena; }, "outside the source's arena"},
+      {[](SharedRun* r) { r->layer = kLayers; }, "is >= model.n_layers"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.message);
+    Runs bad = good;
+    SharedRun& first = bad.runs[0];
+    ASSERT_GE(first.count, 2u);
+    c.mutate(&first);
+    auto session = dst_->BeginImport(DstPlan("d", plan));
+    ASSERT_THAT(session.status(), IsOk());
+    EXPECT_THAT(
+        (*session)->InstallSharedRuns(bad.runs, src_alloc_->arena_base(),
+                                      arena),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)));
+  }
+  EXPECT_EQ(dst_alloc_->Stats().used_bytes, 0u);
 }
 
 }  // namespace

@@ -302,14 +302,17 @@ absl::StatusOr<bool> TransferClient::FetchShared(const ImportRequest& req,
   v1::SharePagesRequest first;
   *first.mutable_request() = ExportRequestFor(req);
   first.set_share_domain(share_domain_);
+  first.set_accepts_runs(true);
   stream->Write(first);  // a failure shows in Finish
   AckSender acks(stream.get());
   std::shared_ptr<PeerArena> arena;
+  uint64_t received = 0;
   uint64_t installed = 0;
   absl::Status local;
   bool unmappable = false;
   v1::PageBatch batch;
   std::vector<TransferPage> pages;
+  std::vector<SharedRun> runs;
   for (;;) {
     const absl::Time wait_start = absl::Now();
     const bool more = stream->Read(&batch);
@@ -334,16 +337,33 @@ absl::StatusOr<bool> TransferClient::FetchShared(const ImportRequest& req,
       arena = *std::move(mapped);
     }
     pages.clear();
+    runs.clear();
     local = PagesWithoutBytes(&batch, &pages);
+    if (local.ok()) local = SharedRunsOf(batch, &runs);
     if (!local.ok()) {
       local = absl::Status(local.code(),
                            absl::StrCat(SourceLabel(req), ": SharePages batch ",
-                                        installed, ": ", local.message()));
+                                        received, ": ", local.message()));
       break;
     }
-    local = session->InstallShared(pages, arena->base, arena->bytes);
-    if (!local.ok()) break;
-    acks.Installed(++installed);  // a source gone shows in Read / Finish
+    // Runs go in a pipeline (the device copies a batch while the next is
+    // received and checked) up to a batch flagged `flush`; pages (a source
+    // that sends refs) install at once, after the batches in flight.
+    received += 1;
+    if (!pages.empty()) {
+      local = session->InstallShared(pages, arena->base, arena->bytes);
+      if (!local.ok()) break;
+    }
+    if (!runs.empty()) {
+      local = session->StartSharedRuns(runs, arena->base, arena->bytes);
+      if (!local.ok()) break;
+    }
+    if (batch.flush() || runs.empty()) {
+      local = session->FinishShared();
+      if (!local.ok()) break;
+    }
+    installed = received - session->SharedInFlight();
+    acks.Installed(installed);  // a source gone shows in Read / Finish
   }
   if (!local.ok() || unmappable) {
     ctx.TryCancel();
@@ -355,7 +375,11 @@ absl::StatusOr<bool> TransferClient::FetchShared(const ImportRequest& req,
   acks.Stop();
   stream->WritesDone();
   const grpc::Status s = stream->Finish();
-  if (s.ok()) return true;
+  if (s.ok()) {
+    // (The source ends only once every batch is acknowledged.)
+    TRIAX_RETURN_IF_ERROR(session->FinishShared());
+    return true;
+  }
   if (s.error_code() == grpc::StatusCode::UNAVAILABLE && arena != nullptr) {
     // The source is gone: its arena is not mapped again (a restarted
     // source shares a new one).
@@ -363,7 +387,7 @@ absl::StatusOr<bool> TransferClient::FetchShared(const ImportRequest& req,
     auto it = peers_.find(req.source_address);
     if (it != peers_.end() && it->second == arena) peers_.erase(it);
   }
-  if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED && installed == 0) {
+  if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED && received == 0) {
     *why = s.error_message();
     return false;
   }

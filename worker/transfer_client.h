@@ -11,7 +11,10 @@
 //           offset and CRC32C; this worker maps the arena (cached per
 //           source address; a new handle from a restarted source replaces
 //           the mapping) and installs each batch device to device with the
-//           CRC32C taken during the copy (ImportSession::InstallShared),
+//           CRC32C taken during the copy (ImportSession::StartSharedRuns
+//           for runs: a batch's copies run while the next batch is
+//           received and checked, up to a batch flagged `flush`;
+//           ImportSession::InstallShared for a source that sends refs),
 //           then tells the source which batches it holds, so the source
 //           unpins them;
 //   link    a point-to-point link between the two devices (NCCL between

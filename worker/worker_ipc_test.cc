@@ -348,4 +348,109 @@ TEST(PageRefsTest, RoundTripAndMalformedBatches) {
       ::testing::HasSubstr("refs.encoding[1]=5 is not an index into 2"));
 }
 
+// Runs of shared pages: RunWriter joins pages of one layer, consecutive
+// blocks and one encoding, sealed flag, num_tokens and length whose offsets
+// step by one stride (not necessarily adjacent), and starts a run at any
+// other page; SharedRunsOf reads back every page, and malformed runs are
+// refused naming the field.
+TEST(PageRunsTest, RoundTripAndMalformedBatches) {
+  const kernels::Encoding bf16{Format::kBF16, Format::kBF16};
+  const kernels::Encoding int4{Format::kINT4, Format::kINT4};
+  std::vector<TransferPage> sent;
+  auto add = [&](uint32_t layer, uint32_t block, const kernels::Encoding& e,
+                 uint64_t offset, uint64_t bytes, uint32_t tokens = 16,
+                 bool sealed = true) {
+    TransferPage& p = sent.emplace_back();
+    p.layer = layer;
+    p.block_index = block;
+    p.lineage_id = 1000 + 7 * sent.size();
+    p.encoding = e;
+    p.num_tokens = tokens;
+    p.sealed = sealed;
+    p.crc32c = 0xc0de0000u + static_cast<uint32_t>(sent.size());
+    p.shared = true;
+    p.arena_offset = offset;
+    p.shared_bytes = bytes;
+  };
+  // Run 0: blocks 0..3 of layer 0, a stride of 8 pages (non-adjacent).
+  for (uint32_t b = 0; b < 4; ++b) add(0, b, int4, 65536 + b * 8192, 1024);
+  add(0, 4, int4, 65536 + 5 * 8192, 1024);     // off the stride: run 1
+  add(0, 5, int4, 65536 + 6 * 8192, 1024);     // its stride is 8192: joins
+  add(0, 6, int4, 65536 + 7 * 8192, 1024, 9);  // other num_tokens: run 2
+  add(1, 7, int4, 65536 + 8 * 8192, 1024);     // next layer: run 3
+  add(1, 8, bf16, 65536 + 9 * 8192, 1024);     // other encoding: run 4
+  add(1, 9, bf16, 65536 + 10 * 8192, 1024, 16, false);   // window: run 5
+  add(1, 11, bf16, 65536 + 11 * 8192, 1024, 16, false);  // skips a block: 6
+  add(1, 12, bf16, 65536 + 11 * 8192 + 512, 1024, 16, false);  // overlaps: 7
+  v1::PageBatch batch;
+  RunWriter writer(&batch);
+  for (const TransferPage& p : sent) writer.Add(p);
+  writer.Finish();
+  EXPECT_EQ(writer.pages(), sent.size());
+  EXPECT_EQ(batch.encodings_size(), 2);
+  std::vector<SharedRun> runs;
+  ASSERT_TRUE(SharedRunsOf(batch, &runs).ok());
+  std::vector<uint32_t> counts;
+  counts.reserve(runs.size());
+  for (const SharedRun& r : runs) counts.push_back(r.count);
+  EXPECT_EQ(counts, (std::vector<uint32_t>{4, 2, 1, 1, 1, 1, 1, 1}));
+  EXPECT_EQ(runs[0].stride, 8192u);
+  EXPECT_EQ(runs[1].stride, 8192u);
+  size_t i = 0;
+  for (const SharedRun& r : runs) {
+    for (uint32_t k = 0; k < r.count; ++k, ++i) {
+      SCOPED_TRACE(i);
+      ASSERT_LT(i, sent.size());
+      EXPECT_EQ(r.layer, sent[i].layer);
+      EXPECT_EQ(r.first_block + k, sent[i].block_index);
+      EXPECT_EQ(r.lineage_ids[k], sent[i].lineage_id);
+      EXPECT_TRUE(r.encoding == sent[i].encoding);
+      EXPECT_EQ(r.num_tokens, sent[i].num_tokens);
+      EXPECT_EQ(r.sealed, sent[i].sealed);
+      EXPECT_EQ(r.crc32cs[k], sent[i].crc32c);
+      EXPECT_EQ(r.offset + k * r.stride, sent[i].arena_offset);
+      EXPECT_EQ(r.bytes, sent[i].shared_bytes);
+    }
+  }
+  EXPECT_EQ(i, sent.size());
+  // Reset for the next batch: encodings start over with it.
+  batch.Clear();
+  writer.Reset();
+  writer.Add(sent[8]);
+  writer.Finish();
+  EXPECT_EQ(batch.encodings_size(), 1);
+  runs.clear();
+  ASSERT_TRUE(SharedRunsOf(batch, &runs).ok());
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_TRUE(runs[0].encoding == bf16);
+
+  auto refused = [](const v1::PageBatch& b) {
+    std::vector<SharedRun> out;
+    return SharedRunsOf(b, &out);
+  };
+  v1::PageBatch good;
+  RunWriter w(&good);
+  for (const TransferPage& p : sent) w.Add(p);
+  w.Finish();
+  v1::PageBatch bad = good;
+  bad.mutable_runs()->mutable_stride()->RemoveLast();
+  EXPECT_THAT(
+      refused(bad).message(),
+      ::testing::HasSubstr("runs.stride has 7 entries; runs.layer has 8"));
+  bad = good;
+  bad.mutable_runs()->mutable_crc32c()->RemoveLast();
+  EXPECT_THAT(refused(bad).message(),
+              ::testing::HasSubstr("runs' counts sum to 12"));
+  bad = good;
+  bad.mutable_runs()->set_count(0, 5);
+  EXPECT_THAT(refused(bad).message(),
+              ::testing::HasSubstr("runs' counts sum to 13"));
+  bad = good;
+  bad.mutable_runs()->set_encoding(2, 9);
+  EXPECT_THAT(
+      refused(bad).message(),
+      ::testing::HasSubstr("runs.encoding[2]=9 is not an index into 2"));
+  EXPECT_EQ(refused(bad).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace triax::worker

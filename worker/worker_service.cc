@@ -324,6 +324,11 @@ grpc::Status WorkerService::ExportPages(
   return ToGrpcStatus(core_->Export(FromProto(*req), options, sink));
 }
 
+// A destination holds up to CheckedCopies::kMaxInFlight batches
+// unacknowledged while their copies run; the source must send that many.
+static_assert(WorkerService::kMaxUnackedBatches >= CheckedCopies::kMaxInFlight,
+              "SharePages would wait for a batch its destination holds");
+
 grpc::Status WorkerService::SharePages(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::PageBatch, v1::SharePagesRequest>* stream) {
@@ -399,25 +404,45 @@ grpc::Status WorkerService::SharePages(
     return absl::OkStatus();
   };
   const uint32_t corrupt_every = options_.testing_corrupt_export_pages;
-  // Pages exported and not yet sent; their pins are the last ones.
+  // Pages exported and not yet sent (their pins are the last ones): in the
+  // batch's runs when the destination reads them, else kept for its refs.
+  const bool use_runs = first.accepts_runs();
+  v1::PageBatch batch;
+  RunWriter runs(&batch);
   std::vector<TransferPage> pending;
   uint64_t pending_bytes = 0;
+  size_t pending_pages = 0;
   size_t sent_pins = 0;
-  auto flush = [&]() -> absl::Status {
-    if (pending.empty()) return absl::OkStatus();
-    v1::PageBatch batch;
+  // `last`: the destination installs what it holds before it reads on
+  // (PageBatch.flush); a destination reading runs gets a batch without
+  // pages for it when none is pending.
+  bool flushed = true;  // the last batch sent was flagged
+  auto flush = [&](bool last) -> absl::Status {
+    if (pending_pages == 0 && !(last && use_runs && !flushed)) {
+      return absl::OkStatus();
+    }
     if (ends.empty()) {
       v1::SharedArena* a = batch.mutable_arena();
       a->set_backend(arena->backend);
       a->set_handle(arena->handle);
       a->set_bytes(arena->bytes);
     }
-    AppendRefs(pending, &batch);
-    sent_pins += pending.size();
+    if (use_runs) {
+      runs.Finish();
+      batch.set_flush(last);
+      flushed = last;
+    } else {
+      AppendRefs(pending, &batch);
+      pending.clear();
+    }
+    sent_pins += pending_pages;
     ends.push_back(sent_pins);
-    pending.clear();
+    pending_pages = 0;
     pending_bytes = 0;
-    if (ctx->IsCancelled() || !stream->Write(batch)) {
+    const bool written = !ctx->IsCancelled() && stream->Write(batch);
+    batch.Clear();  // keeps its arrays' room for the next batch
+    runs.Reset();
+    if (!written) {
       return absl::CancelledError("SharePages: the destination went away");
     }
     while (ends.size() - acked > kMaxUnackedBatches) {
@@ -430,19 +455,24 @@ grpc::Status WorkerService::SharePages(
   auto sink = [&](uint32_t, std::vector<TransferPage>* pages) -> absl::Status {
     for (TransferPage& page : *pages) {
       if (pending_bytes > 0 && pending_bytes + page.shared_bytes > max_batch) {
-        TRIAX_RETURN_IF_ERROR(flush());
+        TRIAX_RETURN_IF_ERROR(flush(/*last=*/false));
       }
       if (corrupt_every > 0 &&
           (exported_pages_.fetch_add(1) + 1) % corrupt_every == 0) {
         page.crc32c ^= 0x40;  // the page's bytes are the stored ones
       }
       pending_bytes += page.shared_bytes;
-      pending.push_back(std::move(page));
+      pending_pages += 1;
+      if (use_runs) {
+        runs.Add(page);
+      } else {
+        pending.push_back(std::move(page));
+      }
     }
-    return req.follow_writes() ? flush() : absl::OkStatus();
+    return req.follow_writes() ? flush(/*last=*/true) : absl::OkStatus();
   };
   absl::Status s = core_->Export(FromProto(req), options, sink);
-  if (s.ok()) s = flush();
+  if (s.ok()) s = flush(/*last=*/true);
   while (s.ok() && acked < ends.size()) s = read_ack();
   return ToGrpcStatus(s);
 }

@@ -50,7 +50,11 @@
 // backend) and the arena can be shared; then the same export as
 // ExportPages with pages pinned instead of copied out, sent in batches of
 // at most kDefaultMaxSharedBatchBytes of page bytes (the first batch
-// carries the arena's handle). At most kMaxUnackedBatches batches are
+// carries the arena's handle), their pages as runs (PageBatch.runs) when
+// the destination set accepts_runs, else as refs; with runs the export's
+// last batch (one without pages when none are left) and, with
+// follow_writes, each layer's last is flagged `flush`, as the destination
+// may hold a batch's copies in flight until the next batch comes. At most kMaxUnackedBatches batches are
 // ahead of the destination's installed_batches; each acknowledgement
 // unpins its batches, and the call ends once every batch is acknowledged
 // (whatever is still pinned when the call ends — a destination gone, a

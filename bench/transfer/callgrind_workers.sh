@@ -32,9 +32,9 @@ tokens=$(awk -v s="$size" '$1 == s && $3 == "bf16" && $4 == "ipc" {print $2; exi
 [[ -n $tokens ]] || { cat "$work/bench.out"; echo "no transfer row" >&2; exit 1; }
 # Every repeat and the one-block warm-up move 32 layers of each block.
 pages=$(( (tokens / 16 * repeats + 1) * 32 ))
-ir() {  # file, function pattern: the largest inclusive count of a match
-  callgrind_annotate --inclusive=yes --threshold=100 "$1" 2>/dev/null |
-    grep -E "$2" | head -1 | awk '{gsub(",", "", $1); n = $1} END {print n + 0}'
+ir() {  # file, function pattern: the largest inclusive count of a match (0: none)
+  { callgrind_annotate --inclusive=yes --threshold=100 "$1" 2>/dev/null |
+    grep -E "$2" || true; } | head -1 | awk '{gsub(",", "", $1); n = $1} END {print n + 0}'
 }
 src="" dst=""
 for f in "$work"/cg/kvworker.*.out; do
@@ -44,7 +44,15 @@ share=$(ir "$src" 'WorkerService::SharePages\(')
 import=$(ir "$dst" 'WorkerService::ImportSequence\(')
 copy=$(ir "$dst" 'CpuDevice::CopyPagesChecked\(')
 begin=$(ir "$dst" 'SequenceStore::BeginImport\(')
-install=$(ir "$dst" 'ImportSession::InstallSharedOnce\(')
+# Installs: checks, copies and installs of the batches, at once
+# (InstallSharedRuns, which InstallShared calls) or in the pipeline
+# (StartSharedRuns, FinishShared); the first calls FinishShared only when
+# the pipeline holds batches (never on the same path). A build before runs
+# (f61c0f2 and older) has InstallShared only.
+install=$(( $(ir "$dst" 'ImportSession::InstallSharedRuns\(') +
+            $(ir "$dst" 'ImportSession::StartSharedRuns\(') +
+            $(ir "$dst" 'ImportSession::FinishShared\(') ))
+[[ $install -gt 0 ]] || install=$(ir "$dst" 'ImportSession::InstallShared\(')
 fetch=$(ir "$dst" 'TransferClient::FetchShared\(')
 echo "size $size, $pages pages (64 KiB BF16 each) moved in $repeats repeats and the warm-up"
 printf '%-48s %14s %10s\n' "" "instructions" "per page"
@@ -53,7 +61,7 @@ row "src: SharePages (the whole export)" "$share"
 row "dst: ImportSequence (whole, copies included)" "$import"
 row "dst:   CopyPagesChecked (host memcpy + CRC32C)" "$copy"
 row "dst:   BeginImport (reserving pages)" "$begin"
-row "dst:   InstallSharedOnce less the copies" $(( install - copy ))
+row "dst:   checks and installs (less the copies)" $(( install - copy ))
 row "dst:   receiving batches (FetchShared less installs)" $(( fetch - install ))
 row "dst: ImportSequence less the copies" $(( import - copy ))
 row "both: host work per page, copies left out" $(( share + import - copy ))
