@@ -41,6 +41,7 @@ nvidia-smi -L | tee "$out/gpu.txt"
 if [[ $what == tests || $what == all ]]; then
   step crc32c_cuda_test "$b/bin/crc32c_cuda_test"
   step cuda_device_test "$b/bin/cuda_device_test"
+  step cuda_copy_test "$b/bin/cuda_copy_test"
   step worker_ipc_test "$b/bin/worker_ipc_test"
   # The link path runs in the "link" step (it needs NCCL_HOSTID per worker).
   step transfer_test "$b/bin/transfer_test" --gtest_filter=-*/2

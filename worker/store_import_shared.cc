@@ -1,7 +1,7 @@
 // ImportSession's batches on the shared-arena (ipc) path: runs of pages
-// checked against the plan, copied with their CRC32Cs by the device, at once
-// (InstallShared, InstallSharedRuns) or pipelined (StartSharedRuns,
-// FinishShared); see worker/store_transfer.h.
+// checked against the plan and copied with their CRC32Cs by the device in a
+// pipeline (StartSharedRuns, FinishShared; InstallShared and
+// InstallSharedRuns drain it); see worker/store_transfer.h.
 #include <algorithm>
 #include <utility>
 
@@ -51,18 +51,9 @@ absl::Status ImportSession::InstallShared(absl::Span<const TransferPage> pages,
 absl::Status ImportSession::InstallSharedRuns(absl::Span<const SharedRun> runs,
                                               const uint8_t* peer_base,
                                               uint64_t peer_bytes) {
-  if (state_->committed) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("import of sequence_id=", Quote(plan_.sequence_id),
-                     " from ", plan_.source, ": already committed"));
-  }
-  TRIAX_RETURN_IF_ERROR(FinishShared());  // in order after StartSharedRuns
-  return store_
-      ->WithRoom<bool>([&]() -> absl::StatusOr<bool> {
-        TRIAX_RETURN_IF_ERROR(InstallSharedOnce(runs, peer_base, peer_bytes));
-        return true;
-      })
-      .status();
+  // The pipeline, drained: in order after the batches already started.
+  TRIAX_RETURN_IF_ERROR(StartSharedRuns(runs, peer_base, peer_bytes));
+  return FinishShared();
 }
 
 absl::Status ImportSession::CheckShared(absl::Span<const SharedRun> runs,
@@ -199,28 +190,6 @@ absl::Status ImportSession::CompareCrcs(absl::Span<const SharedRun> runs,
       }
     }
   }
-  return absl::OkStatus();
-}
-
-absl::Status ImportSession::InstallSharedOnce(absl::Span<const SharedRun> runs,
-                                              const uint8_t* peer_base,
-                                              uint64_t peer_bytes) {
-  Sequence& seq = *state_->seq;
-  absl::MutexLock lock(&seq.mu);
-  State& st = *state_;
-  TRIAX_RETURN_IF_ERROR(CheckShared(runs, peer_base, peer_bytes));
-  // The marks are undone unless the whole batch installs.
-  auto unmark = absl::MakeCleanup([&] {
-    for (uint8_t* m : st.marked) *m = 0;
-  });
-  st.crcs.resize(st.jobs.size());
-  const absl::Time copy_start = absl::Now();
-  TRIAX_RETURN_IF_ERROR(
-      store_->device_->CopyPagesChecked(st.jobs, absl::MakeSpan(st.crcs)));
-  st.result.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
-  TRIAX_RETURN_IF_ERROR(CompareCrcs(runs, st.crcs));
-  std::move(unmark).Cancel();
-  InstallRuns(runs);
   return absl::OkStatus();
 }
 

@@ -268,6 +268,8 @@ class ImportSession {
                              const uint8_t* peer_base, uint64_t peer_bytes);
   // The same for runs of pages (SharedRun), each page checked as Install
   // does; the checks of what a run's pages share are made once per run.
+  // StartSharedRuns followed by FinishShared: installed in order after any
+  // batches already started.
   absl::Status InstallSharedRuns(absl::Span<const SharedRun> runs,
                                  const uint8_t* peer_base, uint64_t peer_bytes);
   // The ipc path in a pipeline: checks `runs` as InstallSharedRuns does and
@@ -311,8 +313,6 @@ class ImportSession {
   };
   static PageRef RefOf(const TransferPage& page);
   absl::Status InstallOnce(const TransferPage& page);
-  absl::Status InstallSharedOnce(absl::Span<const SharedRun> runs,
-                                 const uint8_t* peer_base, uint64_t peer_bytes);
   absl::Status StartSharedOnce(absl::Span<const SharedRun> runs,
                                const uint8_t* peer_base, uint64_t peer_bytes);
   // With the mutex held: checks every page of `runs` (Destination), marks

@@ -54,11 +54,11 @@
 // the destination set accepts_runs, else as refs; with runs the export's
 // last batch (one without pages when none are left) and, with
 // follow_writes, each layer's last is flagged `flush`, as the destination
-// may hold a batch's copies in flight until the next batch comes. At most kMaxUnackedBatches batches are
-// ahead of the destination's installed_batches; each acknowledgement
-// unpins its batches, and the call ends once every batch is acknowledged
-// (whatever is still pinned when the call ends — a destination gone, a
-// deadline — is unpinned then). An acknowledgement of a batch not sent,
+// may hold a batch's copies in flight until the next batch comes. At most
+// kMaxUnackedBatches batches are ahead of the destination's installed_batches;
+// each acknowledgement unpins its batches, and the call ends once every batch
+// is acknowledged (whatever is still pinned when the call ends — a destination
+// gone, a deadline — is unpinned then). An acknowledgement of a batch not sent,
 // or going backwards, is INVALID_ARGUMENT.
 //
 // OpenLink / LinkPages (the link path, worker/link_transfer.h): OpenLink

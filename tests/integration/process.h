@@ -39,7 +39,8 @@ class Process {
  public:
   // Starts $TRIAX_BIN_DIR/<binary> (or `binary` itself when it is an
   // absolute path) with `args`, in `dir` as its working directory when
-  // `dir` is absolute (a daemon's default files stay in the test's dir). When `with_port_file` is set,
+  // `dir` is absolute (a daemon's default files stay in the test's dir). When
+  // `with_port_file` is set,
   // "--port_file=<dir>/<name>.port" is appended and Start waits up to
   // `timeout` for the file to hold a port; DEADLINE_EXCEEDED (with the log's
   // tail) when it does not, FAILED_PRECONDITION when the process exits first.
