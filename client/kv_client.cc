@@ -18,6 +18,7 @@
 #include "common/capability.h"
 #include "common/grpc_status.h"
 #include "common/ids.h"
+#include "common/local_socket.h"
 #include "common/status_macros.h"
 #include "kernels/numeric.h"
 
@@ -48,13 +49,14 @@ std::shared_ptr<grpc::Channel> MakeChannel(
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  if (credentials != nullptr && !server_name.empty()) {
+  const bool unix_socket = triax::IsUnixAddress(address);
+  if (credentials != nullptr && !server_name.empty() && !unix_socket) {
     args.SetSslTargetNameOverride(server_name);
   }
+  // A unix: address (a daemon's --local_listen) dials with local
+  // credentials whatever the TLS settings of TCP addresses are.
   return grpc::CreateCustomChannel(
-      address,
-      credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(),
-      args);
+      address, triax::ChannelCredentialsFor(address, credentials), args);
 }
 
 std::string Bf16Bytes(const float* src, size_t n) {
@@ -218,6 +220,30 @@ absl::Status Client::CallWithRetry(
   return Prefixed(what, s);
 }
 
+absl::StatusOr<std::map<std::string, std::string>> ParseWorkerSockets(
+    absl::string_view flag_value) {
+  std::map<std::string, std::string> out;
+  for (absl::string_view entry :
+       absl::StrSplit(flag_value, ',', absl::SkipWhitespace())) {
+    const size_t eq = entry.find('=');
+    const absl::string_view address =
+        eq == absl::string_view::npos ? entry : entry.substr(0, eq);
+    const absl::string_view socket =
+        eq == absl::string_view::npos ? "" : entry.substr(eq + 1);
+    if (address.empty() || !triax::IsUnixAddress(socket) ||
+        triax::UnixSocketPath(socket).empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--worker_sockets entry ", Quote(entry),
+                       " is not WORKER_ADDRESS=unix:/PATH"));
+    }
+    if (!out.emplace(std::string(address), std::string(socket)).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--worker_sockets names worker address ", Quote(address), " twice"));
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<triax::v1::Worker::Stub*> Client::worker(
     const std::string& address) {
   if (address.empty()) {
@@ -227,8 +253,12 @@ absl::StatusOr<triax::v1::Worker::Stub*> Client::worker(
   absl::MutexLock lock(&workers_mu_);
   auto it = workers_.find(address);
   if (it != workers_.end()) return it->second.get();
-  auto stub = triax::v1::Worker::NewStub(MakeChannel(
-      address, options_.credentials, options_.tls_worker_server_name));
+  // A worker on this host may be dialed on its local socket instead.
+  const auto local = options_.worker_sockets.find(address);
+  const std::string& dial =
+      local != options_.worker_sockets.end() ? local->second : address;
+  auto stub = triax::v1::Worker::NewStub(
+      MakeChannel(dial, options_.credentials, options_.tls_worker_server_name));
   triax::v1::Worker::Stub* raw = stub.get();
   workers_.emplace(address, std::move(stub));
   return raw;

@@ -103,7 +103,18 @@ struct ClientOptions {
   // With TLS: the name workers' certificates are verified against instead
   // of the address dialed (docs/security.md); empty: the address.
   std::string tls_worker_server_name;
+  // Workers on this host served on their --local_listen sockets: worker
+  // address (as the manager gives it) -> "unix:/PATH". The data-plane calls
+  // to such a worker go over the socket (no TCP, no TLS); others as above.
+  // ParseWorkerSockets reads the flag form.
+  std::map<std::string, std::string> worker_sockets;
 };
+
+// "ADDRESS=unix:/PATH,..." (kvctl's and kvdemo's --worker_sockets) as
+// ClientOptions::worker_sockets: INVALID_ARGUMENT naming the entry for one
+// without '=', an address given twice, or a socket that is not "unix:/...".
+absl::StatusOr<std::map<std::string, std::string>> ParseWorkerSockets(
+    absl::string_view flag_value);
 
 // A sequence opened through the client: its plan and the worker it lives on.
 struct SequenceHandle {

@@ -101,6 +101,9 @@ ABSL_FLAG(std::string, tls_cert, "",
           "with --tls_ca: PEM client certificate for servers that ask for "
           "one (--tls_require_client_cert)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, worker_sockets, "",
+          "workers on this host to reach on their --local_listen sockets: "
+          "WORKER_ADDRESS=unix:/PATH,... (no TCP, no TLS to them)");
 ABSL_FLAG(std::string, tls_worker_server_name, "",
           "with --tls_ca: verify workers' certificates against this DNS "
           "name instead of their address; empty: the address");
@@ -704,6 +707,10 @@ int main(int argc, char** argv) {
     }
     opts.credentials = triax::ChannelCredentials(*tls);
     opts.tls_worker_server_name = absl::GetFlag(FLAGS_tls_worker_server_name);
+    auto sockets =
+        triax::client::ParseWorkerSockets(absl::GetFlag(FLAGS_worker_sockets));
+    if (!sockets.ok()) return Usage(std::string(sockets.status().message()));
+    opts.worker_sockets = *std::move(sockets);
   }
   auto client = triax::client::Client::Connect(opts);
   if (!client.ok()) return Fail(client.status());

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
@@ -26,6 +27,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "common/daemon_flags.h"
+#include "common/local_socket.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/parse_errors.h"
@@ -45,6 +47,14 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
 ABSL_FLAG(
     std::string, port_file, "",
     "if set, the bound port is written here as decimal text (atomically)");
+ABSL_FLAG(std::string, local_listen, "",
+          "unix:/PATH: also serve on this Unix-domain socket, for clients on "
+          "this host (gRPC local credentials: no TLS; tokens apply; "
+          "RegisterWorker and Heartbeat, which need a worker certificate "
+          "under mutual TLS, are refused there); docs/security.md \"Local "
+          "socket\"; empty: off");
+ABSL_FLAG(std::string, local_listen_mode, "0660",
+          "octal file mode of the --local_listen socket: who may connect");
 ABSL_FLAG(std::string, http_listen, "",
           "host:port of the HTTP endpoints /metrics (Prometheus), /healthz, "
           "/readyz and the live dashboard (/ and /api/...); port 0 picks a "
@@ -644,6 +654,21 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(listen, credentials, &port);
+  const std::string local_listen = absl::GetFlag(FLAGS_local_listen);
+  mode_t local_mode = 0;
+  if (!local_listen.empty()) {
+    absl::Status s = triax::CheckLocalListen("local_listen", local_listen);
+    absl::StatusOr<mode_t> mode = triax::ParseSocketMode(
+        "local_listen_mode", absl::GetFlag(FLAGS_local_listen_mode));
+    if (s.ok()) s = mode.status();
+    if (!s.ok()) {
+      Log(LogLevel::kError, "manager", "bad flags", Kv("error", s.ToString()));
+      return 2;
+    }
+    local_mode = *mode;
+    builder.AddListeningPort(local_listen,
+                             triax::LocalSocketServerCredentials());
+  }
   {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
@@ -666,6 +691,19 @@ int main(int argc, char** argv) {
                      "this machine"),
         Kv("listen", listen));
     return 1;
+  }
+  // The socket file goes with the process, however it ends here.
+  absl::Cleanup remove_socket = [&local_listen] {
+    triax::RemoveSocket(local_listen);
+  };
+  if (!local_listen.empty()) {
+    if (absl::Status s = triax::RestrictSocket(local_listen, local_mode);
+        !s.ok()) {
+      Log(LogLevel::kError, "manager", std::string(s.message()),
+          Kv("local_listen", local_listen));
+      server->Shutdown();
+      return 1;
+    }
   }
   // Before the port file, so that whoever waits on it finds HTTP up too.
   std::unique_ptr<triax::HttpServer> http;
@@ -733,11 +771,11 @@ int main(int argc, char** argv) {
   readiness.SetServing(true);
   std::cout << "kvmanager listening on " << host << ":" << port << std::endl;
   Log(LogLevel::kInfo, "manager", "listening",
-      absl::StrCat(
-          Kv("address", absl::StrCat(host, ":", port)), " ",
-          Kv("default_policy", options.default_policy), " ",
-          Kv("worker_timeout_ms", options.worker_timeout_ms), " ",
-          Kv("worker_down_timeout_ms", options.worker_down_timeout_ms)));
+      absl::StrCat(Kv("address", absl::StrCat(host, ":", port)), " ",
+                   Kv("default_policy", options.default_policy), " ",
+                   Kv("worker_timeout_ms", options.worker_timeout_ms), " ",
+                   Kv("worker_down_timeout_ms", options.worker_down_timeout_ms),
+                   " ", Kv("local_listen", local_listen)));
 
   shutdown.WaitForNotification();
   Log(LogLevel::kInfo, "manager", "shutting down",

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
@@ -28,6 +29,7 @@
 #include "common/capability.h"
 #include "common/daemon_flags.h"
 #include "common/ids.h"
+#include "common/local_socket.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/parse_errors.h"
@@ -47,6 +49,13 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:7071",
           "host:port to serve on; port 0 picks a free port");
 ABSL_FLAG(std::string, port_file, "",
           "if set, the bound port is written here (atomically)");
+ABSL_FLAG(std::string, local_listen, "",
+          "unix:/PATH: also serve on this Unix-domain socket, for clients on "
+          "this host (gRPC local credentials: no TLS; tokens and capabilities "
+          "apply; methods that need a certificate are refused there); "
+          "docs/security.md \"Local socket\"; empty: off");
+ABSL_FLAG(std::string, local_listen_mode, "0660",
+          "octal file mode of the --local_listen socket: who may connect");
 ABSL_FLAG(std::string, http_listen, "",
           "host:port of the HTTP endpoints /metrics (Prometheus), /healthz "
           "and /readyz; port 0 picks a free port; empty: off");
@@ -418,6 +427,7 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   std::shared_ptr<grpc::ServerCredentials> credentials =
       triax::ServerCredentials(*tls);
+  std::shared_ptr<grpc::AuthMetadataProcessor> identity_guard;
   if (tls->server_enabled() && tls->client_enabled()) {
     // The manager's plans and the transfers' page pulls come from the
     // manager's and the workers' certificates; frontends only hold their
@@ -437,11 +447,31 @@ int main(int argc, char** argv) {
     add(absl::GetFlag(FLAGS_tls_worker_names),
         {"ExportPages", "SharePages", "OpenLink", "LinkPages"});
     if (!allowed.empty()) {
-      credentials->SetAuthMetadataProcessor(
-          triax::MethodIdentityGuard(std::move(allowed)));
+      identity_guard = triax::MethodIdentityGuard(std::move(allowed));
+      credentials->SetAuthMetadataProcessor(identity_guard);
     }
   }
   builder.AddListeningPort(listen, credentials, &port);
+  const std::string local_listen = absl::GetFlag(FLAGS_local_listen);
+  mode_t local_mode = 0;
+  if (!local_listen.empty()) {
+    if (absl::Status s = triax::CheckLocalListen("local_listen", local_listen);
+        !s.ok()) {
+      return Fail(2, s.message());
+    }
+    absl::StatusOr<mode_t> mode = triax::ParseSocketMode(
+        "local_listen_mode", absl::GetFlag(FLAGS_local_listen_mode));
+    if (!mode.ok()) return Fail(2, mode.status().message());
+    local_mode = *mode;
+    std::shared_ptr<grpc::ServerCredentials> local =
+        triax::LocalSocketServerCredentials();
+    // The socket carries no client certificate: the methods only the
+    // manager's or a worker's may call are refused there too.
+    if (identity_guard != nullptr) {
+      local->SetAuthMetadataProcessor(identity_guard);
+    }
+    builder.AddListeningPort(local_listen, local);
+  }
   {
     std::vector<
         std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
@@ -469,6 +499,17 @@ int main(int argc, char** argv) {
                                 "address of this machine"));
   }
   const std::string bound = absl::StrCat(HostOf(listen), ":", port);
+  // The socket file goes with the process, however it ends here.
+  absl::Cleanup remove_socket = [&local_listen] {
+    triax::RemoveSocket(local_listen);
+  };
+  if (!local_listen.empty()) {
+    if (absl::Status s = triax::RestrictSocket(local_listen, local_mode);
+        !s.ok()) {
+      server->Shutdown();
+      return Fail(1, absl::StrCat("--local_listen: ", s.message()));
+    }
+  }
   if (server->GetHealthCheckService() == nullptr) {
     server->Shutdown();
     return Fail(1, "the gRPC health service did not start");
@@ -557,7 +598,8 @@ int main(int argc, char** argv) {
                           triax::Kv("window_tokens", window), " ",
                           triax::Kv("host_tier_mb", host_tier_mb), " ",
                           triax::Kv("disk_tier_dir", (*tiers)->disk_dir()), " ",
-                          triax::Kv("manager", manager)));
+                          triax::Kv("manager", manager), " ",
+                          triax::Kv("local_listen", local_listen)));
 
   int sig = 0;
   sigwait(&signals, &sig);

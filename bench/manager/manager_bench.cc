@@ -67,6 +67,7 @@
 #include "bench/common/process.h"
 #include "bench/security/security_setup.h"
 #include "common/bearer.h"
+#include "common/local_socket.h"
 #include "triax/v1/manager.grpc.pb.h"
 
 extern char** environ;
@@ -638,6 +639,7 @@ struct Secured {
   bench::SecurityConfig config;
   Manager manager;
   std::string target;
+  std::string client_target;  // the clients': target, or the local socket
   Access access;
   std::unique_ptr<v1::Manager::Stub> admin;   // client credentials
   std::unique_ptr<v1::Manager::Stub> worker;  // the fake worker's channel
@@ -666,6 +668,8 @@ std::unique_ptr<Secured> StartSecured(const std::string& binary,
   const std::string admin_file = dir + "/admin.token";
   for (std::string& f : bench::ManagerSecurityFlags(config, certs, admin_file))
     extra.push_back(std::move(f));
+  const std::string socket = bench::LocalSocket(dir, "manager");
+  if (config.local) extra.push_back("--local_listen=" + socket);
   auto fail = [&](const absl::Status& s) {
     std::cerr << "manager_bench: " << config.name << ": " << s.message()
               << "\n";
@@ -684,6 +688,13 @@ std::unique_ptr<Secured> StartSecured(const std::string& binary,
   auto worker = bench::CredentialsFor(config, certs, bench::Peer::kWorker);
   if (!worker.ok()) return fail(worker.status());
   m->access.credentials = *client;
+  // Local: the clients are frontends on the manager's host, on its socket;
+  // the fake worker registers over TCP (under mtls only its certificate
+  // may).
+  m->client_target = config.local ? socket : m->target;
+  if (config.local) {
+    m->access.credentials = triax::ChannelCredentialsFor(socket, nullptr);
+  }
   m->admin = v1::Manager::NewStub(NewChannel(m->target, -1, *client));
   m->worker = v1::Manager::NewStub(NewChannel(m->target, -2, *worker));
   if (config.tokens) {
@@ -733,7 +744,7 @@ bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
   // the clock starts: frontends keep their channels.
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int i = 0; i < clients; ++i) {
-    channels.push_back(NewChannel(m.target, i, m.access.credentials));
+    channels.push_back(NewChannel(m.client_target, i, m.access.credentials));
     if (!channels.back()->WaitForConnected(std::chrono::system_clock::now() +
                                            std::chrono::seconds(10))) {
       std::fprintf(stderr, "client %d of %s: not connected after 10 s\n", i,

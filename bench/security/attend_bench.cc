@@ -62,8 +62,9 @@
 #include "triax/v1/manager.grpc.pb.h"
 
 ABSL_FLAG(std::string, security, "plain,tls,mtls,token,mtls+token",
-          "comma-separated configurations, each plain or tls / mtls and "
-          "token joined with '+'; the first is the baseline of the ratios");
+          "comma-separated configurations, each plain or tls / mtls, local "
+          "and token joined with '+' (local: the clients call the worker on "
+          "its Unix-domain socket); the first is the baseline of the ratios");
 ABSL_FLAG(std::string, tokens, "512,4096",
           "comma-separated context lengths (tokens of each sequence)");
 ABSL_FLAG(std::string, clients, "1,4",
@@ -142,7 +143,8 @@ struct Node {
   bench::SecurityConfig config;
   std::unique_ptr<Process> manager, worker;
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // a client's
-  std::string tenant_token;  // empty without tokens
+  std::string tenant_token;   // empty without tokens
+  std::string worker_socket;  // local configurations: "unix:..."
 };
 
 absl::Status Pin(const Process& p, absl::string_view flag,
@@ -217,6 +219,10 @@ absl::StatusOr<std::unique_ptr<Node>> StartNode(
        bench::WorkerSecurityFlags(config, certs, worker_token_file)) {
     args.push_back(std::move(f));
   }
+  if (config.local) {
+    node->worker_socket = bench::LocalSocket(dir, "worker");
+    args.push_back("--local_listen=" + node->worker_socket);
+  }
   for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_worker_flags),
                                             ' ', absl::SkipEmpty())) {
     args.emplace_back(f);
@@ -269,6 +275,10 @@ absl::StatusOr<std::unique_ptr<Session>> OpenSession(const Node& node,
   options.tenant_id = kTenant;
   options.token = node.tenant_token;
   options.credentials = node.credentials;
+  if (!node.worker_socket.empty()) {
+    // A frontend on the worker's host: its data-plane calls on the socket.
+    options.worker_sockets = {{node.worker->address(), node.worker_socket}};
+  }
   auto client = triax::client::Client::Connect(options);
   if (!client.ok()) return client.status();
   session->client = *std::move(client);

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <fstream>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -28,11 +29,11 @@ absl::StatusOr<std::vector<SecurityConfig>> ParseSecurityList(
   auto bad = [&](absl::string_view entry, absl::string_view why) {
     return absl::InvalidArgumentError(
         absl::StrCat(flag, "=", list, ": \"", entry, "\" ", why,
-                     " (configurations are plain, or tls / mtls and token "
-                     "joined with '+', e.g. plain,tls,mtls+token)"));
+                     " (configurations are plain, or tls / mtls, local and "
+                     "token joined with '+', e.g. plain,tls,mtls+token)"));
   };
   std::vector<SecurityConfig> configs;
-  std::set<std::pair<TlsMode, bool>> seen;
+  std::set<std::tuple<TlsMode, bool, bool>> seen;
   for (absl::string_view entry : absl::StrSplit(list, ',')) {
     SecurityConfig c;
     c.name = std::string(entry);
@@ -48,6 +49,8 @@ absl::StatusOr<std::vector<SecurityConfig>> ParseSecurityList(
         c.tls = part == "tls" ? TlsMode::kServer : TlsMode::kMutual;
       } else if (part == "token") {
         c.tokens = true;
+      } else if (part == "local") {
+        c.local = true;
       } else {
         return bad(entry, absl::StrCat("has the unknown part \"", part, "\""));
       }
@@ -55,7 +58,7 @@ absl::StatusOr<std::vector<SecurityConfig>> ParseSecurityList(
     if (parts.count("plain") > 0 && parts.size() > 1) {
       return bad(entry, "joins plain with another part");
     }
-    if (!seen.insert({c.tls, c.tokens}).second) {
+    if (!seen.insert({c.tls, c.tokens, c.local}).second) {
       return bad(entry, "is listed twice");
     }
     configs.push_back(std::move(c));
@@ -66,6 +69,10 @@ absl::StatusOr<std::vector<SecurityConfig>> ParseSecurityList(
 bool AnyTls(const std::vector<SecurityConfig>& configs) {
   return std::any_of(configs.begin(), configs.end(),
                      [](const auto& c) { return c.tls != TlsMode::kOff; });
+}
+
+std::string LocalSocket(const std::string& dir, absl::string_view name) {
+  return absl::StrCat("unix:", dir, "/", name, ".sock");
 }
 
 std::string CertFiles::cert(absl::string_view who) const {

@@ -17,7 +17,12 @@
 //           token (tenant tokens for the clients, a worker token for the
 //           worker), workers take --token_file and serve only calls that
 //           carry the manager's capabilities
-// e.g. "plain,tls,mtls,token,mtls+token". Thread-compatible.
+//   local   the server also listens on a Unix-domain socket
+//           (--local_listen, gRPC local credentials) and the bench's
+//           clients, a frontend on the same host, call over it; the
+//           manager's links with the workers stay on TCP (with tls / mtls)
+// e.g. "plain,tls,mtls,token,mtls+token,mtls+local+token".
+// Thread-compatible.
 #pragma once
 
 #include <grpcpp/security/credentials.h>
@@ -40,6 +45,7 @@ struct SecurityConfig {
   std::string name;  // as listed: "plain", "mtls+token", ...
   TlsMode tls = TlsMode::kOff;
   bool tokens = false;
+  bool local = false;  // clients on the server's Unix-domain socket
 };
 
 // "plain,tls,mtls+token" -> configurations in that order (the first is the
@@ -66,6 +72,10 @@ struct CertFiles {
 absl::StatusOr<CertFiles> PrepareCerts(const std::string& dir,
                                        const std::string& make_certs,
                                        absl::string_view make_certs_flag);
+
+// The --local_listen address of a server started in `dir` (local
+// configurations): "unix:<dir>/<name>.sock".
+std::string LocalSocket(const std::string& dir, absl::string_view name);
 
 // kvmanager's flags for `config`; `admin_token_file` is where the manager
 // writes its bootstrap admin token (token configurations).

@@ -41,6 +41,19 @@ TEST(ParseSecurityListTest, ReadsEveryPartInOrder) {
   EXPECT_FALSE(AnyTls(*ParseSecurityList("plain,token", "--s")));
 }
 
+TEST(ParseSecurityListTest, LocalJoinsTheOtherParts) {
+  auto configs = ParseSecurityList("mtls+token,mtls+local+token,local", "--s");
+  ASSERT_THAT(configs, IsOk());
+  ASSERT_EQ(configs->size(), 3u);
+  EXPECT_FALSE((*configs)[0].local);
+  EXPECT_TRUE((*configs)[1].local);
+  EXPECT_EQ((*configs)[1].tls, TlsMode::kMutual);
+  EXPECT_TRUE((*configs)[1].tokens);
+  EXPECT_TRUE((*configs)[2].local);
+  EXPECT_EQ((*configs)[2].tls, TlsMode::kOff);
+  EXPECT_EQ(LocalSocket("/tmp/b", "worker"), "unix:/tmp/b/worker.sock");
+}
+
 TEST(ParseSecurityListTest, RefusesNamingTheFlagAndEntry) {
   for (const auto& [list, entry, why] :
        std::vector<std::tuple<std::string, std::string, std::string>>{
@@ -50,7 +63,10 @@ TEST(ParseSecurityListTest, RefusesNamingTheFlagAndEntry) {
            {"plain+tls", "\"plain+tls\"", "joins plain"},
            {"tls+mtls", "\"tls+mtls\"", "names tls twice"},
            {"token+token", "\"token+token\"", "names \"token\" twice"},
-           {"tls+token,token+tls", "\"token+tls\"", "listed twice"}}) {
+           {"tls+token,token+tls", "\"token+tls\"", "listed twice"},
+           {"plain+local", "\"plain+local\"", "joins plain"},
+           {"local,local", "\"local\"", "listed twice"},
+           {"tls+local,local+tls", "\"local+tls\"", "listed twice"}}) {
     EXPECT_THAT(
         ParseSecurityList(list, "--security"),
         StatusIs(

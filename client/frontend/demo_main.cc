@@ -50,6 +50,9 @@ ABSL_FLAG(std::string, tls_ca, "",
 ABSL_FLAG(std::string, tls_cert, "",
           "with --tls_ca: PEM client certificate for servers that ask for one");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, worker_sockets, "",
+          "workers on this host to reach on their --local_listen sockets: "
+          "WORKER_ADDRESS=unix:/PATH,... (no TCP, no TLS to them)");
 ABSL_FLAG(std::string, tls_worker_server_name, "",
           "with --tls_ca: verify workers' certificates against this DNS name "
           "instead of their address");
@@ -810,6 +813,10 @@ int Main() {
     }
     opts.credentials = triax::ChannelCredentials(*tls);
     opts.tls_worker_server_name = absl::GetFlag(FLAGS_tls_worker_server_name);
+    auto sockets =
+        triax::client::ParseWorkerSockets(absl::GetFlag(FLAGS_worker_sockets));
+    if (!sockets.ok()) return Fail("--worker_sockets", sockets.status());
+    opts.worker_sockets = *std::move(sockets);
   }
   auto client_or = client::Client::Connect(opts);
   if (!client_or.ok())

@@ -60,8 +60,9 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
       worker_args.push_back(absl::StrReplaceAll(f, {{"$DIR", c->dir()}}));
     }
     if (static_cast<size_t>(i) < options.per_worker_flags.size()) {
-      const std::vector<std::string>& own = options.per_worker_flags[i];
-      worker_args.insert(worker_args.end(), own.begin(), own.end());
+      for (const std::string& f : options.per_worker_flags[i]) {
+        worker_args.push_back(absl::StrReplaceAll(f, {{"$DIR", c->dir()}}));
+      }
     }
     auto w = Process::Start(WorkerId(i), "kvworker", worker_args, c->dir());
     if (!w.ok()) return w.status();

@@ -31,7 +31,8 @@ struct ClusterOptions {
   // "$DIR" in a flag is replaced by the cluster's directory.
   std::vector<std::string> manager_flags;
   std::vector<std::string> worker_flags;
-  // Flags of worker i only (when given), after worker_flags.
+  // Flags of worker i only (when given), after worker_flags ("$DIR" as
+  // above).
   std::vector<std::vector<std::string>> per_worker_flags;
   // Of the cluster's own stub and of NewClient (a TLS cluster: the daemons'
   // --tls_* flags in manager_flags / worker_flags); null: plaintext.

@@ -11,6 +11,7 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <fstream>
@@ -21,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "client/kv_client.h"
+#include "common/local_socket.h"
 #include "common/status_matchers.h"
 #include "tests/integration/cluster.h"
 #include "tests/integration/reference.h"
@@ -129,6 +131,10 @@ class TlsTest : public ::testing::Test {
       o.manager_flags.push_back("--tls_require_client_cert");
       o.worker_flags.push_back("--tls_require_client_cert");
     }
+    for (const std::string& f : extra_manager_flags_) {
+      o.manager_flags.push_back(f);
+    }
+    if (!worker0_flags_.empty()) o.per_worker_flags = {worker0_flags_};
     o.credentials = certs_->Credentials("client");
     auto c = Cluster::Start(o);
     ASSERT_THAT(c, IsOk());
@@ -163,6 +169,8 @@ class TlsTest : public ::testing::Test {
     return ids;
   }
 
+  std::vector<std::string> extra_manager_flags_;  // StartCluster's, last
+  std::vector<std::string> worker0_flags_;        // of worker 0 only
   std::unique_ptr<TempDir> dir_;
   std::unique_ptr<Certs> certs_;
   std::unique_ptr<Cluster> cluster_;
@@ -518,6 +526,181 @@ TEST(TlsFlagsTest, BadFilesStopTheDaemonsNamingTheFlag) {
     EXPECT_EQ(*rc, 2) << out << err;
     EXPECT_THAT(out + err, HasSubstr(c.message));
   }
+}
+
+// --local_listen (docs/security.md "Local socket"): under mutual TLS with
+// client certificates required on TCP, a frontend without any certificate
+// opens, writes, attends and reads over the manager's and the worker's
+// Unix-domain sockets (it could not over TCP: the calls could only have gone
+// over the sockets); the methods only the manager's or a worker's
+// certificate may call are refused there and change nothing; the sockets
+// have their mode and go when the daemons stop.
+TEST_F(TlsTest, LocalSocketsServeFrontendsWithoutTls) {
+  extra_manager_flags_ = {"--local_listen=unix:$DIR/m.sock",
+                          "--local_listen_mode=0600"};
+  worker0_flags_ = {"--local_listen=unix:$DIR/w.sock"};
+  ASSERT_NO_FATAL_FAILURE(StartCluster(/*require=*/true));
+  ASSERT_THAT(cluster_->CreateTenant("acme"), IsOk());
+  const std::string m_sock = cluster_->dir() + "/m.sock";
+  const std::string w_sock = cluster_->dir() + "/w.sock";
+  struct stat st {};
+  ASSERT_EQ(stat(m_sock.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(stat(w_sock.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);  // the default
+
+  client::ClientOptions o;
+  o.manager_address = "unix:" + m_sock;
+  o.tenant_id = "acme";
+  o.rpc_timeout_ms = 10000;
+  o.credentials = nullptr;  // no CA, no certificate
+  o.worker_sockets = {
+      {cluster_->worker_process(0)->address(), "unix:" + w_sock}};
+  auto client = client::Client::Connect(o);
+  ASSERT_THAT(client, IsOk());
+  const v1::ModelShape model = SmallModel();
+  auto seq =
+      (*client)->Open(model, {MakeSpan(v1::ROLE_SYSTEM, 20)}, "bf16", 16);
+  ASSERT_THAT(seq, IsOk());
+  std::mt19937 rng(20261207);
+  const size_t elems = size_t{model.n_kv_heads()} * model.head_dim();
+  std::vector<float> k0, v0;
+  for (uint32_t l = 0; l < model.n_layers(); ++l) {
+    auto k = RandomVector(20 * elems, &rng), v = RandomVector(20 * elems, &rng);
+    ASSERT_THAT((*client)->WriteKV(*seq, l, 0, 20, k.data(), v.data()), IsOk());
+    if (l == 0) k0 = k, v0 = v;
+  }
+  std::vector<float> rk, rv;
+  ASSERT_THAT((*client)->ReadKV(*seq, 0, 0, 20, &rk, &rv), IsOk());
+  EXPECT_EQ(rk, RoundToBf16(k0));
+  EXPECT_EQ(rv, RoundToBf16(v0));
+  const std::vector<uint64_t> pos = {19};
+  auto q = RandomVector(model.n_q_heads() * model.head_dim(), &rng);
+  std::vector<float> out(q.size(), std::nanf(""));
+  client::Client::AttendArgs a;
+  a.positions = pos.data();
+  a.q = q.data();
+  a.out = out.data();
+  ASSERT_THAT((*client)->Attend(*seq, a), IsOk());
+  auto ref =
+      ReferenceAttention(model, q, pos, RoundToBf16(k0), RoundToBf16(v0));
+  EXPECT_LE(WorstToleranceRatio(out, ref, ToleranceFor("cpu").atol,
+                                ToleranceFor("cpu").rtol),
+            1.0);
+
+  // The same client over TCP has no certificate: refused at the handshake.
+  {
+    client::ClientOptions tcp = o;
+    tcp.manager_address = cluster_->manager_address();
+    tcp.worker_sockets.clear();
+    tcp.rpc_timeout_ms = 3000;
+    auto plain = client::Client::Connect(tcp);
+    ASSERT_THAT(plain, IsOk());
+    EXPECT_THAT((*plain)->ReadKV(*seq, 0, 0, 20, &rk, &rv),
+                StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  }
+
+  // Over the sockets, what needs the manager's or a worker's certificate is
+  // refused, naming the method.
+  auto worker = v1::Worker::NewStub(grpc::CreateChannel(
+      "unix:" + w_sock, ChannelCredentialsFor("unix:" + w_sock, nullptr)));
+  v1::EvictRequest evict;
+  evict.set_request_id("evict-local");
+  evict.set_tenant_id("acme");
+  evict.set_sequence_id(seq->sequence_id);
+  evict.add_lineage_ids(seq->blocks[0].lineage_id());
+  grpc::ClientContext ectx;
+  Deadline(&ectx);
+  v1::EvictResponse eresp;
+  const grpc::Status e = worker->Evict(&ectx, evict, &eresp);
+  EXPECT_EQ(e.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+      << e.error_message();
+  EXPECT_THAT(e.error_message(), HasSubstr("Evict"));
+  auto manager = ManagerStub("unix:" + m_sock,
+                             ChannelCredentialsFor("unix:" + m_sock, nullptr));
+  v1::RegisterWorkerRequest reg;
+  reg.set_worker_id("rogue");
+  reg.set_address("127.0.0.1:1");
+  reg.set_capacity_bytes(1ull << 40);
+  grpc::ClientContext rctx;
+  Deadline(&rctx);
+  v1::RegisterWorkerResponse rresp;
+  const grpc::Status r = manager->RegisterWorker(&rctx, reg, &rresp);
+  EXPECT_EQ(r.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+      << r.error_message();
+  EXPECT_THAT(r.error_message(), HasSubstr("RegisterWorker"));
+  EXPECT_THAT(cluster_->GetWorker("rogue"),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  ASSERT_THAT((*client)->ReadKV(*seq, 0, 0, 20, &rk, &rv), IsOk());
+  EXPECT_EQ(rk, RoundToBf16(k0));
+
+  // A stopped daemon takes its socket file with it.
+  cluster_->worker_process(0)->Stop();
+  EXPECT_NE(lstat(w_sock.c_str(), &st), 0);
+}
+
+TEST(TlsFlagsTest, BadLocalSocketFlagsStopTheDaemonsNamingTheFlag) {
+  auto dir = TempDir::Create("sock_flags");
+  ASSERT_THAT(dir, IsOk());
+  const std::string d = (*dir)->path();
+  std::ofstream(d + "/file") << "not a socket";
+  struct Case {
+    std::string binary;
+    std::vector<std::string> flags;
+    std::vector<std::string> message;  // parts (the manager logs in logfmt)
+  };
+  const std::vector<Case> cases = {
+      {"kvworker",
+       {"--backend=cpu", "--local_listen=127.0.0.1:9"},
+       {"--local_listen=", "127.0.0.1:9",
+        "is not a Unix-domain socket address"}},
+      {"kvworker",
+       {"--backend=cpu", "--local_listen=unix:" + d + "/no/w.sock"},
+       {"--local_listen=", "the directory", d + "/no", "does not exist"}},
+      {"kvworker",
+       {"--backend=cpu", "--local_listen=unix:" + d + "/file"},
+       {"--local_listen=", "exists and is not a socket"}},
+      {"kvworker",
+       {"--backend=cpu", "--local_listen=unix:" + d + "/w.sock",
+        "--local_listen_mode=0999"},
+       {"--local_listen_mode=", "0999", "is not an octal file mode"}},
+      {"kvmanager",
+       {"--metadata=memory", "--local_listen=unix:relative.sock"},
+       {"--local_listen=", "names no absolute path"}},
+      {"kvmanager",
+       {"--metadata=memory", "--local_listen=unix:" + d + "/m.sock",
+        "--local_listen_mode=rw"},
+       {"--local_listen_mode=", "rw", "is not an octal file mode"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.binary + " " + c.message.back());
+    std::vector<std::string> args = c.flags;
+    args.push_back("--listen=127.0.0.1:0");
+    std::string out, err;
+    auto rc = RunToCompletion(c.binary, args, d, &out, &err);
+    ASSERT_THAT(rc, IsOk());
+    EXPECT_EQ(*rc, 2) << out << err;
+    for (const std::string& part : c.message) {
+      EXPECT_THAT(out + err, HasSubstr(part));
+    }
+  }
+  // A second daemon may not take a socket that a live one serves.
+  auto first =
+      Process::Start("w-first", "kvworker",
+                     {"--backend=cpu", "--listen=127.0.0.1:0", "--pool_mb=16",
+                      "--local_listen=unix:" + d + "/live.sock"},
+                     d);
+  ASSERT_THAT(first, IsOk());
+  std::string out, err;
+  auto rc =
+      RunToCompletion("kvworker",
+                      {"--backend=cpu", "--listen=127.0.0.1:0", "--pool_mb=16",
+                       "--local_listen=unix:" + d + "/live.sock"},
+                      d, &out, &err);
+  ASSERT_THAT(rc, IsOk());
+  EXPECT_EQ(*rc, 2) << out << err;
+  EXPECT_THAT(out + err, HasSubstr("another process serves on"));
 }
 
 }  // namespace

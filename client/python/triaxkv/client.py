@@ -265,12 +265,16 @@ class Client:
     token: the bearer token of a manager with --auth=token (a str; issued
     by an admin with kvctl token-issue), sent with every manager call;
     None: none.
+    worker_sockets: workers on this host to reach on their --local_listen
+    sockets, {worker address as the manager gives it: "unix:/PATH"} (no
+    TCP, no TLS to them; docs/security.md "Local socket"). manager_address
+    may be a "unix:/PATH" too.
     Channels connect lazily: an unreachable manager surfaces as Unavailable
     (or DeadlineExceeded) on the first call that needs it."""
 
     def __init__(self, manager_address, tenant_id="", timeout=30.0, attend_retries=50,
                  tls_ca=None, tls_cert=None, tls_key=None, tls_worker_server_name=None,
-                 token=None):
+                 token=None, worker_sockets=None):
         if not isinstance(manager_address, str) or not manager_address:
             raise ValueError(f"manager_address: {manager_address!r}; want host:port")
         if not isinstance(tenant_id, str):
@@ -290,6 +294,13 @@ class Client:
         self._credentials = (tls_credentials(tls_ca, tls_cert, tls_key)
                              if tls_ca is not None else None)
         self._worker_server_name = tls_worker_server_name
+        worker_sockets = dict(worker_sockets or {})
+        for address, socket in worker_sockets.items():
+            if not isinstance(address, str) or not address:
+                raise ValueError(f"worker_sockets: key {address!r}; want a worker address")
+            if not isinstance(socket, str) or not socket.startswith("unix:/"):
+                raise ValueError(f"worker_sockets[{address!r}]: {socket!r}; want 'unix:/PATH'")
+        self._worker_sockets = worker_sockets
         self._manager_channel = _channel(manager_address, self._credentials)
         channel = self._manager_channel
         if token is not None:
@@ -331,7 +342,8 @@ class Client:
         with self._lock:
             entry = self._workers.get(address)
             if entry is None:
-                channel = _channel(address, self._credentials, self._worker_server_name)
+                channel = _channel(self._worker_sockets.get(address, address),
+                                   self._credentials, self._worker_server_name)
                 entry = (channel, worker_pb2_grpc.WorkerStub(channel))
                 self._workers[address] = entry
             return entry[1]

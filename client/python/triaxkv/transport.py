@@ -1,4 +1,5 @@
-"""Channels of the Python client: plaintext or TLS (tls_credentials), and
+"""Channels of the Python client: plaintext, TLS (tls_credentials) or a
+local Unix-domain socket (an address "unix:/PATH"), and
 the interceptor that adds a bearer token to every call (docs/security.md)."""
 
 import grpc
@@ -10,6 +11,12 @@ _CHANNEL_OPTIONS = [
 
 
 def _channel(address, credentials=None, server_name=None):
+    if address.startswith("unix:"):
+        # A daemon's --local_listen socket: gRPC local credentials, whatever
+        # the TLS settings of TCP addresses (docs/security.md "Local socket").
+        return grpc.secure_channel(
+            address, grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
+            options=_CHANNEL_OPTIONS)
     if credentials is None:
         return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
     options = list(_CHANNEL_OPTIONS)
