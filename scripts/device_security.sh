@@ -35,7 +35,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
-security=${SECURITY:-plain,tls,mtls,token,mtls+token}
+security=${SECURITY:-plain,tls,mtls,token,mtls+token,mtls+local+token}
 seconds=${SECONDS_PER_RUN:-3}
 repeats=${REPEATS:-3}
 cpus_manager=${CPUS_MANAGER:-0-1}
