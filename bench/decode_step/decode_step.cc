@@ -46,7 +46,21 @@ absl::StatusOr<double> CpuSeconds(pid_t pid) {
 
 }  // namespace
 
-const char* PathName(Path p) { return p == Path::kUnary ? "unary" : "stream"; }
+const char* PathName(Path p) {
+  switch (p) {
+    case Path::kUnary:
+      return "unary";
+    case Path::kStream:
+      return "stream";
+    case Path::kUnaryUnix:
+      return "unary-unix";
+    case Path::kStreamUnix:
+      return "stream-unix";
+  }
+  return "?";
+}
+bool IsStream(Path p) { return p == Path::kStream || p == Path::kStreamUnix; }
+bool IsUnix(Path p) { return p == Path::kUnaryUnix || p == Path::kStreamUnix; }
 
 const char* WireName(client::AttendWire w) {
   return w == client::AttendWire::kBF16 ? "bf16" : "f32";
@@ -75,12 +89,14 @@ uint64_t PoolBytesFor(const DecodeShape& shape, uint32_t tokens, const Mix& mix,
 }
 
 DecodeBench::DecodeBench(DecodeShape shape, BenchWorker* worker, int http_port,
-                         uint32_t write_chunk_tokens, int install_threads)
+                         uint32_t write_chunk_tokens, int install_threads,
+                         v1::Worker::Stub* unix_stub)
     : shape_(shape),
       worker_(worker),
       http_port_(http_port),
       chunk_tokens_(write_chunk_tokens),
-      install_threads_(install_threads) {}
+      install_threads_(install_threads),
+      unix_stub_(unix_stub) {}
 
 absl::Status DecodeBench::FreeAll() {
   absl::Status first;
@@ -164,23 +180,29 @@ absl::Status DecodeBench::Install(const Mix& mix, uint32_t steps) {
 }
 
 absl::Status DecodeBench::OpenStreams() {
-  for (client::AttendWire wire :
-       {client::AttendWire::kF32, client::AttendWire::kBF16}) {
-    client::AttendStreamOptions o;
-    o.wire = wire;
-    auto s = client::AttendStream::Open(worker_->stub(), kTenant, {}, o);
-    if (!s.ok()) return s.status();
-    streams_[WireIndex(wire)] = *std::move(s);
+  for (int unix_socket : {0, 1}) {
+    v1::Worker::Stub* stub = unix_socket ? unix_stub_ : worker_->stub();
+    if (stub == nullptr) continue;
+    for (client::AttendWire wire :
+         {client::AttendWire::kF32, client::AttendWire::kBF16}) {
+      client::AttendStreamOptions o;
+      o.wire = wire;
+      auto s = client::AttendStream::Open(stub, kTenant, {}, o);
+      if (!s.ok()) return s.status();
+      streams_[unix_socket][WireIndex(wire)] = *std::move(s);
+    }
   }
   return absl::OkStatus();
 }
 
 absl::Status DecodeBench::CloseStreams() {
   absl::Status first;
-  for (auto& s : streams_) {
-    if (s == nullptr) continue;
-    if (absl::Status f = s->Finish(); first.ok()) first = f;
-    s.reset();
+  for (auto& by_wire : streams_) {
+    for (auto& s : by_wire) {
+      if (s == nullptr) continue;
+      if (absl::Status f = s->Finish(); first.ok()) first = f;
+      s.reset();
+    }
   }
   return first;
 }
@@ -201,7 +223,12 @@ absl::Status DecodeBench::Layer(Path path, client::AttendWire wire,
                                 uint32_t layer, bool append) {
   FillItems(layer, append);
   absl::StatusOr<std::vector<absl::Status>> results;
-  if (path == Path::kUnary) {
+  v1::Worker::Stub* stub = IsUnix(path) ? unix_stub_ : worker_->stub();
+  if (stub == nullptr) {
+    return absl::FailedPreconditionError(
+        "the worker was started without its local socket");
+  }
+  if (!IsStream(path)) {
     v1::AttendRequest req;
     if (absl::Status s = client::MakeAttendRequest(kTenant, items_, wire, &req);
         !s.ok()) {
@@ -211,8 +238,7 @@ absl::Status DecodeBench::Layer(Path path, client::AttendWire wire,
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::seconds(600));
     v1::AttendResponse resp;
-    if (absl::Status s =
-            FromGrpcStatus(worker_->stub()->Attend(&ctx, req, &resp));
+    if (absl::Status s = FromGrpcStatus(stub->Attend(&ctx, req, &resp));
         !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("Attend: ", s.message()));
     }
@@ -220,7 +246,8 @@ absl::Status DecodeBench::Layer(Path path, client::AttendWire wire,
                                                      resp.ByteSizeLong()};
     results = client::TakeAttendResponse("Attend", items_, wire, resp);
   } else {
-    client::AttendStream* stream = streams_[WireIndex(wire)].get();
+    client::AttendStream* stream =
+        streams_[IsUnix(path) ? 1 : 0][WireIndex(wire)].get();
     if (stream == nullptr) {
       return absl::FailedPreconditionError("the streams are not open");
     }
@@ -285,7 +312,7 @@ absl::StatusOr<StepTimes> DecodeBench::Step(Path path, client::AttendWire wire,
   auto after = Scrape();
   if (!after.ok()) return after.status();
   t.device = after->device - before->device;
-  t.server = path == Path::kUnary ? after->server - before->server : 0;
+  t.server = IsStream(path) ? 0 : after->server - before->server;
   t.batches =
       static_cast<uint64_t>(std::llround(after->batches - before->batches));
   return t;

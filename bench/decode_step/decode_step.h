@@ -57,8 +57,13 @@ struct DecodeShape {
 uint64_t PoolBytesFor(const DecodeShape& shape, uint32_t tokens, const Mix& mix,
                       uint64_t frame_bytes);
 
-enum class Path { kUnary, kStream };
-const char* PathName(Path p);
+// A layer's Attend: one unary RPC or one message on an AttendStream, over
+// TCP or over the worker's Unix-domain socket (--local_listen: a frontend
+// on the worker's host).
+enum class Path { kUnary, kStream, kUnaryUnix, kStreamUnix };
+const char* PathName(Path p);  // "unary", "stream", "unary-unix", ...
+bool IsStream(Path p);
+bool IsUnix(Path p);
 const char* WireName(client::AttendWire w);
 
 // One measured step.
@@ -77,9 +82,11 @@ struct StepTimes {
 class DecodeBench {
  public:
   // `worker` serves on 127.0.0.1 with --http_listen, its port in
-  // `http_port`.
+  // `http_port`; `unix_stub`, when not null, reaches it on its local
+  // socket (the *-unix paths).
   DecodeBench(DecodeShape shape, BenchWorker* worker, int http_port,
-              uint32_t write_chunk_tokens, int install_threads);
+              uint32_t write_chunk_tokens, int install_threads,
+              triax::v1::Worker::Stub* unix_stub = nullptr);
 
   // Installs `batch` sequences of `context` tokens in `mix` with room for
   // `steps` appended tokens each, writing every layer (install_threads
@@ -87,7 +94,8 @@ class DecodeBench {
   absl::Status Install(const Mix& mix, uint32_t steps);
   absl::Status FreeAll();
 
-  // Opens the streams of both wires (after Install).
+  // Opens the streams of both wires, on TCP and on the socket when there is
+  // one (after Install).
   absl::Status OpenStreams();
   // One decode step on `path` and `wire`; `append` false runs the attention
   // alone (no K/V appended: the context does not grow).
@@ -125,7 +133,9 @@ class DecodeBench {
   std::vector<client::SequenceHandle> seqs_;
   std::vector<client::Client::BatchItem> items_;
   std::vector<float> q_, out_, append_k_, append_v_;
-  std::unique_ptr<client::AttendStream> streams_[2];      // by wire
+  triax::v1::Worker::Stub* const unix_stub_;
+  // [unix][wire]
+  std::unique_ptr<client::AttendStream> streams_[2][2];
   std::pair<uint64_t, uint64_t> layer_bytes_[2][2] = {};  // [wire][append]
 };
 

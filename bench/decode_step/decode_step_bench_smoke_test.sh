@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # decode_step_bench at a tiny shape on the CPU backend (4 sequences x 40
-# tokens, 3 layers, INT4 and the tri-3.5 mix, both paths, wires and append
-# modes, one measured round): it must exit 0, print one row per case,
+# tokens, 3 layers, INT4 and the tri-3.5 mix, every path (unary and stream,
+# over TCP and over the worker's local socket), wire and append mode, one
+# measured round): it must exit 0, print one row per case,
 # path, wire and mode, and write them to the TSV. No timing is asserted.
 # --dry_run prints the pool the cases need and starts nothing. Then bad
 # flags: exit 1 before starting anything, naming the flag and the value.
@@ -20,7 +21,8 @@ fail() {
 
 "$BIN" --backend=cpu --batch=4 --context=40 --layers=3 --q_heads=4 \
   --kv_heads=2 --head_dim=32 --encodings=int4,tri-3.5 --steps=1 --warmup=1 \
-  --append=yes,no --install_threads=2 --tsv="$TMP/out.tsv" >"$TMP/out" \
+  --append=yes,no --paths=unary,stream,unary-unix,stream-unix \
+  --install_threads=2 --tsv="$TMP/out.tsv" >"$TMP/out" \
   2>"$TMP/err"
 rc=$?
 cat "$TMP/out"
@@ -29,7 +31,7 @@ if [[ $rc -ne 0 ]]; then
   cat "$TMP/err"
 fi
 for enc in int4 tri-3.5; do
-  for path in unary stream; do
+  for path in unary stream unary-unix stream-unix; do
     for wire in f32 bf16; do
       for append in yes no; do
         grep -qE "^${enc//./\\.} +$path +$wire +$append +[0-9]" "$TMP/out" ||
@@ -80,7 +82,7 @@ expect '--q_heads: "6" is not a multiple of --kv_heads=4' --q_heads=6 --kv_heads
 expect '--block_tokens: "24"' --block_tokens=24
 expect '--encodings: "int3"' --encodings=bf16,int3
 expect '--encodings: "bf16->int4" names a transfer' '--encodings=bf16->int4'
-expect '--paths: "rpc" is not unary or stream' --paths=unary,rpc
+expect '--paths: "rpc" is not unary, stream, unary-unix or stream-unix' --paths=unary,rpc
 expect '--wires: "fp16" is not f32 or bf16' --wires=fp16
 expect '--steps: "0"' --steps=0
 expect '--append: "maybe" is not yes or no' --append=yes,maybe

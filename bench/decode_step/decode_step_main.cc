@@ -37,6 +37,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "bench/decode_step/decode_step.h"
+#include "common/local_socket.h"
 #include "tests/integration/http_scrape.h"
 #include "tests/integration/process.h"
 
@@ -60,7 +61,10 @@ ABSL_FLAG(int, block_tokens, 16, "tokens per block (a power of two, 1..256)");
 ABSL_FLAG(std::string, encodings, "tri-3.5",
           "cases, each a batch installed in that encoding: bf16 fp8 int8 "
           "int4 int2 tq4 tq3 tq2, k=..,v=.. (transfer_cases.h), tri-3.5");
-ABSL_FLAG(std::string, paths, "unary,stream", "unary, stream or both");
+ABSL_FLAG(std::string, paths, "unary,stream",
+          "comma-separated: unary, stream (over TCP), unary-unix, "
+          "stream-unix (over the worker's --local_listen socket, as a "
+          "frontend on its host)");
 ABSL_FLAG(std::string, wires, "f32,bf16",
           "queries/outputs on the wire: f32, bf16 or both");
 ABSL_FLAG(int, steps, 10, "measured rounds (one step of each configuration)");
@@ -131,12 +135,17 @@ absl::StatusOr<std::vector<Config>> ParseConfigs() {
   std::vector<Path> paths;
   for (absl::string_view p :
        absl::StrSplit(absl::GetFlag(FLAGS_paths), ',', absl::SkipEmpty())) {
-    if (p == "unary") {
-      paths.push_back(Path::kUnary);
-    } else if (p == "stream") {
-      paths.push_back(Path::kStream);
-    } else {
-      return Fail("--paths", std::string(p), "is not unary or stream");
+    bool known = false;
+    for (Path candidate :
+         {Path::kUnary, Path::kStream, Path::kUnaryUnix, Path::kStreamUnix}) {
+      if (p == PathName(candidate)) {
+        paths.push_back(candidate);
+        known = true;
+      }
+    }
+    if (!known) {
+      return Fail("--paths", std::string(p),
+                  "is not unary, stream, unary-unix or stream-unix");
     }
   }
   std::vector<client::AttendWire> wires;
@@ -214,7 +223,7 @@ struct Row {
 
 void Print(const std::vector<Row>& rows, std::ofstream* tsv) {
   std::cout << absl::StrFormat(
-      "%-9s %-6s %-4s %-6s %7s %7s %9s %9s %9s %9s %8s %13s %8s %8s %7s\n",
+      "%-9s %-11s %-4s %-6s %7s %7s %9s %9s %9s %9s %8s %13s %8s %8s %7s\n",
       "case", "path", "wire", "append", "req_KiB", "resp_KiB", "step_ms",
       "device_ms", "server_ms", "overhd_ms", "ovh/dev", "ovh/dev range",
       "cli_cpu", "wrk_cpu", "batches");
@@ -230,10 +239,10 @@ void Print(const std::vector<Row>& rows, std::ofstream* tsv) {
       cli.push_back(t.client_cpu * 1e3);
       wrk.push_back(t.worker_cpu * 1e3);
     }
-    const bool unary = r.config.path == Path::kUnary;
+    const bool unary = !IsStream(r.config.path);
     const auto [lo, hi] = std::minmax_element(ratio.begin(), ratio.end());
     std::cout << absl::StrFormat(
-        "%-9s %-6s %-4s %-6s %7.1f %7.1f %9.3f %9.3f %9s %9.3f %8.3f "
+        "%-9s %-11s %-4s %-6s %7.1f %7.1f %9.3f %9.3f %9s %9.3f %8.3f "
         "%6.3f-%-6.3f %8.2f %8.2f %7.0f\n",
         r.encoding, PathName(r.config.path), WireName(r.config.wire),
         r.config.append ? "yes" : "no", r.layer_bytes.first / 1024.0,
@@ -383,6 +392,11 @@ int Run() {
                                             ' ', absl::SkipEmpty())) {
     launch.extra_flags.emplace_back(f);
   }
+  const bool any_unix =
+      std::any_of(configs->begin(), configs->end(),
+                  [](const Config& c) { return IsUnix(c.path); });
+  const std::string socket = "unix:" + (*dir)->path() + "/worker.sock";
+  if (any_unix) launch.extra_flags.push_back("--local_listen=" + socket);
   launch.cpus = absl::GetFlag(FLAGS_cpus_worker);
   launch.cpus_flag = "--cpus_worker";
   setenv("TRIAX_BIN_DIR", bin_dir.c_str(), 1);
@@ -406,10 +420,17 @@ int Run() {
     tsv.open(path);
     tsv << "case\tpath\twire\tappend\tmetric\tvalue\tunit\n";
   }
+  std::unique_ptr<v1::Worker::Stub> unix_stub;
+  if (any_unix) {
+    grpc::ChannelArguments ch;
+    ch.SetMaxReceiveMessageSize(64 << 20);
+    unix_stub = v1::Worker::NewStub(grpc::CreateCustomChannel(
+        socket, ChannelCredentialsFor(socket, nullptr), ch));
+  }
   DecodeBench bench(
       *shape, worker->get(), http_port,
       static_cast<uint32_t>(absl::GetFlag(FLAGS_write_chunk_tokens)),
-      absl::GetFlag(FLAGS_install_threads));
+      absl::GetFlag(FLAGS_install_threads), unix_stub.get());
   auto fail = [&](const absl::Status& s) {
     std::cerr << "decode_step_bench: " << s << "\n--- worker log:\n"
               << (*worker)->Log() << "\n";
