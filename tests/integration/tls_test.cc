@@ -97,6 +97,44 @@ std::string ReadAll(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
+// Writes `tokens` random tokens of K/V on every layer of `seq`, reads layer
+// 0 back bit for bit and attends once at the last position against the
+// reference; layer 0's K/V in *k0, *v0. Fatal failures: call in
+// ASSERT_NO_FATAL_FAILURE.
+void WriteReadAttend(client::Client* client, const client::SequenceHandle& seq,
+                     const v1::ModelShape& model, uint32_t tokens,
+                     uint32_t seed, std::vector<float>* k0,
+                     std::vector<float>* v0) {
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  const size_t elems = size_t{model.n_kv_heads()} * model.head_dim();
+  for (uint32_t l = 0; l < model.n_layers(); ++l) {
+    auto k = RandomVector(tokens * elems, &rng);
+    auto v = RandomVector(tokens * elems, &rng);
+    ASSERT_THAT(client->WriteKV(seq, l, 0, tokens, k.data(), v.data()), IsOk());
+    if (l == 0) *k0 = k, *v0 = v;
+  }
+  std::vector<float> rk, rv;
+  ASSERT_THAT(client->ReadKV(seq, 0, 0, tokens, &rk, &rv), IsOk());
+  EXPECT_EQ(rk, RoundToBf16(*k0));
+  EXPECT_EQ(rv, RoundToBf16(*v0));
+  const std::vector<uint64_t> pos = {tokens - 1};
+  auto q = RandomVector(model.n_q_heads() * model.head_dim(), &rng);
+  std::vector<float> out(q.size(), std::nanf(""));
+  client::Client::AttendArgs a;
+  a.layer = 0;
+  a.num_queries = 1;
+  a.positions = pos.data();
+  a.q = q.data();
+  a.out = out.data();
+  ASSERT_THAT(client->Attend(seq, a), IsOk());
+  auto ref =
+      ReferenceAttention(model, q, pos, RoundToBf16(*k0), RoundToBf16(*v0));
+  EXPECT_LE(WorstToleranceRatio(out, ref, ToleranceFor("cpu").atol,
+                                ToleranceFor("cpu").rtol),
+            1.0);
+}
+
 // A cluster of a manager and two CPU workers, all on TLS with the test
 // CA; clients present the frontend's certificate. `require`: every
 // listener also demands client certificates. `named_workers`: the workers'
@@ -193,34 +231,10 @@ TEST_P(TlsFlowTest, ClusterRunsItsNormalFlowOverTls) {
   ASSERT_THAT(seq, IsOk());
 
   // Write every layer, read layer 0 back bit for bit, attend once.
-  std::printf("seed 20261125\n");
-  std::mt19937 rng(20261125);
-  const size_t elems = size_t{model.n_kv_heads()} * model.head_dim();
   std::vector<float> k0, v0;
-  for (uint32_t l = 0; l < model.n_layers(); ++l) {
-    auto k = RandomVector(33 * elems, &rng), v = RandomVector(33 * elems, &rng);
-    ASSERT_THAT((*client)->WriteKV(*seq, l, 0, 33, k.data(), v.data()), IsOk());
-    if (l == 0) k0 = k, v0 = v;
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      WriteReadAttend(client->get(), *seq, model, 33, 20261125, &k0, &v0));
   std::vector<float> rk, rv;
-  ASSERT_THAT((*client)->ReadKV(*seq, 0, 0, 33, &rk, &rv), IsOk());
-  EXPECT_EQ(rk, RoundToBf16(k0));
-  EXPECT_EQ(rv, RoundToBf16(v0));
-  const std::vector<uint64_t> pos = {32};
-  auto q = RandomVector(model.n_q_heads() * model.head_dim(), &rng);
-  std::vector<float> out(q.size(), std::nanf(""));
-  client::Client::AttendArgs a;
-  a.layer = 0;
-  a.num_queries = 1;
-  a.positions = pos.data();
-  a.q = q.data();
-  a.out = out.data();
-  ASSERT_THAT((*client)->Attend(*seq, a), IsOk());
-  auto ref =
-      ReferenceAttention(model, q, pos, RoundToBf16(k0), RoundToBf16(v0));
-  EXPECT_LE(WorstToleranceRatio(out, ref, ToleranceFor("cpu").atol,
-                                ToleranceFor("cpu").rtol),
-            1.0);
 
   // kvctl over TLS with the client certificate lists what was made.
   ASSERT_EQ(Kvctl({"workers"}, ClientTls()), 0) << err_;
@@ -563,31 +577,10 @@ TEST_F(TlsTest, LocalSocketsServeFrontendsWithoutTls) {
   auto seq =
       (*client)->Open(model, {MakeSpan(v1::ROLE_SYSTEM, 20)}, "bf16", 16);
   ASSERT_THAT(seq, IsOk());
-  std::mt19937 rng(20261207);
-  const size_t elems = size_t{model.n_kv_heads()} * model.head_dim();
   std::vector<float> k0, v0;
-  for (uint32_t l = 0; l < model.n_layers(); ++l) {
-    auto k = RandomVector(20 * elems, &rng), v = RandomVector(20 * elems, &rng);
-    ASSERT_THAT((*client)->WriteKV(*seq, l, 0, 20, k.data(), v.data()), IsOk());
-    if (l == 0) k0 = k, v0 = v;
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      WriteReadAttend(client->get(), *seq, model, 20, 20261207, &k0, &v0));
   std::vector<float> rk, rv;
-  ASSERT_THAT((*client)->ReadKV(*seq, 0, 0, 20, &rk, &rv), IsOk());
-  EXPECT_EQ(rk, RoundToBf16(k0));
-  EXPECT_EQ(rv, RoundToBf16(v0));
-  const std::vector<uint64_t> pos = {19};
-  auto q = RandomVector(model.n_q_heads() * model.head_dim(), &rng);
-  std::vector<float> out(q.size(), std::nanf(""));
-  client::Client::AttendArgs a;
-  a.positions = pos.data();
-  a.q = q.data();
-  a.out = out.data();
-  ASSERT_THAT((*client)->Attend(*seq, a), IsOk());
-  auto ref =
-      ReferenceAttention(model, q, pos, RoundToBf16(k0), RoundToBf16(v0));
-  EXPECT_LE(WorstToleranceRatio(out, ref, ToleranceFor("cpu").atol,
-                                ToleranceFor("cpu").rtol),
-            1.0);
 
   // The same client over TCP has no certificate: refused at the handshake.
   {

@@ -39,25 +39,31 @@ def tls_cluster():
     c.stop()
 
 
+def _write_read_attend(c, seq, tokens, seed):
+    """Writes `tokens` random tokens on every layer, reads layer 0 back bit
+    for bit and attends once at the last position."""
+    rng = np.random.default_rng(seed)
+    shape = (tokens, MODEL.n_kv_heads, MODEL.head_dim)
+    k = rng.standard_normal(shape, dtype=np.float32)
+    v = rng.standard_normal(shape, dtype=np.float32)
+    for layer in range(MODEL.n_layers):
+        assert c.write_kv(seq, layer, 0, k, v) == tokens
+    rk, rv = c.read_kv(seq, 0)
+    np.testing.assert_array_equal(rk, triaxkv.round_to_bf16(k))
+    np.testing.assert_array_equal(rv, triaxkv.round_to_bf16(v))
+    q = rng.standard_normal((1, MODEL.n_q_heads, MODEL.head_dim), dtype=np.float32)
+    out = np.asarray(c.attend(seq, 0, q, [tokens - 1]))
+    assert out.shape == q.shape
+    assert np.isfinite(out).all() and np.abs(out).max() > 0
+
+
 def test_session_over_mutual_tls(tls_cluster):
     with triaxkv.Client(tls_cluster.address, tenant_id="tls-acme", timeout=10,
                         **tls_cluster.client_kwargs) as c:
         c.create_tenant()
         seq = c.open_sequence(MODEL, [triaxkv.span("system", 20), triaxkv.span("user", 13)],
                               policy="bf16", block_tokens=16)
-        rng = np.random.default_rng(20261125)
-        shape = (33, MODEL.n_kv_heads, MODEL.head_dim)
-        k = rng.standard_normal(shape, dtype=np.float32)
-        v = rng.standard_normal(shape, dtype=np.float32)
-        for layer in range(MODEL.n_layers):
-            assert c.write_kv(seq, layer, 0, k, v) == 33
-        rk, rv = c.read_kv(seq, 0)
-        np.testing.assert_array_equal(rk, triaxkv.round_to_bf16(k))
-        np.testing.assert_array_equal(rv, triaxkv.round_to_bf16(v))
-        q = rng.standard_normal((1, MODEL.n_q_heads, MODEL.head_dim), dtype=np.float32)
-        out = np.asarray(c.attend(seq, 0, q, [32]))
-        assert out.shape == q.shape
-        assert np.isfinite(out).all() and np.abs(out).max() > 0
+        _write_read_attend(c, seq, 33, 20261125)
         assert "tls-acme" in [t.tenant_id for t in c.list_tenants()]
 
 
@@ -118,18 +124,7 @@ def test_session_over_local_sockets_without_tls(local_cluster):
         c.create_tenant()
         seq = c.open_sequence(MODEL, [triaxkv.span("system", 20)], policy="bf16",
                               block_tokens=16)
-        rng = np.random.default_rng(20261207)
-        shape = (20, MODEL.n_kv_heads, MODEL.head_dim)
-        k = rng.standard_normal(shape, dtype=np.float32)
-        v = rng.standard_normal(shape, dtype=np.float32)
-        for layer in range(MODEL.n_layers):
-            assert c.write_kv(seq, layer, 0, k, v) == 20
-        rk, rv = c.read_kv(seq, 0)
-        np.testing.assert_array_equal(rk, triaxkv.round_to_bf16(k))
-        np.testing.assert_array_equal(rv, triaxkv.round_to_bf16(v))
-        q = rng.standard_normal((1, MODEL.n_q_heads, MODEL.head_dim), dtype=np.float32)
-        out = np.asarray(c.attend(seq, 0, q, [19]))
-        assert np.isfinite(out).all() and np.abs(out).max() > 0
+        _write_read_attend(c, seq, 20, 20261207)
     with triaxkv.Client(local_cluster.address, tenant_id="sock-acme", timeout=5) as c:
         with pytest.raises(triaxkv.Unavailable):
             c.list_tenants()
