@@ -109,6 +109,12 @@ TEST_F(KvctlTest, ShowsWorkersTenantsSequencesTracesAndEvents) {
   EXPECT_THAT(err_, HasSubstr("usage: kvctl"));
   EXPECT_EQ(Kvctl({"frobnicate"}), 2);
   EXPECT_EQ(Kvctl({"budget-set", "ops", "--tier=moon"}), 2);
+  EXPECT_EQ(Kvctl({"workers", "--worker_sockets=127.0.0.1:1=/tmp/w.sock"}), 2);
+  EXPECT_THAT(err_,
+              HasSubstr("--worker_sockets entry \"127.0.0.1:1=/tmp/w.sock\""
+                        " is not WORKER_ADDRESS=unix:/PATH"));
+  EXPECT_EQ(Kvctl({"workers", "--worker_sockets=a=unix:/x,a=unix:/y"}), 2);
+  EXPECT_THAT(err_, HasSubstr("names worker address \"a\" twice"));
 }
 
 TEST_F(KvctlTest, PoliciesPolicyPutAndDemote) {
