@@ -199,36 +199,4 @@ absl::Status CheckPeerIdentity(const grpc::AuthContext& context,
   return absl::OkStatus();
 }
 
-namespace {
-
-class IdentityGuard : public grpc::AuthMetadataProcessor {
- public:
-  explicit IdentityGuard(MethodNames allowed) : allowed_(std::move(allowed)) {}
-
-  // A map lookup and a property read: cheap enough for gRPC's own thread.
-  bool IsBlocking() const override { return false; }
-
-  grpc::Status Process(const InputMetadata& auth_metadata,
-                       grpc::AuthContext* context,
-                       OutputMetadata* /*consumed_auth_metadata*/,
-                       OutputMetadata* /*response_metadata*/) override {
-    auto path = auth_metadata.find(":path");
-    if (path == auth_metadata.end()) return grpc::Status::OK;
-    const std::string method(path->second.data(), path->second.size());
-    const auto names = allowed_.find(method);
-    if (names == allowed_.end()) return grpc::Status::OK;
-    return ToGrpcStatus(CheckPeerIdentity(*context, method, names->second));
-  }
-
- private:
-  const MethodNames allowed_;
-};
-
-}  // namespace
-
-std::shared_ptr<grpc::AuthMetadataProcessor> MethodIdentityGuard(
-    MethodNames allowed) {
-  return std::make_shared<IdentityGuard>(std::move(allowed));
-}
-
 }  // namespace triax

@@ -20,11 +20,10 @@
 // --tls_require_client_cert) fill TlsOptions, and errors name those flags.
 #pragma once
 
-#include <grpcpp/security/auth_metadata_processor.h>
+#include <grpcpp/security/auth_context.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
 
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -83,24 +82,11 @@ bool IdentityMatches(absl::string_view identity,
 // `names` may make (IdentityMatches): UNAUTHENTICATED without a verified
 // certificate, PERMISSION_DENIED with one of another name; both name the
 // method. A service calls it in the handlers of its guarded methods, so
-// that other calls pay nothing (kvmanager's RegisterWorker and Heartbeat).
+// that other calls pay nothing and every listener is covered alike
+// (kvmanager's RegisterWorker and Heartbeat; kvworker's plan, tier and
+// page-pull methods, WorkerServiceOptions::certificate_names).
 absl::Status CheckPeerIdentity(const grpc::AuthContext& context,
                                absl::string_view method,
                                const std::vector<std::string>& names);
-
-// Method ("/triax.v1.Manager/Heartbeat") -> the client certificate names
-// allowed to call it.
-using MethodNames = std::map<std::string, std::vector<std::string>>;
-
-// Refuses the calls to a method of `allowed` whose client certificate's
-// identity is not among its names (IdentityMatches): UNAUTHENTICATED
-// without a verified certificate, PERMISSION_DENIED with one of another
-// name; both name the method. Other methods pass. Set on TLS server
-// credentials (SetAuthMetadataProcessor); it runs inline on gRPC's thread
-// on every call, whose metadata gRPC copies for it (about 6,000
-// instructions a call): where the guarded methods are few, prefer
-// CheckPeerIdentity in their handlers.
-std::shared_ptr<grpc::AuthMetadataProcessor> MethodIdentityGuard(
-    MethodNames allowed);
 
 }  // namespace triax

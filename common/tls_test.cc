@@ -1,6 +1,6 @@
 // LoadTls's checks of the flags and files (the certificates themselves are
 // exercised by tests/integration/tls_test.cc, which makes them with
-// openssl), and the identity match of MethodIdentityGuard.
+// openssl), and the identity match of CheckPeerIdentity.
 #include "common/tls.h"
 
 #include <gmock/gmock.h>

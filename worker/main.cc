@@ -407,6 +407,26 @@ int main(int argc, char** argv) {
                  triax::Kv("why", s.message()));
     }
   }
+  if (tls->server_enabled() && tls->client_enabled()) {
+    // The manager's plans and the transfers' page pulls come from the
+    // manager's and the workers' certificates; frontends only hold their
+    // own sequences' pages through the data-plane RPCs. Checked in the
+    // handlers of these methods only, so other calls pay nothing.
+    const auto add = [&service_options](
+                         const std::string& flag,
+                         std::initializer_list<const char*> methods) {
+      std::vector<std::string> names =
+          absl::StrSplit(flag, ',', absl::SkipWhitespace());
+      if (names.empty()) return;
+      for (const char* m : methods) {
+        service_options.certificate_names[m] = names;
+      }
+    };
+    add(absl::GetFlag(FLAGS_tls_manager_names),
+        {"Demote", "Spill", "Restore", "Evict", "ImportSequence"});
+    add(absl::GetFlag(FLAGS_tls_worker_names),
+        {"ExportPages", "SharePages", "OpenLink", "LinkPages"});
+  }
   WorkerService service(&core, service_options);
 
   triax::RpcMetrics rpc_metrics("triaxkv_worker");
@@ -427,30 +447,6 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   std::shared_ptr<grpc::ServerCredentials> credentials =
       triax::ServerCredentials(*tls);
-  std::shared_ptr<grpc::AuthMetadataProcessor> identity_guard;
-  if (tls->server_enabled() && tls->client_enabled()) {
-    // The manager's plans and the transfers' page pulls come from the
-    // manager's and the workers' certificates; frontends only hold their
-    // own sequences' pages through the data-plane RPCs.
-    triax::MethodNames allowed;
-    const auto add = [&allowed](const std::string& flag,
-                                std::initializer_list<const char*> methods) {
-      std::vector<std::string> names =
-          absl::StrSplit(flag, ',', absl::SkipWhitespace());
-      if (names.empty()) return;
-      for (const char* m : methods) {
-        allowed[absl::StrCat("/triax.v1.Worker/", m)] = names;
-      }
-    };
-    add(absl::GetFlag(FLAGS_tls_manager_names),
-        {"Demote", "Spill", "Restore", "Evict", "ImportSequence"});
-    add(absl::GetFlag(FLAGS_tls_worker_names),
-        {"ExportPages", "SharePages", "OpenLink", "LinkPages"});
-    if (!allowed.empty()) {
-      identity_guard = triax::MethodIdentityGuard(std::move(allowed));
-      credentials->SetAuthMetadataProcessor(identity_guard);
-    }
-  }
   builder.AddListeningPort(listen, credentials, &port);
   const std::string local_listen = absl::GetFlag(FLAGS_local_listen);
   mode_t local_mode = 0;
@@ -463,14 +459,11 @@ int main(int argc, char** argv) {
         "local_listen_mode", absl::GetFlag(FLAGS_local_listen_mode));
     if (!mode.ok()) return Fail(2, mode.status().message());
     local_mode = *mode;
-    std::shared_ptr<grpc::ServerCredentials> local =
-        triax::LocalSocketServerCredentials();
     // The socket carries no client certificate: the methods only the
-    // manager's or a worker's may call are refused there too.
-    if (identity_guard != nullptr) {
-      local->SetAuthMetadataProcessor(identity_guard);
-    }
-    builder.AddListeningPort(local_listen, local);
+    // manager's or a worker's may call are refused there by their handlers
+    // (WorkerServiceOptions::certificate_names).
+    builder.AddListeningPort(local_listen,
+                             triax::LocalSocketServerCredentials());
   }
   {
     std::vector<

@@ -10,6 +10,7 @@
 #include "common/grpc_status.h"
 #include "common/ids.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 #include "worker/convert.h"
 
 namespace triax::worker {
@@ -70,6 +71,18 @@ uint64_t PlanTokens(
 absl::Status WorkerService::Allowed(
     const grpc::ServerContext& ctx, absl::string_view method,
     const std::vector<CapabilityNeed>& needs) const {
+  if (const auto names = options_.certificate_names.find(method);
+      names != options_.certificate_names.end()) {
+    const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
+    if (auth == nullptr) {
+      return absl::UnauthenticatedError(
+          absl::StrCat(method,
+                       " needs a client certificate; the call has no "
+                       "authentication context"));
+    }
+    TRIAX_RETURN_IF_ERROR(CheckPeerIdentity(
+        *auth, absl::StrCat("/triax.v1.Worker/", method), names->second));
+  }
   if (options_.capabilities == nullptr) return absl::OkStatus();
   return options_.capabilities->CheckAll(ctx, method, needs);
 }

@@ -108,6 +108,14 @@ struct WorkerServiceOptions {
   // Capabilities the calls must carry (kvworker --token_file; null: none;
   // docs/security.md "Capabilities"). Must outlive the service.
   const CapabilityVerifier* capabilities = nullptr;
+  // Mutual TLS: method ("Demote") -> the client certificate names that may
+  // call it (IdentityMatches); a call to a listed method without such a
+  // certificate is refused in its handler, UNAUTHENTICATED or
+  // PERMISSION_DENIED naming the method (CheckPeerIdentity), on every
+  // listener alike (a --local_listen socket carries no certificate). Empty:
+  // none checked.
+  std::map<std::string, std::vector<std::string>, std::less<>>
+      certificate_names;
 };
 
 class WorkerService final : public v1::Worker::Service {
