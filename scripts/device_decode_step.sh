@@ -28,7 +28,8 @@
 #
 # Environment (to try the script elsewhere, e.g. the CPU backend at a small
 # shape): BACKEND (cuda), CONTEXT (32768), LAYERS (32), BATCHES ("64 16"),
-# STEPS (8), CPUS_WORKER (0-7), CPUS_BENCH (8-15).
+# STEPS (8), PATHS (unary,stream; add unary-unix,stream-unix for the
+# worker's local socket), CPUS_WORKER (0-7), CPUS_BENCH (8-15).
 set -uo pipefail
 b=${1:?usage: BUNDLE OUT}
 out=${2:?usage: BUNDLE OUT}
@@ -37,6 +38,7 @@ context=${CONTEXT:-32768}
 layers=${LAYERS:-32}
 batches=${BATCHES:-64 16}
 steps=${STEPS:-8}
+paths=${PATHS:-unary,stream}
 cpus_worker=${CPUS_WORKER:-0-7}
 cpus_bench=${CPUS_BENCH:-8-15}
 export TRIAX_BIN_DIR=$b/bin
@@ -65,7 +67,7 @@ for batch in $batches; do
   encodings=tri-3.5
   [[ $batch -le 16 ]] && encodings=tri-3.5,int4
   common=(--backend="$backend" --batch="$batch" --context="$context"
-    --layers="$layers" --encodings="$encodings" --paths=unary,stream
+    --layers="$layers" --encodings="$encodings" --paths="$paths"
     --wires=f32,bf16 --append=yes,no --steps="$steps" --warmup=2
     --install_threads=8 --cpus_worker="$cpus_worker"
     --cpus_bench="$cpus_bench")
