@@ -72,6 +72,10 @@ ABSL_FLAG(std::string, clients, "1,4",
 ABSL_FLAG(int, seconds, 3, "seconds of Attend calls per run");
 ABSL_FLAG(int, repeats, 3, "rounds of every configuration per level");
 ABSL_FLAG(int, queries, 1, "queries per Attend (1: a decode step)");
+ABSL_FLAG(std::string, wire, "f32",
+          "queries and outputs on the wire: f32 (Client::Attend) or bf16 "
+          "(AttendBatch with AttendWire::kBF16: half the bytes TLS "
+          "encrypts)");
 ABSL_FLAG(int, layers, 4, "layers of the model");
 ABSL_FLAG(int, kv_heads, 8, "KV heads");
 ABSL_FLAG(int, q_heads, 32, "query heads (a multiple of --kv_heads)");
@@ -352,13 +356,24 @@ void AttendLoop(Session* session, const absl::Notification* go,
   args.positions = positions.data();
   args.q = q.data();
   args.out = result.data();
+  const bool bf16 = absl::GetFlag(FLAGS_wire) == "bf16";
+  std::vector<triax::client::Client::BatchItem> items(1);
+  items[0].seq = &session->seq;
   go->WaitForNotification();
   const int64_t deadline = deadline_ns->load();
   for (uint64_t i = 0;; ++i) {
     const auto t0 = Clock::now();
     if (t0.time_since_epoch().count() >= deadline) break;
     args.layer = i % model.n_layers();
-    absl::Status s = session->client->Attend(session->seq, args);
+    absl::Status s;
+    if (bf16) {
+      items[0].args = args;
+      auto results =
+          session->client->AttendBatch(items, triax::client::AttendWire::kBF16);
+      s = results.ok() ? (*results)[0] : results.status();
+    } else {
+      s = session->client->Attend(session->seq, args);
+    }
     const auto t1 = Clock::now();
     if (!s.ok()) {
       if (out->errors++ == 0) out->first_error = std::string(s.message());
@@ -457,6 +472,10 @@ int main(int argc, char** argv) {
                absl::StrCat("must be a multiple of --kv_heads=",
                             absl::GetFlag(FLAGS_kv_heads)));
   }
+  if (const std::string wire = absl::GetFlag(FLAGS_wire);
+      bad.ok() && wire != "f32" && wire != "bf16") {
+    bad = Fail("--wire", wire, "is not f32 or bf16");
+  }
   if (bad.ok() && absl::GetFlag(FLAGS_pool_mb) < 0) {
     bad = Fail("--pool_mb", absl::StrCat(absl::GetFlag(FLAGS_pool_mb)),
                "must be >= 0");
@@ -530,12 +549,13 @@ int main(int argc, char** argv) {
   std::printf(
       "attend_bench: %zu configurations (%s), backend %s, %u cores (nproc), "
       "model %u layers x %u KV heads x %u query heads x head_dim %u, %d "
-      "queries per Attend, %d s per run, %d repeats, worker pool %lld MiB\n\n",
+      "queries per Attend (%s on the wire), %d s per run, %d repeats, "
+      "worker pool %lld MiB\n\n",
       nodes.size(), absl::GetFlag(FLAGS_security).c_str(),
       absl::GetFlag(FLAGS_backend).c_str(), std::thread::hardware_concurrency(),
       model.n_layers(), model.n_kv_heads(), model.n_q_heads(), model.head_dim(),
-      absl::GetFlag(FLAGS_queries), seconds, repeats,
-      static_cast<long long>(pool_mb));
+      absl::GetFlag(FLAGS_queries), absl::GetFlag(FLAGS_wire).c_str(), seconds,
+      repeats, static_cast<long long>(pool_mb));
   std::printf(
       "| tokens | clients | security | repeat | Attends/s | p50 ms | p99 ms | "
       "worker CPU us/Attend | errors |\n|---:|---:|---|---:|---:|---:|---:|"

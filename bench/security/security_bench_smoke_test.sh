@@ -65,6 +65,21 @@ if [[ $rc -ne 0 ]]; then
 fi
 check attend_bench "$TMP/attend.out" "$TMP/attend.tsv" "64 x 1"
 
+# BF16 queries and outputs (AttendBatch), over TCP with TLS and over the
+# worker's local socket: the runs complete without errors.
+"$ATTEND_BENCH" --security=tls,mtls+local+token --wire=bf16 --tokens=64 \
+  --clients=1 --seconds=1 --repeats=1 --layers=2 --make_certs="$MAKE_CERTS" \
+  >"$TMP/attend_bf16.out" 2>"$TMP/attend_bf16.err"
+rc=$?
+cat "$TMP/attend_bf16.out"
+if [[ $rc -ne 0 ]]; then
+  fail "attend_bench --wire=bf16 exited $rc"
+  cat "$TMP/attend_bf16.err"
+fi
+grep -q "(bf16 on the wire)" "$TMP/attend_bf16.out" || fail "--wire=bf16 not reported"
+grep -qE '^\| 64 x 1 \| mtls\+local\+token \| [0-9]+ .*\| 0 \|$' "$TMP/attend_bf16.out" ||
+  fail "attend_bench --wire=bf16: no error-free row for mtls+local+token"
+
 # expect BIN <substring> <args...>: exit code 2 and <substring> on stderr.
 expect() {
   local bin="$1" want="$2"
@@ -94,6 +109,7 @@ expect "$ATTEND_BENCH" '--q_heads=12: must be a multiple of --kv_heads=8' --q_he
 expect "$ATTEND_BENCH" '--seconds=0: must be in 1..3600' --seconds=0
 expect "$ATTEND_BENCH" '--cpus_worker: "9-1"' --cpus_worker=9-1
 expect "$ATTEND_BENCH" '--pool_mb=-1: must be >= 0' --pool_mb=-1
+expect "$ATTEND_BENCH" '--wire=fp16: is not f32 or bf16' --wire=fp16
 
 if [[ $failures -ne 0 ]]; then
   echo "$failures failure(s)"
