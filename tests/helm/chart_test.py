@@ -190,6 +190,8 @@ class ChartTest(unittest.TestCase):
             ("tls.enabled=true", "managerSecret"),
             ("tls.mountPath=etc/tls", "tls.mountPath"),
             ("tls.workerNames=null", "workerNames"),
+            ("worker.localSocket.hostPath=run/triaxkv", "localSocket.hostPath"),
+            ("worker.localSocket.mode=999", "localSocket.mode"),
         ]
         for value, word in cases:
             with self.subTest(value=value):
@@ -438,6 +440,27 @@ class ChartTest(unittest.TestCase):
             env = {e["name"]: e.get("value") for e in c["env"]}
             self.assertEqual(env["NVIDIA_VISIBLE_DEVICES"], "all")
 
+    def test_local_sockets_one_per_worker_on_the_node(self):
+        objects = render("--set", "worker.gpusPerNode=2,"
+                         "worker.localSocket.enabled=true,"
+                         "worker.localSocket.mode=0600")
+        pod = self.worker(objects)["spec"]["template"]["spec"]
+        for i, c in enumerate(pod["containers"]):
+            self.assertEqual(flag(c["args"], "local_listen"),
+                             f"unix:/run/triaxkv/gpu{i}.sock")
+            self.assertEqual(flag(c["args"], "local_listen_mode"), "0600")
+            mounts = {v["name"]: v for v in c["volumeMounts"]}
+            self.assertEqual(mounts["local-socket"]["mountPath"], "/run/triaxkv")
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        self.assertEqual(volumes["local-socket"]["hostPath"],
+                         {"path": "/run/triaxkv", "type": "Directory"})
+        # Off by default: no socket, no host directory.
+        default = self.worker(render())["spec"]["template"]["spec"]
+        for c in default["containers"]:
+            self.assertIsNone(flag(c["args"], "local_listen"))
+        self.assertNotIn("local-socket",
+                         [v["name"] for v in default["volumes"]])
+
     def test_tier_and_pressure_values_reach_the_flags(self):
         objects = render(
             "--set", "worker.diskTier.enabled=true,worker.diskTier.mb=2048,"
@@ -490,6 +513,7 @@ class ChartTest(unittest.TestCase):
         pending = PENDING_MANAGER_FLAGS - known["kvmanager"]
         for args in ([], ["-f", HA_VALUES],
                      ["--set", "worker.diskTier.enabled=true"],
+                     ["--set", "worker.localSocket.enabled=true"],
                      ["--set", "tls.enabled=true,tls.managerSecret=m,"
                                "tls.workerSecret=w"],
                      ["--set", "auth.enabled=true,auth.adminTokenSecret=a,"
