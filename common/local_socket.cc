@@ -126,7 +126,8 @@ std::shared_ptr<grpc::ServerCredentials> LocalSocketServerCredentials() {
 }
 
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFor(
-    absl::string_view address, std::shared_ptr<grpc::ChannelCredentials> tcp) {
+    absl::string_view address,
+    const std::shared_ptr<grpc::ChannelCredentials>& tcp) {
   if (IsUnixAddress(address)) return grpc::experimental::LocalCredentials(UDS);
   return tcp != nullptr ? tcp : grpc::InsecureChannelCredentials();
 }

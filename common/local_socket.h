@@ -65,6 +65,7 @@ std::shared_ptr<grpc::ServerCredentials> LocalSocketServerCredentials();
 // Local credentials for a "unix:" address; `tcp` (TLS or plaintext, from
 // ChannelCredentials in common/tls.h; null: plaintext) for any other.
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFor(
-    absl::string_view address, std::shared_ptr<grpc::ChannelCredentials> tcp);
+    absl::string_view address,
+    const std::shared_ptr<grpc::ChannelCredentials>& tcp);
 
 }  // namespace triax

@@ -52,10 +52,10 @@ absl::Status Answer(const ReadResult& result, ReadStream* out) {
 
 WorkerService::WorkerService(WorkerCore* core, WorkerServiceOptions options)
     : core_(core),
-      options_(options),
-      transfers_(options.device, options.transfer_path,
-                 options.link_batch_bytes, options.peer_credentials,
-                 options.peer_server_name) {}
+      options_(std::move(options)),
+      transfers_(options_.device, options_.transfer_path,
+                 options_.link_batch_bytes, options_.peer_credentials,
+                 options_.peer_server_name) {}
 
 namespace {
 
