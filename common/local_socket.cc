@@ -14,13 +14,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/ids.h"
 
 namespace triax {
 namespace {
 
 constexpr absl::string_view kScheme = "unix:";
-
-std::string Quoted(absl::string_view s) { return absl::StrCat("\"", s, "\""); }
 
 // True when a process accepts connections on the socket at `path`.
 bool SomeoneListens(const std::string& path) {
@@ -49,7 +48,7 @@ std::string UnixSocketPath(absl::string_view address) {
 }
 
 absl::Status CheckLocalListen(absl::string_view flag, absl::string_view value) {
-  const std::string what = absl::StrCat("--", flag, "=", Quoted(value));
+  const std::string what = absl::StrCat("--", flag, "=", Quote(value));
   if (!IsUnixAddress(value)) {
     return absl::InvalidArgumentError(absl::StrCat(
         what,
@@ -71,16 +70,16 @@ absl::Status CheckLocalListen(absl::string_view flag, absl::string_view value) {
   struct stat st {};
   if (!dir.empty() && (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))) {
     return absl::FailedPreconditionError(
-        absl::StrCat(what, ": the directory ", Quoted(dir), " does not exist"));
+        absl::StrCat(what, ": the directory ", Quote(dir), " does not exist"));
   }
   if (lstat(path.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, ": ", Quoted(path), " exists and is not a socket"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": ", Quote(path), " exists and is not a socket"));
     }
     if (SomeoneListens(path)) {
       return absl::FailedPreconditionError(
-          absl::StrCat(what, ": another process serves on ", Quoted(path)));
+          absl::StrCat(what, ": another process serves on ", Quote(path)));
     }
   }
   return absl::OkStatus();
@@ -97,7 +96,7 @@ absl::StatusOr<mode_t> ParseSocketMode(absl::string_view flag,
   }
   if (!ok || mode > 0777) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--", flag, "=", Quoted(value),
+        absl::StrCat("--", flag, "=", Quote(value),
                      " is not an octal file mode of at most 0777 (e.g. 0660)"));
   }
   return static_cast<mode_t>(mode);

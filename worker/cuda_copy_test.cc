@@ -15,6 +15,7 @@
 #include "common/status_matchers.h"
 #include "worker/checksum.h"
 #include "worker/cuda_device.h"
+#include "worker/cuda_test_fixture.h"
 #include "worker/device.h"
 
 namespace triax::worker {
@@ -24,43 +25,7 @@ using ::testing::HasSubstr;
 using triax::testing::IsOk;
 using triax::testing::StatusIs;
 
-std::vector<uint8_t> Download(const uint8_t* dev, size_t bytes) {
-  std::vector<uint8_t> out(bytes);
-  EXPECT_EQ(cudaMemcpy(out.data(), dev, bytes, cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  return out;
-}
-
-size_t CountDiff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
-  size_t n = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) n += a[i] != b[i];
-  return n + (a.size() > b.size() ? a.size() - b.size() : b.size() - a.size());
-}
-
-class CudaCopyTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (absl::Status s = CudaAvailable(); !s.ok()) {
-      GTEST_SKIP() << s.message();
-    }
-    auto d = CudaDevice::Create(0);
-    ASSERT_THAT(d.status(), IsOk());
-    gpu_ = std::move(*d);
-    auto arena = gpu_->AllocateArena(kArena);
-    ASSERT_THAT(arena.status(), IsOk());
-    gpu_arena_ = *arena;
-  }
-  void TearDown() override {
-    if (gpu_ != nullptr) {
-      EXPECT_THAT(gpu_->Health(), IsOk());
-      gpu_->FreeArena(gpu_arena_, kArena);
-    }
-  }
-
-  static constexpr size_t kArena = 8 << 20;
-  std::unique_ptr<CudaDevice> gpu_;
-  uint8_t* gpu_arena_ = nullptr;
-};
+using CudaCopyTest = CudaArenaTest;
 
 // The pipeline of checked copies: two batches in flight on the pipeline's
 // stream, each finished in order with the CRC32Cs CopyPagesChecked gives

@@ -36,6 +36,7 @@
 #include "kernels/numeric.h"
 #include "kernels/ref/kv_ref.h"
 #include "worker/checksum.h"
+#include "worker/cuda_test_fixture.h"
 #include "worker/device.h"
 #include "worker/page_allocator.h"
 #include "worker/sequence_store.h"
@@ -145,31 +146,13 @@ void ExpectClose(const std::vector<float>& got, const std::vector<float>& want,
                      << "; worst error " << worst;
 }
 
-std::vector<uint8_t> Download(const uint8_t* dev, size_t bytes) {
-  std::vector<uint8_t> out(bytes);
-  EXPECT_EQ(cudaMemcpy(out.data(), dev, bytes, cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  return out;
-}
-
-size_t CountDiff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
-  size_t n = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) n += a[i] != b[i];
-  return n + (a.size() > b.size() ? a.size() - b.size() : b.size() - a.size());
-}
-
-class CudaDeviceTest : public ::testing::Test {
+// The GPU arena of CudaArenaTest (filled with 0xA5) and a CPU arena of the
+// same size (0x5A).
+class CudaDeviceTest : public CudaArenaTest {
  protected:
   void SetUp() override {
-    if (absl::Status s = CudaAvailable(); !s.ok()) {
-      GTEST_SKIP() << s.message();
-    }
-    auto d = CudaDevice::Create(0);
-    ASSERT_THAT(d.status(), IsOk());
-    gpu_ = std::move(*d);
-    auto arena = gpu_->AllocateArena(kArena);
-    ASSERT_THAT(arena.status(), IsOk());
-    gpu_arena_ = *arena;
+    CudaArenaTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     auto host = cpu_.AllocateArena(kArena);
     ASSERT_THAT(host.status(), IsOk());
     cpu_arena_ = *host;
@@ -177,17 +160,11 @@ class CudaDeviceTest : public ::testing::Test {
     std::memset(cpu_arena_, 0x5A, kArena);
   }
   void TearDown() override {
-    if (gpu_ != nullptr) {
-      EXPECT_THAT(gpu_->Health(), IsOk());
-      gpu_->FreeArena(gpu_arena_, kArena);
-    }
+    CudaArenaTest::TearDown();
     if (cpu_arena_ != nullptr) cpu_.FreeArena(cpu_arena_, kArena);
   }
 
-  static constexpr size_t kArena = 8 << 20;
   CpuDevice cpu_;
-  std::unique_ptr<CudaDevice> gpu_;
-  uint8_t* gpu_arena_ = nullptr;
   uint8_t* cpu_arena_ = nullptr;
 };
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # manager_bench --security and attend_bench at their smallest: every
-# configuration (plain, tls, mtls, token, mtls+token) with certificates
+# configuration (plain, tls, mtls, token, mtls+token, and local and
+# mtls+local+token: the clients on the server's Unix-domain socket) with certificates
 # made by make_certs.sh and tokens issued through the managers, one repeat
 # of one second; each must exit 0, print one comparison row per
 # configuration with no errors, and write its TSV. No timing is asserted.
@@ -19,7 +20,7 @@ fail() {
   echo "FAIL: $*"
   failures=$((failures + 1))
 }
-configs=(plain tls mtls token mtls+token)
+configs=(plain tls mtls token mtls+token local mtls+local+token)
 all=$(
   IFS=,
   echo "${configs[*]}"
