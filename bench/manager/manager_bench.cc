@@ -84,6 +84,12 @@ ABSL_FLAG(int, tenants, 4, "tenants the clients spread over");
 ABSL_FLAG(std::string, mode, "throughput",
           "throughput (RPCs/s and latency) or memory (the manager's RSS as "
           "sequences open and close)");
+ABSL_FLAG(bool, floor, false,
+          "throughput: also measure, at each level and configuration right "
+          "after the sessions, the floor: every client calls GetSequence of "
+          "a sequence that does not exist (NOT_FOUND) in a loop, a call "
+          "that passes gRPC, the interceptors and the tenant's check and "
+          "does no work; printed with the sessions' RPCs/s over it");
 ABSL_FLAG(std::string, manager_flags, "",
           "extra kvmanager flags, space-separated");
 ABSL_FLAG(int, sessions, 41400,
@@ -351,6 +357,37 @@ void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
     } else {
       fail("CloseSequence", s);
     }
+  }
+}
+
+// --floor: GetSequence of a sequence that does not exist, until `deadline`;
+// the latencies go to stats->open_ms. NOT_FOUND is the expected answer.
+void RunFloorClient(const std::shared_ptr<grpc::Channel>& channel, int index,
+                    const Access& access, int tenants,
+                    Clock::time_point deadline, ClientStats* stats) {
+  auto stub = v1::Manager::NewStub(channel);
+  v1::GetSequenceRequest req;
+  req.set_tenant_id(absl::StrCat("bench-t", index % tenants));
+  req.set_sequence_id(absl::StrCat("bench-floor-", index));
+  const std::string token =
+      access.tenant_tokens.empty() ? "" : access.tenant_tokens[index % tenants];
+  while (Clock::now() < deadline) {
+    v1::GetSequenceResponse resp;
+    const auto t0 = Clock::now();
+    grpc::ClientContext ctx;
+    AddBearer(&ctx, token);
+    const grpc::Status s = stub->GetSequence(&ctx, req, &resp);
+    const auto t1 = Clock::now();
+    if (s.error_code() != grpc::StatusCode::NOT_FOUND) {
+      if (stats->errors++ == 0) {
+        stats->first_error = absl::StrCat("GetSequence (want NOT_FOUND): ",
+                                          s.error_code(), " ",
+                                          s.error_message());
+      }
+      continue;
+    }
+    stats->open_ms.push_back(
+        std::chrono::duration<double, std::milli>(t1 - t0).count());
   }
 }
 
@@ -738,7 +775,7 @@ std::unique_ptr<Secured> StartSecured(const std::string& binary,
 // connect).
 bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
                             int seconds, int level_sessions, bool named,
-                            int* failures) {
+                            bool floor, int* failures) {
   std::vector<ClientStats> stats(clients);
   // Every client's connection (TCP, and the TLS handshake) is made before
   // the clock starts: frontends keep their channels.
@@ -762,7 +799,11 @@ bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
   const int run_id = runs++;
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::seconds(seconds);
-  for (int i = 0; i < clients; ++i) {
+  for (int i = 0; floor && i < clients; ++i) {
+    threads.emplace_back(RunFloorClient, channels[i], i, std::cref(m.access),
+                         tenants, deadline, &stats[i]);
+  }
+  for (int i = 0; !floor && i < clients; ++i) {
     // Client i's share of --level_sessions (-1: timed).
     const int share = level_sessions > 0 ? level_sessions / clients +
                                                (i < level_sessions % clients)
@@ -799,6 +840,14 @@ bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
   }
   if (client_cpu0.ok() && client_cpu1.ok()) {
     run.client_cpu_s = *client_cpu1 - *client_cpu0;
+  }
+  if (floor) {
+    if (all.errors > 0) {
+      std::fprintf(stderr, "floor: first error at %d clients (%s): %s\n",
+                   clients, m.config.name.c_str(), all.first_error.c_str());
+      ++*failures;
+    }
+    return run;
   }
   std::printf(
       "| %s%d | %.0f | %.0f | %.0f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f "
@@ -954,12 +1003,65 @@ int main(int argc, char** argv) {
   for (int n : levels) labels.push_back(absl::StrCat(n));
   bench::CostReport report(*configs, labels);
   int failures = 0;
+  const bool floor = absl::GetFlag(FLAGS_floor);
+  // --floor: per level and configuration, the sessions' and the floor's
+  // calls and seconds over the repeats, and the floor's latencies.
+  struct FloorCell {
+    double session_ops = 0, session_s = 0, floor_ops = 0, floor_s = 0;
+    double session_cpu_s = 0, floor_cpu_s = 0;  // the manager's
+    std::vector<double> floor_ms;
+  };
+  std::vector<std::vector<FloorCell>> floors(
+      levels.size(), std::vector<FloorCell>(managers.size()));
   for (size_t l = 0; l < levels.size(); ++l) {
     for (int r = 0; r < repeats; ++r) {
       for (size_t c = 0; c < managers.size(); ++c) {
-        report.Add(l, c,
-                   RunLevel(*managers[c], levels[l], tenants, seconds,
-                            level_sessions, compare, &failures));
+        bench::Measurement sessions =
+            RunLevel(*managers[c], levels[l], tenants, seconds,
+                     level_sessions, compare, /*floor=*/false, &failures);
+        if (floor) {
+          FloorCell& cell = floors[l][c];
+          cell.session_ops += sessions.ops;
+          cell.session_s += sessions.seconds;
+          cell.session_cpu_s += sessions.server_cpu_s;
+          bench::Measurement f =
+              RunLevel(*managers[c], levels[l], tenants, seconds,
+                       /*level_sessions=*/0, compare, /*floor=*/true,
+                       &failures);
+          cell.floor_ops += f.ops;
+          cell.floor_s += f.seconds;
+          cell.floor_cpu_s += f.server_cpu_s;
+          cell.floor_ms.insert(cell.floor_ms.end(), f.latency_ms.begin(),
+                               f.latency_ms.end());
+        }
+        report.Add(l, c, std::move(sessions));
+      }
+    }
+  }
+  if (floor) {
+    std::printf(
+        "\nThe floor (GetSequence of an unknown id, NOT_FOUND), run right "
+        "after the sessions at each level, %d repeat(s) pooled:\n\n"
+        "| security | clients | floor RPCs/s | floor p50 / p99 ms | "
+        "sessions RPCs/s | sessions / floor | manager CPU us per call: floor "
+        "| sessions |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        repeats);
+    for (size_t l = 0; l < levels.size(); ++l) {
+      for (size_t c = 0; c < managers.size(); ++c) {
+        FloorCell& cell = floors[l][c];
+        const double f = cell.floor_s > 0 ? cell.floor_ops / cell.floor_s : 0;
+        const double sr =
+            cell.session_s > 0 ? cell.session_ops / cell.session_s : 0;
+        auto us = [](double cpu_s, double ops) {
+          return ops > 0 ? cpu_s * 1e6 / ops : 0.0;
+        };
+        std::printf(
+            "| %s | %d | %.0f | %.3f / %.3f | %.0f | %.3f | %.1f | %.1f |\n",
+            managers[c]->config.name.c_str(), levels[l], f,
+            bench::Quantile(&cell.floor_ms, 0.5),
+            bench::Quantile(&cell.floor_ms, 0.99), sr, f > 0 ? sr / f : 0.0,
+            us(cell.floor_cpu_s, cell.floor_ops),
+            us(cell.session_cpu_s, cell.session_ops));
       }
     }
   }

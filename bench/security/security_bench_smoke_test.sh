@@ -3,7 +3,7 @@
 # configuration (plain, tls, mtls, token, mtls+token, and local and
 # mtls+local+token: the clients on the server's Unix-domain socket) with certificates
 # made by make_certs.sh and tokens issued through the managers, one repeat
-# of one second; each must exit 0, print one comparison row per
+# of one second (manager_bench with its --floor); each must exit 0, print one comparison row per
 # configuration with no errors, and write its TSV. No timing is asserted.
 # Then bad flags: exit 2 before starting anything, naming the flag and the
 # value.
@@ -44,7 +44,7 @@ check() {
   head -1 "$tsv" | grep -q $'^bench\tlevel\tsecurity\trepeat' || fail "$name: TSV header"
 }
 
-"$MANAGER_BENCH" --security="$all" --clients=2 --seconds=1 \
+"$MANAGER_BENCH" --security="$all" --clients=2 --seconds=1 --floor \
   --make_certs="$MAKE_CERTS" --tsv="$TMP/manager.tsv" >"$TMP/manager.out" \
   2>"$TMP/manager.err"
 rc=$?
@@ -54,6 +54,13 @@ if [[ $rc -ne 0 ]]; then
   cat "$TMP/manager.err"
 fi
 check manager_bench "$TMP/manager.out" "$TMP/manager.tsv" 2
+# --floor: a row per configuration with calls answered NOT_FOUND (any other
+# answer is an error and the bench exits 1).
+for c in "${configs[@]}"; do
+  awk -F'|' -v c="$c" '{ gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/ /, "", $4) }
+    $2 == c && $3 == "2" && $4 + 0 > 0 { found = 1 } END { exit !found }' \
+    "$TMP/manager.out" || fail "manager_bench --floor: no floor row for $c"
+done
 
 "$ATTEND_BENCH" --security="$all" --tokens=64 --clients=1 --seconds=1 \
   --repeats=1 --layers=2 --make_certs="$MAKE_CERTS" --tsv="$TMP/attend.tsv" \
