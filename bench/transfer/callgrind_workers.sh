@@ -12,6 +12,8 @@
 #
 # BIN_DIR holds kvworker and transfer_bench (a Release build); SIZE is a
 # transfer_bench --sizes entry (default 64M), REPEATS its --repeats (3).
+# KEEP_DIR=DIR keeps the two workers' profiles there (src.out, dst.out) for
+# callgrind_annotate.
 set -euo pipefail
 bin=$(cd "${1:?usage: BIN_DIR [SIZE] [REPEATS]}" && pwd)
 size=${2:-64M}
@@ -54,6 +56,11 @@ install=$(( $(ir "$dst" 'ImportSession::InstallSharedRuns\(') +
             $(ir "$dst" 'ImportSession::FinishShared\(') ))
 [[ $install -gt 0 ]] || install=$(ir "$dst" 'ImportSession::InstallShared\(')
 fetch=$(ir "$dst" 'TransferClient::FetchShared\(')
+if [[ -n ${KEEP_DIR:-} ]]; then
+  mkdir -p "$KEEP_DIR"
+  cp "$src" "$KEEP_DIR/src.out"
+  cp "$dst" "$KEEP_DIR/dst.out"
+fi
 echo "size $size, $pages pages (64 KiB BF16 each) moved in $repeats repeats and the warm-up"
 printf '%-48s %14s %10s\n' "" "instructions" "per page"
 row() { printf '%-48s %14d %10d\n' "$1" "$2" $(( $2 / pages )); }
