@@ -182,6 +182,13 @@ struct PageShape {
   }
 };
 
+inline bool operator==(const PageShape& a, const PageShape& b) {
+  return a.tokens == b.tokens && a.heads == b.heads && a.head_dim == b.head_dim;
+}
+inline bool operator!=(const PageShape& a, const PageShape& b) {
+  return !(a == b);
+}
+
 // Byte offsets of one tensor's sections. Unused sections have size 0.
 struct TensorLayout {
   size_t codes = 0, codes_bytes = 0;

@@ -386,6 +386,77 @@ absl::Status CudaDevice::WriteBf16Tokens(const PageShape& shape,
   return Sync(*lane, "WriteBf16Tokens");
 }
 
+absl::Status CudaDevice::WriteBf16TokensBatch(
+    const PageShape& shape, absl::Span<const TokenWrite> writes) {
+  TRIAX_RETURN_IF_ERROR(kc::CheckEncodingCuda(Format::kBF16, shape));
+  TRIAX_RETURN_IF_ERROR(CheckTokenWrites(shape, writes));
+  if (writes.empty()) return absl::OkStatus();
+  const kernels::PageLayout layout =
+      kc::CudaPageLayout(Encoding(Format::kBF16), shape);
+  const int H = shape.heads, D = shape.head_dim, T = shape.tokens;
+  const size_t per_write = 2 * static_cast<size_t>(H);  // rows: K, V x heads
+  const size_t max_writes =
+      std::max<size_t>(1, kMaxRangesPerLaunch / per_write);
+  TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());
+  // Per launch: staging [ranges][CRC32Cs (unused)][rows], uploaded in one
+  // copy; each row (one head of K or V of one write, head-major as the
+  // page holds it) is one CopyRange from the device scratch into its page.
+  for (size_t at = 0; at < writes.size(); at += max_writes) {
+    const size_t n = std::min(max_writes, writes.size() - at);
+    const size_t ranges = n * per_write;
+    const size_t table = AlignUp(ranges * sizeof(kc::CopyRange));
+    const size_t out = AlignUp(ranges * sizeof(uint32_t));
+    size_t data = 0;
+    for (size_t w = at; w < at + n; ++w) {
+      data += per_write * static_cast<size_t>(writes[w].num_tokens) * D * 2;
+    }
+    const size_t total = table + out + AlignUp(data);
+    TRIAX_RETURN_IF_ERROR(Reserve(*lane, total, total));
+    auto* host = reinterpret_cast<kc::CopyRange*>(lane->host);
+    uint8_t* host_rows = lane->host + table + out;
+    const uint8_t* dev_rows = lane->scratch + table + out;
+    size_t r = 0, row_at = 0;
+    uint64_t longest = 0;
+    const size_t offset[2] = {layout.k.codes, layout.v.codes};
+    for (size_t w = at; w < at + n; ++w) {
+      const TokenWrite& tw = writes[w];
+      const size_t row = static_cast<size_t>(tw.num_tokens) * D * 2;
+      longest = std::max<uint64_t>(longest, row);
+      const uint16_t* src[2] = {tw.k_bf16, tw.v_bf16};
+      for (int x = 0; x < 2; ++x) {
+        for (int h = 0; h < H; ++h) {
+          // Token-major [n][H][D] -> this head's [n][D].
+          for (int t = 0; t < tw.num_tokens; ++t) {
+            std::memcpy(host_rows + row_at + static_cast<size_t>(t) * D * 2,
+                        src[x] + (static_cast<size_t>(t) * H + h) * D,
+                        static_cast<size_t>(D) * 2);
+          }
+          kc::CopyRange c{};
+          c.src = dev_rows + row_at;
+          c.dst = tw.page + offset[x] +
+                  (static_cast<size_t>(h) * T + tw.first_slot) * D * 2;
+          c.bytes = row;
+          host[r++] = c;
+          row_at += row;
+        }
+      }
+    }
+    TRIAX_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(lane->scratch, lane->host, total,
+                              cudaMemcpyHostToDevice, lane->stream),
+              "WriteBf16TokensBatch upload"));
+    kc::CopyCrc32cParams p;
+    p.ranges = reinterpret_cast<const kc::CopyRange*>(lane->scratch);
+    p.num_ranges = static_cast<int>(ranges);
+    p.out = reinterpret_cast<uint32_t*>(lane->scratch + table);
+    p.stream = lane->stream;
+    p.max_range_bytes = longest;
+    TRIAX_RETURN_IF_ERROR(Launched(kc::CopyCrc32cCuda(p)));
+    TRIAX_RETURN_IF_ERROR(Sync(*lane, "WriteBf16TokensBatch"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaDevice::CopyPage(uint8_t* dst, const uint8_t* src,
                                   size_t bytes) {
   TRIAX_ASSIGN_OR_RETURN(Lease lane, Begin());

@@ -19,6 +19,11 @@
 //   WriteBf16Tokens  -> host transpose to head-major in the staging buffer,
 //                       then one cudaMemcpy2DAsync per tensor into the BF16
 //                       page's [H][T][D] codes at the slot offset
+//   WriteBf16TokensBatch -> every write's rows head-major in the staging
+//                       buffer with a CopyRange table, one upload, one
+//                       CopyCrc32cCuda launch scattering the rows into their
+//                       pages (its CRC32Cs unused), one synchronization
+//                       (per kMaxRangesPerLaunch rows)
 //   CopyPage         -> cudaMemcpyAsync device to device
 //   CopyToHost/FromHost -> cudaMemcpyAsync device <-> host straight from/to
 //                       the caller's buffer (pinned host tier: DMA; pageable
@@ -126,6 +131,9 @@ class CudaDevice final : public Device {
                                const uint16_t* k_bf16, const uint16_t* v_bf16,
                                int first_slot, int num_tokens,
                                uint8_t* page) override;
+  absl::Status WriteBf16TokensBatch(
+      const kernels::PageShape& shape,
+      absl::Span<const TokenWrite> writes) override;
   absl::Status CopyPage(uint8_t* dst, const uint8_t* src,
                         size_t bytes) override;
   absl::Status DecodeAttention(const kernels::DecodeParams& p) override;

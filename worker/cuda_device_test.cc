@@ -281,6 +281,57 @@ TEST_F(CudaDeviceTest, WriteBf16TokensAndCopyPageMatchCpu) {
   EXPECT_EQ(CountDiff(Download(copy, bytes), Download(gpu_arena_, bytes)), 0u);
 }
 
+// A batch of token writes over several pages (one token, many tokens, odd
+// slots, the last slot) lands byte for byte as the CPU backend writes each
+// in turn; an invalid write refuses the whole batch, naming it, and writes
+// nothing.
+TEST_F(CudaDeviceTest, WriteBf16TokensBatchMatchesCpuWriteByWrite) {
+  std::mt19937 rng(11);
+  const PageShape shape{16, 8, 128};
+  const size_t bytes = kernels::PageBytes(Format::kBF16, shape);
+  constexpr int kPages = 5;
+  ASSERT_EQ(cudaMemset(gpu_arena_, 0, kPages * bytes), cudaSuccess);
+  std::memset(cpu_arena_, 0, kPages * bytes);
+  struct Spec {
+    int page, first, n;
+  };
+  const std::vector<Spec> specs = {{0, 0, 1},  {1, 15, 1}, {2, 3, 9},
+                                   {3, 0, 16}, {4, 7, 1},  {0, 1, 2}};
+  std::vector<std::vector<uint16_t>> ks, vs;
+  std::vector<TokenWrite> gpu_writes;
+  for (const Spec& sp : specs) {
+    const size_t values =
+        static_cast<size_t>(sp.n) * shape.heads * shape.head_dim;
+    ks.push_back(RandomBf16(values, &rng));
+    vs.push_back(RandomBf16(values, &rng));
+  }
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const Spec& sp = specs[i];
+    gpu_writes.push_back(TokenWrite{ks[i].data(), vs[i].data(), sp.first, sp.n,
+                                    gpu_arena_ + sp.page * bytes});
+    ASSERT_THAT(
+        cpu_.WriteBf16Tokens(shape, ks[i].data(), vs[i].data(), sp.first, sp.n,
+                             cpu_arena_ + sp.page * bytes),
+        IsOk());
+  }
+  ASSERT_THAT(gpu_->WriteBf16TokensBatch(shape, gpu_writes), IsOk());
+  EXPECT_EQ(
+      CountDiff(Download(gpu_arena_, kPages * bytes),
+                std::vector<uint8_t>(cpu_arena_, cpu_arena_ + kPages * bytes)),
+      0u);
+  // writes[1] past the page's 16 slots: nothing of the batch is written.
+  std::vector<TokenWrite> bad = {gpu_writes[0], gpu_writes[1]};
+  const std::vector<uint8_t> before = Download(gpu_arena_, kPages * bytes);
+  const std::vector<uint16_t> other = RandomBf16(ks[0].size(), &rng);
+  bad[0].k_bf16 = other.data();
+  bad[1].first_slot = 16;
+  EXPECT_THAT(gpu_->WriteBf16TokensBatch(shape, bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("writes[1]: slots [16, 17)")));
+  EXPECT_EQ(CountDiff(Download(gpu_arena_, kPages * bytes), before), 0u);
+  EXPECT_THAT(gpu_->WriteBf16TokensBatch(shape, {}), IsOk());
+}
+
 // Host tier copies: pinned memory, device -> host -> device byte exact, and
 // a TierStore round trip (host tier) over CUDA pages with checksums.
 TEST_F(CudaDeviceTest, HostTierCopiesAreByteExact) {

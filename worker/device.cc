@@ -36,6 +36,41 @@ absl::Status Device::DecodeAttentionBatch(
   return absl::OkStatus();
 }
 
+absl::Status CheckTokenWrites(const kernels::PageShape& shape,
+                              absl::Span<const TokenWrite> writes) {
+  for (size_t i = 0; i < writes.size(); ++i) {
+    const TokenWrite& w = writes[i];
+    if (w.page == nullptr || w.k_bf16 == nullptr || w.v_bf16 == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("writes[", i, "]: page, k_bf16 and v_bf16 must be set"));
+    }
+    if (w.num_tokens < 1 || w.first_slot < 0 ||
+        w.first_slot + w.num_tokens > shape.tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("writes[", i, "]: slots [", w.first_slot, ", ",
+                       w.first_slot + w.num_tokens,
+                       ") are not a non-empty range inside the page's ",
+                       shape.tokens, " tokens"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Device::WriteBf16TokensBatch(const kernels::PageShape& shape,
+                                          absl::Span<const TokenWrite> writes) {
+  TRIAX_RETURN_IF_ERROR(CheckTokenWrites(shape, writes));
+  for (size_t i = 0; i < writes.size(); ++i) {
+    const TokenWrite& w = writes[i];
+    if (absl::Status s = WriteBf16Tokens(shape, w.k_bf16, w.v_bf16,
+                                         w.first_slot, w.num_tokens, w.page);
+        !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("writes[", i, "]: ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Device::DemotePages(const kernels::PageShape& shape,
                                  absl::Span<const DemoteJob> jobs) {
   std::vector<float> kf, vf;

@@ -42,6 +42,22 @@ struct DemoteJob {
   uint8_t* dst = nullptr;
 };
 
+// One write for Device::WriteBf16TokensBatch: `num_tokens` host BF16 tokens
+// ([num_tokens][H][D] each for K and V) into slots [first_slot, first_slot +
+// num_tokens) of the BF16 device page `page`, as WriteBf16Tokens writes them.
+struct TokenWrite {
+  const uint16_t* k_bf16 = nullptr;
+  const uint16_t* v_bf16 = nullptr;
+  int first_slot = 0;
+  int num_tokens = 0;
+  uint8_t* page = nullptr;
+};
+
+// INVALID_ARGUMENT naming "writes[i]" for a write without a page or tokens,
+// or whose slots are not a non-empty range of the page's shape.tokens.
+absl::Status CheckTokenWrites(const kernels::PageShape& shape,
+                              absl::Span<const TokenWrite> writes);
+
 // One device-to-device copy for Device::CopyPagesChecked; `src` may lie in
 // a peer's arena mapped by OpenPeerArena.
 struct PageCopy {
@@ -143,6 +159,16 @@ class Device {
                                        const uint16_t* k_bf16,
                                        const uint16_t* v_bf16, int first_slot,
                                        int num_tokens, uint8_t* page) = 0;
+
+  // Every write of `writes` (pages of one shape; no two writes may share
+  // slots of a page), byte-identical to WriteBf16Tokens of each in turn;
+  // all complete on return. Every write is checked before anything is
+  // written (INVALID_ARGUMENT naming "writes[i]"). The default calls
+  // WriteBf16Tokens for each; the CUDA backend uploads them all in one copy
+  // and scatters them into their pages in one launch with one
+  // synchronization (a decode step's appends: one per sequence).
+  virtual absl::Status WriteBf16TokensBatch(
+      const kernels::PageShape& shape, absl::Span<const TokenWrite> writes);
 
   // Copies `bytes` between two device pages.
   virtual absl::Status CopyPage(uint8_t* dst, const uint8_t* src,

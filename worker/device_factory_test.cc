@@ -1,6 +1,7 @@
 // Backend choice (CreateDevice / CudaAvailable) in whichever build this is,
 // and the store refusing encodings and shapes its backend does not support
-// before it reserves anything. Runs everywhere (no GPU needed).
+// before it reserves anything; the CPU backend's batched token writes.
+// Runs everywhere (no GPU needed).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -34,6 +35,50 @@ TEST(CreateDeviceTest, CpuIsAlwaysThere) {
   EXPECT_THAT((*cpu)->SupportsEncoding(Format::kTQ4, PageShape{16, 2, 64}),
               IsOk());
   EXPECT_THAT((*cpu)->SupportsAttention(PageShape{16, 1, 512}, 64), IsOk());
+}
+
+// The default WriteBf16TokensBatch (the CPU backend's) writes as the
+// writes one by one would, and checks every write before writing any:
+// a bad one fails the batch naming writes[i] and leaves the pages as they
+// were.
+TEST(CpuDeviceTest, WriteBf16TokensBatchChecksFirstThenWritesEach) {
+  CpuDevice cpu;
+  const PageShape shape{4, 2, 8};
+  const size_t bytes = kernels::PageBytes(Format::kBF16, shape);
+  std::vector<uint8_t> batched(2 * bytes, 0), single(2 * bytes, 0);
+  std::vector<uint16_t> k(3 * 2 * 8), v(3 * 2 * 8);
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<uint16_t>(0x3f80 + i);
+    v[i] = static_cast<uint16_t>(0xbf80 + i);
+  }
+  const std::vector<TokenWrite> writes = {
+      {k.data(), v.data(), 1, 3, batched.data()},
+      {k.data(), v.data(), 0, 1, batched.data() + bytes}};
+  ASSERT_THAT(cpu.WriteBf16TokensBatch(shape, writes), IsOk());
+  ASSERT_THAT(
+      cpu.WriteBf16Tokens(shape, k.data(), v.data(), 1, 3, single.data()),
+      IsOk());
+  ASSERT_THAT(cpu.WriteBf16Tokens(shape, k.data(), v.data(), 0, 1,
+                                  single.data() + bytes),
+              IsOk());
+  EXPECT_EQ(batched, single);
+  EXPECT_NE(batched, std::vector<uint8_t>(2 * bytes, 0));
+
+  std::vector<uint8_t> pages(2 * bytes, 0);
+  std::vector<TokenWrite> bad = {{k.data(), v.data(), 0, 1, pages.data()},
+                                 {k.data(), v.data(), 3, 2, pages.data()}};
+  EXPECT_THAT(cpu.WriteBf16TokensBatch(shape, bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("writes[1]: slots [3, 5)")));
+  bad[1] = {k.data(), nullptr, 0, 1, pages.data()};
+  EXPECT_THAT(cpu.WriteBf16TokensBatch(shape, bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("writes[1]: page, k_bf16 and v_bf16")));
+  bad[1] = {k.data(), v.data(), 1, 0, pages.data()};
+  EXPECT_THAT(cpu.WriteBf16TokensBatch(shape, bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("writes[1]: slots [1, 1)")));
+  EXPECT_EQ(pages, std::vector<uint8_t>(2 * bytes, 0));
 }
 
 TEST(CreateDeviceTest, UnknownBackendNamesTheValue) {

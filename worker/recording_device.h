@@ -37,10 +37,22 @@ class RecordingDevice final : public Device {
     absl::MutexLock lock(&mu_);
     return demote_batches_;
   }
+  // Sizes of the WriteBf16TokensBatch calls, and how many WriteBf16Tokens
+  // calls came from elsewhere (one write each).
+  std::vector<size_t> token_write_batches() const {
+    absl::MutexLock lock(&mu_);
+    return token_write_batches_;
+  }
+  size_t single_token_writes() const {
+    absl::MutexLock lock(&mu_);
+    return single_token_writes_;
+  }
   void ClearRecord() {
     absl::MutexLock lock(&mu_);
     attention_batches_.clear();
     demote_batches_.clear();
+    token_write_batches_.clear();
+    single_token_writes_ = 0;
   }
   void SetUnhealthy(std::string why) {
     absl::MutexLock lock(&mu_);
@@ -76,8 +88,24 @@ class RecordingDevice final : public Device {
                                int first_slot, int num_tokens,
                                uint8_t* page) override {
     if (absl::Status s = Health(); !s.ok()) return s;
+    if (InBatch() == 0) {
+      absl::MutexLock lock(&mu_);
+      ++single_token_writes_;
+    }
     return cpu_.WriteBf16Tokens(shape, k_bf16, v_bf16, first_slot, num_tokens,
                                 page);
+  }
+  absl::Status WriteBf16TokensBatch(
+      const kernels::PageShape& shape,
+      absl::Span<const TokenWrite> writes) override {
+    {
+      absl::MutexLock lock(&mu_);
+      token_write_batches_.push_back(writes.size());
+    }
+    ++InBatch();  // this thread's WriteBf16Tokens calls are the batch's
+    absl::Status s = Device::WriteBf16TokensBatch(shape, writes);
+    --InBatch();
+    return s;
   }
   absl::Status CopyPage(uint8_t* dst, const uint8_t* src,
                         size_t bytes) override {
@@ -177,6 +205,12 @@ class RecordingDevice final : public Device {
   CpuDevice cpu_;
   mutable absl::Mutex mu_;
   std::vector<size_t> attention_batches_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> token_write_batches_ ABSL_GUARDED_BY(mu_);
+  size_t single_token_writes_ ABSL_GUARDED_BY(mu_) = 0;
+  static int& InBatch() {
+    static thread_local int depth = 0;
+    return depth;
+  }
   std::vector<size_t> demote_batches_ ABSL_GUARDED_BY(mu_);
   std::vector<size_t> checked_copies_ ABSL_GUARDED_BY(mu_);
   std::vector<size_t> checksums_ ABSL_GUARDED_BY(mu_);

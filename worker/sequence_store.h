@@ -111,11 +111,16 @@
 // items that pass validation as one Device::DecodeAttentionBatch (one
 // kernel launch on the CUDA backend for a decode step of a batch). Each
 // item's result, error or output, is what Attend would give running the
-// items one by one in order: items are prepared (validated, restored,
-// appends written) in order; an item appending to a sequence that an
-// earlier item of the pending batch reads runs the pending batch first, so
-// the earlier item never sees the later append. Device attention outputs
-// are batch-invariant (device.h), so outputs are bit-identical too.
+// items one by one in order: items are prepared (validated, restored) in
+// order; the pending batch's appends then go to the device in one
+// Device::WriteBf16TokensBatch (one upload and one synchronization on
+// CUDA, not one per item), full blocks seal, and every item's pages are
+// listed as they now are. An item appending to a sequence that an earlier
+// item of the pending batch reads, or reading a layer that an earlier
+// pending item appends to, runs the pending batch first, so no item sees a
+// later item's append and each sees every earlier one. Device attention
+// outputs are batch-invariant (device.h), so outputs are bit-identical
+// too.
 //
 // Error codes (messages name the field and the value):
 //   INVALID_ARGUMENT    malformed ids, shapes, plans, byte sizes, zero sizes,
@@ -198,6 +203,7 @@ struct SharedArenaInfo;
 namespace store_internal {
 struct Sequence;
 struct PreparedAttend;
+struct DeferredWrite;
 class LockedSequence;
 }  // namespace store_internal
 
@@ -487,6 +493,7 @@ class SequenceStore {
   using Sequence = store_internal::Sequence;
   using LockedSequence = store_internal::LockedSequence;
   using PreparedAttend = store_internal::PreparedAttend;
+  using DeferredWrite = store_internal::DeferredWrite;
 
   // Lookup, and the preamble of every operation on one of a tenant's
   // sequences (sequence_store.cc).
@@ -599,9 +606,14 @@ class SequenceStore {
   FreeResult Retire(const std::shared_ptr<Sequence>& seq);
   FreeResult ReleaseAll(Sequence& seq);
 
-  // The BF16 window and sealing (store_window.cc).
+  // The BF16 window and sealing (store_window.cc). With `defer`, the
+  // write is checked and its window pages taken but nothing is written:
+  // *defer gets the tokens and their slots, for FinishWriteLocked once the
+  // device has written them (nothing else may write the layer before).
   absl::Status WriteLocked(Sequence& seq, const KvWrite& chunk,
-                           absl::string_view prefix);
+                           absl::string_view prefix,
+                           DeferredWrite* defer = nullptr);
+  absl::Status FinishWriteLocked(Sequence& seq, const DeferredWrite& d);
   // Seals every block of `layer` the window has moved past, then takes
   // the CRC32Cs of the target pages it sealed in one Device::Checksum
   // (Page::crc32c). SealReadyPages is the sealing alone; it lists the pages
@@ -626,12 +638,15 @@ class SequenceStore {
                              ForkResult* result);
 
   // Attention (store_attend.cc). Attend's part before the device runs, with
-  // seq.mu held: validates `spec`, makes the attended blocks resident,
-  // writes the append and fills `out` with the item's page list and
-  // per-query token counts.
+  // seq.mu held, in two steps: PrepareAttend validates `spec`, makes the
+  // attended blocks resident and prepares the append (out->append, not yet
+  // written: AttendBatchOnce writes a batch's appends in one device call
+  // and finishes them); CompleteAttend, after that, fills `out` with the
+  // item's page list, per-query token counts and queries.
   absl::Status PrepareAttend(const std::shared_ptr<Sequence>& seq_ptr,
                              absl::string_view tenant_id,
                              const AttendSpec& spec, PreparedAttend* out);
+  absl::Status CompleteAttend(const Sequence& seq, PreparedAttend* prep);
 
   // Spill tiers (store_spill.cc). Block indices of `lineage_ids`
   // (INVALID_ARGUMENT for a repeat, NOT_FOUND for one the sequence does not

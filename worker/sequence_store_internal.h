@@ -45,6 +45,34 @@
 
 namespace triax::worker::store_internal {
 
+// An append that WriteLocked checked and gave its pages without writing
+// them (AttendBatch: a step's appends go to the device in one
+// Device::WriteBf16TokensBatch): the tokens in BF16 and, per block the
+// write spans, where they go. FinishWriteLocked runs once the device wrote
+// them: the layer's written count moves to `end` and full blocks seal.
+struct DeferredWrite {
+  struct Segment {
+    size_t offset = 0;  // first value of the segment in k and v
+    int first_slot = 0;
+    int num_tokens = 0;
+    uint8_t* page = nullptr;
+  };
+  uint32_t layer = 0;
+  uint64_t end = 0;
+  kernels::PageShape shape;
+  std::vector<uint16_t> k, v;  // [tokens][H][D]
+  std::vector<Segment> segments;
+
+  // The device writes, pointing into k's and v's buffers (a move of this
+  // keeps them).
+  void AddWrites(std::vector<TokenWrite>* out) const {
+    for (const Segment& s : segments) {
+      out->push_back(TokenWrite{k.data() + s.offset, v.data() + s.offset,
+                                s.first_slot, s.num_tokens, s.page});
+    }
+  }
+};
+
 struct Block {
   // The block's plan and its current state: spec.encoding (Demote changes
   // it), spec.tier (kDevice, kHost or kDisk; kUnspecified once evicted) and

@@ -30,6 +30,11 @@ namespace store_internal {
 // per-query attended token counts.
 struct PreparedAttend {
   size_t item = 0;
+  Sequence* seq = nullptr;
+  const AttendSpec* spec = nullptr;  // the item's (outlives the batch)
+  uint64_t upto = 0;  // attended blocks were made resident up to this token
+  bool has_append = false;
+  DeferredWrite append;  // when has_append: written by the batch's flush
   kernels::PageShape shape;
   int n_q_heads = 0;
   float scale = 0.f;
@@ -107,9 +112,21 @@ absl::Status SequenceStore::PrepareAttend(
   }
   TRIAX_RETURN_IF_ERROR(EnsureResident(seq_ptr, 0, upto));
   if (spec.append != nullptr) {
-    TRIAX_RETURN_IF_ERROR(WriteLocked(seq, *spec.append, "append."));
+    TRIAX_RETURN_IF_ERROR(
+        WriteLocked(seq, *spec.append, "append.", &prep->append));
+    prep->has_append = true;
   }
+  prep->seq = &seq;
+  prep->spec = &spec;
+  prep->upto = upto;
+  return absl::OkStatus();
+}
 
+absl::Status SequenceStore::CompleteAttend(
+    const Sequence& seq, PreparedAttend* prep) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AttendSpec& spec = *prep->spec;
+  const ModelShape& m = seq.model;
+  const uint64_t upto = prep->upto;
   const uint32_t layer = spec.layer;
   const uint64_t written = seq.written[layer];
   std::vector<kernels::PageRef>& refs = prep->refs;
@@ -150,6 +167,9 @@ absl::Status SequenceStore::PrepareAttend(
     }
     prep->attend.push_back(static_cast<long>(through - skipped));
   }
+  const bool bf16 = spec.dtype == KvDtype::kBF16;
+  const size_t qvalues =
+      static_cast<size_t>(spec.num_queries) * m.n_q_heads * m.head_dim;
   prep->shape = seq.shape;
   prep->n_q_heads = static_cast<int>(m.n_q_heads);
   prep->scale = spec.scale != 0.f
@@ -207,9 +227,58 @@ std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatchOnce(
   for (Sequence* s : locks) s->mu.Lock();
 
   std::vector<PreparedAttend> pending;
-  std::vector<const Sequence*> pending_seqs;
+  // The pending items' sequences, each with the layers its items append to.
+  std::vector<std::pair<const Sequence*, std::vector<uint32_t>>> pending_seqs;
   auto flush = [&] {
     if (pending.empty()) return;
+    // The appends first, all in one device call per page shape; then each
+    // appending sequence's written count moves and its full blocks seal,
+    // in item order; then every item's pages are listed as they now are.
+    std::vector<bool> failed(pending.size(), false);
+    std::vector<kernels::PageShape> shapes;
+    for (const PreparedAttend& p : pending) {
+      if (p.has_append && std::find(shapes.begin(), shapes.end(),
+                                    p.append.shape) == shapes.end()) {
+        shapes.push_back(p.append.shape);
+      }
+    }
+    for (const kernels::PageShape& shape : shapes) {
+      std::vector<TokenWrite> writes;
+      for (const PreparedAttend& p : pending) {
+        if (p.has_append && p.append.shape == shape)
+          p.append.AddWrites(&writes);
+      }
+      const absl::Status s = device_->WriteBf16TokensBatch(shape, writes);
+      if (s.ok()) continue;
+      for (size_t k = 0; k < pending.size(); ++k) {
+        if (pending[k].has_append && pending[k].append.shape == shape) {
+          results[pending[k].item] =
+              absl::Status(s.code(), absl::StrCat("append: ", s.message()));
+          failed[k] = true;
+        }
+      }
+    }
+    for (size_t k = 0; k < pending.size(); ++k) {
+      PreparedAttend& p = pending[k];
+      absl::Status s;
+      if (!failed[k] && p.has_append) s = FinishWriteLocked(*p.seq, p.append);
+      if (!failed[k] && s.ok()) s = CompleteAttend(*p.seq, &p);
+      if (!failed[k] && !s.ok()) {
+        results[p.item] = s;
+        failed[k] = true;
+      }
+    }
+    size_t kept = 0;
+    for (size_t k = 0; k < pending.size(); ++k) {
+      if (failed[k]) continue;
+      if (kept != k) pending[kept] = std::move(pending[k]);
+      ++kept;
+    }
+    pending.resize(kept);
+    if (pending.empty()) {
+      pending_seqs.clear();
+      return;
+    }
     std::vector<kernels::DecodeParams> params;
     std::vector<size_t> first(pending.size() + 1, 0);
     for (size_t k = 0; k < pending.size(); ++k) {
@@ -267,10 +336,19 @@ std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatchOnce(
   };
   for (size_t i = 0; i < items.size(); ++i) {
     if (seqs[i] == nullptr) continue;
-    if (items[i].spec.append != nullptr &&
-        std::find(pending_seqs.begin(), pending_seqs.end(), seqs[i].get()) !=
-            pending_seqs.end()) {
-      flush();  // the pending reads of this sequence must not see the append
+    const bool appends = items[i].spec.append != nullptr;
+    const uint32_t layer = items[i].spec.layer;
+    auto seen =
+        std::find_if(pending_seqs.begin(), pending_seqs.end(),
+                     [&](const auto& e) { return e.first == seqs[i].get(); });
+    if (seen != pending_seqs.end() &&
+        (appends || std::find(seen->second.begin(), seen->second.end(),
+                              layer) != seen->second.end())) {
+      // The pending items of this sequence must not see this item's append;
+      // this item must see a pending append to its layer (written once the
+      // batch is flushed) and continue after it.
+      flush();
+      seen = pending_seqs.end();
     }
     PreparedAttend prep;
     prep.item = i;
@@ -281,7 +359,11 @@ std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatchOnce(
       continue;
     }
     pending.push_back(std::move(prep));
-    pending_seqs.push_back(seqs[i].get());
+    if (seen == pending_seqs.end()) {
+      pending_seqs.emplace_back(seqs[i].get(), std::vector<uint32_t>());
+      seen = pending_seqs.end() - 1;
+    }
+    if (appends) seen->second.push_back(layer);
   }
   flush();
   for (auto it = locks.rbegin(); it != locks.rend(); ++it) (*it)->mu.Unlock();

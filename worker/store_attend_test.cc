@@ -1,7 +1,8 @@
 // SequenceStore attention: Attend against a float64 reference (GQA groups,
 // quantized pages within budget, mixed plans equal to the kernel over the
-// same pages), appends written first and atomically, and AttendBatch from
-// several threads agreeing with single Attends.
+// same pages), appends written first and atomically, a batch's appends
+// written in one device call, and AttendBatch from several threads agreeing
+// with single Attends.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "kernels/numeric.h"
 #include "kernels/ref/kv_ref.h"
 #include "worker/sequence_store.h"
@@ -222,6 +225,130 @@ TEST_F(StoreTest, Bf16QueriesAttendAsTheirFloat32Values) {
   EXPECT_THAT(store_->Attend(kTenant, "s", spec).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("dtype=7 is not F32 (1) or BF16 (2)")));
+}
+
+// A decode step's appends reach the device as one WriteBf16TokensBatch, not
+// one write per item, and change nothing else: every output, written count,
+// sealed count and page byte equals what the items give one by one on twin
+// sequences (blocks that fill in the step seal before the attention reads
+// them). A second append to a sequence, or a read of a layer an earlier
+// item appends to, starts a new batch; an item whose append is refused
+// writes nothing and the others go on.
+TEST_F(StoreTest, BatchAppendsAreOneDeviceWriteAndEqualOneByOne) {
+  Make(4);
+  const ModelShape m = Shape(2, 2, 4, 32);
+  const size_t per = size_t{m.n_kv_heads} * m.head_dim;
+  constexpr int kSeqs = 4;
+  std::vector<std::vector<store_testing::LayerKv>> kv(kSeqs);
+  const uint64_t tokens[kSeqs] = {5, 11, 9, 19};
+  for (const char* copy : {"a", "b"}) {
+    for (int s = 0; s < kSeqs; ++s) {
+      const std::string id = absl::StrCat(copy, s);
+      ASSERT_THAT(store_
+                      ->AllocatePages(kTenant, id, m, 8,
+                                      UniformPlan(32, 8, s % 2 ? kInt2 : kInt4))
+                      .status(),
+                  IsOk());
+      if (kv[s].empty()) kv[s] = RandomLayers(m, 32, 40 + s);
+      // Blocks of 8, a window of 4: a block seals once 4 tokens follow it,
+      // so the step's append seals a block of s1 (11 -> 12) and of s3
+      // (19 -> 20), none of s0 and s2.
+      WriteAll(id, m, kv[s], tokens[s], 3);
+    }
+  }
+  const auto q = RandomQueries(m, 1, 9);
+  const std::string qb = Bytes(q.data(), q.size());
+  // Per item: sequence, layer, append (or not). Items 0-3 append one token
+  // each to layer 0; item 4 reads a1's layer 1 (no append pending there:
+  // same batch); item 5 reads a2's layer 0, which item 2 appends to (the
+  // batch runs first); item 6 appends again to a0 (pending no more: same
+  // batch as 5); item 7's append skips a token (refused, nothing written).
+  struct Item {
+    int seq;
+    uint32_t layer;
+    int append;  // 0: none, 1: the next token, 2: a token past it
+  };
+  const std::vector<Item> plan = {{0, 0, 1}, {1, 0, 1}, {2, 0, 1}, {3, 0, 1},
+                                  {1, 1, 0}, {2, 0, 0}, {0, 0, 1}, {3, 1, 2}};
+  auto run = [&](const char* copy, absl::Span<const size_t> which,
+                 std::vector<absl::StatusOr<std::vector<float>>>* out) {
+    std::vector<AttendBatchItem> items(which.size());
+    std::vector<std::string> kb(which.size()), vb(which.size());
+    std::vector<KvWrite> appends(which.size());
+    std::vector<std::string> ids(which.size());  // items hold views
+    for (size_t j = 0; j < which.size(); ++j) {
+      const Item& it = plan[which[j]];
+      const std::string& id = ids[j] = absl::StrCat(copy, it.seq);
+      items[j].sequence_id = id;
+      items[j].spec.layer = it.layer;
+      items[j].spec.num_queries = 1;
+      items[j].spec.queries = qb;
+      if (it.append > 0) {
+        // The next token (after an earlier item's append to the same layer
+        // in this call), or one past it.
+        uint64_t at = store_->Describe(id)->written[it.layer] + (it.append - 1);
+        for (size_t e = 0; e < j; ++e) {
+          if (ids[e] == id && items[e].spec.append != nullptr &&
+              items[e].spec.layer == it.layer) {
+            at += items[e].spec.append->num_tokens;
+          }
+        }
+        appends[j] =
+            Chunk(it.layer, at, 1, kv[it.seq][it.layer], per, &kb[j], &vb[j]);
+        items[j].spec.append = &appends[j];
+      }
+    }
+    *out = store_->AttendBatch(kTenant, items);
+  };
+  std::vector<size_t> all(plan.size());
+  for (size_t i = 0; i < plan.size(); ++i) all[i] = i;
+  device_.ClearRecord();
+  std::vector<absl::StatusOr<std::vector<float>>> batched;
+  run("a", all, &batched);
+  // Items 0-4: one device write of 4 appends, one attention batch of 5;
+  // items 5-6: a write of 1, attention of 2.
+  EXPECT_THAT(device_.token_write_batches(), ElementsAre(4u, 1u));
+  EXPECT_EQ(device_.single_token_writes(), 0u);
+  EXPECT_THAT(device_.attention_batches(), ElementsAre(5u, 2u));
+  ASSERT_EQ(batched.size(), plan.size());
+  EXPECT_THAT(batched[7].status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("append.first_token")));
+  for (size_t i = 0; i < plan.size(); ++i) {
+    std::vector<absl::StatusOr<std::vector<float>>> alone;
+    run("b", absl::MakeConstSpan(&all[i], 1), &alone);
+    ASSERT_EQ(alone.size(), 1u);
+    EXPECT_EQ(batched[i].status().code(), alone[0].status().code())
+        << i << ": " << batched[i].status() << " / " << alone[0].status();
+    if (batched[i].ok() && alone[0].ok()) {
+      EXPECT_EQ(*batched[i], *alone[0]) << "item " << i;
+    }
+  }
+  for (int s = 0; s < kSeqs; ++s) {
+    const auto a = store_->Describe(absl::StrCat("a", s));
+    const auto b = store_->Describe(absl::StrCat("b", s));
+    EXPECT_EQ(a->written, b->written) << s;
+    EXPECT_EQ(a->sealed, b->sealed) << s;
+    for (uint32_t l = 0; l < m.n_layers; ++l) {
+      auto ra = store_->Read(kTenant, absl::StrCat("a", s), l, 0, 0);
+      auto rb = store_->Read(kTenant, absl::StrCat("b", s), l, 0, 0);
+      ASSERT_THAT(ra.status(), IsOk());
+      ASSERT_THAT(rb.status(), IsOk());
+      EXPECT_EQ(ra->k, rb->k) << s << " layer " << l;
+      EXPECT_EQ(ra->v, rb->v) << s << " layer " << l;
+    }
+  }
+  // a0 took two tokens, a1-a3 one each on layer 0; a1 and a3 sealed a
+  // block of layer 0 in the step.
+  EXPECT_EQ(store_->Describe("a0")->written[0], 7u);
+  EXPECT_EQ(store_->Describe("a1")->written[0], 12u);
+  EXPECT_EQ(store_->Describe("a2")->written[0], 10u);
+  EXPECT_EQ(store_->Describe("a3")->written[0], 20u);
+  EXPECT_EQ(store_->Describe("a3")->written[1], 19u);
+  EXPECT_EQ(store_->Describe("a1")->sealed[0], 1u);
+  EXPECT_EQ(store_->Describe("a1")->sealed[1], 0u);
+  EXPECT_EQ(store_->Describe("a3")->sealed[0], 2u);
+  EXPECT_EQ(store_->Describe("a3")->sealed[1], 1u);
 }
 
 // Threads batching the same sequences in opposite orders neither deadlock

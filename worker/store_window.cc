@@ -50,7 +50,8 @@ absl::Status SequenceStore::PageToBf16(const Encoding& encoding,
 }
 
 absl::Status SequenceStore::WriteLocked(Sequence& seq, const KvWrite& c,
-                                        absl::string_view p) {
+                                        absl::string_view p,
+                                        DeferredWrite* defer) {
   if (c.layer >= seq.model.n_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
         p, "layer=", c.layer, " is >= model.n_layers=", seq.model.n_layers));
@@ -140,14 +141,33 @@ absl::Status SequenceStore::WriteLocked(Sequence& seq, const KvWrite& c,
     Page* page =
         IsBf16(blk.spec.encoding) ? blk.target[c.layer] : blk.window[c.layer];
     const size_t off = (from - c.first_token) * stride;
-    TRIAX_RETURN_IF_ERROR(
-        device_->WriteBf16Tokens(seq.shape, k.data() + off, v.data() + off,
-                                 static_cast<int>(from - blk.spec.first_token),
-                                 static_cast<int>(to - from), page->data));
+    const int slot = static_cast<int>(from - blk.spec.first_token);
+    const int n = static_cast<int>(to - from);
+    if (defer != nullptr) {
+      defer->segments.push_back({off, slot, n, page->data});
+      continue;
+    }
+    TRIAX_RETURN_IF_ERROR(device_->WriteBf16Tokens(
+        seq.shape, k.data() + off, v.data() + off, slot, n, page->data));
+  }
+  if (defer != nullptr) {
+    defer->layer = c.layer;
+    defer->end = end;
+    defer->shape = seq.shape;
+    defer->k = std::move(k);
+    defer->v = std::move(v);
+    return absl::OkStatus();
   }
   seq.written[c.layer] = end;
   seq.written_cv.SignalAll();
   return SealReady(seq, c.layer);
+}
+
+absl::Status SequenceStore::FinishWriteLocked(Sequence& seq,
+                                              const DeferredWrite& d) {
+  seq.written[d.layer] = d.end;
+  seq.written_cv.SignalAll();
+  return SealReady(seq, d.layer);
 }
 
 absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {

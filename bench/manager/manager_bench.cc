@@ -380,9 +380,9 @@ void RunFloorClient(const std::shared_ptr<grpc::Channel>& channel, int index,
     const auto t1 = Clock::now();
     if (s.error_code() != grpc::StatusCode::NOT_FOUND) {
       if (stats->errors++ == 0) {
-        stats->first_error = absl::StrCat("GetSequence (want NOT_FOUND): ",
-                                          s.error_code(), " ",
-                                          s.error_message());
+        stats->first_error =
+            absl::StrCat("GetSequence (want NOT_FOUND): ", s.error_code(), " ",
+                         s.error_message());
       }
       continue;
     }
@@ -1017,17 +1017,16 @@ int main(int argc, char** argv) {
     for (int r = 0; r < repeats; ++r) {
       for (size_t c = 0; c < managers.size(); ++c) {
         bench::Measurement sessions =
-            RunLevel(*managers[c], levels[l], tenants, seconds,
-                     level_sessions, compare, /*floor=*/false, &failures);
+            RunLevel(*managers[c], levels[l], tenants, seconds, level_sessions,
+                     compare, /*floor=*/false, &failures);
         if (floor) {
           FloorCell& cell = floors[l][c];
           cell.session_ops += sessions.ops;
           cell.session_s += sessions.seconds;
           cell.session_cpu_s += sessions.server_cpu_s;
-          bench::Measurement f =
-              RunLevel(*managers[c], levels[l], tenants, seconds,
-                       /*level_sessions=*/0, compare, /*floor=*/true,
-                       &failures);
+          bench::Measurement f = RunLevel(
+              *managers[c], levels[l], tenants, seconds,
+              /*level_sessions=*/0, compare, /*floor=*/true, &failures);
           cell.floor_ops += f.ops;
           cell.floor_s += f.seconds;
           cell.floor_cpu_s += f.server_cpu_s;
