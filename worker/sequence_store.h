@@ -609,11 +609,15 @@ class SequenceStore {
   // The BF16 window and sealing (store_window.cc). With `defer`, the
   // write is checked and its window pages taken but nothing is written:
   // *defer gets the tokens and their slots, for FinishWriteLocked once the
-  // device has written them (nothing else may write the layer before).
+  // device has written them (nothing else may write the layer before),
+  // which moves the written count and seals as SealReadyPages does; the
+  // caller takes the CRC32Cs of *unsummed (ChecksumSealed, one call for a
+  // batch's sequences).
   absl::Status WriteLocked(Sequence& seq, const KvWrite& chunk,
                            absl::string_view prefix,
                            DeferredWrite* defer = nullptr);
-  absl::Status FinishWriteLocked(Sequence& seq, const DeferredWrite& d);
+  absl::Status FinishWriteLocked(Sequence& seq, const DeferredWrite& d,
+                                 std::vector<Page*>* unsummed);
   // Seals every block of `layer` the window has moved past, then takes
   // the CRC32Cs of the target pages it sealed in one Device::Checksum
   // (Page::crc32c). SealReadyPages is the sealing alone; it lists the pages
@@ -621,6 +625,12 @@ class SequenceStore {
   absl::Status SealReady(Sequence& seq, uint32_t layer);
   absl::Status SealReadyPages(Sequence& seq, uint32_t layer,
                               std::vector<Page*>* unsummed);
+  // The CRC32Cs of sealed target pages (Page::crc32c) in one
+  // Device::Checksum; the device's error as it is.
+  absl::Status ChecksumSealed(absl::Span<Page* const> unsummed);
+  // SealReady's error for a failed ChecksumSealed of `pages` pages.
+  static absl::Status SealedChecksumError(const Sequence& seq, uint32_t layer,
+                                          size_t pages, const absl::Status& s);
   // BF16 copies of the first `tokens` tokens of a page.
   absl::Status PageToBf16(const kernels::Encoding& encoding,
                           const kernels::PageShape& shape, const uint8_t* page,

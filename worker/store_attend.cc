@@ -258,12 +258,34 @@ std::vector<absl::StatusOr<std::vector<float>>> SequenceStore::AttendBatchOnce(
         }
       }
     }
+    // Blocks the appends filled seal item by item; the CRC32Cs of every
+    // page sealed go in one device pass.
+    std::vector<Page*> unsummed;
+    std::vector<std::pair<size_t, size_t>> sealed(pending.size());  // range
     for (size_t k = 0; k < pending.size(); ++k) {
       PreparedAttend& p = pending[k];
-      absl::Status s;
-      if (!failed[k] && p.has_append) s = FinishWriteLocked(*p.seq, p.append);
-      if (!failed[k] && s.ok()) s = CompleteAttend(*p.seq, &p);
-      if (!failed[k] && !s.ok()) {
+      if (failed[k] || !p.has_append) continue;
+      const size_t from = unsummed.size();
+      const absl::Status s = FinishWriteLocked(*p.seq, p.append, &unsummed);
+      sealed[k] = {from, unsummed.size()};
+      if (!s.ok()) {
+        results[p.item] = s;
+        failed[k] = true;
+      }
+    }
+    if (absl::Status s = ChecksumSealed(unsummed); !s.ok()) {
+      for (size_t k = 0; k < pending.size(); ++k) {
+        const size_t n = sealed[k].second - sealed[k].first;
+        if (n == 0 || failed[k]) continue;
+        results[pending[k].item] =
+            SealedChecksumError(*pending[k].seq, pending[k].append.layer, n, s);
+        failed[k] = true;
+      }
+    }
+    for (size_t k = 0; k < pending.size(); ++k) {
+      PreparedAttend& p = pending[k];
+      if (failed[k]) continue;
+      if (absl::Status s = CompleteAttend(*p.seq, &p); !s.ok()) {
         results[p.item] = s;
         failed[k] = true;
       }

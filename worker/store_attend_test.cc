@@ -228,7 +228,8 @@ TEST_F(StoreTest, Bf16QueriesAttendAsTheirFloat32Values) {
 }
 
 // A decode step's appends reach the device as one WriteBf16TokensBatch, not
-// one write per item, and change nothing else: every output, written count,
+// one write per item, the blocks they fill are checksummed in one Checksum,
+// and nothing else changes: every output, written count,
 // sealed count and page byte equals what the items give one by one on twin
 // sequences (blocks that fill in the step seal before the attention reads
 // them). A second append to a sequence, or a read of a layer an earlier
@@ -303,8 +304,12 @@ TEST_F(StoreTest, BatchAppendsAreOneDeviceWriteAndEqualOneByOne) {
   std::vector<size_t> all(plan.size());
   for (size_t i = 0; i < plan.size(); ++i) all[i] = i;
   device_.ClearRecord();
+  device_.ClearChecksums();
   std::vector<absl::StatusOr<std::vector<float>>> batched;
   run("a", all, &batched);
+  // The two blocks the first batch sealed (a1's and a3's) are checksummed
+  // in one device call.
+  EXPECT_THAT(device_.checksums(), ElementsAre(2u));
   // Items 0-4: one device write of 4 appends, one attention batch of 5;
   // items 5-6: a write of 1, attention of 2.
   EXPECT_THAT(device_.token_write_batches(), ElementsAre(4u, 1u));

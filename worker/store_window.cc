@@ -164,10 +164,11 @@ absl::Status SequenceStore::WriteLocked(Sequence& seq, const KvWrite& c,
 }
 
 absl::Status SequenceStore::FinishWriteLocked(Sequence& seq,
-                                              const DeferredWrite& d) {
+                                              const DeferredWrite& d,
+                                              std::vector<Page*>* unsummed) {
   seq.written[d.layer] = d.end;
   seq.written_cv.SignalAll();
-  return SealReady(seq, d.layer);
+  return SealReadyPages(seq, d.layer, unsummed);
 }
 
 absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
@@ -175,23 +176,22 @@ absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
   // together once the loop is done (one device pass per write).
   std::vector<Page*> unsummed;
   absl::Status sealing = SealReadyPages(seq, layer, &unsummed);
-  if (unsummed.empty()) return sealing;
+  if (absl::Status s = ChecksumSealed(unsummed); !s.ok()) {
+    // The pages are sealed; without their checksums an export takes them.
+    return sealing.ok() ? SealedChecksumError(seq, layer, unsummed.size(), s)
+                        : sealing;
+  }
+  return sealing;
+}
+
+absl::Status SequenceStore::ChecksumSealed(absl::Span<Page* const> unsummed) {
+  if (unsummed.empty()) return absl::OkStatus();
   std::vector<DeviceBytes> ranges;
   ranges.reserve(unsummed.size());
   for (const Page* t : unsummed)
     ranges.push_back(DeviceBytes{t->data, t->bytes});
   std::vector<uint32_t> crcs(ranges.size());
-  if (absl::Status s = device_->Checksum(ranges, absl::MakeSpan(crcs));
-      !s.ok()) {
-    // The pages are sealed; without their checksums an export takes them.
-    return sealing.ok()
-               ? absl::Status(
-                     s.code(),
-                     absl::StrCat("sequence_id=", Quote(seq.id), " layer ",
-                                  layer, " checksums of ", ranges.size(),
-                                  " sealed pages: ", s.message()))
-               : sealing;
-  }
+  TRIAX_RETURN_IF_ERROR(device_->Checksum(ranges, absl::MakeSpan(crcs)));
   for (size_t i = 0; i < unsummed.size(); ++i) {
     Page* t = unsummed[i];
     absl::MutexLock seal_lock(&t->seal_mu);
@@ -200,7 +200,16 @@ absl::Status SequenceStore::SealReady(Sequence& seq, uint32_t layer) {
       t->crc32c = crcs[i];
     }
   }
-  return sealing;
+  return absl::OkStatus();
+}
+
+absl::Status SequenceStore::SealedChecksumError(const Sequence& seq,
+                                                uint32_t layer, size_t pages,
+                                                const absl::Status& s) {
+  return absl::Status(
+      s.code(),
+      absl::StrCat("sequence_id=", Quote(seq.id), " layer ", layer,
+                   " checksums of ", pages, " sealed pages: ", s.message()));
 }
 
 absl::Status SequenceStore::SealReadyPages(Sequence& seq, uint32_t layer,
