@@ -356,6 +356,54 @@ TEST_F(StoreTest, BatchAppendsAreOneDeviceWriteAndEqualOneByOne) {
   EXPECT_EQ(store_->Describe("a3")->sealed[1], 1u);
 }
 
+// A batch whose token writes the device refuses (a poisoned device) fails
+// the appending items naming the append, moves no written count, and a
+// retry once the device is healthy appends as if nothing had happened.
+TEST_F(StoreTest, RefusedBatchWriteAppendsNothingAndRetries) {
+  Make(4);
+  const ModelShape m = Shape(1, 2, 4, 32);
+  const size_t per = size_t{m.n_kv_heads} * m.head_dim;
+  auto kv = RandomLayers(m, 16, 77);
+  std::vector<std::string> ids = {"x", "y"};
+  for (const std::string& id : ids) {
+    ASSERT_THAT(
+        store_->AllocatePages(kTenant, id, m, 8, UniformPlan(16, 8, kInt4))
+            .status(),
+        IsOk());
+    WriteAll(id, m, kv, 6, 3);
+  }
+  const auto q = RandomQueries(m, 1, 3);
+  const std::string qb = Bytes(q.data(), q.size());
+  std::vector<std::string> kb(2), vb(2);
+  std::vector<KvWrite> appends(2);
+  std::vector<AttendBatchItem> items(2);
+  for (size_t j = 0; j < 2; ++j) {
+    appends[j] = Chunk(0, 6, 1, kv[0], per, &kb[j], &vb[j]);
+    items[j].sequence_id = ids[j];
+    items[j].spec.num_queries = 1;
+    items[j].spec.queries = qb;
+    items[j].spec.append = &appends[j];
+  }
+  device_.SetUnhealthy("device lost (test)");
+  auto refused = store_->AttendBatch(kTenant, items);
+  for (size_t j = 0; j < 2; ++j) {
+    EXPECT_THAT(refused[j].status(),
+                StatusIs(absl::StatusCode::kUnavailable,
+                         HasSubstr("append: writes[0]: device lost (test)")))
+        << j;
+    EXPECT_THAT(store_->Describe(ids[j])->written, ElementsAre(6u)) << j;
+  }
+  device_.SetUnhealthy("");
+  auto again = store_->AttendBatch(kTenant, items);
+  for (size_t j = 0; j < 2; ++j) {
+    ASSERT_THAT(again[j].status(), IsOk()) << j;
+    EXPECT_THAT(store_->Describe(ids[j])->written, ElementsAre(7u)) << j;
+    auto want = RefAttention(m, q, kv[0].kr, kv[0].vr, 7, 1 / std::sqrt(32.0));
+    EXPECT_LT(RelError(*again[j], want), 0.1) << j;
+  }
+  EXPECT_EQ(*again[0], *again[1]);
+}
+
 // Threads batching the same sequences in opposite orders neither deadlock
 // (locks are taken in id order) nor disturb each other: every batch equals
 // the per-item answers.

@@ -37,6 +37,11 @@
 // worker.crt; under token the clients carry tenant tokens and the fake
 // worker a worker token, all issued through the manager with its admin
 // token. --cpus_manager pins the managers, --cpus_bench this process.
+//
+// --floor adds, at each level and configuration right after the sessions,
+// the same clients calling GetSequence of a sequence that does not exist:
+// what a call costs the manager without work (bench/results/manager.md
+// "The floor"). The clients' loops are in session_clients.h.
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <spawn.h>
@@ -65,6 +70,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "bench/common/process.h"
+#include "bench/manager/session_clients.h"
 #include "bench/security/security_setup.h"
 #include "common/bearer.h"
 #include "common/local_socket.h"
@@ -127,11 +133,18 @@ ABSL_FLAG(std::string, tsv, "",
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using triax::bench::manager::Clock;
 namespace v1 = triax::v1;
 namespace bench = triax::bench;
 using triax::AddBearer;
 using triax::ReadBearerToken;
+using triax::bench::manager::Access;
+using triax::bench::manager::AddSpan;
+using triax::bench::manager::ClientStats;
+using triax::bench::manager::NewChannel;
+using triax::bench::manager::RunClient;
+using triax::bench::manager::RunFloorClient;
+using triax::bench::manager::SetBenchModel;
 
 // The kvmanager subprocess; terminated by the destructor.
 class Manager {
@@ -222,174 +235,6 @@ class Manager {
   int port_ = 0;
   std::string port_file_, log_file_;
 };
-
-std::shared_ptr<grpc::Channel> NewChannel(
-    const std::string& target, int index,
-    const std::shared_ptr<grpc::ChannelCredentials>& credentials =
-        grpc::InsecureChannelCredentials()) {
-  grpc::ChannelArguments args;
-  // A distinct argument per client keeps channels from sharing a connection.
-  args.SetInt("triax.bench.client", index);
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(target, credentials, args);
-}
-
-// How one manager is reached: the credentials of the clients' channels and
-// the tenants' tokens ("bench-t<i>"; empty without --auth=token).
-struct Access {
-  std::shared_ptr<grpc::ChannelCredentials> credentials =
-      grpc::InsecureChannelCredentials();
-  std::vector<std::string> tenant_tokens;
-};
-
-struct ClientStats {
-  std::vector<double> open_ms, extend_ms, close_ms;
-  uint64_t blocks = 0;
-  uint64_t errors = 0;
-  std::string first_error;
-};
-
-// The sessions' model: 32 layers, 8 KV heads, 32 query heads, head_dim 128.
-void SetBenchModel(v1::ModelShape* m) {
-  m->set_name("bench-8b");
-  m->set_n_layers(32);
-  m->set_n_kv_heads(8);
-  m->set_n_q_heads(32);
-  m->set_head_dim(128);
-}
-
-void AddSpan(google::protobuf::RepeatedPtrField<v1::Span>* spans, v1::Role role,
-             uint32_t n) {
-  auto* s = spans->Add();
-  s->set_role(role);
-  s->set_modality(v1::MODALITY_TEXT);
-  s->set_num_tokens(n);
-}
-
-// One client on its own `channel` (connected already, so that the
-// handshakes stay out of the timed window). Runs sessions until `deadline`,
-// or `sessions` of them when >= 0.
-void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
-               const Access& access, int tenants, Clock::time_point deadline,
-               int sessions, int run, ClientStats* stats) {
-  const std::string tenant = absl::StrCat("bench-t", index % tenants);
-  const std::string token =
-      access.tenant_tokens.empty() ? "" : access.tenant_tokens[index % tenants];
-  auto stub = v1::Manager::NewStub(channel);
-  v1::OpenSequenceRequest open;
-  open.set_tenant_id(tenant);
-  SetBenchModel(open.mutable_model());
-  AddSpan(open.mutable_spans(), v1::ROLE_SYSTEM, 200);
-  AddSpan(open.mutable_spans(), v1::ROLE_TOOL_SCHEMA, 150);
-  AddSpan(open.mutable_spans(), v1::ROLE_USER, 100);
-  AddSpan(open.mutable_spans(), v1::ROLE_ASSISTANT, 100);
-  AddSpan(open.mutable_spans(), v1::ROLE_USER, 50);
-  v1::ExtendSequenceRequest extend;
-  extend.set_tenant_id(tenant);
-  extend.set_new_turn(true);
-  AddSpan(extend.mutable_spans(), v1::ROLE_ASSISTANT, 60);
-  AddSpan(extend.mutable_spans(), v1::ROLE_USER, 40);
-  v1::CloseSequenceRequest close;
-  close.set_tenant_id(tenant);
-
-  auto fail = [&](const char* what, const grpc::Status& s) {
-    if (stats->errors++ == 0) {
-      stats->first_error =
-          absl::StrCat(what, ": ", s.error_code(), " ", s.error_message());
-    }
-  };
-  uint64_t n = 0;
-  while (sessions >= 0 ? n < static_cast<uint64_t>(sessions)
-                       : Clock::now() < deadline) {
-    // Unique across runs: a manager keeps answered request ids, and one
-    // reused for another request is FAILED_PRECONDITION.
-    const std::string rid = absl::StrCat("r", run, "c", index, "-", n++);
-    open.set_request_id("o" + rid);
-    v1::OpenSequenceResponse open_resp;
-    auto t0 = Clock::now();
-    grpc::Status s;
-    {
-      grpc::ClientContext ctx;
-      AddBearer(&ctx, token);
-      s = stub->OpenSequence(&ctx, open, &open_resp);
-    }
-    auto t1 = Clock::now();
-    if (!s.ok()) {
-      fail("OpenSequence", s);
-      continue;
-    }
-    stats->open_ms.push_back(
-        std::chrono::duration<double, std::milli>(t1 - t0).count());
-    stats->blocks += open_resp.sequence().blocks_size();
-    const std::string& seq = open_resp.sequence().sequence_id();
-
-    extend.set_request_id("e" + rid);
-    extend.set_sequence_id(seq);
-    v1::ExtendSequenceResponse ext_resp;
-    t0 = Clock::now();
-    {
-      grpc::ClientContext ctx;
-      AddBearer(&ctx, token);
-      s = stub->ExtendSequence(&ctx, extend, &ext_resp);
-    }
-    t1 = Clock::now();
-    if (s.ok()) {
-      stats->extend_ms.push_back(
-          std::chrono::duration<double, std::milli>(t1 - t0).count());
-      stats->blocks += ext_resp.new_blocks_size();
-    } else {
-      fail("ExtendSequence", s);
-    }
-
-    close.set_request_id("x" + rid);
-    close.set_sequence_id(seq);
-    v1::CloseSequenceResponse close_resp;
-    t0 = Clock::now();
-    {
-      grpc::ClientContext ctx;
-      AddBearer(&ctx, token);
-      s = stub->CloseSequence(&ctx, close, &close_resp);
-    }
-    t1 = Clock::now();
-    if (s.ok()) {
-      stats->close_ms.push_back(
-          std::chrono::duration<double, std::milli>(t1 - t0).count());
-    } else {
-      fail("CloseSequence", s);
-    }
-  }
-}
-
-// --floor: GetSequence of a sequence that does not exist, until `deadline`;
-// the latencies go to stats->open_ms. NOT_FOUND is the expected answer.
-void RunFloorClient(const std::shared_ptr<grpc::Channel>& channel, int index,
-                    const Access& access, int tenants,
-                    Clock::time_point deadline, ClientStats* stats) {
-  auto stub = v1::Manager::NewStub(channel);
-  v1::GetSequenceRequest req;
-  req.set_tenant_id(absl::StrCat("bench-t", index % tenants));
-  req.set_sequence_id(absl::StrCat("bench-floor-", index));
-  const std::string token =
-      access.tenant_tokens.empty() ? "" : access.tenant_tokens[index % tenants];
-  while (Clock::now() < deadline) {
-    v1::GetSequenceResponse resp;
-    const auto t0 = Clock::now();
-    grpc::ClientContext ctx;
-    AddBearer(&ctx, token);
-    const grpc::Status s = stub->GetSequence(&ctx, req, &resp);
-    const auto t1 = Clock::now();
-    if (s.error_code() != grpc::StatusCode::NOT_FOUND) {
-      if (stats->errors++ == 0) {
-        stats->first_error =
-            absl::StrCat("GetSequence (want NOT_FOUND): ", s.error_code(), " ",
-                         s.error_message());
-      }
-      continue;
-    }
-    stats->open_ms.push_back(
-        std::chrono::duration<double, std::milli>(t1 - t0).count());
-  }
-}
 
 // --- --mode=memory -------------------------------------------------------
 

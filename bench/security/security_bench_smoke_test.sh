@@ -44,15 +44,23 @@ check() {
   head -1 "$tsv" | grep -q $'^bench\tlevel\tsecurity\trepeat' || fail "$name: TSV header"
 }
 
-"$MANAGER_BENCH" --security="$all" --clients=2 --seconds=1 --floor \
-  --make_certs="$MAKE_CERTS" --tsv="$TMP/manager.tsv" >"$TMP/manager.out" \
-  2>"$TMP/manager.err"
-rc=$?
-cat "$TMP/manager.out"
-if [[ $rc -ne 0 ]]; then
-  fail "manager_bench exited $rc"
-  cat "$TMP/manager.err"
-fi
+# bench NAME BIN ARGS...: runs BIN with ARGS, stdout to $TMP/NAME.out
+# (printed), stderr to $TMP/NAME.err (printed when it fails); a non-zero
+# exit fails the test.
+bench() {
+  local name=$1 bin=$2
+  shift 2
+  "$bin" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err"
+  local rc=$?
+  cat "$TMP/$name.out"
+  if [[ $rc -ne 0 ]]; then
+    fail "$name: $(basename "$bin") exited $rc"
+    cat "$TMP/$name.err"
+  fi
+}
+
+bench manager "$MANAGER_BENCH" --security="$all" --clients=2 --seconds=1 \
+  --floor --make_certs="$MAKE_CERTS" --tsv="$TMP/manager.tsv"
 check manager_bench "$TMP/manager.out" "$TMP/manager.tsv" 2
 # --floor: a row per configuration with calls answered NOT_FOUND (any other
 # answer is an error and the bench exits 1).
@@ -62,28 +70,16 @@ for c in "${configs[@]}"; do
     "$TMP/manager.out" || fail "manager_bench --floor: no floor row for $c"
 done
 
-"$ATTEND_BENCH" --security="$all" --tokens=64 --clients=1 --seconds=1 \
-  --repeats=1 --layers=2 --make_certs="$MAKE_CERTS" --tsv="$TMP/attend.tsv" \
-  >"$TMP/attend.out" 2>"$TMP/attend.err"
-rc=$?
-cat "$TMP/attend.out"
-if [[ $rc -ne 0 ]]; then
-  fail "attend_bench exited $rc"
-  cat "$TMP/attend.err"
-fi
+bench attend "$ATTEND_BENCH" --security="$all" --tokens=64 --clients=1 \
+  --seconds=1 --repeats=1 --layers=2 --make_certs="$MAKE_CERTS" \
+  --tsv="$TMP/attend.tsv"
 check attend_bench "$TMP/attend.out" "$TMP/attend.tsv" "64 x 1"
 
 # BF16 queries and outputs (AttendBatch), over TCP with TLS and over the
 # worker's local socket: the runs complete without errors.
-"$ATTEND_BENCH" --security=tls,mtls+local+token --wire=bf16 --tokens=64 \
-  --clients=1 --seconds=1 --repeats=1 --layers=2 --make_certs="$MAKE_CERTS" \
-  >"$TMP/attend_bf16.out" 2>"$TMP/attend_bf16.err"
-rc=$?
-cat "$TMP/attend_bf16.out"
-if [[ $rc -ne 0 ]]; then
-  fail "attend_bench --wire=bf16 exited $rc"
-  cat "$TMP/attend_bf16.err"
-fi
+bench attend_bf16 "$ATTEND_BENCH" --security=tls,mtls+local+token \
+  --wire=bf16 --tokens=64 --clients=1 --seconds=1 --repeats=1 --layers=2 \
+  --make_certs="$MAKE_CERTS"
 grep -q "(bf16 on the wire)" "$TMP/attend_bf16.out" || fail "--wire=bf16 not reported"
 grep -qE '^\| 64 x 1 \| mtls\+local\+token \| [0-9]+ .*\| 0 \|$' "$TMP/attend_bf16.out" ||
   fail "attend_bench --wire=bf16: no error-free row for mtls+local+token"
