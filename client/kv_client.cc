@@ -153,6 +153,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(
     c->managers_.push_back(
         triax::v1::Manager::NewStub(MakeChannel(a, options.credentials)));
   }
+  if (options.manager_stream) {
+    for (const auto& stub : c->managers_) {
+      c->call_streams_.push_back(
+          std::make_unique<SequenceCallStream>(stub.get(), options.token));
+    }
+    c->use_call_streams_ = true;
+  }
   if (c->managers_.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("Connect: manager_address \"", options.manager_address,
@@ -195,6 +202,83 @@ bool Client::FollowLeader(const absl::Status& s) {
   }
   current_manager_ = next;
   return true;
+}
+
+namespace {
+
+// A request in its SequenceCall, and the response out of its reply (false
+// for a reply of another kind).
+void SetCall(const v1::OpenSequenceRequest& r, v1::SequenceCall* c) {
+  *c->mutable_open() = r;
+}
+void SetCall(const v1::ExtendSequenceRequest& r, v1::SequenceCall* c) {
+  *c->mutable_extend() = r;
+}
+void SetCall(const v1::CloseSequenceRequest& r, v1::SequenceCall* c) {
+  *c->mutable_close() = r;
+}
+void SetCall(const v1::ForkSequenceRequest& r, v1::SequenceCall* c) {
+  *c->mutable_fork() = r;
+}
+void SetCall(const v1::TruncateSequenceRequest& r, v1::SequenceCall* c) {
+  *c->mutable_truncate() = r;
+}
+void SetCall(const v1::GetSequenceRequest& r, v1::SequenceCall* c) {
+  *c->mutable_get() = r;
+}
+void SetCall(const v1::ReportAccessRequest& r, v1::SequenceCall* c) {
+  *c->mutable_report_access() = r;
+}
+bool TakeReply(v1::SequenceReply* r, v1::OpenSequenceResponse* out) {
+  return r->has_open() && (out->Swap(r->mutable_open()), true);
+}
+bool TakeReply(v1::SequenceReply* r, v1::ExtendSequenceResponse* out) {
+  return r->has_extend() && (out->Swap(r->mutable_extend()), true);
+}
+bool TakeReply(v1::SequenceReply* r, v1::CloseSequenceResponse* out) {
+  return r->has_close() && (out->Swap(r->mutable_close()), true);
+}
+bool TakeReply(v1::SequenceReply* r, v1::ForkSequenceResponse* out) {
+  return r->has_fork() && (out->Swap(r->mutable_fork()), true);
+}
+bool TakeReply(v1::SequenceReply* r, v1::TruncateSequenceResponse* out) {
+  return r->has_truncate() && (out->Swap(r->mutable_truncate()), true);
+}
+bool TakeReply(v1::SequenceReply* r, v1::GetSequenceResponse* out) {
+  return r->has_get() && (out->Swap(r->mutable_get()), true);
+}
+bool TakeReply(v1::SequenceReply* r, v1::ReportAccessResponse* out) {
+  return r->has_report_access() &&
+         (out->Swap(r->mutable_report_access()), true);
+}
+
+}  // namespace
+
+template <typename Req, typename Resp>
+grpc::Status Client::ManagerCall(grpc::Status (v1::Manager::Stub::*rpc)(
+                                     grpc::ClientContext*, const Req&, Resp*),
+                                 grpc::ClientContext* ctx, const Req& req,
+                                 Resp* resp) {
+  if (use_call_streams_.load(std::memory_order_relaxed)) {
+    v1::SequenceCall call;
+    SetCall(req, &call);
+    v1::SequenceReply reply;
+    const grpc::Status s = call_streams_[current_manager_.load()]->Call(
+        std::move(call), ctx->deadline(), &reply);
+    // UNIMPLEMENTED with no reply (call_id 0) is the stream's own: a
+    // manager without SequenceCalls.
+    if (s.error_code() != grpc::StatusCode::UNIMPLEMENTED ||
+        reply.call_id() != 0) {
+      if (s.ok() && !TakeReply(&reply, resp)) {
+        return grpc::Status(grpc::StatusCode::INTERNAL,
+                            "SequenceCalls: the reply is not of the call's "
+                            "kind");
+      }
+      return s;
+    }
+    use_call_streams_ = false;  // an older manager: unary from now on
+  }
+  return (manager_stub()->*rpc)(ctx, req, resp);
 }
 
 absl::Status Client::CallWithRetry(
@@ -272,7 +356,7 @@ absl::StatusOr<SequenceInfo> Client::GetSequence(
   triax::v1::GetSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "GetSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_stub()->GetSequence(ctx, req, &resp);
+        return ManagerCall(&v1::Manager::Stub::GetSequence, ctx, req, &resp);
       }));
   return resp.sequence();
 }
@@ -331,7 +415,7 @@ absl::StatusOr<uint32_t> Client::ReportAccess(
   // No request id: a resend would count the hits twice, so it is not retried.
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "ReportAccess", /*retry=*/false, [&](grpc::ClientContext* ctx) {
-        return manager_stub()->ReportAccess(ctx, req, &resp);
+        return ManagerCall(&v1::Manager::Stub::ReportAccess, ctx, req, &resp);
       }));
   return resp.blocks_prefetching();
 }
@@ -380,7 +464,7 @@ void Client::CloseOnManagerQuietly(const std::string& sequence_id) {
   triax::v1::CloseSequenceResponse resp;
   // Best effort: the caller reports the error that made it undo the open.
   CallWithRetry("CloseSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-    return manager_stub()->CloseSequence(ctx, req, &resp);
+    return ManagerCall(&v1::Manager::Stub::CloseSequence, ctx, req, &resp);
   }).IgnoreError();
 }
 
@@ -433,7 +517,7 @@ absl::StatusOr<SequenceHandle> Client::Open(
   triax::v1::OpenSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "OpenSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_stub()->OpenSequence(ctx, req, &resp);
+        return ManagerCall(&v1::Manager::Stub::OpenSequence, ctx, req, &resp);
       }));
   const SequenceInfo& info = resp.sequence();
   if (info.prefix_blocks() > 0) {
@@ -504,7 +588,7 @@ absl::Status Client::Extend(SequenceHandle* seq,
   triax::v1::ExtendSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "ExtendSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_stub()->ExtendSequence(ctx, req, &resp);
+        return ManagerCall(&v1::Manager::Stub::ExtendSequence, ctx, req, &resp);
       }));
   absl::Status alloc = AllocateOnWorker(resp.sequence(), seq->window_tokens);
   if (!alloc.ok()) {
@@ -542,7 +626,8 @@ absl::Status Client::TruncateOnManager(const std::string& sequence_id,
   triax::v1::TruncateSequenceResponse resp;
   return CallWithRetry(
       "TruncateSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_stub()->TruncateSequence(ctx, req, &resp);
+        return ManagerCall(&v1::Manager::Stub::TruncateSequence, ctx, req,
+                           &resp);
       });
 }
 
@@ -556,7 +641,7 @@ absl::StatusOr<SequenceHandle> Client::Fork(const SequenceHandle& parent,
   triax::v1::ForkSequenceResponse resp;
   TRIAX_RETURN_IF_ERROR(CallWithRetry(
       "ForkSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
-        return manager_stub()->ForkSequence(ctx, req, &resp);
+        return ManagerCall(&v1::Manager::Stub::ForkSequence, ctx, req, &resp);
       }));
   const SequenceInfo& child = resp.sequence();
   if (!child.worker_address().empty() &&
@@ -693,10 +778,10 @@ absl::Status Client::Close(const SequenceHandle& seq) {
   req.set_tenant_id(options_.tenant_id);
   req.set_sequence_id(seq.sequence_id);
   triax::v1::CloseSequenceResponse resp;
-  return CallWithRetry("CloseSequence", /*retry=*/true,
-                       [&](grpc::ClientContext* ctx) {
-                         return manager_stub()->CloseSequence(ctx, req, &resp);
-                       });
+  return CallWithRetry(
+      "CloseSequence", /*retry=*/true, [&](grpc::ClientContext* ctx) {
+        return ManagerCall(&v1::Manager::Stub::CloseSequence, ctx, req, &resp);
+      });
 }
 
 absl::Status Client::WriteKV(const SequenceHandle& seq, uint32_t layer,

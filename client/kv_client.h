@@ -73,6 +73,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "client/sequence_call_stream.h"
 #include "common/model_proto.h"
 #include "kernels/layout.h"
 #include "triax/v1/manager.grpc.pb.h"
@@ -108,6 +109,15 @@ struct ClientOptions {
   // to such a worker go over the socket (no TCP, no TLS); others as above.
   // ParseWorkerSockets reads the flag form.
   std::map<std::string, std::string> worker_sockets;
+  // The sequence calls to the manager (Open, Extend, Close, Fork, Truncate,
+  // GetSequence, ReportAccess) on one Manager.SequenceCalls stream per
+  // manager address, shared by this client's threads (client/
+  // sequence_call_stream.h), instead of one unary RPC each: fewer bytes and
+  // far less of the manager's CPU per call when a frontend makes many calls
+  // a second (bench/results/manager.md "Call streams"). Same answers,
+  // deadlines and retries; a manager without the stream (UNIMPLEMENTED)
+  // gets the unary RPCs from then on.
+  bool manager_stream = false;
 };
 
 // "ADDRESS=unix:/PATH,..." (kvctl's and kvdemo's --worker_sockets) as
@@ -371,6 +381,14 @@ class Client {
   absl::Status CallWithRetry(
       absl::string_view what, bool retry,
       const std::function<grpc::Status(grpc::ClientContext*)>& call);
+  // A sequence call to the manager in use: on its SequenceCalls stream
+  // with ClientOptions::manager_stream (ctx's deadline is the call's), else
+  // the unary `rpc`.
+  template <typename Req, typename Resp>
+  grpc::Status ManagerCall(grpc::Status (triax::v1::Manager::Stub::*rpc)(
+                               grpc::ClientContext*, const Req&, Resp*),
+                           grpc::ClientContext* ctx, const Req& req,
+                           Resp* resp);
   // AllocatePages of the full plan in `info` on its worker.
   absl::Status AllocateOnWorker(const triax::v1::SequenceInfo& info,
                                 std::optional<uint32_t> window_tokens);
@@ -389,6 +407,10 @@ class Client {
   std::vector<std::string> manager_addresses_;
   std::vector<std::unique_ptr<triax::v1::Manager::Stub>> managers_;
   std::atomic<size_t> current_manager_{0};
+  // With manager_stream: one per manager address (managers_' order);
+  // false once a manager answered the stream UNIMPLEMENTED.
+  std::vector<std::unique_ptr<SequenceCallStream>> call_streams_;
+  std::atomic<bool> use_call_streams_{false};
   triax::v1::Manager::Stub* manager_stub() const {
     return managers_[current_manager_.load()].get();
   }

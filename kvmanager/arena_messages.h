@@ -98,4 +98,70 @@ class ArenaMessageAllocator final
   std::vector<Holder*> free_ ABSL_GUARDED_BY(mu_);
 };
 
+// Arenas with a first block of their own, pooled, for messages that are
+// not a unary call's (SequenceCalls' replies: manager_service_stream.cc).
+// Take() an arena, create messages on it, Give() it back when they are
+// done with: it is Reset (its first block kept) and reused.
+//
+// Thread contract: thread-safe.
+class ArenaPool {
+ public:
+  class Lease {
+   public:
+    google::protobuf::Arena* arena() { return &arena_; }
+
+   private:
+    friend class ArenaPool;
+    Lease() : block_(new char[kBlockBytes]), arena_(Options(block_.get())) {}
+    static google::protobuf::ArenaOptions Options(char* b) {
+      google::protobuf::ArenaOptions o;
+      o.initial_block = b;
+      o.initial_block_size = kBlockBytes;
+      return o;
+    }
+    std::unique_ptr<char[]> block_;
+    google::protobuf::Arena arena_;
+  };
+
+  ArenaPool() = default;
+  ~ArenaPool() {
+    for (Lease* l : free_) delete l;
+  }
+  ArenaPool(const ArenaPool&) = delete;
+  ArenaPool& operator=(const ArenaPool&) = delete;
+
+  Lease* Take() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!free_.empty()) {
+        Lease* l = free_.back();
+        free_.pop_back();
+        return l;
+      }
+    }
+    return new Lease();
+  }
+
+  // `lease` came from Take(); the messages on its arena are gone after this.
+  void Give(Lease* lease) {
+    lease->arena_.Reset();  // keeps the first block
+    {
+      absl::MutexLock lock(&mu_);
+      if (free_.size() < kMaxFree) {
+        free_.push_back(lease);
+        return;
+      }
+    }
+    delete lease;
+  }
+
+ private:
+  // As ArenaMessageAllocator's: an Extend's reply of 95 plans fits.
+  static constexpr size_t kBlockBytes = 32 << 10;
+  static constexpr size_t kMaxFree = 256;
+
+  absl::Mutex mu_;
+  std::vector<Lease*> free_ ABSL_GUARDED_BY(mu_);
+};
+
 }  // namespace triax::manager

@@ -233,6 +233,12 @@ ABSL_FLAG(uint32_t, max_watchers, 1024,
 ABSL_FLAG(uint64_t, max_events_per_watch, 0,
           "events one WatchEvents stream sends before it ends (the client "
           "resumes with the from_id the message names); 0: no limit");
+ABSL_FLAG(uint32_t, max_call_streams, 1024,
+          "SequenceCalls streams open at once; 0: no limit");
+ABSL_FLAG(uint32_t, max_stream_calls, 1024,
+          "calls of one SequenceCalls stream in flight (the stream is not "
+          "read further until replies go out; the calls of one batch past "
+          "it are answered RESOURCE_EXHAUSTED); >= 1");
 
 namespace {
 
@@ -639,9 +645,19 @@ int main(int argc, char** argv) {
   limits.max_spans_per_request = absl::GetFlag(FLAGS_max_spans_per_request);
   limits.max_watchers = absl::GetFlag(FLAGS_max_watchers);
   limits.max_events_per_watch = absl::GetFlag(FLAGS_max_events_per_watch);
+  limits.max_call_streams = absl::GetFlag(FLAGS_max_call_streams);
+  limits.max_stream_calls = absl::GetFlag(FLAGS_max_stream_calls);
+  if (limits.max_stream_calls == 0) {
+    Log(LogLevel::kError, "manager", "--max_stream_calls=0: must be >= 1");
+    return 2;
+  }
   service.SetLimits(limits);
 
   triax::RpcMetrics rpc_metrics("triaxkv_manager");
+  service.SetCallRecorder([&rpc_metrics](const std::string& method, int code,
+                                         absl::Duration elapsed) {
+    rpc_metrics.Record("triax.v1.Manager", method, code, elapsed);
+  });
   triax::manager::ManagerMetricsOptions metrics_options;
   metrics_options.max_tenants = absl::GetFlag(FLAGS_metrics_max_tenants);
   triax::manager::ManagerMetrics metrics(core->get(), &rpc_metrics,

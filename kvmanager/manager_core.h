@@ -553,7 +553,9 @@ class ManagerCore {
   absl::Status AdoptWorkerBlocks(const std::string& worker_id,
                                  const Inventory& described);
   static uint64_t TakeDurableTicket();
-  void WhenDurable(uint64_t ticket, std::function<void()> fn);
+  // may_wait false: never in this thread (always the writer thread's).
+  void WhenDurable(uint64_t ticket, std::function<void()> fn,
+                   bool may_wait = true);
   // Counts of what is held: tenants, workers, retained sequences, live
   // blocks (recovery figures).
   struct Counts {

@@ -56,7 +56,8 @@ uint64_t ManagerCore::TakeDurableTicket() {
   return t;
 }
 
-void ManagerCore::WhenDurable(uint64_t ticket, std::function<void()> fn) {
+void ManagerCore::WhenDurable(uint64_t ticket, std::function<void()> fn,
+                              bool may_wait) {
   MetadataJournal* journal = ticket != 0 ? reply_journal_.load() : nullptr;
   if (journal == nullptr) {
     fn();
@@ -70,13 +71,13 @@ void ManagerCore::WhenDurable(uint64_t ticket, std::function<void()> fn) {
   // bench/results/manager.md "Durable metadata").
   static std::atomic<int> waiting{0};
   static const int limit = std::max(1, UsableCores() / 2);
-  if (waiting.fetch_add(1) < limit) {
+  if (may_wait && waiting.fetch_add(1) < limit) {
     journal->Wait(ticket);
     waiting.fetch_sub(1);
     fn();
     return;
   }
-  waiting.fetch_sub(1);
+  if (may_wait) waiting.fetch_sub(1);
   journal->OnDurable(ticket, std::move(fn));
 }
 

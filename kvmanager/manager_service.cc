@@ -531,26 +531,38 @@ absl::Status ManagerService::CheckSpans(int spans) const {
                    "max_spans_per_request = ", limits_.max_spans_per_request));
 }
 
+ManagerService::CallDone ManagerService::UnaryDone(
+    grpc::ServerUnaryReactor* reactor) const {
+  return [core = core_, reactor](grpc::Status status) {
+    FinishDurable(core, reactor, std::move(status));
+  };
+}
+
 grpc::ServerUnaryReactor* ManagerService::OpenSequence(
     grpc::CallbackServerContext* ctx, const v1::OpenSequenceRequest* req,
     v1::OpenSequenceResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  if (absl::Status denied =
-          auth_.Tenant(*ctx, "OpenSequence", req->tenant_id());
+  StartOpen(ctx, *req, resp, UnaryDone(reactor));
+  return reactor;
+}
+
+void ManagerService::StartOpen(grpc::CallbackServerContext* ctx,
+                               const v1::OpenSequenceRequest& req,
+                               v1::OpenSequenceResponse* resp, CallDone done) {
+  if (absl::Status denied = auth_.Tenant(*ctx, "OpenSequence", req.tenant_id());
       !denied.ok()) {
-    reactor->Finish(ToGrpcStatus(denied));
-    return reactor;
+    done(ToGrpcStatus(denied));
+    return;
   }
-  if (!req->has_model()) {
-    FinishDurable(core_, reactor,
-                  ToGrpcStatus(absl::InvalidArgumentError("model is not set")));
-    return reactor;
+  if (!req.has_model()) {
+    done(ToGrpcStatus(absl::InvalidArgumentError("model is not set")));
+    return;
   }
-  if (absl::Status s = CheckSpans(req->spans_size()); !s.ok()) {
-    FinishDurable(core_, reactor, ToGrpcStatus(s));
-    return reactor;
+  if (absl::Status s = CheckSpans(req.spans_size()); !s.ok()) {
+    done(ToGrpcStatus(s));
+    return;
   }
-  OpenSequenceRequest open = FromProto(*req);
+  OpenSequenceRequest open = FromProto(req);
   AdmissionShortfall shortfall;
   auto r = core_->OpenSequence(open, &shortfall);
   if (r.ok() || !absl::IsResourceExhausted(r.status()) ||
@@ -559,11 +571,11 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
       ToProto(*r, resp->mutable_sequence());
       SignSequence(resp->mutable_sequence());
     }
-    FinishDurable(core_, reactor, ToGrpcStatus(r.status()));
-    return reactor;
+    done(ToGrpcStatus(r.status()));
+    return;
   }
   // Admission after reclaiming: on the pressure executor.
-  Post([this, reactor, resp, open = std::move(open), shortfall,
+  Post([this, done = std::move(done), resp, open = std::move(open), shortfall,
         refused = r.status(), deadline = ReclaimDeadline(ctx)] {
     ReclaimReport report;
     auto again = AdmitAfterReclaim<SequenceInfo>(
@@ -575,32 +587,39 @@ grpc::ServerUnaryReactor* ManagerService::OpenSequence(
       SignSequence(resp->mutable_sequence());
       ToProto(report, resp->mutable_reclaimed());
     }
-    FinishDurable(core_, reactor, ToGrpcStatus(again.status()));
+    done(ToGrpcStatus(again.status()));
   });
-  return reactor;
 }
 
 grpc::ServerUnaryReactor* ManagerService::ExtendSequence(
     grpc::CallbackServerContext* ctx, const v1::ExtendSequenceRequest* req,
     v1::ExtendSequenceResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  StartExtend(ctx, *req, resp, UnaryDone(reactor));
+  return reactor;
+}
+
+void ManagerService::StartExtend(grpc::CallbackServerContext* ctx,
+                                 const v1::ExtendSequenceRequest& req,
+                                 v1::ExtendSequenceResponse* resp,
+                                 CallDone done) {
   if (absl::Status denied =
-          auth_.Tenant(*ctx, "ExtendSequence", req->tenant_id());
+          auth_.Tenant(*ctx, "ExtendSequence", req.tenant_id());
       !denied.ok()) {
-    reactor->Finish(ToGrpcStatus(denied));
-    return reactor;
+    done(ToGrpcStatus(denied));
+    return;
   }
-  if (absl::Status s = CheckSpans(req->spans_size()); !s.ok()) {
-    FinishDurable(core_, reactor, ToGrpcStatus(s));
-    return reactor;
+  if (absl::Status s = CheckSpans(req.spans_size()); !s.ok()) {
+    done(ToGrpcStatus(s));
+    return;
   }
-  ExtendSequenceRequest extend = FromProto(*req);
+  ExtendSequenceRequest extend = FromProto(req);
   AdmissionShortfall shortfall;
   auto r = core_->ExtendSequence(extend, &shortfall);
   if (!r.ok() && absl::IsResourceExhausted(r.status()) &&
       shortfall.request_bytes > 0) {
-    Post([this, reactor, resp, extend = std::move(extend), shortfall,
-          refused = r.status(), deadline = ReclaimDeadline(ctx)] {
+    Post([this, done = std::move(done), resp, extend = std::move(extend),
+          shortfall, refused = r.status(), deadline = ReclaimDeadline(ctx)] {
       ReclaimReport report;
       auto again = AdmitAfterReclaim<ExtendSequenceResult>(
           refused, shortfall, deadline,
@@ -609,15 +628,14 @@ grpc::ServerUnaryReactor* ManagerService::ExtendSequence(
           },
           &report);
       if (again.ok()) ToProto(report, resp->mutable_reclaimed());
-      FinishExtend(reactor, resp, std::move(again));
+      FinishExtend(done, resp, std::move(again));
     });
-    return reactor;
+    return;
   }
-  FinishExtend(reactor, resp, std::move(r));
-  return reactor;
+  FinishExtend(std::move(done), resp, std::move(r));
 }
 
-void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
+void ManagerService::FinishExtend(CallDone done,
                                   v1::ExtendSequenceResponse* resp,
                                   absl::StatusOr<ExtendSequenceResult> r) {
   if (r.ok() && HasSpilledBlocks(r->sequence)) {
@@ -638,21 +656,21 @@ void ManagerService::FinishExtend(grpc::ServerUnaryReactor* reactor,
       ToProto(*r, resp);
       SignSequence(resp->mutable_sequence());
     }
-    FinishDurable(core_, reactor, ToGrpcStatus(r.status()));
+    done(ToGrpcStatus(r.status()));
     return;
   }
   // Allocation policy: demote the blocks whose tag's choice shrank on the
   // worker, then commit (or keep them) and reply. The Extend succeeds either
   // way.
   const uint64_t token = r->demotion->token;
-  CallWorkerDemote(*r->demotion, [this, reactor, resp, token](
+  CallWorkerDemote(*r->demotion, [this, done = std::move(done), resp, token](
                                      const absl::Status& worker, uint64_t) {
     auto fin = core_->FinishExtendDemotion(token, worker);
     if (fin.ok()) {
       ToProto(*fin, resp);
       SignSequence(resp->mutable_sequence());
     }
-    FinishDurable(core_, reactor, ToGrpcStatus(fin.status()));
+    done(ToGrpcStatus(fin.status()));
   });
 }
 
@@ -660,33 +678,40 @@ grpc::ServerUnaryReactor* ManagerService::ReportAccess(
     grpc::CallbackServerContext* ctx, const v1::ReportAccessRequest* req,
     v1::ReportAccessResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  if (absl::Status denied =
-          auth_.Tenant(*ctx, "ReportAccess", req->tenant_id());
+  StartReportAccess(ctx, *req, resp, UnaryDone(reactor));
+  return reactor;
+}
+
+void ManagerService::StartReportAccess(grpc::CallbackServerContext* ctx,
+                                       const v1::ReportAccessRequest& req,
+                                       v1::ReportAccessResponse* resp,
+                                       CallDone done) {
+  if (absl::Status denied = auth_.Tenant(*ctx, "ReportAccess", req.tenant_id());
       !denied.ok()) {
-    reactor->Finish(ToGrpcStatus(denied));
-    return reactor;
+    done(ToGrpcStatus(denied));
+    return;
   }
-  auto plan = core_->ReportAccess(FromProto(*req));
+  auto plan = core_->ReportAccess(FromProto(req));
   if (!plan.ok()) {
-    FinishDurable(core_, reactor, ToGrpcStatus(plan.status()));
-    return reactor;
+    done(ToGrpcStatus(plan.status()));
+    return;
   }
   uint32_t blocks = 0;
   for (const TierCommand& c : plan->commands) blocks += c.blocks.size();
-  if (!req->active()) {
+  if (!req.active()) {
     // Neighbours only: restored in the background, the reply goes now.
     resp->set_blocks_prefetching(blocks);
     if (plan->token != 0) {
       Post([this, plan = std::move(*plan)] { RunTierPlan(plan); });
     }
-    FinishDurable(core_, reactor, grpc::Status::OK);
-    return reactor;
+    done(grpc::Status::OK);
+    return;
   }
   // Active: the reply waits until the sequence's spilled blocks are back
   // (reclaiming room from other sequences if needed), so the frontend's
   // next Attend finds them on the device.
-  Post([this, reactor, resp, blocks, plan = std::move(*plan),
-        seq = req->sequence_id(), deadline = ReclaimDeadline(ctx)] {
+  Post([this, done = std::move(done), resp, blocks, plan = std::move(*plan),
+        seq = req.sequence_id(), deadline = ReclaimDeadline(ctx)] {
     RunTierPlan(plan);
     ReclaimReport report;
     uint32_t restored = 0;
@@ -694,9 +719,8 @@ grpc::ServerUnaryReactor* ManagerService::ReportAccess(
         RestoreWithReclaim(seq, deadline, &restored, &report);
     resp->set_blocks_prefetching(blocks + restored);
     if (report.stages > 0) ToProto(report, resp->mutable_reclaimed());
-    FinishDurable(core_, reactor, ToGrpcStatus(st));
+    done(ToGrpcStatus(st));
   });
-  return reactor;
 }
 
 template <typename T>
@@ -759,40 +783,50 @@ grpc::ServerUnaryReactor* ManagerService::GetPressure(
 grpc::ServerUnaryReactor* ManagerService::ForkSequence(
     grpc::CallbackServerContext* ctx, const v1::ForkSequenceRequest* req,
     v1::ForkSequenceResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(auth_.Tenant(*ctx, "ForkSequence", req->tenant_id()));
-    auto r = core_->ForkSequence(FromProto(*req));
-    if (!r.ok()) return r.status();
-    ToProto(*r, resp->mutable_sequence());
-    SignSequence(resp->mutable_sequence());
-    return absl::OkStatus();
-  });
+  return Unary(core_, ctx, [&] { return DoFork(*ctx, *req, resp); });
+}
+
+absl::Status ManagerService::DoFork(const grpc::ServerContextBase& ctx,
+                                    const v1::ForkSequenceRequest& req,
+                                    v1::ForkSequenceResponse* resp) {
+  TRIAX_RETURN_IF_ERROR(auth_.Tenant(ctx, "ForkSequence", req.tenant_id()));
+  auto r = core_->ForkSequence(FromProto(req));
+  if (!r.ok()) return r.status();
+  ToProto(*r, resp->mutable_sequence());
+  SignSequence(resp->mutable_sequence());
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* ManagerService::CloseSequence(
     grpc::CallbackServerContext* ctx, const v1::CloseSequenceRequest* req,
     v1::CloseSequenceResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(
-        auth_.Tenant(*ctx, "CloseSequence", req->tenant_id()));
-    auto r = core_->CloseSequence(FromProto(*req));
-    if (!r.ok()) return r.status();
-    ToProto(*r, resp);
-    return absl::OkStatus();
-  });
+  return Unary(core_, ctx, [&] { return DoClose(*ctx, *req, resp); });
+}
+
+absl::Status ManagerService::DoClose(const grpc::ServerContextBase& ctx,
+                                     const v1::CloseSequenceRequest& req,
+                                     v1::CloseSequenceResponse* resp) {
+  TRIAX_RETURN_IF_ERROR(auth_.Tenant(ctx, "CloseSequence", req.tenant_id()));
+  auto r = core_->CloseSequence(FromProto(req));
+  if (!r.ok()) return r.status();
+  ToProto(*r, resp);
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* ManagerService::TruncateSequence(
     grpc::CallbackServerContext* ctx, const v1::TruncateSequenceRequest* req,
     v1::TruncateSequenceResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(
-        auth_.Tenant(*ctx, "TruncateSequence", req->tenant_id()));
-    auto r = core_->TruncateSequence(FromProto(*req));
-    if (!r.ok()) return r.status();
-    ToProto(*r, resp);
-    return absl::OkStatus();
-  });
+  return Unary(core_, ctx, [&] { return DoTruncate(*ctx, *req, resp); });
+}
+
+absl::Status ManagerService::DoTruncate(const grpc::ServerContextBase& ctx,
+                                        const v1::TruncateSequenceRequest& req,
+                                        v1::TruncateSequenceResponse* resp) {
+  TRIAX_RETURN_IF_ERROR(auth_.Tenant(ctx, "TruncateSequence", req.tenant_id()));
+  auto r = core_->TruncateSequence(FromProto(req));
+  if (!r.ok()) return r.status();
+  ToProto(*r, resp);
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* ManagerService::PutPolicy(

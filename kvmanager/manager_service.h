@@ -79,6 +79,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "kvmanager/arena_messages.h"
 #include "kvmanager/auth.h"
 #include "kvmanager/manager_core.h"
@@ -110,6 +111,12 @@ struct ServiceLimits {
   // Events one WatchEvents stream sends before it is finished (the message
   // names the from_id to resume with); 0: no limit.
   uint64_t max_events_per_watch = 0;
+  // SequenceCalls streams open at once; 0: no limit.
+  uint32_t max_call_streams = 1'024;
+  // Calls of one SequenceCalls stream in flight (>= 1): the stream is not
+  // read further until replies go out, and the calls of one batch past it
+  // are answered RESOURCE_EXHAUSTED.
+  uint32_t max_stream_calls = 1'024;
 };
 
 // Finishes `reactor` with `status` once what this thread's core calls
@@ -232,6 +239,19 @@ class ManagerService final : public v1::Manager::CallbackService {
   grpc::ServerWriteReactor<v1::Event>* WatchEvents(
       grpc::CallbackServerContext* ctx,
       const v1::WatchEventsRequest* req) override;
+  // manager_service_stream.cc: the sequence calls on one stream.
+  grpc::ServerBidiReactor<v1::SequenceCallBatch, v1::SequenceReplyBatch>*
+  SequenceCalls(grpc::CallbackServerContext* ctx) override;
+  // Where SequenceCalls counts each call it answers: `record(method, code,
+  // elapsed)` with method "SequenceCalls.<RPC>" (kvmanager's main hands it
+  // RpcMetrics::Record, beside the interceptor's per-RPC series; the stream
+  // itself is one "SequenceCalls" call there); unset: not counted. Call
+  // before the server starts.
+  using CallRecorder = std::function<void(const std::string& method, int code,
+                                          absl::Duration elapsed)>;
+  void SetCallRecorder(CallRecorder record) {
+    record_call_ = std::move(record);
+  }
   grpc::ServerUnaryReactor* IssueToken(grpc::CallbackServerContext* ctx,
                                        const v1::IssueTokenRequest* req,
                                        v1::IssueTokenResponse* resp) override;
@@ -247,6 +267,41 @@ class ManagerService final : public v1::Manager::CallbackService {
       v1::PlanCapacityResponse* resp) override;
 
  private:
+  friend class SequenceCallReactor;  // manager_service_stream.cc
+  // How a sequence call's answer leaves: the unary reactor's Finish (through
+  // FinishDurable: UnaryDone), or a call stream's reply. Called once, with
+  // the call's status, on the thread that made the call's last core call
+  // (whose durable ticket the reply waits for); the response object passed
+  // with it is filled by then.
+  using CallDone = std::function<void(grpc::Status)>;
+  CallDone UnaryDone(grpc::ServerUnaryReactor* reactor) const;
+  // The bodies of the sequence calls, shared by the unary RPCs and
+  // SequenceCalls. `ctx` authorizes (its bearer token) and bounds a reclaim
+  // (its deadline); the request may be reused once the call returns; `resp`
+  // must live until `done`.
+  void StartOpen(grpc::CallbackServerContext* ctx,
+                 const v1::OpenSequenceRequest& req,
+                 v1::OpenSequenceResponse* resp, CallDone done);
+  void StartExtend(grpc::CallbackServerContext* ctx,
+                   const v1::ExtendSequenceRequest& req,
+                   v1::ExtendSequenceResponse* resp, CallDone done);
+  void StartReportAccess(grpc::CallbackServerContext* ctx,
+                         const v1::ReportAccessRequest& req,
+                         v1::ReportAccessResponse* resp, CallDone done);
+  // The synchronous ones: the reply is the returned status (durable once
+  // this thread's ticket is).
+  absl::Status DoFork(const grpc::ServerContextBase& ctx,
+                      const v1::ForkSequenceRequest& req,
+                      v1::ForkSequenceResponse* resp);
+  absl::Status DoClose(const grpc::ServerContextBase& ctx,
+                       const v1::CloseSequenceRequest& req,
+                       v1::CloseSequenceResponse* resp);
+  absl::Status DoTruncate(const grpc::ServerContextBase& ctx,
+                          const v1::TruncateSequenceRequest& req,
+                          v1::TruncateSequenceResponse* resp);
+  absl::Status DoGet(const grpc::ServerContextBase& ctx,
+                     const v1::GetSequenceRequest& req,
+                     v1::GetSequenceResponse* resp);
   // With capabilities on (RequireTokens): adds the manager's capability for
   // (tenant_id, sequence_id; empty: the whole worker) on worker_id to a
   // worker call; off: nothing.
@@ -299,8 +354,7 @@ class ManagerService final : public v1::Manager::CallbackService {
       ReclaimReport* report);
   // Finishes an Extend reply: runs its demotion (allocation policies) and
   // queues the prefetch of the sequence's spilled blocks.
-  void FinishExtend(grpc::ServerUnaryReactor* reactor,
-                    v1::ExtendSequenceResponse* resp,
+  void FinishExtend(CallDone done, v1::ExtendSequenceResponse* resp,
                     absl::StatusOr<ExtendSequenceResult> r);
   std::shared_ptr<v1::Worker::Stub> WorkerStub(const std::string& address);
   // Asks the worker for its inventory (deadline worker_rpc_timeout_ms) and
@@ -361,6 +415,12 @@ class ManagerService final : public v1::Manager::CallbackService {
   // the reactors, which may finish after a call returns.
   std::shared_ptr<std::atomic<uint32_t>> watchers_ =
       std::make_shared<std::atomic<uint32_t>>(0);
+  // SequenceCalls streams open now (ServiceLimits::max_call_streams).
+  std::shared_ptr<std::atomic<uint32_t>> call_streams_ =
+      std::make_shared<std::atomic<uint32_t>>(0);
+  CallRecorder record_call_;
+  // SequenceCalls' replies (manager_service_stream.cc).
+  ArenaPool reply_arenas_;
   const int64_t worker_rpc_timeout_ms_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<v1::Worker::Stub>> stubs_

@@ -56,17 +56,21 @@ grpc::ServerUnaryReactor* ManagerService::ListTenants(
 grpc::ServerUnaryReactor* ManagerService::GetSequence(
     grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* req,
     v1::GetSequenceResponse* resp) {
-  return Unary(core_, ctx, [&]() -> absl::Status {
-    TRIAX_RETURN_IF_ERROR(
-        req->tenant_id().empty()
-            ? auth_.Admin(*ctx, "GetSequence (no tenant_id: any tenant's)")
-            : auth_.Tenant(*ctx, "GetSequence", req->tenant_id()));
-    auto r = core_->GetSequence(req->tenant_id(), req->sequence_id());
-    if (!r.ok()) return r.status();
-    ToProto(*r, resp->mutable_sequence());
-    SignSequence(resp->mutable_sequence());
-    return absl::OkStatus();
-  });
+  return Unary(core_, ctx, [&] { return DoGet(*ctx, *req, resp); });
+}
+
+absl::Status ManagerService::DoGet(const grpc::ServerContextBase& ctx,
+                                   const v1::GetSequenceRequest& req,
+                                   v1::GetSequenceResponse* resp) {
+  TRIAX_RETURN_IF_ERROR(
+      req.tenant_id().empty()
+          ? auth_.Admin(ctx, "GetSequence (no tenant_id: any tenant's)")
+          : auth_.Tenant(ctx, "GetSequence", req.tenant_id()));
+  auto r = core_->GetSequence(req.tenant_id(), req.sequence_id());
+  if (!r.ok()) return r.status();
+  ToProto(*r, resp->mutable_sequence());
+  SignSequence(resp->mutable_sequence());
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* ManagerService::ListSequences(

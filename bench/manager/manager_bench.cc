@@ -38,6 +38,14 @@
 // worker a worker token, all issued through the manager with its admin
 // token. --cpus_manager pins the managers, --cpus_bench this process.
 //
+// --paths=unary,stream runs the sessions (and the floor) both ways against
+// each manager, alternating: one unary RPC per call, or the calls on
+// Manager.SequenceCalls streams (client/sequence_call_stream.h); --streams
+// is how many streams the clients share (0: one per client; N: client i on
+// stream i % N, as N frontends each multiplexing its sessions; each stream
+// on its own connection, opened before the clock starts).
+// bench/results/manager.md "Call streams".
+//
 // --floor adds, at each level and configuration right after the sessions,
 // the same clients calling GetSequence of a sequence that does not exist:
 // what a call costs the manager without work (bench/results/manager.md
@@ -96,6 +104,11 @@ ABSL_FLAG(bool, floor, false,
           "a sequence that does not exist (NOT_FOUND) in a loop, a call "
           "that passes gRPC, the interceptors and the tenant's check and "
           "does no work; printed with the sessions' RPCs/s over it");
+ABSL_FLAG(std::string, paths, "unary",
+          "comma-separated: unary (one RPC per call), stream (the calls on "
+          "SequenceCalls streams)");
+ABSL_FLAG(int, streams, 0,
+          "stream path: streams the clients share (0: one per client)");
 ABSL_FLAG(std::string, manager_flags, "",
           "extra kvmanager flags, space-separated");
 ABSL_FLAG(int, sessions, 41400,
@@ -144,6 +157,7 @@ using triax::bench::manager::ClientStats;
 using triax::bench::manager::NewChannel;
 using triax::bench::manager::RunClient;
 using triax::bench::manager::RunFloorClient;
+using triax::bench::manager::SessionCalls;
 using triax::bench::manager::SetBenchModel;
 
 // The kvmanager subprocess; terminated by the destructor.
@@ -615,22 +629,59 @@ std::unique_ptr<Secured> StartSecured(const std::string& binary,
 }
 
 // `clients` client threads against `m` for `seconds`: prints the row of the
-// throughput table (with the configuration's name when `named`) and
+// throughput table (with `name` first when not empty) and
 // returns the run for the comparison (an empty one when a client cannot
 // connect).
-bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
-                            int seconds, int level_sessions, bool named,
+bench::Measurement RunLevel(const Secured& m, bool stream, int streams,
+                            int clients, int tenants, int seconds,
+                            int level_sessions, const std::string& name,
                             bool floor, int* failures) {
   std::vector<ClientStats> stats(clients);
   // Every client's connection (TCP, and the TLS handshake) is made before
-  // the clock starts: frontends keep their channels.
+  // the clock starts: frontends keep their channels (and their streams).
+  const int links =
+      stream && streams > 0 ? std::min(streams, clients) : clients;
   std::vector<std::shared_ptr<grpc::Channel>> channels;
-  for (int i = 0; i < clients; ++i) {
+  for (int i = 0; i < links; ++i) {
     channels.push_back(NewChannel(m.client_target, i, m.access.credentials));
     if (!channels.back()->WaitForConnected(std::chrono::system_clock::now() +
                                            std::chrono::seconds(10))) {
       std::fprintf(stderr, "client %d of %s: not connected after 10 s\n", i,
-                   m.config.name.c_str());
+                   name.c_str());
+      ++*failures;
+      return {};
+    }
+  }
+  // Client i's link, its tenant, and how its calls go.
+  auto tenant_of = [&](int i) { return (i % links) % tenants; };
+  auto token_of = [&](int t) {
+    return m.access.tenant_tokens.empty() ? std::string()
+                                          : m.access.tenant_tokens[t];
+  };
+  std::vector<std::unique_ptr<v1::Manager::Stub>> stubs;
+  std::vector<std::unique_ptr<triax::client::SequenceCallStream>> call_streams;
+  std::vector<std::unique_ptr<SessionCalls>> calls;
+  for (int i = 0; stream && i < links; ++i) {
+    stubs.push_back(v1::Manager::NewStub(channels[i]));
+    call_streams.push_back(std::make_unique<triax::client::SequenceCallStream>(
+        stubs.back().get(), token_of(tenant_of(i))));
+  }
+  for (int i = 0; i < clients; ++i) {
+    calls.push_back(stream ? triax::bench::manager::StreamCalls(
+                                 call_streams[i % links].get())
+                           : triax::bench::manager::UnaryCalls(
+                                 channels[i], token_of(tenant_of(i))));
+  }
+  // The streams open (and authenticate) before the clock starts too.
+  for (int i = 0; stream && i < links; ++i) {
+    v1::GetSequenceRequest get;
+    get.set_tenant_id(absl::StrCat("bench-t", tenant_of(i)));
+    get.set_sequence_id("bench-warmup");
+    v1::GetSequenceResponse resp;
+    const grpc::Status s = calls[i]->Get(get, &resp);
+    if (s.error_code() != grpc::StatusCode::NOT_FOUND) {
+      std::fprintf(stderr, "stream %d of %s: warm-up call answered %d %s\n", i,
+                   name.c_str(), s.error_code(), s.error_message().c_str());
       ++*failures;
       return {};
     }
@@ -645,16 +696,16 @@ bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
   const auto start = Clock::now();
   const auto deadline = start + std::chrono::seconds(seconds);
   for (int i = 0; floor && i < clients; ++i) {
-    threads.emplace_back(RunFloorClient, channels[i], i, std::cref(m.access),
-                         tenants, deadline, &stats[i]);
+    threads.emplace_back(RunFloorClient, calls[i].get(), i, tenant_of(i),
+                         deadline, &stats[i]);
   }
   for (int i = 0; !floor && i < clients; ++i) {
     // Client i's share of --level_sessions (-1: timed).
     const int share = level_sessions > 0 ? level_sessions / clients +
                                                (i < level_sessions % clients)
                                          : -1;
-    threads.emplace_back(RunClient, channels[i], i, std::cref(m.access),
-                         tenants, deadline, share, run_id, &stats[i]);
+    threads.emplace_back(RunClient, calls[i].get(), i, tenant_of(i), deadline,
+                         share, run_id, &stats[i]);
   }
   for (auto& t : threads) t.join();
   const double elapsed =
@@ -689,7 +740,7 @@ bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
   if (floor) {
     if (all.errors > 0) {
       std::fprintf(stderr, "floor: first error at %d clients (%s): %s\n",
-                   clients, m.config.name.c_str(), all.first_error.c_str());
+                   clients, name.c_str(), all.first_error.c_str());
       ++*failures;
     }
     return run;
@@ -697,7 +748,7 @@ bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
   std::printf(
       "| %s%d | %.0f | %.0f | %.0f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f "
       "| %llu |\n",
-      named ? absl::StrCat(m.config.name, " | ").c_str() : "", clients,
+      name.empty() ? "" : absl::StrCat(name, " | ").c_str(), clients,
       run.ops / elapsed, all.close_ms.size() / elapsed, all.blocks / elapsed,
       bench::Quantile(&all.open_ms, 0.5), bench::Quantile(&all.open_ms, 0.99),
       bench::Quantile(&all.extend_ms, 0.5),
@@ -707,7 +758,7 @@ bench::Measurement RunLevel(const Secured& m, int clients, int tenants,
   std::fflush(stdout);
   if (all.errors > 0) {
     std::fprintf(stderr, "first error at %d clients (%s): %s\n", clients,
-                 m.config.name.c_str(), all.first_error.c_str());
+                 name.c_str(), all.first_error.c_str());
     ++*failures;
   }
   return run;
@@ -761,6 +812,24 @@ int main(int argc, char** argv) {
     std::cerr << "manager_bench: --security=" << absl::GetFlag(FLAGS_security)
               << " applies to --mode=throughput only; --mode=memory runs "
                  "plain\n";
+    return 2;
+  }
+  std::vector<bool> paths;  // false: unary, true: stream
+  for (absl::string_view part :
+       absl::StrSplit(absl::GetFlag(FLAGS_paths), ',', absl::SkipEmpty())) {
+    if (part != "unary" && part != "stream") {
+      std::cerr << "--paths: \"" << part << "\"; want unary or stream\n";
+      return 2;
+    }
+    paths.push_back(part == "stream");
+  }
+  if (paths.empty()) {
+    std::cerr << "--paths: empty; want unary, stream or both\n";
+    return 2;
+  }
+  const int streams = absl::GetFlag(FLAGS_streams);
+  if (streams < 0) {
+    std::cerr << "--streams=" << streams << "; want >= 0\n";
     return 2;
   }
   const int repeats = absl::GetFlag(FLAGS_repeats);
@@ -819,7 +888,25 @@ int main(int argc, char** argv) {
     return RunMemory(m.target, m.manager, m.admin.get(), tenants);
   }
 
-  const bool compare = configs->size() > 1 || repeats > 1;
+  // What is compared: each manager's configuration over each path; the
+  // first entry is the baseline of the ratios.
+  struct Entry {
+    size_t manager;
+    bool stream;
+    std::string name;
+  };
+  std::vector<Entry> entries;
+  std::vector<bench::SecurityConfig> entry_configs;
+  for (size_t c = 0; c < managers.size(); ++c) {
+    for (bool stream : paths) {
+      std::string name = managers[c]->config.name;
+      if (paths.size() > 1 || stream) name += stream ? "+stream" : "+unary";
+      entries.push_back({c, stream, name});
+      entry_configs.push_back(managers[c]->config);
+      entry_configs.back().name = name;
+    }
+  }
+  const bool compare = entries.size() > 1 || repeats > 1;
   const unsigned cores = std::thread::hardware_concurrency();
   const int level_sessions = absl::GetFlag(FLAGS_level_sessions);
   const std::string where =
@@ -829,13 +916,13 @@ int main(int argc, char** argv) {
   if (level_sessions > 0) {
     std::printf(
         "kvmanager at %s, %u cores (nproc), %d sessions per level, one "
-        "channel per client\n\n",
-        where.c_str(), cores, level_sessions);
+        "channel per client (stream path: per stream; --streams=%d)\n\n",
+        where.c_str(), cores, level_sessions, streams);
   } else {
     std::printf(
         "kvmanager at %s, %u cores (nproc), %d s per level, one channel per "
-        "client\n\n",
-        where.c_str(), cores, seconds);
+        "client (stream path: per stream; --streams=%d)\n\n",
+        where.c_str(), cores, seconds, streams);
   }
   std::printf(
       "| %sclients | RPCs/s | sessions/s | blocks planned/s | open p50/p99 ms "
@@ -846,7 +933,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> labels;
   labels.reserve(levels.size());
   for (int n : levels) labels.push_back(absl::StrCat(n));
-  bench::CostReport report(*configs, labels);
+  bench::CostReport report(entry_configs, labels);
   int failures = 0;
   const bool floor = absl::GetFlag(FLAGS_floor);
   // --floor: per level and configuration, the sessions' and the floor's
@@ -857,28 +944,31 @@ int main(int argc, char** argv) {
     std::vector<double> floor_ms;
   };
   std::vector<std::vector<FloorCell>> floors(
-      levels.size(), std::vector<FloorCell>(managers.size()));
+      levels.size(), std::vector<FloorCell>(entries.size()));
   for (size_t l = 0; l < levels.size(); ++l) {
     for (int r = 0; r < repeats; ++r) {
-      for (size_t c = 0; c < managers.size(); ++c) {
+      for (size_t e = 0; e < entries.size(); ++e) {
+        const Entry& entry = entries[e];
+        const Secured& m = *managers[entry.manager];
+        const std::string name = compare ? entry.name : "";
         bench::Measurement sessions =
-            RunLevel(*managers[c], levels[l], tenants, seconds, level_sessions,
-                     compare, /*floor=*/false, &failures);
+            RunLevel(m, entry.stream, streams, levels[l], tenants, seconds,
+                     level_sessions, name, /*floor=*/false, &failures);
         if (floor) {
-          FloorCell& cell = floors[l][c];
+          FloorCell& cell = floors[l][e];
           cell.session_ops += sessions.ops;
           cell.session_s += sessions.seconds;
           cell.session_cpu_s += sessions.server_cpu_s;
-          bench::Measurement f = RunLevel(
-              *managers[c], levels[l], tenants, seconds,
-              /*level_sessions=*/0, compare, /*floor=*/true, &failures);
+          bench::Measurement f =
+              RunLevel(m, entry.stream, streams, levels[l], tenants, seconds,
+                       /*level_sessions=*/0, name, /*floor=*/true, &failures);
           cell.floor_ops += f.ops;
           cell.floor_s += f.seconds;
           cell.floor_cpu_s += f.server_cpu_s;
           cell.floor_ms.insert(cell.floor_ms.end(), f.latency_ms.begin(),
                                f.latency_ms.end());
         }
-        report.Add(l, c, std::move(sessions));
+        report.Add(l, e, std::move(sessions));
       }
     }
   }
@@ -891,8 +981,8 @@ int main(int argc, char** argv) {
         "| sessions |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
         repeats);
     for (size_t l = 0; l < levels.size(); ++l) {
-      for (size_t c = 0; c < managers.size(); ++c) {
-        FloorCell& cell = floors[l][c];
+      for (size_t e = 0; e < entries.size(); ++e) {
+        FloorCell& cell = floors[l][e];
         const double f = cell.floor_s > 0 ? cell.floor_ops / cell.floor_s : 0;
         const double sr =
             cell.session_s > 0 ? cell.session_ops / cell.session_s : 0;
@@ -901,7 +991,7 @@ int main(int argc, char** argv) {
         };
         std::printf(
             "| %s | %d | %.0f | %.3f / %.3f | %.0f | %.3f | %.1f | %.1f |\n",
-            managers[c]->config.name.c_str(), levels[l], f,
+            entries[e].name.c_str(), levels[l], f,
             bench::Quantile(&cell.floor_ms, 0.5),
             bench::Quantile(&cell.floor_ms, 0.99), sr, f > 0 ? sr / f : 0.0,
             us(cell.floor_cpu_s, cell.floor_ops),
@@ -911,7 +1001,7 @@ int main(int argc, char** argv) {
   }
   if (compare) {
     std::printf("\nRPCs (Open, Extend, Close) against %s, %d repeat(s):\n\n%s",
-                first.name.c_str(), repeats,
+                entries.front().name.c_str(), repeats,
                 report.Markdown("clients", "RPCs", "manager").c_str());
   }
   if (const std::string tsv = absl::GetFlag(FLAGS_tsv); !tsv.empty()) {

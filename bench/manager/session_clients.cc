@@ -1,5 +1,6 @@
-// manager_bench's clients: the session loop (Open, Extend, Close) and the
-// floor loop (GetSequence of an unknown id), each on its own channel.
+// manager_bench's clients: the session loop (Open, Extend, Close) over
+// unary RPCs or a SequenceCalls stream, and the floor loop (GetSequence of
+// an unknown id) on its own channel.
 #include "bench/manager/session_clients.h"
 
 #include <chrono>
@@ -39,13 +40,104 @@ void AddSpan(google::protobuf::RepeatedPtrField<v1::Span>* spans, v1::Role role,
   s->set_num_tokens(n);
 }
 
-void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
-               const Access& access, int tenants, Clock::time_point deadline,
-               int sessions, int run, ClientStats* stats) {
-  const std::string tenant = absl::StrCat("bench-t", index % tenants);
-  const std::string token =
-      access.tenant_tokens.empty() ? "" : access.tenant_tokens[index % tenants];
-  auto stub = v1::Manager::NewStub(channel);
+namespace {
+
+class Unary final : public SessionCalls {
+ public:
+  Unary(const std::shared_ptr<grpc::Channel>& channel, std::string token)
+      : stub_(v1::Manager::NewStub(channel)), token_(std::move(token)) {}
+  grpc::Status Open(const v1::OpenSequenceRequest& req,
+                    v1::OpenSequenceResponse* resp) override {
+    grpc::ClientContext ctx;
+    AddBearer(&ctx, token_);
+    return stub_->OpenSequence(&ctx, req, resp);
+  }
+  grpc::Status Extend(const v1::ExtendSequenceRequest& req,
+                      v1::ExtendSequenceResponse* resp) override {
+    grpc::ClientContext ctx;
+    AddBearer(&ctx, token_);
+    return stub_->ExtendSequence(&ctx, req, resp);
+  }
+  grpc::Status Close(const v1::CloseSequenceRequest& req,
+                     v1::CloseSequenceResponse* resp) override {
+    grpc::ClientContext ctx;
+    AddBearer(&ctx, token_);
+    return stub_->CloseSequence(&ctx, req, resp);
+  }
+  grpc::Status Get(const v1::GetSequenceRequest& req,
+                   v1::GetSequenceResponse* resp) override {
+    grpc::ClientContext ctx;
+    AddBearer(&ctx, token_);
+    return stub_->GetSequence(&ctx, req, resp);
+  }
+
+ private:
+  std::unique_ptr<v1::Manager::Stub> stub_;
+  const std::string token_;
+};
+
+class Streamed final : public SessionCalls {
+ public:
+  explicit Streamed(triax::client::SequenceCallStream* stream)
+      : stream_(stream) {}
+  grpc::Status Open(const v1::OpenSequenceRequest& req,
+                    v1::OpenSequenceResponse* resp) override {
+    v1::SequenceCall call;
+    *call.mutable_open() = req;
+    return Run(std::move(call),
+               [&](v1::SequenceReply* r) { resp->Swap(r->mutable_open()); });
+  }
+  grpc::Status Extend(const v1::ExtendSequenceRequest& req,
+                      v1::ExtendSequenceResponse* resp) override {
+    v1::SequenceCall call;
+    *call.mutable_extend() = req;
+    return Run(std::move(call),
+               [&](v1::SequenceReply* r) { resp->Swap(r->mutable_extend()); });
+  }
+  grpc::Status Close(const v1::CloseSequenceRequest& req,
+                     v1::CloseSequenceResponse* resp) override {
+    v1::SequenceCall call;
+    *call.mutable_close() = req;
+    return Run(std::move(call),
+               [&](v1::SequenceReply* r) { resp->Swap(r->mutable_close()); });
+  }
+  grpc::Status Get(const v1::GetSequenceRequest& req,
+                   v1::GetSequenceResponse* resp) override {
+    v1::SequenceCall call;
+    *call.mutable_get() = req;
+    return Run(std::move(call),
+               [&](v1::SequenceReply* r) { resp->Swap(r->mutable_get()); });
+  }
+
+ private:
+  template <typename Take>
+  grpc::Status Run(v1::SequenceCall call, const Take& take) {
+    v1::SequenceReply reply;
+    grpc::Status s = stream_->Call(
+        std::move(call),
+        std::chrono::system_clock::now() + std::chrono::seconds(30), &reply);
+    if (s.ok()) take(&reply);
+    return s;
+  }
+  triax::client::SequenceCallStream* const stream_;
+};
+
+}  // namespace
+
+std::unique_ptr<SessionCalls> UnaryCalls(
+    const std::shared_ptr<grpc::Channel>& channel, const std::string& token) {
+  return std::make_unique<Unary>(channel, token);
+}
+
+std::unique_ptr<SessionCalls> StreamCalls(
+    triax::client::SequenceCallStream* stream) {
+  return std::make_unique<Streamed>(stream);
+}
+
+void RunClient(SessionCalls* calls, int index, int tenant_index,
+               Clock::time_point deadline, int sessions, int run,
+               ClientStats* stats) {
+  const std::string tenant = absl::StrCat("bench-t", tenant_index);
   v1::OpenSequenceRequest open;
   open.set_tenant_id(tenant);
   SetBenchModel(open.mutable_model());
@@ -68,6 +160,9 @@ void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
           absl::StrCat(what, ": ", s.error_code(), " ", s.error_message());
     }
   };
+  auto ms = [](Clock::time_point t0, Clock::time_point t1) {
+    return std::chrono::duration<double, std::milli>(t1 - t0).count();
+  };
   uint64_t n = 0;
   while (sessions >= 0 ? n < static_cast<uint64_t>(sessions)
                        : Clock::now() < deadline) {
@@ -77,19 +172,13 @@ void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
     open.set_request_id("o" + rid);
     v1::OpenSequenceResponse open_resp;
     auto t0 = Clock::now();
-    grpc::Status s;
-    {
-      grpc::ClientContext ctx;
-      AddBearer(&ctx, token);
-      s = stub->OpenSequence(&ctx, open, &open_resp);
-    }
+    grpc::Status s = calls->Open(open, &open_resp);
     auto t1 = Clock::now();
     if (!s.ok()) {
       fail("OpenSequence", s);
       continue;
     }
-    stats->open_ms.push_back(
-        std::chrono::duration<double, std::milli>(t1 - t0).count());
+    stats->open_ms.push_back(ms(t0, t1));
     stats->blocks += open_resp.sequence().blocks_size();
     const std::string& seq = open_resp.sequence().sequence_id();
 
@@ -97,15 +186,10 @@ void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
     extend.set_sequence_id(seq);
     v1::ExtendSequenceResponse ext_resp;
     t0 = Clock::now();
-    {
-      grpc::ClientContext ctx;
-      AddBearer(&ctx, token);
-      s = stub->ExtendSequence(&ctx, extend, &ext_resp);
-    }
+    s = calls->Extend(extend, &ext_resp);
     t1 = Clock::now();
     if (s.ok()) {
-      stats->extend_ms.push_back(
-          std::chrono::duration<double, std::milli>(t1 - t0).count());
+      stats->extend_ms.push_back(ms(t0, t1));
       stats->blocks += ext_resp.new_blocks_size();
     } else {
       fail("ExtendSequence", s);
@@ -115,36 +199,25 @@ void RunClient(const std::shared_ptr<grpc::Channel>& channel, int index,
     close.set_sequence_id(seq);
     v1::CloseSequenceResponse close_resp;
     t0 = Clock::now();
-    {
-      grpc::ClientContext ctx;
-      AddBearer(&ctx, token);
-      s = stub->CloseSequence(&ctx, close, &close_resp);
-    }
+    s = calls->Close(close, &close_resp);
     t1 = Clock::now();
     if (s.ok()) {
-      stats->close_ms.push_back(
-          std::chrono::duration<double, std::milli>(t1 - t0).count());
+      stats->close_ms.push_back(ms(t0, t1));
     } else {
       fail("CloseSequence", s);
     }
   }
 }
 
-void RunFloorClient(const std::shared_ptr<grpc::Channel>& channel, int index,
-                    const Access& access, int tenants,
+void RunFloorClient(SessionCalls* calls, int index, int tenant,
                     Clock::time_point deadline, ClientStats* stats) {
-  auto stub = v1::Manager::NewStub(channel);
   v1::GetSequenceRequest req;
-  req.set_tenant_id(absl::StrCat("bench-t", index % tenants));
+  req.set_tenant_id(absl::StrCat("bench-t", tenant));
   req.set_sequence_id(absl::StrCat("bench-floor-", index));
-  const std::string token =
-      access.tenant_tokens.empty() ? "" : access.tenant_tokens[index % tenants];
   while (Clock::now() < deadline) {
     v1::GetSequenceResponse resp;
     const auto t0 = Clock::now();
-    grpc::ClientContext ctx;
-    AddBearer(&ctx, token);
-    const grpc::Status s = stub->GetSequence(&ctx, req, &resp);
+    const grpc::Status s = calls->Get(req, &resp);
     const auto t1 = Clock::now();
     if (s.error_code() != grpc::StatusCode::NOT_FOUND) {
       if (stats->errors++ == 0) {

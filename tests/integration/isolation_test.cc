@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "client/attend_stream.h"
+#include "client/sequence_call_stream.h"
 #include "common/capability.h"
 #include "tests/integration/auth_fixture.h"
 #include "tests/integration/reference.h"
@@ -459,6 +460,87 @@ TEST_F(IsolationTest, EveryManagerRpcRefusesNoTokenAndAnotherTenants) {
   }
   EXPECT_EQ(State(), before);
   ExpectAcmeIntact();
+}
+
+// The same sequence calls on a Manager.SequenceCalls stream: the stream's
+// token authorizes each call as the unary RPC's would.
+TEST_F(IsolationTest, SequenceCallsOnAStreamRefuseNoTokenAndAnotherTenants) {
+  const std::string before = State();
+  const std::string s = seq_.sequence_id;
+  std::vector<std::pair<std::string, v1::SequenceCall>> calls;
+  auto add = [&](const std::string& name) {
+    calls.push_back({name, v1::SequenceCall()});
+    return &calls.back().second;
+  };
+  {
+    auto* q = add("OpenSequence")->mutable_open();
+    q->set_tenant_id("acme");
+    *q->mutable_model() = SmallModel();
+    *q->add_spans() = MakeSpan(v1::ROLE_USER, 16);
+  }
+  {
+    auto* q = add("ExtendSequence")->mutable_extend();
+    q->set_tenant_id("acme");
+    q->set_sequence_id(s);
+    *q->add_spans() = MakeSpan(v1::ROLE_USER, 16);
+  }
+  {
+    auto* q = add("ForkSequence")->mutable_fork();
+    q->set_tenant_id("acme");
+    q->set_parent_sequence_id(s);
+  }
+  {
+    auto* q = add("CloseSequence")->mutable_close();
+    q->set_tenant_id("acme");
+    q->set_sequence_id(s);
+  }
+  {
+    auto* q = add("TruncateSequence")->mutable_truncate();
+    q->set_tenant_id("acme");
+    q->set_sequence_id(s);
+    q->set_num_tokens(16);
+  }
+  {
+    auto* q = add("GetSequence")->mutable_get();
+    q->set_tenant_id("acme");
+    q->set_sequence_id(s);
+  }
+  {
+    auto* q = add("ReportAccess")->mutable_report_access();
+    q->set_tenant_id("acme");
+    q->set_sequence_id(s);
+    q->set_active(true);
+  }
+  const auto deadline = [] {
+    return std::chrono::system_clock::now() + std::chrono::seconds(5);
+  };
+  for (const std::string& token : {std::string(), b_}) {
+    client::SequenceCallStream stream(stub_.get(), token);
+    for (const auto& [name, call] : calls) {
+      SCOPED_TRACE(name + (token.empty() ? " without a token" : " as beta"));
+      v1::SequenceReply reply;
+      const grpc::Status st = stream.Call(call, deadline(), &reply);
+      if (token.empty()) {
+        EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+            << st.error_message();
+        EXPECT_THAT(st.error_message(), HasSubstr(name));
+      } else {
+        EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+            << st.error_message();
+        EXPECT_THAT(st.error_message(), HasSubstr("tenant \"beta\""));
+      }
+      EXPECT_EQ(reply.reply_case(), v1::SequenceReply::REPLY_NOT_SET);
+    }
+    EXPECT_EQ(stream.streams_opened(), 1u);
+  }
+  EXPECT_EQ(State(), before);
+  ExpectAcmeIntact();
+  // acme's own token serves on a stream.
+  client::SequenceCallStream own(stub_.get(), a_);
+  v1::SequenceReply reply;
+  const grpc::Status st = own.Call(calls[5].second, deadline(), &reply);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(reply.get().sequence().sequence_id(), s);
 }
 
 TEST_F(IsolationTest, EveryWorkerRpcRefusesCallsTheManagerDidNotSign) {
