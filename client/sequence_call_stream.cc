@@ -3,6 +3,7 @@
 // for the write on the wire to finish.
 #include "client/sequence_call_stream.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -31,11 +32,14 @@ class SequenceCallStream::Stream
     : public grpc::ClientBidiReactor<v1::SequenceCallBatch,
                                      v1::SequenceReplyBatch> {
  public:
-  // Starts the call; the stream owns itself until OnDone.
+  // Starts the call. The owner keeps a reference until done() (OnDone has
+  // returned from its last access), so that the stream, and the channel
+  // reference its ClientContext holds, are never released on a gRPC
+  // thread: the channel's last release there can tear down gRPC's shared
+  // callback queue under the thread that is running it.
   static std::shared_ptr<Stream> Open(v1::Manager::Stub* stub,
                                       const std::string& token) {
     std::shared_ptr<Stream> s(new Stream());
-    s->self_ = s;
     AddBearer(&s->ctx_, token);
     stub->async()->SequenceCalls(&s->ctx_, s.get());
     s->StartRead(&s->in_);
@@ -66,10 +70,14 @@ class SequenceCallStream::Stream
     return ended_;
   }
 
-  // Cancels the stream and waits (at most `timeout`) until gRPC is done.
-  void CancelAndWait(absl::Duration timeout) {
+  // OnDone has run to its end: the stream may be released.
+  bool done() const { return done_.HasBeenNotified(); }
+
+  // Cancels the stream and waits (at most `timeout`) until gRPC is done;
+  // true when it is.
+  bool CancelAndWait(absl::Duration timeout) {
     ctx_.TryCancel();
-    done_.WaitForNotificationWithTimeout(timeout);
+    return done_.WaitForNotificationWithTimeout(timeout);
   }
 
   void OnWriteDone(bool ok) override {
@@ -118,8 +126,7 @@ class SequenceCallStream::Stream
       slot->status = why;
       slot->done.Notify();
     }
-    done_.Notify();
-    std::shared_ptr<Stream> keep = std::move(self_);  // may delete this
+    done_.Notify();  // the last access: the owner may release this now
   }
 
  private:
@@ -136,7 +143,6 @@ class SequenceCallStream::Stream
   grpc::ClientContext ctx_;
   v1::SequenceReplyBatch in_;  // the reading thread's
   absl::Notification done_;
-  std::shared_ptr<Stream> self_;
   mutable absl::Mutex mu_;
   v1::SequenceCallBatch out_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::SequenceCall> queue_ ABSL_GUARDED_BY(mu_);
@@ -152,12 +158,18 @@ SequenceCallStream::SequenceCallStream(v1::Manager::Stub* stub,
     : stub_(stub), token_(std::move(token)) {}
 
 SequenceCallStream::~SequenceCallStream() {
-  std::shared_ptr<Stream> s;
+  std::vector<std::shared_ptr<Stream>> all;
   {
     absl::MutexLock lock(&mu_);
-    s = std::move(stream_);
+    all = std::move(retired_);
+    if (stream_ != nullptr) all.push_back(std::move(stream_));
   }
-  if (s != nullptr) s->CancelAndWait(absl::Seconds(5));
+  for (std::shared_ptr<Stream>& s : all) {
+    if (!s->CancelAndWait(absl::Seconds(5))) {
+      // gRPC never finished it: leaked rather than freed under its feet.
+      new std::shared_ptr<Stream>(std::move(s));
+    }
+  }
 }
 
 uint64_t SequenceCallStream::streams_opened() const {
@@ -168,15 +180,27 @@ uint64_t SequenceCallStream::streams_opened() const {
 std::shared_ptr<SequenceCallStream::Stream> SequenceCallStream::Current() {
   absl::MutexLock lock(&mu_);
   if (stream_ == nullptr || stream_->ended()) {
+    // An ended stream is released once gRPC is done with it (below, or in
+    // the destructor).
+    if (stream_ != nullptr) retired_.push_back(std::move(stream_));
     stream_ = Stream::Open(stub_, token_);
     ++opened_;
   }
+  retired_.erase(std::remove_if(retired_.begin(), retired_.end(),
+                                [](const std::shared_ptr<Stream>& s) {
+                                  return s->done();
+                                }),
+                 retired_.end());
   return stream_;
 }
 
 grpc::Status SequenceCallStream::Call(
     v1::SequenceCall call, std::chrono::system_clock::time_point deadline,
     v1::SequenceReply* reply) {
+  if (deadline <= std::chrono::system_clock::now()) {  // as gRPC: not sent
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        "Deadline Exceeded");
+  }
   auto slot = std::make_shared<Slot>();
   std::shared_ptr<Stream> stream;
   uint64_t id = 0;

@@ -9,13 +9,15 @@
 // The stream opens on the first call and again on the first call after it
 // ended (the manager restarted, the connection broke, or the manager ended
 // it: every call in flight then gets the stream's status; UNAVAILABLE when
-// it ended with OK before replying). A call past its deadline returns
-// DEADLINE_EXCEEDED at once (the manager may still apply it; its reply is
-// dropped) — mutating calls carry request ids, so a retry is safe.
+// it ended with OK before replying). A call whose deadline has passed is
+// not sent (DEADLINE_EXCEEDED); one that passes its deadline waiting
+// returns DEADLINE_EXCEEDED then (the manager may still apply it; its reply
+// is dropped) — mutating calls carry request ids, so a retry is safe.
 //
 // Thread contract: thread-safe; Call blocks only its caller. The destructor
 // cancels the stream (calls in flight get CANCELLED) and waits for gRPC to
-// be done with it, at most 5 s.
+// be done with it, at most 5 s. A stream is released only on a caller's
+// thread, never on gRPC's (see Stream::Open).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -24,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "triax/v1/manager.grpc.pb.h"
@@ -58,6 +61,8 @@ class SequenceCallStream {
   const std::string token_;
   mutable absl::Mutex mu_;
   std::shared_ptr<Stream> stream_ ABSL_GUARDED_BY(mu_);
+  // Ended streams gRPC may still be finishing (released once done).
+  std::vector<std::shared_ptr<Stream>> retired_ ABSL_GUARDED_BY(mu_);
   uint64_t opened_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

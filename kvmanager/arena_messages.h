@@ -156,8 +156,10 @@ class ArenaPool {
   }
 
  private:
-  // As ArenaMessageAllocator's: an Extend's reply of 95 plans fits.
-  static constexpr size_t kBlockBytes = 32 << 10;
+  // Smaller than ArenaMessageAllocator's: a lease is held from a call's
+  // arrival to its reply's write (bounded by the streams' limits), and a
+  // larger reply grows the arena from the heap (freed by Reset).
+  static constexpr size_t kBlockBytes = 8 << 10;
   static constexpr size_t kMaxFree = 256;
 
   absl::Mutex mu_;

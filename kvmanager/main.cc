@@ -233,12 +233,13 @@ ABSL_FLAG(uint32_t, max_watchers, 1024,
 ABSL_FLAG(uint64_t, max_events_per_watch, 0,
           "events one WatchEvents stream sends before it ends (the client "
           "resumes with the from_id the message names); 0: no limit");
-ABSL_FLAG(uint32_t, max_call_streams, 1024,
+ABSL_FLAG(uint32_t, max_call_streams, 256,
           "SequenceCalls streams open at once; 0: no limit");
-ABSL_FLAG(uint32_t, max_stream_calls, 1024,
-          "calls of one SequenceCalls stream in flight (the stream is not "
-          "read further until replies go out; the calls of one batch past "
-          "it are answered RESOURCE_EXHAUSTED); >= 1");
+ABSL_FLAG(uint32_t, max_stream_calls, 256,
+          "calls of one SequenceCalls stream in flight, from arrival to the "
+          "reply's write (the stream is not read further meanwhile; calls "
+          "of a batch past the room left are answered RESOURCE_EXHAUSTED, "
+          "a larger batch ends the stream RESOURCE_EXHAUSTED); >= 1");
 
 namespace {
 

@@ -112,11 +112,15 @@ struct ServiceLimits {
   // names the from_id to resume with); 0: no limit.
   uint64_t max_events_per_watch = 0;
   // SequenceCalls streams open at once; 0: no limit.
-  uint32_t max_call_streams = 1'024;
-  // Calls of one SequenceCalls stream in flight (>= 1): the stream is not
-  // read further until replies go out, and the calls of one batch past it
-  // are answered RESOURCE_EXHAUSTED.
-  uint32_t max_stream_calls = 1'024;
+  uint32_t max_call_streams = 256;
+  // Calls of one SequenceCalls stream in flight, from their arrival to
+  // their reply's write (>= 1): the stream is not read further until
+  // replies are written; the calls of one batch past the room left are
+  // answered RESOURCE_EXHAUSTED, and a batch of more calls than this ends
+  // the stream RESOURCE_EXHAUSTED. With max_call_streams it bounds what
+  // the streams hold (a call in flight: its request and an 8 KiB arena
+  // block, more for a large reply).
+  uint32_t max_stream_calls = 256;
 };
 
 // Finishes `reactor` with `status` once what this thread's core calls

@@ -9,13 +9,15 @@
 // pending replies; one write at a time carries all of them (a batch), so
 // under load one HTTP/2 message answers many calls.
 //
-// State (mu_): calls in flight (their ids, to refuse a reused one), the
+// State (mu_): calls in flight from their read until their reply is
+// written (their ids, to refuse a reused one), those not answered yet, the
 // pending replies, whether a read or a write is outstanding, and why the
 // stream ends. Reads stop while max_stream_calls calls are in flight and
-// resume as replies go out. The reactor finishes once nothing is
-// outstanding: every call in flight answered (even after a cancellation:
-// the calls' changes are made and their completions still run), no read,
-// no write; it deletes itself in OnDone.
+// resume as replies are written, so a client that does not read its
+// replies makes the stream hold at most that many. The reactor finishes
+// once nothing is outstanding: every call answered (even after a
+// cancellation: the calls' changes are made and their completions still
+// run), no read, no write; it deletes itself in OnDone.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -72,6 +74,11 @@ const std::string& MethodName(v1::SequenceCall::CallCase c) {
 class SequenceCallReactor final
     : public grpc::ServerBidiReactor<v1::SequenceCallBatch,
                                      v1::SequenceReplyBatch> {
+  // A reply on its lease's arena (lease null: on the heap).
+  struct Pending {
+    v1::SequenceReply* reply;
+    ArenaPool::Lease* lease;
+  };
   // A call's reply, ready once its changes are durable.
   struct Answered {
     v1::SequenceReply* reply;  // on lease's arena
@@ -100,6 +107,7 @@ class SequenceCallReactor final
     }
     const int n = in_.calls_size();
     int admitted = 0;
+    int in_flight_before = 0;
     {
       absl::MutexLock lock(&mu_);
       if (absl::Status bad = CheckBatchLocked(); !bad.ok()) {
@@ -110,8 +118,10 @@ class SequenceCallReactor final
         return;
       }
       // Room is at least 1: the stream is read only below the limit.
+      in_flight_before = in_flight_;
       admitted = std::min<int>(n, max_calls_ - in_flight_);
       in_flight_ += n;
+      running_ += n;
     }
     // Without the lock: a call may be answered on this thread. Answers
     // made here wait for durability together, after the loop.
@@ -123,17 +133,17 @@ class SequenceCallReactor final
         Start(call);
         continue;
       }
-      ArenaPool::Lease* lease = service_->reply_arenas_.Take();
-      auto* reply = google::protobuf::Arena::CreateMessage<v1::SequenceReply>(
-          lease->arena());
+      // On the heap (no arena's block for a refusal).
+      auto* reply = new v1::SequenceReply;
       reply->set_call_id(call.call_id());
-      Answer(reply, lease, call.call_case(), absl::Now(),
-             grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("calls[", i, "] (call_id ",
-                                       call.call_id(), "): ", max_calls_,
-                                       " calls of this stream are in flight, "
-                                       "the limit max_stream_calls = ",
-                                       max_calls_)));
+      Answer(reply, /*lease=*/nullptr, call.call_case(), absl::Now(),
+             grpc::Status(
+                 grpc::StatusCode::RESOURCE_EXHAUSTED,
+                 absl::StrCat("calls[", i, "] (call_id ", call.call_id(),
+                              "): the stream had ", in_flight_before,
+                              " calls in flight and room for ", admitted,
+                              " of this batch's ", n,
+                              "; the limit max_stream_calls = ", max_calls_)));
     }
     dispatching_ = std::thread::id();
     if (!batch_.empty()) {
@@ -155,7 +165,7 @@ class SequenceCallReactor final
         reading_ = true;
         StartRead(&in_);
       } else {
-        paused_ = true;  // Deliver reads again below the limit
+        paused_ = true;  // OnWriteDone reads again below the limit
       }
     }
     MaybeFinishLocked();
@@ -171,8 +181,13 @@ class SequenceCallReactor final
                               "the stream broke while replies were sent");
       }
       DropPendingLocked();
-    } else if (!pending_.empty()) {
-      WriteLocked();
+    } else {
+      if (!pending_.empty()) WriteLocked();
+      if (paused_ && !ended_.has_value() && in_flight_ < max_calls_) {
+        paused_ = false;
+        reading_ = true;
+        StartRead(&in_);
+      }
     }
     MaybeFinishLocked();
   }
@@ -196,6 +211,11 @@ class SequenceCallReactor final
   // or a call_id in flight, named with its index: either would make the
   // replies ambiguous. On success the batch's ids are in flight.
   absl::Status CheckBatchLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (in_.calls_size() > max_calls_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "calls has ", in_.calls_size(), " calls, more than a stream may ",
+          "have in flight: max_stream_calls = ", max_calls_));
+    }
     for (int i = 0; i < in_.calls_size(); ++i) {
       const v1::SequenceCall& call = in_.calls(i);
       absl::Status bad;
@@ -291,22 +311,29 @@ class SequenceCallReactor final
     Deliver(a.reply, a.lease);
   }
 
+  // The reply is ready: it goes out with the next write. The call stays in
+  // flight until written, so a client that does not read its replies stops
+  // the stream being read (what it holds is bounded by max_stream_calls).
   void Deliver(v1::SequenceReply* reply, ArenaPool::Lease* lease) {
     absl::MutexLock lock(&mu_);
     ids_.erase(reply->call_id());
-    --in_flight_;
+    --running_;
     if (ended_.has_value()) {
-      service_->reply_arenas_.Give(lease);  // nobody will read it
+      Free({reply, lease});  // nobody will read it
+      --in_flight_;
     } else {
       pending_.push_back({reply, lease});
       if (!writing_) WriteLocked();
-      if (paused_ && in_flight_ < max_calls_) {
-        paused_ = false;
-        reading_ = true;
-        StartRead(&in_);
-      }
     }
     MaybeFinishLocked();
+  }
+
+  void Free(const Pending& p) {
+    if (p.lease != nullptr) {
+      service_->reply_arenas_.Give(p.lease);
+    } else {
+      delete p.reply;
+    }
   }
 
   // Every pending reply in one message. out_ is on the heap and only
@@ -315,8 +342,8 @@ class SequenceCallReactor final
   void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (const Pending& p : pending_) {
       out_.mutable_replies()->UnsafeArenaAddAllocated(p.reply);
-      written_.push_back(p.lease);
     }
+    written_.swap(pending_);
     pending_.clear();
     writing_ = true;
     StartWrite(&out_);
@@ -325,17 +352,19 @@ class SequenceCallReactor final
   void ReleaseWrittenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     out_.mutable_replies()->UnsafeArenaExtractSubrange(0, out_.replies_size(),
                                                        nullptr);
-    for (ArenaPool::Lease* l : written_) service_->reply_arenas_.Give(l);
+    for (const Pending& p : written_) Free(p);
+    in_flight_ -= written_.size();
     written_.clear();
   }
 
   void DropPendingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (const Pending& p : pending_) service_->reply_arenas_.Give(p.lease);
+    for (const Pending& p : pending_) Free(p);
+    in_flight_ -= pending_.size();
     pending_.clear();
   }
 
   void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || reading_ || writing_ || in_flight_ > 0) return;
+    if (finished_ || reading_ || writing_ || running_ > 0) return;
     if (!ended_.has_value()) {
       if (!reads_done_ || !pending_.empty()) return;
       ended_ = grpc::Status::OK;  // the client is done and every call answered
@@ -354,14 +383,13 @@ class SequenceCallReactor final
   v1::SequenceCallBatch in_;  // read into; used by the reading thread only
   absl::Mutex mu_;
   v1::SequenceReplyBatch out_ ABSL_GUARDED_BY(mu_);
-  struct Pending {
-    v1::SequenceReply* reply;  // on lease's arena
-    ArenaPool::Lease* lease;
-  };
   std::vector<Pending> pending_ ABSL_GUARDED_BY(mu_);
-  std::vector<ArenaPool::Lease*> written_ ABSL_GUARDED_BY(mu_);  // out_'s
+  std::vector<Pending> written_ ABSL_GUARDED_BY(mu_);  // out_'s
   absl::flat_hash_set<uint64_t> ids_ ABSL_GUARDED_BY(mu_);
+  // Calls read and not yet written (or dropped); of them, those whose
+  // answer is not ready yet (a completion may still call in).
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;

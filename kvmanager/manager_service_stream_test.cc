@@ -14,6 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/sequence_call_stream.h"
 #include "kvmanager/manager_service.h"
 #include "kvmanager/manager_service_test_util.h"
@@ -296,32 +298,32 @@ class StreamLimitsTest : public StreamTest {
   }
 };
 
-TEST_F(StreamLimitsTest, CallsPastTheLimitAreRefused) {
+TEST_F(StreamLimitsTest, ABatchLargerThanTheLimitEndsTheStream) {
+  const std::string before = StateSnapshot();
   grpc::ClientContext ctx;
   auto s = OpenStream(&ctx);
   v1::SequenceCallBatch batch;
-  for (uint64_t id = 1; id <= 5; ++id) *batch.add_calls() = GetCall(id, "x");
+  for (uint64_t id = 1; id <= 4; ++id)
+    *batch.add_calls() = OpenCall(id, OpenReq());
   ASSERT_TRUE(s->Write(batch));
-  auto r = ReadReplies(s.get(), 5);
-  for (uint64_t id : {1, 2, 3}) {
-    EXPECT_EQ(r[id].code(), grpc::StatusCode::NOT_FOUND) << r[id].message();
-  }
-  for (uint64_t id : {4, 5}) {
-    EXPECT_EQ(r[id].code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-    EXPECT_THAT(r[id].message(), HasSubstr("max_stream_calls = 3"));
-    EXPECT_THAT(r[id].message(), HasSubstr(absl::StrCat("(call_id ", id, ")")));
-  }
-  s->WritesDone();
-  EXPECT_TRUE(s->Finish().ok());
+  v1::SequenceReplyBatch replies;
+  EXPECT_FALSE(s->Read(&replies));
+  const grpc::Status end = s->Finish();
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(end.error_message(), HasSubstr("calls has 4 calls"));
+  EXPECT_THAT(end.error_message(), HasSubstr("max_stream_calls = 3"));
+  EXPECT_EQ(StateSnapshot(), before);  // none of them ran
 }
 
-TEST_F(StreamLimitsTest, AWriterThatDoesNotReadIsPacedNotRefused) {
-  // Batches within the limit, written back to back before reading: the
-  // stream is read as replies go out, and every call is answered.
+TEST_F(StreamLimitsTest, CallsBeyondTheRoomLeftAreRefusedOneByOne) {
+  // Batches of 3 written back to back: a batch read while earlier calls
+  // are still in flight (not yet written) has less room; each call past
+  // it is answered RESOURCE_EXHAUSTED naming itself and the limit, the
+  // others are served. Either way every call gets exactly one reply.
   grpc::ClientContext ctx;
   auto s = OpenStream(&ctx);
   uint64_t id = 0;
-  for (int b = 0; b < 30; ++b) {
+  for (int b = 0; b < 20; ++b) {
     v1::SequenceCallBatch batch;
     for (int i = 0; i < 3; ++i) *batch.add_calls() = GetCall(++id, "x");
     ASSERT_TRUE(s->Write(batch));
@@ -329,10 +331,74 @@ TEST_F(StreamLimitsTest, AWriterThatDoesNotReadIsPacedNotRefused) {
   s->WritesDone();
   auto r = ReadReplies(s.get(), id);
   for (auto& [call, reply] : r) {
-    EXPECT_EQ(reply.code(), grpc::StatusCode::NOT_FOUND)
-        << call << ": " << reply.message();
+    if (reply.code() == grpc::StatusCode::NOT_FOUND) continue;
+    EXPECT_EQ(reply.code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << reply.message();
+    EXPECT_THAT(reply.message(), HasSubstr("max_stream_calls = 3"));
+    EXPECT_THAT(reply.message(),
+                HasSubstr(absl::StrCat("(call_id ", call, ")")));
   }
   EXPECT_TRUE(s->Finish().ok());
+}
+
+TEST_F(StreamLimitsTest, AClientThatDoesNotReadStopsTheStreamBeingRead) {
+  // A sequence of 60 blocks: its GetSequence reply is a few KiB.
+  v1::OpenSequenceRequest open = OpenReq();
+  open.mutable_spans(0)->set_num_tokens(960 - 12);
+  v1::OpenSequenceResponse opened;
+  ASSERT_TRUE(Call(&v1::Manager::Stub::OpenSequence, open, &opened).ok());
+  const std::string seq = opened.sequence().sequence_id();
+  std::atomic<int> served{0};
+  service_->SetCallRecorder(  // no call is in flight yet
+      [&](const std::string&, int, absl::Duration) { ++served; });
+  // A client whose receive window stays at 64 KiB (no BDP growth), so the
+  // replies it does not read fill it quickly.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  auto stub = v1::Manager::NewStub(
+      grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port_),
+                                grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto s = stub->SequenceCalls(&ctx);
+  constexpr int kBatches = 1000;  // 3,000 replies of ~3 KiB: ~9 MiB
+  std::thread writer([&] {
+    uint64_t id = 0;
+    for (int b = 0; b < kBatches; ++b) {
+      v1::SequenceCallBatch batch;
+      for (int i = 0; i < 3; ++i) *batch.add_calls() = GetCall(++id, seq);
+      if (!s->Write(batch)) break;
+    }
+    s->WritesDone();
+  });
+  // While the client reads nothing, the manager stops reading its calls
+  // once max_stream_calls replies wait to be written: far fewer than all
+  // are served.
+  absl::SleepFor(absl::Seconds(2));
+  const int while_not_reading = served.load();
+  EXPECT_LT(while_not_reading, kBatches * 3 / 2);
+  EXPECT_GT(while_not_reading, 0);
+  // Reading, everything is answered.
+  auto r = ReadReplies(s.get(), 3 * kBatches);
+  writer.join();
+  int ok = 0;
+  for (auto& [call, reply] : r) {
+    if (reply.code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      // A batch read with less room than its size (back-to-back writes).
+      EXPECT_THAT(reply.message(), HasSubstr("max_stream_calls = 3"));
+      continue;
+    }
+    ++ok;
+    EXPECT_EQ(reply.code(), 0) << call << ": " << reply.message();
+    EXPECT_EQ(reply.get().sequence().blocks_size(),
+              opened.sequence().blocks_size());
+  }
+  EXPECT_GT(ok, kBatches);  // a batch's first call always has room
+  EXPECT_TRUE(s->Finish().ok());
+  EXPECT_EQ(served.load(), 3 * kBatches);
+  std::printf("served while the client did not read: %d of %d\n",
+              while_not_reading, 3 * kBatches);
 }
 
 TEST_F(StreamLimitsTest, StreamsPastTheLimitAreRefused) {
@@ -352,20 +418,35 @@ TEST_F(StreamLimitsTest, StreamsPastTheLimitAreRefused) {
   const grpc::Status end = s3->Finish();
   EXPECT_EQ(end.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(end.error_message(), HasSubstr("max_call_streams = 2"));
-  // A place is given back when a stream ends.
+  // A place is given back when a stream ends (once the manager is done
+  // with it, just after the client sees its end).
   s1->WritesDone();
   EXPECT_TRUE(s1->Finish().ok());
-  grpc::ClientContext c4;
-  auto s4 = OpenStream(&c4);
-  v1::SequenceCallBatch batch;
-  *batch.add_calls() = GetCall(1, "x");
-  ASSERT_TRUE(s4->Write(batch));
-  auto r = ReadReplies(s4.get(), 1);
-  EXPECT_EQ(r[1].code(), grpc::StatusCode::NOT_FOUND);
-  for (Stream* s : {s2.get(), s4.get()}) {
-    s->WritesDone();
-    EXPECT_TRUE(s->Finish().ok());
+  bool served = false;
+  for (int attempt = 0; attempt < 250 && !served; ++attempt) {
+    grpc::ClientContext c4;
+    auto s4 = OpenStream(&c4);
+    v1::SequenceCallBatch batch;
+    *batch.add_calls() = GetCall(1, "x");
+    s4->Write(batch);
+    s4->WritesDone();
+    v1::SequenceReplyBatch got;
+    if (s4->Read(&got)) {
+      ASSERT_EQ(got.replies_size(), 1);
+      EXPECT_EQ(got.replies(0).code(), grpc::StatusCode::NOT_FOUND);
+      served = true;
+      while (s4->Read(&got)) {
+      }
+      EXPECT_TRUE(s4->Finish().ok());
+    } else {
+      EXPECT_EQ(s4->Finish().error_code(),
+                grpc::StatusCode::RESOURCE_EXHAUSTED);
+      absl::SleepFor(absl::Milliseconds(20));
+    }
   }
+  EXPECT_TRUE(served);
+  s2->WritesDone();
+  EXPECT_TRUE(s2->Finish().ok());
 }
 
 // The client library's multiplexer: many threads on one stream, each gets
@@ -423,14 +504,41 @@ TEST_F(StreamTest, SequenceCallStreamServesManyThreads) {
   EXPECT_THAT(s.error_message(), HasSubstr("gone"));
 }
 
+// Frontends come and go: a SequenceCallStream on a channel of its own,
+// made, used and dropped again and again. The stream (whose ClientContext
+// holds the channel) must not be released on a gRPC thread, where the
+// channel's last release would tear down gRPC's callback queue under the
+// thread running it (a double free in grpc_cq_internal_unref, seen in
+// manager_bench before the fix).
+TEST_F(StreamTest, SequenceCallStreamsOnShortLivedChannels) {
+  for (int i = 0; i < 40; ++i) {
+    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_),
+                                       grpc::InsecureChannelCredentials());
+    auto stub = v1::Manager::NewStub(channel);
+    auto calls = std::make_unique<client::SequenceCallStream>(stub.get(), "");
+    v1::SequenceCall get;
+    get.mutable_get()->set_tenant_id("acme");
+    get.mutable_get()->set_sequence_id("x");
+    v1::SequenceReply reply;
+    const grpc::Status s = calls->Call(
+        get, std::chrono::system_clock::now() + std::chrono::seconds(10),
+        &reply);
+    ASSERT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+    calls.reset();
+    stub.reset();
+    channel.reset();
+  }
+}
+
 TEST_F(StreamTest, SequenceCallStreamPastItsDeadline) {
   client::SequenceCallStream calls(stub_.get(), "");
   v1::SequenceCall get;
   get.mutable_get()->set_tenant_id("acme");
   get.mutable_get()->set_sequence_id("x");
   v1::SequenceReply reply;
-  const grpc::Status s =
-      calls.Call(get, std::chrono::system_clock::now(), &reply);
+  const grpc::Status s = calls.Call(
+      get, std::chrono::system_clock::now() - std::chrono::milliseconds(1),
+      &reply);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   // The stream stays usable.
   EXPECT_EQ(
@@ -468,9 +576,14 @@ TEST_F(StreamLimitsTest, SequenceCallStreamReportsTheStreamsEnd) {
   EXPECT_THAT(s.error_message(), HasSubstr("max_call_streams = 2"));
   s1->WritesDone();
   EXPECT_TRUE(s1->Finish().ok());
-  s = calls.Call(get, later(), &reply);
+  // The place comes back once the manager is done with s1.
+  for (int attempt = 0; attempt < 250; ++attempt) {
+    s = calls.Call(get, later(), &reply);
+    if (s.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
-  EXPECT_EQ(calls.streams_opened(), 2u);
+  EXPECT_GE(calls.streams_opened(), 2u);  // a new stream after each end
   s2->WritesDone();
   EXPECT_TRUE(s2->Finish().ok());
 }

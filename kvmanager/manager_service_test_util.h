@@ -33,7 +33,7 @@ class ServiceTest : public ::testing::Test {
     if (MaxMessageBytes() > 0) {
       builder.SetMaxReceiveMessageSize(MaxMessageBytes());
     }
-    int port = 0;
+    int& port = port_;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
                              &port);
     builder.RegisterService(service_.get());
@@ -162,6 +162,7 @@ class ServiceTest : public ::testing::Test {
   std::unique_ptr<ManagerService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::Manager::Stub> stub_;
+  int port_ = 0;  // the server's
 };
 
 }  // namespace

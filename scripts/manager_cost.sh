@@ -26,6 +26,9 @@
 #   --clients C          concurrent clients (default 16)
 #   --rounds R           turns over the binaries (default 1)
 #   --manager_flags F    passed to manager_bench --manager_flags
+#   --bench_flags F      more manager_bench flags, space-separated (e.g.
+#                        "--paths=stream --streams=8": the calls on
+#                        SequenceCalls streams)
 #   --metadata M         file (default) or memory
 #   --pin CPUS           run the kvmanager under taskset -c CPUS
 #   --keep DIR           keep the tool's files of the larger runs in DIR
@@ -38,6 +41,7 @@ sessions=1000
 clients=16
 rounds=1
 manager_flags=""
+bench_flags=""
 metadata=file
 pin=""
 keep=""
@@ -50,10 +54,11 @@ while [[ $# -gt 0 ]]; do
     --clients) clients="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --manager_flags) manager_flags="$2"; shift 2 ;;
+    --bench_flags) bench_flags="$2"; shift 2 ;;
     --metadata) metadata="$2"; shift 2 ;;
     --pin) pin="$2"; shift 2 ;;
     --keep) keep="$2"; shift 2 ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) binaries+=("$1"); shift ;;
   esac
@@ -99,7 +104,7 @@ WRAPPER
   rm -f "$out"
   if ! "$bench" --kvmanager="$work/wrapper.sh" --clients="$clients" \
       --level_sessions="$n" --metadata="$metadata" \
-      --manager_flags="$manager_flags" >"$work/bench.log" 2>&1; then
+      --manager_flags="$manager_flags" $bench_flags >"$work/bench.log" 2>&1; then
     cat "$work/bench.log" >&2
     return 1
   fi

@@ -30,6 +30,7 @@ import grpc
 
 from . import arrays
 from ._proto import manager_pb2, manager_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+from .calls import SequenceCalls, StreamCallError
 from .errors import Unavailable, from_rpc_error, from_status, status_code
 from .transport import _Bearer, _channel, tls_credentials  # noqa: F401 (re-exported)
 
@@ -269,12 +270,18 @@ class Client:
     sockets, {worker address as the manager gives it: "unix:/PATH"} (no
     TCP, no TLS to them; docs/security.md "Local socket"). manager_address
     may be a "unix:/PATH" too.
+    manager_stream: send the sequence calls (open, extend, fork, close,
+    truncate, get_sequence, report_access) on one Manager.SequenceCalls
+    stream shared by this client's threads instead of one unary RPC each
+    (triaxkv/calls.py; docs/manager.md "Call streams"): same answers,
+    deadlines and retries; a manager without the stream (Unimplemented)
+    gets unary calls from then on.
     Channels connect lazily: an unreachable manager surfaces as Unavailable
     (or DeadlineExceeded) on the first call that needs it."""
 
     def __init__(self, manager_address, tenant_id="", timeout=30.0, attend_retries=50,
                  tls_ca=None, tls_cert=None, tls_key=None, tls_worker_server_name=None,
-                 token=None, worker_sockets=None):
+                 token=None, worker_sockets=None, manager_stream=False):
         if not isinstance(manager_address, str) or not manager_address:
             raise ValueError(f"manager_address: {manager_address!r}; want host:port")
         if not isinstance(tenant_id, str):
@@ -306,6 +313,7 @@ class Client:
         if token is not None:
             channel = grpc.intercept_channel(channel, _Bearer(token.strip()))
         self.manager = manager_pb2_grpc.ManagerStub(channel)
+        self._sequence_calls = SequenceCalls(self.manager) if manager_stream else None
         self._lock = threading.Lock()
         self._workers = {}  # address -> (channel, stub)
         self._request_prefix = "p" + os.urandom(8).hex()
@@ -315,6 +323,8 @@ class Client:
 
     def close(self):
         """Closes every channel; the client is unusable afterwards."""
+        if self._sequence_calls is not None:
+            self._sequence_calls.close()
         with self._lock:
             workers, self._workers = self._workers, {}
         for channel, _ in workers.values():
@@ -360,6 +370,24 @@ class Client:
                     continue
                 raise from_rpc_error(e, what) from None
         raise AssertionError("unreachable")
+
+    def _manager_call(self, kind, unary):
+        """The manager's sequence call `kind` as method(request, timeout):
+        on the SequenceCalls stream with manager_stream, else `unary`."""
+        calls = self._sequence_calls
+        if calls is None:
+            return unary
+
+        def call(request, timeout):
+            try:
+                return calls.call(kind, request, timeout)
+            except StreamCallError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED or e.answered:
+                    raise
+            self._sequence_calls = None  # a manager without the stream
+            calls.close()
+            return unary(request, timeout=timeout)
+        return call
 
     def _tenant(self, tenant_id):
         return self.tenant_id if tenant_id is None else tenant_id
@@ -471,7 +499,8 @@ class Client:
             request_id=self.new_request_id(), tenant_id=self.tenant_id,
             sequence_id=sequence_id)
         try:
-            self._call("CloseSequence", self.manager.CloseSequence, req, True)
+            self._call("CloseSequence",
+                       self._manager_call("close", self.manager.CloseSequence), req, True)
         except Exception:  # best effort: the caller raises the first error
             pass
 
@@ -510,7 +539,8 @@ class Client:
         if block_hashes:
             req.block_hashes.extend(block_hashes)
         req.no_reuse = no_reuse
-        info = self._call("OpenSequence", self.manager.OpenSequence, req, True).sequence
+        info = self._call("OpenSequence",
+                          self._manager_call("open", self.manager.OpenSequence), req, True).sequence
         if info.prefix_blocks > 0:
             wreq = worker_pb2.WorkerForkRequest(
                 request_id=self.new_request_id(), tenant_id=self.tenant_id,
@@ -557,7 +587,9 @@ class Client:
         if token_ids:  # grow the sequence's prefix hash chain
             req.token_ids.extend(token_ids)
         self._prompt(req, spans, rendered)
-        info = self._call("ExtendSequence", self.manager.ExtendSequence, req, True).sequence
+        info = self._call("ExtendSequence",
+                          self._manager_call("extend", self.manager.ExtendSequence),
+                          req, True).sequence
         try:
             self._allocate_on_worker(info, seq.window_tokens)
         except Exception as alloc_error:
@@ -567,7 +599,9 @@ class Client:
                 request_id=self.new_request_id(), tenant_id=self.tenant_id,
                 sequence_id=seq.sequence_id, num_tokens=seq.num_tokens)
             try:
-                self._call("TruncateSequence", self.manager.TruncateSequence, treq, True)
+                self._call("TruncateSequence",
+                           self._manager_call("truncate", self.manager.TruncateSequence),
+                           treq, True)
             except Exception as undo:
                 alloc_error.args = (f"{alloc_error}; undoing the manager's extend of "
                                     f"{seq.sequence_id!r} failed too ({undo}): close "
@@ -582,7 +616,9 @@ class Client:
         req = manager_pb2.ForkSequenceRequest(
             request_id=self.new_request_id(), tenant_id=self.tenant_id,
             parent_sequence_id=parent.sequence_id, num_tokens=num_tokens)
-        child = self._call("ForkSequence", self.manager.ForkSequence, req, True).sequence
+        child = self._call("ForkSequence",
+                           self._manager_call("fork", self.manager.ForkSequence),
+                           req, True).sequence
         try:
             if child.worker_address and child.worker_address != parent.worker_address:
                 raise from_status(
@@ -628,14 +664,16 @@ class Client:
         req = manager_pb2.CloseSequenceRequest(
             request_id=self.new_request_id(), tenant_id=self.tenant_id,
             sequence_id=seq.sequence_id)
-        resp = self._call("CloseSequence", self.manager.CloseSequence, req, True)
+        resp = self._call("CloseSequence",
+                          self._manager_call("close", self.manager.CloseSequence), req, True)
         return list(resp.freed_lineage_ids)
 
     def get_sequence(self, sequence_id):
         """The manager's SequenceInfo of a sequence of this tenant."""
         req = manager_pb2.GetSequenceRequest(tenant_id=self.tenant_id,
                                              sequence_id=sequence_id)
-        return self._call("GetSequence", self.manager.GetSequence, req, True).sequence
+        return self._call("GetSequence",
+                          self._manager_call("get", self.manager.GetSequence), req, True).sequence
 
     def list_sequences(self, include_closed=False, page_size=0):
         """This tenant's sequences (every tenant's when tenant_id is ""),
@@ -934,7 +972,8 @@ class Client:
         req = manager_pb2.ReportAccessRequest(
             tenant_id=self.tenant_id, sequence_id=seq.sequence_id,
             lineage_ids=lineage_ids, weights=weights, active=active)
-        return self._call("ReportAccess", self.manager.ReportAccess, req,
+        return self._call("ReportAccess",
+                          self._manager_call("report_access", self.manager.ReportAccess), req,
                           False).blocks_prefetching
 
     def get_pressure(self, top=0):
