@@ -263,7 +263,7 @@ grpc::Status Client::ManagerCall(grpc::Status (v1::Manager::Stub::*rpc)(
     v1::SequenceCall call;
     SetCall(req, &call);
     v1::SequenceReply reply;
-    const grpc::Status s = call_streams_[current_manager_.load()]->Call(
+    grpc::Status s = call_streams_[current_manager_.load()]->Call(
         std::move(call), ctx->deadline(), &reply);
     // UNIMPLEMENTED with no reply (call_id 0) is the stream's own: a
     // manager without SequenceCalls.

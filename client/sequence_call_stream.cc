@@ -48,12 +48,13 @@ class SequenceCallStream::Stream
   }
 
   // Queues `call` for the next batch; false when the stream has ended.
-  bool Send(v1::SequenceCall* call, std::shared_ptr<Slot> slot, uint64_t* id) {
+  bool Send(v1::SequenceCall* call, const std::shared_ptr<Slot>& slot,
+            uint64_t* id) {
     absl::MutexLock lock(&mu_);
     if (ended_) return false;
     *id = ++next_id_;
     call->set_call_id(*id);
-    slots_.emplace(*id, std::move(slot));
+    slots_.emplace(*id, slot);
     queue_.push_back(std::move(*call));
     if (!writing_) WriteLocked();
     return true;
@@ -167,6 +168,7 @@ SequenceCallStream::~SequenceCallStream() {
   for (std::shared_ptr<Stream>& s : all) {
     if (!s->CancelAndWait(absl::Seconds(5))) {
       // gRPC never finished it: leaked rather than freed under its feet.
+      // NOLINTNEXTLINE(bugprone-unhandled-exception-at-new)
       new std::shared_ptr<Stream>(std::move(s));
     }
   }

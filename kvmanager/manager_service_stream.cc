@@ -248,8 +248,8 @@ class SequenceCallReactor final
     auto* reply = google::protobuf::Arena::CreateMessage<v1::SequenceReply>(
         lease->arena());
     reply->set_call_id(call.call_id());
-    auto done = [this, reply, lease, kind, start](grpc::Status status) {
-      Answer(reply, lease, kind, start, std::move(status));
+    auto done = [this, reply, lease, kind, start](const grpc::Status& status) {
+      Answer(reply, lease, kind, start, status);
     };
     ManagerService* s = service_;
     switch (kind) {
@@ -288,7 +288,7 @@ class SequenceCallReactor final
   // changes are durable.
   void Answer(v1::SequenceReply* reply, ArenaPool::Lease* lease,
               v1::SequenceCall::CallCase kind, absl::Time start,
-              grpc::Status status) {
+              const grpc::Status& status) {
     reply->set_code(static_cast<int32_t>(status.error_code()));
     if (!status.ok()) {
       reply->set_message(status.error_message());
