@@ -31,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "absl/types/span.h"
 #include "common/grpc_status.h"
 #include "kvmanager/arena_messages.h"
 #include "kvmanager/manager_service.h"
@@ -152,9 +153,7 @@ class SequenceCallReactor final
       // next batch meanwhile.
       service_->core_->WhenDurable(
           ManagerCore::TakeDurableTicket(),
-          [this, ready = std::move(batch_)] {
-            for (const Answered& a : ready) Delivered(a);
-          },
+          [this, ready = std::move(batch_)] { Delivered(ready); },
           /*may_wait=*/false);
       batch_.clear();
     }
@@ -299,32 +298,35 @@ class SequenceCallReactor final
       batch_.push_back(a);  // OnReadDone waits for the batch at once
       return;
     }
-    service_->core_->WhenDurable(ManagerCore::TakeDurableTicket(),
-                                 [this, a] { Delivered(a); });
+    service_->core_->WhenDurable(ManagerCore::TakeDurableTicket(), [this, a] {
+      Delivered({&a, 1});
+    });
   }
 
-  void Delivered(const Answered& a) {
+  // The replies are ready (durable): they go out with the next write, all
+  // of them together. A call stays in flight until its reply is written,
+  // so a client that does not read its replies stops the stream being read
+  // (what it holds is bounded by max_stream_calls).
+  void Delivered(absl::Span<const Answered> ready) {
     if (service_->record_call_) {
-      service_->record_call_(MethodName(a.kind), a.reply->code(),
-                             absl::Now() - a.start);
+      const absl::Time now = absl::Now();
+      for (const Answered& a : ready) {
+        service_->record_call_(MethodName(a.kind), a.reply->code(),
+                               now - a.start);
+      }
     }
-    Deliver(a.reply, a.lease);
-  }
-
-  // The reply is ready: it goes out with the next write. The call stays in
-  // flight until written, so a client that does not read its replies stops
-  // the stream being read (what it holds is bounded by max_stream_calls).
-  void Deliver(v1::SequenceReply* reply, ArenaPool::Lease* lease) {
     absl::MutexLock lock(&mu_);
-    ids_.erase(reply->call_id());
-    --running_;
-    if (ended_.has_value()) {
-      Free({reply, lease});  // nobody will read it
-      --in_flight_;
-    } else {
-      pending_.push_back({reply, lease});
-      if (!writing_) WriteLocked();
+    for (const Answered& a : ready) {
+      ids_.erase(a.reply->call_id());
+      --running_;
+      if (ended_.has_value()) {
+        Free({a.reply, a.lease});  // nobody will read it
+        --in_flight_;
+      } else {
+        pending_.push_back({a.reply, a.lease});
+      }
     }
+    if (!writing_ && !pending_.empty()) WriteLocked();
     MaybeFinishLocked();
   }
 
