@@ -955,13 +955,14 @@ absl::Status ManagerCore::CheckResumeReserveLocked(
     }
   }
   const uint64_t cap = worker.info.capacity_bytes;
-  const uint64_t want = worker.reserved + worker_held + bytes;
+  const uint64_t in_use = worker.reserved + worker.transient;
+  const uint64_t want = in_use + worker_held + bytes;
   if (refused.empty() && want > cap) {
     refused = absl::StrCat(
         "worker ", Quote(worker.info.worker_id), ": request needs ", bytes,
-        " bytes, ", worker.reserved, " of capacity ", cap, " in use and ",
-        worker_held, " held for spilled open sequences to resume; over by ",
-        want - cap, " bytes");
+        " bytes, ", in_use, " of capacity ", cap, " in use and ", worker_held,
+        " held for spilled open sequences to resume; over by ", want - cap,
+        " bytes");
   }
   if (refused.empty()) return absl::OkStatus();
   if (shortfall != nullptr) {

@@ -174,7 +174,8 @@ void WorkerRegistry::AddBlocks(const ModelShape& model, uint32_t block_tokens,
 }
 
 uint64_t WorkerRegistry::FreeBytes(const WorkerRecord& w) {
-  return w.info.capacity_bytes - std::min(w.reserved, w.info.capacity_bytes);
+  const uint64_t held = w.reserved + w.transient;
+  return w.info.capacity_bytes - std::min(held, w.info.capacity_bytes);
 }
 
 int64_t WorkerRegistry::FrameRoomBytes(const WorkerRecord& w) {

@@ -128,7 +128,9 @@ class WorkerRegistry {
   // without a room check.
   absl::StatusOr<WorkerRecord*> Place(uint64_t bytes,
                                       const Demand& demand = {}) const;
-  // Free device bytes: capacity - reserved, 0 when over-reserved.
+  // Free device bytes: capacity - reserved - transient (the new pages of
+  // demotions in flight sit beside the old ones until each finishes), 0
+  // when over-reserved.
   static uint64_t FreeBytes(const WorkerRecord& w);
   // Bytes in frames the manager can still plan on (see "Room"): the
   // heartbeat's free_frames_compacted x frame_bytes less what was planned

@@ -154,12 +154,16 @@ class MemoryPressureTest : public ::testing::Test {
         req.set_sequence_id(s.handle.sequence_id);
         req.set_active(true);
         triax::v1::ReportAccessResponse resp;
-        ASSERT_TRUE(cluster_->manager()->ReportAccess(&ctx, req, &resp).ok());
+        const grpc::Status st =
+            cluster_->manager()->ReportAccess(&ctx, req, &resp);
+        ASSERT_TRUE(st.ok()) << s.handle.sequence_id << ": ReportAccess "
+                             << st.error_code() << " " << st.error_message();
       }
       auto info = client_->GetSequence(s.handle.sequence_id);
       ASSERT_THAT(info, IsOk());
       ASSERT_EQ(info->blocks_size(), static_cast<int>(s.lineages.size()));
       bool resident = true;
+      std::string chain_mismatch;  // the first block whose trace disagrees
       std::vector<bool> evicted;
       for (int i = 0; i < info->blocks_size(); ++i) {
         const auto& b = info->blocks(i);
@@ -190,7 +194,17 @@ class MemoryPressureTest : public ::testing::Test {
             std::vector<kernels::Encoding> chain;
             ASSERT_NO_FATAL_FAILURE(EncodingChain(b.lineage_id(), &chain));
             ASSERT_FALSE(chain.empty());
-            EXPECT_EQ(chain.back(), EncodingFromProto(b)) << b.lineage_id();
+            // A demotion between the plan read and the trace read shows in
+            // the trace first; the plan read after the Attend then differs
+            // and the attempt is retried. With the plan unchanged, the
+            // trace's last encoding must be the plan's.
+            if (!(chain.back() == EncodingFromProto(b)) &&
+                chain_mismatch.empty()) {
+              chain_mismatch =
+                  absl::StrCat("block ", b.lineage_id(), ": trace ends at ",
+                               NameOf(chain.back()), ", the plan has ",
+                               NameOf(EncodingFromProto(b)));
+            }
             std::vector<float> dk(&s.k[l][first * Elems()],
                                   &s.k[l][(first + n) * Elems()]);
             std::vector<float> dv(&s.v[l][first * Elems()],
@@ -240,6 +254,7 @@ class MemoryPressureTest : public ::testing::Test {
             !same_plan ? "plan changed during the check" : attended.ToString();
         continue;
       }
+      EXPECT_EQ(chain_mismatch, "") << s.handle.sequence_id;
       EXPECT_TRUE(resident) << s.handle.sequence_id
                             << ": spilled blocks after ReportAccess(active)";
       for (size_t l = 0; l < outs.size(); ++l) {
@@ -274,6 +289,11 @@ class MemoryPressureTest : public ::testing::Test {
       ASSERT_FALSE(name.empty()) << e.detail();
       out->push_back(ParseEncodingName(name));
     }
+  }
+
+  static std::string NameOf(const kernels::Encoding& e) {
+    char buf[96];
+    return kernels::EncodingName(e, buf, sizeof(buf));
   }
 
   // kernels::EncodingName's text back: "int4", or
@@ -339,11 +359,15 @@ TEST_F(MemoryPressureTest, DemotesAndSpillsUnderPressureThenRestoresOnAttend) {
       absl::StrCat(::testing::TempDir(), "/mp-disk-", ::getpid());
   // A small pool (1 MiB = 128 BF16 blocks of this model), watermarks at
   // 60% / 40%, blocks idle for more than ~100 ms count as cold (spills are
-  // then nearly free), the disk tier in a real directory.
+  // then nearly free), the disk tier in a real directory. A sequence made
+  // active stays guarded from spills for 1 s (the default 5 s would keep
+  // every sequence the check restored within the last 5 s on the device:
+  // 14 sequences of 96 KiB do not fit 1 MiB, and the last restores would
+  // find nothing left to take).
   ASSERT_NO_FATAL_FAILURE(
       Start({"--pressure_interval_ms=50", "--high_watermark=0.6",
              "--low_watermark=0.4", "--window_guard_tokens=0",
-             "--reuse_half_life_ms=100"},
+             "--reuse_half_life_ms=100", "--active_guard_ms=1000"},
             {"--host_tier_mb=1", absl::StrCat("--disk_tier_dir=", disk),
              "--disk_tier_mb=64"}));
   auto under_high = [&]() -> absl::StatusOr<bool> {
@@ -378,7 +402,19 @@ TEST_F(MemoryPressureTest, DemotesAndSpillsUnderPressureThenRestoresOnAttend) {
                                      triax::v1::PRESSURE_ACTION_SPILL_DISK);
                        }),
       IsOk());
-  for (int i = 0; i < 5; ++i) ASSERT_THAT(OpenAndWrite(), IsOk()) << i;
+  // Each write waits for the background loop to bring the pool under the
+  // high watermark first. Back to back, a write can be admitted on frame
+  // room the manager no longer has: the heartbeat's free frames count the
+  // previous sequence's planned pages as allocated before its client
+  // allocated them (docs/manager.md, "Room"), and the worker then refuses
+  // AllocatePages RESOURCE_EXHAUSTED — a definite error, nothing lost, but
+  // not what this test is about.
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_THAT(Cluster::WaitFor("pool under the high watermark",
+                                 absl::Seconds(20), under_high),
+                IsOk());
+    ASSERT_THAT(OpenAndWrite(), IsOk()) << i;
+  }
   ASSERT_THAT(Cluster::WaitFor("spills under pressure", absl::Seconds(20),
                                [&]() -> absl::StatusOr<bool> {
                                  auto p = Pressure();
