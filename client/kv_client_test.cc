@@ -440,9 +440,11 @@ class FakeServers : public ::testing::Test {
   }
 
   std::unique_ptr<Client> Connect(int attend_retries = 50,
-                                  int64_t rpc_timeout_ms = 5000) {
+                                  int64_t rpc_timeout_ms = 5000,
+                                  bool manager_stream = false) {
     ClientOptions o;
     o.manager_address = address_;
+    o.manager_stream = manager_stream;
     o.tenant_id = "acme";
     o.rpc_timeout_ms = rpc_timeout_ms;
     o.attend_retries = attend_retries;
@@ -497,6 +499,34 @@ TEST_F(FakeServers, ReportAccessSendsEverything) {
   EXPECT_THAT(c->ReportAccess(gone, {1}, {}, false),
               StatusIs(absl::StatusCode::kNotFound,
                        AllOf(StartsWith("ReportAccess: "), HasSubstr("gone"))));
+}
+
+// A client set to use SequenceCalls against a manager without it (the fake
+// implements no SequenceCalls: UNIMPLEMENTED) falls back to the unary RPCs,
+// answers and errors alike, and stays on them.
+TEST_F(FakeServers, ManagerStreamFallsBackToUnaryOnAnOlderManager) {
+  auto c = Connect(/*attend_retries=*/50, /*rpc_timeout_ms=*/5000,
+                   /*manager_stream=*/true);
+  ASSERT_NE(c, nullptr);
+  auto n = c->ReportAccess(OnFake(), {4, 5}, {}, /*active=*/true);
+  ASSERT_THAT(n, IsOk());
+  EXPECT_EQ(*n, 3u);  // the fake's unary answer
+  EXPECT_EQ(manager_.reports(), 1);
+  EXPECT_THAT(manager_.last_report().lineage_ids(),
+              ::testing::ElementsAre(4, 5));
+  // The manager's own errors come through the fallback unchanged.
+  SequenceHandle gone = OnFake();
+  gone.sequence_id = "gone";
+  EXPECT_THAT(c->ReportAccess(gone, {1}, {}, false),
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(StartsWith("ReportAccess: "), HasSubstr("gone"))));
+  EXPECT_EQ(manager_.reports(), 2);
+  // An RPC the fake does not implement either is UNIMPLEMENTED, named.
+  EXPECT_THAT(c->GetSequence("s1"),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("GetSequence")));
+  n = c->ReportAccess(OnFake(), {7}, {}, false);
+  ASSERT_THAT(n, IsOk());
+  EXPECT_EQ(manager_.reports(), 3);
 }
 
 TEST_F(FakeServers, ReportAccessBadInputNeverReachesTheManager) {
