@@ -7,6 +7,7 @@ unary call's, a deadline."""
 import itertools
 import threading
 
+import grpc
 import pytest
 
 import test_client as unary_tests
@@ -83,3 +84,48 @@ def test_a_call_past_its_deadline(stream_client):
     # The stream serves the next call.
     with pytest.raises(triaxkv.NotFound):
         stream_client.get_sequence("x")
+
+
+class _OlderManager:
+    """A manager without SequenceCalls (UNIMPLEMENTED, as gRPC answers for a
+    method a server does not have): GetSequence only, counting calls."""
+
+    def __init__(self):
+        from triaxkv._proto import manager_pb2, manager_pb2_grpc, types_pb2
+
+        calls = self.calls = []
+
+        class Servicer(manager_pb2_grpc.ManagerServicer):
+            def GetSequence(self, request, context):
+                calls.append(request.sequence_id)
+                if request.sequence_id == "gone":
+                    context.abort(grpc.StatusCode.NOT_FOUND,
+                                  'sequence_id "gone" is not known')
+                info = types_pb2.SequenceInfo(sequence_id=request.sequence_id,
+                                                num_tokens=7)
+                return manager_pb2.GetSequenceResponse(sequence=info)
+
+        from concurrent import futures
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        manager_pb2_grpc.add_ManagerServicer_to_server(Servicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+
+def test_an_older_manager_gets_unary_calls():
+    fake = _OlderManager()
+    try:
+        c = triaxkv.Client(f"127.0.0.1:{fake.port}", tenant_id="acme", timeout=5,
+                           manager_stream=True)
+        info = c.get_sequence("s1")
+        assert info.sequence_id == "s1" and info.num_tokens == 7
+        assert fake.calls == ["s1"]
+        # The stream is given up: later calls go unary, errors included.
+        assert c._sequence_calls is None
+        with pytest.raises(triaxkv.NotFound, match="GetSequence.*gone"):
+            c.get_sequence("gone")
+        assert c.get_sequence("s2").sequence_id == "s2"
+        assert fake.calls == ["s1", "gone", "s2"]
+        c.close()
+    finally:
+        fake.server.stop(0)
