@@ -164,7 +164,8 @@ TEST(Client, AttendBatchAndStreamCheckItemsLocally) {
   SequenceHandle h = Handle();
   SequenceHandle elsewhere = Handle();
   elsewhere.worker_address = "127.0.0.1:2";
-  std::vector<float> q(4 * 8, 1.f), out(4 * 8), kv(2 * 8, 1.f);
+  std::vector<float> q(size_t{4} * 8, 1.f), out(size_t{4} * 8),
+      kv(size_t{2} * 8, 1.f);
   std::vector<Client::BatchItem> items;
   EXPECT_THAT((*c)->AttendBatch(items),
               StatusIs(absl::StatusCode::kInvalidArgument,
@@ -522,8 +523,8 @@ TEST_F(FakeServers, ManagerStreamFallsBackToUnaryOnAnOlderManager) {
                        AllOf(StartsWith("ReportAccess: "), HasSubstr("gone"))));
   EXPECT_EQ(manager_.reports(), 2);
   // An RPC the fake does not implement either is UNIMPLEMENTED, named.
-  EXPECT_THAT(c->GetSequence("s1"),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("GetSequence")));
+  EXPECT_THAT(c->GetSequence("s1"), StatusIs(absl::StatusCode::kUnimplemented,
+                                             HasSubstr("GetSequence")));
   n = c->ReportAccess(OnFake(), {7}, {}, false);
   ASSERT_THAT(n, IsOk());
   EXPECT_EQ(manager_.reports(), 3);
