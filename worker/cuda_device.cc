@@ -69,10 +69,18 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(int ordinal) {
   for (int i = 0; i < kLanes; ++i) {
     auto lane = std::make_unique<Lane>();
     e = cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreate(&lane->kernel_start);
+    if (e == cudaSuccess) e = cudaEventCreate(&lane->kernel_stop);
     if (e != cudaSuccess) {
-      for (auto& l : lanes) cudaStreamDestroy(l->stream);
-      return absl::InternalError(absl::StrCat(
-          "cuda device ", ordinal, ": cudaStreamCreate: ", CudaError(e)));
+      lanes.push_back(std::move(lane));
+      for (auto& l : lanes) {
+        if (l->stream != nullptr) cudaStreamDestroy(l->stream);
+        if (l->kernel_start != nullptr) cudaEventDestroy(l->kernel_start);
+        if (l->kernel_stop != nullptr) cudaEventDestroy(l->kernel_stop);
+      }
+      return absl::InternalError(
+          absl::StrCat("cuda device ", ordinal,
+                       ": cudaStreamCreate / cudaEventCreate: ", CudaError(e)));
     }
     lanes.push_back(std::move(lane));
   }
@@ -93,6 +101,8 @@ CudaDevice::~CudaDevice() {
     if (l->host != nullptr) cudaFreeHost(l->host);
     if (l->scratch != nullptr) cudaFree(l->scratch);
     if (l->workspace != nullptr) cudaFree(l->workspace);
+    cudaEventDestroy(l->kernel_start);
+    cudaEventDestroy(l->kernel_stop);
     cudaStreamDestroy(l->stream);
   }
   absl::MutexLock lock(&lanes_mu_);
@@ -688,12 +698,21 @@ absl::Status CudaDevice::AttendGroup(
   a.stream = lane.stream;
   a.workspace = ws > 0 ? lane.workspace : nullptr;
   a.workspace_bytes = ws > 0 ? lane.workspace_bytes : 0;
+  TRIAX_RETURN_IF_ERROR(Check(cudaEventRecord(lane.kernel_start, lane.stream),
+                              "DecodeAttention event"));
   TRIAX_RETURN_IF_ERROR(Launched(kc::DecodeAttentionCuda(a)));
+  TRIAX_RETURN_IF_ERROR(Check(cudaEventRecord(lane.kernel_stop, lane.stream),
+                              "DecodeAttention event"));
   TRIAX_RETURN_IF_ERROR(
       Check(cudaMemcpyAsync(h + up, lane.scratch + up, n * qvalues * 4,
                             cudaMemcpyDeviceToHost, lane.stream),
             "DecodeAttention download"));
   TRIAX_RETURN_IF_ERROR(Sync(lane, "DecodeAttention"));
+  float kernel_ms = 0.f;
+  if (cudaEventElapsedTime(&kernel_ms, lane.kernel_start, lane.kernel_stop) ==
+      cudaSuccess) {
+    AddAttentionKernelNs(static_cast<uint64_t>(double{kernel_ms} * 1e6));
+  }
   for (int i = 0; i < n; ++i) {
     std::memcpy(batch[idx[i]].out, h + up + i * qvalues * 4, qvalues * 4);
   }

@@ -196,6 +196,8 @@ class CudaDevice final : public Device {
     size_t scratch_bytes = 0;
     uint8_t* workspace = nullptr;  // device: attention partials
     size_t workspace_bytes = 0;
+    // Recorded around each attention launch (AttentionKernelSeconds).
+    cudaEvent_t kernel_start = nullptr, kernel_stop = nullptr;
   };
   // A CheckedCopies pipeline's stream and, per batch in flight, buffers
   // (a Lane's host / scratch; its stream unused) and a completion event.

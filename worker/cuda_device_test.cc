@@ -575,7 +575,10 @@ TEST_F(CudaDeviceTest, BatchedAttentionIsBitIdenticalToPerEntry) {
     };
     std::vector<float> batched, single, want;
     const auto pb = params(gpu_pages, &batched);
+    const double kernel_before = gpu_->AttentionKernelSeconds();
     ASSERT_THAT(gpu_->DecodeAttentionBatch(pb), IsOk());
+    // The launch's device time is counted (events around the kernel).
+    EXPECT_GT(gpu_->AttentionKernelSeconds(), kernel_before);
     const auto ps = params(gpu_pages, &single);
     for (const auto& p : ps) ASSERT_THAT(gpu_->DecodeAttention(p), IsOk());
     const auto pc = params(cpu_pages, &want);

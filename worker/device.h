@@ -10,6 +10,7 @@
 // may run concurrently.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -283,6 +284,26 @@ class Device {
   virtual absl::StatusOr<std::unique_ptr<DeviceLink>> ConnectLink(
       absl::string_view id, int rank, absl::Time deadline,
       const std::function<bool()>& cancelled);
+
+  // Seconds DecodeAttentionBatch has spent in attention kernels so far
+  // (monotonic): on CUDA the device time between events recorded around
+  // each launch (no page-table builds, uploads, downloads or waits), on the
+  // CPU backend the reference kernel's wall time. The worker exports it as
+  // triaxkv_worker_attention_kernel_seconds_total beside the whole batch's
+  // triaxkv_worker_attention_seconds.
+  double AttentionKernelSeconds() const {
+    return static_cast<double>(
+               attention_kernel_ns_.load(std::memory_order_relaxed)) *
+           1e-9;
+  }
+
+ protected:
+  void AddAttentionKernelNs(uint64_t ns) {
+    attention_kernel_ns_.fetch_add(ns, std::memory_order_relaxed);
+  }
+
+ private:
+  std::atomic<uint64_t> attention_kernel_ns_{0};
 };
 
 // The CPU backend: the arena is host memory and compute is kernels/ref.

@@ -144,6 +144,11 @@ std::vector<MetricFamily> WorkerMetrics::Collect() const {
           D(a.compactions));
   counter("compaction_moved_bytes_total", "Bytes compactions moved.",
           D(a.bytes_moved));
+  counter("attention_kernel_seconds_total",
+          "Time of the decode-attention kernels themselves (CUDA: device "
+          "time between events around each launch; CPU: the reference "
+          "kernel), a part of attention_seconds.",
+          core_->AttentionKernelSeconds());
   for (MetricFamily& f : core_->timings().Collect("triaxkv_worker_")) {
     out.push_back(std::move(f));
   }

@@ -9,6 +9,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/metrics.h"
 #include "common/status_matchers.h"
@@ -133,6 +134,40 @@ TEST_F(WorkerMetricsTest, PoolSeriesFollowAllocationsAndFrees) {
   const std::string text = MetricsResponse({&metrics}).body;
   EXPECT_THAT(text, HasSubstr("# TYPE triaxkv_worker_spills_total counter"));
   EXPECT_THAT(text, HasSubstr("triaxkv_worker_checksum_failures_total 0\n"));
+}
+
+// triaxkv_worker_attention_kernel_seconds_total is the device's kernel
+// time: 0 before any attention, more after a DecodeAttentionBatch (on the
+// CPU backend the reference kernel's wall time).
+TEST_F(WorkerMetricsTest, AttentionKernelSecondsFollowTheDevice) {
+  WorkerMetrics metrics(core_.get());
+  const char* kName = "triaxkv_worker_attention_kernel_seconds_total";
+  EXPECT_THAT(Sample(metrics.Collect(), kName, {}), Optional(0.0));
+  const kernels::PageShape shape{16, 2, 32};
+  const kernels::Encoding e(kernels::Format::kBF16);
+  std::vector<uint8_t> page(kernels::PageBytes(e, shape));
+  const std::vector<uint16_t> kv(size_t{16} * 2 * 32, 0x3F80);  // 1.0
+  ASSERT_THAT(
+      device_.EncodePage(e, shape, kv.data(), kv.data(), 16, page.data()),
+      IsOk());
+  const kernels::PageRef ref{e, page.data(), 16};
+  std::vector<float> q(size_t{4} * 32, 1.f), out(q.size(), -1.f);
+  kernels::DecodeParams p;
+  p.q = q.data();
+  p.out = out.data();
+  p.n_q_heads = 4;
+  p.shape = shape;
+  p.scale = 0.125f;
+  p.pages = &ref;
+  p.num_pages = 1;
+  p.attend_tokens = 16;
+  const std::vector<kernels::DecodeParams> batch(64, p);
+  ASSERT_THAT(device_.DecodeAttentionBatch(batch), IsOk());
+  EXPECT_FLOAT_EQ(out[0], 1.f);  // every value is 1
+  const std::optional<double> after = Sample(metrics.Collect(), kName, {});
+  ASSERT_TRUE(after.has_value());
+  EXPECT_GT(*after, 0.0);
+  EXPECT_LT(*after, 60.0);
 }
 
 TEST_F(WorkerMetricsTest, ReadinessAndHealth) {

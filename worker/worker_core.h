@@ -327,6 +327,10 @@ class WorkerCore {
   // Device::Health(): OK, or why the device must not serve (a sticky CUDA
   // error). A cheap read; never waits on the device.
   absl::Status DeviceHealth() const { return device_->Health(); }
+  // Device::AttentionKernelSeconds(), for /metrics.
+  double AttentionKernelSeconds() const {
+    return device_->AttentionKernelSeconds();
+  }
 
  private:
   // Marks (method, tenant, request id) in flight for its lifetime, after

@@ -276,6 +276,8 @@ absl::StatusOr<DecodeBench::Scraped> DecodeBench::Scrape() const {
   Scraped out;
   out.device = testing::SumSeries(s, "triaxkv_worker_attention_seconds_sum");
   out.batches = testing::SumSeries(s, "triaxkv_worker_attention_seconds_count");
+  out.kernel =
+      testing::SumSeries(s, "triaxkv_worker_attention_kernel_seconds_total");
   out.server = testing::SumSeries(s, "triaxkv_worker_rpc_duration_seconds_sum",
                                   {"method=\"Attend\""});
   return out;
@@ -312,6 +314,7 @@ absl::StatusOr<StepTimes> DecodeBench::Step(Path path, client::AttendWire wire,
   auto after = Scrape();
   if (!after.ok()) return after.status();
   t.device = after->device - before->device;
+  t.kernel = after->kernel - before->kernel;
   t.server = IsStream(path) ? 0 : after->server - before->server;
   t.batches =
       static_cast<uint64_t>(std::llround(after->batches - before->batches));

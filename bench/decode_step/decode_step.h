@@ -68,8 +68,11 @@ const char* WireName(client::AttendWire w);
 
 // One measured step.
 struct StepTimes {
-  double wall = 0;       // seconds, here, all layers
-  double device = 0;     // worker's device attention batches
+  double wall = 0;    // seconds, here, all layers
+  double device = 0;  // worker's device attention batches
+  // The kernels alone (triaxkv_worker_attention_kernel_seconds_total: on
+  // CUDA device time between events around each launch), a part of device.
+  double kernel = 0;
   double server = 0;     // worker's Attend calls (unary), else 0
   uint64_t batches = 0;  // device batches the step ran
   // CPU seconds (every thread) during the step: this process (the
@@ -115,7 +118,7 @@ class DecodeBench {
 
  private:
   struct Scraped {
-    double device = 0, server = 0, batches = 0;
+    double device = 0, kernel = 0, server = 0, batches = 0;
   };
   absl::StatusOr<Scraped> Scrape() const;
   absl::Status Layer(Path path, client::AttendWire wire, uint32_t layer,

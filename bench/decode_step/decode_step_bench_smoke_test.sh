@@ -45,10 +45,16 @@ awk '$1=="int4" || $1=="tri-3.5" {if ($NF != 3) bad=1} END {exit bad}' \
   "$TMP/out" || fail "a row's batches is not 3"
 [[ -s "$TMP/out.tsv" ]] || fail "no TSV written"
 head -1 "$TMP/out.tsv" | grep -q $'^case\tpath\twire' || fail "TSV header"
-for metric in step_ms device_ms server_ms overhead_ms overhead_over_device \
-  layer_request_bytes; do
+for metric in step_ms device_ms kernel_ms server_ms overhead_ms \
+  overhead_over_device overhead_over_kernel layer_request_bytes; do
   grep -q $'\t'"$metric"$'\t' "$TMP/out.tsv" || fail "TSV lacks $metric"
 done
+# The kernels are a part of the device batches (counted on the CPU backend
+# too: the reference kernel's time).
+awk -F'\t' '$5=="device_ms" {d[$1 $2 $3 $4]=$6} $5=="kernel_ms" {k[$1 $2 $3 $4]=$6}
+  END {n=0; for (x in d) {n++; if (!(k[x] > 0 && k[x] <= d[x])) bad=1}
+       exit bad || n == 0}' "$TMP/out.tsv" ||
+  fail "a row's kernel_ms is not in (0, device_ms]"
 # BF16 halves the queries: a layer's request is smaller than with f32.
 awk -F'\t' '$5=="layer_request_bytes" && $2=="unary" && $4=="yes" {b[$1 $3]=$6}
   END {exit !(b["int4bf16"] < b["int4f32"])}' "$TMP/out.tsv" ||

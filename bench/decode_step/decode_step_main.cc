@@ -12,10 +12,11 @@
 // The configurations run interleaved (round r runs one step of each), so
 // drift on a shared machine spreads over all of them. Table (stdout; every
 // value also in --tsv): per case, path, wire and mode the medians over --steps
-// rounds of the step's wall time, the worker's device attention time, its
-// time in Attend calls (unary only), overhead = wall - device, and
-// overhead / device (with its range over the rounds); request and response
-// KiB of one layer's Attend; the CPU milliseconds of this process (the
+// rounds of the step's wall time, the worker's device attention time and
+// the kernels' share of it, its time in Attend calls (unary only),
+// overhead = wall - device, overhead / device (with its range over the
+// rounds) and (wall - kernel) / kernel, the figure; request and
+// response KiB of one layer's Attend; the CPU milliseconds of this process (the
 // client) and of the worker over the step; device batches per step (one
 // per layer expected). Exit 0 when every step ran; 1 with a message naming the
 // flag for bad flags, or the failing call.
@@ -223,15 +224,19 @@ struct Row {
 
 void Print(const std::vector<Row>& rows, std::ofstream* tsv) {
   std::cout << absl::StrFormat(
-      "%-9s %-11s %-4s %-6s %7s %7s %9s %9s %9s %9s %8s %13s %8s %8s %7s\n",
+      "%-9s %-11s %-4s %-6s %7s %7s %9s %9s %9s %9s %9s %8s %13s %8s %8s %8s "
+      "%7s\n",
       "case", "path", "wire", "append", "req_KiB", "resp_KiB", "step_ms",
-      "device_ms", "server_ms", "overhd_ms", "ovh/dev", "ovh/dev range",
-      "cli_cpu", "wrk_cpu", "batches");
+      "device_ms", "kernel_ms", "server_ms", "overhd_ms", "ovh/dev",
+      "ovh/dev range", "ovh/krn", "cli_cpu", "wrk_cpu", "batches");
   for (const Row& r : rows) {
-    std::vector<double> wall, device, server, over, ratio, batches, cli, wrk;
+    std::vector<double> wall, device, kernel, krn_ratio, server, over, ratio,
+        batches, cli, wrk;
     for (const StepTimes& t : r.steps) {
       wall.push_back(t.wall * 1e3);
       device.push_back(t.device * 1e3);
+      kernel.push_back(t.kernel * 1e3);
+      krn_ratio.push_back(t.kernel > 0 ? (t.wall - t.kernel) / t.kernel : 0);
       server.push_back(t.server * 1e3);
       over.push_back((t.wall - t.device) * 1e3);
       ratio.push_back(t.device > 0 ? (t.wall - t.device) / t.device : 0);
@@ -242,14 +247,15 @@ void Print(const std::vector<Row>& rows, std::ofstream* tsv) {
     const bool unary = !IsStream(r.config.path);
     const auto [lo, hi] = std::minmax_element(ratio.begin(), ratio.end());
     std::cout << absl::StrFormat(
-        "%-9s %-11s %-4s %-6s %7.1f %7.1f %9.3f %9.3f %9s %9.3f %8.3f "
-        "%6.3f-%-6.3f %8.2f %8.2f %7.0f\n",
+        "%-9s %-11s %-4s %-6s %7.1f %7.1f %9.3f %9.3f %9.3f %9s %9.3f %8.3f "
+        "%6.3f-%-6.3f %8.3f %8.2f %8.2f %7.0f\n",
         r.encoding, PathName(r.config.path), WireName(r.config.wire),
         r.config.append ? "yes" : "no", r.layer_bytes.first / 1024.0,
         r.layer_bytes.second / 1024.0, Median(wall), Median(device),
+        Median(kernel),
         unary ? absl::StrFormat("%.3f", Median(server)) : std::string("-"),
-        Median(over), Median(ratio), *lo, *hi, Median(cli), Median(wrk),
-        Median(batches));
+        Median(over), Median(ratio), *lo, *hi, Median(krn_ratio), Median(cli),
+        Median(wrk), Median(batches));
     if (tsv != nullptr) {
       auto put = [&](const char* metric, double value, const char* unit) {
         *tsv << r.encoding << '\t' << PathName(r.config.path) << '\t'
@@ -259,6 +265,8 @@ void Print(const std::vector<Row>& rows, std::ofstream* tsv) {
       };
       put("step_ms", Median(wall), "ms");
       put("device_ms", Median(device), "ms");
+      put("kernel_ms", Median(kernel), "ms");
+      put("overhead_over_kernel", Median(krn_ratio), "ratio");
       if (unary) put("server_ms", Median(server), "ms");
       put("overhead_ms", Median(over), "ms");
       put("overhead_over_device", Median(ratio), "ratio");
