@@ -139,7 +139,7 @@ absl::Status CudaDevice::SupportsAttention(const PageShape& shape,
 }
 
 int CudaDevice::PagesPerShare(const PageShape& shape) {
-  return std::max(1, 128 / std::max(1, shape.tokens));
+  return std::max(1, 512 / std::max(1, shape.tokens));
 }
 
 int CudaDevice::AttentionSplits(const PageShape& shape, size_t pages) {

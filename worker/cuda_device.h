@@ -53,15 +53,22 @@
 // pipeline's Start does not (its batch's buffers wait for its Finish).
 //
 // Batch invariance: every attention launch passes pages_per_share =
-// PagesPerShare(shape) (one split-K share per ~128 tokens of a sequence's
+// PagesPerShare(shape) (one split-K share per ~512 tokens of a sequence's
 // pages of one class) and num_splits = AttentionSplits(shape, pages) for
 // the group's longest table (enough shares for every entry, at most 64
 // splits). The kernel then splits each sequence by its own page count, so
 // its output depends only on its own pages and query: batched and
 // one-by-one calls are bit-identical (cuda_device_test checks it), and a
-// batch of short sequences launches few CTAs (a sequence of ~1k tokens: 2
-// splits rather than a fixed 64). Workspace grows with the batch
-// (up to ~34 MB per entry for 32 query heads x head_dim 128 at 64 splits).
+// batch of short sequences launches few CTAs (a sequence of ~2k tokens: 1
+// split rather than a fixed 64). Workspace grows with the batch (~8.4 MB
+// per entry for 32 query heads x head_dim 128 at 16 splits, a 32k-token
+// sequence; ~34 MB at 64 splits, 128k tokens). The share was 128 tokens
+// until 2026-12-08: at batch 64 x 32k its partials (256 per sequence and
+// class, in float32) cost as much traffic as a low-bit sequence's KV and
+// the 2.2 GB of workspace split each step into three launches; 512 took
+// the kernels' time of a 2-layer step from 11.8 to 6.6 ms (tri-3.5 mix)
+// and 7.9 to 5.9 ms (BF16) on the H100, against 0.62 -> 0.76 ms (tri-3.5)
+// and 0.41 -> 0.26 ms (BF16) at batch 1 (bench/results/decode_step.md).
 //
 // Errors: encodings the kernels refuse (CheckEncodingCuda: TQ formats, shapes
 // with head_dim not a multiple of 8 in [8, 256], ...) are INVALID_ARGUMENT
@@ -179,7 +186,7 @@ class CudaDevice final : public Device {
   static constexpr size_t kMaxWorkspaceBytes = size_t{1} << 30;
   static constexpr size_t kMaxDemoteScratchBytes = size_t{64} << 20;
 
-  // Pages per split-K share: max(1, 128 / shape.tokens).
+  // Pages per split-K share: max(1, 512 / shape.tokens).
   static int PagesPerShare(const kernels::PageShape& shape);
   // The split count that gives a table of `pages` pages all its shares
   // (ceil(ceil(pages / PagesPerShare) / 4)), clamped to [1, 64]; a group

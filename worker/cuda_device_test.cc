@@ -952,19 +952,20 @@ TEST_F(CudaDeviceTest, SequenceStoresAgree) {
 }
 
 // Host-only (runs without a GPU): the split-K plan of batched attention.
-// One share per ~128 tokens of a sequence's pages; a group's splits give
+// One share per ~512 tokens of a sequence's pages; a group's splits give
 // its longest table all its shares, at most 64.
 TEST(CudaDeviceSplitsTest, SharesFollowTheLongestTable) {
   const PageShape s16{16, 8, 128};
-  EXPECT_EQ(CudaDevice::PagesPerShare(s16), 8);
-  EXPECT_EQ(CudaDevice::PagesPerShare(PageShape{1, 8, 128}), 128);
-  EXPECT_EQ(CudaDevice::PagesPerShare(PageShape{256, 8, 128}), 1);
+  EXPECT_EQ(CudaDevice::PagesPerShare(s16), 32);
+  EXPECT_EQ(CudaDevice::PagesPerShare(PageShape{1, 8, 128}), 512);
+  EXPECT_EQ(CudaDevice::PagesPerShare(PageShape{256, 8, 128}), 2);
+  EXPECT_EQ(CudaDevice::PagesPerShare(PageShape{1024, 8, 64}), 1);
   EXPECT_EQ(CudaDevice::AttentionSplits(s16, 0), 1);
   EXPECT_EQ(CudaDevice::AttentionSplits(s16, 1), 1);
-  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 32), 1);     // 4 shares
-  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 33), 2);     // 5 shares
-  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 64), 2);     // ~1k tokens
-  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 2048), 64);  // 32k tokens
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 128), 1);     // 4 shares, 2k
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 129), 2);     // 5 shares
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 2048), 16);   // 32k tokens
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 8192), 64);   // 128k tokens
   EXPECT_EQ(CudaDevice::AttentionSplits(s16, 100000), 64);
 }
 
