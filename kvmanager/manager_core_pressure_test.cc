@@ -434,11 +434,12 @@ TEST_F(PressureTest, DemotionsInFlightHoldFramesUntilTheyFinish) {
   for (const TierCommand& c : plan.commands) {
     ASSERT_EQ(c.kind, TierCommand::Kind::kDemote);
   }
-  // while the demotions run, their new pages take frame room: the Open is
-  // refused although its bytes fit;
+  // while the demotions run, their new pages sit beside the old ones: they
+  // take the pool's bytes (FreeBytes counts them) as well as frame room,
+  // and the Open is refused;
   EXPECT_THAT(Open("t", nullptr, 0).status(),
               StatusIs(absl::StatusCode::kResourceExhausted,
-                       HasSubstr("room for 0 more frames")));
+                       HasSubstr("no worker has room")));
   // once they finished, their new pages are in the worker's frames but not
   // in a report yet, and the BF16 pages they freed may not make whole
   // frames: still refused;
