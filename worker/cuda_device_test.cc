@@ -962,10 +962,10 @@ TEST(CudaDeviceSplitsTest, SharesFollowTheLongestTable) {
   EXPECT_EQ(CudaDevice::PagesPerShare(PageShape{1024, 8, 64}), 1);
   EXPECT_EQ(CudaDevice::AttentionSplits(s16, 0), 1);
   EXPECT_EQ(CudaDevice::AttentionSplits(s16, 1), 1);
-  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 128), 1);     // 4 shares, 2k
-  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 129), 2);     // 5 shares
-  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 2048), 16);   // 32k tokens
-  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 8192), 64);   // 128k tokens
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 128), 1);    // 4 shares, 2k
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 129), 2);    // 5 shares
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 2048), 16);  // 32k tokens
+  EXPECT_EQ(CudaDevice::AttentionSplits(s16, 8192), 64);  // 128k tokens
   EXPECT_EQ(CudaDevice::AttentionSplits(s16, 100000), 64);
 }
 

@@ -3,15 +3,17 @@
 
 Decode attention (one query token per sequence) at attention_bench's shapes:
 32 query heads, head_dim 128, GQA 4 (8 KV heads) and 8 (4 KV heads), batch
-16 and 64, contexts 8k / 32k / 128k. Each backend PyTorch offers (cuDNN,
-FlashAttention-2, memory-efficient) is timed with CUDA events: median of
+16 and 64, contexts 8k / 32k / 128k. The cuDNN and FlashAttention-2
+backends are timed with CUDA events (PyTorch's memory-efficient backend
+takes no GQA, so it is not a peer here): median of
 --iters calls after 3 warm-ups, the calls rotating over enough KV copies to
 touch at least 4x the L2 between reuses (as attention_bench does). The KV
 bytes read per call over the median time gives GB/s; a torch streaming read
 (a sum over 4 GiB) in the same run gives the fraction.
 
-Usage (GPU machine): python3 bench/attention/sdpa_baseline.py [--iters 20]
-  [--batch 64] [--context 32768] [--quick]
+Usage (GPU machine; without the bundle's LD_LIBRARY_PATH, whose cuDNN is
+not torch's): env -u LD_LIBRARY_PATH python3 bench/attention/sdpa_baseline.py
+  [--iters 20] [--batch 64] [--context 32768] [--quick]
 Output: a markdown table on stdout.
 """
 import argparse
@@ -22,8 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = [("cudnn", SDPBackend.CUDNN_ATTENTION),
-            ("flash2", SDPBackend.FLASH_ATTENTION),
-            ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
+            ("flash2", SDPBackend.FLASH_ATTENTION)]
 
 
 def time_calls(fn, n_copies, iters):
